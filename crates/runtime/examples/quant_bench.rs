@@ -1,0 +1,274 @@
+//! Benchmarks the quantized matmul kernels on the default model's shapes (SmolLM2-135M: Q4_1 layers with
+//! fused q/k/v and gate/up, Q8_0 LM head): read bandwidth, decode (m = 1) per-token time against it, prefill
+//! (m = 512) GFLOP/s, and the per-call dispatch overhead inside and outside the pool.
+//!
+//! ```text
+//! cargo run --release -p dflash-runtime --example quant_bench            # RAYON_NUM_THREADS, default 2
+//! cargo run --release -p dflash-runtime --example quant_bench -- --cpu-time
+//! cargo run --release -p dflash-runtime --example quant_bench -- --decode     # decode part, 3 times
+//! ```
+//! `--cpu-time` times single-thread kernels in on-CPU time (Linux `schedstat`), which stays meaningful on a
+//! machine shared with other jobs; wall-clock figures there swing with the neighbours' load.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use dflash_runtime::{quant, DType};
+use rayon::prelude::*;
+
+const LAYERS: usize = 30;
+/// Per layer `[n, k]`: fused q/k/v, o, fused gate/up, down.
+const LAYER_SHAPES: [(&str, usize, usize); 4] =
+    [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536)];
+const LM_HEAD: (usize, usize) = (49152, 576);
+const PREFILL_M: usize = 512;
+
+fn main() {
+    if std::env::args().any(|a| a == "--cpu-time") {
+        return cpu_time_kernels();
+    }
+    let threads = std::env::var("RAYON_NUM_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("thread pool");
+    println!("simd: {}, threads: {threads}", quant::simd_level());
+    let decode_only = std::env::args().any(|a| a == "--decode");
+    pool.install(|| {
+        let model = Model::new();
+        for _ in 0..if decode_only { 3 } else { 1 } {
+            let bw = bandwidth();
+            decode(&model, bw);
+        }
+        if decode_only {
+            return;
+        }
+        prefill(&model);
+        println!("\nper-call overhead, called from a pool thread (calls back to back):");
+        overhead();
+    });
+    if decode_only {
+        return;
+    }
+    println!("\nper-call overhead, called from the main thread (global pool of {threads}):");
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().expect("global pool");
+    overhead();
+}
+
+/// Median and minimum of `reps` timings of `f` (after one warm-up call).
+fn timings(reps: usize, mut f: impl FnMut()) -> (Duration, Duration) {
+    f();
+    let mut t: Vec<Duration> = (0..reps)
+        .map(|_| {
+            let start = Instant::now();
+            f();
+            start.elapsed()
+        })
+        .collect();
+    t.sort();
+    (t[reps / 2], t[0])
+}
+
+/// Read bandwidth of a parallel sum over a 256 MB buffer, GB/s (median of 7).
+fn bandwidth() -> f64 {
+    let buf: Vec<u64> = (0..(256usize << 20) / 8).map(|i| i as u64).collect();
+    let chunk = buf.len().div_ceil(rayon::current_num_threads());
+    let (t, _) = timings(7, || {
+        let s: u64 = buf.par_chunks(chunk).map(|c| c.iter().fold(0u64, |a, &v| a.wrapping_add(v))).sum();
+        black_box(s);
+    });
+    let gbs = (buf.len() * 8) as f64 / t.as_secs_f64() / 1e9;
+    println!("read bandwidth (parallel sum over 256 MB): {gbs:.1} GB/s");
+    gbs
+}
+
+struct Matrix {
+    dtype: DType,
+    n: usize,
+    k: usize,
+    bytes: Vec<u8>,
+}
+
+impl Matrix {
+    fn random(dtype: DType, n: usize, k: usize, seed: u64) -> Self {
+        let row_bytes = dtype.bytes_for(k).expect("whole blocks");
+        let mut bytes = vec![0u8; n * row_bytes];
+        let vals = random_values(k * 64, seed);
+        // 64 distinct quantized rows, repeated: the values do not matter for speed, only the layout.
+        for (r, row) in bytes.chunks_mut(row_bytes).enumerate() {
+            quant::quantize_row(dtype, &vals[(r % 64) * k..(r % 64 + 1) * k], row);
+        }
+        Matrix { dtype, n, k, bytes }
+    }
+
+    fn matmul(&self, x: &[f32], m: usize, y: &mut [f32]) {
+        quant::matmul(self.dtype, &self.bytes, self.n, self.k, &x[..m * self.k], m, &mut y[..m * self.n]);
+    }
+
+    fn gflop(&self, m: usize) -> f64 {
+        2.0 * (m * self.n * self.k) as f64 / 1e9
+    }
+}
+
+/// 30 layers of distinct weight copies (so decode streams from memory as the real model does) + LM head.
+struct Model {
+    layers: Vec<[Matrix; 4]>,
+    lm_head: Matrix,
+}
+
+impl Model {
+    fn new() -> Self {
+        let proto: Vec<Matrix> = LAYER_SHAPES
+            .iter()
+            .enumerate()
+            .map(|(i, &(_, n, k))| Matrix::random(DType::Q4_1, n, k, i as u64))
+            .collect();
+        let layers = (0..LAYERS)
+            .map(|_| std::array::from_fn(|i| Matrix { bytes: proto[i].bytes.clone(), ..proto[i] }))
+            .collect();
+        let lm_head = Matrix::random(DType::Q8_0, LM_HEAD.0, LM_HEAD.1, 9);
+        Model { layers, lm_head }
+    }
+
+    fn bytes(&self) -> usize {
+        self.layers.iter().flatten().chain([&self.lm_head]).map(|m| m.bytes.len()).sum()
+    }
+}
+
+fn random_values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s >> 12;
+            s ^= s << 25;
+            s ^= s >> 27;
+            (s.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+fn decode(model: &Model, bw: f64) {
+    println!("\ndecode (m = 1), each shape cycled through its {LAYERS} copies; median:");
+    let x = random_values(1536, 1);
+    let mut y = vec![0f32; LM_HEAD.0];
+    for (i, &(name, n, k)) in LAYER_SHAPES.iter().enumerate() {
+        let (t, _) = timings(9, || model.layers.iter().for_each(|layer| layer[i].matmul(&x, 1, &mut y)));
+        let t = t.as_secs_f64() / LAYERS as f64;
+        let gbs = model.layers[0][i].bytes.len() as f64 / t / 1e9;
+        println!("  {name:8} {n:5}x{k:<5} q4_1 {:8.1} us  {gbs:6.1} GB/s", t * 1e6);
+    }
+    let (t, _) = timings(9, || model.lm_head.matmul(&x, 1, &mut y));
+    let gbs = model.lm_head.bytes.len() as f64 / t.as_secs_f64() / 1e9;
+    println!("  lm_head  {}x{} q8_0 {:8.1} us  {gbs:6.1} GB/s", LM_HEAD.0, LM_HEAD.1, t.as_secs_f64() * 1e6);
+    let (median, best) = timings(9, || {
+        model.layers.iter().flatten().for_each(|mat| mat.matmul(&x, 1, &mut y));
+        model.lm_head.matmul(&x, 1, &mut y);
+    });
+    let mb = model.bytes() as f64 / 1e6;
+    for (what, t) in [("median", median), ("best", best)] {
+        let gbs = mb / 1e3 / t.as_secs_f64();
+        println!(
+            "  per token, {what} ({} calls, {mb:.1} MB): {:.2} ms = {:.0} tok/s, {gbs:.1} GB/s = {:.0}% of read bandwidth",
+            LAYERS * 4 + 1,
+            t.as_secs_f64() * 1e3,
+            1.0 / t.as_secs_f64(),
+            100.0 * gbs / bw
+        );
+    }
+}
+
+fn prefill(model: &Model) {
+    println!("\nprefill (m = {PREFILL_M}), median (best):");
+    let x = random_values(PREFILL_M * 1536, 2);
+    let mut y = vec![0f32; PREFILL_M * LM_HEAD.0.max(3072)];
+    let (mut gflop, mut median_s, mut best_s) = (0.0, 0.0, 0.0);
+    for (i, &(name, n, k)) in LAYER_SHAPES.iter().enumerate() {
+        let mat = &model.layers[0][i];
+        let (median, best) = timings(7, || mat.matmul(&x, PREFILL_M, &mut y));
+        let (median, best) = (median.as_secs_f64(), best.as_secs_f64());
+        gflop += mat.gflop(PREFILL_M);
+        median_s += median;
+        best_s += best;
+        let rate = mat.gflop(PREFILL_M);
+        println!(
+            "  {name:8} {n:5}x{k:<5} q4_1 {:7.2} ms  {:6.1} ({:.1}) GFLOP/s",
+            median * 1e3,
+            rate / median,
+            rate / best
+        );
+    }
+    println!(
+        "  all layer shapes: {:.1} ({:.1}) GFLOP/s -> {:.0} ({:.0}) tok/s for {LAYERS} layers (matmuls only)",
+        gflop / median_s,
+        gflop / best_s,
+        PREFILL_M as f64 / (median_s * LAYERS as f64),
+        PREFILL_M as f64 / (best_s * LAYERS as f64)
+    );
+    let head = &model.lm_head;
+    for m in [4, 64] {
+        let (t, _) = timings(3, || head.matmul(&x, m, &mut y));
+        println!("  lm_head q8_0 m={m}: {:.1} GFLOP/s", head.gflop(m) / t.as_secs_f64());
+    }
+}
+
+/// Cost of a call split across the pool: a 256x576 Q4_1 matvec (~92 KB, ~9 us on one core).
+fn overhead() {
+    let calls = 2000;
+    let per_call =
+        |f: &mut dyn FnMut()| timings(5, || (0..calls).for_each(|_| f())).0.as_secs_f64() / calls as f64 * 1e6;
+    let tiny = Matrix::random(DType::Q4_1, 8, 64, 5);
+    let mut y = vec![0f32; 256];
+    let x = random_values(576, 8);
+    let serial = per_call(&mut || tiny.matmul(&x, 1, &mut y));
+    let split = Matrix::random(DType::Q4_1, 256, 576, 7);
+    let parallel = per_call(&mut || split.matmul(&x, 1, &mut y));
+    let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("pool");
+    let single = one.install(|| per_call(&mut || split.matmul(&x, 1, &mut y)));
+    let empty = per_call(&mut || {
+        (0..4).into_par_iter().with_max_len(1).for_each(|i| {
+            black_box(i);
+        })
+    });
+    let threads = rayon::current_num_threads() as f64;
+    println!("  tiny 8x64 (stays on the caller): {serial:.2} us/call");
+    println!(
+        "  256x576 split: {parallel:.2} us/call vs {single:.2} us on 1 thread -> overhead ~{:.1} us/call",
+        parallel - single / threads
+    );
+    println!("  empty 4-job par_iter: {empty:.2} us/call");
+}
+
+/// Single-thread kernel timings in on-CPU time (best of 7 runs of ~0.2 s).
+fn cpu_time_kernels() {
+    fn cpu_ns() -> f64 {
+        let stat = std::fs::read_to_string("/proc/thread-self/schedstat").expect("Linux schedstat");
+        stat.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()).expect("on-CPU time")
+    }
+    println!("single thread, best of 7 runs, on-CPU time:");
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("pool");
+    pool.install(|| {
+        let shapes = LAYER_SHAPES.iter().map(|&(name, n, k)| (name, DType::Q4_1, n, k));
+        let others =
+            [("head/12", DType::Q8_0, 4096, 576), ("down", DType::Q4K, 576, 1536), ("down", DType::Q6K, 576, 1536)];
+        for (name, dtype, n, k) in shapes.chain(others) {
+            let mat = Matrix::random(dtype, n, k, 1);
+            for m in [1usize, 2, 4, 512] {
+                let x = random_values(m * k, 2);
+                let mut y = vec![0f32; m * n];
+                // On-CPU time may be accounted per scheduler tick: make each run ~0.2 s long.
+                let start = Instant::now();
+                mat.matmul(&x, m, &mut y);
+                let reps = (0.2 / start.elapsed().as_secs_f64().max(1e-7)).clamp(2.0, 20_000.0) as usize;
+                let mut t = f64::MAX;
+                for _ in 0..7 {
+                    let start = cpu_ns();
+                    (0..reps).for_each(|_| mat.matmul(&x, m, &mut y));
+                    t = t.min((cpu_ns() - start) / reps as f64 / 1e9);
+                }
+                let gbs = mat.bytes.len() as f64 / t / 1e9;
+                println!(
+                    "  {name:8} {dtype} m={m:3}: {:9.1} us {:6.1} GFLOP/s {gbs:6.1} GB/s",
+                    t * 1e6,
+                    mat.gflop(m) / t
+                );
+            }
+        }
+    });
+}

@@ -1,0 +1,34 @@
+//! The dflash-serve tensor runtime.
+//!
+//! * [`DType`] and [`Tensor`]: dense and GGUF block-quantized buffers on a [`Device`].
+//! * [`quant`]: ggml block layouts, dequantization and the quantized dot-product kernels (AVX-512 / AVX2 with
+//!   run-time detection and a scalar fallback).
+//! * [`ops`]: the op set every model is written against; each op has a CPU implementation here and (with the
+//!   `cuda` feature) a CUDA twin checked against it.
+
+pub mod convert;
+pub mod dtype;
+pub mod ops;
+pub mod quant;
+pub mod tensor;
+pub mod threads;
+
+pub use dtype::DType;
+pub use tensor::{Device, HostBuf, Storage, Tensor};
+
+/// Errors from the runtime.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("shape error: {0}")]
+    Shape(String),
+    #[error("expected dtype {expected}, got {got}")]
+    DType { expected: DType, got: DType },
+    #[error("tensor is read-only (memory-mapped)")]
+    ReadOnly,
+    #[error("buffer is not aligned for its dtype")]
+    Unaligned,
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+}
+
+pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
