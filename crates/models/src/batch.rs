@@ -1,0 +1,119 @@
+//! The inputs and outputs of one target forward, and the paged KV cache it reads and writes.
+
+use dflash_runtime::{DType, Tensor};
+
+use crate::error::{ModelError, Result};
+
+/// One sequence's rows in a flat batch. Rows of the batch are grouped by sequence, in `seqs` order.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqRows<'a> {
+    /// Rows this sequence contributes (a prefill chunk, 1 decode row, or 1 + k verify rows).
+    pub num_rows: usize,
+    /// Tokens already in the cache before these rows; row j sits at position `context_len + j`.
+    pub context_len: usize,
+    /// The sequence's KV pages, in order.
+    pub block_table: &'a [u32],
+}
+
+/// Everything one forward runs: all sequences' rows, flattened.
+#[derive(Clone, Copy, Debug)]
+pub struct ForwardBatch<'a> {
+    pub tokens: &'a [u32],    // [T]
+    pub positions: &'a [u32], // [T]
+    pub seqs: &'a [SeqRows<'a>],
+    /// KV slot (page * page_size + offset) each row writes.
+    pub slots: &'a [u32], // [T]
+    /// Rows whose logits are wanted (last prefill row, every verify row).
+    pub logit_rows: &'a [u32], // [L]
+}
+
+impl ForwardBatch<'_> {
+    pub fn num_tokens(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Checks that the fields agree with each other and with the cache.
+    ///
+    /// # Errors
+    /// `Batch` with what is inconsistent.
+    pub fn validate(&self, kv: &KvCache) -> Result<()> {
+        let t = self.tokens.len();
+        let bad = |m: String| Err(ModelError::Batch(m));
+        if t == 0 {
+            return bad("empty batch".into());
+        }
+        if self.positions.len() != t || self.slots.len() != t {
+            return bad(format!("{t} tokens but {} positions, {} slots", self.positions.len(), self.slots.len()));
+        }
+        let rows: usize = self.seqs.iter().map(|s| s.num_rows).sum();
+        if rows != t {
+            return bad(format!("sequences cover {rows} rows, batch has {t}"));
+        }
+        if let Some(r) = self.logit_rows.iter().find(|&&r| r as usize >= t) {
+            return bad(format!("logit row {r} out of {t}"));
+        }
+        let capacity = kv.num_pages * kv.page_size;
+        if let Some(s) = self.slots.iter().find(|&&s| s as usize >= capacity) {
+            return bad(format!("slot {s} beyond the cache's {capacity}"));
+        }
+        for s in self.seqs {
+            let need = (s.context_len + s.num_rows).div_ceil(kv.page_size);
+            if s.block_table.len() < need || s.block_table.iter().any(|&p| p as usize >= kv.num_pages) {
+                return bad(format!(
+                    "block table {:?} cannot hold {} tokens",
+                    s.block_table,
+                    s.context_len + s.num_rows
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a forward returns.
+#[derive(Debug)]
+pub struct ForwardOut {
+    /// Logits of the requested rows.
+    pub logits: Tensor, // [L, vocab]
+    /// Hidden states at the load-time capture layers, concatenated per row (empty when none are captured).
+    pub captured: Option<Tensor>, // [T, taps * hidden]
+}
+
+/// The paged KV cache: per layer, K and V as `[num_pages, page_size, kv_heads, head_dim]` f32.
+///
+/// The cache is owned by the engine; models only read and write the slots a batch names.
+#[derive(Debug)]
+pub struct KvCache {
+    pub page_size: usize,
+    pub num_pages: usize,
+    pub k: Vec<Tensor>,
+    pub v: Vec<Tensor>,
+}
+
+impl KvCache {
+    /// Allocates `num_pages` pages of `page_size` tokens for `num_layers` layers.
+    ///
+    /// # Errors
+    /// When the sizes overflow or are zero.
+    pub fn new(
+        num_layers: usize,
+        num_pages: usize,
+        page_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<Self> {
+        if num_pages == 0 || page_size == 0 {
+            return Err(ModelError::Batch("KV cache needs at least one page of one token".into()));
+        }
+        let shape = [num_pages, page_size, kv_heads, head_dim];
+        let mk = || Tensor::zeros(DType::F32, &shape);
+        let k = (0..num_layers).map(|_| mk()).collect::<Result<Vec<_>, _>>()?;
+        let v = (0..num_layers).map(|_| mk()).collect::<Result<Vec<_>, _>>()?;
+        Ok(KvCache { page_size, num_pages, k, v })
+    }
+
+    /// Bytes one token takes across all layers (K and V).
+    pub fn bytes_per_token(num_layers: usize, kv_heads: usize, head_dim: usize) -> usize {
+        2 * num_layers * kv_heads * head_dim * std::mem::size_of::<f32>()
+    }
+}

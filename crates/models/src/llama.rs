@@ -1,0 +1,364 @@
+//! Llama-family decoder (Llama, SmolLM2, Qwen3 dense) over a paged KV cache.
+//!
+//! Per layer: `h = x + o_proj(attn(rope(q), rope(k), v))`, `x' = h + down(silu(gate(n)) * up(n))` with pre-RMSNorms.
+//! Qwen3 adds a per-head RMSNorm on q and k before RoPE. q/k/v and gate/up are fused into one matmul each at
+//! load when their dtypes agree (they always do in HF checkpoints and in the default GGUF).
+
+use dflash_runtime::ops::{self, AttnSeq, RopeTable};
+use dflash_runtime::{DType, Tensor};
+
+use crate::batch::{ForwardBatch, ForwardOut, KvCache};
+use crate::config::{Architecture, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::weights::WeightStore;
+
+/// Matrices that share an input, applied as one matmul when they could be fused.
+#[derive(Debug)]
+enum Projection {
+    /// One `[sum of outs, in]` matrix.
+    Fused(Tensor),
+    /// Separate matrices (mixed dtypes), outputs placed side by side.
+    Split(Vec<Tensor>),
+}
+
+impl Projection {
+    fn new(parts: Vec<Tensor>) -> Result<Self> {
+        let same = parts.windows(2).all(|w| w[0].dtype() == w[1].dtype());
+        if same {
+            Ok(Projection::Fused(concat_rows(&parts)?))
+        } else {
+            Ok(Projection::Split(parts))
+        }
+    }
+
+    /// y = x · Wᵀ with all parts' outputs side by side.
+    fn apply(&self, x: &Tensor /* [T, in] */, y: &mut Tensor /* [T, sum outs] */) -> Result<()> {
+        match self {
+            Projection::Fused(w) => Ok(ops::matmul(x, w, y)?),
+            Projection::Split(parts) => {
+                let t = x.rows();
+                let width = y.row_len();
+                let mut col = 0;
+                for w in parts {
+                    let n = w.rows();
+                    let mut part = Tensor::zeros(DType::F32, &[t, n])?;
+                    ops::matmul(x, w, &mut part)?;
+                    let src = part.as_f32()?;
+                    let dst = y.as_f32_mut()?;
+                    for r in 0..t {
+                        dst[r * width + col..r * width + col + n].copy_from_slice(&src[r * n..(r + 1) * n]);
+                    }
+                    col += n;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Layer {
+    attn_norm: Tensor,      // [hidden]
+    qkv: Projection,        // [q + k + v, hidden]
+    q_norm: Option<Tensor>, // [head_dim]
+    k_norm: Option<Tensor>, // [head_dim]
+    o_proj: Tensor,         // [hidden, heads * head_dim]
+    ffn_norm: Tensor,       // [hidden]
+    gate_up: Projection,    // [2 * intermediate, hidden]
+    down: Tensor,           // [hidden, intermediate]
+}
+
+/// A loaded Llama-family target. Holds weights only; all state is in the caller's [`KvCache`].
+#[derive(Debug)]
+pub struct LlamaModel {
+    cfg: ModelConfig,
+    embed: Tensor, // [vocab, hidden]
+    layers: Vec<Layer>,
+    final_norm: Tensor,      // [hidden]
+    lm_head: Option<Tensor>, // [vocab, hidden]; None = tied to `embed`
+    rope: RopeTable,
+    capture_layers: Vec<usize>,
+}
+
+impl LlamaModel {
+    /// Builds the model from a weight store, taking every tensor the config implies.
+    ///
+    /// # Errors
+    /// Missing, misshapen or unexpected tensors (named), capture layers out of range, bad rope settings.
+    pub fn load(cfg: ModelConfig, store: &mut WeightStore, capture_layers: &[usize]) -> Result<Self> {
+        if let Some(&l) = capture_layers.iter().find(|&&l| l >= cfg.num_layers) {
+            return Err(ModelError::Config(format!("capture layer {l} >= {} layers", cfg.num_layers)));
+        }
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let embed = store.take("model.embed_tokens.weight", &[v, h])?;
+        let layers = (0..cfg.num_layers).map(|i| load_layer(&cfg, store, i)).collect::<Result<Vec<_>>>()?;
+        let final_norm = dense_f32(store.take("model.norm.weight", &[h])?)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            store.ignore("lm_head.weight");
+            None
+        } else {
+            Some(store.take("lm_head.weight", &[v, h])?)
+        };
+        let rope = RopeTable::new(cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling, cfg.rope_style)?;
+        Ok(LlamaModel { cfg, embed, layers, final_norm, lm_head, rope, capture_layers: capture_layers.to_vec() })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// The layers whose outputs every forward captures, fixed at load.
+    pub fn capture_layers(&self) -> &[usize] {
+        &self.capture_layers
+    }
+
+    /// The token embedding table (shared with drafters).
+    pub fn embedding(&self) -> &Tensor {
+        &self.embed
+    }
+
+    /// The LM head matrix (the embedding when tied).
+    pub fn lm_head(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+
+    /// Bytes of weights one decode step reads (for bandwidth reports).
+    pub fn weight_bytes(&self) -> usize {
+        let proj = |p: &Projection| match p {
+            Projection::Fused(t) => t.byte_len(),
+            Projection::Split(v) => v.iter().map(Tensor::byte_len).sum(),
+        };
+        let layers: usize =
+            self.layers.iter().map(|l| proj(&l.qkv) + proj(&l.gate_up) + l.o_proj.byte_len() + l.down.byte_len()).sum();
+        layers + self.lm_head().byte_len()
+    }
+
+    /// Allocates a KV cache shaped for this model.
+    ///
+    /// # Errors
+    /// When the sizes are zero.
+    pub fn new_kv_cache(&self, num_pages: usize, page_size: usize) -> Result<KvCache> {
+        KvCache::new(self.cfg.num_layers, num_pages, page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+    }
+
+    /// Runs every row of `batch` through the model, writing their K/V into `kv`.
+    ///
+    /// # Errors
+    /// An inconsistent batch (`Batch`) or an op failure.
+    pub fn forward(&self, batch: &ForwardBatch, kv: &mut KvCache) -> Result<ForwardOut> {
+        batch.validate(kv)?;
+        dflash_runtime::threads::install(|| self.forward_validated(batch, kv))
+    }
+
+    fn forward_validated(&self, batch: &ForwardBatch, kv: &mut KvCache) -> Result<ForwardOut> {
+        let cfg = &self.cfg;
+        let t = batch.num_tokens();
+        let mut residual = Tensor::zeros(DType::F32, &[t, cfg.hidden_size])?; // [T, hidden]
+        ops::embedding(&self.embed, batch.tokens, &mut residual)?;
+        let mut normed = Tensor::zeros(DType::F32, &[t, cfg.hidden_size])?;
+        let mut bufs = Buffers::new(cfg, t)?;
+        let taps = self.capture_layers.len();
+        let mut captured = (taps > 0).then(|| Tensor::zeros(DType::F32, &[t, taps * cfg.hidden_size])).transpose()?;
+        let attn_seqs = attn_seqs(batch);
+        for (i, layer) in self.layers.iter().enumerate() {
+            if i == 0 {
+                ops::rms_norm(&residual, &layer.attn_norm, cfg.rms_norm_eps, &mut normed)?;
+            }
+            self.attention_block(i, layer, batch, &attn_seqs, kv, &mut normed, &mut bufs)?;
+            // residual += attn; normed = ffn_norm(residual)
+            ops::add_rms_norm(&mut residual, &bufs.attn_out, &layer.ffn_norm, cfg.rms_norm_eps, &mut normed)?;
+            layer.gate_up.apply(&normed, &mut bufs.gate_up)?;
+            ops::swiglu_fused(&bufs.gate_up, &mut bufs.act)?;
+            ops::matmul(&bufs.act, &layer.down, &mut bufs.attn_out)?;
+            match self.layers.get(i + 1) {
+                Some(next) => {
+                    ops::add_rms_norm(&mut residual, &bufs.attn_out, &next.attn_norm, cfg.rms_norm_eps, &mut normed)?
+                }
+                None => ops::add_in_place(&mut residual, &bufs.attn_out)?,
+            }
+            if let (Some(tap), Some(cap)) = (self.capture_layers.iter().position(|&l| l == i), captured.as_mut()) {
+                copy_columns(&residual, cap, tap * cfg.hidden_size)?;
+            }
+        }
+        let logits = self.logits(&residual, batch.logit_rows)?;
+        Ok(ForwardOut { logits, captured })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention_block(
+        &self,
+        i: usize,
+        layer: &Layer,
+        batch: &ForwardBatch,
+        seqs: &[AttnSeq],
+        kv: &mut KvCache,
+        normed: &mut Tensor, // [T, hidden]
+        bufs: &mut Buffers,
+    ) -> Result<()> {
+        let cfg = &self.cfg;
+        layer.qkv.apply(normed, &mut bufs.qkv)?;
+        split_qkv(&bufs.qkv, &mut bufs.q, &mut bufs.k, &mut bufs.v)?;
+        if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+            ops::head_rms_norm(&mut bufs.q, cfg.head_dim, qn, cfg.rms_norm_eps)?;
+            ops::head_rms_norm(&mut bufs.k, cfg.head_dim, kn, cfg.rms_norm_eps)?;
+        }
+        ops::rope(&mut bufs.q, cfg.head_dim, batch.positions, &self.rope)?;
+        ops::rope(&mut bufs.k, cfg.head_dim, batch.positions, &self.rope)?;
+        ops::kv_write(&mut kv.k[i], &mut kv.v[i], &bufs.k, &bufs.v, batch.slots)?;
+        let scale = 1.0 / (cfg.head_dim as f32).sqrt();
+        ops::paged_attention(
+            &bufs.q,
+            &kv.k[i],
+            &kv.v[i],
+            seqs,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            scale,
+            true,
+            None,
+            &mut bufs.attn,
+        )?;
+        ops::matmul(&bufs.attn, &layer.o_proj, &mut bufs.attn_out)?;
+        Ok(())
+    }
+
+    /// Final norm and LM head for the requested rows only.
+    fn logits(&self, residual: &Tensor /* [T, hidden] */, rows: &[u32]) -> Result<Tensor> {
+        let h = self.cfg.hidden_size;
+        if rows.is_empty() {
+            return Ok(Tensor::zeros(DType::F32, &[0, self.cfg.vocab_size])?);
+        }
+        let src = residual.as_f32()?;
+        let mut picked = Tensor::zeros(DType::F32, &[rows.len(), h])?;
+        {
+            let dst = picked.as_f32_mut()?;
+            for (j, &r) in rows.iter().enumerate() {
+                let r = r as usize;
+                dst[j * h..(j + 1) * h].copy_from_slice(&src[r * h..(r + 1) * h]);
+            }
+        }
+        let mut normed = Tensor::zeros(DType::F32, picked.shape())?;
+        ops::rms_norm(&picked, &self.final_norm, self.cfg.rms_norm_eps, &mut normed)?;
+        let mut logits = Tensor::zeros(DType::F32, &[normed.rows(), self.cfg.vocab_size])?;
+        ops::matmul(&normed, self.lm_head(), &mut logits)?;
+        Ok(logits)
+    }
+}
+
+/// Per-forward activation buffers, sized for `t` rows.
+struct Buffers {
+    qkv: Tensor,      // [T, (heads + 2 kv_heads) * head_dim]
+    q: Tensor,        // [T, heads * head_dim]
+    k: Tensor,        // [T, kv_heads * head_dim]
+    v: Tensor,        // [T, kv_heads * head_dim]
+    attn: Tensor,     // [T, heads * head_dim]
+    attn_out: Tensor, // [T, hidden]
+    gate_up: Tensor,  // [T, 2 * intermediate]
+    act: Tensor,      // [T, intermediate]
+}
+
+impl Buffers {
+    fn new(cfg: &ModelConfig, t: usize) -> Result<Self> {
+        let z = |w: usize| Tensor::zeros(DType::F32, &[t, w]);
+        let (qd, kd) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
+        Ok(Buffers {
+            qkv: z(cfg.qkv_width())?,
+            q: z(qd)?,
+            k: z(kd)?,
+            v: z(kd)?,
+            attn: z(qd)?,
+            attn_out: z(cfg.hidden_size)?,
+            gate_up: z(2 * cfg.intermediate_size)?,
+            act: z(cfg.intermediate_size)?,
+        })
+    }
+}
+
+fn load_layer(cfg: &ModelConfig, store: &mut WeightStore, i: usize) -> Result<Layer> {
+    let p = |s: &str| format!("model.layers.{i}.{s}");
+    let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+    let (qd, kd, f) = (cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.intermediate_size);
+    let q = store.take(&p("self_attn.q_proj.weight"), &[qd, h])?;
+    let k = store.take(&p("self_attn.k_proj.weight"), &[kd, h])?;
+    let v = store.take(&p("self_attn.v_proj.weight"), &[kd, h])?;
+    let (q_norm, k_norm) = match cfg.arch {
+        Architecture::Qwen3 => (
+            Some(store.take(&p("self_attn.q_norm.weight"), &[hd])?),
+            Some(store.take(&p("self_attn.k_norm.weight"), &[hd])?),
+        ),
+        Architecture::Llama => (None, None),
+    };
+    let gate = store.take(&p("mlp.gate_proj.weight"), &[f, h])?;
+    let up = store.take(&p("mlp.up_proj.weight"), &[f, h])?;
+    Ok(Layer {
+        attn_norm: dense_f32(store.take(&p("input_layernorm.weight"), &[h])?)?,
+        qkv: Projection::new(vec![q, k, v])?,
+        q_norm: q_norm.map(dense_f32).transpose()?,
+        k_norm: k_norm.map(dense_f32).transpose()?,
+        o_proj: store.take(&p("self_attn.o_proj.weight"), &[h, qd])?,
+        ffn_norm: dense_f32(store.take(&p("post_attention_layernorm.weight"), &[h])?)?,
+        gate_up: Projection::new(vec![gate, up])?,
+        down: store.take(&p("mlp.down_proj.weight"), &[h, f])?,
+    })
+}
+
+/// Norm weights are used as f32 whatever their stored dtype.
+fn dense_f32(t: Tensor) -> Result<Tensor> {
+    if t.dtype() == DType::F32 {
+        return Ok(t);
+    }
+    Ok(t.to_f32()?)
+}
+
+/// Stacks matrices with equal row length and dtype: `[a, k] + [b, k] -> [a + b, k]`.
+fn concat_rows(parts: &[Tensor]) -> Result<Tensor> {
+    let first = parts.first().ok_or_else(|| ModelError::Config("empty projection".into()))?;
+    let rows: usize = parts.iter().map(Tensor::rows).sum();
+    let mut out = Tensor::zeros(first.dtype(), &[rows, first.row_len()])?;
+    let dst = out.bytes_mut()?;
+    let mut at = 0;
+    for p in parts {
+        let b = p.bytes()?;
+        dst[at..at + b.len()].copy_from_slice(b);
+        at += b.len();
+    }
+    Ok(out)
+}
+
+fn split_qkv(qkv: &Tensor, q: &mut Tensor, k: &mut Tensor, v: &mut Tensor) -> Result<()> {
+    let w = qkv.row_len();
+    let (qw, kw) = (q.row_len(), k.row_len());
+    let src = qkv.as_f32()?;
+    let (q, k, v) = (q.as_f32_mut()?, k.as_f32_mut()?, v.as_f32_mut()?);
+    for (r, row) in src.chunks_exact(w).enumerate() {
+        q[r * qw..(r + 1) * qw].copy_from_slice(&row[..qw]);
+        k[r * kw..(r + 1) * kw].copy_from_slice(&row[qw..qw + kw]);
+        v[r * kw..(r + 1) * kw].copy_from_slice(&row[qw + kw..]);
+    }
+    Ok(())
+}
+
+/// Copies every row of `src` [T, w] into columns `col..col + w` of `dst` [T, W].
+fn copy_columns(src: &Tensor, dst: &mut Tensor, col: usize) -> Result<()> {
+    let (w, dw) = (src.row_len(), dst.row_len());
+    let s = src.as_f32()?;
+    let d = dst.as_f32_mut()?;
+    for (r, row) in s.chunks_exact(w).enumerate() {
+        d[r * dw + col..r * dw + col + w].copy_from_slice(row);
+    }
+    Ok(())
+}
+
+fn attn_seqs<'a>(batch: &ForwardBatch<'a>) -> Vec<AttnSeq<'a>> {
+    let mut first_row = 0;
+    batch
+        .seqs
+        .iter()
+        .map(|s| {
+            let a = AttnSeq { first_row, num_rows: s.num_rows, context_len: s.context_len, block_table: s.block_table };
+            first_row += s.num_rows;
+            a
+        })
+        .collect()
+}

