@@ -1,0 +1,356 @@
+//! Token selection: greedy argmax, or keyed Gumbel-max sampling after penalties, temperature,
+//! top-k, top-p and min-p.
+//!
+//! Every random draw is a pure function of (seed, absolute position, token id, stream). A seeded
+//! request therefore yields the same tokens whatever else shares its batch, in whatever order
+//! positions are sampled, and whether or not speculative decoding ran: the verifier can recompute
+//! exactly the draw the plain decoder would have made at that position.
+
+mod kernels;
+
+use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
+
+use kernels::{
+    argmax, by_value_desc, gumbel_argmax, keep_top_p, max_finite, max_finite_of, softmax, sum_exp, top_k_ids, top_p_ids,
+};
+
+/// Key stream for the target model's draws.
+pub const STREAM_TARGET: u64 = 0x9E37_79B9_7F4A_7C15;
+/// Key stream for the draft model's draws; distinct from [`STREAM_TARGET`] so the two never share
+/// noise.
+pub const STREAM_DRAFT: u64 = 0xD1B5_4A32_D192_ED03;
+
+/// Temperatures below this are treated as greedy (dividing by them would overflow the logits).
+const GREEDY_TEMPERATURE: f32 = 1e-5;
+
+/// The splitmix64 finaliser: a bijective 64-bit mix with full avalanche.
+pub fn mix64(x: u64) -> u64 {
+    let mut z = x;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A uniform draw in the open interval (0, 1) keyed by (seed, pos, token, stream); never exactly 0
+/// or 1, so [`gumbel`] of it is always finite.
+pub fn keyed_uniform(seed: u64, pos: u64, token: u32, stream: u64) -> f64 {
+    kernels::uniform_from_bits(kernels::keyed_bits(seed, pos, token, stream))
+}
+
+/// Standard Gumbel noise from a uniform draw in (0, 1).
+pub fn gumbel(u: f64) -> f64 {
+    -(-u.ln()).ln()
+}
+
+/// Why a [`SamplingParams`] was rejected.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SamplerError {
+    #[error("{name} must be in {range}, got {value}")]
+    OutOfRange { name: &'static str, range: &'static str, value: f32 },
+}
+
+/// How a request wants its tokens chosen. Neutral values switch a stage off.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    /// 0 (or below 1e-5) means greedy.
+    pub temperature: f32,
+    /// Keep only the k most likely tokens; 0 = off.
+    pub top_k: usize,
+    /// Keep the smallest most-likely set whose mass reaches top_p; 1 = off.
+    pub top_p: f32,
+    /// Drop tokens less likely than min_p times the most likely one; 0 = off.
+    pub min_p: f32,
+    /// HF semantics over prompt and generated tokens: positive logits divided, negative multiplied;
+    /// 1 = off.
+    pub repetition_penalty: f32,
+    /// OpenAI semantics over generated tokens: subtracted once from every token generated so far.
+    pub presence_penalty: f32,
+    /// OpenAI semantics over generated tokens: subtracted once per occurrence.
+    pub frequency_penalty: f32,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self::greedy()
+    }
+}
+
+impl SamplingParams {
+    /// Argmax decoding with every other stage off.
+    pub fn greedy() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: 0,
+        }
+    }
+
+    /// Whether tokens are chosen by argmax (temperature 0, or too small to divide by).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature.is_nan() || self.temperature < GREEDY_TEMPERATURE
+    }
+
+    /// Checks every field against its OpenAI-style range.
+    ///
+    /// # Errors
+    /// [`SamplerError::OutOfRange`] naming the first field outside its range (NaN is outside every
+    /// range).
+    pub fn validate(&self) -> Result<(), SamplerError> {
+        let closed = |v: f32, lo: f32, hi: f32| (lo..=hi).contains(&v);
+        let half_open = |v: f32, lo: f32, hi: f32| v > lo && v <= hi;
+        let (t, rep) = (self.temperature, self.repetition_penalty);
+        check("temperature", t, "[0, 2]", closed(t, 0.0, 2.0))?;
+        check("top_p", self.top_p, "(0, 1]", half_open(self.top_p, 0.0, 1.0))?;
+        check("min_p", self.min_p, "[0, 1]", closed(self.min_p, 0.0, 1.0))?;
+        check("repetition_penalty", rep, "(0, 10]", half_open(rep, 0.0, 10.0))?;
+        for (name, value) in
+            [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)]
+        {
+            check(name, value, "[-2, 2]", closed(value, -2.0, 2.0))?;
+        }
+        Ok(())
+    }
+
+    fn has_penalties(&self) -> bool {
+        self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+
+    fn has_filters(&self) -> bool {
+        self.top_k > 0 || self.top_p < 1.0 || self.min_p > 0.0
+    }
+}
+
+/// `Ok` when `in_range`, else the error naming the field.
+fn check(name: &'static str, value: f32, range: &'static str, in_range: bool) -> Result<(), SamplerError> {
+    if in_range {
+        Ok(())
+    } else {
+        Err(SamplerError::OutOfRange { name, range, value })
+    }
+}
+
+/// The tokens a sequence has seen, for penalties: the prompt's distinct ids (repetition penalty
+/// only) and the generated ids with their counts (repetition, presence and frequency penalties).
+#[derive(Clone, Debug, Default)]
+pub struct TokenHistory {
+    prompt: HashSet<u32>,
+    generated: Vec<u32>,
+    generated_counts: HashMap<u32, u32>,
+}
+
+impl TokenHistory {
+    pub fn new(prompt: &[u32]) -> Self {
+        TokenHistory { prompt: prompt.iter().copied().collect(), ..Self::default() }
+    }
+
+    /// Records one generated token.
+    pub fn push(&mut self, id: u32) {
+        self.generated.push(id);
+        *self.generated_counts.entry(id).or_insert(0) += 1;
+    }
+
+    /// Rolls back to the first `n_generated` generated tokens (rejected speculation); no-op if
+    /// fewer exist.
+    pub fn truncate_generated(&mut self, n_generated: usize) {
+        while self.generated.len() > n_generated {
+            let Some(id) = self.generated.pop() else {
+                break;
+            };
+            if let Some(count) = self.generated_counts.get_mut(&id) {
+                *count -= 1;
+                if *count == 0 {
+                    self.generated_counts.remove(&id);
+                }
+            }
+        }
+    }
+
+    /// The generated tokens, oldest first.
+    pub fn generated(&self) -> &[u32] {
+        &self.generated
+    }
+
+    /// Distinct ids in prompt or output, each once.
+    fn seen_ids(&self) -> impl Iterator<Item = u32> + '_ {
+        let generated_only = self.generated_counts.keys().filter(|id| !self.prompt.contains(id));
+        self.prompt.iter().chain(generated_only).copied()
+    }
+}
+
+/// The candidate set left after penalties, temperature, top-k, top-p and min-p, in ascending id
+/// order.
+///
+/// For greedy params the set is the argmax alone, with its penalised (unscaled) logit and
+/// probability 1.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Candidates {
+    pub ids: Vec<u32>,
+    /// Penalised logits divided by the temperature.
+    pub logits: Vec<f32>,
+    /// Softmax of `logits` over the set.
+    pub probs: Vec<f32>,
+}
+
+impl Candidates {
+    /// The probability of `id` under this distribution (0 outside the set).
+    pub fn prob_of(&self, id: u32) -> f32 {
+        self.ids.binary_search(&id).map_or(0.0, |i| self.probs[i])
+    }
+}
+
+/// The filtered, renormalised distribution the sampler draws from (see [`Candidates`]).
+///
+/// Stages run in this order: penalties on the raw logits, division by the temperature, top-k,
+/// top-p, min-p. Masked tokens (logit -inf or NaN) are never candidates unless every token is
+/// masked, in which case the argmax stands alone.
+pub fn candidates(logits: &[f32], params: &SamplingParams, history: &TokenHistory) -> Candidates {
+    if params.is_greedy() {
+        let penalized = penalized_logits(logits, params, history);
+        let id = argmax(&penalized);
+        let logit = penalized.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY);
+        return Candidates { ids: vec![id], logits: vec![logit], probs: vec![1.0] };
+    }
+    let scaled = scaled_logits(logits, params, history);
+    let mut ids = filtered_ids(&scaled, params);
+    if ids.is_empty() {
+        ids.push(argmax(&scaled));
+    }
+    let set_logits: Vec<f32> = ids.iter().map(|&id| scaled[id as usize]).collect();
+    let probs = softmax(&set_logits);
+    Candidates { ids, logits: set_logits, probs }
+}
+
+/// The token at absolute position `pos`.
+///
+/// Greedy: argmax of the penalised logits, ties to the lowest id. Otherwise Gumbel-max over
+/// [`candidates`]: argmax over the set of `logit_i / T + gumbel(keyed_uniform(seed, pos, id_i,
+/// STREAM_TARGET))`, ties to the lowest id — a draw from the candidates' softmax that depends only
+/// on the key, not on the call.
+pub fn sample(logits: &[f32], params: &SamplingParams, history: &TokenHistory, pos: u64) -> u32 {
+    if params.is_greedy() {
+        return argmax(&penalized_logits(logits, params, history));
+    }
+    let scaled = scaled_logits(logits, params, history);
+    let chosen = if params.has_filters() {
+        let ids = filtered_ids(&scaled, params);
+        let max = max_finite_of(ids.iter().map(|&id| scaled[id as usize]));
+        gumbel_argmax(&scaled, ids.iter().copied(), max, params.seed, pos)
+    } else {
+        // No filter: every unmasked token is a candidate, so skip building the id list.
+        gumbel_argmax(&scaled, 0..scaled.len() as u32, max_finite(&scaled), params.seed, pos)
+    };
+    chosen.unwrap_or_else(|| argmax(&scaled))
+}
+
+/// Natural-log softmax of raw logits (all -inf when every logit is masked).
+pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let max = max_finite(logits);
+    if max == f32::NEG_INFINITY {
+        return vec![f32::NEG_INFINITY; logits.len()];
+    }
+    let log_norm = max + sum_exp(logits, max).ln() as f32;
+    logits.iter().map(|&l| l - log_norm).collect()
+}
+
+/// The `n` largest entries of `values` as (id, value), largest first, ties to the lowest id; NaN
+/// and -inf entries (impossible tokens) are never returned.
+pub fn top_n(values: &[f32], n: usize) -> Vec<(u32, f32)> {
+    let mut ids = top_k_ids(values, n);
+    ids.truncate(n);
+    ids.sort_unstable_by(|&a, &b| by_value_desc(values, a, b));
+    ids.into_iter().map(|id| (id, values[id as usize])).collect()
+}
+
+/// Log-probabilities of the raw logits (before penalties and temperature, as OpenAI reports them)
+/// and the `n` most likely tokens among them.
+pub fn logprobs_top(logits: &[f32], n: usize) -> (Vec<f32>, Vec<(u32, f32)>) {
+    let log_probs = log_softmax(logits);
+    let top = top_n(&log_probs, n);
+    (log_probs, top)
+}
+
+/// Raw logits with the repetition, presence and frequency penalties applied; borrowed when none
+/// applies.
+fn penalized_logits<'a>(logits: &'a [f32], params: &SamplingParams, history: &TokenHistory) -> Cow<'a, [f32]> {
+    if !params.has_penalties() || (history.prompt.is_empty() && history.generated.is_empty()) {
+        return Cow::Borrowed(logits);
+    }
+    let mut out = logits.to_vec();
+    let penalty = params.repetition_penalty;
+    if penalty != 1.0 {
+        for id in history.seen_ids() {
+            if let Some(l) = out.get_mut(id as usize) {
+                *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
+            }
+        }
+    }
+    if params.presence_penalty != 0.0 || params.frequency_penalty != 0.0 {
+        for (&id, &count) in &history.generated_counts {
+            if let Some(l) = out.get_mut(id as usize) {
+                *l -= params.presence_penalty + params.frequency_penalty * count as f32;
+            }
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// Penalised logits divided by the temperature (which must be above the greedy threshold), with NaN
+/// turned into -inf so every later stage sees one kind of masked token.
+fn scaled_logits(logits: &[f32], params: &SamplingParams, history: &TokenHistory) -> Vec<f32> {
+    let t = params.temperature;
+    let scale = |l: f32| if l.is_nan() { f32::NEG_INFINITY } else { l / t };
+    match penalized_logits(logits, params, history) {
+        Cow::Borrowed(raw) => raw.iter().map(|&l| scale(l)).collect(),
+        Cow::Owned(mut penalized) => {
+            penalized.iter_mut().for_each(|l| *l = scale(*l));
+            penalized
+        }
+    }
+}
+
+/// Ids surviving top-k, top-p and min-p (applied in that order, each renormalising over what the
+/// previous left), ascending. Masked tokens never survive.
+fn filtered_ids(scaled: &[f32], params: &SamplingParams) -> Vec<u32> {
+    let top_k_on = params.top_k > 0 && params.top_k < scaled.len();
+    let top_p_on = params.top_p < 1.0;
+    if !top_k_on && !top_p_on {
+        // At most min-p, over the whole vocabulary: one pass that never lists the ids it drops.
+        let (max, log_min_p) = (max_finite(scaled), params.min_p.ln());
+        return (0..scaled.len() as u32).filter(|&id| passes_min_p(scaled[id as usize], max, log_min_p)).collect();
+    }
+    let mut ids = if top_k_on {
+        let mut ids = top_k_ids(scaled, params.top_k);
+        if top_p_on {
+            let values: Vec<f32> = ids.iter().map(|&id| scaled[id as usize]).collect();
+            let max = max_finite(&values);
+            let target = f64::from(params.top_p) * sum_exp(&values, max);
+            keep_top_p(&mut ids, scaled, max, target);
+        }
+        ids
+    } else {
+        top_p_ids(scaled, params.top_p)
+    };
+    if params.min_p > 0.0 {
+        let max = max_finite_of(ids.iter().map(|&id| scaled[id as usize]));
+        let log_min_p = params.min_p.ln();
+        ids.retain(|&id| passes_min_p(scaled[id as usize], max, log_min_p));
+    }
+    ids
+}
+
+/// min-p's test: p_i >= min_p * p_max  <=>  l_i - l_max >= ln(min_p), whatever the normalisation.
+/// Every unmasked token passes min_p = 0 (ln 0 = -inf); masked tokens never pass.
+fn passes_min_p(scaled: f32, max: f32, log_min_p: f32) -> bool {
+    scaled > f32::NEG_INFINITY && scaled - max >= log_min_p
+}
+
+#[cfg(test)]
+mod tests;
