@@ -1,0 +1,25 @@
+//! `dflash`: run, serve and bench LLMs with speculative decoding.
+
+mod cli;
+mod run;
+
+use clap::Parser;
+use tracing_subscriber::EnvFilter;
+
+fn main() -> std::process::ExitCode {
+    let cli = cli::Cli::parse();
+    let filter = EnvFilter::try_new(&cli.log_level).unwrap_or_else(|_| EnvFilter::new("info"));
+    // Logs go to stderr so stdout carries only generated text.
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+    let result = match cli.command {
+        cli::Command::Run(args) => run::run(&args),
+        cli::Command::Fetch(args) => run::fetch(&args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
