@@ -57,29 +57,15 @@ pub fn load_model(source: &ModelSource, opts: &LoadOptions) -> Result<LoadedMode
 }
 
 fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
-    let gguf = GgufFile::open(path)?;
-    let mut cfg = ModelConfig::from_gguf(&gguf)?;
-    if let Some(o) = &opts.config_overrides {
-        apply_overrides_to_gguf_config(&mut cfg, o)?;
-    }
+    let (model, gguf) = gguf_model(path, opts)?;
     let tokenizer = Tokenizer::from_gguf(&gguf.tokenizer_vocab()?)?;
-    let mut store = WeightStore::new(WeightFile::Gguf(gguf)).widen_to_f32(opts.f32_weights);
-    let model = LlamaModel::load(cfg, &mut store, &opts.capture_layers)?;
-    store.finish()?;
     let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
     Ok(LoadedModel { name, model, tokenizer, generation: GenerationDefaults::default() })
 }
 
 fn load_hf(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
-    let mut config = read_json(&dir.join("config.json"))?;
-    if let Some(o) = &opts.config_overrides {
-        merge_json(&mut config, o);
-    }
-    let cfg = ModelConfig::from_hf(&config)?;
     let tokenizer = Tokenizer::from_hf_dir(dir)?;
-    let mut store = WeightStore::new(WeightFile::Hf(SafetensorsDir::open(dir)?)).widen_to_f32(opts.f32_weights);
-    let model = LlamaModel::load(cfg, &mut store, &opts.capture_layers)?;
-    store.finish()?;
+    let model = load_hf_weights(dir, opts)?;
     let generation = read_generation_defaults(&dir.join("generation_config.json"))?;
     let name = dir.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
     Ok(LoadedModel { name, model, tokenizer, generation })
@@ -95,10 +81,8 @@ pub fn load_hf_weights(dir: &Path, opts: &LoadOptions) -> Result<LlamaModel> {
         merge_json(&mut config, o);
     }
     let cfg = ModelConfig::from_hf(&config)?;
-    let mut store = WeightStore::new(WeightFile::Hf(SafetensorsDir::open(dir)?)).widen_to_f32(opts.f32_weights);
-    let model = LlamaModel::load(cfg, &mut store, &opts.capture_layers)?;
-    store.finish()?;
-    Ok(model)
+    let store = WeightStore::new(WeightFile::Hf(SafetensorsDir::open(dir)?));
+    Ok(build(cfg, store, opts)?.0)
 }
 
 /// Loads only the network from a GGUF file.
@@ -106,15 +90,27 @@ pub fn load_hf_weights(dir: &Path, opts: &LoadOptions) -> Result<LlamaModel> {
 /// # Errors
 /// As [`load_model`].
 pub fn load_gguf_weights(path: &Path, opts: &LoadOptions) -> Result<LlamaModel> {
+    Ok(gguf_model(path, opts)?.0)
+}
+
+/// The network from a GGUF file, and the file back for its tokenizer metadata.
+fn gguf_model(path: &Path, opts: &LoadOptions) -> Result<(LlamaModel, GgufFile)> {
     let gguf = GgufFile::open(path)?;
     let mut cfg = ModelConfig::from_gguf(&gguf)?;
     if let Some(o) = &opts.config_overrides {
         apply_overrides_to_gguf_config(&mut cfg, o)?;
     }
-    let mut store = WeightStore::new(WeightFile::Gguf(gguf)).widen_to_f32(opts.f32_weights);
+    match build(cfg, WeightStore::new(WeightFile::Gguf(gguf)), opts)? {
+        (model, WeightFile::Gguf(g)) => Ok((model, g)),
+        (_, WeightFile::Hf(_)) => Err(ModelError::Config("weight store changed kind".into())),
+    }
+}
+
+/// Takes every tensor the config implies and checks nothing is left over.
+fn build(cfg: ModelConfig, store: WeightStore, opts: &LoadOptions) -> Result<(LlamaModel, WeightFile)> {
+    let mut store = store.widen_to_f32(opts.f32_weights);
     let model = LlamaModel::load(cfg, &mut store, &opts.capture_layers)?;
-    store.finish()?;
-    Ok(model)
+    Ok((model, store.finish()?))
 }
 
 fn read_generation_defaults(path: &Path) -> Result<GenerationDefaults> {
