@@ -8,10 +8,40 @@
 
 use super::{Tokenizer, TokenizerError};
 
-/// Turns a stream of ids into a stream of complete text pieces.
+/// Turns a stream of ids into a stream of complete text pieces, borrowing its tokenizer.
 #[derive(Debug)]
 pub struct IncrementalDecoder<'a> {
     tok: &'a Tokenizer,
+    state: DecodeState,
+}
+
+impl<'a> IncrementalDecoder<'a> {
+    pub fn new(tok: &'a Tokenizer, skip_special: bool) -> Self {
+        IncrementalDecoder { tok, state: DecodeState::new(skip_special) }
+    }
+
+    /// Adds one id and returns the text it completes; empty while a character (or a skipped special token)
+    /// produces nothing new yet.
+    ///
+    /// # Errors
+    /// As [`DecodeState::push`].
+    pub fn push(&mut self, id: u32) -> Result<String, TokenizerError> {
+        self.state.push(self.tok, id)
+    }
+
+    /// Returns whatever is still held back and marks it emitted.
+    ///
+    /// # Errors
+    /// As [`DecodeState::push`].
+    pub fn flush(&mut self) -> Result<String, TokenizerError> {
+        self.state.flush(self.tok)
+    }
+}
+
+/// The state of a streaming decode, without the tokenizer: what a long-lived sequence keeps (the engine owns
+/// one tokenizer for all of them).
+#[derive(Clone, Debug)]
+pub struct DecodeState {
     skip_special: bool,
     /// The window of ids still needed. `ids[..read_offset]` produced the last emitted piece and only serve as
     /// decoding context (the "prefix"); `ids[read_offset..]` are held back. Older ids are dropped.
@@ -19,9 +49,9 @@ pub struct IncrementalDecoder<'a> {
     read_offset: usize,
 }
 
-impl<'a> IncrementalDecoder<'a> {
-    pub fn new(tok: &'a Tokenizer, skip_special: bool) -> Self {
-        IncrementalDecoder { tok, skip_special, ids: Vec::new(), read_offset: 0 }
+impl DecodeState {
+    pub fn new(skip_special: bool) -> Self {
+        DecodeState { skip_special, ids: Vec::new(), read_offset: 0 }
     }
 
     /// Adds one id and returns the text it completes; empty while a character (or a skipped special token)
@@ -30,9 +60,9 @@ impl<'a> IncrementalDecoder<'a> {
     /// # Errors
     /// `Backend` when decoding fails; `StreamPrefix` when the tokenizer's decoder rewrites already emitted text
     /// (no decoder shipped with supported models does).
-    pub fn push(&mut self, id: u32) -> Result<String, TokenizerError> {
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String, TokenizerError> {
         self.ids.push(id);
-        let (emitted, full) = self.decode_window()?;
+        let (emitted, full) = self.decode_window(tok)?;
         if full.len() <= emitted.len() || full.ends_with(char::REPLACEMENT_CHARACTER) {
             return Ok(String::new());
         }
@@ -42,10 +72,10 @@ impl<'a> IncrementalDecoder<'a> {
     /// Returns whatever is still held back (an incomplete character decodes to U+FFFD here) and marks it emitted.
     ///
     /// # Errors
-    /// As [`IncrementalDecoder::push`].
-    pub fn flush(&mut self) -> Result<String, TokenizerError> {
+    /// As [`DecodeState::push`].
+    pub fn flush(&mut self, tok: &Tokenizer) -> Result<String, TokenizerError> {
         let Some(&last) = self.ids.last() else { return Ok(String::new()) };
-        let (emitted, full) = self.decode_window()?;
+        let (emitted, full) = self.decode_window(tok)?;
         if full.len() <= emitted.len() {
             return Ok(String::new());
         }
@@ -53,9 +83,9 @@ impl<'a> IncrementalDecoder<'a> {
     }
 
     /// Decodes the context part of the window and the whole window.
-    fn decode_window(&self) -> Result<(String, String), TokenizerError> {
-        let emitted = self.tok.decode(&self.ids[..self.read_offset], self.skip_special)?;
-        let full = self.tok.decode(&self.ids, self.skip_special)?;
+    fn decode_window(&self, tok: &Tokenizer) -> Result<(String, String), TokenizerError> {
+        let emitted = tok.decode(&self.ids[..self.read_offset], self.skip_special)?;
+        let full = tok.decode(&self.ids, self.skip_special)?;
         Ok((emitted, full))
     }
 

@@ -14,7 +14,7 @@ mod strftime;
 use std::path::{Path, PathBuf};
 
 pub use chat_template::{ChatMessage, ChatTemplate};
-pub use detok::IncrementalDecoder;
+pub use detok::{DecodeState, IncrementalDecoder};
 
 /// Tokenizer metadata as a GGUF file stores it (filled by the gguf module from `tokenizer.ggml.*` keys).
 #[derive(Debug, Clone, Default)]
