@@ -9,6 +9,7 @@ use dflash_models::{ForwardBatch, KvCache, LlamaModel, SeqRows};
 use dflash_runtime::Tensor;
 
 use crate::pages::PageAllocator;
+use crate::request::FinishReason;
 use crate::sampler::{self, SamplingParams, TokenHistory};
 use crate::EngineError;
 
@@ -23,15 +24,6 @@ pub struct GenerateOptions {
     pub stop_ids: Vec<u32>,
     /// Rows per prefill forward.
     pub prefill_chunk: usize,
-}
-
-/// Why generation ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FinishReason {
-    /// An end-of-sequence token (not emitted) or the caller asked to stop.
-    Stop,
-    /// `max_new_tokens` reached.
-    Length,
 }
 
 /// Timings of one generation.

@@ -1,18 +1,33 @@
-//! The dflash-serve engine: KV page allocation, keyed sampling and the generation loop.
+//! The dflash-serve engine: sequences, the continuous-batching scheduler, KV page allocation, keyed sampling, and
+//! the engine thread that serves many requests at once.
 
+pub mod engine;
 pub mod generate;
+pub mod metrics;
 pub mod pages;
+pub mod request;
 pub mod sampler;
+pub mod scheduler;
+pub mod sequence;
+pub mod service;
+pub mod spec;
+pub mod stop;
 
-pub use generate::{FinishReason, GenerateOptions, GenerationStats, Generator};
+pub use engine::{Engine, EngineConfig};
+pub use generate::{GenerateOptions, GenerationStats, Generator};
+pub use metrics::EngineMetrics;
 pub use pages::PageAllocator;
+pub use request::{Event, EventSink, FinishReason, Request, TokenLogprob, TopLogprob, Usage};
 pub use sampler::SamplingParams;
+pub use service::{spawn, EngineClient, SubmitError};
 
 /// Errors from the engine.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     #[error("prompt of {prompt} tokens plus {max_new} new tokens exceeds the context window of {ctx}")]
     ContextOverflow { prompt: usize, max_new: usize, ctx: usize },
+    #[error("the KV cache holds {capacity} tokens, less than one context window of {context_window}; give it more memory or shrink the window")]
+    CacheTooSmall { capacity: usize, context_window: usize },
     #[error("out of KV cache pages")]
     OutOfPages,
     #[error("empty prompt")]

@@ -1,0 +1,150 @@
+//! The inside of a step: the flat batch from the plan, then sampling and verification of its logits.
+
+use std::time::Instant;
+
+use dflash_models::tokenizer::Tokenizer;
+use dflash_models::{ForwardBatch, SeqRows};
+use dflash_runtime::Tensor;
+
+use super::Engine;
+use crate::request::{FinishReason, TokenLogprob, TopLogprob};
+use crate::sampler;
+use crate::scheduler::StepItem;
+use crate::sequence::Outcome;
+use crate::spec::verify::accept_prefix;
+use crate::EngineError;
+
+/// The flat inputs of one step, built from the plan.
+#[derive(Default)]
+struct StepInputs {
+    tokens: Vec<u32>,    // [T]
+    positions: Vec<u32>, // [T]
+    slots: Vec<u32>,     // [T]
+    logit_rows: Vec<u32>,
+}
+
+impl Engine {
+    /// Builds the flat batch for `items` and runs it; returns the logits of the rows that sample or verify, in
+    /// item order: `[L, vocab]`.
+    pub(super) fn forward(&mut self, items: &[StepItem], now: Instant) -> Result<Tensor, EngineError> {
+        let page_size = self.kv.page_size;
+        let mut inputs = StepInputs::default();
+        for item in items {
+            let seq = &mut self.sched.running[item.seq];
+            seq.times.first_scheduled.get_or_insert(now);
+            let start = seq.computed();
+            let first_row = inputs.tokens.len() as u32;
+            inputs.tokens.extend(seq.step_tokens(item.rows));
+            for pos in start..start + item.rows {
+                inputs.positions.push(pos as u32);
+                inputs.slots.push(seq.block_table[pos / page_size] * page_size as u32 + (pos % page_size) as u32);
+            }
+            let last_row = inputs.tokens.len() as u32 - 1;
+            if item.drafts > 0 {
+                inputs.logit_rows.extend(first_row..=last_row);
+            } else if item.samples {
+                inputs.logit_rows.push(last_row);
+            }
+        }
+        let running = &self.sched.running;
+        let seqs: Vec<SeqRows> = items
+            .iter()
+            .map(|item| {
+                let seq = &running[item.seq];
+                SeqRows { num_rows: item.rows, context_len: seq.computed(), block_table: &seq.block_table }
+            })
+            .collect();
+        let batch = ForwardBatch {
+            tokens: &inputs.tokens,
+            positions: &inputs.positions,
+            seqs: &seqs,
+            slots: &inputs.slots,
+            logit_rows: &inputs.logit_rows,
+        };
+        Ok(self.model.forward(&batch, &mut self.kv)?.logits)
+    }
+
+    /// Advances every item's sequence; samples plain rows and verifies drafted rounds; streams the tokens.
+    /// Returns the running indices that finished, with how.
+    pub(super) fn sample_and_stream(&mut self, items: &[StepItem], logits: &Tensor) -> Vec<(usize, Outcome)> {
+        let vocab = logits.shape().last().copied().unwrap_or(0);
+        let logits = match logits.as_f32() {
+            Ok(l) => l,
+            Err(e) => {
+                let message = format!("reading logits: {e}");
+                return items.iter().map(|i| (i.seq, self.fail_seq(i.seq, &message))).collect();
+            }
+        };
+        let now = Instant::now();
+        let mut finished = Vec::new();
+        let mut row = 0;
+        for item in items {
+            if !item.samples {
+                self.sched.running[item.seq].advance(item.rows);
+                continue;
+            }
+            let rows = &logits[row * vocab..(row + 1 + item.drafts) * vocab];
+            row += 1 + item.drafts;
+            let finish = if item.drafts == 0 {
+                self.sched.running[item.seq].advance(item.rows);
+                self.sample_commit(item.seq, rows, now).1
+            } else {
+                self.verify(item.seq, rows, vocab, now)
+            };
+            if let Some(reason) = finish {
+                finished.push((item.seq, Outcome::Finished(reason)));
+            }
+        }
+        finished
+    }
+
+    /// Verifies `running[i]`'s drafts against its rows' logits (`[1 + drafts, vocab]`): commits the target's token
+    /// at each row while it equals the draft, then the correction or bonus; rolls the cache back to what was
+    /// committed.
+    fn verify(&mut self, i: usize, rows: &[f32], vocab: usize, now: Instant) -> Option<FinishReason> {
+        let drafts = std::mem::take(&mut self.sched.running[i].drafts);
+        let mut finish = None;
+        let accepted = accept_prefix(&drafts, |j| {
+            let (token, f) = self.sample_commit(i, &rows[j * vocab..(j + 1) * vocab], now);
+            finish = f;
+            (token, f.is_some())
+        });
+        let page_size = self.kv.page_size;
+        let sched = &mut self.sched;
+        let seq = &mut sched.running[i];
+        // The anchor and the accepted drafts are valid K/V; rows past them were computed for rejected drafts and
+        // are simply overwritten later (attention never reads past a sequence's length).
+        seq.advance(1 + accepted);
+        let len = seq.len();
+        sched.pages.truncate(&mut seq.block_table, len, page_size);
+        if let Some(lane) = seq.lane.as_mut() {
+            lane.verified(drafts.len(), accepted);
+        }
+        self.metrics.record_spec_round(drafts.len(), accepted);
+        finish
+    }
+
+    /// Samples `running[i]`'s next token from `row_logits` at its absolute position and commits it.
+    fn sample_commit(&mut self, i: usize, row_logits: &[f32], now: Instant) -> (u32, Option<FinishReason>) {
+        let seq = &mut self.sched.running[i];
+        let pos = seq.len() as u64;
+        let id = sampler::sample(row_logits, &seq.request.sampling, &seq.history, pos);
+        let logprob = seq.request.logprobs.map(|n| token_logprob(&self.tokenizer, row_logits, id, n));
+        let ttft = seq.times.first_token.is_none().then(|| now.duration_since(seq.times.arrived).as_secs_f64());
+        let itl = seq.times.last_token.map(|t| now.duration_since(t).as_secs_f64());
+        let finish = seq.commit(&self.tokenizer, &self.eos_ids, id, logprob, now);
+        self.metrics.record_token(ttft, itl);
+        (id, finish)
+    }
+}
+
+/// The chosen token's logprob and the `n` most likely tokens, from the raw logits.
+fn token_logprob(tok: &Tokenizer, logits: &[f32], id: u32, n: usize) -> TokenLogprob {
+    let (log_probs, top) = sampler::logprobs_top(logits, n);
+    let text = |id: u32| tok.decode(&[id], false).unwrap_or_default();
+    TokenLogprob {
+        token: text(id),
+        logprob: log_probs.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY),
+        top: top.into_iter().map(|(t, lp)| TopLogprob { token: text(t), logprob: lp }).collect(),
+    }
+}

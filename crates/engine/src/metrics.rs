@@ -1,0 +1,226 @@
+//! Engine counters, gauges and latency histograms, rendered as Prometheus text.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
+
+use crate::sequence::Outcome;
+use crate::FinishReason;
+
+/// Upper bounds (seconds) of the time-to-first-token buckets.
+const TTFT_BUCKETS: [f64; 14] = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0];
+/// Upper bounds (seconds) of the inter-token latency buckets.
+const ITL_BUCKETS: [f64; 13] = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5];
+
+/// A cumulative histogram with fixed buckets.
+#[derive(Debug)]
+struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Self {
+        Histogram { bounds, counts: vec![0; bounds.len()], sum: 0.0, count: 0 }
+    }
+
+    fn observe(&mut self, v: f64) {
+        if let Some(i) = self.bounds.iter().position(|&b| v <= b) {
+            self.counts[i] += 1;
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (bound, count) in self.bounds.iter().zip(&self.counts) {
+            cumulative += count;
+            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {cumulative}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
+        let _ = writeln!(out, "{name}_sum {}\n{name}_count {}", self.sum, self.count);
+    }
+}
+
+/// What the engine reports; shared between the engine thread (writer) and the HTTP layer (reader).
+#[derive(Debug)]
+pub struct EngineMetrics {
+    /// stop, length, cancelled, error.
+    finished: [AtomicU64; 4],
+    prompt_tokens: AtomicU64,
+    generation_tokens: AtomicU64,
+    preemptions: AtomicU64,
+    steps: AtomicU64,
+    spec_rounds: AtomicU64,
+    spec_drafted: AtomicU64,
+    spec_accepted: AtomicU64,
+    queue_depth: AtomicU64,
+    running: AtomicU64,
+    kv_pages_used: AtomicU64,
+    kv_pages_total: AtomicU64,
+    ttft: Mutex<Histogram>,
+    itl: Mutex<Histogram>,
+}
+
+impl Default for EngineMetrics {
+    fn default() -> Self {
+        EngineMetrics {
+            finished: Default::default(),
+            prompt_tokens: AtomicU64::new(0),
+            generation_tokens: AtomicU64::new(0),
+            preemptions: AtomicU64::new(0),
+            steps: AtomicU64::new(0),
+            spec_rounds: AtomicU64::new(0),
+            spec_drafted: AtomicU64::new(0),
+            spec_accepted: AtomicU64::new(0),
+            queue_depth: AtomicU64::new(0),
+            running: AtomicU64::new(0),
+            kv_pages_used: AtomicU64::new(0),
+            kv_pages_total: AtomicU64::new(0),
+            ttft: Mutex::new(Histogram::new(&TTFT_BUCKETS)),
+            itl: Mutex::new(Histogram::new(&ITL_BUCKETS)),
+        }
+    }
+}
+
+/// A gauge snapshot the engine publishes after each step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Gauges {
+    pub queue_depth: usize,
+    pub running: usize,
+    pub kv_pages_used: usize,
+    pub kv_pages_total: usize,
+    pub preemptions: u64,
+}
+
+const OUTCOMES: [&str; 4] = ["stop", "length", "cancelled", "error"];
+
+impl EngineMetrics {
+    pub fn record_outcome(&self, outcome: Outcome) {
+        let i = match outcome {
+            Outcome::Finished(FinishReason::Stop) => 0,
+            Outcome::Finished(FinishReason::Length) => 1,
+            Outcome::Cancelled => 2,
+            Outcome::Failed => 3,
+        };
+        self.finished[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn record_prompt(&self, tokens: usize) {
+        self.prompt_tokens.fetch_add(tokens as u64, Ordering::Relaxed);
+    }
+
+    /// One generated token; `ttft` for a sequence's first, `inter_token` for the others (seconds).
+    pub fn record_token(&self, ttft: Option<f64>, inter_token: Option<f64>) {
+        self.generation_tokens.fetch_add(1, Ordering::Relaxed);
+        if let Some(t) = ttft {
+            self.ttft.lock().unwrap_or_else(PoisonError::into_inner).observe(t);
+        }
+        if let Some(t) = inter_token {
+            self.itl.lock().unwrap_or_else(PoisonError::into_inner).observe(t);
+        }
+    }
+
+    /// One verified speculative round.
+    pub fn record_spec_round(&self, drafted: usize, accepted: usize) {
+        self.spec_rounds.fetch_add(1, Ordering::Relaxed);
+        self.spec_drafted.fetch_add(drafted as u64, Ordering::Relaxed);
+        self.spec_accepted.fetch_add(accepted as u64, Ordering::Relaxed);
+    }
+
+    pub fn record_step(&self) {
+        self.steps.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn publish(&self, g: Gauges) {
+        self.queue_depth.store(g.queue_depth as u64, Ordering::Relaxed);
+        self.running.store(g.running as u64, Ordering::Relaxed);
+        self.kv_pages_used.store(g.kv_pages_used as u64, Ordering::Relaxed);
+        self.kv_pages_total.store(g.kv_pages_total as u64, Ordering::Relaxed);
+        self.preemptions.store(g.preemptions, Ordering::Relaxed);
+    }
+
+    /// Sequences waiting for admission, as last published.
+    pub fn queue_depth(&self) -> usize {
+        self.queue_depth.load(Ordering::Relaxed) as usize
+    }
+
+    /// Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(out, "# HELP dflash_requests_total Requests finished, by outcome.");
+        let _ = writeln!(out, "# TYPE dflash_requests_total counter");
+        for (name, count) in OUTCOMES.iter().zip(&self.finished) {
+            let _ =
+                writeln!(out, "dflash_requests_total{{finish_reason=\"{name}\"}} {}", count.load(Ordering::Relaxed));
+        }
+        let counters = [
+            ("dflash_prompt_tokens_total", "Prompt tokens of admitted requests.", &self.prompt_tokens),
+            ("dflash_generation_tokens_total", "Tokens generated.", &self.generation_tokens),
+            ("dflash_preemptions_total", "Sequences preempted for lack of KV pages.", &self.preemptions),
+            ("dflash_engine_steps_total", "Batched forward steps run.", &self.steps),
+            ("dflash_spec_rounds_total", "Speculative rounds verified.", &self.spec_rounds),
+            ("dflash_spec_drafted_tokens_total", "Draft tokens verified.", &self.spec_drafted),
+            ("dflash_spec_accepted_tokens_total", "Draft tokens accepted.", &self.spec_accepted),
+        ];
+        for (name, help, value) in counters {
+            let _ =
+                writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", value.load(Ordering::Relaxed));
+        }
+        let gauges = [
+            ("dflash_queue_depth", "Requests waiting for admission.", &self.queue_depth),
+            ("dflash_running_sequences", "Sequences admitted and running.", &self.running),
+            ("dflash_kv_pages_used", "KV cache pages held by sequences.", &self.kv_pages_used),
+            ("dflash_kv_pages_total", "KV cache pages in all.", &self.kv_pages_total),
+        ];
+        for (name, help, value) in gauges {
+            let _ =
+                writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {}", value.load(Ordering::Relaxed));
+        }
+        let ttft = self.ttft.lock().unwrap_or_else(PoisonError::into_inner);
+        ttft.render(&mut out, "dflash_time_to_first_token_seconds", "From arrival to the first generated token.");
+        drop(ttft);
+        let itl = self.itl.lock().unwrap_or_else(PoisonError::into_inner);
+        itl.render(&mut out, "dflash_inter_token_latency_seconds", "Between consecutive generated tokens.");
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counters_gauges_and_cumulative_buckets() {
+        let m = EngineMetrics::default();
+        m.record_outcome(Outcome::Finished(FinishReason::Length));
+        m.record_outcome(Outcome::Cancelled);
+        m.record_prompt(12);
+        m.record_token(Some(0.3), None);
+        m.record_token(None, Some(0.007));
+        m.record_token(None, Some(0.03));
+        m.publish(Gauges { queue_depth: 2, running: 3, kv_pages_used: 40, kv_pages_total: 100, preemptions: 1 });
+        let text = m.render();
+        for line in [
+            "dflash_requests_total{finish_reason=\"length\"} 1",
+            "dflash_requests_total{finish_reason=\"cancelled\"} 1",
+            "dflash_requests_total{finish_reason=\"stop\"} 0",
+            "dflash_prompt_tokens_total 12",
+            "dflash_generation_tokens_total 3",
+            "dflash_kv_pages_used 40",
+            "dflash_queue_depth 2",
+            "dflash_time_to_first_token_seconds_bucket{le=\"0.25\"} 0",
+            "dflash_time_to_first_token_seconds_bucket{le=\"0.5\"} 1",
+            "dflash_inter_token_latency_seconds_bucket{le=\"0.01\"} 1",
+            "dflash_inter_token_latency_seconds_bucket{le=\"0.04\"} 2",
+            "dflash_inter_token_latency_seconds_bucket{le=\"+Inf\"} 2",
+            "dflash_inter_token_latency_seconds_count 2",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
+    }
+}

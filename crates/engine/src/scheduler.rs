@@ -1,0 +1,189 @@
+//! Continuous batching: which sequences run in the next step and how many rows each contributes.
+//!
+//! Every step, in order:
+//! 1. each running sequence that is decoding gets its row, plus one row per draft when a proposer drafted (taking
+//!    new pages as needed; when none are free the drafts go first, then the most recently admitted sequence is
+//!    preempted: its pages are freed and it goes back to the head of the queue, to be recomputed later; the keyed
+//!    sampler makes that lossless);
+//! 2. sequences still filling their prompt get chunks from what is left of the step's token budget, oldest first,
+//!    so a long prompt is spread over several steps instead of stalling every stream;
+//! 3. waiting requests are admitted first come, first served while a sequence slot, budget and the pages for the
+//!    whole prompt are free.
+
+use std::collections::VecDeque;
+
+use crate::pages::PageAllocator;
+use crate::sequence::Sequence;
+
+/// Limits the scheduler works within.
+#[derive(Clone, Copy, Debug)]
+pub struct SchedulerConfig {
+    /// Most sequences running at once.
+    pub max_running: usize,
+    /// Most rows (prefill tokens plus decode rows) in one forward; raised to `max_running` if below it.
+    pub max_batch_tokens: usize,
+    pub page_size: usize,
+}
+
+/// One sequence's part of a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepItem {
+    /// Index into [`Scheduler::running`].
+    pub seq: usize,
+    pub rows: usize,
+    /// The last row completes the sequence's committed tokens, so its logits yield the next token.
+    pub samples: bool,
+    /// Draft rows after the anchor: every row's logits are needed to verify them.
+    pub drafts: usize,
+}
+
+/// Waiting and running sequences, and the KV pages they hold.
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    pub waiting: VecDeque<Sequence>,
+    /// In admission order.
+    pub running: Vec<Sequence>,
+    pub pages: PageAllocator,
+    /// Preemptions so far.
+    pub preemptions: u64,
+}
+
+impl Scheduler {
+    pub fn new(mut cfg: SchedulerConfig, num_pages: usize) -> Self {
+        cfg.max_running = cfg.max_running.max(1);
+        cfg.max_batch_tokens = cfg.max_batch_tokens.max(cfg.max_running);
+        Scheduler {
+            cfg,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            pages: PageAllocator::new(num_pages),
+            preemptions: 0,
+        }
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// Plans the next step. Sequences admitted by this call are moved from `waiting` to the end of `running`.
+    pub fn plan(&mut self) -> Vec<StepItem> {
+        let mut budget = self.cfg.max_batch_tokens;
+        let mut items = Vec::new();
+        self.plan_decodes(&mut items, &mut budget);
+        self.plan_prefills(&mut items, &mut budget);
+        self.admit(&mut items, &mut budget);
+        items
+    }
+
+    fn plan_decodes(&mut self, items: &mut Vec<StepItem>, budget: &mut usize) {
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].is_decoding() {
+                if !self.reserve_or_preempt(i) {
+                    break; // `i` itself was preempted; every later sequence already was.
+                }
+                let drafts = self.running[i].drafts.len();
+                items.push(StepItem { seq: i, rows: 1 + drafts, samples: true, drafts });
+                *budget = budget.saturating_sub(1 + drafts);
+            }
+            i += 1;
+        }
+    }
+
+    /// Makes room for the decode row and drafts of `running[i]`: drops the drafts when they do not fit, then
+    /// preempts from the back. False if `i` itself was preempted.
+    fn reserve_or_preempt(&mut self, i: usize) -> bool {
+        loop {
+            let page_size = self.cfg.page_size;
+            let seq = &mut self.running[i];
+            let need = seq.computed() + 1 + seq.drafts.len();
+            if self.pages.reserve(&mut seq.block_table, need, page_size) {
+                return true;
+            }
+            if !seq.drafts.is_empty() {
+                seq.drafts.clear();
+                continue;
+            }
+            let victim = self.running.len() - 1;
+            self.preempt(victim);
+            if victim == i {
+                return false;
+            }
+        }
+    }
+
+    fn preempt(&mut self, idx: usize) {
+        let mut seq = self.running.remove(idx);
+        self.pages.release(&mut seq.block_table);
+        seq.reset_computed();
+        seq.drafts.clear();
+        self.preemptions += 1;
+        tracing::debug!("preempted {} ({} tokens) for lack of KV pages", seq.request.id, seq.len());
+        self.waiting.push_front(seq);
+    }
+
+    fn plan_prefills(&mut self, items: &mut Vec<StepItem>, budget: &mut usize) {
+        for i in 0..self.running.len() {
+            if *budget == 0 {
+                break;
+            }
+            let seq = &self.running[i];
+            if !seq.is_decoding() {
+                if let Some(item) = self.chunk(i, *budget) {
+                    *budget -= item.rows;
+                    items.push(item);
+                }
+            }
+        }
+    }
+
+    /// Reserves pages for the next chunk of `running[i]`, at most `budget` rows and no more than free pages allow.
+    fn chunk(&mut self, i: usize, budget: usize) -> Option<StepItem> {
+        let page_size = self.cfg.page_size;
+        let seq = &mut self.running[i];
+        let room = (seq.block_table.len() + self.pages.free_count()) * page_size - seq.computed();
+        let rows = seq.uncomputed().min(budget).min(room);
+        let need = seq.computed() + rows;
+        if rows == 0 || !self.pages.reserve(&mut seq.block_table, need, page_size) {
+            return None;
+        }
+        Some(StepItem { seq: i, rows, samples: rows == seq.uncomputed(), drafts: 0 })
+    }
+
+    fn admit(&mut self, items: &mut Vec<StepItem>, budget: &mut usize) {
+        while *budget > 0 && self.running.len() < self.cfg.max_running {
+            let Some(seq) = self.waiting.front() else { break };
+            // The whole prompt (and the first generated token) must fit in free pages: admitting on the first
+            // chunk alone would let long prompts take pages from each other and thrash.
+            if (seq.len() + 1).div_ceil(self.cfg.page_size) > self.pages.free_count() {
+                break;
+            }
+            let Some(seq) = self.waiting.pop_front() else { break };
+            self.running.push(seq);
+            let i = self.running.len() - 1;
+            match self.chunk(i, *budget) {
+                Some(item) => {
+                    *budget -= item.rows;
+                    items.push(item);
+                }
+                None => break,
+            }
+        }
+    }
+
+    /// Removes `running[i]` and frees its pages.
+    pub fn retire(&mut self, i: usize) -> Sequence {
+        let mut seq = self.running.remove(i);
+        self.pages.release(&mut seq.block_table);
+        seq
+    }
+}
+
+#[cfg(test)]
+#[path = "scheduler_tests.rs"]
+mod tests;

@@ -1,0 +1,254 @@
+//! One request's life in the engine: its committed tokens, how many of them the KV cache holds, its pages, and its
+//! output stream (detokenizer, stop strings, timings).
+
+use std::time::Instant;
+
+use dflash_models::tokenizer::{DecodeState, Tokenizer};
+
+use crate::request::{Event, EventSink, FinishReason, Request, TokenLogprob, Usage};
+use crate::sampler::TokenHistory;
+use crate::spec::SpecLane;
+use crate::stop::{Scan, StopScanner};
+
+/// How a sequence ended, for metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Finished(FinishReason),
+    Cancelled,
+    Failed,
+}
+
+/// A request being served.
+///
+/// `tokens` holds the prompt then every committed generated token; the cache holds the K/V of the first `computed`
+/// of them. A sequence's work in a step is always "the next rows of `tokens`": a prefill chunk while more than one
+/// token is uncomputed, one decode row once only the last sampled token is. After a preemption `computed` drops to
+/// zero and the same rule recomputes prompt and output alike.
+pub struct Sequence {
+    pub request: Request,
+    sink: Box<dyn EventSink>,
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    computed: usize,
+    /// KV pages, in order.
+    pub block_table: Vec<u32>,
+    pub history: TokenHistory,
+    decode: DecodeState,
+    stop: StopScanner,
+    pub times: Timings,
+    /// The speculation lane, when armed.
+    pub lane: Option<SpecLane>,
+    /// Drafts to verify in this step, after the last committed token.
+    pub drafts: Vec<u32>,
+}
+
+/// When things happened to a sequence.
+#[derive(Clone, Copy, Debug)]
+pub struct Timings {
+    pub arrived: Instant,
+    pub first_scheduled: Option<Instant>,
+    pub first_token: Option<Instant>,
+    pub last_token: Option<Instant>,
+}
+
+impl Sequence {
+    pub fn new(request: Request, sink: Box<dyn EventSink>) -> Self {
+        let tokens = request.prompt.clone();
+        let history = TokenHistory::new(&tokens);
+        let stop = StopScanner::new(&request.stop);
+        let times = Timings { arrived: Instant::now(), first_scheduled: None, first_token: None, last_token: None };
+        Sequence {
+            prompt_len: tokens.len(),
+            tokens,
+            request,
+            sink,
+            computed: 0,
+            block_table: Vec::new(),
+            history,
+            decode: DecodeState::new(true),
+            stop,
+            times,
+            lane: None,
+            drafts: Vec::new(),
+        }
+    }
+
+    /// Committed tokens (prompt and generated).
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    pub fn prompt_len(&self) -> usize {
+        self.prompt_len
+    }
+
+    pub fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Tokens whose K/V the cache holds.
+    pub fn computed(&self) -> usize {
+        self.computed
+    }
+
+    /// Committed tokens not yet in the cache: 1 when the sequence is decoding, more while it (re)fills.
+    pub fn uncomputed(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+
+    /// The next `n` rows' tokens: uncomputed committed tokens, then this step's drafts.
+    pub fn step_tokens(&self, n: usize) -> Vec<u32> {
+        let committed = &self.tokens[self.computed..(self.computed + n).min(self.tokens.len())];
+        let drafts = n - committed.len();
+        committed.iter().chain(&self.drafts[..drafts]).copied().collect()
+    }
+
+    /// Asks the armed lane, if any, for this step's drafts (none unless the sequence is decoding). Drafts never
+    /// run past `max_tokens`: a round commits at most drafts + 1 tokens.
+    pub fn prepare_drafts(&mut self) {
+        self.drafts.clear();
+        if !self.is_decoding() {
+            return;
+        }
+        let cap = self.request.max_tokens.saturating_sub(self.generated() + 1);
+        if let Some(lane) = self.lane.as_mut() {
+            self.drafts = lane.draft(&self.tokens, cap);
+        }
+    }
+
+    /// Whether the sequence is decoding: everything but its last sampled token is in the cache.
+    pub fn is_decoding(&self) -> bool {
+        self.computed > 0 && self.uncomputed() == 1
+    }
+
+    /// The committed tokens.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Marks `n` more tokens as written to the cache.
+    pub fn advance(&mut self, n: usize) {
+        self.computed = (self.computed + n).min(self.tokens.len());
+    }
+
+    /// Forgets the cache contents (the pages were taken back); the sequence will recompute them.
+    pub fn reset_computed(&mut self) {
+        self.computed = 0;
+    }
+
+    /// True once the client has gone away.
+    pub fn is_abandoned(&self) -> bool {
+        self.sink.is_closed()
+    }
+
+    /// Appends a token without streaming it (scheduler tests).
+    #[cfg(test)]
+    pub(crate) fn push_for_test(&mut self, id: u32) {
+        self.tokens.push(id);
+    }
+
+    /// Commits a sampled token and streams its text. Returns how the sequence finished, if it did.
+    ///
+    /// An end-of-sequence token ends the sequence without being emitted or counted (unless `ignore_eos`); a stop
+    /// string ends it with the text before the match; the budget ends it after the token.
+    pub fn commit(
+        &mut self,
+        tok: &Tokenizer,
+        eos_ids: &[u32],
+        id: u32,
+        logprob: Option<TokenLogprob>,
+        now: Instant,
+    ) -> Option<FinishReason> {
+        self.times.first_token.get_or_insert(now);
+        self.times.last_token = Some(now);
+        if !self.request.ignore_eos && eos_ids.contains(&id) {
+            let text = self.flush_text(tok);
+            self.emit(Vec::new(), text, None);
+            return Some(FinishReason::Stop);
+        }
+        self.tokens.push(id);
+        self.history.push(id);
+        let piece = match self.decode.push(tok, id) {
+            Ok(piece) => piece,
+            Err(e) => {
+                tracing::warn!("detokenizing {id}: {e}");
+                String::new()
+            }
+        };
+        let logprobs = logprob.map(|lp| vec![lp]);
+        match self.stop.feed(&piece) {
+            Scan::Stopped(text) => {
+                self.emit(vec![id], text, logprobs);
+                Some(FinishReason::Stop)
+            }
+            Scan::Emit(mut text) => {
+                let done = self.generated() >= self.request.max_tokens;
+                if done {
+                    text.push_str(&self.flush_text(tok));
+                }
+                self.emit(vec![id], text, logprobs);
+                done.then_some(FinishReason::Length)
+            }
+        }
+    }
+
+    /// Text still held back by the detokenizer and the stop scanner.
+    fn flush_text(&mut self, tok: &Tokenizer) -> String {
+        let tail = self.decode.flush(tok).unwrap_or_default();
+        match self.stop.feed(&tail) {
+            Scan::Stopped(text) => text,
+            Scan::Emit(mut text) => {
+                text.push_str(&self.stop.flush());
+                text
+            }
+        }
+    }
+
+    fn emit(&mut self, ids: Vec<u32>, text: String, logprobs: Option<Vec<TokenLogprob>>) {
+        if ids.is_empty() && text.is_empty() {
+            return;
+        }
+        self.sink.send(Event::Tokens { ids, text, logprobs });
+    }
+
+    /// Sends the final event.
+    pub fn finish(&mut self, reason: FinishReason) {
+        let usage = self.usage();
+        self.sink.send(Event::Finished { reason, usage });
+    }
+
+    /// Sends an error as the final event.
+    pub fn fail(&mut self, message: &str) {
+        self.sink.send(Event::Error(message.to_string()));
+    }
+
+    pub fn usage(&self) -> Usage {
+        let ms = |a: Option<Instant>, b: Option<Instant>| match (a, b) {
+            (Some(a), Some(b)) => b.saturating_duration_since(a).as_secs_f64() * 1e3,
+            _ => 0.0,
+        };
+        Usage {
+            prompt_tokens: self.prompt_len,
+            completion_tokens: self.generated(),
+            cached_tokens: 0,
+            prefill_ms: ms(self.times.first_scheduled, self.times.first_token),
+            decode_ms: ms(self.times.first_token, self.times.last_token),
+            spec: self.lane.as_ref().map(|l| l.stats),
+        }
+    }
+}
+
+impl std::fmt::Debug for Sequence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sequence")
+            .field("id", &self.request.id)
+            .field("len", &self.tokens.len())
+            .field("computed", &self.computed)
+            .field("pages", &self.block_table.len())
+            .finish()
+    }
+}

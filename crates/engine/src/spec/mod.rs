@@ -1,0 +1,140 @@
+//! Speculative decoding as an engine concept: a proposer drafts tokens for a sequence, the step verifies them in
+//! the same batched forward as everyone else's rows, and only what the target itself would have produced is
+//! committed.
+//!
+//! Vocabulary (see the DFlash spec, §3): a round verifies `1 + k` rows (the anchor, i.e. the last committed token,
+//! plus `k` drafts); `accepted` counts drafts equal to the target's token at their row; every round also commits
+//! one target token past them (the correction at the first mismatch, or the bonus after a full accept), so a round
+//! commits `accepted + 1` tokens: its acceptance length.
+
+pub mod gate;
+pub mod ngram;
+pub mod verify;
+
+pub use gate::{prompt_gate_passes, RuntimeGate};
+pub use ngram::{NgramConfig, NgramProposer};
+
+/// A drafter for one sequence.
+pub trait Proposer: Send {
+    /// The lane's name in logs and stats (`pld`, later `dflash`, `mtp`).
+    fn name(&self) -> &'static str;
+
+    /// Up to `max` tokens likely to follow `tokens` (the sequence's committed tokens, prompt included); empty when
+    /// it has no guess, which makes the round a plain decode step.
+    fn propose(&mut self, tokens: &[u32], max: usize) -> Vec<u32>;
+
+    /// Told after each verified round how many of the `drafted` tokens were accepted (learned drafters adapt).
+    fn on_verified(&mut self, _drafted: usize, _accepted: usize) {}
+}
+
+/// Speculation settings of the server (or one request).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SpecConfig {
+    /// The n-gram lane; `None` when off.
+    pub pld: Option<NgramConfig>,
+    /// The runtime gate's threshold: accepted drafts per round below it, after the warm-up, pause drafting.
+    pub gate_min_accepted: f64,
+}
+
+impl Default for SpecConfig {
+    fn default() -> Self {
+        SpecConfig { pld: Some(NgramConfig::default()), gate_min_accepted: gate::DEFAULT_MIN_ACCEPTED }
+    }
+}
+
+/// What speculation did for one sequence.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpecStats {
+    /// The lane (`pld`, ...).
+    pub mode: &'static str,
+    /// Rounds that verified at least one draft.
+    pub rounds: u64,
+    pub drafted: u64,
+    pub accepted: u64,
+    /// Decode steps run without drafts while the lane was armed (no match, or the runtime gate paused it).
+    pub plain_steps: u64,
+    /// Times the runtime gate paused drafting.
+    pub gate_pauses: u64,
+}
+
+impl SpecStats {
+    pub fn record_round(&mut self, drafted: usize, accepted: usize) {
+        self.rounds += 1;
+        self.drafted += drafted as u64;
+        self.accepted += accepted as u64;
+    }
+
+    /// Accepted over drafted.
+    pub fn accept_rate(&self) -> f64 {
+        if self.drafted == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.drafted as f64
+        }
+    }
+
+    /// The `[spec-stats]` log line.
+    pub fn log_line(&self) -> String {
+        format!(
+            "[spec-stats] mode={} rounds={} drafted={} accepted={} accept_rate={:.3} tokens_per_round={:.2} \
+             plain_steps={} gate_pauses={}",
+            self.mode,
+            self.rounds,
+            self.drafted,
+            self.accepted,
+            self.accept_rate(),
+            self.tokens_per_round(),
+            self.plain_steps,
+            self.gate_pauses
+        )
+    }
+
+    /// Tokens committed per verify round (acceptance length, bonus included).
+    pub fn tokens_per_round(&self) -> f64 {
+        if self.rounds == 0 {
+            0.0
+        } else {
+            (self.accepted + self.rounds) as f64 / self.rounds as f64
+        }
+    }
+}
+
+/// A sequence's armed lane: its proposer, gate and stats.
+pub struct SpecLane {
+    pub proposer: Box<dyn Proposer>,
+    pub gate: RuntimeGate,
+    pub stats: SpecStats,
+    pub max_draft: usize,
+}
+
+impl SpecLane {
+    pub fn new(proposer: Box<dyn Proposer>, max_draft: usize, min_accepted: f64) -> Self {
+        let stats = SpecStats { mode: proposer.name(), ..SpecStats::default() };
+        SpecLane { proposer, gate: RuntimeGate::new(min_accepted), stats, max_draft }
+    }
+
+    /// Drafts for the next round (at most `cap`), or none while the gate holds the lane back.
+    pub fn draft(&mut self, tokens: &[u32], cap: usize) -> Vec<u32> {
+        let cap = cap.min(self.max_draft);
+        let drafts = if cap > 0 && self.gate.allows() { self.proposer.propose(tokens, cap) } else { Vec::new() };
+        if drafts.is_empty() {
+            self.stats.plain_steps += 1;
+        }
+        drafts
+    }
+
+    /// Records a verified round.
+    pub fn verified(&mut self, drafted: usize, accepted: usize) {
+        self.stats.record_round(drafted, accepted);
+        self.proposer.on_verified(drafted, accepted);
+        if self.gate.record(accepted) {
+            self.stats.gate_pauses += 1;
+        }
+    }
+}
+
+impl std::fmt::Debug for SpecLane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SpecLane").field("stats", &self.stats).finish()
+    }
+}

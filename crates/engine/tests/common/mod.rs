@@ -1,0 +1,116 @@
+//! Shared by the engine tests: the default model, a recording sink, and a batched run to completion.
+#![allow(dead_code)]
+
+use std::sync::{Arc, Mutex};
+
+use dflash_engine::spec::SpecConfig;
+use dflash_engine::{Engine, EngineConfig, EngineMetrics, Event, EventSink, FinishReason, Request, SamplingParams};
+use dflash_models::resolve::{ensure_default_model, ModelSource};
+use dflash_models::tokenizer::Tokenizer;
+use dflash_models::{load_model, LlamaModel, LoadOptions};
+
+/// Records a sequence's events.
+#[derive(Clone, Default)]
+pub struct Recorder(pub Arc<Mutex<Vec<Event>>>);
+
+impl EventSink for Recorder {
+    fn send(&mut self, event: Event) -> bool {
+        self.0.lock().expect("lock").push(event);
+        true
+    }
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+/// What one sequence produced.
+#[derive(Debug, PartialEq)]
+pub struct Outcome {
+    pub ids: Vec<u32>,
+    pub text: String,
+    pub reason: FinishReason,
+}
+
+impl Recorder {
+    pub fn outcome(&self) -> Outcome {
+        let events = self.0.lock().expect("lock");
+        let (mut ids, mut text, mut reason) = (Vec::new(), String::new(), None);
+        for e in events.iter() {
+            match e {
+                Event::Tokens { ids: new, text: t, .. } => {
+                    ids.extend(new);
+                    text.push_str(t);
+                }
+                Event::Finished { reason: r, usage } => {
+                    assert_eq!(usage.completion_tokens, ids.len(), "usage counts every streamed token");
+                    reason = Some(*r);
+                }
+                Event::Error(m) => panic!("sequence failed: {m}"),
+            }
+        }
+        Outcome { ids, text, reason: reason.expect("the sequence finished") }
+    }
+}
+
+pub struct Model {
+    pub model: Arc<LlamaModel>,
+    pub tokenizer: Arc<Tokenizer>,
+}
+
+pub fn load() -> Model {
+    dflash_runtime::threads::init(Some(2));
+    let path = ensure_default_model().expect("default model");
+    let loaded = load_model(&ModelSource::GgufFile(path), &LoadOptions::default()).expect("load");
+    Model { model: Arc::new(loaded.model), tokenizer: Arc::new(loaded.tokenizer) }
+}
+
+/// An engine of `num_pages` pages of 16 tokens, with a context window of the whole cache (at most 512).
+pub fn config(num_pages: usize, max_batch_tokens: usize, spec: SpecConfig) -> EngineConfig {
+    EngineConfig {
+        context_window: (num_pages * 16).min(512),
+        num_pages,
+        page_size: 16,
+        max_running: 32,
+        max_batch_tokens,
+        eos_ids: Vec::new(),
+        spec,
+    }
+}
+
+pub fn request(id: usize, prompt: Vec<u32>, sampling: SamplingParams, max_tokens: usize) -> Request {
+    Request {
+        id: format!("r{id}"),
+        prompt,
+        sampling,
+        max_tokens,
+        stop: Vec::new(),
+        logprobs: None,
+        ignore_eos: true,
+        enable_pld: None,
+    }
+}
+
+/// Runs `requests` together to completion; returns each outcome and the metrics text.
+pub fn run_all(m: &Model, cfg: EngineConfig, requests: Vec<Request>) -> (Vec<Outcome>, String) {
+    let metrics = Arc::new(EngineMetrics::default());
+    let mut engine =
+        Engine::new(Arc::clone(&m.model), Arc::clone(&m.tokenizer), cfg, Arc::clone(&metrics)).expect("engine");
+    let recorders: Vec<Recorder> = requests.iter().map(|_| Recorder::default()).collect();
+    for (r, rec) in requests.into_iter().zip(&recorders) {
+        engine.add(r, Box::new(rec.clone()));
+    }
+    while engine.has_work() {
+        engine.step().expect("step");
+    }
+    let text = metrics.render();
+    assert!(text.contains("dflash_kv_pages_used 0\n"), "every page is freed:\n{text}");
+    (recorders.iter().map(Recorder::outcome).collect(), text)
+}
+
+/// The value of an unlabelled metric.
+pub fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+}
