@@ -2,6 +2,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
+use dflash_engine::spec::{NgramConfig, SpecConfig};
 use dflash_engine::SamplingParams;
 use dflash_models::loader::GenerationDefaults;
 
@@ -19,6 +20,10 @@ pub struct Cli {
 pub enum Command {
     /// Generate one chat reply and print it to stdout (stats and logs go to stderr).
     Run(Box<RunArgs>),
+    /// Serve the OpenAI-compatible HTTP API.
+    Serve(Box<ServeArgs>),
+    /// Benchmark the engine on the real model.
+    Bench(Box<crate::bench::BenchArgs>),
     /// Download the model (the default one unless --model is given) into the cache and print its path.
     Fetch(FetchArgs),
 }
@@ -123,12 +128,47 @@ pub fn random_seed() -> u64 {
     h.finish()
 }
 
+/// Speculative decoding flags, shared by `run`, `serve` and `bench`.
+#[derive(Args, Debug, Clone)]
+pub struct SpecArgs {
+    /// Prompt-lookup (n-gram) drafting: propose what followed the latest earlier occurrence of the text's longest
+    /// matching suffix (on by default; gated off for prompts without repeats and when drafts stop being accepted).
+    #[arg(long, overrides_with = "no_pld")]
+    pub pld: bool,
+    /// Turn prompt-lookup drafting off.
+    #[arg(long, overrides_with = "pld")]
+    pub no_pld: bool,
+    /// Most tokens drafted per round.
+    #[arg(long, default_value_t = 8)]
+    pub pld_max_draft: usize,
+    /// Shortest suffix (in tokens) worth matching.
+    #[arg(long, default_value_t = 2)]
+    pub pld_min_match: usize,
+    /// Longest suffix tried first.
+    #[arg(long, default_value_t = 4)]
+    pub pld_max_match: usize,
+}
+
+impl SpecArgs {
+    /// The engine's speculation settings.
+    pub fn config(&self) -> Result<SpecConfig> {
+        if self.pld_min_match == 0 || self.pld_max_match < self.pld_min_match || self.pld_max_draft == 0 {
+            bail!("need 1 <= --pld-min-match <= --pld-max-match and --pld-max-draft >= 1");
+        }
+        let ngram =
+            NgramConfig { max_draft: self.pld_max_draft, min_match: self.pld_min_match, max_match: self.pld_max_match };
+        Ok(SpecConfig { pld: (!self.no_pld).then_some(ngram), ..SpecConfig::default() })
+    }
+}
+
 #[derive(Args, Debug)]
 pub struct RunArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
     /// The user message.
     #[arg(long, short = 'p')]
     pub prompt: String,
@@ -144,4 +184,70 @@ pub struct RunArgs {
     /// Send the prompt as raw text, without the chat template.
     #[arg(long)]
     pub raw: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port; the log line `listening on ...` names it).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Most sequences decoding at once; further requests wait in the queue.
+    #[arg(long, default_value_t = 16)]
+    pub max_concurrent: usize,
+    /// Most requests waiting for admission; beyond it requests get 503 with Retry-After.
+    #[arg(long, default_value_t = 64)]
+    pub max_queue: usize,
+    /// Memory for KV cache pages, in bytes (suffixes K, M, G accepted). Default: 1G, and at least one full
+    /// context window.
+    #[arg(long, value_parser = parse_size)]
+    pub kv_cache_mem: Option<u64>,
+    /// Most rows (prompt-chunk tokens plus decode rows) in one batched forward; bounds how long a long prompt
+    /// can stall running streams.
+    #[arg(long, default_value_t = 256)]
+    pub max_batch_tokens: usize,
+    /// Require `Authorization: Bearer KEY` on every route but /health.
+    #[arg(long, env = "DFLASH_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Largest request body accepted, in bytes (suffixes K, M, G accepted); larger ones get 413.
+    #[arg(long, value_parser = parse_size, default_value = "16M")]
+    pub max_body_bytes: u64,
+    /// On SIGINT/SIGTERM, seconds running streams get to finish before they are cancelled.
+    #[arg(long, default_value_t = 10)]
+    pub shutdown_timeout: u64,
+}
+
+/// Parses a byte count with an optional K/M/G suffix (powers of 1024).
+pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let (digits, shift) = match t.char_indices().last() {
+        Some((i, c)) if c.eq_ignore_ascii_case(&'k') => (&t[..i], 10),
+        Some((i, c)) if c.eq_ignore_ascii_case(&'m') => (&t[..i], 20),
+        Some((i, c)) if c.eq_ignore_ascii_case(&'g') => (&t[..i], 30),
+        _ => (t, 0),
+    };
+    let n: u64 = digits.trim().parse().map_err(|_| format!("`{s}` is not a size (e.g. 4096, 512M, 2G)"))?;
+    n.checked_mul(1 << shift).ok_or_else(|| format!("`{s}` is too large"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_take_binary_suffixes() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("512M"), Ok(512 << 20));
+        assert_eq!(parse_size("2g"), Ok(2 << 30));
+        assert_eq!(parse_size("16K"), Ok(16 << 10));
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("-1").is_err());
+        assert!(parse_size("99999999999G").is_err());
+    }
 }

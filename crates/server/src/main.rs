@@ -1,7 +1,11 @@
 //! `dflash`: run, serve and bench LLMs with speculative decoding.
 
+mod bench;
 mod cli;
+mod http;
+mod live;
 mod run;
+mod serve;
 
 use clap::Parser;
 use tracing_subscriber::EnvFilter;
@@ -13,6 +17,8 @@ fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
     let result = match cli.command {
         cli::Command::Run(args) => run::run(&args),
+        cli::Command::Serve(args) => serve::serve(&args),
+        cli::Command::Bench(args) => bench::bench(&args),
         cli::Command::Fetch(args) => run::fetch(&args),
     };
     match result {

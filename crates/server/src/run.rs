@@ -3,12 +3,19 @@
 use std::io::Write;
 use std::time::Instant;
 
+use std::sync::{Arc, Mutex};
+
 use anyhow::{Context, Result};
-use dflash_engine::{GenerateOptions, Generator};
-use dflash_models::tokenizer::{ChatMessage, IncrementalDecoder};
+use dflash_engine::{Engine, EngineConfig, EngineMetrics, Event, EventSink, FinishReason, Request, Usage};
+use dflash_models::tokenizer::ChatMessage;
 use dflash_models::{load_model, LoadOptions, LoadedModel};
 
 use crate::cli::{FetchArgs, ModelArgs, RunArgs};
+
+/// Tokens per KV page.
+const PAGE_SIZE: usize = 16;
+/// Prompt tokens per prefill forward.
+const PREFILL_CHUNK: usize = 512;
 
 /// Resolves, loads and reports a model.
 pub fn load(args: &ModelArgs) -> Result<LoadedModel> {
@@ -49,50 +56,97 @@ fn prompt_ids(loaded: &LoadedModel, args: &RunArgs) -> Result<Vec<u32>> {
     Ok(tok.encode(&text, true)?)
 }
 
+/// How a run ended: its finish reason and usage, or the error.
+type RunResult = Option<Result<(FinishReason, Usage), String>>;
+
+/// Writes a run's text to stdout as it streams and keeps how it ended.
+struct StdoutSink {
+    out: std::io::Stdout,
+    result: Arc<Mutex<RunResult>>,
+}
+
+impl EventSink for StdoutSink {
+    fn send(&mut self, event: Event) -> bool {
+        let done = match event {
+            Event::Tokens { text, .. } => {
+                let mut out = self.out.lock();
+                return match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        self.set(Err(format!("writing to stdout: {e}")));
+                        false
+                    }
+                };
+            }
+            Event::Finished { reason, usage } => Ok((reason, usage)),
+            Event::Error(m) => Err(m),
+        };
+        self.set(done);
+        true
+    }
+
+    fn is_closed(&self) -> bool {
+        self.result.lock().map(|r| r.is_some()).unwrap_or(true)
+    }
+}
+
+impl StdoutSink {
+    fn set(&self, r: Result<(FinishReason, Usage), String>) {
+        if let Ok(mut slot) = self.result.lock() {
+            slot.get_or_insert(r);
+        }
+    }
+}
+
 pub fn run(args: &RunArgs) -> Result<()> {
     let loaded = load(&args.model)?;
     let ids = prompt_ids(&loaded, args)?;
     let cfg = loaded.model.config();
     let ctx = args.model.ctx_size.unwrap_or(cfg.max_position_embeddings.min(8192));
-    let mut gen = Generator::new(&loaded.model, ctx, 16)?;
-    let mut stop_ids = loaded.tokenizer.eos_ids().to_vec();
-    stop_ids.extend(&cfg.eos_token_ids);
-    let opts = GenerateOptions {
-        max_new_tokens: args.max_tokens,
-        sampling: args.sampling.params(&loaded.generation)?,
-        ignore_eos: args.ignore_eos,
-        stop_ids,
-        prefill_chunk: 512,
+    let mut eos_ids = loaded.tokenizer.eos_ids().to_vec();
+    eos_ids.extend(&cfg.eos_token_ids);
+    let engine_cfg = EngineConfig {
+        context_window: ctx,
+        num_pages: ctx.div_ceil(PAGE_SIZE),
+        page_size: PAGE_SIZE,
+        max_running: 1,
+        max_batch_tokens: PREFILL_CHUNK,
+        eos_ids,
+        spec: args.spec.config()?,
     };
-    let mut detok = IncrementalDecoder::new(&loaded.tokenizer, true);
-    let mut stdout = std::io::stdout().lock();
-    let mut write_err = None;
-    let (_, finish, stats) = gen.generate(&ids, &opts, |id| {
-        let piece = match detok.push(id) {
-            Ok(p) => p,
-            Err(e) => {
-                write_err = Some(anyhow::Error::from(e));
-                return false;
-            }
-        };
-        if let Err(e) = stdout.write_all(piece.as_bytes()).and_then(|_| stdout.flush()) {
-            write_err = Some(e.into());
-            return false;
-        }
-        true
-    })?;
-    if let Some(e) = write_err {
-        return Err(e);
+    let request = Request {
+        id: "run".into(),
+        max_tokens: args.max_tokens.min(ctx.saturating_sub(ids.len())),
+        prompt: ids,
+        sampling: args.sampling.params(&loaded.generation)?,
+        stop: Vec::new(),
+        logprobs: None,
+        ignore_eos: args.ignore_eos,
+        enable_pld: None,
+    };
+    let tokenizer = Arc::new(loaded.tokenizer);
+    let mut engine = Engine::new(Arc::new(loaded.model), tokenizer, engine_cfg, Arc::new(EngineMetrics::default()))?;
+    let result = Arc::new(Mutex::new(None));
+    let started = Instant::now();
+    engine.add(request, Box::new(StdoutSink { out: std::io::stdout(), result: Arc::clone(&result) }));
+    while engine.has_work() {
+        engine.step()?;
     }
-    let tail = detok.flush()?;
-    writeln!(stdout, "{tail}")?;
+    let outcome = result.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.take();
+    let (finish, usage) = match outcome {
+        Some(Ok(done)) => done,
+        Some(Err(m)) => anyhow::bail!("{m}"),
+        None => anyhow::bail!("generation ended without a result"),
+    };
+    println!();
+    let ttft_ms = started.elapsed().as_secs_f64() * 1e3 - usage.decode_ms;
+    let rate = |n: usize, ms: f64| if ms > 0.0 { n as f64 / ms * 1e3 } else { 0.0 };
     eprintln!(
-        "[stats] prompt {} tokens, generated {} ({finish:?}), TTFT {:.1} ms, prefill {:.1} tok/s, decode {:.1} tok/s",
-        stats.prompt_tokens,
-        stats.generated_tokens,
-        stats.ttft.as_secs_f64() * 1e3,
-        stats.prefill_tok_s(),
-        stats.decode_tok_s(),
+        "[stats] prompt {} tokens, generated {} ({finish:?}), TTFT {ttft_ms:.1} ms, prefill {:.1} tok/s, decode {:.1} tok/s",
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        rate(usage.prompt_tokens, usage.prefill_ms),
+        rate(usage.completion_tokens.saturating_sub(1), usage.decode_ms),
     );
     Ok(())
 }

@@ -1,0 +1,256 @@
+//! `dflash bench`: engine benchmarks on the real model, in process (no HTTP), so the figures are the engine's.
+//!
+//! * `batch`: aggregate decode throughput with 1, 4, 16... concurrent streams, configurations interleaved
+//!   (A B C A B C ...) and medians reported, so slow drifts of the machine hit every configuration alike.
+//! * `ttft`: time to first token of a long prompt alone, and while other streams decode.
+//! * `lanes`: speculation lanes side by side on a prompt set (see [`lanes`]).
+
+mod lanes;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use dflash_engine::spec::SpecConfig;
+use dflash_engine::{Engine, EngineConfig, EngineMetrics, Event, EventSink, Request, SamplingParams};
+use dflash_models::tokenizer::Tokenizer;
+use dflash_models::{LlamaModel, LoadedModel};
+
+use crate::cli::{ModelArgs, SpecArgs};
+use crate::run::load;
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
+    #[command(subcommand)]
+    pub scenario: Scenario,
+    /// Most rows per batched forward (as `serve --max-batch-tokens`).
+    #[arg(long, default_value_t = 256, global = true)]
+    pub max_batch_tokens: usize,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Scenario {
+    /// Aggregate decode throughput by number of concurrent streams.
+    Batch {
+        /// Stream counts to compare.
+        #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+        streams: Vec<usize>,
+        /// Tokens each stream generates.
+        #[arg(long, default_value_t = 64)]
+        max_tokens: usize,
+        /// Rounds over all configurations; medians are reported.
+        #[arg(long, default_value_t = 3)]
+        repeat: usize,
+    },
+    /// Time to first token of a long prompt, alone and while other streams decode.
+    Ttft {
+        /// Text file holding the long prompt (sent as raw text).
+        #[arg(long, default_value = "bench/prompts/summarise-1000.txt")]
+        prompt_file: String,
+        /// Streams decoding in the background.
+        #[arg(long, default_value_t = 4)]
+        background: usize,
+        #[arg(long, default_value_t = 3)]
+        repeat: usize,
+    },
+    /// Speculation lanes side by side (alternating per prompt) on a prompt set: JSON and a Markdown table.
+    Lanes(lanes::LanesArgs),
+}
+
+/// First/last token times and the token count of one stream.
+#[derive(Default)]
+struct StreamLog {
+    first: Option<Instant>,
+    last: Option<Instant>,
+    tokens: usize,
+    error: Option<String>,
+}
+
+#[derive(Clone, Default)]
+struct Probe(Arc<Mutex<StreamLog>>);
+
+impl EventSink for Probe {
+    fn send(&mut self, event: Event) -> bool {
+        let now = Instant::now();
+        let mut log = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match event {
+            Event::Tokens { ids, .. } => {
+                log.first.get_or_insert(now);
+                log.last = Some(now);
+                log.tokens += ids.len();
+            }
+            Event::Finished { .. } => {}
+            Event::Error(m) => log.error = Some(m),
+        }
+        true
+    }
+
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+impl Probe {
+    fn first(&self) -> Option<Instant> {
+        self.0.lock().ok().and_then(|l| l.first)
+    }
+}
+
+pub fn bench(args: &BenchArgs) -> Result<()> {
+    let LoadedModel { model, tokenizer, .. } = load(&args.model)?;
+    let tokenizer = Arc::new(tokenizer);
+    let prompts = bench_prompts(&tokenizer)?;
+    match &args.scenario {
+        Scenario::Batch { streams, max_tokens, repeat } => {
+            let max_running = streams.iter().copied().max().unwrap_or(1);
+            let mut e = engine(Arc::new(model), tokenizer, max_running, args.max_batch_tokens)?;
+            batch(&mut e, &prompts, streams, *max_tokens, *repeat)
+        }
+        Scenario::Ttft { prompt_file, background, repeat } => {
+            let text = std::fs::read_to_string(prompt_file).with_context(|| format!("reading {prompt_file}"))?;
+            let long = tokenizer.encode(&text, true)?;
+            let mut e = engine(Arc::new(model), tokenizer, background + 1, args.max_batch_tokens)?;
+            ttft(&mut e, &long, &prompts, *background, *repeat)
+        }
+        Scenario::Lanes(lanes_args) => lanes::run(Arc::new(model), tokenizer, &args.spec, lanes_args),
+    }
+}
+
+/// An engine with room for `max_running` sequences of 2,048 tokens.
+fn engine(
+    model: Arc<LlamaModel>,
+    tokenizer: Arc<Tokenizer>,
+    max_running: usize,
+    max_batch_tokens: usize,
+) -> Result<Engine> {
+    let cfg = EngineConfig {
+        context_window: 2048,
+        num_pages: (max_running + 1) * 2048 / 16,
+        page_size: 16,
+        max_running,
+        max_batch_tokens,
+        eos_ids: tokenizer.eos_ids().to_vec(),
+        spec: SpecConfig { pld: None, ..SpecConfig::default() },
+    };
+    Ok(Engine::new(model, tokenizer, cfg, Arc::new(EngineMetrics::default()))?)
+}
+
+fn request(id: String, prompt: Vec<u32>, max_tokens: usize) -> Request {
+    Request {
+        id,
+        prompt,
+        sampling: SamplingParams::greedy(),
+        max_tokens,
+        stop: Vec::new(),
+        logprobs: None,
+        ignore_eos: true,
+        enable_pld: Some(false),
+    }
+}
+
+/// Aggregate decode tok/s of `n` streams started together: tokens after each stream's first, over the time from
+/// the last first token to the last token (the span where all of them decode).
+fn batch_round(e: &mut Engine, prompts: &[Vec<u32>], n: usize, max_tokens: usize) -> Result<f64> {
+    let probes: Vec<Probe> = (0..n).map(|_| Probe::default()).collect();
+    for (i, p) in probes.iter().enumerate() {
+        e.add(request(format!("b{i}"), prompts[i % prompts.len()].clone(), max_tokens), Box::new(p.clone()));
+    }
+    while e.has_work() {
+        e.step()?;
+    }
+    let logs: Vec<_> =
+        probes.iter().map(|p| p.0.lock().map(|l| (l.first, l.last, l.tokens, l.error.clone()))).collect();
+    let mut start = None;
+    let mut end = None;
+    let mut tokens = 0;
+    for log in logs {
+        let Ok((first, last, count, error)) = log else { bail!("poisoned probe") };
+        if let Some(m) = error {
+            bail!("stream failed: {m}");
+        }
+        start = start.max(first);
+        end = end.max(last);
+        tokens += count.saturating_sub(1);
+    }
+    let (Some(start), Some(end)) = (start, end) else { bail!("no tokens") };
+    Ok(tokens as f64 / end.duration_since(start).as_secs_f64().max(1e-9))
+}
+
+fn batch(e: &mut Engine, prompts: &[Vec<u32>], streams: &[usize], max_tokens: usize, repeat: usize) -> Result<()> {
+    let mut results: Vec<Vec<f64>> = vec![Vec::new(); streams.len()];
+    for round in 0..repeat.max(1) {
+        for (k, &n) in streams.iter().enumerate() {
+            let tok_s = batch_round(e, prompts, n, max_tokens)?;
+            eprintln!("[bench] round {round} streams {n}: {tok_s:.1} tok/s aggregate");
+            results[k].push(tok_s);
+        }
+    }
+    println!("| streams | aggregate decode tok/s (median of {}) | per stream | vs 1 stream |", repeat.max(1));
+    println!("|---|---|---|---|");
+    let base = results.first().map(|r| median(r)).unwrap_or(1.0);
+    for (k, &n) in streams.iter().enumerate() {
+        let m = median(&results[k]);
+        println!("| {n} | {m:.1} | {:.1} | {:.2}x |", m / n as f64, m / base);
+    }
+    Ok(())
+}
+
+fn ttft(e: &mut Engine, long: &[u32], prompts: &[Vec<u32>], background: usize, repeat: usize) -> Result<()> {
+    let (mut alone, mut loaded_ttft) = (Vec::new(), Vec::new());
+    for _ in 0..repeat.max(1) {
+        alone.push(ttft_round(e, long, prompts, 0)?);
+        loaded_ttft.push(ttft_round(e, long, prompts, background)?);
+        eprintln!(
+            "[bench] ttft alone {:.3} s, with {background} streams {:.3} s",
+            alone[alone.len() - 1],
+            loaded_ttft[loaded_ttft.len() - 1]
+        );
+    }
+    println!("| long prompt ({} tokens) | TTFT median (s) |", long.len());
+    println!("|---|---|");
+    println!("| alone | {:.3} |", median(&alone));
+    println!("| while {background} streams decode | {:.3} |", median(&loaded_ttft));
+    Ok(())
+}
+
+/// TTFT of `long` submitted once `background` streams are decoding; the background streams run long enough to
+/// cover the whole prefill.
+fn ttft_round(e: &mut Engine, long: &[u32], prompts: &[Vec<u32>], background: usize) -> Result<f64> {
+    let bg: Vec<Probe> = (0..background).map(|_| Probe::default()).collect();
+    for (i, p) in bg.iter().enumerate() {
+        e.add(request(format!("bg{i}"), prompts[i % prompts.len()].clone(), 1024), Box::new(p.clone()));
+    }
+    while bg.iter().any(|p| p.first().is_none()) {
+        e.step()?;
+    }
+    let probe = Probe::default();
+    let submitted = Instant::now();
+    e.add(request("long".into(), long.to_vec(), 1), Box::new(probe.clone()));
+    while probe.first().is_none() && e.has_work() {
+        e.step()?;
+    }
+    let ttft = probe.first().map(|t| t.duration_since(submitted)).unwrap_or(Duration::ZERO);
+    e.abort_all("benchmark round over");
+    Ok(ttft.as_secs_f64())
+}
+
+fn bench_prompts(tokenizer: &Tokenizer) -> Result<Vec<Vec<u32>>> {
+    let texts = [
+        "Write a story about a lighthouse keeper.",
+        "Explain how a bicycle stays upright.",
+        "List ten facts about the moon.",
+        "Describe a walk through a forest in autumn.",
+    ];
+    texts.iter().map(|t| Ok(tokenizer.encode(t, true)?)).collect()
+}
+
+pub(crate) fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s.get(s.len() / 2).copied().unwrap_or(f64::NAN)
+}

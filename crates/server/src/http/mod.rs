@@ -1,0 +1,86 @@
+//! The OpenAI-compatible HTTP layer of `dflash serve`, independent of the engine behind [`EngineHandle`].
+//!
+//! Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models[/{model}]`, `GET /health`,
+//! `GET /metrics`, `POST /tokenize`, `POST /detokenize`. Every error, including axum's own rejections, 404s and
+//! 405s, is answered as `{"error": {"message", "type", "param", "code"}}`.
+
+mod engine;
+mod errors;
+mod metrics;
+mod middleware;
+mod reqlog;
+mod responses;
+mod routes;
+mod sse;
+mod types;
+mod validate;
+
+#[cfg(test)]
+mod tests;
+
+use std::fmt;
+use std::sync::Arc;
+
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use axum::{Extension, Router};
+
+#[cfg(test)]
+pub use dflash_engine::TopLogprob;
+pub use engine::{EngineEvent, EngineHandle, EngineRequest, SamplingFields, SubmitError};
+#[cfg(test)]
+pub use engine::{FinishReason, TokenLogprob, Usage};
+pub use errors::ApiError;
+pub use types::{ChatMessageIn, Role};
+
+/// Server-wide HTTP settings.
+#[derive(Clone)]
+pub struct HttpConfig {
+    /// Bearer token required on every route but `/health`; `None` leaves the server open.
+    pub api_key: Option<String>,
+    /// Largest request body accepted; larger ones get 413.
+    pub max_body_bytes: usize,
+    /// What `Retry-After` tells clients when the engine queue is full.
+    pub retry_after_secs: u64,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig { api_key: None, max_body_bytes: 16 << 20, retry_after_secs: 1 }
+    }
+}
+
+impl fmt::Debug for HttpConfig {
+    /// Keeps the API key out of logs.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HttpConfig")
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field("max_body_bytes", &self.max_body_bytes)
+            .field("retry_after_secs", &self.retry_after_secs)
+            .finish()
+    }
+}
+
+/// The OpenAI-compatible router over `engine`, with its own HTTP counters (served on `/metrics`).
+pub fn router(engine: Arc<dyn EngineHandle>, cfg: HttpConfig) -> Router {
+    let metrics = Arc::new(metrics::HttpMetrics::default());
+    let state = routes::AppState { engine, metrics: Arc::clone(&metrics), retry_after_secs: cfg.retry_after_secs };
+    let mut app = Router::new()
+        .route("/v1/chat/completions", post(routes::chat_completions))
+        .route("/v1/completions", post(routes::completions))
+        .route("/v1/models", get(routes::list_models))
+        .route("/v1/models/{model}", get(routes::get_model))
+        .route("/health", get(routes::health))
+        .route("/metrics", get(routes::metrics))
+        .route("/tokenize", post(routes::tokenize))
+        .route("/detokenize", post(routes::detokenize))
+        .fallback(routes::not_found)
+        .with_state(state)
+        .layer(DefaultBodyLimit::max(cfg.max_body_bytes))
+        .layer(Extension(errors::BodyLimit(cfg.max_body_bytes)));
+    if let Some(key) = cfg.api_key {
+        app = app.layer(axum::middleware::from_fn_with_state(Arc::<str>::from(key), middleware::require_api_key));
+    }
+    // Outermost, so it sees (and reshapes) auth failures and every other error.
+    app.layer(axum::middleware::from_fn_with_state(metrics, middleware::track))
+}

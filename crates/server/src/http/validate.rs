@@ -1,0 +1,447 @@
+//! Range and shape checks that turn request bodies into what the engine runs; every error names its param.
+
+use std::path::Path;
+
+use serde_json::{Map, Number, Value};
+
+use super::engine::SamplingFields;
+use super::errors::ApiError;
+use super::types::{ChatCompletionRequest, ChatMessageIn, CompletionRequest, RawMessage, Role, StreamOptions};
+
+/// Most stop strings per request (OpenAI's limit).
+const MAX_STOP_STRINGS: usize = 4;
+/// Most alternatives per token in logprobs.
+const MAX_TOP_LOGPROBS: i64 = 20;
+/// The legacy completions endpoint's default budget (OpenAI and vLLM agree).
+const DEFAULT_COMPLETION_MAX_TOKENS: usize = 16;
+
+/// Where a request's prompt comes from, before tokenization.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum PromptSource {
+    Chat { messages: Vec<ChatMessageIn>, add_generation_prompt: bool, kwargs: Value },
+    Text { text: String, add_special: bool },
+    Ids(Vec<u32>),
+}
+
+/// Generation settings checked and normalized; shared by both endpoints.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct GenerationSpec {
+    pub sampling: SamplingFields,
+    /// `None`: whatever room the context window leaves after the prompt.
+    pub max_tokens: Option<usize>,
+    pub stop: Vec<String>,
+    pub logprobs: Option<usize>,
+    pub ignore_eos: bool,
+    pub enable_pld: Option<bool>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// A request that passed every check that does not need the tokenizer.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct ValidRequest {
+    pub model: Option<String>,
+    pub prompt: PromptSource,
+    pub spec: GenerationSpec,
+}
+
+/// The sampling fields both endpoints share, gathered from either request type.
+struct SamplingInput {
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<i64>,
+    min_p: Option<f32>,
+    seed: Option<Number>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    repetition_penalty: Option<f32>,
+}
+
+/// The remaining fields both endpoints share.
+struct CommonInput {
+    max_tokens: Option<(&'static str, i64)>,
+    n: Option<i64>,
+    stop: Option<Value>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    logit_bias: Option<Map<String, Value>>,
+    ignore_eos: Option<bool>,
+    enable_pld: Option<bool>,
+}
+
+/// Checks a chat request.
+///
+/// # Errors
+/// 400 [`ApiError`] naming the first field that is out of range, of the wrong shape or unsupported.
+pub(crate) fn validate_chat(req: ChatCompletionRequest, defaults: &SamplingFields) -> Result<ValidRequest, ApiError> {
+    refuse_if(
+        req.tools.as_ref().is_some_and(|tools| !tools.is_empty()),
+        "tools",
+        "Tool calling (`tools`) is not supported.",
+    )?;
+    check_response_format(req.response_format.as_ref())?;
+    let top_logprobs = optional_range("top_logprobs", req.top_logprobs, 0, MAX_TOP_LOGPROBS)?;
+    let logprobs = match (req.logprobs.unwrap_or(false), top_logprobs) {
+        (true, top) => Some(top.unwrap_or(0)),
+        (false, Some(_)) => {
+            return Err(ApiError::invalid_param("top_logprobs", "`top_logprobs` requires `logprobs` to be true."))
+        }
+        (false, None) => None,
+    };
+    let max_tokens = match (req.max_completion_tokens, req.max_tokens) {
+        (Some(value), _) => Some(("max_completion_tokens", value)),
+        (None, Some(value)) => Some(("max_tokens", value)),
+        (None, None) => None,
+    };
+    let sampling = SamplingInput {
+        temperature: req.temperature,
+        top_p: req.top_p,
+        top_k: req.top_k,
+        min_p: req.min_p,
+        seed: req.seed,
+        presence_penalty: req.presence_penalty,
+        frequency_penalty: req.frequency_penalty,
+        repetition_penalty: req.repetition_penalty,
+    };
+    let common = CommonInput {
+        max_tokens,
+        n: req.n,
+        stop: req.stop,
+        stream: req.stream,
+        stream_options: req.stream_options,
+        logit_bias: req.logit_bias,
+        ignore_eos: req.ignore_eos,
+        enable_pld: req.enable_pld,
+    };
+    let spec = generation_spec(sampling, defaults, common, logprobs, None)?;
+    let prompt = PromptSource::Chat {
+        messages: validate_messages(req.messages)?,
+        add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
+        kwargs: template_kwargs(req.chat_template_kwargs)?,
+    };
+    Ok(ValidRequest { model: req.model, prompt, spec })
+}
+
+/// Checks a completions request.
+///
+/// # Errors
+/// 400 [`ApiError`] naming the first field that is out of range, of the wrong shape or unsupported.
+pub(crate) fn validate_completion(req: CompletionRequest, defaults: &SamplingFields) -> Result<ValidRequest, ApiError> {
+    refuse_if(req.echo == Some(true), "echo", "`echo` is not supported.")?;
+    refuse_if(req.best_of.is_some_and(|b| b != 1), "best_of", "Only `best_of` = 1 is supported.")?;
+    refuse_if(req.suffix.as_ref().is_some_and(|s| !s.is_empty()), "suffix", "`suffix` is not supported.")?;
+    let logprobs = optional_range("logprobs", req.logprobs, 0, MAX_TOP_LOGPROBS)?;
+    let sampling = SamplingInput {
+        temperature: req.temperature,
+        top_p: req.top_p,
+        top_k: req.top_k,
+        min_p: req.min_p,
+        seed: req.seed,
+        presence_penalty: req.presence_penalty,
+        frequency_penalty: req.frequency_penalty,
+        repetition_penalty: req.repetition_penalty,
+    };
+    let common = CommonInput {
+        max_tokens: req.max_tokens.map(|value| ("max_tokens", value)),
+        n: req.n,
+        stop: req.stop,
+        stream: req.stream,
+        stream_options: req.stream_options,
+        logit_bias: req.logit_bias,
+        ignore_eos: req.ignore_eos,
+        enable_pld: req.enable_pld,
+    };
+    let spec = generation_spec(sampling, defaults, common, logprobs, Some(DEFAULT_COMPLETION_MAX_TOKENS))?;
+    let prompt = completion_prompt(req.prompt, req.add_special_tokens.unwrap_or(true))?;
+    Ok(ValidRequest { model: req.model, prompt, spec })
+}
+
+fn generation_spec(
+    sampling: SamplingInput,
+    defaults: &SamplingFields,
+    common: CommonInput,
+    logprobs: Option<usize>,
+    default_max_tokens: Option<usize>,
+) -> Result<GenerationSpec, ApiError> {
+    refuse_if(common.n.is_some_and(|n| n != 1), "n", "Only `n` = 1 is supported.")?;
+    let has_bias = common.logit_bias.as_ref().is_some_and(|bias| !bias.is_empty());
+    refuse_if(has_bias, "logit_bias", "`logit_bias` is not supported.")?;
+    let stream = common.stream.unwrap_or(false);
+    if common.stream_options.is_some() && !stream {
+        return Err(ApiError::invalid_param(
+            "stream_options",
+            "`stream_options` is only allowed when `stream` is true.",
+        ));
+    }
+    let max_tokens = match common.max_tokens {
+        Some((name, value)) if value < 1 => {
+            return Err(ApiError::invalid_param(name, format!("`{name}` must be at least 1, got {value}.")))
+        }
+        Some((_, value)) => Some(usize::try_from(value).unwrap_or(usize::MAX)),
+        None => default_max_tokens,
+    };
+    Ok(GenerationSpec {
+        sampling: sampling_fields(sampling, defaults)?,
+        max_tokens,
+        stop: stop_strings(common.stop)?,
+        logprobs,
+        ignore_eos: common.ignore_eos.unwrap_or(false),
+        enable_pld: common.enable_pld,
+        stream,
+        include_usage: common.stream_options.and_then(|options| options.include_usage).unwrap_or(false),
+    })
+}
+
+/// Checks the sampling fields; absent ones take `defaults` (the model's generation config over OpenAI's).
+fn sampling_fields(input: SamplingInput, defaults: &SamplingFields) -> Result<SamplingFields, ApiError> {
+    let closed = |lo: f32, hi: f32| move |v: f32| (lo..=hi).contains(&v);
+    let top_k = match input.top_k {
+        // vLLM spells "off" as -1; 0 means off in our sampler.
+        None => defaults.top_k,
+        Some(-1) => 0,
+        Some(k) if k >= 0 => usize::try_from(k).unwrap_or(usize::MAX),
+        Some(k) => return Err(ApiError::invalid_param("top_k", format!("`top_k` must be -1 (off) or >= 0, got {k}."))),
+    };
+    Ok(SamplingFields {
+        temperature: float("temperature", input.temperature, defaults.temperature, "[0, 2]", closed(0.0, 2.0))?,
+        top_p: float("top_p", input.top_p, defaults.top_p, "(0, 1]", |v| v > 0.0 && v <= 1.0)?,
+        top_k,
+        min_p: float("min_p", input.min_p, defaults.min_p, "[0, 1]", closed(0.0, 1.0))?,
+        seed: input.seed.map(seed_value).transpose()?,
+        presence_penalty: float("presence_penalty", input.presence_penalty, 0.0, "[-2, 2]", closed(-2.0, 2.0))?,
+        frequency_penalty: float("frequency_penalty", input.frequency_penalty, 0.0, "[-2, 2]", closed(-2.0, 2.0))?,
+        repetition_penalty: float(
+            "repetition_penalty",
+            input.repetition_penalty,
+            defaults.repetition_penalty,
+            "(0, 10]",
+            |v| v > 0.0 && v <= 10.0,
+        )?,
+    })
+}
+
+fn float(
+    name: &str,
+    value: Option<f32>,
+    default: f32,
+    range: &str,
+    accepts: impl Fn(f32) -> bool,
+) -> Result<f32, ApiError> {
+    match value {
+        None => Ok(default),
+        Some(v) if accepts(v) => Ok(v),
+        Some(v) => Err(ApiError::invalid_param(name, format!("`{name}` must be in {range}, got {v}."))),
+    }
+}
+
+/// Any JSON integer: negative seeds keep their bits, so distinct seeds stay distinct.
+fn seed_value(seed: Number) -> Result<u64, ApiError> {
+    seed.as_u64()
+        .or_else(|| seed.as_i64().map(|s| s as u64))
+        .ok_or_else(|| ApiError::invalid_param("seed", format!("`seed` must be an integer, got {seed}.")))
+}
+
+fn optional_range(name: &str, value: Option<i64>, lo: i64, hi: i64) -> Result<Option<usize>, ApiError> {
+    match value {
+        None => Ok(None),
+        Some(v) if (lo..=hi).contains(&v) => Ok(Some(usize::try_from(v).unwrap_or(0))),
+        Some(v) => Err(ApiError::invalid_param(name, format!("`{name}` must be in [{lo}, {hi}], got {v}."))),
+    }
+}
+
+fn refuse_if(condition: bool, param: &str, message: &str) -> Result<(), ApiError> {
+    if condition {
+        return Err(ApiError::invalid_param(param, message));
+    }
+    Ok(())
+}
+
+fn check_response_format(format: Option<&Value>) -> Result<(), ApiError> {
+    match format {
+        None | Some(Value::Null) => Ok(()),
+        Some(value) if value.get("type").and_then(Value::as_str) == Some("text") => Ok(()),
+        Some(_) => {
+            Err(ApiError::invalid_param("response_format", "Only `response_format` {\"type\": \"text\"} is supported."))
+        }
+    }
+}
+
+fn stop_strings(stop: Option<Value>) -> Result<Vec<String>, ApiError> {
+    let strings = match stop {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::String(s)) => vec![s],
+        Some(Value::Array(items)) if items.len() > MAX_STOP_STRINGS => {
+            let message = format!("`stop` may hold at most {MAX_STOP_STRINGS} strings, got {}.", items.len());
+            return Err(ApiError::invalid_param("stop", message));
+        }
+        Some(Value::Array(items)) => items
+            .into_iter()
+            .enumerate()
+            .map(|(i, item)| match item {
+                Value::String(s) => Ok(s),
+                _ => Err(ApiError::invalid_param(format!("stop[{i}]"), "`stop` must hold only strings.")),
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(ApiError::invalid_param("stop", "`stop` must be a string or an array of strings.")),
+    };
+    if strings.iter().any(String::is_empty) {
+        return Err(ApiError::invalid_param("stop", "`stop` strings must not be empty."));
+    }
+    Ok(strings)
+}
+
+/// Checks roles and content shapes, joining text parts with newlines (as vLLM does).
+///
+/// # Errors
+/// 400 [`ApiError`] naming the message (and part) at fault.
+pub(crate) fn validate_messages(raw: Vec<RawMessage>) -> Result<Vec<ChatMessageIn>, ApiError> {
+    if raw.is_empty() {
+        return Err(ApiError::invalid_param("messages", "`messages` must not be empty."));
+    }
+    raw.into_iter()
+        .enumerate()
+        .map(|(i, message)| {
+            let content = message_content(i, message.role, message.content)?;
+            Ok(ChatMessageIn {
+                role: message.role,
+                content,
+                name: message.name,
+                tool_call_id: message.tool_call_id,
+                tool_calls: message.tool_calls,
+            })
+        })
+        .collect()
+}
+
+fn message_content(index: usize, role: Role, content: Option<Value>) -> Result<String, ApiError> {
+    let param = format!("messages[{index}].content");
+    match content {
+        Some(Value::String(text)) => Ok(text),
+        // An assistant turn that only calls tools carries no content.
+        None | Some(Value::Null) if role == Role::Assistant => Ok(String::new()),
+        None | Some(Value::Null) => {
+            Err(ApiError::invalid_param(param, format!("`messages[{index}].content` is required.")))
+        }
+        Some(Value::Array(parts)) => {
+            let texts = parts.iter().enumerate().map(|(j, part)| text_part(&param, j, part));
+            Ok(texts.collect::<Result<Vec<_>, _>>()?.join("\n"))
+        }
+        Some(_) => Err(ApiError::invalid_param(
+            param,
+            format!("`messages[{index}].content` must be a string or an array of content parts."),
+        )),
+    }
+}
+
+fn text_part<'a>(content_param: &str, index: usize, part: &'a Value) -> Result<&'a str, ApiError> {
+    let param = format!("{content_param}[{index}]");
+    let kind = part.get("type").and_then(Value::as_str);
+    match (kind, part.get("text").and_then(Value::as_str)) {
+        (Some("text"), Some(text)) => Ok(text),
+        (Some("text"), None) => {
+            Err(ApiError::invalid_param(param.clone(), format!("`{param}.text` must be a string.")))
+        }
+        (Some(other), _) => Err(ApiError::invalid_param(
+            format!("{param}.type"),
+            format!("`{param}`: content parts of type `{other}` are not supported; only `text` parts are."),
+        )),
+        (None, _) => Err(ApiError::invalid_param(param.clone(), format!("`{param}` must be an object with a `type`."))),
+    }
+}
+
+/// `chat_template_kwargs`, defaulting to an empty object.
+///
+/// # Errors
+/// 400 [`ApiError`] when it is not an object.
+pub(crate) fn template_kwargs(kwargs: Option<Value>) -> Result<Value, ApiError> {
+    match kwargs {
+        None | Some(Value::Null) => Ok(Value::Object(Map::new())),
+        Some(object @ Value::Object(_)) => Ok(object),
+        Some(_) => Err(ApiError::invalid_param("chat_template_kwargs", "`chat_template_kwargs` must be an object.")),
+    }
+}
+
+fn completion_prompt(prompt: Value, add_special: bool) -> Result<PromptSource, ApiError> {
+    let shape_error = || {
+        ApiError::invalid_param(
+            "prompt",
+            "`prompt` must be a string, an array of one string, or an array of token ids.",
+        )
+    };
+    let batched =
+        || ApiError::invalid_param("prompt", "Batched prompts are not supported; send one `prompt` per request.");
+    match prompt {
+        Value::String(text) => Ok(PromptSource::Text { text, add_special }),
+        Value::Array(items) => match items.as_slice() {
+            [] => Err(ApiError::invalid_param("prompt", "`prompt` must not be empty.")),
+            [Value::String(text)] => Ok(PromptSource::Text { text: text.clone(), add_special }),
+            [Value::Array(ids)] => token_ids(ids).map(PromptSource::Ids),
+            [Value::String(_) | Value::Array(_), ..] => Err(batched()),
+            ids => token_ids(ids).map(PromptSource::Ids),
+        },
+        _ => Err(shape_error()),
+    }
+}
+
+fn token_ids(items: &[Value]) -> Result<Vec<u32>, ApiError> {
+    items
+        .iter()
+        .map(|item| {
+            item.as_u64().and_then(|id| u32::try_from(id).ok()).ok_or_else(|| {
+                ApiError::invalid_param(
+                    "prompt",
+                    format!("`prompt` token ids must be integers in [0, {}], got {item}.", u32::MAX),
+                )
+            })
+        })
+        .collect()
+}
+
+/// Accepts no model, the served name, its file name or its file stem.
+///
+/// # Errors
+/// 404 [`ApiError`] for any other name.
+pub(crate) fn check_model(requested: Option<&str>, served: &str) -> Result<(), ApiError> {
+    let Some(requested) = requested else { return Ok(()) };
+    let path = Path::new(served);
+    let names = [Some(served), path.file_name().and_then(|n| n.to_str()), path.file_stem().and_then(|n| n.to_str())];
+    if names.into_iter().flatten().any(|name| name == requested) {
+        return Ok(());
+    }
+    Err(ApiError::model_not_found(requested))
+}
+
+/// The completion budget once the prompt is known: the requested one if prompt plus it fits `window`, or all the
+/// room left when none was requested. `noun` says where the prompt came from ("messages" or "prompt").
+///
+/// # Errors
+/// 400 [`ApiError`] (code `context_length_exceeded`) naming both counts, in vLLM's wording.
+pub(crate) fn fit_context(
+    prompt_tokens: usize,
+    max_tokens: Option<usize>,
+    window: usize,
+    noun: &str,
+) -> Result<usize, ApiError> {
+    if prompt_tokens == 0 {
+        return Err(ApiError::invalid_param(noun, format!("The {noun} produced no tokens.")));
+    }
+    let error = |message: String| Err(ApiError::invalid_param(noun, message).with_code("context_length_exceeded"));
+    match max_tokens {
+        Some(max) if prompt_tokens.saturating_add(max) > window => error(format!(
+            "This model's maximum context length is {window} tokens. However, you requested {} tokens \
+             ({prompt_tokens} in the {noun}, {max} in the completion). Please reduce the length of the {noun} \
+             or completion.",
+            prompt_tokens.saturating_add(max)
+        )),
+        Some(max) => Ok(max),
+        None if prompt_tokens >= window => error(format!(
+            "This model's maximum context length is {window} tokens. However, you requested {prompt_tokens} \
+             tokens in the {noun}, which leaves no room for the completion. Please reduce the length of the {noun}."
+        )),
+        None => Ok(window - prompt_tokens),
+    }
+}
+
+#[cfg(test)]
+#[path = "validate_tests.rs"]
+mod tests;

@@ -1,0 +1,144 @@
+//! The engine behind the HTTP layer: [`LiveEngine`] adapts the engine thread's client to [`EngineHandle`].
+
+use std::sync::Arc;
+
+use dflash_engine::{EngineClient, EventSink, Request, SamplingParams};
+use dflash_models::loader::GenerationDefaults;
+use dflash_models::tokenizer::{ChatMessage, Tokenizer};
+use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
+
+use crate::cli::random_seed;
+use crate::http::{
+    ApiError, ChatMessageIn, EngineEvent, EngineHandle, EngineRequest, Role, SamplingFields, SubmitError,
+};
+
+/// Streams a sequence's events into the HTTP handler's channel. Unbounded, so the engine never waits on a slow
+/// client; a sequence sends at most `max_tokens` events.
+struct ChannelSink(UnboundedSender<EngineEvent>);
+
+impl EventSink for ChannelSink {
+    fn send(&mut self, event: EngineEvent) -> bool {
+        self.0.send(event).is_ok()
+    }
+
+    fn is_closed(&self) -> bool {
+        self.0.is_closed()
+    }
+}
+
+/// The served model: the engine thread's client plus what handlers need without it (tokenizer, template).
+pub struct LiveEngine {
+    pub client: EngineClient,
+    pub tokenizer: Arc<Tokenizer>,
+    pub name: String,
+    pub context_window: usize,
+    pub defaults: SamplingFields,
+}
+
+impl LiveEngine {
+    /// OpenAI's defaults, overridden by the model's generation config.
+    pub fn sampling_defaults(gen: &GenerationDefaults) -> SamplingFields {
+        let base = SamplingFields::default();
+        SamplingFields {
+            temperature: gen.temperature.unwrap_or(base.temperature),
+            top_p: gen.top_p.unwrap_or(base.top_p),
+            top_k: gen.top_k.unwrap_or(base.top_k),
+            min_p: gen.min_p.unwrap_or(base.min_p),
+            repetition_penalty: gen.repetition_penalty.unwrap_or(base.repetition_penalty),
+            ..base
+        }
+    }
+}
+
+fn sampling_params(s: &SamplingFields) -> SamplingParams {
+    SamplingParams {
+        temperature: s.temperature,
+        top_k: s.top_k,
+        top_p: s.top_p,
+        min_p: s.min_p,
+        repetition_penalty: s.repetition_penalty,
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+        seed: s.seed.unwrap_or_else(random_seed),
+    }
+}
+
+fn role_name(role: Role) -> &'static str {
+    match role {
+        Role::System => "system",
+        Role::User => "user",
+        Role::Assistant => "assistant",
+        Role::Tool => "tool",
+    }
+}
+
+impl EngineHandle for LiveEngine {
+    fn submit(&self, req: EngineRequest) -> Result<UnboundedReceiver<EngineEvent>, SubmitError> {
+        if let Some(&bad) = req.prompt_ids.iter().find(|&&id| id as usize >= self.tokenizer.vocab_size()) {
+            return Err(SubmitError::Invalid(format!("token id {bad} is outside the vocabulary")));
+        }
+        let sampling = sampling_params(&req.sampling);
+        sampling.validate().map_err(|e| SubmitError::Invalid(e.to_string()))?;
+        let request = Request {
+            id: req.id,
+            prompt: req.prompt_ids,
+            sampling,
+            max_tokens: req.max_tokens,
+            stop: req.stop,
+            logprobs: req.logprobs,
+            ignore_eos: req.ignore_eos,
+            enable_pld: req.enable_pld,
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.client.submit(request, Box::new(ChannelSink(tx))).map_err(|e| match e {
+            dflash_engine::SubmitError::Busy => SubmitError::Busy,
+            dflash_engine::SubmitError::ShuttingDown => SubmitError::ShuttingDown,
+        })?;
+        Ok(rx)
+    }
+
+    fn model_name(&self) -> &str {
+        &self.name
+    }
+
+    fn context_window(&self) -> usize {
+        self.context_window
+    }
+
+    fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<u32>, ApiError> {
+        self.tokenizer.encode(text, add_special).map_err(|e| ApiError::internal(format!("tokenizing: {e}")))
+    }
+
+    fn detokenize(&self, ids: &[u32]) -> Result<String, ApiError> {
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.tokenizer.vocab_size()) {
+            return Err(ApiError::invalid_param("tokens", format!("`tokens` holds {bad}, which is not a token id")));
+        }
+        self.tokenizer.decode(ids, false).map_err(|e| ApiError::internal(format!("detokenizing: {e}")))
+    }
+
+    fn apply_chat_template(
+        &self,
+        messages: &[ChatMessageIn],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Value,
+    ) -> Result<String, ApiError> {
+        let Some(template) = self.tokenizer.chat_template() else {
+            return Err(ApiError::invalid_request(
+                "this model has no chat template; use /v1/completions with a raw prompt",
+            ));
+        };
+        let messages: Vec<ChatMessage> =
+            messages.iter().map(|m| ChatMessage::new(role_name(m.role), m.content.clone())).collect();
+        template
+            .render(&messages, add_generation_prompt, kwargs)
+            .map_err(|e| ApiError::invalid_request(format!("the chat template rejected the conversation: {e}")))
+    }
+
+    fn metrics_text(&self) -> String {
+        self.client.metrics().render()
+    }
+
+    fn sampling_defaults(&self) -> SamplingFields {
+        self.defaults.clone()
+    }
+}

@@ -1,0 +1,116 @@
+//! `dflash serve`: load the model, start the engine thread, serve the OpenAI API until SIGINT/SIGTERM.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use dflash_engine::{Engine, EngineClient, EngineConfig, EngineMetrics};
+use dflash_models::KvCache;
+
+use crate::cli::ServeArgs;
+use crate::http::{self, HttpConfig};
+use crate::live::LiveEngine;
+use crate::run::load;
+
+/// Tokens per KV page.
+const PAGE_SIZE: usize = 16;
+/// KV cache memory when `--kv-cache-mem` is not given.
+const DEFAULT_KV_CACHE_MEM: u64 = 1 << 30;
+
+pub fn serve(args: &ServeArgs) -> Result<()> {
+    let loaded = load(&args.model)?;
+    let cfg = loaded.model.config();
+    let context_window = args.model.ctx_size.unwrap_or(cfg.max_position_embeddings.min(8192));
+    let bytes_per_token = KvCache::bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) as u64;
+    let window_bytes = context_window as u64 * bytes_per_token;
+    let kv_mem = args.kv_cache_mem.unwrap_or(DEFAULT_KV_CACHE_MEM.max(window_bytes));
+    let num_pages = usize::try_from(kv_mem / (bytes_per_token * PAGE_SIZE as u64)).unwrap_or(usize::MAX);
+    let mut eos_ids = loaded.tokenizer.eos_ids().to_vec();
+    eos_ids.extend(&cfg.eos_token_ids);
+    let engine_cfg = EngineConfig {
+        context_window,
+        num_pages,
+        page_size: PAGE_SIZE,
+        max_running: args.max_concurrent,
+        max_batch_tokens: args.max_batch_tokens,
+        eos_ids,
+        spec: args.spec.config()?,
+    };
+    let defaults = LiveEngine::sampling_defaults(&loaded.generation);
+    let tokenizer = Arc::new(loaded.tokenizer);
+    let metrics = Arc::new(EngineMetrics::default());
+    let engine = Engine::new(Arc::new(loaded.model), Arc::clone(&tokenizer), engine_cfg, Arc::clone(&metrics))
+        .context("setting up the engine (see --kv-cache-mem and --ctx-size)")?;
+    tracing::info!(
+        "KV cache: {num_pages} pages of {PAGE_SIZE} tokens ({:.0} MiB, {} tokens); context window {context_window}; \
+         up to {} sequences, {} rows per step",
+        (num_pages as u64 * PAGE_SIZE as u64 * bytes_per_token) as f64 / (1u64 << 20) as f64,
+        num_pages * PAGE_SIZE,
+        args.max_concurrent,
+        args.max_batch_tokens.max(args.max_concurrent),
+    );
+    let (client, engine_thread) =
+        dflash_engine::spawn(engine, args.max_queue, metrics).context("starting the engine thread")?;
+    let live = LiveEngine { client: client.clone(), tokenizer, name: loaded.name, context_window, defaults };
+    let http_cfg = HttpConfig {
+        api_key: args.api_key.clone().filter(|k| !k.is_empty()),
+        max_body_bytes: usize::try_from(args.max_body_bytes).unwrap_or(usize::MAX),
+        retry_after_secs: 1,
+    };
+    let app = http::router(Arc::new(live), http_cfg);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("http")
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let grace = Duration::from_secs(args.shutdown_timeout);
+    let served = runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+            .await
+            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+        tracing::info!("listening on http://{}", listener.local_addr()?);
+        axum::serve(listener, app).with_graceful_shutdown(shutdown_signal(client.clone(), grace)).await?;
+        anyhow::Ok(())
+    });
+    // Also reached when binding failed: stop the engine either way.
+    client.shutdown(grace);
+    drop(client);
+    if engine_thread.join().is_err() {
+        tracing::error!("the engine thread panicked");
+    }
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    served?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Resolves on SIGINT or SIGTERM, after telling the engine to finish running streams within `grace`.
+async fn shutdown_signal(client: EngineClient, grace: Duration) {
+    let interrupt = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::warn!("cannot listen for Ctrl-C: {e}");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!("cannot listen for SIGTERM: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = interrupt => {}
+        () = terminate => {}
+    }
+    tracing::info!("shutting down: no new requests; running streams get {} s to finish", grace.as_secs());
+    client.shutdown(grace);
+}
