@@ -7,6 +7,8 @@
 //!   `cuda` feature) a CUDA twin checked against it.
 
 pub mod convert;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod dtype;
 pub mod ops;
 pub mod quant;
@@ -15,6 +17,8 @@ pub mod threads;
 
 pub use dtype::DType;
 pub use tensor::{Device, HostBuf, Storage, Tensor};
+#[cfg(feature = "cuda")]
+pub use cuda::{CudaDevice, CudaError, DeviceBuf};
 
 /// Errors from the runtime.
 #[derive(Debug, thiserror::Error)]

@@ -1,0 +1,113 @@
+//! Our CUDA C sources (crates/runtime/kernels/, embedded in the binary) and the loaded kernel handles.
+//!
+//! All sources are compiled as one NVRTC program: the prelude first, then each file. One program means
+//! one compile (about a quarter of a second) and one cache entry.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::Ptx;
+
+use super::compile::{self, CompileReport};
+use super::CudaError;
+
+/// The kernel sources in the order they are compiled.
+const SOURCES: [(&str, &str); 6] = [
+    ("prelude.cuh", include_str!("../../kernels/prelude.cuh")),
+    ("elementwise.cu", include_str!("../../kernels/elementwise.cu")),
+    ("norm.cu", include_str!("../../kernels/norm.cu")),
+    ("rope.cu", include_str!("../../kernels/rope.cu")),
+    ("reduce.cu", include_str!("../../kernels/reduce.cu")),
+    ("gemv.cu", include_str!("../../kernels/gemv.cu")),
+];
+
+/// NVRTC options beyond the architecture. NVRTC's defaults keep IEEE division and square root and allow
+/// FMA contraction; the kernels that must round like the CPU spell their arithmetic with `__f*_rn`.
+pub const COMPILE_OPTIONS: [&str; 1] = ["--std=c++17"];
+
+/// The most input rows the GEMV kernels take (one kernel per row count, 1..=GEMV_MAX_ROWS).
+pub const GEMV_MAX_ROWS: usize = 8;
+
+/// Up to this many input rows `matmul_bf16` uses the GEMV, beyond it cuBLAS. Measured on the H200
+/// (8192 x 8192, docs/CUDA.md): one row 36 us by the GEMV against 39 us by cuBLAS (with the bf16 cast of
+/// x), but two rows already 61 us against 38 us, since each extra row re-reads x from L1 for every
+/// weight load.
+pub const GEMV_DISPATCH_MAX_ROWS: usize = 1;
+
+/// Weight rows per GEMV block (one warp each): `GEMV_WARPS` in gemv.cu.
+pub(crate) const GEMV_ROWS_PER_BLOCK: u32 = 8;
+
+/// The whole program: every source, each preceded by a `#line` so compiler errors name the file.
+pub fn program_source() -> String {
+    let mut source = String::new();
+    for (name, text) in SOURCES {
+        source.push_str(&format!("#line 1 \"{name}\"\n"));
+        source.push_str(text);
+        source.push('\n');
+    }
+    source
+}
+
+/// Handles to every kernel of the program.
+#[derive(Debug)]
+pub(crate) struct Kernels {
+    pub embedding_f32: CudaFunction,
+    pub embedding_bf16: CudaFunction,
+    pub swiglu_fused: CudaFunction,
+    pub f32_to_bf16: CudaFunction,
+    pub rms_norm: CudaFunction,
+    pub add_rms_norm: CudaFunction,
+    pub rope: CudaFunction,
+    pub argmax_partial: CudaFunction,
+    pub argmax_finish: CudaFunction,
+    /// `gemv[r - 1]` takes `r` input rows.
+    pub gemv: Vec<CudaFunction>,
+}
+
+impl Kernels {
+    /// Compiles (or reads from the cache) and loads the program for `ctx`'s device.
+    ///
+    /// # Errors
+    /// NVRTC or driver failures; a cached cubin the driver rejects is evicted and compiled afresh first.
+    pub fn load(ctx: &Arc<CudaContext>) -> Result<(Self, CompileReport), CudaError> {
+        let capability = ctx.compute_capability().map_err(CudaError::driver("cuDeviceGetAttribute"))?;
+        let source = program_source();
+        let compiled = compile::compile_cached(&source, capability, &COMPILE_OPTIONS)?;
+        let (module, report) = match ctx.load_module(Ptx::from_binary(compiled.cubin)) {
+            Ok(module) => (module, compiled.report),
+            Err(e) if compiled.report.cache_hit => {
+                // A damaged or foreign cache file: drop it and compile once more.
+                compile::evict(&compiled.report);
+                let fresh = compile::compile_cached(&source, capability, &COMPILE_OPTIONS)?;
+                let module = ctx.load_module(Ptx::from_binary(fresh.cubin)).map_err(|e2| CudaError::Driver {
+                    what: format!("cuModuleLoadData (cached: {e}; fresh)"),
+                    source: e2,
+                })?;
+                (module, fresh.report)
+            }
+            Err(e) => return Err(CudaError::Driver { what: "cuModuleLoadData".into(), source: e }),
+        };
+        Ok((Self::from_module(&module)?, report))
+    }
+
+    fn from_module(module: &Arc<CudaModule>) -> Result<Self, CudaError> {
+        let get = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| CudaError::Driver { what: format!("cuModuleGetFunction {name}"), source: e })
+        };
+        let gemv = (1..=GEMV_MAX_ROWS).map(|r| get(&format!("gemv_bf16_r{r}"))).collect::<Result<Vec<_>, _>>()?;
+        Ok(Kernels {
+            embedding_f32: get("embedding_f32")?,
+            embedding_bf16: get("embedding_bf16")?,
+            swiglu_fused: get("swiglu_fused")?,
+            f32_to_bf16: get("f32_to_bf16")?,
+            rms_norm: get("rms_norm")?,
+            add_rms_norm: get("add_rms_norm")?,
+            rope: get("rope")?,
+            argmax_partial: get("argmax_partial")?,
+            argmax_finish: get("argmax_finish")?,
+            gemv,
+        })
+    }
+}

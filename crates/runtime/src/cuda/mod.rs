@@ -1,0 +1,64 @@
+//! The CUDA backend (feature `cuda`): device context, run-time compiled kernels and cuBLAS.
+//!
+//! * [`CudaDevice`]: one GPU, one non-default stream, our kernels compiled by NVRTC for the device's
+//!   architecture (cached on disk, see [`compile`]), and a cuBLAS handle made on first use.
+//! * [`DeviceBuf`]: a typed device buffer; [`CudaDevice::upload`] / [`CudaDevice::download`] move data.
+//! * [`ops`]: the kernels, each the twin of a CPU op in [`crate::ops`] and checked against it by
+//!   `tests/cuda_parity.rs`.
+//!
+//! Nothing CUDA is linked: the driver, NVRTC and cuBLAS are opened at run time ([`loader`]), so a binary
+//! built with this feature starts on machines without CUDA and only [`CudaDevice::new`] fails there, with
+//! one [`CudaError`] that says what is missing.
+//!
+//! Streams: all work of a device goes to its one stream, in order. cudarc's per-buffer event tracking
+//! (for multi-stream use) is turned off, which also keeps launches capturable into CUDA graphs; every
+//! buffer of a [`CudaDevice`] must therefore be used on that device's stream only.
+
+pub mod compile;
+mod device;
+mod kernels;
+pub mod loader;
+pub mod ops;
+mod rope_table;
+
+pub use compile::CompileReport;
+pub use device::{device_count, CudaDevice, DeviceBuf, DeviceInfo};
+pub use kernels::{program_source, COMPILE_OPTIONS, GEMV_DISPATCH_MAX_ROWS, GEMV_MAX_ROWS};
+pub use rope_table::CudaRopeTable;
+
+/// Errors of the CUDA backend.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error("CUDA library {library} not found; searched {searched}. Install the NVIDIA driver and the CUDA 13 libraries (NVRTC, cuBLAS), or point ${} at them", loader::LIB_DIR_ENV)]
+    LibraryMissing { library: String, searched: String },
+    #[error("no CUDA device: {0}")]
+    NoDevice(String),
+    #[error("CUDA device {ordinal} requested, but this machine has {count}")]
+    BadOrdinal { ordinal: usize, count: usize },
+    #[error("CUDA driver call {what} failed: {source:?}")]
+    Driver {
+        what: String,
+        #[source]
+        source: cudarc::driver::DriverError,
+    },
+    #[error("NVRTC {what} failed:\n{log}")]
+    Nvrtc { what: String, log: String },
+    #[error("cuBLAS {what} failed: {source:?}")]
+    Cublas {
+        what: String,
+        #[source]
+        source: cudarc::cublas::result::CublasError,
+    },
+    #[error("shape error: {0}")]
+    Shape(String),
+}
+
+impl CudaError {
+    /// A closure wrapping a driver error with the name of the call that failed.
+    pub(crate) fn driver(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> CudaError {
+        move |source| CudaError::Driver { what: what.to_string(), source }
+    }
+}
+
+/// Result of the CUDA backend.
+pub type Result<T, E = CudaError> = std::result::Result<T, E>;
