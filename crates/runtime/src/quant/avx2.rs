@@ -1,16 +1,24 @@
 //! AVX2 kernels for the 32-element block types (Q4_0, Q4_1, Q8_0): dispatch and the few-row (decode)
 //! kernels. Many-row jobs go to `avx2_gemm`, K-quants to `avx2_k`.
 //!
-//! Decode reads each weight block once, so the kernel minimises work per block. For the 4-bit types two
-//! consecutive blocks are processed together: one 256-bit load holds both blocks' 16 nibble bytes, so the
-//! low nibbles of both blocks meet the activations in one `maddubs` and the high nibbles in another (the
-//! activations are regrouped to match), and the lanes of the sum stay split by block (lanes 0-3 block `b`,
-//! 4-7 block `b + 1`) so both blocks' scales apply in one vector multiply. Offset terms (Q4_1's `m`, Q4_0's
-//! `-8 d`) use the activations' block sums: `Σ_i (d q_i + m) x_i = d Σ q_i x_i + m Σ x_i`.
+//! Batch invariance: output `y[i, j]` must be bit-identical whichever kernel computes it (this one for jobs
+//! of one or two activation rows and for the columns left over from 8-wide strips, `avx2_gemm` otherwise),
+//! so that a row's result does not depend on the batch around it. Both follow one recipe per output: for
+//! each block in order, the exact integer dot product `sumi`, then `acc = fma(sumi, d_w * d_x, acc)` and, for
+//! the 4-bit types, `acc = fma(off, s_x, acc)` (`off` = Q4_1's `m` or Q4_0's `-8 d`; `s_x = d_x Σ x_q`, so
+//! `Σ_i (d q_i + m) x_i = d Σ q_i x_i + m Σ x_i`), from `acc = 0` with no final reduction. Only the integer
+//! part may be grouped freely, as it is exact.
+//!
+//! Decode reads each weight block once and works on strips of 4 weight rows, one per lane of the f32
+//! accumulator. For the 4-bit types two consecutive blocks are processed together: one 256-bit load holds
+//! both blocks' 16 nibble bytes, so the low nibbles of both blocks meet the activations in one `maddubs` and
+//! the high nibbles in another (the activations are regrouped to match). Horizontal adds then fold the 4
+//! rows' 16-bit partial sums into one vector of their 8 per-(row, block) integer sums, and each block's f32
+//! step runs once for the 4 rows. Two activation rows go through a strip together, sharing its loads,
+//! unpacking and scales.
 //!
 //! Weights stream from DRAM at decode, so each block load is paired with a prefetch of the same block of the
 //! next strip (one strip ahead measured best: ~80% of a parallel sum's read bandwidth against ~60% without).
-//! With two activation rows the strip loop is outermost, so the second row reads the weights from L1.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -21,9 +29,11 @@ use super::blocks::{Q4_0_QS, Q4_1_QS, Q8_0_QS, QK};
 use super::matmul::Out;
 use crate::DType;
 
-/// Weight rows per decode kernel call.
+/// Weight rows per decode strip, one per lane of a 128-bit f32 accumulator. 8-row strips (the gemm's 256-bit
+/// layout) halve the f32 work but measured ~15% slower per token when the weights stream from DRAM.
 const ROWS: usize = 4;
-/// From this many activation rows on, a job uses the repacking kernel of `avx2_gemm`.
+/// From this many activation rows on, a job uses the repacking kernel of `avx2_gemm` (a choice of speed only:
+/// both kernels give bit-identical outputs).
 const GEMM_MIN_ROWS: usize = 3;
 
 /// Weight block kinds (const-generic parameter of the kernels).
@@ -91,150 +101,264 @@ unsafe fn chunk32<const KIND: u8>(
         unsafe { super::avx2_gemm::chunk::<KIND>(w, row_bytes, acts, rows.clone(), wide.clone(), out) };
         cols = wide.end..cols.end;
     }
-    // Strips outside, activation rows inside: a second row finds the strip's weights in L1.
     let mut j = cols.start;
     while j < cols.end {
-        let take = if j + ROWS <= cols.end { ROWS } else { 1 };
         let wj = w[j * row_bytes..].as_ptr();
-        for i in rows.clone() {
-            // SAFETY: weight rows `j..j + take` are inside `w` (asserted in `chunk`); row `i` is in `acts`;
-            // the outputs are in this job's rectangle.
-            unsafe {
-                if take == ROWS {
-                    out.set_run(i, j, &dot_rows::<KIND, ROWS>(wj, row_bytes, acts, i));
-                } else {
-                    out.set(i, j, dot_rows::<KIND, 1>(wj, row_bytes, acts, i)[0]);
-                }
+        // SAFETY: weight rows `j..j + ROWS` (or `j`) are inside `w` (asserted in `chunk`), `rows` are in
+        // `acts`, and the outputs are in this job's rectangle.
+        unsafe {
+            if j + ROWS <= cols.end {
+                strip::<KIND, ROWS>(wj, row_bytes, acts, rows.clone(), j, out);
+                j += ROWS;
+            } else {
+                strip::<KIND, 1>(wj, row_bytes, acts, rows.clone(), j, out);
+                j += 1;
             }
         }
-        j += take;
     }
 }
 
-/// Dot products of `RW` consecutive weight rows starting at `w` with activation row `i`.
+/// `y[i, j..j + RW]` for the activation rows `rows` against the `RW` weight rows at `w`, two activation rows
+/// per pass so that they share each weight block's loads, unpacking and scales.
 ///
 /// # Safety
-/// The `RW` rows exist at `w` with stride `row_bytes`, and row `i` exists in `acts`.
+/// The `RW` rows exist at `w` with stride `row_bytes`, `rows` exist in `acts`, and the outputs belong to the
+/// caller's job.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_rows<const KIND: u8, const RW: usize>(
+unsafe fn strip<const KIND: u8, const RW: usize>(
+    w: *const u8,
+    row_bytes: usize,
+    acts: &Acts,
+    rows: Range<usize>,
+    j: usize,
+    out: &Out,
+) {
+    let mut i = rows.start;
+    while i < rows.end {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            if i + 2 <= rows.end {
+                for (c, y) in dot_rows::<KIND, RW, 2>(w, row_bytes, acts, i).iter().enumerate() {
+                    out.set_run(i + c, j, y);
+                }
+                i += 2;
+            } else {
+                out.set_run(i, j, &dot_rows::<KIND, RW, 1>(w, row_bytes, acts, i)[0]);
+                i += 1;
+            }
+        }
+    }
+}
+
+/// Dot products of `RW` (4 or 1) consecutive weight rows starting at `w` with the `RX` activation rows from
+/// `i`: `[c][r]` = weight row `r` against activation row `i + c`, each accumulated per the batch-invariant
+/// recipe (module doc) in lane `r` of a 4-lane f32 vector.
+///
+/// # Safety
+/// The `RW` rows exist at `w` with stride `row_bytes`, and rows `i..i + RX` exist in `acts`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_rows<const KIND: u8, const RW: usize, const RX: usize>(
     w: *const u8,
     row_bytes: usize,
     acts: &Acts,
     i: usize,
-) -> [f32; RW] {
+) -> [[f32; RW]; RX] {
     let nb = acts.k / QK;
-    let xq = acts.row_qs(i).as_ptr();
-    let (xd, xs) = (acts.row_d(i), if KIND == Q8_0 { &[][..] } else { acts.row_s(i) });
-    let mut acc = [_mm256_setzero_ps(); RW];
+    // Plain loops rather than `array::from_fn` / `map` here and below: closures with target features are not
+    // inlined into those generic helpers, and the calls cost measurably on short rows.
+    let (mut xq, mut xd, mut xs) = ([std::ptr::null(); RX], [&[][..]; RX], [&[][..]; RX]);
+    for c in 0..RX {
+        xq[c] = acts.row_qs(i + c).as_ptr();
+        xd[c] = acts.row_d(i + c);
+        if KIND != Q8_0 {
+            xs[c] = acts.row_s(i + c);
+        }
+    }
+    // Activation block sums, which only the 4-bit types' offsets use.
+    let sx = |c: usize, b: usize| if KIND == Q8_0 { 0.0 } else { xs[c][b] };
+    let mut acc = [_mm_setzero_ps(); RX];
     let mut b = 0;
     if KIND != Q8_0 {
         while b + 2 <= nb {
-            // SAFETY: blocks `b`, `b + 1` exist in every row and in the activation row.
-            unsafe { block_pair_q4::<KIND, RW>(w, row_bytes, b, xq, xd, xs, &mut acc) };
+            // SAFETY: blocks `b`, `b + 1` exist in every weight row and in the activation rows.
+            let (sums, (d0, off0), (d1, off1)) = unsafe {
+                let sums = pair_sums_q4::<KIND, RW, RX>(w, row_bytes, b, xq);
+                (sums, block_scales::<KIND, RW>(w, row_bytes, b), block_scales::<KIND, RW>(w, row_bytes, b + 1))
+            };
+            for c in 0..RX {
+                let (lo, hi) = (_mm256_castsi256_si128(sums[c]), _mm256_extracti128_si256::<1>(sums[c]));
+                acc[c] = add_block::<KIND>(acc[c], lo, d0, off0, xd[c][b], sx(c, b));
+                acc[c] = add_block::<KIND>(acc[c], hi, d1, off1, xd[c][b + 1], sx(c, b + 1));
+            }
             b += 2;
         }
     }
     while b < nb {
         // SAFETY: as above, for block `b`.
-        unsafe { single_block::<KIND, RW>(w, row_bytes, b, xq, xd, xs, &mut acc) };
+        let (sums, (d, off)) =
+            unsafe { (block_sums::<KIND, RW, RX>(w, row_bytes, b, xq), block_scales::<KIND, RW>(w, row_bytes, b)) };
+        for c in 0..RX {
+            acc[c] = add_block::<KIND>(acc[c], sums[c], d, off, xd[c][b], sx(c, b));
+        }
         b += 1;
     }
-    acc.map(|v| hsum_ps(v))
+    let mut y = [[0f32; RW]; RX];
+    for (y, a) in y.iter_mut().zip(acc) {
+        let mut lanes = [0f32; ROWS];
+        // SAFETY: `lanes` holds 4 f32.
+        unsafe { _mm_storeu_ps(lanes.as_mut_ptr(), a) };
+        y.copy_from_slice(&lanes[..RW]);
+    }
+    y
 }
 
-/// Adds blocks `b` and `b + 1` of the `RW` rows to `acc` (4-bit types).
+/// One block's f32 step for the strip's rows, lane `r` for weight row `r`: `acc = fma(sumi, d_w * d_x, acc)`,
+/// then for the 4-bit types `acc = fma(off, s_x, acc)`. Lane for lane the same operations as
+/// `avx2_gemm::tile`'s, which is what makes a row's output independent of the kernel that computes it.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn add_block<const KIND: u8>(acc: __m128, sumi: __m128i, d: __m128, off: __m128, dx: f32, sx: f32) -> __m128 {
+    let acc = _mm_fmadd_ps(_mm_cvtepi32_ps(sumi), _mm_mul_ps(d, _mm_set1_ps(dx)), acc);
+    if KIND == Q8_0 {
+        acc
+    } else {
+        _mm_fmadd_ps(off, _mm_set1_ps(sx), acc)
+    }
+}
+
+/// Block `b`'s scale `d` and offset coefficient (Q4_1: `m`; Q4_0: `-8 d`, as `avx2_gemm` computes it; Q8_0:
+/// none) for each of the strip's rows, rows past `RW` 0.
+///
+/// # Safety
+/// Block `b` exists in the `RW` rows at `w` (stride `row_bytes`).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-#[allow(clippy::too_many_arguments)]
-unsafe fn block_pair_q4<const KIND: u8, const RW: usize>(
-    w: *const u8,
-    row_bytes: usize,
-    b: usize,
-    xq: *const Q8x32,
-    xd: &[f32],
-    xs: &[f32],
-    acc: &mut [__m256; RW],
-) {
-    let bytes = block_bytes(KIND);
-    let mask = _mm256_set1_epi8(0x0F);
-    // SAFETY: blocks `b` and `b + 1` exist (caller); quants are 32-byte aligned.
-    let (c0, c1) = unsafe { (_mm256_load_si256(xq.add(b).cast()), _mm256_load_si256(xq.add(b + 1).cast())) };
-    // Activations regrouped as [b: 0..16 | b+1: 0..16] and [b: 16..32 | b+1: 16..32] to meet the nibbles.
-    let x_lo = _mm256_permute2x128_si256(c0, c1, 0x20);
-    let x_hi = _mm256_permute2x128_si256(c0, c1, 0x31);
-    let dx = _mm256_set_m128(_mm_set1_ps(xd[b + 1]), _mm_set1_ps(xd[b]));
-    // Offsets reach every lane of a block's half, so each lane carries a quarter.
-    let sx = match KIND {
-        Q4_1 => _mm256_set_m128(_mm_set1_ps(0.25 * xs[b + 1]), _mm_set1_ps(0.25 * xs[b])),
-        _ => _mm256_set_m128(_mm_set1_ps(-2.0 * xs[b + 1]), _mm_set1_ps(-2.0 * xs[b])),
+unsafe fn block_scales<const KIND: u8, const RW: usize>(w: *const u8, row_bytes: usize, b: usize) -> (__m128, __m128) {
+    // The first 4 bytes of each row's block: `[d, m]` (Q4_1) or `d` and two quant bytes.
+    let head = |r: usize| {
+        if r >= RW {
+            return 0;
+        }
+        // SAFETY: every block is longer than 4 bytes and block `b` of row `r < RW` exists (caller).
+        unsafe { w.add(r * row_bytes + b * block_bytes(KIND)).cast::<i32>().read_unaligned() }
     };
-    let pick_d = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
-    let pick_m = _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3);
-    for (r, a) in acc.iter_mut().enumerate() {
-        // SAFETY: both blocks of row `r` exist (caller).
-        unsafe {
-            let blk = w.add(r * row_bytes + b * bytes);
-            prefetch_next_strip(blk, row_bytes);
-            let qs = quants_offset(KIND);
-            let raw = _mm256_loadu2_m128i(blk.add(bytes + qs).cast(), blk.add(qs).cast());
-            let lo = _mm256_and_si256(raw, mask);
-            let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-            // Each 16-bit lane is at most 2 * 2 * 15 * 127, no overflow.
-            let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x_lo), _mm256_maddubs_epi16(hi, x_hi));
-            let sumi = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-            // [d_b, m_b, d_b+1, m_b+1] (Q4_0: the m slots hold quant bytes and are never used).
-            let heads =
-                _mm_setr_epi32(blk.cast::<i32>().read_unaligned(), blk.add(bytes).cast::<i32>().read_unaligned(), 0, 0);
-            let heads = _mm256_castps128_ps256(_mm_cvtph_ps(heads));
-            let d = _mm256_permutevar8x32_ps(heads, pick_d);
-            *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(d, dx), *a);
-            let coef = if KIND == Q4_1 { _mm256_permutevar8x32_ps(heads, pick_m) } else { d };
-            *a = _mm256_fmadd_ps(coef, sx, *a);
+    let heads = _mm_setr_epi32(head(0), head(1), head(2), head(3));
+    let pick_d = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+    let d = _mm_cvtph_ps(_mm_shuffle_epi8(heads, pick_d));
+    let off = match KIND {
+        Q4_1 => {
+            let pick_m = _mm_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+            _mm_cvtph_ps(_mm_shuffle_epi8(heads, pick_m))
         }
-    }
+        Q4_0 => _mm_mul_ps(d, _mm_set1_ps(-8.0)),
+        _ => _mm_setzero_ps(),
+    };
+    (d, off)
 }
 
-/// Adds block `b` of the `RW` rows to `acc`, one block at a time (Q8_0, and a 4-bit row's odd last block).
+/// The integer dot products of blocks `b` and `b + 1` of the strip's rows with each activation row (4-bit
+/// types): `[c]` = `[b: rows 0..4 | b + 1: rows 0..4]` as i32, rows past `RW` 0.
+///
+/// # Safety
+/// Blocks `b` and `b + 1` exist in the `RW` rows at `w` and in the activation rows `xq`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-#[allow(clippy::too_many_arguments)]
-unsafe fn single_block<const KIND: u8, const RW: usize>(
+unsafe fn pair_sums_q4<const KIND: u8, const RW: usize, const RX: usize>(
     w: *const u8,
     row_bytes: usize,
     b: usize,
-    xq: *const Q8x32,
-    xd: &[f32],
-    xs: &[f32],
-    acc: &mut [__m256; RW],
-) {
-    let bytes = block_bytes(KIND);
-    // SAFETY: block `b` exists (caller); quants are 32-byte aligned.
-    let xv = unsafe { _mm256_load_si256(xq.add(b).cast()) };
-    let dx = _mm256_set1_ps(xd[b]);
-    for (r, a) in acc.iter_mut().enumerate() {
-        // SAFETY: block `b` of row `r` exists (caller).
-        unsafe {
+    xq: [*const Q8x32; RX],
+) -> [__m256i; RX] {
+    let (bytes, qs) = (block_bytes(KIND), quants_offset(KIND));
+    let mask = _mm256_set1_epi8(0x0F);
+    // Activations regrouped as [b: 0..16 | b+1: 0..16] and [b: 16..32 | b+1: 16..32] to meet the nibbles.
+    let mut x = [(_mm256_setzero_si256(), _mm256_setzero_si256()); RX];
+    for (x, xq) in x.iter_mut().zip(xq) {
+        // SAFETY: blocks `b` and `b + 1` exist (caller); quants are 32-byte aligned.
+        let (c0, c1) = unsafe { (_mm256_load_si256(xq.add(b).cast()), _mm256_load_si256(xq.add(b + 1).cast())) };
+        *x = (_mm256_permute2x128_si256(c0, c1, 0x20), _mm256_permute2x128_si256(c0, c1, 0x31));
+    }
+    let mut partial = [[_mm256_setzero_si256(); ROWS]; RX];
+    for r in 0..RW {
+        // SAFETY: both blocks of row `r` exist (caller).
+        let (lo, hi) = unsafe {
             let blk = w.add(r * row_bytes + b * bytes);
             prefetch_next_strip(blk, row_bytes);
-            let wq = block_quants::<KIND>(blk);
-            let p = if KIND == Q8_0 {
-                _mm256_maddubs_epi16(_mm256_abs_epi8(wq), _mm256_sign_epi8(xv, wq))
-            } else {
-                _mm256_maddubs_epi16(wq, xv)
-            };
-            let sumi = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-            // Broadcasting the f16 before converting yields the scale in every lane.
-            let d = _mm256_cvtph_ps(_mm_set1_epi16(blk.cast::<i16>().read_unaligned()));
-            *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(d, dx), *a);
-            if KIND != Q8_0 {
-                let coef = match KIND {
-                    Q4_1 => _mm256_cvtph_ps(_mm_set1_epi16(blk.add(2).cast::<i16>().read_unaligned())),
-                    _ => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
-                };
-                *a = _mm256_fmadd_ps(coef, _mm256_set1_ps(0.125 * xs[b]), *a);
-            }
+            let raw = _mm256_loadu2_m128i(blk.add(bytes + qs).cast(), blk.add(qs).cast());
+            (_mm256_and_si256(raw, mask), _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask))
+        };
+        for (p, (x_lo, x_hi)) in partial.iter_mut().zip(x) {
+            // Each 16-bit lane is at most 2 * 2 * 15 * 127 = 7620.
+            p[r] = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x_lo), _mm256_maddubs_epi16(hi, x_hi));
         }
     }
+    // Four such lanes sum to at most 30480: `reduce_rows_i16` stays exact.
+    let mut sums = [_mm256_setzero_si256(); RX];
+    for (s, p) in sums.iter_mut().zip(partial) {
+        *s = reduce_rows_i16(p);
+    }
+    sums
+}
+
+/// The integer dot products of block `b` of the strip's rows with each activation row: `[c]` = rows `0..4`
+/// as i32, rows past `RW` 0.
+///
+/// # Safety
+/// Block `b` exists in the `RW` rows at `w` and in the activation rows `xq`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn block_sums<const KIND: u8, const RW: usize, const RX: usize>(
+    w: *const u8,
+    row_bytes: usize,
+    b: usize,
+    xq: [*const Q8x32; RX],
+) -> [__m128i; RX] {
+    let mut xv = [_mm256_setzero_si256(); RX];
+    for (v, xq) in xv.iter_mut().zip(xq) {
+        // SAFETY: block `b` exists (caller); quants are 32-byte aligned.
+        *v = unsafe { _mm256_load_si256(xq.add(b).cast()) };
+    }
+    let mut partial = [[_mm256_setzero_si256(); ROWS]; RX];
+    for r in 0..RW {
+        // SAFETY: block `b` of row `r` exists (caller).
+        let wq = unsafe {
+            let blk = w.add(r * row_bytes + b * block_bytes(KIND));
+            prefetch_next_strip(blk, row_bytes);
+            block_quants::<KIND>(blk)
+        };
+        let magnitudes = _mm256_abs_epi8(wq);
+        for (p, &x) in partial.iter_mut().zip(&xv) {
+            p[r] = if KIND == Q8_0 {
+                // Lanes up to 2 * 128 * 127 leave no 16-bit headroom: widen at once.
+                _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(x, wq)), _mm256_set1_epi16(1))
+            } else {
+                // Lanes of at most 2 * 15 * 127.
+                _mm256_maddubs_epi16(wq, x)
+            };
+        }
+    }
+    let mut sums = [_mm_setzero_si128(); RX];
+    for (s, p) in sums.iter_mut().zip(partial) {
+        let halves = if KIND == Q8_0 { reduce_rows_i32(p) } else { reduce_rows_i16(p) };
+        *s = _mm_add_epi32(_mm256_castsi256_si128(halves), _mm256_extracti128_si256::<1>(halves));
+    }
+    sums
+}
+
+/// Per 128-bit half, the sum of each row's eight 16-bit lanes: `[row 0, row 1, row 2, row 3]` as i32.
+/// Exact when any four adjacent lanes of a row sum within i16 (the horizontal adds wrap).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn reduce_rows_i16(p: [__m256i; ROWS]) -> __m256i {
+    let quads = _mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3]));
+    _mm256_madd_epi16(quads, _mm256_set1_epi16(1))
+}
+
+/// Per 128-bit half, the sum of each row's four 32-bit lanes: `[row 0, row 1, row 2, row 3]`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn reduce_rows_i32(s: [__m256i; ROWS]) -> __m256i {
+    _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]))
 }
 
 /// Prefetches the block at the same place in the next strip (`ROWS` rows on): streaming weights from DRAM

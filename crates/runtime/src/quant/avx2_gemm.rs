@@ -7,6 +7,9 @@
 //! one `madd`, and 3 f32 ops for scale and offset, against 8 x 5 ops for the one-pair-at-a-time kernel.
 //! The repacking costs about as much as one activation row and is done once per strip and activation block.
 //!
+//! Per output (lane) the f32 steps are the batch-invariant recipe of `avx2`'s module doc, which the decode
+//! kernel there repeats operation for operation: change one, change both.
+//!
 //! 16-bit partial sums are exact for 4-bit weights: 8 `maddubs` lanes of at most 2 * 15 * 127 sum to at most
 //! 30480 (activations are quantized to -127..=127). Q8_0 weights widen to 32 bits after every `maddubs`.
 

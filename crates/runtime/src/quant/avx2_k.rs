@@ -5,6 +5,10 @@
 //! types: per 32 elements `maddubs`, `madd` by the sub-block scales, add; per super-block one f32 update.
 //! Both types reduce to `d_x * (d * Σ_g sc_g Σ q x  -  dm * Σ_g mn_g * bsum_g)`: for Q4_K `mn` are the
 //! sub-block mins (`dm = dmin`), for Q6_K the `-32` offset folded onto the scales (`mn = sc`, `dm = 32 d`).
+//!
+//! Batch invariance: one kernel serves every row count, and an activation row's accumulator sees the same
+//! operations whether it runs in a group of `ROWS` or alone (each row has its own 8-lane accumulator and the
+//! same final `hsum_ps`), so its outputs do not depend on the other rows of the call.
 
 use std::arch::x86_64::*;
 use std::ops::Range;

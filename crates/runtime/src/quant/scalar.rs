@@ -1,7 +1,7 @@
 //! Portable kernels: the fallback on CPUs without AVX2 and the reference the SIMD paths are tested against.
 //!
 //! Same arithmetic as the SIMD kernels (integer dot product per block against the quantized activations,
-//! then f32 scaling), one output at a time.
+//! then f32 scaling), one output at a time, so an output never depends on the other rows of the call.
 
 use std::ops::Range;
 

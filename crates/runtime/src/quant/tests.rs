@@ -239,3 +239,79 @@ fn matmul_on_quantized_real_values() {
 fn simd_level_is_named() {
     assert!(["avx2", "scalar"].contains(&simd_level()));
 }
+
+/// Activation rows the batch-invariance test draws its batches from.
+const POOL_ROWS: usize = 80;
+
+/// Runs [`run`] on `pool`'s threads (the matmul splits its work across the current pool).
+#[allow(clippy::too_many_arguments)]
+fn run_on_pool(
+    pool: &rayon::ThreadPool,
+    level: Level,
+    dtype: DType,
+    w: &[u8],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+) -> Vec<f32> {
+    pool.install(|| run(level, dtype, w, n, k, x, m))
+}
+
+/// The batch-invariance failures of one weight matrix on `level`: for every batch size and pool, each output
+/// row must be bit-identical to that activation row's output from a call with it alone on one thread.
+fn batch_variance(
+    level: Level,
+    dtype: DType,
+    n: usize,
+    k: usize,
+    seed: u64,
+    pools: &[rayon::ThreadPool],
+) -> Vec<String> {
+    let w = random_blocks(dtype, n, k, seed);
+    let x = random_values(POOL_ROWS * k, seed + 1);
+    let alone: Vec<Vec<f32>> =
+        (0..POOL_ROWS).map(|r| run_on_pool(&pools[0], level, dtype, &w, n, k, &x[r * k..(r + 1) * k], 1)).collect();
+    let mut failures = Vec::new();
+    for m in [1, 2, 3, 4, 5, 8, 17, 64] {
+        // Batches start at varying rows, so a row lands in different positions (tiles, lanes, jobs).
+        let first = m % 16;
+        for pool in pools {
+            let y = run_on_pool(pool, level, dtype, &w, n, k, &x[first * k..(first + m) * k], m);
+            let differing = (0..m)
+                .filter(|&i| {
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    bits(&y[i * n..(i + 1) * n]) != bits(&alone[first + i])
+                })
+                .count();
+            if differing > 0 {
+                let threads = pool.current_num_threads();
+                failures.push(format!("{dtype} {level:?} n={n} k={k} m={m} threads={threads}: {differing} rows"));
+            }
+        }
+    }
+    failures
+}
+
+#[test]
+fn matmul_rows_are_batch_invariant() {
+    // Greedy decoding with batching or speculation must equal plain decoding byte for byte, so a row's
+    // output may not depend on the other rows in the call, its position, the batch size or the thread split.
+    let pools: Vec<rayon::ThreadPool> =
+        [1, 2, 3].map(|t| rayon::ThreadPoolBuilder::new().num_threads(t).build().expect("pool")).into();
+    let levels =
+        if Level::detect() == Level::Scalar { vec![Level::Scalar] } else { vec![Level::Scalar, Level::detect()] };
+    let mut failures = Vec::new();
+    for (t, dtype) in TYPES.into_iter().enumerate() {
+        for &level in &levels {
+            // 96: an odd block count, which the 4-bit decode kernel finishes with a single block.
+            for (s, (n, k)) in [(40, 512), (67, 256), (21, 96)].into_iter().enumerate() {
+                if k % dtype.block_len() != 0 {
+                    continue;
+                }
+                failures.extend(batch_variance(level, dtype, n, k, 300 + 10 * t as u64 + s as u64, &pools));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} combinations not batch-invariant:\n{}", failures.len(), failures.join("\n"));
+}
