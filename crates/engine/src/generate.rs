@@ -53,6 +53,8 @@ impl GenerationStats {
 /// Runs single sequences on a model with a cache of its own.
 pub struct Generator<'m> {
     model: &'m LlamaModel,
+    /// The current prompt's length: rows past it are attended one at a time, as the engine does.
+    prompt_len: usize,
     kv: KvCache,
     pages: PageAllocator,
 }
@@ -65,7 +67,7 @@ impl<'m> Generator<'m> {
     pub fn new(model: &'m LlamaModel, ctx_tokens: usize, page_size: usize) -> Result<Self, EngineError> {
         let num_pages = ctx_tokens.div_ceil(page_size).max(1);
         let kv = model.new_kv_cache(num_pages, page_size)?;
-        Ok(Generator { model, kv, pages: PageAllocator::new(num_pages) })
+        Ok(Generator { model, prompt_len: 0, kv, pages: PageAllocator::new(num_pages) })
     }
 
     /// Tokens the cache can hold.
@@ -95,6 +97,7 @@ impl<'m> Generator<'m> {
             });
         }
         let mut table = Vec::new();
+        self.prompt_len = prompt.len();
         let result = self.run(prompt, opts, &mut table, &mut on_token);
         self.pages.release(&mut table);
         result
@@ -166,6 +169,7 @@ impl<'m> Generator<'m> {
             return Err(EngineError::ContextOverflow { prompt: tokens.len(), max_new: 0, ctx: self.capacity() });
         }
         let mut table = Vec::new();
+        self.prompt_len = tokens.len();
         let rows: Vec<u32> = (0..tokens.len() as u32).collect();
         let r = self.forward_rows(tokens, 0, &mut table, &rows);
         self.pages.release(&mut table);
@@ -188,7 +192,7 @@ impl<'m> Generator<'m> {
             .iter()
             .map(|&p| table[p as usize / page_size] * page_size as u32 + p % page_size as u32)
             .collect();
-        let seqs = [SeqRows { num_rows: tokens.len(), context_len, block_table: table }];
+        let seqs = [SeqRows { num_rows: tokens.len(), context_len, block_table: table, prompt_len: self.prompt_len }];
         let batch = ForwardBatch { tokens, positions: &positions, seqs: &seqs, slots: &slots, logit_rows };
         Ok(self.model.forward(&batch, &mut self.kv)?.logits)
     }

@@ -13,6 +13,11 @@ pub struct SeqRows<'a> {
     pub context_len: usize,
     /// The sequence's KV pages, in order.
     pub block_table: &'a [u32],
+    /// Positions below this are prompt: their rows are attended as one block (the tiled kernel). Rows at or past
+    /// it (decode, verify, and recomputed output after a preemption) are attended one row at a time. A position
+    /// is therefore always computed by the same kernel however its rows are batched, which keeps batched,
+    /// speculative and recomputed runs bit-identical to plain decoding.
+    pub prompt_len: usize,
 }
 
 /// Everything one forward runs: all sequences' rows, flattened.

@@ -350,15 +350,27 @@ fn copy_columns(src: &Tensor, dst: &mut Tensor, col: usize) -> Result<()> {
     Ok(())
 }
 
+/// The batch's attention work: each sequence's prompt rows as one block, each later row alone (see
+/// [`crate::SeqRows::prompt_len`]). Splitting rows is exact only because target attention is causal: row j sees
+/// keys up to its own position whichever block it is in.
 fn attn_seqs<'a>(batch: &ForwardBatch<'a>) -> Vec<AttnSeq<'a>> {
+    let mut out = Vec::with_capacity(batch.seqs.len());
     let mut first_row = 0;
-    batch
-        .seqs
-        .iter()
-        .map(|s| {
-            let a = AttnSeq { first_row, num_rows: s.num_rows, context_len: s.context_len, block_table: s.block_table };
-            first_row += s.num_rows;
-            a
-        })
-        .collect()
+    for s in batch.seqs {
+        let prompt_rows = s.prompt_len.saturating_sub(s.context_len).min(s.num_rows);
+        if prompt_rows > 0 {
+            out.push(AttnSeq {
+                first_row,
+                num_rows: prompt_rows,
+                context_len: s.context_len,
+                block_table: s.block_table,
+            });
+        }
+        for j in prompt_rows..s.num_rows {
+            let context_len = s.context_len + j;
+            out.push(AttnSeq { first_row: first_row + j, num_rows: 1, context_len, block_table: s.block_table });
+        }
+        first_row += s.num_rows;
+    }
+    out
 }

@@ -47,7 +47,7 @@ fn greedy(model: &LlamaModel, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut step: Vec<u32> = prompt.to_vec();
     while out.len() < n {
         let positions: Vec<u32> = (ctx..ctx + step.len()).map(|p| p as u32).collect();
-        let seqs = [SeqRows { num_rows: step.len(), context_len: ctx, block_table: &table }];
+        let seqs = [SeqRows { num_rows: step.len(), context_len: ctx, block_table: &table, prompt_len: prompt.len() }];
         let last = [step.len() as u32 - 1];
         let batch =
             ForwardBatch { tokens: &step, positions: &positions, seqs: &seqs, slots: &positions, logit_rows: &last };

@@ -51,7 +51,12 @@ impl Engine {
             .iter()
             .map(|item| {
                 let seq = &running[item.seq];
-                SeqRows { num_rows: item.rows, context_len: seq.computed(), block_table: &seq.block_table }
+                SeqRows {
+                    num_rows: item.rows,
+                    context_len: seq.computed(),
+                    block_table: &seq.block_table,
+                    prompt_len: seq.prompt_len(),
+                }
             })
             .collect();
         let batch = ForwardBatch {

@@ -66,7 +66,7 @@ pub fn run_sequence(model: &LlamaModel, tokens: &[u32], start: usize, chunk: usi
             })
             .collect();
         let rows: Vec<u32> = (0..part.len() as u32).collect();
-        let seqs = [SeqRows { num_rows: part.len(), context_len: pos, block_table: &table }];
+        let seqs = [SeqRows { num_rows: part.len(), context_len: pos, block_table: &table, prompt_len: usize::MAX }];
         let batch = ForwardBatch { tokens: part, positions: &positions, seqs: &seqs, slots: &slots, logit_rows: &rows };
         let out: ForwardOut = model.forward(&batch, &mut kv).expect("forward");
         logits.extend_from_slice(out.logits.as_f32().expect("f32"));
