@@ -15,10 +15,10 @@ pub mod quant;
 pub mod tensor;
 pub mod threads;
 
-pub use dtype::DType;
-pub use tensor::{Device, HostBuf, Storage, Tensor};
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaDevice, CudaError, DeviceBuf};
+pub use dtype::DType;
+pub use tensor::{Device, HostBuf, Storage, Tensor};
 
 /// Errors from the runtime.
 #[derive(Debug, thiserror::Error)]
