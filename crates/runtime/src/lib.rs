@@ -6,6 +6,7 @@
 //! * [`ops`]: the op set every model is written against; each op has a CPU implementation here and (with the
 //!   `cuda` feature) a CUDA twin checked against it.
 
+pub mod cache;
 pub mod convert;
 #[cfg(feature = "cuda")]
 pub mod cuda;

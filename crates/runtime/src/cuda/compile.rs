@@ -4,7 +4,7 @@
 //! version, the architecture, the options and the source: any change to one of them compiles afresh. A
 //! cache that cannot be read or written only costs a compile; it is never an error.
 
-use std::ffi::{c_char, c_int, CString, OsString};
+use std::ffi::{c_char, c_int, CString};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -38,24 +38,7 @@ pub struct CompileReport {
     pub cache_file: Option<PathBuf>,
 }
 
-/// The dflash cache directory: `$DFLASH_CACHE_DIR`, else `$XDG_CACHE_HOME/dflash` (absolute values only),
-/// else `$HOME/.cache/dflash` — the convention of `dflash_models::resolve::cache_dir`, repeated here so
-/// the runtime does not depend on the models crate.
-pub fn cache_dir() -> PathBuf {
-    cache_dir_from(|name| std::env::var_os(name))
-}
-
-fn cache_dir_from(var: impl Fn(&str) -> Option<OsString>) -> PathBuf {
-    let set = |name: &str| var(name).filter(|value| !value.is_empty()).map(PathBuf::from);
-    if let Some(dir) = set("DFLASH_CACHE_DIR") {
-        return dir;
-    }
-    if let Some(xdg) = set("XDG_CACHE_HOME").filter(|dir| dir.is_absolute()) {
-        return xdg.join("dflash");
-    }
-    let home = set("HOME").unwrap_or_else(std::env::temp_dir);
-    home.join(".cache").join("dflash")
-}
+pub use crate::cache::cache_dir;
 
 /// The NVRTC version as `(major, minor)`.
 ///
@@ -199,20 +182,6 @@ fn c_chars_to_string(chars: &[c_char]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn vars<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<OsString> + 'a {
-        move |name| pairs.iter().find(|(k, _)| *k == name).map(|(_, v)| OsString::from(v))
-    }
-
-    #[test]
-    fn cache_dir_follows_the_models_convention() {
-        let all = [("DFLASH_CACHE_DIR", "/d"), ("XDG_CACHE_HOME", "/x"), ("HOME", "/h")];
-        assert_eq!(cache_dir_from(vars(&all)), PathBuf::from("/d"));
-        let no_dflash = [("DFLASH_CACHE_DIR", ""), ("XDG_CACHE_HOME", "/x"), ("HOME", "/h")];
-        assert_eq!(cache_dir_from(vars(&no_dflash)), PathBuf::from("/x/dflash"));
-        let relative_xdg = [("XDG_CACHE_HOME", "rel"), ("HOME", "/h")];
-        assert_eq!(cache_dir_from(vars(&relative_xdg)), PathBuf::from("/h/.cache/dflash"));
-    }
 
     #[test]
     fn cache_key_changes_with_every_input() {
