@@ -4,7 +4,7 @@
 //! Qwen3 adds a per-head RMSNorm on q and k before RoPE. q/k/v and gate/up are fused into one matmul each at
 //! load when their dtypes agree (they always do in HF checkpoints and in the default GGUF).
 
-use dflash_runtime::ops::{self, AttnSeq, RopeTable};
+use dflash_runtime::ops::{self, AttnSeq, RopeTable, RowKernel};
 use dflash_runtime::{DType, Tensor};
 
 use crate::batch::{ForwardBatch, ForwardOut, KvCache};
@@ -350,25 +350,22 @@ fn copy_columns(src: &Tensor, dst: &mut Tensor, col: usize) -> Result<()> {
     Ok(())
 }
 
-/// The batch's attention work: each sequence's prompt rows as one block, each later row alone (see
-/// [`crate::SeqRows::prompt_len`]). Splitting rows is exact only because target attention is causal: row j sees
-/// keys up to its own position whichever block it is in.
+/// The batch's attention work: each sequence's prompt rows on the tiled kernel, its later rows on the
+/// per-row kernel (see [`crate::SeqRows::prompt_len`]). A position so always takes the same kernel,
+/// however the scheduler cut and batched the work, and its outputs are the same bits. Cutting a
+/// sequence's rows in two is exact because target attention is causal: row j sees keys up to its own
+/// position whichever block it is in.
 fn attn_seqs<'a>(batch: &ForwardBatch<'a>) -> Vec<AttnSeq<'a>> {
     let mut out = Vec::with_capacity(batch.seqs.len());
     let mut first_row = 0;
     for s in batch.seqs {
         let prompt_rows = s.prompt_len.saturating_sub(s.context_len).min(s.num_rows);
-        if prompt_rows > 0 {
-            out.push(AttnSeq {
-                first_row,
-                num_rows: prompt_rows,
-                context_len: s.context_len,
-                block_table: s.block_table,
-            });
-        }
-        for j in prompt_rows..s.num_rows {
-            let context_len = s.context_len + j;
-            out.push(AttnSeq { first_row: first_row + j, num_rows: 1, context_len, block_table: s.block_table });
+        let parts = [(0, prompt_rows, RowKernel::Tiled), (prompt_rows, s.num_rows - prompt_rows, RowKernel::PerRow)];
+        for (skip, num_rows, kernel) in parts {
+            if num_rows > 0 {
+                let (context_len, block_table) = (s.context_len + skip, s.block_table);
+                out.push(AttnSeq { first_row: first_row + skip, num_rows, context_len, block_table, kernel });
+            }
         }
         first_row += s.num_rows;
     }

@@ -3,18 +3,29 @@
 //! Cache layout: `[num_pages, page_size, kv_heads, head_dim]` f32, one tensor for K and one for V; a
 //! token's slot is `page · page_size + offset`. A sequence's pages are listed in its block table.
 //!
-//! Attention runs flash style: per query row, keys are visited page by page; each page's scores are
-//! computed into a small buffer, the running max/sum are rescaled once per page (online softmax) and
-//! the weighted values accumulated — no `[rows, keys]` score matrix is ever built. Work items are
-//! (row, kv head) pairs covering that kv head's group of query heads (K/V read once per group),
-//! spread over rayon; when there are too few for the threads (decode), each row's keys are also
-//! split across threads and the partial softmax states merged (see [`Plan`]).
+//! Attention runs flash style: keys are visited page by page; each page's scores are computed into a
+//! small buffer, the running max/sum are rescaled once per page (online softmax) and the weighted values
+//! accumulated — no `[rows, keys]` score matrix is ever built. The query heads sharing a kv head are
+//! always done together, so K/V are read once per group. Two kernels, chosen per sequence by the caller
+//! ([`RowKernel`]):
+//! * [`rows`]: each row alone, its keys in fixed chunks whose partial softmax states are merged
+//!   (flash-decoding), so even one decode row spreads over the threads;
+//! * [`tiled`]: 16 query vectors of consecutive rows against each page at once (prefill).
+//!
+//! A row's output is a function of its own queries and keys and of its kernel only, never of the rest
+//! of the batch: chunk bounds are absolute key positions, tiles are lane-wise, and merges run in a
+//! fixed order. That is what makes batching (and so speculation) lossless.
 
 use rayon::prelude::*;
 
 use super::shape_err;
-use super::simd::{self, has_avx2};
+use super::simd::has_avx2;
 use crate::{DType, Result, Tensor};
+
+mod rows;
+mod tiled;
+
+use tiled::TileScratch;
 
 /// One sequence's rows in a flat batch and its KV pages.
 #[derive(Clone, Copy, Debug)]
@@ -27,7 +38,27 @@ pub struct AttnSeq<'a> {
     pub context_len: usize,
     /// Page ids in order: keys `i·page_size .. (i+1)·page_size` live in page `block_table[i]`.
     pub block_table: &'a [u32],
+    /// Which kernel attends these rows.
+    pub kernel: RowKernel,
 }
+
+/// The attention kernels. They round differently, so a position's output is reproducible only if it
+/// always goes to the same one: choose by the row's role (the engine: prompt rows [`Tiled`], generated
+/// rows [`PerRow`]), never by how many rows a batch happens to hold.
+///
+/// [`Tiled`]: RowKernel::Tiled
+/// [`PerRow`]: RowKernel::PerRow
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowKernel {
+    /// One row at a time, keys in chunks of [`KEY_CHUNK`] positions: cheapest for a few rows (decode,
+    /// verify).
+    PerRow,
+    /// Tiles of 16 query vectors sharing each K/V page read: for runs of rows (prefill). A run of one
+    /// or two rows still works, wasting most lanes.
+    Tiled,
+}
+
+pub use rows::KEY_CHUNK;
 
 /// Cache dimensions `[num_pages, page_size, kv_heads, head_dim]`.
 #[derive(Clone, Copy, Debug)]
@@ -153,131 +184,117 @@ pub fn paged_attention(
         window,
     };
     let out = out.as_f32_mut()?;
-    if rows == 0 {
-        return Ok(());
-    }
-    let plan = Plan::new(seqs, rows, &dims, num_heads * head_dim);
-    if plan.splits == 1 {
-        attend_direct(&ctx, &plan, out);
-    } else {
-        attend_split(&ctx, &plan, out);
-    }
+    zero_unowned_rows(&ctx, out);
+    rows::attend(&ctx, out);
+    attend_tiled(&ctx, out);
     Ok(())
+}
+
+/// Zeroes the output rows that belong to no sequence.
+fn zero_unowned_rows(ctx: &AttnCtx, out: &mut [f32]) {
+    let row_len = ctx.num_heads * ctx.dims.head_dim;
+    for (row, o) in out.chunks_exact_mut(row_len).enumerate() {
+        if ctx.seq_of(row).is_none() {
+            o.fill(0.0);
+        }
+    }
 }
 
 /// Multiply-adds a task should at least get: below this, handing work to another thread costs more
 /// than it saves.
 const MIN_TASK_WORK: usize = 1 << 15;
 
-/// Keys a split must at least get before a row's keys are split across threads.
-const MIN_SPLIT_KEYS: usize = 256;
-
-/// How the work is cut. An item is one (row, kv head, key split): the `group` query heads sharing a
-/// kv head are done together so each K/V row is read once for all of them. When there are too few
-/// (row, kv head) units to feed the threads (decode), each unit's keys are split in `splits` ranges
-/// whose partial softmax states are merged afterwards (flash-decoding).
-struct Plan {
-    splits: usize,
-    /// Fewest items per rayon task (see [`MIN_TASK_WORK`]).
-    min_items: usize,
+/// Multiply-adds of attending `rows` rows that see `keys` keys each, all heads: scores and values.
+fn attention_work(ctx: &AttnCtx, rows: usize, keys: usize) -> usize {
+    rows * keys * 2 * ctx.num_heads * ctx.dims.head_dim
 }
 
-impl Plan {
-    fn new(seqs: &[AttnSeq], rows: usize, dims: &CacheDims, row_width: usize) -> Plan {
-        let threads = crate::threads::count().max(1);
-        let units = rows * dims.kv_heads;
-        let max_keys = seqs.iter().map(|s| s.context_len + s.num_rows).max().unwrap_or(0);
-        let splits =
-            if units >= 2 * threads { 1 } else { (2 * threads).div_ceil(units).min(max_keys / MIN_SPLIT_KEYS).max(1) };
-        let splits = forced_splits().unwrap_or(splits);
-        let items = units * splits;
-        // Each (row, key) pair costs about 2 · row_width multiply-adds (scores and values, all heads).
-        let work: usize = seqs.iter().map(|s| s.num_rows * (s.context_len + s.num_rows) * 2 * row_width).sum();
-        // About 8 tasks per thread balance causal rows of different lengths; tiny steps (short
-        // decode) stay on the calling thread.
-        let by_balance = items / (threads * 8);
-        let by_work = (items * MIN_TASK_WORK).div_ceil(work.max(1));
-        Plan { splits, min_items: by_balance.max(by_work).max(1) }
+/// The tiled kernel's pass over the [`RowKernel::Tiled`] sequences: work items are (kv head, block of
+/// up to `block_rows` rows of one sequence), blocks counted from the sequence's first row and sized so
+/// that a full block fills whole tiles.
+fn attend_tiled(ctx: &AttnCtx, out: &mut [f32]) {
+    let tiled_seqs = || ctx.seqs.iter().filter(|s| s.kernel == RowKernel::Tiled);
+    if tiled_seqs().next().is_none() {
+        return;
     }
-}
-
-/// A split count forced by a test (to cover the merge with small inputs).
-#[cfg(test)]
-fn forced_splits() -> Option<usize> {
-    tests::FORCE_SPLITS.get()
-}
-
-#[cfg(not(test))]
-fn forced_splits() -> Option<usize> {
-    None
-}
-
-/// One key split per unit: every item writes its normalised output straight into `out`.
-fn attend_direct(ctx: &AttnCtx, plan: &Plan, out: &mut [f32]) {
     let (d, group) = (ctx.dims.head_dim, ctx.group);
+    // The fewest rows whose query vectors fill whole tiles.
+    let block_rows = tiled::LANES / gcd(tiled::LANES, group);
+    let mut outs = tiled_outputs(ctx, out);
+    let items = tile_items(ctx, block_rows, &mut outs);
+    let work: usize = tiled_seqs().map(|s| attention_work(ctx, s.num_rows, s.context_len + s.num_rows)).sum();
+    // Blocks' costs grow along a causal prefill: letting rayon split down to one item keeps the last
+    // stolen piece, and so the threads' imbalance at the end, small.
+    let min_items = (items.len() * MIN_TASK_WORK).div_ceil(work.max(1)).max(1);
     let avx2 = has_avx2();
-    out.par_chunks_mut(group * d).enumerate().with_min_len(plan.min_items).for_each_init(
-        || Scratch::new(group, &ctx.dims),
-        |scratch, (unit, out_unit)| {
-            let (row, kv_head) = (unit / ctx.dims.kv_heads, unit % ctx.dims.kv_heads);
-            if !attend_unit(avx2, ctx, row, kv_head, (0, 1), scratch) {
-                out_unit.fill(0.0);
-                return;
-            }
-            for ((o, acc), &sum) in out_unit.chunks_exact_mut(d).zip(scratch.acc.chunks_exact(d)).zip(&scratch.sum) {
-                let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
-                for (a, b) in o.iter_mut().zip(acc) {
-                    *a = *b * inv;
-                }
-            }
+    items.into_par_iter().with_min_len(min_items).for_each_init(
+        || TileScratch::new(d, ctx.dims.page_size),
+        |scratch, item| {
+            let seq = &ctx.seqs[item.seq];
+            tiled::attend_run(avx2, ctx, seq, item.kv_head, item.first_row, item.outs, scratch);
         },
     );
 }
 
-/// Several key splits per unit: items leave unnormalised partial states, merged per unit afterwards.
-fn attend_split(ctx: &AttnCtx, plan: &Plan, out: &mut [f32]) {
-    let (d, group, splits) = (ctx.dims.head_dim, ctx.group, plan.splits);
-    let items = out.len() / d / group * splits;
-    // [items, group, d] accumulators and [items, group] (max, sum) pairs.
-    let mut acc = vec![0f32; items * group * d];
-    let mut stats = vec![(f32::NEG_INFINITY, 0f32); items * group];
-    let avx2 = has_avx2();
-    acc.par_chunks_mut(group * d)
-        .zip(stats.par_chunks_mut(group))
-        .enumerate()
-        .with_min_len(plan.min_items)
-        .for_each_init(
-            || Scratch::new(group, &ctx.dims),
-            |scratch, (item, (acc_item, stats_item))| {
-                let (unit, split) = (item / splits, item % splits);
-                let (row, kv_head) = (unit / ctx.dims.kv_heads, unit % ctx.dims.kv_heads);
-                if attend_unit(avx2, ctx, row, kv_head, (split, splits), scratch) {
-                    acc_item.copy_from_slice(&scratch.acc);
-                    for (st, (m, s)) in stats_item.iter_mut().zip(scratch.max.iter().zip(&scratch.sum)) {
-                        *st = (*m, *s);
-                    }
-                }
-            },
-        );
-    for (unit, out_unit) in out.chunks_exact_mut(group * d).enumerate() {
-        for (h, o) in out_unit.chunks_exact_mut(d).enumerate() {
-            let part = |s: usize| (unit * splits + s) * group + h;
-            let max = (0..splits).map(|s| stats[part(s)].0).fold(f32::NEG_INFINITY, f32::max);
-            o.fill(0.0);
-            let mut sum = 0.0;
-            for s in 0..splits {
-                let (m, l) = stats[part(s)];
-                if m == f32::NEG_INFINITY {
-                    continue; // an empty split (or a row without a sequence)
-                }
-                let weight = (m - max).exp();
-                sum += l * weight;
-                simd::axpy::<false>(o, weight, &acc[part(s) * d..(part(s) + 1) * d]);
-            }
-            let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
-            simd::scale(o, inv);
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// The (row, kv head) output slices (`[group · head_dim]` each) of the tiled sequences' rows, kv-head
+/// major (so consecutive items share their K/V, which then stays in the core's L2), then in sequence
+/// order.
+fn tiled_outputs<'o>(ctx: &AttnCtx, out: &'o mut [f32]) -> Vec<&'o mut [f32]> {
+    let kv_heads = ctx.dims.kv_heads;
+    // Tiled sequence s's rows for kv head h go at h · seq_rows + first_seq_row[s] ...
+    let mut first_seq_row = vec![usize::MAX; ctx.seqs.len()];
+    let mut seq_rows = 0;
+    for (s, seq) in ctx.seqs.iter().enumerate().filter(|(_, s)| s.kernel == RowKernel::Tiled) {
+        first_seq_row[s] = seq_rows;
+        seq_rows += seq.num_rows;
+    }
+    let mut ordered: Vec<Option<&mut [f32]>> = Vec::new();
+    ordered.resize_with(seq_rows * kv_heads, || None);
+    for (unit, out_unit) in out.chunks_exact_mut(ctx.group * ctx.dims.head_dim).enumerate() {
+        let (row, kv_head) = (unit / kv_heads, unit % kv_heads);
+        let owner = ctx.owner[row] as usize;
+        if let Some(seq) = ctx.seqs.get(owner).filter(|s| s.kernel == RowKernel::Tiled) {
+            ordered[kv_head * seq_rows + first_seq_row[owner] + row - seq.first_row] = Some(out_unit);
         }
     }
+    // `row_owners` checked that the sequences' rows are disjoint and inside the batch, so every
+    // place was filled.
+    ordered.into_iter().flatten().collect()
+}
+
+/// Cuts the slices of [`tiled_outputs`] into work items: per kv head and tiled sequence, blocks of
+/// `block_rows` rows from the sequence's first row.
+fn tile_items<'a, 'o>(ctx: &AttnCtx, block_rows: usize, mut outs: &'a mut [&'o mut [f32]]) -> Vec<TileItem<'a, 'o>> {
+    let mut items = Vec::new();
+    for kv_head in 0..ctx.dims.kv_heads {
+        for (s, seq) in ctx.seqs.iter().enumerate().filter(|(_, s)| s.kernel == RowKernel::Tiled) {
+            for first in (0..seq.num_rows).step_by(block_rows) {
+                let len = block_rows.min(seq.num_rows - first);
+                let (item_outs, rest) = std::mem::take(&mut outs).split_at_mut(len);
+                outs = rest;
+                items.push(TileItem { seq: s, kv_head, first_row: seq.first_row + first, outs: item_outs });
+            }
+        }
+    }
+    items
+}
+
+/// A tiled-pass work item: up to `block_rows` consecutive rows of one sequence, for one kv head.
+struct TileItem<'a, 'o> {
+    seq: usize,
+    kv_head: usize,
+    /// Batch row of the first row.
+    first_row: usize,
+    /// Each row's output for the kv head's group, `[group · head_dim]`.
+    outs: &'a mut [&'o mut [f32]],
 }
 
 fn check_heads(dims: &CacheDims, num_heads: usize, num_kv_heads: usize, head_dim: usize) -> Result<()> {
@@ -342,6 +359,11 @@ struct AttnCtx<'a> {
 }
 
 impl AttnCtx<'_> {
+    /// The sequence batch row `row` belongs to, if any.
+    fn seq_of(&self, row: usize) -> Option<&AttnSeq<'_>> {
+        self.seqs.get(self.owner[row] as usize)
+    }
+
     /// The key positions row `row` of `seq` attends: `start..end`.
     fn key_range(&self, seq: &AttnSeq, row: usize) -> (usize, usize) {
         let pos = seq.context_len + (row - seq.first_row);
@@ -349,133 +371,6 @@ impl AttnCtx<'_> {
         let start = self.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         (start, end)
     }
-}
-
-/// Per-task buffers, reused across the items a task runs.
-struct Scratch {
-    /// Scaled queries, `[heads, head_dim]`.
-    q: Vec<f32>,
-    /// Unnormalised outputs, `[heads, head_dim]`.
-    acc: Vec<f32>,
-    /// One page of scores.
-    scores: Vec<f32>,
-    /// Running max and sum of exponentials per head.
-    max: Vec<f32>,
-    sum: Vec<f32>,
-}
-
-impl Scratch {
-    fn new(heads: usize, dims: &CacheDims) -> Self {
-        Scratch {
-            q: vec![0.0; heads * dims.head_dim],
-            acc: vec![0.0; heads * dims.head_dim],
-            scores: vec![0.0; dims.page_size],
-            max: vec![0.0; heads],
-            sum: vec![0.0; heads],
-        }
-    }
-}
-
-/// Runs [`attend_unit_impl`] on the AVX2 path when `avx2` (detected by the caller) is set.
-fn attend_unit(
-    avx2: bool,
-    ctx: &AttnCtx,
-    row: usize,
-    kv_head: usize,
-    split: (usize, usize),
-    scratch: &mut Scratch,
-) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    if avx2 {
-        // SAFETY: AVX2, FMA and F16C were detected by the caller.
-        return unsafe { attend_unit_avx2(ctx, row, kv_head, split, scratch) };
-    }
-    let _ = avx2;
-    attend_unit_impl::<false>(ctx, row, kv_head, split, scratch)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attend_unit_avx2(
-    ctx: &AttnCtx,
-    row: usize,
-    kv_head: usize,
-    split: (usize, usize),
-    scratch: &mut Scratch,
-) -> bool {
-    attend_unit_impl::<true>(ctx, row, kv_head, split, scratch)
-}
-
-/// Online softmax of the `group` query heads of `kv_head` in row `row` over key split `split.0` of
-/// `split.1` (equal ranges of the row's keys), leaving the unnormalised outputs and the running
-/// max/sum in `scratch`. Returns false for a row that belongs to no sequence.
-#[inline(always)]
-fn attend_unit_impl<const AVX2: bool>(
-    ctx: &AttnCtx,
-    row: usize,
-    kv_head: usize,
-    (split, splits): (usize, usize),
-    scratch: &mut Scratch,
-) -> bool {
-    let d = ctx.dims.head_dim;
-    let Some(seq) = ctx.seqs.get(ctx.owner[row] as usize) else {
-        return false;
-    };
-    let q_heads = &ctx.q[(row * ctx.num_heads + kv_head * ctx.group) * d..][..ctx.group * d];
-    for (qs, qh) in scratch.q.iter_mut().zip(q_heads) {
-        *qs = *qh * ctx.scale;
-    }
-    scratch.acc.fill(0.0);
-    scratch.max.fill(f32::NEG_INFINITY);
-    scratch.sum.fill(0.0);
-    let (start, end) = ctx.key_range(seq, row);
-    let len = (end - start).div_ceil(splits);
-    let start = (start + split * len).min(end);
-    let end = (start + len).min(end);
-    let ps = ctx.dims.page_size;
-    let mut key = start;
-    while key < end {
-        let (page_idx, off) = (key / ps, key % ps);
-        let n = (ps - off).min(end - key);
-        let first_slot = seq.block_table[page_idx] as usize * ps + off;
-        for h in 0..ctx.group {
-            attend_page::<AVX2>(ctx, scratch, h, kv_head, first_slot, n);
-        }
-        key += n;
-    }
-    true
-}
-
-/// Online-softmax update of head `h` of the group with `n` consecutive slots from `first_slot`.
-#[inline(always)]
-fn attend_page<const AVX2: bool>(
-    ctx: &AttnCtx,
-    scratch: &mut Scratch,
-    h: usize,
-    kv_head: usize,
-    first_slot: usize,
-    n: usize,
-) {
-    let d = ctx.dims.head_dim;
-    let stride = ctx.dims.slot_len();
-    // The page's rows for this kv head: row i starts at i·stride.
-    let first = first_slot * stride + kv_head * d;
-    let q = &scratch.q[h * d..(h + 1) * d];
-    let scores = &mut scratch.scores[..n];
-    simd::dot_rows::<AVX2>(q, &ctx.k_cache[first..], stride, scores);
-    let page_max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let acc = &mut scratch.acc[h * d..(h + 1) * d];
-    let old_max = scratch.max[h];
-    if page_max > old_max {
-        if old_max > f32::NEG_INFINITY {
-            let correction = simd::exp::<AVX2>(old_max - page_max);
-            simd::scale(acc, correction);
-            scratch.sum[h] *= correction;
-        }
-        scratch.max[h] = page_max;
-    }
-    scratch.sum[h] += simd::exp_shifted_sum::<AVX2>(scores, scratch.max[h]);
-    simd::axpy_rows::<AVX2>(acc, scores, &ctx.v_cache[first..], stride);
 }
 
 #[cfg(test)]

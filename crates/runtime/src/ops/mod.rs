@@ -15,7 +15,7 @@ mod reduce;
 mod rope;
 mod simd;
 
-pub use attention::{kv_write, paged_attention, AttnSeq};
+pub use attention::{kv_write, paged_attention, AttnSeq, RowKernel, KEY_CHUNK};
 pub use elementwise::{add_in_place, embedding, swiglu_fused};
 pub use matmul::matmul;
 pub use norm::{add_rms_norm, head_rms_norm, rms_norm};

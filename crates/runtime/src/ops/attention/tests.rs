@@ -1,16 +1,13 @@
 //! Paged attention against a contiguous naive reference.
 
 use super::*;
+use crate::ops::simd;
 use crate::ops::test_util::{assert_close, Rng};
 
 const PAGE: usize = 4;
 
-thread_local! {
-    /// Makes `Plan::new` split every row's keys this many ways, so small tests cover the merge.
-    pub(super) static FORCE_SPLITS: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
-}
-
 /// A test sequence: its contiguous K/V history (context + new rows) and its rows in the batch.
+#[derive(Clone)]
 struct SeqData {
     context_len: usize,
     num_rows: usize,
@@ -20,6 +17,7 @@ struct SeqData {
 }
 
 struct Case {
+    page: usize,
     heads: usize,
     kv_heads: usize,
     d: usize,
@@ -27,9 +25,22 @@ struct Case {
     q: Vec<f32>, // [rows, heads * d]
 }
 
-/// Random sequences with (context_len, num_rows) each, pages handed out in shuffled order.
+/// Random sequences with (context_len, num_rows) each, pages of [`PAGE`] slots.
 fn make_case(rng: &mut Rng, heads: usize, kv_heads: usize, d: usize, shapes: &[(usize, usize)]) -> Case {
-    let total_pages: usize = shapes.iter().map(|(c, r)| (c + r).div_ceil(PAGE)).sum();
+    make_paged_case(rng, PAGE, heads, kv_heads, d, shapes)
+}
+
+/// Random sequences with (context_len, num_rows) each, pages of `page` slots handed out in shuffled
+/// order.
+fn make_paged_case(
+    rng: &mut Rng,
+    page: usize,
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    shapes: &[(usize, usize)],
+) -> Case {
+    let total_pages: usize = shapes.iter().map(|(c, r)| (c + r).div_ceil(page)).sum();
     let mut free: Vec<u32> = (0..total_pages as u32 + 3).collect();
     for i in (1..free.len()).rev() {
         free.swap(i, rng.below(i + 1));
@@ -37,12 +48,12 @@ fn make_case(rng: &mut Rng, heads: usize, kv_heads: usize, d: usize, shapes: &[(
     let mut seqs = Vec::new();
     for &(context_len, num_rows) in shapes {
         let keys = context_len + num_rows;
-        let pages = free.split_off(free.len() - keys.div_ceil(PAGE));
+        let pages = free.split_off(free.len() - keys.div_ceil(page));
         let (k, v) = (rng.vec(keys * kv_heads * d), rng.vec(keys * kv_heads * d));
         seqs.push(SeqData { context_len, num_rows, k, v, pages });
     }
     let rows: usize = shapes.iter().map(|(_, r)| r).sum();
-    Case { heads, kv_heads, d, seqs, q: rng.vec(rows * heads * d) }
+    Case { page, heads, kv_heads, d, seqs, q: rng.vec(rows * heads * d) }
 }
 
 fn naive(case: &Case, scale: f32, causal: bool, window: Option<usize>) -> Vec<f32> {
@@ -78,21 +89,38 @@ fn naive(case: &Case, scale: f32, causal: bool, window: Option<usize>) -> Vec<f3
     out
 }
 
-fn paged(case: &Case, scale: f32, causal: bool, window: Option<usize>) -> Vec<f32> {
+/// Paged attention over `case`, sequence `s` on kernel `kernels[s % kernels.len()]`, each sequence's
+/// rows cut into separate `AttnSeq`s of `cut` rows (all in one batch; `usize::MAX`: uncut).
+fn paged_cut(
+    case: &Case,
+    scale: f32,
+    causal: bool,
+    window: Option<usize>,
+    kernels: &[RowKernel],
+    cut: usize,
+) -> Vec<f32> {
     let num_pages = case.seqs.iter().flat_map(|s| &s.pages).max().map_or(0, |&p| p as usize + 1);
-    let shape = [num_pages, PAGE, case.kv_heads, case.d];
+    let page = case.page;
+    let shape = [num_pages, page, case.kv_heads, case.d];
     let mut kc = Tensor::zeros(DType::F32, &shape).expect("k cache");
     let mut vc = Tensor::zeros(DType::F32, &shape).expect("v cache");
     let kvd = case.kv_heads * case.d;
     let mut attn = Vec::new();
     let mut first_row = 0;
-    for s in &case.seqs {
+    for (i, s) in case.seqs.iter().enumerate() {
+        let kernel = kernels[i % kernels.len()];
         let keys = s.context_len + s.num_rows;
-        let slots: Vec<u32> = (0..keys).map(|t| s.pages[t / PAGE] * PAGE as u32 + (t % PAGE) as u32).collect();
+        let slots: Vec<u32> = (0..keys).map(|t| s.pages[t / page] * page as u32 + (t % page) as u32).collect();
         let k = Tensor::from_f32(&s.k, &[keys, kvd]).expect("k");
         let v = Tensor::from_f32(&s.v, &[keys, kvd]).expect("v");
         kv_write(&mut kc, &mut vc, &k, &v, &slots).expect("kv_write");
-        attn.push(AttnSeq { first_row, num_rows: s.num_rows, context_len: s.context_len, block_table: &s.pages });
+        // Non-causal rows see the whole block, so only causal runs may be cut.
+        let cut = if causal { cut.max(1) } else { usize::MAX };
+        for skip in (0..s.num_rows).step_by(cut) {
+            let num_rows = cut.min(s.num_rows - skip);
+            let (context_len, block_table) = (s.context_len + skip, &s.pages[..]);
+            attn.push(AttnSeq { first_row: first_row + skip, num_rows, context_len, block_table, kernel });
+        }
         first_row += s.num_rows;
     }
     let hd = case.heads * case.d;
@@ -103,18 +131,23 @@ fn paged(case: &Case, scale: f32, causal: bool, window: Option<usize>) -> Vec<f3
     out.as_f32().expect("out").to_vec()
 }
 
+fn paged(case: &Case, scale: f32, causal: bool, window: Option<usize>, kernel: RowKernel) -> Vec<f32> {
+    paged_cut(case, scale, causal, window, &[kernel], usize::MAX)
+}
+
+const KERNELS: [RowKernel; 2] = [RowKernel::PerRow, RowKernel::Tiled];
+
 fn check(case: &Case, causal: bool, window: Option<usize>, what: &str) {
     let scale = 1.0 / (case.d as f32).sqrt();
     let want = naive(case, scale, causal, window);
     simd::on_both_paths(|path| {
-        // The plan's own choice, then every row's keys split 3 ways (some splits empty for short
-        // rows) and merged.
-        for splits in [None, Some(3)] {
-            FORCE_SPLITS.set(splits);
-            let got = paged(case, scale, causal, window);
-            FORCE_SPLITS.set(None);
-            assert_close(&got, &want, 1e-5, &format!("{what} ({path}, splits {splits:?})"));
+        for kernel in KERNELS {
+            let got = paged(case, scale, causal, window, kernel);
+            assert_close(&got, &want, 1e-5, &format!("{what} ({path}, {kernel:?})"));
         }
+        // Both kernels in one batch, alternating by sequence.
+        let got = paged_cut(case, scale, causal, window, &KERNELS, usize::MAX);
+        assert_close(&got, &want, 1e-5, &format!("{what} ({path}, mixed kernels)"));
     });
 }
 
@@ -134,8 +167,7 @@ fn mixed_batch_matches_contiguous_reference() {
 #[test]
 fn decode_rows_match_reference() {
     let mut rng = Rng::new(42);
-    // One row per sequence (the plan splits keys when units are few). 9 heads over 3 kv heads,
-    // head_dim 64.
+    // One row per sequence. 9 heads over 3 kv heads, head_dim 64.
     let case = make_case(&mut rng, 9, 3, 64, &[(37, 1)]);
     check(&case, true, None, "decode");
     let case = make_case(&mut rng, 4, 4, 16, &[(12, 1), (0, 1), (5, 1)]);
@@ -150,6 +182,89 @@ fn long_prefill_matches_reference() {
 }
 
 #[test]
+fn tiled_runs_match_reference() {
+    let mut rng = Rng::new(45);
+    // The default model's shape (9 heads over 3 kv heads, head_dim 64, pages of 16): a fresh prefill,
+    // chunked prefills continuing after a context (not page-aligned; row counts that leave a short
+    // last block of the 16-row blocks), and a single row in the same batch.
+    let case = make_paged_case(&mut rng, 16, 9, 3, 64, &[(0, 37), (21, 19), (50, 1), (13, 26)]);
+    check(&case, true, None, "prefill batch");
+    check(&case, false, None, "prefill batch, non-causal");
+    check(&case, true, Some(5), "prefill batch, window 5");
+    check(&case, true, Some(20), "prefill batch, window 20");
+    // Group 5 (tiles that cut rows, a last tile of 7 vectors), head_dim 22 (kernel block tails), pages
+    // of 4.
+    let case = make_case(&mut rng, 10, 2, 22, &[(6, 11), (0, 9)]);
+    check(&case, true, None, "group 5");
+    check(&case, false, Some(7), "group 5, non-causal window 7");
+    // Group 26: one row's heads span two tiles.
+    let case = make_case(&mut rng, 26, 1, 8, &[(3, 2), (0, 5)]);
+    check(&case, true, None, "group 26");
+    check(&case, true, Some(3), "group 26, window 3");
+    // No grouping: 16 rows per tile; 2 rows fill 2 lanes of one.
+    let case = make_paged_case(&mut rng, 16, 2, 2, 16, &[(5, 30), (40, 2)]);
+    check(&case, true, None, "group 1");
+    check(&case, true, Some(9), "group 1, window 9");
+}
+
+#[test]
+fn long_contexts_merge_key_chunks() {
+    let mut rng = Rng::new(47);
+    // Keys past one and two chunks: decode rows alone and together, a verify run and a chunked prefill
+    // whose rows straddle a chunk bound.
+    let case = make_paged_case(&mut rng, 16, 9, 3, 64, &[(530, 1)]);
+    check(&case, true, None, "decode after 530");
+    let case = make_paged_case(&mut rng, 16, 9, 3, 64, &[(600, 9), (250, 1), (255, 12)]);
+    check(&case, true, None, "verify and prefill past a chunk");
+    check(&case, true, Some(300), "window 300");
+    check(&case, false, Some(280), "non-causal window 280");
+}
+
+/// Several sequences' data as one batch, pages renumbered apart.
+fn concat_cases(cases: &[&Case]) -> Case {
+    let mut seqs = Vec::new();
+    let mut shift = 0;
+    for case in cases {
+        seqs.extend(
+            case.seqs.iter().map(|s| SeqData { pages: s.pages.iter().map(|p| p + shift).collect(), ..s.clone() }),
+        );
+        shift += case.seqs.iter().flat_map(|s| &s.pages).max().map_or(0, |&p| p + 1);
+    }
+    let q = cases.iter().flat_map(|c| c.q.iter().copied()).collect();
+    let first = cases[0];
+    Case { page: first.page, heads: first.heads, kv_heads: first.kv_heads, d: first.d, seqs, q }
+}
+
+#[test]
+fn a_rows_outputs_do_not_depend_on_the_batch() {
+    let mut rng = Rng::new(46);
+    // The default model's shape. 21 rows after 300 keys: a row's keys cross the first key chunk.
+    let alone = make_paged_case(&mut rng, 16, 9, 3, 64, &[(300, 21)]);
+    // Neighbours that change every batch-level choice: rows before it, long and short contexts.
+    let before = make_paged_case(&mut rng, 16, 9, 3, 64, &[(3, 14), (700, 1)]);
+    let after = make_paged_case(&mut rng, 16, 9, 3, 64, &[(40, 2)]);
+    let batch = concat_cases(&[&before, &alone, &after]);
+    let rows = before.q.len()..before.q.len() + alone.q.len();
+    let scale = 0.125;
+    simd::on_both_paths(|path| {
+        for kernel in KERNELS {
+            for window in [None, Some(6), Some(290)] {
+                let want = paged(&alone, scale, true, window, kernel);
+                let how = format!("{kernel:?}, window {window:?} ({path})");
+                // Bit-identical: the same arithmetic whatever else is in the batch, and however the
+                // sequence's rows were cut into runs (a prompt split into chunks, a verify into rows).
+                let got = paged(&batch, scale, true, window, kernel);
+                assert!(got[rows.clone()] == want[..], "in a batch: {how}");
+                for cut in [1, 2, 5] {
+                    let got = paged_cut(&alone, scale, true, window, &[kernel], cut);
+                    assert!(got == want, "cut every {cut} rows: {how}");
+                }
+            }
+        }
+    });
+}
+
+#[test]
 fn rows_without_a_sequence_are_zeroed_and_bad_inputs_rejected() {
     let mut rng = Rng::new(44);
     let (heads, d) = (2, 8);
@@ -158,16 +273,14 @@ fn rows_without_a_sequence_are_zeroed_and_bad_inputs_rejected() {
     let vc = Tensor::from_f32(&rng.vec(3 * PAGE * d), &shape).expect("v");
     let q = Tensor::from_f32(&rng.vec(3 * heads * d), &[3, heads * d]).expect("q");
     let table = [2u32, 0];
-    let seq = AttnSeq { first_row: 0, num_rows: 2, context_len: 5, block_table: &table };
-    for splits in [None, Some(2)] {
+    let seq = AttnSeq { first_row: 0, num_rows: 2, context_len: 5, block_table: &table, kernel: RowKernel::PerRow };
+    for kernel in KERNELS {
         let mut out = Tensor::from_f32(&vec![7.0; 3 * heads * d], &[3, heads * d]).expect("out");
-        FORCE_SPLITS.set(splits);
-        let result = paged_attention(&q, &kc, &vc, &[seq], heads, 1, d, 0.3, true, None, &mut out);
-        FORCE_SPLITS.set(None);
-        result.expect("attn");
+        paged_attention(&q, &kc, &vc, &[AttnSeq { kernel, ..seq }], heads, 1, d, 0.3, true, None, &mut out)
+            .expect("attn");
         let out = out.as_f32().expect("out");
-        assert!(out[2 * heads * d..].iter().all(|&v| v == 0.0), "splits {splits:?}");
-        assert!(out[..2 * heads * d].iter().all(|&v| v != 7.0), "splits {splits:?}");
+        assert!(out[2 * heads * d..].iter().all(|&v| v == 0.0), "{kernel:?}");
+        assert!(out[..2 * heads * d].iter().all(|&v| v != 7.0), "{kernel:?}");
     }
     let mut out = Tensor::zeros(DType::F32, &[3, heads * d]).expect("out");
     let run = |seqs: &[AttnSeq], window, out: &mut Tensor| {
