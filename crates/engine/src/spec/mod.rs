@@ -99,23 +99,54 @@ impl SpecStats {
     }
 }
 
-/// A sequence's armed lane: its proposer, gate and stats.
+/// How many drafts the next round asks for: the maximum at first, one past the accepted prefix after a rejection,
+/// and twice the last round's drafts (up to the maximum) after a round accepted whole.
+///
+/// Every draft is a verify row, and a row the target rejects is paid for and wasted. Where the lane guesses well
+/// (code edits copying the prompt) rounds stay long; where it rarely does (prose) they shrink to one or two drafts,
+/// so a round costs little more than the plain step it replaces, and a lucky run grows back in a few rounds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DraftLength {
+    max: usize,
+    next: usize,
+}
+
+impl DraftLength {
+    pub fn new(max: usize) -> Self {
+        DraftLength { max, next: max }
+    }
+
+    /// Drafts to ask for next round.
+    pub fn get(&self) -> usize {
+        self.next
+    }
+
+    /// Records a verified round of `drafted` drafts of which the first `accepted` were accepted.
+    pub fn record(&mut self, drafted: usize, accepted: usize) {
+        if drafted == 0 {
+            return;
+        }
+        self.next = if accepted >= drafted { self.next.max(2 * drafted) } else { accepted + 1 }.min(self.max);
+    }
+}
+
+/// A sequence's armed lane: its proposer, gate, draft length and stats.
 pub struct SpecLane {
     pub proposer: Box<dyn Proposer>,
     pub gate: RuntimeGate,
+    pub length: DraftLength,
     pub stats: SpecStats,
-    pub max_draft: usize,
 }
 
 impl SpecLane {
     pub fn new(proposer: Box<dyn Proposer>, max_draft: usize, min_accepted: f64) -> Self {
         let stats = SpecStats { mode: proposer.name(), ..SpecStats::default() };
-        SpecLane { proposer, gate: RuntimeGate::new(min_accepted), stats, max_draft }
+        SpecLane { proposer, gate: RuntimeGate::new(min_accepted), length: DraftLength::new(max_draft), stats }
     }
 
     /// Drafts for the next round (at most `cap`), or none while the gate holds the lane back.
     pub fn draft(&mut self, tokens: &[u32], cap: usize) -> Vec<u32> {
-        let cap = cap.min(self.max_draft);
+        let cap = cap.min(self.length.get());
         let drafts = if cap > 0 && self.gate.allows() { self.proposer.propose(tokens, cap) } else { Vec::new() };
         if drafts.is_empty() {
             self.stats.plain_steps += 1;
@@ -126,6 +157,7 @@ impl SpecLane {
     /// Records a verified round.
     pub fn verified(&mut self, drafted: usize, accepted: usize) {
         self.stats.record_round(drafted, accepted);
+        self.length.record(drafted, accepted);
         self.proposer.on_verified(drafted, accepted);
         if self.gate.record(accepted) {
             self.stats.gate_pauses += 1;
@@ -136,5 +168,31 @@ impl SpecLane {
 impl std::fmt::Debug for SpecLane {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SpecLane").field("stats", &self.stats).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::DraftLength;
+
+    #[test]
+    fn draft_length_shrinks_on_rejection_and_doubles_on_full_accepts() {
+        let mut len = DraftLength::new(8);
+        assert_eq!(len.get(), 8);
+        len.record(8, 0);
+        assert_eq!(len.get(), 1, "nothing accepted: one draft");
+        len.record(1, 1);
+        assert_eq!(len.get(), 2);
+        len.record(2, 2);
+        assert_eq!(len.get(), 4);
+        len.record(4, 4);
+        len.record(8, 8);
+        assert_eq!(len.get(), 8, "capped at the maximum");
+        len.record(8, 5);
+        assert_eq!(len.get(), 6, "one past the accepted prefix");
+        len.record(3, 3);
+        assert_eq!(len.get(), 6, "a short proposal accepted whole does not shrink the length");
+        len.record(0, 0);
+        assert_eq!(len.get(), 6, "a plain step changes nothing");
     }
 }
