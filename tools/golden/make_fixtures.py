@@ -34,8 +34,9 @@ from tiny_gguf import build_tiny_gguf  # noqa: E402
 from tiny_models import build_tiny_llama, build_tiny_qwen3  # noqa: E402
 
 PARTS = ("tiny-llama", "tiny-qwen3", "tiny-llama-gguf", "smollm2")
-# The whole fixtures folder (ours plus the tokenizer/ fixtures) must stay small enough to commit.
-SIZE_BUDGET_BYTES = 2 * 1024 * 1024
+# The whole fixtures folder (every generator's parts plus the tokenizer/ fixtures) must stay small enough to commit;
+# it grows with each architecture and drafter covered.
+SIZE_BUDGET_BYTES = 4 * 1024 * 1024
 
 
 def default_smollm2_gguf() -> Path:

@@ -6,6 +6,7 @@
 
 pub mod batch;
 pub mod config;
+pub mod dflash;
 pub mod error;
 pub mod gguf;
 pub mod llama;
@@ -17,6 +18,7 @@ pub mod weights;
 
 pub use batch::{ForwardBatch, ForwardOut, KvCache, SeqRows};
 pub use config::ModelConfig;
+pub use dflash::{DraftModel, DrafterContext, TargetSpec};
 pub use error::ModelError;
 pub use llama::LlamaModel;
 pub use loader::{load_model, LoadOptions, LoadedModel};

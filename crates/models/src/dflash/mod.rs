@@ -1,0 +1,163 @@
+//! DFlash and DFlash2 block drafters (see the drafter spec in the shared reference docs).
+//!
+//! A drafter is a small stack of Qwen3-style layers with no embedding table or LM head of its own: it borrows the
+//! target's. One non-causal pass over `[anchor, mask × (B − 1)]` proposes a whole block; the context it attends to
+//! is the target's hidden states at `target_layer_ids` (each layer's output, before the final norm) for every
+//! committed position, projected once and injected into every layer as extra keys and values. DFlash2 adds a
+//! grouped dynamic convolution around each sublayer and a candidate selector that walks the block from the
+//! anchor.
+//!
+//! # Decode-side contract (what the engine does)
+//!
+//! ```text
+//! load:    model  = DraftModel::load(dir, &TargetSpec::of(target.config()))
+//!          target = LlamaModel::load(cfg, store, model.target_layer_ids())      // capture the taps
+//! admit:   ctx    = model.new_context()                                          // one per sequence
+//! prefill: out = target.forward(prompt rows)                                     // out.captured: [N, taps·Ht]
+//!          model.append_context(&mut ctx, 0, captured)                           // positions 0..N
+//!          anchor = sample(out.logits)                                           // position N
+//! round:   draft = model.draft(&mut ctx, anchor, w, target.embedding(), target.lm_head(), sampling)
+//!          verify [anchor, draft.tokens] on the target at positions ctx.len() ..  (captured rows too)
+//!          accept a drafts (greedy: match the target argmax; sampled: u·q < p with draft.q)
+//!          model.append_context(&mut ctx, start, rows 0 ..= a of its captured)   // anchor + accepted drafts
+//!          anchor = bonus token
+//! ```
+//!
+//! The context is append-only: rejected drafts never reach it, so nothing is rolled back. While drafting is
+//! suspended (a gate, a greedy fallback), keep appending each committed position's captured rows, or the
+//! context has holes when drafting resumes ([`DraftModel::append_context`] refuses gaps).
+//!
+//! Numerics: f32 activations and residual throughout (the reference runs bf16; f16 is never safe because DFlash2
+//! residuals exceed its range). Parity with the reference package is checked in f32 by
+//! `tests/parity_dflash.rs`.
+
+mod config;
+mod context;
+mod conv;
+mod draft;
+mod forward;
+mod sampling;
+mod selector;
+mod target;
+mod weights;
+
+use std::path::Path;
+
+use dflash_runtime::ops::{RopeStyle, RopeTable};
+
+use crate::error::{ModelError, Result};
+use crate::safetensors_dir::{read_json, SafetensorsDir};
+use crate::weights::{WeightFile, WeightStore};
+
+pub use config::{build_target_layer_ids, Dflash2Config, DraftConfig, DraftKind, LayerAttention};
+pub use context::DrafterContext;
+pub use draft::{Draft, DraftProbs, DraftSampling};
+pub use forward::{BlockOutput, BlockRequest, BlockTrace, LayerTrace};
+pub use sampling::{filtered_probs, inverse_cdf, Draw, InverseCdf, SamplingFilter};
+pub use selector::{CandidateSelector, Candidates, Walk, WalkMode};
+pub use target::{CaptureLayout, TargetSpec};
+
+use weights::DraftWeights;
+
+/// A loaded DFlash or DFlash2 drafter. Holds weights only; per-sequence state lives in [`DrafterContext`].
+#[derive(Debug)]
+pub struct DraftModel {
+    cfg: DraftConfig,
+    target: TargetSpec,
+    weights: DraftWeights,
+    /// The drafter's own RoPE (neox layout, its own theta and scaling), applied to block and context rows.
+    rope: RopeTable,
+}
+
+impl DraftModel {
+    /// Loads a drafter checkpoint directory (`config.json` + `model.safetensors` or an index with shards) and
+    /// checks it against the target it will draft for.
+    ///
+    /// # Errors
+    /// Unreadable or malformed files; a config that is not a DFlash / DFlash2 drafter or is inconsistent; a
+    /// drafter that does not fit the target (hidden sizes, vocabulary, taps, `fc` input width, mask token); any
+    /// tensor missing, misshapen or unexpected (named); features this crate does not implement
+    /// (`mask_embedding.pt`, reduced drafter vocabularies).
+    pub fn load(dir: &Path, target: &TargetSpec) -> Result<Self> {
+        let json = read_json(&dir.join("config.json"))?;
+        let cfg = DraftConfig::from_json(&json)?;
+        if dir.join("mask_embedding.pt").exists() {
+            return Err(ModelError::Unsupported("a separate mask_embedding.pt replacing the mask row".into()));
+        }
+        let mut store = WeightStore::new(WeightFile::Hf(SafetensorsDir::open(dir)?));
+        let model = Self::from_store(cfg, target, &mut store)?;
+        store.finish()?;
+        Ok(model)
+    }
+
+    /// Builds a drafter from a parsed config and a weight store, taking every tensor the config implies (the
+    /// caller runs [`WeightStore::finish`] to reject leftovers).
+    ///
+    /// # Errors
+    /// As [`DraftModel::load`], except for the unused-tensor check.
+    pub fn from_store(cfg: DraftConfig, target: &TargetSpec, store: &mut WeightStore) -> Result<Self> {
+        target::check_pairing(&cfg, target)?;
+        let weights = DraftWeights::load(&cfg, target, store)?;
+        let b = &cfg.backbone;
+        let rope = RopeTable::new(b.head_dim, b.rope_theta, &b.rope_scaling, RopeStyle::Neox)?;
+        Ok(DraftModel { cfg, target: target.clone(), weights, rope })
+    }
+
+    pub fn config(&self) -> &DraftConfig {
+        &self.cfg
+    }
+
+    pub fn kind(&self) -> DraftKind {
+        self.cfg.kind
+    }
+
+    /// Target layers whose outputs (before the final norm) the target must capture, in order.
+    pub fn target_layer_ids(&self) -> &[usize] {
+        &self.cfg.target_layer_ids
+    }
+
+    /// The trained block size `B` (verify width including the anchor).
+    pub fn block_size(&self) -> usize {
+        self.cfg.block_size
+    }
+
+    /// The verify width for a requested block size: clamped down to the trained size, never above it.
+    ///
+    /// # Errors
+    /// `Config` for a request below 2 (a block needs the anchor and one draft).
+    pub fn clamp_block_size(&self, requested: Option<usize>) -> Result<usize> {
+        match requested {
+            Some(n) if n < 2 => Err(ModelError::Config(format!("draft block size {n}: at least 2"))),
+            Some(n) => Ok(n.min(self.cfg.block_size)),
+            None => Ok(self.cfg.block_size),
+        }
+    }
+
+    /// The target this drafter was checked against.
+    pub fn target(&self) -> &TargetSpec {
+        &self.target
+    }
+
+    /// How captured target rows are read (hyper-connection streams).
+    pub fn capture_layout(&self) -> CaptureLayout {
+        self.weights.layout
+    }
+
+    /// DFlash2's selector.
+    pub fn selector(&self) -> Option<&CandidateSelector> {
+        self.weights.selector.as_ref()
+    }
+
+    /// An empty context for one sequence.
+    ///
+    /// # Errors
+    /// Allocation failure.
+    pub fn new_context(&self) -> Result<DrafterContext> {
+        let b = &self.cfg.backbone;
+        DrafterContext::new(b.num_layers, b.num_kv_heads, b.head_dim)
+    }
+
+    fn eps(&self) -> f32 {
+        self.cfg.backbone.rms_norm_eps
+    }
+}
