@@ -9,6 +9,7 @@ pub mod config;
 pub mod dflash;
 pub mod error;
 pub mod gguf;
+pub mod hybrid;
 pub mod llama;
 pub mod loader;
 pub mod resolve;

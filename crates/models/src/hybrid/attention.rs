@@ -1,0 +1,149 @@
+//! Full-attention layers: Qwen3-MoE's (q/k RMSNorm, RoPE) and Qwen3-Next's gated variant (`q_proj` also
+//! yields a per-head output gate, `attn · sigmoid(gate)` before `o_proj`; zero-centred q/k norms; RoPE on the
+//! leading `rotary_dim` dims of each head only).
+
+use dflash_runtime::ops::{self, AttnSeq, RopeTable, RowKernel};
+use dflash_runtime::{DType, Tensor};
+
+use crate::batch::{ForwardBatch, KvCache};
+use crate::error::Result;
+use crate::weights::WeightStore;
+
+use super::config::HybridConfig;
+use super::rows::{linear, RowPlan};
+use super::weights::{norm_weight, stack_rows};
+
+/// One attention layer's weights.
+#[derive(Debug)]
+pub(crate) struct Attention {
+    /// q (and, gated, the gate) then k and v: `[q | gate | k | v]` outputs, q and gate each head by head.
+    qkv: Tensor, // [(heads·(1 + gated) + 2·kv_heads)·head_dim, hidden]
+    q_norm: Tensor, // [head_dim]
+    k_norm: Tensor, // [head_dim]
+    o_proj: Tensor, // [hidden, heads·head_dim]
+    gated: bool,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    eps: f32,
+}
+
+/// Per-forward buffers of one attention layer.
+struct Parts {
+    q: Tensor,            // [T, heads·head_dim]
+    gate: Option<Tensor>, // [T, heads·head_dim]
+    k: Tensor,            // [T, kv_heads·head_dim]
+    v: Tensor,            // [T, kv_heads·head_dim]
+}
+
+impl Attention {
+    /// Takes `model.layers.{i}.self_attn.*`.
+    pub(crate) fn load(store: &mut WeightStore, i: usize, cfg: &HybridConfig) -> Result<Self> {
+        let p = |s: &str| format!("model.layers.{i}.self_attn.{s}");
+        let b = &cfg.base;
+        let (h, hd, gated) = (b.hidden_size, b.head_dim, cfg.attn_output_gate);
+        let (qd, kd) = (b.num_heads * hd, b.num_kv_heads * hd);
+        let q = store.take(&p("q_proj.weight"), &[if gated { 2 * qd } else { qd }, h])?;
+        let k = store.take(&p("k_proj.weight"), &[kd, h])?;
+        let v = store.take(&p("v_proj.weight"), &[kd, h])?;
+        // Gated q_proj rows are per head `[q (head_dim) | gate (head_dim)]`: regroup to all q, then all gates.
+        let mut parts = Vec::new();
+        if gated {
+            for offset in [0, hd] {
+                parts.extend((0..b.num_heads).map(|j| (&q, j * 2 * hd + offset..j * 2 * hd + offset + hd)));
+            }
+        } else {
+            parts.push((&q, 0..qd));
+        }
+        parts.extend([(&k, 0..kd), (&v, 0..kd)]);
+        let zc = cfg.zero_centred_norms;
+        Ok(Attention {
+            qkv: stack_rows(&parts)?,
+            q_norm: norm_weight(store, &p("q_norm.weight"), hd, zc)?,
+            k_norm: norm_weight(store, &p("k_norm.weight"), hd, zc)?,
+            o_proj: store.take(&p("o_proj.weight"), &[h, qd])?,
+            gated,
+            heads: b.num_heads,
+            kv_heads: b.num_kv_heads,
+            head_dim: hd,
+            eps: b.rms_norm_eps,
+        })
+    }
+
+    /// Attends every row over its sequence's pages, writing the rows' K/V into cache layer `slot`.
+    ///
+    /// `normed`: `[T, hidden]`; `out`: `[T, hidden]`, overwritten.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward(
+        &self,
+        plan: &RowPlan,
+        batch: &ForwardBatch,
+        kv: &mut KvCache,
+        slot: usize,
+        rope: &RopeTable,
+        normed: &Tensor,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        let t = normed.rows();
+        let mut qkv = Tensor::zeros(DType::F32, &[t, self.qkv.rows()])?;
+        linear(plan, normed, &self.qkv, &mut qkv)?;
+        let mut x = self.split(&qkv)?;
+        ops::head_rms_norm(&mut x.q, self.head_dim, &self.q_norm, self.eps)?;
+        ops::head_rms_norm(&mut x.k, self.head_dim, &self.k_norm, self.eps)?;
+        ops::rope(&mut x.q, self.head_dim, batch.positions, rope)?;
+        ops::rope(&mut x.k, self.head_dim, batch.positions, rope)?;
+        ops::kv_write(&mut kv.k[slot], &mut kv.v[slot], &x.k, &x.v, batch.slots)?;
+        let mut attn = Tensor::zeros(DType::F32, x.q.shape())?;
+        let scale = 1.0 / (self.head_dim as f32).sqrt();
+        let seqs = attn_seqs(batch);
+        let (heads, kv_heads, hd) = (self.heads, self.kv_heads, self.head_dim);
+        ops::paged_attention(&x.q, &kv.k[slot], &kv.v[slot], &seqs, heads, kv_heads, hd, scale, true, None, &mut attn)?;
+        if let Some(gate) = &x.gate {
+            for (a, &g) in attn.as_f32_mut()?.iter_mut().zip(gate.as_f32()?) {
+                *a *= 1.0 / (1.0 + (-g).exp());
+            }
+        }
+        linear(plan, &attn, &self.o_proj, out)
+    }
+
+    /// Bytes of the projections (what one decode row reads).
+    pub(crate) fn weight_bytes(&self) -> usize {
+        self.qkv.byte_len() + self.o_proj.byte_len()
+    }
+
+    fn split(&self, qkv: &Tensor) -> Result<Parts> {
+        let (qd, kd) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
+        let q = columns(qkv, 0, qd)?;
+        let (gate, at) = if self.gated { (Some(columns(qkv, qd, qd)?), 2 * qd) } else { (None, qd) };
+        Ok(Parts { q, gate, k: columns(qkv, at, kd)?, v: columns(qkv, at + kd, kd)? })
+    }
+}
+
+/// Columns `col..col + w` of every row of `x` as a new `[T, w]` tensor.
+fn columns(x: &Tensor, col: usize, w: usize) -> Result<Tensor> {
+    let row_len = x.row_len();
+    let mut out = Tensor::zeros(DType::F32, &[x.rows(), w])?;
+    for (dst, src) in out.as_f32_mut()?.chunks_exact_mut(w.max(1)).zip(x.as_f32()?.chunks_exact(row_len)) {
+        dst.copy_from_slice(&src[col..col + w]);
+    }
+    Ok(out)
+}
+
+/// Each sequence's prompt rows on the tiled kernel, its generated rows on the per-row kernel, so a position's
+/// bits never depend on how its rows were batched (as in the Llama forward).
+fn attn_seqs<'a>(batch: &ForwardBatch<'a>) -> Vec<AttnSeq<'a>> {
+    let mut out = Vec::with_capacity(batch.seqs.len());
+    let mut first_row = 0;
+    for s in batch.seqs {
+        let prompt_rows = s.prompt_len.saturating_sub(s.context_len).min(s.num_rows);
+        let parts = [(0, prompt_rows, RowKernel::Tiled), (prompt_rows, s.num_rows - prompt_rows, RowKernel::PerRow)];
+        for (skip, num_rows, kernel) in parts {
+            if num_rows > 0 {
+                let (context_len, block_table) = (s.context_len + skip, s.block_table);
+                out.push(AttnSeq { first_row: first_row + skip, num_rows, context_len, block_table, kernel });
+            }
+        }
+        first_row += s.num_rows;
+    }
+    out
+}

@@ -1,0 +1,314 @@
+//! Hybrid and sparse targets: HF `qwen3_next` (Gated DeltaNet + gated attention + MoE with a shared expert)
+//! and `qwen3_moe` (attention + MoE), matching transformers 4.57.
+//!
+//! # State
+//! The model holds weights only. Every forward takes the batch, the paged KV cache of the attention layers
+//! ([`HybridModel::new_kv_cache`]: one cache layer per attention layer) and one [`HybridState`] per sequence
+//! (conv and recurrent state of every GDN layer, [`HybridModel::new_state`]). It returns logits for the
+//! requested rows and the hidden states captured at load-time layers, like the Llama forward.
+//!
+//! # Row roles
+//! Prompt rows (positions below the sequence's `prompt_len`) take the fast paths: batched matmuls, the tiled
+//! attention kernel and the chunked delta rule. Generated rows (decode, verify) take the row-exact paths: the
+//! per-row attention kernel, the recurrent delta rule and matmuls whose bits do not depend on the other rows
+//! (the `rows` module), so a verify row computes exactly what plain decoding would compute for it.
+//!
+//! # Exact rollback after a verify
+//! Attention layers roll back by truncation (the engine's sequence length and block table). GDN layers
+//! cannot be truncated, so the method is *replay of recorded inputs*: [`HybridState::begin_verify`] before the
+//! verify forward makes it save each GDN layer's state once and record every row's recurrence inputs (conv
+//! input row, normalised key, value, decay, write strength); [`HybridState::rollback_to`]`(kept)` restores the
+//! saved state, slides the conv window over the kept rows' inputs and steps the recurrence through them with
+//! the update the forward used. The result is bit-identical to a forward over the kept rows alone.
+//!
+//! Costs per verify round of `w` rows, per GDN layer (`S` = `v_heads·k_dim·v_dim` floats of recurrent state,
+//! `C` = conv channels, `K` = conv taps): one copy of `S + (K−1)·C` floats; `w·(C + k_heads·k_dim + v_heads·(v_dim + 2))`
+//! floats recorded; at rollback, nothing if all rows are kept, else one state copy and `kept` recurrence
+//! steps (`~5·S` flops each, no projections). For Qwen3-Next-80B (36 GDN layers, `S` = 512 Ki floats,
+//! `C` = 8192) that is 75 MiB copied and 2 MiB recorded per row, against 75 MiB per row for keeping a
+//! per-position snapshot of the state instead.
+
+mod attention;
+mod config;
+mod delta_rule;
+mod gdn;
+mod moe;
+mod rows;
+mod state;
+mod weights;
+
+use std::path::Path;
+
+use dflash_runtime::ops::{self, RopeStyle, RopeTable};
+use dflash_runtime::{DType, Tensor};
+
+pub use config::{FfnKind, GdnDims, HybridConfig, HybridKind, MixerKind, MoeDims};
+pub use state::{GdnState, HybridState};
+
+use crate::batch::{ForwardBatch, ForwardOut, KvCache};
+use crate::config::merge_json;
+use crate::error::{ModelError, Result};
+use crate::loader::LoadOptions;
+use crate::safetensors_dir::{read_json, SafetensorsDir};
+use crate::weights::{WeightFile, WeightStore};
+
+use attention::Attention;
+use gdn::GatedDeltaNet;
+use moe::{Ffn, Mlp, SparseMoe};
+use rows::{linear, RowPlan};
+use weights::norm_weight;
+
+/// A layer's token mixer with its cache slot (attention layer index, or GDN layer index).
+#[derive(Debug)]
+enum Mixer {
+    Attention(usize, Attention),
+    Gdn(usize, GatedDeltaNet),
+}
+
+#[derive(Debug)]
+struct Layer {
+    attn_norm: Tensor, // [hidden]
+    mixer: Mixer,
+    ffn_norm: Tensor, // [hidden]
+    ffn: Ffn,
+}
+
+/// A loaded Qwen3-Next or Qwen3-MoE target.
+#[derive(Debug)]
+pub struct HybridModel {
+    cfg: HybridConfig,
+    embed: Tensor, // [vocab, hidden]
+    layers: Vec<Layer>,
+    final_norm: Tensor,      // [hidden]
+    lm_head: Option<Tensor>, // [vocab, hidden]; None = tied
+    rope: RopeTable,
+    capture_layers: Vec<usize>,
+}
+
+impl HybridModel {
+    /// Builds the model from a weight store, taking every tensor the config implies.
+    ///
+    /// # Errors
+    /// Missing or misshapen tensors (named), capture layers out of range, bad RoPE settings.
+    pub fn load(cfg: HybridConfig, store: &mut WeightStore, capture_layers: &[usize]) -> Result<Self> {
+        let n = cfg.num_layers();
+        if let Some(&l) = capture_layers.iter().find(|&&l| l >= n) {
+            return Err(ModelError::Config(format!("capture layer {l} >= {n} layers")));
+        }
+        let (h, v) = (cfg.base.hidden_size, cfg.base.vocab_size);
+        let embed = store.take("model.embed_tokens.weight", &[v, h])?;
+        let layers = (0..n).map(|i| load_layer(&cfg, store, i)).collect::<Result<Vec<_>>>()?;
+        let final_norm = norm_weight(store, "model.norm.weight", h, cfg.zero_centred_norms)?;
+        let lm_head = if cfg.base.tie_word_embeddings {
+            store.ignore("lm_head.weight");
+            None
+        } else {
+            Some(store.take("lm_head.weight", &[v, h])?)
+        };
+        let b = &cfg.base;
+        let rope = RopeTable::new(cfg.rotary_dim, b.rope_theta, &b.rope_scaling, RopeStyle::Neox)?;
+        Ok(HybridModel { cfg, embed, layers, final_norm, lm_head, rope, capture_layers: capture_layers.to_vec() })
+    }
+
+    pub fn config(&self) -> &HybridConfig {
+        &self.cfg
+    }
+
+    /// The layers whose outputs every forward captures, fixed at load.
+    pub fn capture_layers(&self) -> &[usize] {
+        &self.capture_layers
+    }
+
+    /// The token embedding table (shared with drafters).
+    pub fn embedding(&self) -> &Tensor {
+        &self.embed
+    }
+
+    /// The LM head matrix (the embedding when tied).
+    pub fn lm_head(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+
+    /// Bytes of weights one decode row reads: every dense weight, the router and shared expert, and `top_k`
+    /// routed experts per sparse layer (the decode bandwidth floor).
+    pub fn active_weight_bytes(&self) -> usize {
+        let layers: usize = self.layers.iter().map(|l| l.ffn.active_bytes() + mixer_bytes(&l.mixer)).sum();
+        layers + self.lm_head().byte_len()
+    }
+
+    /// Allocates a KV cache for the attention layers only.
+    ///
+    /// # Errors
+    /// When the sizes are zero.
+    pub fn new_kv_cache(&self, num_pages: usize, page_size: usize) -> Result<KvCache> {
+        let b = &self.cfg.base;
+        KvCache::new(self.cfg.attention_layers().len(), num_pages, page_size, b.num_kv_heads, b.head_dim)
+    }
+
+    /// A fresh sequence's recurrent state (zeros; empty for a model without GDN layers).
+    pub fn new_state(&self) -> HybridState {
+        HybridState::new(self.cfg.gdn, self.cfg.gdn_layers().len())
+    }
+
+    /// Runs every row of `batch`, writing attention K/V into `kv` and stepping each sequence's recurrent state
+    /// (`states[i]` belongs to `batch.seqs[i]`; may be empty for a model without GDN layers). A state armed by
+    /// [`HybridState::begin_verify`] records what its rollback needs; its rows must all be generated rows.
+    ///
+    /// # Errors
+    /// An inconsistent batch, states that do not match the batch or the model, a pending unresolved verify,
+    /// or an op failure. After an error the states and cache rows of the batch are unspecified.
+    pub fn forward(
+        &self,
+        batch: &ForwardBatch,
+        kv: &mut KvCache,
+        states: &mut [&mut HybridState],
+    ) -> Result<ForwardOut> {
+        batch.validate(kv)?;
+        self.check_states(batch, states)?;
+        states.iter_mut().for_each(|s| s.start_forward());
+        let out = dflash_runtime::threads::install(|| self.forward_validated(batch, kv, states))?;
+        for (s, state) in batch.seqs.iter().zip(states.iter_mut()) {
+            state.finish_recording(s.num_rows);
+        }
+        Ok(out)
+    }
+
+    fn check_states(&self, batch: &ForwardBatch, states: &[&mut HybridState]) -> Result<()> {
+        let gdn_layers = self.cfg.gdn_layers().len();
+        if states.is_empty() && gdn_layers == 0 {
+            return Ok(());
+        }
+        if states.len() != batch.seqs.len() {
+            return Err(ModelError::Batch(format!("{} states for {} sequences", states.len(), batch.seqs.len())));
+        }
+        for (s, state) in batch.seqs.iter().zip(states) {
+            state.check_shape(self.cfg.gdn, gdn_layers)?;
+            // The chunked rule keeps no per-row states to replay, and prompt rows are never speculative.
+            if state.is_armed() && s.num_rows > 0 && s.context_len < s.prompt_len {
+                return Err(ModelError::Batch("a verify forward holds prompt rows".into()));
+            }
+        }
+        Ok(())
+    }
+
+    fn forward_validated(
+        &self,
+        batch: &ForwardBatch,
+        kv: &mut KvCache,
+        states: &mut [&mut HybridState],
+    ) -> Result<ForwardOut> {
+        let (t, h, eps) = (batch.num_tokens(), self.cfg.base.hidden_size, self.cfg.base.rms_norm_eps);
+        let plan = RowPlan::from_batch(batch);
+        let mut residual = Tensor::zeros(DType::F32, &[t, h])?; // [T, hidden]
+        ops::embedding(&self.embed, batch.tokens, &mut residual)?;
+        let mut normed = Tensor::zeros(DType::F32, &[t, h])?;
+        let mut delta = Tensor::zeros(DType::F32, &[t, h])?;
+        let taps = self.capture_layers.len();
+        let mut captured = (taps > 0).then(|| Tensor::zeros(DType::F32, &[t, taps * h])).transpose()?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            if i == 0 {
+                ops::rms_norm(&residual, &layer.attn_norm, eps, &mut normed)?;
+            }
+            match &layer.mixer {
+                Mixer::Attention(slot, a) => a.forward(&plan, batch, kv, *slot, &self.rope, &normed, &mut delta)?,
+                Mixer::Gdn(slot, g) => g.forward(&plan, batch, states, *slot, &normed, &mut delta)?,
+            }
+            ops::add_rms_norm(&mut residual, &delta, &layer.ffn_norm, eps, &mut normed)?;
+            layer.ffn.forward(&plan, &normed, &mut delta)?;
+            match self.layers.get(i + 1) {
+                Some(next) => ops::add_rms_norm(&mut residual, &delta, &next.attn_norm, eps, &mut normed)?,
+                None => ops::add_in_place(&mut residual, &delta)?,
+            }
+            if let (Some(tap), Some(cap)) = (self.capture_layers.iter().position(|&l| l == i), captured.as_mut()) {
+                copy_columns(&residual, cap, tap * h)?;
+            }
+        }
+        let logits = self.logits(&plan, &residual, batch.logit_rows)?;
+        Ok(ForwardOut { logits, captured })
+    }
+
+    /// Final norm and LM head for the requested rows only (generated rows row-exact).
+    fn logits(&self, plan: &RowPlan, residual: &Tensor /* [T, hidden] */, rows: &[u32]) -> Result<Tensor> {
+        let (h, v) = (self.cfg.base.hidden_size, self.cfg.base.vocab_size);
+        let rows: Vec<usize> = rows.iter().map(|&r| r as usize).collect();
+        let picked = rows::gather_rows(residual, &rows)?;
+        let mut normed = Tensor::zeros(DType::F32, &[rows.len(), h])?;
+        let mut logits = Tensor::zeros(DType::F32, &[rows.len(), v])?;
+        if rows.is_empty() {
+            return Ok(logits);
+        }
+        ops::rms_norm(&picked, &self.final_norm, self.cfg.base.rms_norm_eps, &mut normed)?;
+        linear(&plan.subset(&rows), &normed, self.lm_head(), &mut logits)?;
+        Ok(logits)
+    }
+}
+
+fn mixer_bytes(m: &Mixer) -> usize {
+    match m {
+        Mixer::Attention(_, a) => a.weight_bytes(),
+        Mixer::Gdn(_, g) => g.weight_bytes(),
+    }
+}
+
+fn load_layer(cfg: &HybridConfig, store: &mut WeightStore, i: usize) -> Result<Layer> {
+    let b = &cfg.base;
+    let (h, zc) = (b.hidden_size, cfg.zero_centred_norms);
+    let p = |s: &str| format!("model.layers.{i}.{s}");
+    let mixer = match cfg.mixers[i] {
+        MixerKind::FullAttention => Mixer::Attention(slot_of(cfg, i), Attention::load(store, i, cfg)?),
+        MixerKind::LinearAttention => {
+            let dims = cfg.gdn.ok_or_else(|| ModelError::Config("linear attention layer without sizes".into()))?;
+            Mixer::Gdn(slot_of(cfg, i), GatedDeltaNet::load(store, i, dims, h, b.rms_norm_eps)?)
+        }
+    };
+    let ffn = match (cfg.ffns[i], cfg.moe) {
+        (FfnKind::Sparse, Some(dims)) => Ffn::Sparse(SparseMoe::load(store, i, dims, h)?),
+        _ => Ffn::Dense(Mlp::load(store, &p("mlp"), h, b.intermediate_size)?),
+    };
+    Ok(Layer {
+        attn_norm: norm_weight(store, &p("input_layernorm.weight"), h, zc)?,
+        mixer,
+        ffn_norm: norm_weight(store, &p("post_attention_layernorm.weight"), h, zc)?,
+        ffn,
+    })
+}
+
+/// Layer `i`'s index among the layers of its mixer kind: its KV cache layer or its recurrent state slot.
+fn slot_of(cfg: &HybridConfig, i: usize) -> usize {
+    cfg.mixers[..i].iter().filter(|&&m| m == cfg.mixers[i]).count()
+}
+
+/// Copies every row of `src` `[T, w]` into columns `col..col + w` of `dst` `[T, W]`.
+fn copy_columns(src: &Tensor, dst: &mut Tensor, col: usize) -> Result<()> {
+    let (w, dw) = (src.row_len(), dst.row_len());
+    let s = src.as_f32()?;
+    let d = dst.as_f32_mut()?;
+    for (r, row) in s.chunks_exact(w).enumerate() {
+        d[r * dw + col..r * dw + col + w].copy_from_slice(row);
+    }
+    Ok(())
+}
+
+/// Loads a `qwen3_next` / `qwen3_moe` HF directory (network only, no tokenizer).
+///
+/// The checkpoint's multi-token-prediction weights (`mtp.*`) are left for the MTP head's own loader, as
+/// transformers leaves them; every other tensor must be used.
+///
+/// # Errors
+/// Unreadable or malformed files, an unsupported config, missing, misshapen or unexpected tensors.
+pub fn load_hybrid_weights(dir: &Path, opts: &LoadOptions) -> Result<HybridModel> {
+    let mut config = read_json(&dir.join("config.json"))?;
+    if let Some(o) = &opts.config_overrides {
+        merge_json(&mut config, o);
+    }
+    let cfg = HybridConfig::from_hf(&config)?;
+    let files = SafetensorsDir::open(dir)?;
+    let mtp: Vec<String> = files.names().filter(|n| n.starts_with("mtp.")).map(str::to_string).collect();
+    let mut store = WeightStore::new(WeightFile::Hf(files)).widen_to_f32(opts.f32_weights);
+    let model = HybridModel::load(cfg, &mut store, &opts.capture_layers)?;
+    for name in &mtp {
+        store.ignore(name);
+    }
+    store.finish()?;
+    Ok(model)
+}
