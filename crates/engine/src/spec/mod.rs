@@ -99,12 +99,13 @@ impl SpecStats {
     }
 }
 
-/// How many drafts the next round asks for: the maximum at first, one past the accepted prefix after a rejection,
-/// and twice the last round's drafts (up to the maximum) after a round accepted whole.
+/// How many drafts the next round asks for: the maximum at first; after a rejection, one past the accepted prefix
+/// but no less than half the round's drafts; after a round accepted whole, twice its drafts (up to the maximum).
 ///
 /// Every draft is a verify row, and a row the target rejects is paid for and wasted. Where the lane guesses well
-/// (code edits copying the prompt) rounds stay long; where it rarely does (prose) they shrink to one or two drafts,
-/// so a round costs little more than the plain step it replaces, and a lucky run grows back in a few rounds.
+/// (code edits copying the prompt) rounds stay long; where it rarely does (prose) they shrink to one or two drafts
+/// within a few rounds, so a round costs little more than the plain step it replaces. Halving rather than
+/// dropping at once keeps one unlucky round inside a long copied span from costing the next rounds' length.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DraftLength {
     max: usize,
@@ -126,7 +127,8 @@ impl DraftLength {
         if drafted == 0 {
             return;
         }
-        self.next = if accepted >= drafted { self.next.max(2 * drafted) } else { accepted + 1 }.min(self.max);
+        let next = if accepted >= drafted { self.next.max(2 * drafted) } else { (accepted + 1).max(drafted / 2) };
+        self.next = next.min(self.max);
     }
 }
 
@@ -180,7 +182,12 @@ mod tests {
         let mut len = DraftLength::new(8);
         assert_eq!(len.get(), 8);
         len.record(8, 0);
-        assert_eq!(len.get(), 1, "nothing accepted: one draft");
+        assert_eq!(len.get(), 4, "nothing accepted: halved");
+        len.record(4, 0);
+        len.record(2, 0);
+        assert_eq!(len.get(), 1, "down to one draft");
+        len.record(1, 0);
+        assert_eq!(len.get(), 1, "never below one");
         len.record(1, 1);
         assert_eq!(len.get(), 2);
         len.record(2, 2);
@@ -190,7 +197,11 @@ mod tests {
         assert_eq!(len.get(), 8, "capped at the maximum");
         len.record(8, 5);
         assert_eq!(len.get(), 6, "one past the accepted prefix");
+        len.record(6, 1);
+        assert_eq!(len.get(), 3, "no less than half");
         len.record(3, 3);
+        assert_eq!(len.get(), 6);
+        len.record(2, 2);
         assert_eq!(len.get(), 6, "a short proposal accepted whole does not shrink the length");
         len.record(0, 0);
         assert_eq!(len.get(), 6, "a plain step changes nothing");
