@@ -30,6 +30,9 @@ pub struct EngineConfig {
     pub eos_ids: Vec<u32>,
     /// Speculative decoding lanes and gates.
     pub spec: SpecConfig,
+    /// Most KV pages the prefix cache may index (held by sequences or idle); 0 turns it off. Idle cached pages
+    /// are taken back whenever a sequence needs room, so up to `num_pages` costs nothing.
+    pub prefix_cache_pages: usize,
 }
 
 /// Sequences, their KV cache and the model that runs them.
@@ -64,6 +67,7 @@ impl Engine {
             max_running: cfg.max_running,
             max_batch_tokens: cfg.max_batch_tokens,
             page_size: cfg.page_size,
+            prefix_cache_pages: cfg.prefix_cache_pages,
         };
         let engine = Engine {
             model,
@@ -136,7 +140,10 @@ impl Engine {
             }
         };
         let finished = self.sample_and_stream(&items, &logits);
+        self.sched.publish_prompt_pages();
         self.retire(finished);
+        #[cfg(debug_assertions)]
+        self.audit_pages();
         self.metrics.record_step();
         self.publish_gauges();
         Ok(())
@@ -154,6 +161,14 @@ impl Engine {
             self.metrics.record_outcome(Outcome::Failed);
         }
         self.publish_gauges();
+    }
+
+    /// Empties the prefix cache (pages that running sequences hold stay theirs); returns how many pages were
+    /// freed.
+    pub fn clear_prefix_cache(&mut self) -> usize {
+        let freed = self.sched.pages.clear_prefix_cache();
+        self.publish_gauges();
+        freed
     }
 
     /// The request's lane: its explicit `enable_pld`, else the server's setting behind the prompt gate.
@@ -216,13 +231,30 @@ impl Engine {
         }
     }
 
+    /// Debug builds check the page states after every step (see [`crate::PageAllocator::audit`]).
+    #[cfg(debug_assertions)]
+    fn audit_pages(&self) {
+        let tables = self.sched.running.iter().map(|s| s.block_table.as_slice());
+        if let Err(e) = self.sched.pages.audit(tables) {
+            panic!("KV page accounting is broken: {e}");
+        }
+    }
+
     fn publish_gauges(&self) {
+        let pages = &self.sched.pages;
+        let prefix = self.sched.prefix_stats;
         self.metrics.publish(Gauges {
             queue_depth: self.sched.waiting.len(),
             running: self.sched.running.len(),
-            kv_pages_used: self.sched.pages.used_count(),
-            kv_pages_total: self.sched.pages.total(),
+            kv_pages_used: pages.used_count(),
+            kv_pages_total: pages.total(),
             preemptions: self.sched.preemptions,
+            prefix_cache_pages: pages.cached_count(),
+            prefix_cache_idle_pages: pages.idle_cached_count(),
+            prefix_cache_hits: prefix.hits,
+            prefix_cache_misses: prefix.misses,
+            prefix_cache_reused_tokens: prefix.reused_tokens,
+            prefix_cache_evictions: pages.evictions(),
         });
     }
 }

@@ -62,6 +62,12 @@ pub struct EngineMetrics {
     running: AtomicU64,
     kv_pages_used: AtomicU64,
     kv_pages_total: AtomicU64,
+    prefix_cache_pages: AtomicU64,
+    prefix_cache_idle_pages: AtomicU64,
+    prefix_cache_hits: AtomicU64,
+    prefix_cache_misses: AtomicU64,
+    prefix_cache_reused_tokens: AtomicU64,
+    prefix_cache_evictions: AtomicU64,
     ttft: Mutex<Histogram>,
     itl: Mutex<Histogram>,
 }
@@ -81,13 +87,19 @@ impl Default for EngineMetrics {
             running: AtomicU64::new(0),
             kv_pages_used: AtomicU64::new(0),
             kv_pages_total: AtomicU64::new(0),
+            prefix_cache_pages: AtomicU64::new(0),
+            prefix_cache_idle_pages: AtomicU64::new(0),
+            prefix_cache_hits: AtomicU64::new(0),
+            prefix_cache_misses: AtomicU64::new(0),
+            prefix_cache_reused_tokens: AtomicU64::new(0),
+            prefix_cache_evictions: AtomicU64::new(0),
             ttft: Mutex::new(Histogram::new(&TTFT_BUCKETS)),
             itl: Mutex::new(Histogram::new(&ITL_BUCKETS)),
         }
     }
 }
 
-/// A gauge snapshot the engine publishes after each step.
+/// A snapshot of the engine's gauges and scheduler-owned counters, published after each step.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Gauges {
     pub queue_depth: usize,
@@ -95,6 +107,14 @@ pub struct Gauges {
     pub kv_pages_used: usize,
     pub kv_pages_total: usize,
     pub preemptions: u64,
+    /// Pages in the prefix cache (held by sequences or idle).
+    pub prefix_cache_pages: usize,
+    /// Cached pages no sequence holds.
+    pub prefix_cache_idle_pages: usize,
+    pub prefix_cache_hits: u64,
+    pub prefix_cache_misses: u64,
+    pub prefix_cache_reused_tokens: u64,
+    pub prefix_cache_evictions: u64,
 }
 
 const OUTCOMES: [&str; 4] = ["stop", "length", "cancelled", "error"];
@@ -142,6 +162,12 @@ impl EngineMetrics {
         self.kv_pages_used.store(g.kv_pages_used as u64, Ordering::Relaxed);
         self.kv_pages_total.store(g.kv_pages_total as u64, Ordering::Relaxed);
         self.preemptions.store(g.preemptions, Ordering::Relaxed);
+        self.prefix_cache_pages.store(g.prefix_cache_pages as u64, Ordering::Relaxed);
+        self.prefix_cache_idle_pages.store(g.prefix_cache_idle_pages as u64, Ordering::Relaxed);
+        self.prefix_cache_hits.store(g.prefix_cache_hits, Ordering::Relaxed);
+        self.prefix_cache_misses.store(g.prefix_cache_misses, Ordering::Relaxed);
+        self.prefix_cache_reused_tokens.store(g.prefix_cache_reused_tokens, Ordering::Relaxed);
+        self.prefix_cache_evictions.store(g.prefix_cache_evictions, Ordering::Relaxed);
     }
 
     /// Sequences waiting for admission, as last published.
@@ -166,6 +192,22 @@ impl EngineMetrics {
             ("dflash_spec_rounds_total", "Speculative rounds verified.", &self.spec_rounds),
             ("dflash_spec_drafted_tokens_total", "Draft tokens verified.", &self.spec_drafted),
             ("dflash_spec_accepted_tokens_total", "Draft tokens accepted.", &self.spec_accepted),
+            ("dflash_prefix_cache_hits_total", "Admissions that reused cached prefix pages.", &self.prefix_cache_hits),
+            (
+                "dflash_prefix_cache_misses_total",
+                "Admissions that found no cached prefix page.",
+                &self.prefix_cache_misses,
+            ),
+            (
+                "dflash_prefix_cache_reused_tokens_total",
+                "Prompt tokens served from the prefix cache instead of computed.",
+                &self.prefix_cache_reused_tokens,
+            ),
+            (
+                "dflash_prefix_cache_evictions_total",
+                "Idle prefix cache pages taken back for other use.",
+                &self.prefix_cache_evictions,
+            ),
         ];
         for (name, help, value) in counters {
             let _ =
@@ -176,6 +218,12 @@ impl EngineMetrics {
             ("dflash_running_sequences", "Sequences admitted and running.", &self.running),
             ("dflash_kv_pages_used", "KV cache pages held by sequences.", &self.kv_pages_used),
             ("dflash_kv_pages_total", "KV cache pages in all.", &self.kv_pages_total),
+            ("dflash_prefix_cache_pages", "KV pages in the prefix cache, held or idle.", &self.prefix_cache_pages),
+            (
+                "dflash_prefix_cache_idle_pages",
+                "Prefix cache pages no sequence holds (evicted when room is needed).",
+                &self.prefix_cache_idle_pages,
+            ),
         ];
         for (name, help, value) in gauges {
             let _ =
@@ -203,7 +251,17 @@ mod tests {
         m.record_token(Some(0.3), None);
         m.record_token(None, Some(0.007));
         m.record_token(None, Some(0.03));
-        m.publish(Gauges { queue_depth: 2, running: 3, kv_pages_used: 40, kv_pages_total: 100, preemptions: 1 });
+        m.publish(Gauges {
+            queue_depth: 2,
+            running: 3,
+            kv_pages_used: 40,
+            kv_pages_total: 100,
+            preemptions: 1,
+            prefix_cache_pages: 12,
+            prefix_cache_hits: 5,
+            prefix_cache_evictions: 7,
+            ..Gauges::default()
+        });
         let text = m.render();
         for line in [
             "dflash_requests_total{finish_reason=\"length\"} 1",
@@ -213,6 +271,10 @@ mod tests {
             "dflash_generation_tokens_total 3",
             "dflash_kv_pages_used 40",
             "dflash_queue_depth 2",
+            "dflash_prefix_cache_pages 12",
+            "dflash_prefix_cache_idle_pages 0",
+            "dflash_prefix_cache_hits_total 5",
+            "dflash_prefix_cache_evictions_total 7",
             "dflash_time_to_first_token_seconds_bucket{le=\"0.25\"} 0",
             "dflash_time_to_first_token_seconds_bucket{le=\"0.5\"} 1",
             "dflash_inter_token_latency_seconds_bucket{le=\"0.01\"} 1",

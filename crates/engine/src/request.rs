@@ -20,6 +20,9 @@ pub struct Request {
     pub ignore_eos: bool,
     /// Prompt-lookup drafting: `None` follows the server's setting (and its prompt gate), `Some` forces it.
     pub enable_pld: Option<bool>,
+    /// Let the prefix cache serve this prompt's leading pages and keep its pages for later requests (when the
+    /// server has the cache on). False: computed from scratch and never cached.
+    pub cache_prompt: bool,
 }
 
 /// Where a sequence's events go. The engine calls it from its own thread.

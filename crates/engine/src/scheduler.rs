@@ -8,11 +8,15 @@
 //! 2. sequences still filling their prompt get chunks from what is left of the step's token budget, oldest first,
 //!    so a long prompt is spread over several steps instead of stalling every stream;
 //! 3. waiting requests are admitted first come, first served while a sequence slot, budget and the pages for the
-//!    whole prompt are free.
+//!    whole prompt are free. A request whose prompt starts with cached pages shares them and starts computing after
+//!    them (see [`crate::prefix_cache`]).
+//!
+//! After each step's forward, [`Scheduler::publish_prompt_pages`] offers every newly computed full prompt page to
+//! the prefix cache.
 
 use std::collections::VecDeque;
 
-use crate::pages::PageAllocator;
+use crate::pages::{PageAllocator, Published};
 use crate::sequence::Sequence;
 
 /// Limits the scheduler works within.
@@ -23,6 +27,19 @@ pub struct SchedulerConfig {
     /// Most rows (prefill tokens plus decode rows) in one forward; raised to `max_running` if below it.
     pub max_batch_tokens: usize,
     pub page_size: usize,
+    /// Most pages the prefix cache indexes; 0 turns it off.
+    pub prefix_cache_pages: usize,
+}
+
+/// What the prefix cache did at admissions.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixStats {
+    /// Admissions that reused at least one cached page.
+    pub hits: u64,
+    /// Admissions that looked and found nothing.
+    pub misses: u64,
+    /// Prompt tokens not recomputed thanks to the cache.
+    pub reused_tokens: u64,
 }
 
 /// One sequence's part of a step.
@@ -47,6 +64,7 @@ pub struct Scheduler {
     pub pages: PageAllocator,
     /// Preemptions so far.
     pub preemptions: u64,
+    pub prefix_stats: PrefixStats,
 }
 
 impl Scheduler {
@@ -57,8 +75,9 @@ impl Scheduler {
             cfg,
             waiting: VecDeque::new(),
             running: Vec::new(),
-            pages: PageAllocator::new(num_pages),
+            pages: PageAllocator::with_prefix_cache(num_pages, cfg.prefix_cache_pages),
             preemptions: 0,
+            prefix_stats: PrefixStats::default(),
         }
     }
 
@@ -156,14 +175,23 @@ impl Scheduler {
     }
 
     fn admit(&mut self, items: &mut Vec<StepItem>, budget: &mut usize) {
+        let page_size = self.cfg.page_size;
         while *budget > 0 && self.running.len() < self.cfg.max_running {
-            let Some(seq) = self.waiting.front() else { break };
+            let Some(seq) = self.waiting.front_mut() else { break };
+            let hit = cached_prefix(&self.pages, seq, page_size);
             // The whole prompt (and the first generated token) must fit in free pages: admitting on the first
-            // chunk alone would let long prompts take pages from each other and thrash.
-            if (seq.len() + 1).div_ceil(self.cfg.page_size) > self.pages.free_count() {
+            // chunk alone would let long prompts take pages from each other and thrash. Shared idle pages stop
+            // being free once taken.
+            let need = (seq.len() + 1).div_ceil(page_size) - hit.len() + self.pages.idle_among(&hit);
+            if need > self.pages.free_count() {
                 break;
             }
-            let Some(seq) = self.waiting.pop_front() else { break };
+            let Some(mut seq) = self.waiting.pop_front() else { break };
+            if seq.uses_prefix_cache() && self.pages.prefix_cache().enabled() {
+                self.pages.share(&mut seq.block_table, &hit);
+                seq.resume_from_cache(hit.len(), page_size);
+                self.record_lookup(&seq, hit.len() * page_size);
+            }
             self.running.push(seq);
             let i = self.running.len() - 1;
             match self.chunk(i, *budget) {
@@ -176,12 +204,63 @@ impl Scheduler {
         }
     }
 
+    fn record_lookup(&mut self, seq: &Sequence, reused: usize) {
+        let stats = &mut self.prefix_stats;
+        if reused > 0 {
+            stats.hits += 1;
+            stats.reused_tokens += reused as u64;
+        } else {
+            stats.misses += 1;
+        }
+        tracing::info!("{} [prefix-cache] reused {reused}/{} tokens", seq.request.id, seq.prompt_len());
+    }
+
+    /// Offers each running sequence's newly computed full prompt pages to the prefix cache. Call after a step's
+    /// forward, before retiring: cancelled and finished sequences leave their prompt pages cached.
+    ///
+    /// Only pages wholly below the prompt length are offered, never pages holding generated tokens (see the
+    /// losslessness rule in [`crate::prefix_cache`]).
+    pub fn publish_prompt_pages(&mut self) {
+        if !self.pages.prefix_cache().enabled() {
+            return;
+        }
+        let page_size = self.cfg.page_size;
+        for seq in &mut self.running {
+            if !seq.uses_prefix_cache() {
+                continue;
+            }
+            let full = seq.computed().min(seq.prompt_len()) / page_size;
+            while seq.prefix.settled_pages < full {
+                let k = seq.prefix.settled_pages;
+                let page_tokens = &seq.tokens()[k * page_size..(k + 1) * page_size];
+                let published = self.pages.publish(seq.block_table[k], &seq.prefix.hashes, k, page_tokens);
+                if published == Published::Skipped {
+                    tracing::trace!("{}: prompt page {k} not cached", seq.request.id);
+                }
+                seq.prefix.settled_pages += 1;
+            }
+        }
+    }
+
     /// Removes `running[i]` and frees its pages.
     pub fn retire(&mut self, i: usize) -> Sequence {
         let mut seq = self.running.remove(i);
         self.pages.release(&mut seq.block_table);
         seq
     }
+}
+
+/// The cached pages `seq` may start from: its prompt's longest cached prefix, leaving at least one committed token
+/// to compute (its row yields the logits to sample from). Computes the prompt's page hashes on first use.
+fn cached_prefix(pages: &PageAllocator, seq: &mut Sequence, page_size: usize) -> Vec<u32> {
+    if !seq.uses_prefix_cache() || !pages.prefix_cache().enabled() {
+        return Vec::new();
+    }
+    if seq.prefix.hashes.is_empty() {
+        seq.prefix.hashes = pages.chain_hashes(&seq.tokens()[..seq.prompt_len()], page_size);
+    }
+    let max_pages = (seq.len() - 1) / page_size;
+    pages.longest_prefix(&seq.prefix.hashes, seq.tokens(), page_size, max_pages)
 }
 
 #[cfg(test)]

@@ -14,30 +14,55 @@ impl EventSink for NullSink {
 }
 
 fn seq(id: &str, prompt_len: usize) -> Sequence {
+    seq_with(id, (0..prompt_len as u32).collect(), true)
+}
+
+fn seq_with(id: &str, prompt: Vec<u32>, cache_prompt: bool) -> Sequence {
     let request = Request {
         id: id.into(),
-        prompt: (0..prompt_len as u32).collect(),
+        prompt,
         sampling: SamplingParams::greedy(),
         max_tokens: 100,
         stop: Vec::new(),
         logprobs: None,
         ignore_eos: true,
         enable_pld: None,
+        cache_prompt,
     };
     Sequence::new(request, Box::new(NullSink))
 }
 
 fn scheduler(max_running: usize, max_batch_tokens: usize, pages: usize) -> Scheduler {
-    Scheduler::new(SchedulerConfig { max_running, max_batch_tokens, page_size: 4 }, pages)
+    Scheduler::new(SchedulerConfig { max_running, max_batch_tokens, page_size: 4, prefix_cache_pages: 0 }, pages)
 }
 
-/// Applies a plan as the engine would: advance each item, and append a token where it samples.
+fn cached_scheduler(pages: usize) -> Scheduler {
+    Scheduler::new(
+        SchedulerConfig { max_running: 8, max_batch_tokens: 64, page_size: 4, prefix_cache_pages: pages },
+        pages,
+    )
+}
+
+/// Applies a plan as the engine would: advance each item, and append a token where it samples; then offer the
+/// computed prompt pages to the prefix cache.
 fn apply(s: &mut Scheduler, items: &[StepItem]) {
     for item in items {
         let seq = &mut s.running[item.seq];
         seq.advance(item.rows);
         if item.samples {
             seq.push_for_test(7);
+        }
+    }
+    s.publish_prompt_pages();
+}
+
+/// Runs plans until `running[0]` has `generated` tokens.
+fn run_until(s: &mut Scheduler, generated: usize) {
+    loop {
+        let items = s.plan();
+        apply(s, &items);
+        if s.running[0].generated() >= generated {
+            return;
         }
     }
 }
@@ -116,4 +141,97 @@ fn every_decode_row_fits_even_with_a_small_budget() {
     }
     let items = s.plan();
     assert_eq!(rows(&items), [(0, 1, true), (1, 1, true), (2, 1, true)]);
+}
+
+#[test]
+fn a_repeated_prompt_starts_after_its_cached_pages_and_shares_them() {
+    let mut s = cached_scheduler(16);
+    s.waiting.push_back(seq("first", 10)); // pages [0..4) [4..8) full, [8..10) partial
+    let items = s.plan();
+    assert_eq!(rows(&items), [(0, 10, true)]);
+    apply(&mut s, &items);
+    assert_eq!(s.pages.cached_count(), 2, "the two full prompt pages");
+    let first_pages = s.running[0].block_table.clone();
+
+    s.waiting.push_back(seq("second", 10));
+    let items = s.plan();
+    assert_eq!(rows(&items), [(0, 1, true), (1, 2, true)], "8 tokens come from the cache");
+    let second = &s.running[1];
+    assert_eq!((second.computed(), second.prefix.cached_tokens), (8, 8));
+    assert_eq!(second.block_table[..2], first_pages[..2], "shared, not copied");
+    assert_ne!(second.block_table[2], first_pages[2], "the partial page is its own");
+    assert_eq!((s.pages.refs(first_pages[0]), s.prefix_stats.hits, s.prefix_stats.misses), (2, 1, 1));
+    assert_eq!(s.prefix_stats.reused_tokens, 8);
+}
+
+#[test]
+fn a_prompt_of_whole_pages_leaves_its_last_page_to_compute() {
+    let mut s = cached_scheduler(16);
+    s.waiting.push_back(seq("first", 8));
+    let items = s.plan();
+    apply(&mut s, &items);
+    assert_eq!(s.pages.cached_count(), 2);
+    s.waiting.push_back(seq("second", 8));
+    let items = s.plan();
+    assert_eq!(rows(&items)[1], (1, 4, true), "one page reused: the last token's row yields the logits");
+}
+
+#[test]
+fn generated_tokens_are_never_cached() {
+    let mut s = cached_scheduler(16);
+    s.waiting.push_back(seq("talker", 6));
+    run_until(&mut s, 12); // 18 tokens: pages up to position 16 are full, only the first holds only prompt
+    assert_eq!(s.running[0].len(), 18);
+    assert_eq!(s.pages.cached_count(), 1, "pages holding generated tokens stay private");
+    let talker = s.retire(0);
+    assert_eq!((s.pages.used_count(), s.pages.idle_cached_count()), (0, 1));
+
+    // The conversation goes on: the next prompt holds the answer, which is recomputed as prompt rows.
+    s.waiting.push_back(seq_with("next turn", talker.tokens().iter().copied().chain([5, 5]).collect(), true));
+    s.plan();
+    assert_eq!(s.running[0].computed(), 4);
+}
+
+#[test]
+fn opting_out_neither_reads_nor_feeds_the_cache() {
+    let mut s = cached_scheduler(16);
+    s.waiting.push_back(seq_with("private", (0..10).collect(), false));
+    let items = s.plan();
+    apply(&mut s, &items);
+    assert_eq!(s.pages.cached_count(), 0);
+    s.waiting.push_back(seq("public", 10));
+    let items = s.plan();
+    apply(&mut s, &items);
+    s.waiting.push_back(seq_with("private again", (0..10).collect(), false));
+    let items = s.plan();
+    assert_eq!(rows(&items)[2], (2, 10, true), "computed from scratch though the prefix is cached");
+    assert_eq!(s.prefix_stats, PrefixStats { hits: 0, misses: 1, reused_tokens: 0 });
+}
+
+#[test]
+fn admission_counts_idle_cached_pages_as_free_and_evicts_them_but_never_held_ones() {
+    let mut s = cached_scheduler(6);
+    s.waiting.push_back(seq_with("a", vec![1; 9], true)); // 2 cached pages, 3 held
+    let items = s.plan();
+    apply(&mut s, &items);
+    s.retire(0);
+    assert_eq!((s.pages.idle_cached_count(), s.pages.free_count()), (2, 6));
+
+    // 21 tokens + 1 need 6 pages: the free ones, then both idle cached pages, evicted.
+    s.waiting.push_back(seq_with("b", vec![2; 21], true));
+    let items = s.plan();
+    assert_eq!(rows(&items), [(0, 21, true)]);
+    assert_eq!((s.pages.evictions(), s.pages.cached_count()), (2, 0));
+    apply(&mut s, &items);
+    assert_eq!(s.pages.cached_count(), 5, "b's five full prompt pages, all held");
+
+    // c would share b's first two pages but needs more free pages than exist: it waits, and nothing b holds goes.
+    s.waiting.push_back(seq_with("c", vec![2; 12], true));
+    let items = s.plan();
+    assert_eq!(rows(&items), [(0, 1, true)]);
+    assert_eq!((s.running.len(), s.pages.evictions()), (1, 2));
+    apply(&mut s, &items);
+    s.retire(0);
+    let items = s.plan();
+    assert_eq!(rows(&items), [(0, 4, true)], "admitted after b, on b's cached pages");
 }

@@ -40,6 +40,20 @@ pub struct Sequence {
     pub lane: Option<SpecLane>,
     /// Drafts to verify in this step, after the last committed token.
     pub drafts: Vec<u32>,
+    /// Its place in the prefix cache.
+    pub prefix: PrefixProgress,
+}
+
+/// A sequence's place in the prefix cache.
+#[derive(Clone, Debug, Default)]
+pub struct PrefixProgress {
+    /// Chain hashes of the prompt's full pages; computed on the first admission that uses the cache.
+    pub hashes: Vec<u64>,
+    /// Leading pages of the block table the cache is done with: shared from it at admission, or offered to it
+    /// once computed.
+    pub settled_pages: usize,
+    /// Prompt tokens found in the cache at admission (the latest admission before the first token).
+    pub cached_tokens: usize,
 }
 
 /// When things happened to a sequence.
@@ -70,6 +84,7 @@ impl Sequence {
             times,
             lane: None,
             drafts: Vec::new(),
+            prefix: PrefixProgress::default(),
         }
     }
 
@@ -138,6 +153,25 @@ impl Sequence {
     /// Forgets the cache contents (the pages were taken back); the sequence will recompute them.
     pub fn reset_computed(&mut self) {
         self.computed = 0;
+        self.prefix.settled_pages = 0;
+    }
+
+    /// Starts the sequence on `pages` cached prefix pages of `page_size` tokens, already in its block table: their
+    /// tokens count as computed. Called at admission, before any row runs.
+    pub fn resume_from_cache(&mut self, pages: usize, page_size: usize) {
+        debug_assert!(self.computed == 0 && self.block_table.len() == pages);
+        let tokens = pages * page_size;
+        debug_assert!(tokens < self.tokens.len(), "at least one token is left to compute");
+        self.computed = tokens;
+        self.prefix.settled_pages = pages;
+        if self.times.first_token.is_none() {
+            self.prefix.cached_tokens = tokens;
+        }
+    }
+
+    /// Whether the request lets the prefix cache serve and keep its prompt.
+    pub fn uses_prefix_cache(&self) -> bool {
+        self.request.cache_prompt
     }
 
     /// True once the client has gone away.
@@ -234,7 +268,7 @@ impl Sequence {
         Usage {
             prompt_tokens: self.prompt_len,
             completion_tokens: self.generated(),
-            cached_tokens: 0,
+            cached_tokens: self.prefix.cached_tokens,
             prefill_ms: ms(self.times.first_scheduled, self.times.first_token),
             decode_ms: ms(self.times.first_token, self.times.last_token),
             spec: self.lane.as_ref().map(|l| l.stats),

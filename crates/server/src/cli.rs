@@ -212,6 +212,8 @@ pub struct ServeArgs {
     /// can stall running streams.
     #[arg(long, default_value_t = 256)]
     pub max_batch_tokens: usize,
+    #[command(flatten)]
+    pub prefix_cache: PrefixCacheArgs,
     /// Require `Authorization: Bearer KEY` on every route but /health.
     #[arg(long, env = "DFLASH_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
@@ -221,6 +223,31 @@ pub struct ServeArgs {
     /// On SIGINT/SIGTERM, seconds running streams get to finish before they are cancelled.
     #[arg(long, default_value_t = 10)]
     pub shutdown_timeout: u64,
+}
+
+/// Prefix cache flags: KV pages of earlier prompts reused by later requests that start with the same tokens.
+#[derive(Args, Debug, Clone, Default)]
+pub struct PrefixCacheArgs {
+    /// Most KV memory the prefix cache may index, in bytes (suffixes K, M, G accepted). Cached pages nobody uses
+    /// are given back whenever a request needs room, so the default is the whole KV cache.
+    #[arg(long, value_parser = parse_size)]
+    pub prefix_cache_mem: Option<u64>,
+    /// Turn the prefix cache off (every prompt is computed in full).
+    #[arg(long, conflicts_with = "prefix_cache_mem")]
+    pub no_prefix_cache: bool,
+}
+
+impl PrefixCacheArgs {
+    /// How many of `num_pages` KV pages of `page_bytes` each the prefix cache may index (0: off).
+    pub fn pages(&self, num_pages: usize, page_bytes: u64) -> usize {
+        if self.no_prefix_cache {
+            return 0;
+        }
+        match self.prefix_cache_mem {
+            None => num_pages,
+            Some(bytes) => usize::try_from(bytes / page_bytes.max(1)).unwrap_or(usize::MAX).min(num_pages),
+        }
+    }
 }
 
 /// Parses a byte count with an optional K/M/G suffix (powers of 1024).
@@ -238,7 +265,19 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_size;
+    use super::{parse_size, PrefixCacheArgs};
+
+    #[test]
+    fn the_prefix_cache_defaults_to_the_whole_kv_cache() {
+        let on = PrefixCacheArgs::default();
+        assert_eq!(on.pages(100, 4096), 100);
+        let capped = PrefixCacheArgs { prefix_cache_mem: Some(10 * 4096 + 5), no_prefix_cache: false };
+        assert_eq!(capped.pages(100, 4096), 10, "whole pages");
+        let huge = PrefixCacheArgs { prefix_cache_mem: Some(1 << 40), no_prefix_cache: false };
+        assert_eq!(huge.pages(100, 4096), 100, "never more than the KV cache");
+        let off = PrefixCacheArgs { prefix_cache_mem: None, no_prefix_cache: true };
+        assert_eq!(off.pages(100, 4096), 0);
+    }
 
     #[test]
     fn sizes_take_binary_suffixes() {

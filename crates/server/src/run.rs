@@ -113,6 +113,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
         max_batch_tokens: PREFILL_CHUNK,
         eos_ids,
         spec: args.spec.config()?,
+        // One request: nothing to share.
+        prefix_cache_pages: 0,
     };
     let request = Request {
         id: "run".into(),
@@ -123,6 +125,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         logprobs: None,
         ignore_eos: args.ignore_eos,
         enable_pld: None,
+        cache_prompt: false,
     };
     let tokenizer = Arc::new(loaded.tokenizer);
     let mut engine = Engine::new(Arc::new(loaded.model), tokenizer, engine_cfg, Arc::new(EngineMetrics::default()))?;

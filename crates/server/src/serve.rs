@@ -25,6 +25,8 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     let window_bytes = context_window as u64 * bytes_per_token;
     let kv_mem = args.kv_cache_mem.unwrap_or(DEFAULT_KV_CACHE_MEM.max(window_bytes));
     let num_pages = usize::try_from(kv_mem / (bytes_per_token * PAGE_SIZE as u64)).unwrap_or(usize::MAX);
+    let page_bytes = bytes_per_token * PAGE_SIZE as u64;
+    let prefix_cache_pages = args.prefix_cache.pages(num_pages, page_bytes);
     let mut eos_ids = loaded.tokenizer.eos_ids().to_vec();
     eos_ids.extend(&cfg.eos_token_ids);
     let engine_cfg = EngineConfig {
@@ -35,6 +37,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         max_batch_tokens: args.max_batch_tokens,
         eos_ids,
         spec: args.spec.config()?,
+        prefix_cache_pages,
     };
     let defaults = LiveEngine::sampling_defaults(&loaded.generation);
     let tokenizer = Arc::new(loaded.tokenizer);
@@ -49,6 +52,13 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         args.max_concurrent,
         args.max_batch_tokens.max(args.max_concurrent),
     );
+    match prefix_cache_pages {
+        0 => tracing::info!("prefix cache: off"),
+        n => tracing::info!(
+            "prefix cache: up to {n} pages ({:.0} MiB); idle cached pages are given back when requests need room",
+            (n as u64 * page_bytes) as f64 / (1u64 << 20) as f64
+        ),
+    }
     let (client, engine_thread) =
         dflash_engine::spawn(engine, args.max_queue, metrics).context("starting the engine thread")?;
     let live = LiveEngine { client: client.clone(), tokenizer, name: loaded.name, context_window, defaults };

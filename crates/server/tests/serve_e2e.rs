@@ -11,6 +11,8 @@ mod serve_support;
 mod errors;
 #[path = "serve_e2e/lifecycle.rs"]
 mod lifecycle;
+#[path = "serve_e2e/prefix_cache.rs"]
+mod prefix_cache;
 
 use std::sync::mpsc;
 use std::sync::Barrier;

@@ -36,8 +36,12 @@ impl Engine {
             let first_row = inputs.tokens.len() as u32;
             inputs.tokens.extend(seq.step_tokens(item.rows));
             for pos in start..start + item.rows {
+                let page = seq.block_table[pos / page_size];
+                // Cached pages are shared and immutable; writes only land past what a sequence has computed,
+                // and only computed full pages are ever cached.
+                debug_assert!(!self.sched.pages.is_cached(page), "{}: write to cached page {page}", seq.request.id);
                 inputs.positions.push(pos as u32);
-                inputs.slots.push(seq.block_table[pos / page_size] * page_size as u32 + (pos % page_size) as u32);
+                inputs.slots.push(page * page_size as u32 + (pos % page_size) as u32);
             }
             let last_row = inputs.tokens.len() as u32 - 1;
             if item.drafts > 0 {

@@ -1,6 +1,7 @@
 //! Shared by the engine tests: the default model, a recording sink, and a batched run to completion.
 #![allow(dead_code)]
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use dflash_engine::spec::SpecConfig;
@@ -52,6 +53,56 @@ impl Recorder {
     }
 }
 
+impl Recorder {
+    /// Prompt tokens the finished request reports as served from the prefix cache.
+    pub fn cached_tokens(&self) -> usize {
+        let events = self.0.lock().expect("lock");
+        events
+            .iter()
+            .find_map(|e| match e {
+                Event::Finished { usage, .. } => Some(usage.cached_tokens),
+                _ => None,
+            })
+            .expect("the sequence finished")
+    }
+
+    /// Token ids streamed so far.
+    pub fn ids(&self) -> Vec<u32> {
+        let events = self.0.lock().expect("lock");
+        events.iter().flat_map(|e| if let Event::Tokens { ids, .. } = e { ids.clone() } else { Vec::new() }).collect()
+    }
+}
+
+/// A client that disconnects once it has `after` tokens.
+#[derive(Clone)]
+pub struct Disconnecting {
+    pub seen: Recorder,
+    pub after: usize,
+    gone: Arc<AtomicBool>,
+}
+
+impl Disconnecting {
+    pub fn new(after: usize) -> Self {
+        Disconnecting { seen: Recorder::default(), after, gone: Arc::new(AtomicBool::new(false)) }
+    }
+}
+
+impl EventSink for Disconnecting {
+    fn send(&mut self, event: Event) -> bool {
+        if self.gone.load(Ordering::Relaxed) {
+            return false;
+        }
+        self.seen.send(event);
+        if self.seen.ids().len() >= self.after {
+            self.gone.store(true, Ordering::Relaxed);
+        }
+        true
+    }
+    fn is_closed(&self) -> bool {
+        self.gone.load(Ordering::Relaxed)
+    }
+}
+
 pub struct Model {
     pub model: Arc<LlamaModel>,
     pub tokenizer: Arc<Tokenizer>,
@@ -74,6 +125,7 @@ pub fn config(num_pages: usize, max_batch_tokens: usize, spec: SpecConfig) -> En
         max_batch_tokens,
         eos_ids: Vec::new(),
         spec,
+        prefix_cache_pages: 0,
     }
 }
 
@@ -87,6 +139,7 @@ pub fn request(id: usize, prompt: Vec<u32>, sampling: SamplingParams, max_tokens
         logprobs: None,
         ignore_eos: true,
         enable_pld: None,
+        cache_prompt: true,
     }
 }
 

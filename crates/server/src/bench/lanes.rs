@@ -121,6 +121,8 @@ pub fn run(model: Arc<LlamaModel>, tokenizer: Arc<Tokenizer>, spec: &SpecArgs, a
         max_batch_tokens: 512,
         eos_ids: tokenizer.eos_ids().to_vec(),
         spec: spec.config()?,
+        // Every prompt runs once per lane: each lane must prefill it cold.
+        prefix_cache_pages: 0,
     };
     let mut engine = Engine::new(model, Arc::clone(&tokenizer), cfg, Arc::new(EngineMetrics::default()))?;
     let mut results = Vec::new();
@@ -178,6 +180,7 @@ fn run_one(engine: &mut Engine, prompt: &[u32], lane: &str, max_tokens: usize) -
         ignore_eos: false,
         // plain forces the lane off; pld follows the engine's setting, prompt gate included, as served.
         enable_pld: (lane == "plain").then_some(false),
+        cache_prompt: false,
     };
     let started = Instant::now();
     engine.add(request, Box::new(probe.clone()));

@@ -4,8 +4,10 @@
 //!   (A B C A B C ...) and medians reported, so slow drifts of the machine hit every configuration alike.
 //! * `ttft`: time to first token of a long prompt alone, and while other streams decode.
 //! * `lanes`: speculation lanes side by side on a prompt set (see [`lanes`]).
+//! * `prefix`: a long chat's second turn, cold and from the prefix cache (see [`prefix`]).
 
 mod lanes;
+mod prefix;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -60,6 +62,8 @@ pub enum Scenario {
     },
     /// Speculation lanes side by side (alternating per prompt) on a prompt set: JSON and a Markdown table.
     Lanes(lanes::LanesArgs),
+    /// Time to first token of a long chat's second turn, cold and served from the prefix cache.
+    Prefix(prefix::PrefixArgs),
 }
 
 /// First/last token times and the token count of one stream.
@@ -118,6 +122,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
             ttft(&mut e, &long, &prompts, *background, *repeat)
         }
         Scenario::Lanes(lanes_args) => lanes::run(Arc::new(model), tokenizer, &args.spec, lanes_args),
+        Scenario::Prefix(prefix_args) => prefix::run(Arc::new(model), tokenizer, args.max_batch_tokens, prefix_args),
     }
 }
 
@@ -136,6 +141,8 @@ fn engine(
         max_batch_tokens,
         eos_ids: tokenizer.eos_ids().to_vec(),
         spec: SpecConfig { pld: None, ..SpecConfig::default() },
+        // These scenarios repeat prompts and measure cold prefill.
+        prefix_cache_pages: 0,
     };
     Ok(Engine::new(model, tokenizer, cfg, Arc::new(EngineMetrics::default()))?)
 }
@@ -150,6 +157,7 @@ fn request(id: String, prompt: Vec<u32>, max_tokens: usize) -> Request {
         logprobs: None,
         ignore_eos: true,
         enable_pld: Some(false),
+        cache_prompt: false,
     }
 }
 

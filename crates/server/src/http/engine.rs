@@ -72,6 +72,9 @@ pub struct EngineRequest {
     pub ignore_eos: bool,
     /// Per-request switch for prompt-lookup drafting; `None` keeps the server default.
     pub enable_pld: Option<bool>,
+    /// Whether the prefix cache may serve this prompt and keep its pages (no effect when the server runs without
+    /// the cache).
+    pub cache_prompt: bool,
 }
 
 /// Sampling settings, already range-checked; neutral values switch a stage off.

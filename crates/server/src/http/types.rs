@@ -80,6 +80,8 @@ pub struct ChatCompletionRequest {
     pub stream_options: Option<StreamOptions>,
     pub ignore_eos: Option<bool>,
     pub enable_pld: Option<bool>,
+    /// Prefix cache use (llama.cpp's name); default true.
+    pub cache_prompt: Option<bool>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
     /// Extra variables for the chat template; must be an object.
@@ -116,6 +118,8 @@ pub struct CompletionRequest {
     pub stream_options: Option<StreamOptions>,
     pub ignore_eos: Option<bool>,
     pub enable_pld: Option<bool>,
+    /// Prefix cache use (llama.cpp's name); default true.
+    pub cache_prompt: Option<bool>,
     pub logprobs: Option<i64>,
     pub add_special_tokens: Option<bool>,
     /// Refused unless empty.

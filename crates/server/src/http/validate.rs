@@ -33,6 +33,8 @@ pub(crate) struct GenerationSpec {
     pub logprobs: Option<usize>,
     pub ignore_eos: bool,
     pub enable_pld: Option<bool>,
+    /// Whether the prefix cache may serve and keep this prompt (`cache_prompt`, default true).
+    pub cache_prompt: bool,
     pub stream: bool,
     pub include_usage: bool,
 }
@@ -67,6 +69,7 @@ struct CommonInput {
     logit_bias: Option<Map<String, Value>>,
     ignore_eos: Option<bool>,
     enable_pld: Option<bool>,
+    cache_prompt: Option<bool>,
 }
 
 /// Checks a chat request.
@@ -112,6 +115,7 @@ pub(crate) fn validate_chat(req: ChatCompletionRequest, defaults: &SamplingField
         logit_bias: req.logit_bias,
         ignore_eos: req.ignore_eos,
         enable_pld: req.enable_pld,
+        cache_prompt: req.cache_prompt,
     };
     let spec = generation_spec(sampling, defaults, common, logprobs, None)?;
     let prompt = PromptSource::Chat {
@@ -150,6 +154,7 @@ pub(crate) fn validate_completion(req: CompletionRequest, defaults: &SamplingFie
         logit_bias: req.logit_bias,
         ignore_eos: req.ignore_eos,
         enable_pld: req.enable_pld,
+        cache_prompt: req.cache_prompt,
     };
     let spec = generation_spec(sampling, defaults, common, logprobs, Some(DEFAULT_COMPLETION_MAX_TOKENS))?;
     let prompt = completion_prompt(req.prompt, req.add_special_tokens.unwrap_or(true))?;
@@ -187,6 +192,7 @@ fn generation_spec(
         logprobs,
         ignore_eos: common.ignore_eos.unwrap_or(false),
         enable_pld: common.enable_pld,
+        cache_prompt: common.cache_prompt.unwrap_or(true),
         stream,
         include_usage: common.stream_options.and_then(|options| options.include_usage).unwrap_or(false),
     })

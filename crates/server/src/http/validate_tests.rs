@@ -53,6 +53,7 @@ fn chat_fields_are_carried_over() {
     assert_eq!(valid.spec.stop, vec!["END"]);
     assert!(valid.spec.stream && valid.spec.include_usage && valid.spec.ignore_eos);
     assert_eq!((valid.spec.logprobs, valid.spec.enable_pld), (Some(3), Some(false)));
+    assert!(valid.spec.cache_prompt, "the prefix cache is used unless the request says otherwise");
 }
 
 #[test]

@@ -35,7 +35,7 @@ async fn whole_chat_response_has_openai_shape() {
 async fn engine_receives_the_templated_prompt_and_settings() {
     let h = echo();
     let body = hi(json!({"temperature": 0.3, "top_k": 5, "seed": 9, "stop": ["x"], "ignore_eos": true,
-        "enable_pld": true, "chat_template_kwargs": {"k": 1}}));
+        "enable_pld": true, "cache_prompt": false, "chat_template_kwargs": {"k": 1}}));
     assert_eq!(send(&h.app, post("/v1/chat/completions", &body)).await.status, StatusCode::OK);
     let req = h.engine.last_request();
     assert_eq!(req.prompt_ids, PROMPT.chars().map(u32::from).collect::<Vec<_>>(), "no BOS on templated text");
@@ -43,8 +43,8 @@ async fn engine_receives_the_templated_prompt_and_settings() {
     let sampling = SamplingFields { temperature: 0.3, top_k: 5, seed: Some(9), ..SamplingFields::default() };
     assert_eq!(req.sampling, sampling);
     assert_eq!(
-        (req.stop, req.ignore_eos, req.enable_pld, req.logprobs),
-        (vec!["x".to_string()], true, Some(true), None)
+        (req.stop, req.ignore_eos, req.enable_pld, req.logprobs, req.cache_prompt),
+        (vec!["x".to_string()], true, Some(true), None, false)
     );
     assert!(req.id.starts_with("chatcmpl-"));
 }

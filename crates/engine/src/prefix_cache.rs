@@ -1,0 +1,280 @@
+//! The prefix cache's index: full KV pages of prompts, found again by the tokens before and in them.
+//!
+//! Each indexed page is keyed by a hash chained from its parent page's hash and its own token ids, so a key names
+//! the whole prefix up to the page's end. A lookup walks a prompt's chain page by page and stops at the first page
+//! not indexed. Every step of a walk also compares the page's own token ids and its parent's hash, so handing a
+//! sequence K/V computed for other tokens would take two different prefixes with the same 64-bit chain hash, and
+//! hashes are keyed randomly per process, so nobody can craft such prompts.
+//!
+//! What may be indexed (the losslessness rule, enforced by the scheduler, which publishes): only full pages every
+//! position of which the publishing sequence computed as a *prompt* row (position < its prompt length). The
+//! attention kernels make a position's K/V depend only on the tokens up to it and on its role: prompt rows go
+//! through the tiled prefill kernel, generated rows through the per-row kernel, and the two round differently. A
+//! page of generated tokens holds per-row K/V, while a later request whose prompt contains those tokens would, run
+//! cold, compute them as prompt rows, so reusing such a page would change its output bits. Multi-turn chat still
+//! reuses nearly everything: turn N's prompt contains turn N-1's prompt, which was computed as prompt rows; only the
+//! last answer is recomputed.
+//!
+//! Indexed pages are immutable: a sequence only writes positions past what it has computed, and only full,
+//! computed pages are indexed, so no write ever lands on one (the engine checks this in debug builds).
+//!
+//! Pages no sequence holds stay indexed on an LRU list until the allocator needs them ([`crate::PageAllocator`]
+//! owns reference counts and the free list; this module only knows which pages are indexed and which are idle).
+//!
+//! Room for other state keyed the same way: a hybrid target's recurrent-state checkpoints (taken at page
+//! boundaries every N tokens) and a drafter's context for a cached prefix belong in a payload on `Entry`, set
+//! when the page is published and dropped in `forget`, the one place an entry leaves the index. A lookup would then
+//! cut its match back to the deepest entry whose payload it needs (the nearest checkpoint at or below the match)
+//! and the sequence recomputes the rest, as it already does for the partial last page.
+
+use std::collections::hash_map::RandomState;
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{BuildHasher, Hasher};
+
+/// The chain hash a sequence's first page hangs from.
+pub const ROOT_HASH: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// One indexed page.
+#[derive(Debug)]
+struct Entry {
+    page: u32,
+    /// The chain hash of the page before it ([`ROOT_HASH`] for a first page).
+    parent: u64,
+    /// The page's token ids, compared on every lookup.
+    tokens: Box<[u32]>,
+}
+
+/// Which full prompt pages are indexed, and which of them no sequence holds (oldest release first).
+#[derive(Debug)]
+pub struct PrefixCache {
+    hasher: RandomState,
+    /// Most pages indexed at once; 0 turns the cache off.
+    max_pages: usize,
+    by_hash: HashMap<u64, Entry>,
+    /// Per page id: the hash it is indexed under.
+    hash_of: Vec<Option<u64>>,
+    /// Idle indexed pages by release tick: the first is the least recently used.
+    idle: BTreeMap<u64, u32>,
+    /// Per page id: its key in `idle`.
+    idle_since: Vec<Option<u64>>,
+    clock: u64,
+}
+
+impl PrefixCache {
+    /// An empty index over `total_pages` page ids that holds at most `max_pages` of them (0: off).
+    pub fn new(total_pages: usize, max_pages: usize) -> Self {
+        PrefixCache {
+            hasher: RandomState::new(),
+            max_pages: max_pages.min(total_pages),
+            by_hash: HashMap::new(),
+            hash_of: vec![None; total_pages],
+            idle: BTreeMap::new(),
+            idle_since: vec![None; total_pages],
+            clock: 0,
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.max_pages > 0
+    }
+
+    pub fn max_pages(&self) -> usize {
+        self.max_pages
+    }
+
+    /// Pages indexed (held by sequences or idle).
+    pub fn len(&self) -> usize {
+        self.by_hash.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_hash.is_empty()
+    }
+
+    /// Indexed pages no sequence holds: evictable.
+    pub fn idle_count(&self) -> usize {
+        self.idle.len()
+    }
+
+    pub fn contains_page(&self, page: u32) -> bool {
+        self.hash_of.get(page as usize).is_some_and(Option::is_some)
+    }
+
+    pub fn is_idle(&self, page: u32) -> bool {
+        self.idle_since.get(page as usize).is_some_and(Option::is_some)
+    }
+
+    /// The chain hash of a page holding `tokens` after the prefix whose chain hash is `parent`.
+    pub fn page_hash(&self, parent: u64, tokens: &[u32]) -> u64 {
+        let mut h = self.hasher.build_hasher();
+        h.write_u64(parent);
+        h.write_usize(tokens.len());
+        for &t in tokens {
+            h.write_u32(t);
+        }
+        h.finish()
+    }
+
+    /// The chain hashes of every full page of `tokens`, in order.
+    pub fn chain_hashes(&self, tokens: &[u32], page_size: usize) -> Vec<u64> {
+        let mut parent = ROOT_HASH;
+        tokens
+            .chunks_exact(page_size.max(1))
+            .map(|page| {
+                parent = self.page_hash(parent, page);
+                parent
+            })
+            .collect()
+    }
+
+    /// The indexed pages of the longest cached prefix of `tokens`, at most `max_pages` of them. `hashes` are
+    /// [`PrefixCache::chain_hashes`] of `tokens`.
+    pub fn longest_prefix(&self, hashes: &[u64], tokens: &[u32], page_size: usize, max_pages: usize) -> Vec<u32> {
+        let mut pages = Vec::new();
+        let mut parent = ROOT_HASH;
+        for (k, &hash) in hashes.iter().enumerate().take(max_pages) {
+            let Some(page_tokens) = tokens.get(k * page_size..(k + 1) * page_size) else { break };
+            match self.by_hash.get(&hash) {
+                Some(e) if e.parent == parent && *e.tokens == *page_tokens => pages.push(e.page),
+                _ => break,
+            }
+            parent = hash;
+        }
+        pages
+    }
+
+    /// Whether a page under `hash` is indexed already.
+    pub fn contains_hash(&self, hash: u64) -> bool {
+        self.by_hash.contains_key(&hash)
+    }
+
+    /// Whether one more page can be indexed without evicting.
+    pub fn is_full(&self) -> bool {
+        self.by_hash.len() >= self.max_pages
+    }
+
+    /// Indexes `page` (held by a sequence) under `hash`. The caller checked that neither is indexed and that there
+    /// is room.
+    pub fn insert(&mut self, page: u32, hash: u64, parent: u64, tokens: &[u32]) {
+        debug_assert!(!self.contains_hash(hash) && !self.contains_page(page) && !self.is_full());
+        if let Some(slot) = self.hash_of.get_mut(page as usize) {
+            *slot = Some(hash);
+            self.by_hash.insert(hash, Entry { page, parent, tokens: tokens.into() });
+        }
+    }
+
+    /// `page` (indexed) is no longer held by any sequence: it becomes the most recently used idle page.
+    pub fn mark_idle(&mut self, page: u32) {
+        self.clock += 1;
+        if let Some(slot) = self.idle_since.get_mut(page as usize) {
+            debug_assert!(slot.is_none(), "page {page} released twice");
+            *slot = Some(self.clock);
+            self.idle.insert(self.clock, page);
+        }
+    }
+
+    /// `page` (indexed, idle) is held by a sequence again.
+    pub fn mark_used(&mut self, page: u32) {
+        if let Some(tick) = self.idle_since.get_mut(page as usize).and_then(Option::take) {
+            self.idle.remove(&tick);
+        }
+    }
+
+    /// Drops the least recently used idle page from the index and returns it (now free), if any is idle.
+    ///
+    /// Sequences release their pages last page first and a sequence holding a page holds every page before it, so
+    /// eviction takes chains from their ends. (When two sequences computed the same page, one of them holds the
+    /// other's chain only from that page on; if the chain's parent goes first, the orphaned entries are never
+    /// matched again and go in their turn.)
+    pub fn evict_lru(&mut self) -> Option<u32> {
+        let (_, page) = self.idle.pop_first()?;
+        self.forget(page);
+        Some(page)
+    }
+
+    /// Drops every page from the index; returns the idle ones (now free). Pages that sequences hold simply stop
+    /// being indexed.
+    pub fn clear(&mut self) -> Vec<u32> {
+        let idle: Vec<u32> = std::mem::take(&mut self.idle).into_values().collect();
+        self.idle_since.iter_mut().for_each(|s| *s = None);
+        self.hash_of.iter_mut().for_each(|h| *h = None);
+        self.by_hash.clear();
+        idle
+    }
+
+    fn forget(&mut self, page: u32) {
+        if let Some(slot) = self.idle_since.get_mut(page as usize) {
+            *slot = None;
+        }
+        if let Some(hash) = self.hash_of.get_mut(page as usize).and_then(Option::take) {
+            self.by_hash.remove(&hash);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn indexed(cache: &mut PrefixCache, tokens: &[u32], pages: &[u32], page_size: usize) {
+        let hashes = cache.chain_hashes(tokens, page_size);
+        for (k, (&page, &hash)) in pages.iter().zip(&hashes).enumerate() {
+            let parent = if k == 0 { ROOT_HASH } else { hashes[k - 1] };
+            cache.insert(page, hash, parent, &tokens[k * page_size..(k + 1) * page_size]);
+        }
+    }
+
+    #[test]
+    fn chain_hashes_name_the_whole_prefix() {
+        let cache = PrefixCache::new(8, 8);
+        let a = cache.chain_hashes(&[1, 2, 3, 4, 5, 6, 7], 2);
+        assert_eq!(a.len(), 3, "full pages only");
+        let b = cache.chain_hashes(&[1, 2, 3, 4, 9, 9], 2);
+        assert_eq!(a[..2], b[..2], "same prefix, same hashes");
+        assert_ne!(a[2], b[2]);
+        let c = cache.chain_hashes(&[0, 2, 3, 4], 2);
+        assert_ne!(a[1], c[1], "the same page after another prefix hashes differently");
+        assert_eq!(cache.page_hash(a[0], &[3, 4]), a[1]);
+    }
+
+    #[test]
+    fn the_longest_indexed_prefix_is_found_and_checked_token_by_token() {
+        let mut cache = PrefixCache::new(8, 8);
+        let tokens = [1, 2, 3, 4, 5, 6];
+        indexed(&mut cache, &tokens, &[5, 6, 7], 2);
+        let hashes = cache.chain_hashes(&[1, 2, 3, 4, 0, 0], 2);
+        assert_eq!(cache.longest_prefix(&hashes, &[1, 2, 3, 4, 0, 0], 2, 8), [5, 6]);
+        let hashes = cache.chain_hashes(&tokens, 2);
+        assert_eq!(cache.longest_prefix(&hashes, &tokens, 2, 2), [5, 6], "capped");
+        // A key whose stored tokens differ (as after a hash collision) is never a match.
+        assert_eq!(cache.longest_prefix(&hashes, &[1, 2, 3, 3, 5, 6], 2, 8), [5]);
+        assert!(cache.longest_prefix(&hashes, &[9, 2], 2, 8).is_empty());
+    }
+
+    #[test]
+    fn eviction_takes_the_least_recently_released_idle_page() {
+        let mut cache = PrefixCache::new(8, 8);
+        indexed(&mut cache, &[1, 2, 3, 4, 5, 6], &[0, 1, 2], 2);
+        assert_eq!(cache.evict_lru(), None, "held pages are never evicted");
+        for page in [2, 1, 0] {
+            cache.mark_idle(page);
+        }
+        cache.mark_used(1);
+        assert_eq!(cache.idle_count(), 2);
+        assert_eq!(cache.evict_lru(), Some(2), "the chain's end first");
+        assert!(!cache.contains_page(2) && cache.len() == 2);
+        assert_eq!(cache.evict_lru(), Some(0), "page 1 is held again");
+        assert_eq!(cache.evict_lru(), None);
+        assert!(cache.contains_page(1));
+        cache.mark_idle(1);
+        assert_eq!(cache.clear(), [1]);
+        assert!(cache.is_empty() && !cache.contains_page(1) && !cache.is_idle(1));
+    }
+
+    #[test]
+    fn a_zero_budget_is_off() {
+        let cache = PrefixCache::new(8, 0);
+        assert!(!cache.enabled() && cache.is_full());
+        assert_eq!(PrefixCache::new(4, 100).max_pages(), 4, "never more than the pool");
+    }
+}
