@@ -214,4 +214,30 @@ def build_tiny_qwen3(out_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, ob
     save_golden(
         out_dir / "golden.safetensors", tensors, {"model": "tiny-qwen3", "compute": "f32 on bf16-rounded weights"}
     )
+    write_byte_tokenizer(out_dir)
     return tensors, notes
+
+
+def gpt2_byte_chars() -> list[str]:
+    """GPT-2's byte-to-character table: printable Latin-1 bytes stand for themselves, the rest shift to U+0100+."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, shifted = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + shifted))
+            shifted += 1
+    return chars
+
+
+def write_byte_tokenizer(out_dir: Path) -> None:
+    """tokenizer.json for a 256-token vocabulary: id b is byte b, no merges. It makes the tiny target a servable
+    model (`dflash serve --model tiny-qwen3`), so end-to-end tests can run it with its tiny drafters."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: b for b, c in enumerate(gpt2_byte_chars())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(out_dir / "tokenizer.json"))

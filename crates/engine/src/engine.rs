@@ -13,7 +13,7 @@ use crate::metrics::{EngineMetrics, Gauges};
 use crate::request::{EventSink, Request};
 use crate::scheduler::{Scheduler, SchedulerConfig, StepItem};
 use crate::sequence::{Outcome, Sequence};
-use crate::spec::{prompt_gate_passes, NgramProposer, SpecConfig, SpecLane};
+use crate::spec::{prompt_gate_passes, DflashProposer, DrafterConfig, NgramProposer, SpecConfig, SpecLane};
 use crate::EngineError;
 
 /// How the engine is sized.
@@ -33,6 +33,9 @@ pub struct EngineConfig {
     /// Most KV pages the prefix cache may index (held by sequences or idle); 0 turns it off. Idle cached pages
     /// are taken back whenever a sequence needs room, so up to `num_pages` costs nothing.
     pub prefix_cache_pages: usize,
+    /// A block drafter (DFlash / DFlash2): when set, requests draft with it unless they opt out, and the target
+    /// must capture the drafter's `target_layer_ids`.
+    pub drafter: Option<DrafterConfig>,
 }
 
 /// Sequences, their KV cache and the model that runs them.
@@ -45,13 +48,15 @@ pub struct Engine {
     context_window: usize,
     eos_ids: Vec<u32>,
     spec: SpecConfig,
+    drafter: Option<DrafterConfig>,
 }
 
 impl Engine {
     /// An engine with an empty cache of `cfg.num_pages` pages.
     ///
     /// # Errors
-    /// When the cache cannot hold one full context window, or cannot be allocated.
+    /// When the cache cannot hold one full context window, or cannot be allocated; when a drafter is given and
+    /// the target does not capture exactly the layers it reads.
     pub fn new(
         model: Arc<LlamaModel>,
         tokenizer: Arc<Tokenizer>,
@@ -61,6 +66,14 @@ impl Engine {
         let capacity = cfg.num_pages * cfg.page_size;
         if capacity < cfg.context_window {
             return Err(EngineError::CacheTooSmall { capacity, context_window: cfg.context_window });
+        }
+        if let Some(d) = &cfg.drafter {
+            if model.capture_layers() != d.model.target_layer_ids() {
+                return Err(EngineError::CaptureMismatch {
+                    captured: model.capture_layers().to_vec(),
+                    wanted: d.model.target_layer_ids().to_vec(),
+                });
+            }
         }
         let kv = model.new_kv_cache(cfg.num_pages, cfg.page_size)?;
         let sched_cfg = SchedulerConfig {
@@ -78,6 +91,7 @@ impl Engine {
             context_window: cfg.context_window,
             eos_ids: cfg.eos_ids,
             spec: cfg.spec,
+            drafter: cfg.drafter,
         };
         engine.publish_gauges();
         Ok(engine)
@@ -131,15 +145,15 @@ impl Engine {
             return Ok(());
         }
         let started = Instant::now();
-        let logits = match self.forward(&items, started) {
-            Ok(logits) => logits,
+        let out = match self.forward(&items, started) {
+            Ok(out) => out,
             Err(e) => {
                 self.fail_items(&items, &e.to_string());
                 self.publish_gauges();
                 return Err(e);
             }
         };
-        let finished = self.sample_and_stream(&items, &logits);
+        let finished = self.sample_and_stream(&items, &out);
         self.sched.publish_prompt_pages();
         self.retire(finished);
         #[cfg(debug_assertions)]
@@ -171,8 +185,12 @@ impl Engine {
         freed
     }
 
-    /// The request's lane: its explicit `enable_pld`, else the server's setting behind the prompt gate.
+    /// The request's lane: the block drafter when the server has one and the request does not opt out, else
+    /// prompt lookup as the request's explicit `enable_pld` or the server's setting (behind the prompt gate) say.
     fn arm_lane(&self, req: &Request) -> Option<SpecLane> {
+        if let Some(lane) = self.arm_drafter(req) {
+            return Some(lane);
+        }
         let cfg = match (req.enable_pld, self.spec.pld) {
             (Some(false), _) | (None, None) => return None,
             (Some(true), cfg) => cfg.unwrap_or_default(),
@@ -183,7 +201,21 @@ impl Engine {
             }
         };
         let proposer = Box::new(NgramProposer::new(cfg));
-        Some(SpecLane::new(proposer, cfg.max_draft, self.spec.gate_min_accepted))
+        Some(SpecLane::new(proposer, cfg.max_draft, self.spec.gate_min_accepted, 0))
+    }
+
+    fn arm_drafter(&self, req: &Request) -> Option<SpecLane> {
+        let drafter = self.drafter.as_ref().filter(|_| req.enable_drafter != Some(false))?;
+        match DflashProposer::new(drafter, Arc::clone(&self.model)) {
+            Ok(proposer) => {
+                let block = drafter.block_size;
+                Some(SpecLane::new(Box::new(proposer), block - 1, self.spec.gate_min_accepted, block))
+            }
+            Err(e) => {
+                tracing::warn!("{}: no drafter context ({e}); drafting off for this request", req.id);
+                None
+            }
+        }
     }
 
     fn drop_abandoned(&mut self) {

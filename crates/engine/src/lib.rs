@@ -34,6 +34,8 @@ pub enum EngineError {
     OutOfPages,
     #[error("empty prompt")]
     EmptyPrompt,
+    #[error("the drafter reads target layers {wanted:?} but the target captures {captured:?}; load the target with the drafter's layers")]
+    CaptureMismatch { captured: Vec<usize>, wanted: Vec<usize> },
     #[error(transparent)]
     Model(#[from] dflash_models::ModelError),
     #[error(transparent)]

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use crate::sequence::Outcome;
+use crate::spec::TRACKED_POSITIONS;
 use crate::FinishReason;
 
 /// Upper bounds (seconds) of the time-to-first-token buckets.
@@ -58,6 +59,9 @@ pub struct EngineMetrics {
     spec_rounds: AtomicU64,
     spec_drafted: AtomicU64,
     spec_accepted: AtomicU64,
+    /// Per draft position: rounds that drafted it, and rounds that accepted it.
+    spec_drafted_at: [AtomicU64; TRACKED_POSITIONS],
+    spec_accepted_at: [AtomicU64; TRACKED_POSITIONS],
     queue_depth: AtomicU64,
     running: AtomicU64,
     kv_pages_used: AtomicU64,
@@ -83,6 +87,8 @@ impl Default for EngineMetrics {
             spec_rounds: AtomicU64::new(0),
             spec_drafted: AtomicU64::new(0),
             spec_accepted: AtomicU64::new(0),
+            spec_drafted_at: std::array::from_fn(|_| AtomicU64::new(0)),
+            spec_accepted_at: std::array::from_fn(|_| AtomicU64::new(0)),
             queue_depth: AtomicU64::new(0),
             running: AtomicU64::new(0),
             kv_pages_used: AtomicU64::new(0),
@@ -150,6 +156,12 @@ impl EngineMetrics {
         self.spec_rounds.fetch_add(1, Ordering::Relaxed);
         self.spec_drafted.fetch_add(drafted as u64, Ordering::Relaxed);
         self.spec_accepted.fetch_add(accepted as u64, Ordering::Relaxed);
+        for slot in 0..drafted.min(TRACKED_POSITIONS) {
+            self.spec_drafted_at[slot].fetch_add(1, Ordering::Relaxed);
+            if slot < accepted {
+                self.spec_accepted_at[slot].fetch_add(1, Ordering::Relaxed);
+            }
+        }
     }
 
     pub fn record_step(&self) {
@@ -175,6 +187,30 @@ impl EngineMetrics {
         self.queue_depth.load(Ordering::Relaxed) as usize
     }
 
+    /// Per-position draft counters, for positions drafted at least once (acceptance at position j is
+    /// accepted{position=j} / drafted{position=j}).
+    fn render_positions(&self, out: &mut String) {
+        let series = [
+            (
+                "dflash_spec_position_drafted_total",
+                "Rounds that drafted a token at this position.",
+                &self.spec_drafted_at,
+            ),
+            (
+                "dflash_spec_position_accepted_total",
+                "Rounds whose draft at this position was accepted.",
+                &self.spec_accepted_at,
+            ),
+        ];
+        for (name, help, counts) in series {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+            let drafted = self.spec_drafted_at.iter().take_while(|c| c.load(Ordering::Relaxed) > 0);
+            for (j, (_, count)) in drafted.zip(counts).enumerate() {
+                let _ = writeln!(out, "{name}{{position=\"{j}\"}} {}", count.load(Ordering::Relaxed));
+            }
+        }
+    }
+
     /// Prometheus text exposition.
     pub fn render(&self) -> String {
         let mut out = String::new();
@@ -184,6 +220,7 @@ impl EngineMetrics {
             let _ =
                 writeln!(out, "dflash_requests_total{{finish_reason=\"{name}\"}} {}", count.load(Ordering::Relaxed));
         }
+        self.render_positions(&mut out);
         let counters = [
             ("dflash_prompt_tokens_total", "Prompt tokens of admitted requests.", &self.prompt_tokens),
             ("dflash_generation_tokens_total", "Tokens generated.", &self.generation_tokens),
@@ -251,6 +288,8 @@ mod tests {
         m.record_token(Some(0.3), None);
         m.record_token(None, Some(0.007));
         m.record_token(None, Some(0.03));
+        m.record_spec_round(3, 1);
+        m.record_spec_round(2, 2);
         m.publish(Gauges {
             queue_depth: 2,
             running: 3,
@@ -264,6 +303,10 @@ mod tests {
         });
         let text = m.render();
         for line in [
+            "dflash_spec_position_drafted_total{position=\"0\"} 2",
+            "dflash_spec_position_drafted_total{position=\"2\"} 1",
+            "dflash_spec_position_accepted_total{position=\"1\"} 1",
+            "dflash_spec_position_accepted_total{position=\"2\"} 0",
             "dflash_requests_total{finish_reason=\"length\"} 1",
             "dflash_requests_total{finish_reason=\"cancelled\"} 1",
             "dflash_requests_total{finish_reason=\"stop\"} 0",

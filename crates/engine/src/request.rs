@@ -20,6 +20,9 @@ pub struct Request {
     pub ignore_eos: bool,
     /// Prompt-lookup drafting: `None` follows the server's setting (and its prompt gate), `Some` forces it.
     pub enable_pld: Option<bool>,
+    /// Block drafting (DFlash): `None` or `Some(true)` drafts with the server's drafter when it has one;
+    /// `Some(false)` turns it off for this request (prompt lookup may then take over, per `enable_pld`).
+    pub enable_drafter: Option<bool>,
     /// Let the prefix cache serve this prompt's leading pages and keep its pages for later requests (when the
     /// server has the cache on). False: computed from scratch and never cached.
     pub cache_prompt: bool,
@@ -77,7 +80,7 @@ pub struct Usage {
     /// Wall time from the first completion token to the last.
     pub decode_ms: f64,
     /// What speculative decoding did, when a lane was armed.
-    pub spec: Option<SpecStats>,
+    pub spec: Option<Box<SpecStats>>,
 }
 
 /// The log probability of one chosen token and its most likely alternatives.

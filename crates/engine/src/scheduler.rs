@@ -187,7 +187,7 @@ impl Scheduler {
                 break;
             }
             let Some(mut seq) = self.waiting.pop_front() else { break };
-            if seq.uses_prefix_cache() && self.pages.prefix_cache().enabled() {
+            if seq.reads_prefix_cache() && self.pages.prefix_cache().enabled() {
                 self.pages.share(&mut seq.block_table, &hit);
                 seq.resume_from_cache(hit.len(), page_size);
                 self.record_lookup(&seq, hit.len() * page_size);
@@ -256,8 +256,12 @@ fn cached_prefix(pages: &PageAllocator, seq: &mut Sequence, page_size: usize) ->
     if !seq.uses_prefix_cache() || !pages.prefix_cache().enabled() {
         return Vec::new();
     }
+    // Publishing the prompt's pages later needs the hashes even when the sequence may not read the cache.
     if seq.prefix.hashes.is_empty() {
         seq.prefix.hashes = pages.chain_hashes(&seq.tokens()[..seq.prompt_len()], page_size);
+    }
+    if !seq.reads_prefix_cache() {
+        return Vec::new();
     }
     let max_pages = (seq.len() - 1) / page_size;
     pages.longest_prefix(&seq.prefix.hashes, seq.tokens(), page_size, max_pages)

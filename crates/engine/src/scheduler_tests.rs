@@ -27,6 +27,7 @@ fn seq_with(id: &str, prompt: Vec<u32>, cache_prompt: bool) -> Sequence {
         logprobs: None,
         ignore_eos: true,
         enable_pld: None,
+        enable_drafter: None,
         cache_prompt,
     };
     Sequence::new(request, Box::new(NullSink))

@@ -7,7 +7,7 @@ use dflash_models::tokenizer::{DecodeState, Tokenizer};
 
 use crate::request::{Event, EventSink, FinishReason, Request, TokenLogprob, Usage};
 use crate::sampler::TokenHistory;
-use crate::spec::SpecLane;
+use crate::spec::{ProposeInput, SpecLane};
 use crate::stop::{Scan, StopScanner};
 
 /// How a sequence ended, for metrics.
@@ -131,7 +131,8 @@ impl Sequence {
         }
         let cap = self.request.max_tokens.saturating_sub(self.generated() + 1);
         if let Some(lane) = self.lane.as_mut() {
-            self.drafts = lane.draft(&self.tokens, cap);
+            let input = ProposeInput { tokens: &self.tokens, sampling: &self.request.sampling };
+            self.drafts = lane.draft(&input, cap);
         }
     }
 
@@ -172,6 +173,12 @@ impl Sequence {
     /// Whether the request lets the prefix cache serve and keep its prompt.
     pub fn uses_prefix_cache(&self) -> bool {
         self.request.cache_prompt
+    }
+
+    /// Whether the prefix cache may serve this prompt's leading pages. Not while the lane reads the target's
+    /// hidden states: they are not cached with the pages (yet), and the lane's context would start with a hole.
+    pub fn reads_prefix_cache(&self) -> bool {
+        self.uses_prefix_cache() && !self.lane.as_ref().is_some_and(|l| l.proposer.observes_target())
     }
 
     /// True once the client has gone away.
@@ -271,7 +278,7 @@ impl Sequence {
             cached_tokens: self.prefix.cached_tokens,
             prefill_ms: ms(self.times.first_scheduled, self.times.first_token),
             decode_ms: ms(self.times.first_token, self.times.last_token),
-            spec: self.lane.as_ref().map(|l| l.stats),
+            spec: self.lane.as_ref().map(|l| Box::new(l.stats)),
         }
     }
 }

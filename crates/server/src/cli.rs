@@ -147,9 +147,25 @@ pub struct SpecArgs {
     /// Longest suffix tried first.
     #[arg(long, default_value_t = 4)]
     pub pld_max_match: usize,
+    /// A DFlash or DFlash2 drafter checkpoint (config.json + safetensors) for this target: requests draft with it
+    /// (per-request `enable_drafter: false` opts out, and prompt lookup then applies as configured).
+    #[arg(long, value_name = "DIR")]
+    pub drafter: Option<std::path::PathBuf>,
+    /// Verify width of the drafter's rounds (anchor included): clamped down to its trained block size, never
+    /// above it.
+    #[arg(long, value_name = "N")]
+    pub draft_block_size: Option<usize>,
+    /// Load no drafter even if one is given.
+    #[arg(long)]
+    pub no_drafter: bool,
 }
 
 impl SpecArgs {
+    /// The drafter directory to load, if any.
+    pub fn drafter_dir(&self) -> Option<&std::path::Path> {
+        self.drafter.as_deref().filter(|_| !self.no_drafter)
+    }
+
     /// The engine's speculation settings.
     pub fn config(&self) -> Result<SpecConfig> {
         if self.pld_min_match == 0 || self.pld_max_match < self.pld_min_match || self.pld_max_draft == 0 {

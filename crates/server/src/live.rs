@@ -88,6 +88,7 @@ impl EngineHandle for LiveEngine {
             logprobs: req.logprobs,
             ignore_eos: req.ignore_eos,
             enable_pld: req.enable_pld,
+            enable_drafter: req.enable_drafter,
             cache_prompt: req.cache_prompt,
         };
         let (tx, rx) = mpsc::unbounded_channel();

@@ -6,6 +6,7 @@ mod http;
 mod live;
 mod run;
 mod serve;
+mod target;
 
 use clap::Parser;
 use tracing_subscriber::EnvFilter;

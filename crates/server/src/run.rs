@@ -11,19 +11,24 @@ use dflash_models::tokenizer::ChatMessage;
 use dflash_models::{load_model, LoadOptions, LoadedModel};
 
 use crate::cli::{FetchArgs, ModelArgs, RunArgs};
+use crate::target::{load_target, Target};
 
 /// Tokens per KV page.
 const PAGE_SIZE: usize = 16;
 /// Prompt tokens per prefill forward.
 const PREFILL_CHUNK: usize = 512;
 
-/// Resolves, loads and reports a model.
-pub fn load(args: &ModelArgs) -> Result<LoadedModel> {
+/// Resolves, loads and reports a model whose forwards capture the outputs of `capture_layers`.
+pub fn load(args: &ModelArgs, capture_layers: &[usize]) -> Result<LoadedModel> {
     args.check_device()?;
     let threads = dflash_runtime::threads::init(args.threads);
     let source = dflash_models::resolve::resolve_model(args.model.as_deref())?;
     let t0 = Instant::now();
-    let opts = LoadOptions { config_overrides: args.overrides()?, f32_weights: args.f32_weights, ..Default::default() };
+    let opts = LoadOptions {
+        capture_layers: capture_layers.to_vec(),
+        config_overrides: args.overrides()?,
+        f32_weights: args.f32_weights,
+    };
     let loaded = load_model(&source, &opts).with_context(|| format!("loading {source:?}"))?;
     let cfg = loaded.model.config();
     tracing::info!(
@@ -99,7 +104,7 @@ impl StdoutSink {
 }
 
 pub fn run(args: &RunArgs) -> Result<()> {
-    let loaded = load(&args.model)?;
+    let Target { loaded, drafter } = load_target(&args.model, &args.spec)?;
     let ids = prompt_ids(&loaded, args)?;
     let cfg = loaded.model.config();
     let ctx = args.model.ctx_size.unwrap_or(cfg.max_position_embeddings.min(8192));
@@ -115,6 +120,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         spec: args.spec.config()?,
         // One request: nothing to share.
         prefix_cache_pages: 0,
+        drafter,
     };
     let request = Request {
         id: "run".into(),
@@ -125,6 +131,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         logprobs: None,
         ignore_eos: args.ignore_eos,
         enable_pld: None,
+        enable_drafter: None,
         cache_prompt: false,
     };
     let tokenizer = Arc::new(loaded.tokenizer);

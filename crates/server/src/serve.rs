@@ -10,7 +10,7 @@ use dflash_models::KvCache;
 use crate::cli::ServeArgs;
 use crate::http::{self, HttpConfig};
 use crate::live::LiveEngine;
-use crate::run::load;
+use crate::target::{load_target, Target};
 
 /// Tokens per KV page.
 const PAGE_SIZE: usize = 16;
@@ -18,7 +18,7 @@ const PAGE_SIZE: usize = 16;
 const DEFAULT_KV_CACHE_MEM: u64 = 1 << 30;
 
 pub fn serve(args: &ServeArgs) -> Result<()> {
-    let loaded = load(&args.model)?;
+    let Target { loaded, drafter } = load_target(&args.model, &args.spec)?;
     let cfg = loaded.model.config();
     let context_window = args.model.ctx_size.unwrap_or(cfg.max_position_embeddings.min(8192));
     let bytes_per_token = KvCache::bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) as u64;
@@ -38,6 +38,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         eos_ids,
         spec: args.spec.config()?,
         prefix_cache_pages,
+        drafter,
     };
     let defaults = LiveEngine::sampling_defaults(&loaded.generation);
     let tokenizer = Arc::new(loaded.tokenizer);

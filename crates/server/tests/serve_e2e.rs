@@ -7,6 +7,8 @@
 
 mod serve_support;
 
+#[path = "serve_e2e/drafter.rs"]
+mod drafter;
 #[path = "serve_e2e/errors.rs"]
 mod errors;
 #[path = "serve_e2e/lifecycle.rs"]

@@ -3,8 +3,7 @@
 use std::time::Instant;
 
 use dflash_models::tokenizer::Tokenizer;
-use dflash_models::{ForwardBatch, SeqRows};
-use dflash_runtime::Tensor;
+use dflash_models::{ForwardBatch, ForwardOut, SeqRows};
 
 use super::Engine;
 use crate::request::{FinishReason, TokenLogprob, TopLogprob};
@@ -25,8 +24,9 @@ struct StepInputs {
 
 impl Engine {
     /// Builds the flat batch for `items` and runs it; returns the logits of the rows that sample or verify, in
-    /// item order: `[L, vocab]`.
-    pub(super) fn forward(&mut self, items: &[StepItem], now: Instant) -> Result<Tensor, EngineError> {
+    /// item order (`[L, vocab]`), and the hidden states captured for every row (`[T, taps · hidden]`) when the
+    /// target captures any.
+    pub(super) fn forward(&mut self, items: &[StepItem], now: Instant) -> Result<ForwardOut, EngineError> {
         let page_size = self.kv.page_size;
         let mut inputs = StepInputs::default();
         for item in items {
@@ -70,47 +70,65 @@ impl Engine {
             slots: &inputs.slots,
             logit_rows: &inputs.logit_rows,
         };
-        Ok(self.model.forward(&batch, &mut self.kv)?.logits)
+        Ok(self.model.forward(&batch, &mut self.kv)?)
     }
 
     /// Advances every item's sequence; samples plain rows and verifies drafted rounds; streams the tokens.
     /// Returns the running indices that finished, with how.
-    pub(super) fn sample_and_stream(&mut self, items: &[StepItem], logits: &Tensor) -> Vec<(usize, Outcome)> {
-        let vocab = logits.shape().last().copied().unwrap_or(0);
-        let logits = match logits.as_f32() {
-            Ok(l) => l,
-            Err(e) => {
-                let message = format!("reading logits: {e}");
+    pub(super) fn sample_and_stream(&mut self, items: &[StepItem], out: &ForwardOut) -> Vec<(usize, Outcome)> {
+        let vocab = out.logits.shape().last().copied().unwrap_or(0);
+        let (logits, captured) = match (out.logits.as_f32(), out.captured.as_ref().map(|c| c.as_f32()).transpose()) {
+            (Ok(l), Ok(c)) => (l, c),
+            (Err(e), _) | (_, Err(e)) => {
+                let message = format!("reading the forward's outputs: {e}");
                 return items.iter().map(|i| (i.seq, self.fail_seq(i.seq, &message))).collect();
             }
         };
+        let capture_width = out.captured.as_ref().map_or(0, |c| c.row_len());
         let now = Instant::now();
         let mut finished = Vec::new();
-        let mut row = 0;
+        let (mut row, mut batch_row) = (0, 0);
         for item in items {
-            if !item.samples {
+            let start = self.sched.running[item.seq].computed();
+            let kept = if !item.samples {
                 self.sched.running[item.seq].advance(item.rows);
-                continue;
-            }
-            let rows = &logits[row * vocab..(row + 1 + item.drafts) * vocab];
-            row += 1 + item.drafts;
-            let finish = if item.drafts == 0 {
-                self.sched.running[item.seq].advance(item.rows);
-                self.sample_commit(item.seq, rows, now).1
+                item.rows
             } else {
-                self.verify(item.seq, rows, vocab, now)
+                let rows = &logits[row * vocab..(row + 1 + item.drafts) * vocab];
+                row += 1 + item.drafts;
+                let (kept, finish) = if item.drafts == 0 {
+                    self.sched.running[item.seq].advance(item.rows);
+                    (item.rows, self.sample_commit(item.seq, rows, now).1)
+                } else {
+                    self.verify(item.seq, rows, vocab, now)
+                };
+                if let Some(reason) = finish {
+                    finished.push((item.seq, Outcome::Finished(reason)));
+                }
+                kept
             };
-            if let Some(reason) = finish {
-                finished.push((item.seq, Outcome::Finished(reason)));
+            if let Some(captured) = captured {
+                let rows = &captured[batch_row * capture_width..(batch_row + kept) * capture_width];
+                self.observe(item.seq, start, rows);
             }
+            batch_row += item.rows;
         }
         finished
     }
 
+    /// Hands a sequence's lane the captured hidden states of its rows that stay in the cache (positions
+    /// `start ..`), if the lane reads them.
+    fn observe(&mut self, i: usize, start: usize, rows: &[f32]) {
+        if let Some(lane) = self.sched.running[i].lane.as_mut().filter(|l| l.proposer.observes_target()) {
+            lane.proposer.observe(start, rows);
+        }
+    }
+
     /// Verifies `running[i]`'s drafts against its rows' logits (`[1 + drafts, vocab]`): commits the target's token
     /// at each row while it equals the draft, then the correction or bonus; rolls the cache back to what was
-    /// committed.
-    fn verify(&mut self, i: usize, rows: &[f32], vocab: usize, now: Instant) -> Option<FinishReason> {
+    /// committed. Returns how many of the rows stay in the cache (the anchor and the accepted drafts) and whether
+    /// the sequence finished.
+    fn verify(&mut self, i: usize, rows: &[f32], vocab: usize, now: Instant) -> (usize, Option<FinishReason>) {
         let drafts = std::mem::take(&mut self.sched.running[i].drafts);
         let mut finish = None;
         let accepted = accept_prefix(&drafts, |j| {
@@ -130,7 +148,7 @@ impl Engine {
             lane.verified(drafts.len(), accepted);
         }
         self.metrics.record_spec_round(drafts.len(), accepted);
-        finish
+        (1 + accepted, finish)
     }
 
     /// Samples `running[i]`'s next token from `row_logits` at its absolute position and commits it.

@@ -7,21 +7,44 @@
 //! one target token past them (the correction at the first mismatch, or the bonus after a full accept), so a round
 //! commits `accepted + 1` tokens: its acceptance length.
 
+pub mod dflash;
 pub mod gate;
 pub mod ngram;
 pub mod verify;
 
+pub use dflash::{DflashProposer, DrafterConfig};
 pub use gate::{prompt_gate_passes, RuntimeGate};
 pub use ngram::{NgramConfig, NgramProposer};
 
+use crate::sampler::SamplingParams;
+
+/// What a proposer sees of its sequence when asked for drafts.
+pub struct ProposeInput<'a> {
+    /// The committed tokens, prompt included. The last one is the round's anchor: committed, not yet in the
+    /// target's cache.
+    pub tokens: &'a [u32],
+    /// The request's sampling (drafters that sample share the target's keyed noise).
+    pub sampling: &'a SamplingParams,
+}
+
 /// A drafter for one sequence.
 pub trait Proposer: Send {
-    /// The lane's name in logs and stats (`pld`, later `dflash`, `mtp`).
+    /// The lane's name in logs and stats (`pld`, `dflash`, `dflash2`, later `mtp`).
     fn name(&self) -> &'static str;
 
-    /// Up to `max` tokens likely to follow `tokens` (the sequence's committed tokens, prompt included); empty when
-    /// it has no guess, which makes the round a plain decode step.
-    fn propose(&mut self, tokens: &[u32], max: usize) -> Vec<u32>;
+    /// Up to `max` tokens likely to follow the committed tokens; empty when it has no guess, which makes the
+    /// round a plain decode step.
+    fn propose(&mut self, input: &ProposeInput, max: usize) -> Vec<u32>;
+
+    /// Whether the lane reads the target's hidden states at its capture layers ([`Proposer::observe`]).
+    fn observes_target(&self) -> bool {
+        false
+    }
+
+    /// The target's captured hidden states of committed positions `first_position ..`, one row per position
+    /// (`[rows, taps · hidden]`, row-major). Called for every committed row the target computes, drafting or not,
+    /// so the lane's context never has holes; positions may repeat after a preemption's recompute.
+    fn observe(&mut self, _first_position: usize, _captured: &[f32]) {}
 
     /// Told after each verified round how many of the `drafted` tokens were accepted (learned drafters adapt).
     fn on_verified(&mut self, _drafted: usize, _accepted: usize) {}
@@ -55,13 +78,33 @@ pub struct SpecStats {
     pub plain_steps: u64,
     /// Times the runtime gate paused drafting.
     pub gate_pauses: u64,
+    /// Block drafters: the verify width (anchor included); 0 for other lanes.
+    pub block: usize,
+    /// Per draft position (slot 0 is the first draft): rounds that drafted it and rounds that accepted it, for
+    /// the first [`TRACKED_POSITIONS`] positions.
+    pub drafted_at: [u64; TRACKED_POSITIONS],
+    pub accepted_at: [u64; TRACKED_POSITIONS],
 }
+
+/// Draft positions whose acceptance the stats track (a block of 16 has 15 drafts).
+pub const TRACKED_POSITIONS: usize = 16;
 
 impl SpecStats {
     pub fn record_round(&mut self, drafted: usize, accepted: usize) {
         self.rounds += 1;
         self.drafted += drafted as u64;
         self.accepted += accepted as u64;
+        for slot in 0..drafted.min(TRACKED_POSITIONS) {
+            self.drafted_at[slot] += 1;
+            self.accepted_at[slot] += u64::from(slot < accepted);
+        }
+    }
+
+    /// Acceptance rate of each draft position that was drafted at least once: the chance a round that drafted
+    /// position `j` accepted it (accepting `j` implies accepting every position before it).
+    pub fn per_position(&self) -> Vec<f64> {
+        let drafted = self.drafted_at.iter().take_while(|&&d| d > 0);
+        drafted.zip(&self.accepted_at).map(|(&d, &a)| a as f64 / d as f64).collect()
     }
 
     /// Accepted over drafted.
@@ -75,15 +118,18 @@ impl SpecStats {
 
     /// The `[spec-stats]` log line.
     pub fn log_line(&self) -> String {
+        let block = if self.block > 0 { format!(" block={}", self.block) } else { String::new() };
+        let per_position: Vec<String> = self.per_position().iter().map(|r| format!("{r:.2}")).collect();
         format!(
-            "[spec-stats] mode={} rounds={} drafted={} accepted={} accept_rate={:.3} tokens_per_round={:.2} \
-             plain_steps={} gate_pauses={}",
+            "[spec-stats] mode={}{block} rounds={} drafted={} accepted={} accept_rate={:.3} tokens_per_round={:.2} \
+             per_position=[{}] plain_steps={} gate_pauses={}",
             self.mode,
             self.rounds,
             self.drafted,
             self.accepted,
             self.accept_rate(),
             self.tokens_per_round(),
+            per_position.join(","),
             self.plain_steps,
             self.gate_pauses
         )
@@ -141,15 +187,17 @@ pub struct SpecLane {
 }
 
 impl SpecLane {
-    pub fn new(proposer: Box<dyn Proposer>, max_draft: usize, min_accepted: f64) -> Self {
-        let stats = SpecStats { mode: proposer.name(), ..SpecStats::default() };
+    /// A lane drafting at most `max_draft` tokens a round; `block` is the verify width of block drafters (0 for
+    /// others), for the stats.
+    pub fn new(proposer: Box<dyn Proposer>, max_draft: usize, min_accepted: f64, block: usize) -> Self {
+        let stats = SpecStats { mode: proposer.name(), block, ..SpecStats::default() };
         SpecLane { proposer, gate: RuntimeGate::new(min_accepted), length: DraftLength::new(max_draft), stats }
     }
 
     /// Drafts for the next round (at most `cap`), or none while the gate holds the lane back.
-    pub fn draft(&mut self, tokens: &[u32], cap: usize) -> Vec<u32> {
+    pub fn draft(&mut self, input: &ProposeInput, cap: usize) -> Vec<u32> {
         let cap = cap.min(self.length.get());
-        let drafts = if cap > 0 && self.gate.allows() { self.proposer.propose(tokens, cap) } else { Vec::new() };
+        let drafts = if cap > 0 && self.gate.allows() { self.proposer.propose(input, cap) } else { Vec::new() };
         if drafts.is_empty() {
             self.stats.plain_steps += 1;
         }
@@ -175,7 +223,19 @@ impl std::fmt::Debug for SpecLane {
 
 #[cfg(test)]
 mod tests {
-    use super::DraftLength;
+    use super::{DraftLength, SpecStats};
+
+    #[test]
+    fn stats_track_acceptance_per_draft_position() {
+        let mut stats = SpecStats { mode: "dflash", block: 4, ..SpecStats::default() };
+        stats.record_round(3, 3);
+        stats.record_round(3, 1);
+        stats.record_round(2, 0);
+        assert_eq!(stats.per_position(), vec![2.0 / 3.0, 1.0 / 3.0, 1.0 / 2.0]);
+        let line = stats.log_line();
+        assert!(line.contains("mode=dflash block=4 rounds=3"), "{line}");
+        assert!(line.contains("per_position=[0.67,0.33,0.50]"), "{line}");
+    }
 
     #[test]
     fn draft_length_shrinks_on_rejection_and_doubles_on_full_accepts() {

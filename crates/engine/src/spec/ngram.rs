@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use super::Proposer;
+use super::{ProposeInput, Proposer};
 
 /// Settings of the n-gram lane.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -88,7 +88,8 @@ impl Proposer for NgramProposer {
         "pld"
     }
 
-    fn propose(&mut self, tokens: &[u32], max: usize) -> Vec<u32> {
+    fn propose(&mut self, input: &ProposeInput, max: usize) -> Vec<u32> {
+        let tokens = input.tokens;
         let len = tokens.len();
         if len < 2 {
             return Vec::new();
@@ -108,6 +109,12 @@ impl Proposer for NgramProposer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sampler::SamplingParams;
+
+    fn propose(p: &mut NgramProposer, tokens: &[u32], max: usize) -> Vec<u32> {
+        let sampling = SamplingParams::greedy();
+        p.propose(&ProposeInput { tokens, sampling: &sampling }, max)
+    }
 
     fn proposer(max_draft: usize, min_match: usize, max_match: usize) -> NgramProposer {
         NgramProposer::new(NgramConfig { max_draft, min_match, max_match })
@@ -118,37 +125,41 @@ mod tests {
         let mut p = proposer(3, 2, 3);
         // "1 2 3 4 5 ... 1 2 3" -> "4 5 6"
         let tokens = [1, 2, 3, 4, 5, 6, 9, 9, 1, 2, 3];
-        assert_eq!(p.propose(&tokens, 8), [4, 5, 6]);
+        assert_eq!(propose(&mut p, &tokens, 8), [4, 5, 6]);
         // The newest occurrence wins: "2 3" followed by 7 later on.
         let tokens = [1, 2, 3, 4, 9, 2, 3, 7, 8, 0, 2, 3];
-        assert_eq!(proposer(2, 2, 2).propose(&tokens, 8), [7, 8]);
+        assert_eq!(propose(&mut proposer(2, 2, 2), &tokens, 8), [7, 8]);
     }
 
     #[test]
     fn longer_matches_beat_recent_short_ones() {
         // Suffix "5 2 3": the 3-gram occurred at the start (followed by 4), the 2-gram "2 3" more recently (by 8).
         let tokens = [5, 2, 3, 4, 0, 2, 3, 8, 1, 5, 2, 3];
-        assert_eq!(proposer(1, 2, 3).propose(&tokens, 1), [4]);
+        assert_eq!(propose(&mut proposer(1, 2, 3), &tokens, 1), [4]);
     }
 
     #[test]
     fn nothing_without_a_match_and_drafts_stop_at_the_end_of_history() {
         let mut p = proposer(8, 2, 4);
-        assert!(p.propose(&[1, 2, 3, 4], 8).is_empty());
+        assert!(propose(&mut p, &[1, 2, 3, 4], 8).is_empty());
         // "7 7" at the end matched by "7 7" at 0..2 ending at 2: continuation runs to the end of the tokens.
-        assert_eq!(proposer(8, 2, 2).propose(&[7, 7, 7], 8), [7]);
+        assert_eq!(propose(&mut proposer(8, 2, 2), &[7, 7, 7], 8), [7]);
     }
 
     #[test]
     fn the_index_grows_with_committed_tokens() {
         let mut p = proposer(4, 2, 2);
         let mut tokens = vec![10, 11, 12, 13];
-        assert!(p.propose(&tokens, 4).is_empty());
+        assert!(propose(&mut p, &tokens, 4).is_empty());
         tokens.extend([10, 11]);
-        assert_eq!(p.propose(&tokens, 4), [12, 13, 10, 11]);
+        assert_eq!(propose(&mut p, &tokens, 4), [12, 13, 10, 11]);
         tokens.extend([12, 99, 10, 11]);
-        assert_eq!(p.propose(&tokens, 4), [12, 99, 10, 11], "the newer occurrence of `10 11` is followed by 12 99");
-        assert_eq!(p.propose(&tokens, 2), [12, 99], "capped by the caller");
+        assert_eq!(
+            propose(&mut p, &tokens, 4),
+            [12, 99, 10, 11],
+            "the newer occurrence of `10 11` is followed by 12 99"
+        );
+        assert_eq!(propose(&mut p, &tokens, 2), [12, 99], "capped by the caller");
     }
 
     #[test]

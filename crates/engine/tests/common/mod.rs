@@ -126,6 +126,7 @@ pub fn config(num_pages: usize, max_batch_tokens: usize, spec: SpecConfig) -> En
         eos_ids: Vec::new(),
         spec,
         prefix_cache_pages: 0,
+        drafter: None,
     }
 }
 
@@ -139,6 +140,7 @@ pub fn request(id: usize, prompt: Vec<u32>, sampling: SamplingParams, max_tokens
         logprobs: None,
         ignore_eos: true,
         enable_pld: None,
+        enable_drafter: None,
         cache_prompt: true,
     }
 }

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use dflash_engine::spec::SpecStats;
+use dflash_engine::spec::{DrafterConfig, SpecStats};
 use dflash_engine::{Engine, EngineConfig, EngineMetrics, Event, EventSink, Request, SamplingParams, Usage};
 use dflash_models::tokenizer::{ChatMessage, Tokenizer};
 use dflash_models::LlamaModel;
@@ -27,7 +27,8 @@ pub struct LanesArgs {
     /// JSON list of {"group": ..., "prompt": ...}; prompts are sent through the chat template.
     #[arg(long, default_value = "bench/prompts/lanes.json")]
     pub prompts: PathBuf,
-    /// Lanes to compare: plain (no drafting) and pld (prompt lookup, with its gates as served).
+    /// Lanes to compare: plain (no drafting), pld (prompt lookup, with its gates as served) and dflash (the
+    /// block drafter given with --drafter).
     #[arg(long, value_delimiter = ',', default_value = "plain,pld")]
     pub lanes: Vec<String>,
     /// Tokens per request at most (requests stop at EOS too).
@@ -75,7 +76,7 @@ impl RunResult {
     }
 
     fn spec(&self) -> SpecStats {
-        self.usage.spec.unwrap_or_default()
+        self.usage.spec.as_deref().copied().unwrap_or_default()
     }
 }
 
@@ -106,11 +107,20 @@ impl EventSink for UsageProbe {
     }
 }
 
-pub fn run(model: Arc<LlamaModel>, tokenizer: Arc<Tokenizer>, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
+pub fn run(
+    model: Arc<LlamaModel>,
+    tokenizer: Arc<Tokenizer>,
+    spec: &SpecArgs,
+    drafter: Option<DrafterConfig>,
+    args: &LanesArgs,
+) -> Result<()> {
     let entries = read_prompts(&args.prompts)?;
     for lane in &args.lanes {
-        if !matches!(lane.as_str(), "plain" | "pld") {
-            bail!("unknown lane `{lane}` (known: plain, pld)");
+        if !matches!(lane.as_str(), "plain" | "pld" | "dflash") {
+            bail!("unknown lane `{lane}` (known: plain, pld, dflash)");
+        }
+        if lane == "dflash" && drafter.is_none() {
+            bail!("the dflash lane needs a drafter: --drafter DIR");
         }
     }
     let cfg = EngineConfig {
@@ -123,6 +133,7 @@ pub fn run(model: Arc<LlamaModel>, tokenizer: Arc<Tokenizer>, spec: &SpecArgs, a
         spec: spec.config()?,
         // Every prompt runs once per lane: each lane must prefill it cold.
         prefix_cache_pages: 0,
+        drafter,
     };
     let mut engine = Engine::new(model, Arc::clone(&tokenizer), cfg, Arc::new(EngineMetrics::default()))?;
     let mut results = Vec::new();
@@ -137,7 +148,7 @@ pub fn run(model: Arc<LlamaModel>, tokenizer: Arc<Tokenizer>, spec: &SpecArgs, a
                     r.group,
                     r.usage.completion_tokens,
                     r.decode_tok_s(),
-                    r.usage.spec.map_or(1.0, |s| s.tokens_per_round()),
+                    r.usage.spec.as_deref().map_or(1.0, |s| s.tokens_per_round()),
                 );
                 results.push(r);
             }
@@ -178,8 +189,10 @@ fn run_one(engine: &mut Engine, prompt: &[u32], lane: &str, max_tokens: usize) -
         stop: Vec::new(),
         logprobs: None,
         ignore_eos: false,
-        // plain forces the lane off; pld follows the engine's setting, prompt gate included, as served.
-        enable_pld: (lane == "plain").then_some(false),
+        // plain forces every lane off; pld follows the engine's setting, prompt gate included, as served;
+        // dflash drafts with the drafter.
+        enable_pld: (lane != "pld").then_some(false),
+        enable_drafter: Some(lane == "dflash"),
         cache_prompt: false,
     };
     let started = Instant::now();

@@ -20,7 +20,7 @@ use dflash_models::tokenizer::Tokenizer;
 use dflash_models::{LlamaModel, LoadedModel};
 
 use crate::cli::{ModelArgs, SpecArgs};
-use crate::run::load;
+use crate::target::{load_target, Target};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -106,7 +106,8 @@ impl Probe {
 }
 
 pub fn bench(args: &BenchArgs) -> Result<()> {
-    let LoadedModel { model, tokenizer, .. } = load(&args.model)?;
+    let Target { loaded, drafter } = load_target(&args.model, &args.spec)?;
+    let LoadedModel { model, tokenizer, .. } = loaded;
     let tokenizer = Arc::new(tokenizer);
     let prompts = bench_prompts(&tokenizer)?;
     match &args.scenario {
@@ -121,7 +122,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
             let mut e = engine(Arc::new(model), tokenizer, background + 1, args.max_batch_tokens)?;
             ttft(&mut e, &long, &prompts, *background, *repeat)
         }
-        Scenario::Lanes(lanes_args) => lanes::run(Arc::new(model), tokenizer, &args.spec, lanes_args),
+        Scenario::Lanes(lanes_args) => lanes::run(Arc::new(model), tokenizer, &args.spec, drafter, lanes_args),
         Scenario::Prefix(prefix_args) => prefix::run(Arc::new(model), tokenizer, args.max_batch_tokens, prefix_args),
     }
 }
@@ -143,6 +144,7 @@ fn engine(
         spec: SpecConfig { pld: None, ..SpecConfig::default() },
         // These scenarios repeat prompts and measure cold prefill.
         prefix_cache_pages: 0,
+        drafter: None,
     };
     Ok(Engine::new(model, tokenizer, cfg, Arc::new(EngineMetrics::default()))?)
 }
@@ -157,6 +159,7 @@ fn request(id: String, prompt: Vec<u32>, max_tokens: usize) -> Request {
         logprobs: None,
         ignore_eos: true,
         enable_pld: Some(false),
+        enable_drafter: Some(false),
         cache_prompt: false,
     }
 }

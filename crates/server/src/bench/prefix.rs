@@ -99,6 +99,7 @@ pub fn run(
         eos_ids: tokenizer.eos_ids().to_vec(),
         spec: SpecConfig { pld: None, ..SpecConfig::default() },
         prefix_cache_pages: context_window.div_ceil(16),
+        drafter: None,
     };
     let mut engine = Engine::new(model, Arc::clone(&tokenizer), cfg, Arc::new(EngineMetrics::default()))?;
     let answer = run_request(&mut engine, "turn1", &first_prompt, args.answer_tokens, Lane::FirstTurn)?;
@@ -167,6 +168,7 @@ fn run_request(engine: &mut Engine, id: &str, prompt: &[u32], max_tokens: usize,
         logprobs: None,
         ignore_eos: lane != Lane::FirstTurn,
         enable_pld: Some(false),
+        enable_drafter: Some(false),
         cache_prompt: lane != Lane::Cold,
     };
     engine.add(request, Box::new(probe.clone()));

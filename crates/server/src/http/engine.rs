@@ -72,6 +72,8 @@ pub struct EngineRequest {
     pub ignore_eos: bool,
     /// Per-request switch for prompt-lookup drafting; `None` keeps the server default.
     pub enable_pld: Option<bool>,
+    /// Per-request switch for the block drafter; `None` keeps the server default.
+    pub enable_drafter: Option<bool>,
     /// Whether the prefix cache may serve this prompt and keep its pages (no effect when the server runs without
     /// the cache).
     pub cache_prompt: bool,

@@ -108,7 +108,7 @@ impl From<&Usage> for UsageOut {
             completion_tokens: usage.completion_tokens,
             total_tokens: usage.prompt_tokens + usage.completion_tokens,
             prompt_tokens_details: PromptTokensDetails { cached_tokens: usage.cached_tokens },
-            spec: usage.spec.map(|s| SpecUsage {
+            spec: usage.spec.as_deref().map(|s| SpecUsage {
                 mode: s.mode,
                 rounds: s.rounds,
                 drafted: s.drafted,

@@ -74,6 +74,7 @@ async fn generate(
         logprobs: spec.logprobs,
         ignore_eos: spec.ignore_eos,
         enable_pld: spec.enable_pld,
+        enable_drafter: spec.enable_drafter,
         cache_prompt: spec.cache_prompt,
     };
     let rx = engine.submit(request).map_err(|e| {

@@ -80,6 +80,8 @@ pub struct ChatCompletionRequest {
     pub stream_options: Option<StreamOptions>,
     pub ignore_eos: Option<bool>,
     pub enable_pld: Option<bool>,
+    /// Block drafting with the server's drafter (an extension); default on when the server has one.
+    pub enable_drafter: Option<bool>,
     /// Prefix cache use (llama.cpp's name); default true.
     pub cache_prompt: Option<bool>,
     pub logprobs: Option<bool>,
@@ -118,6 +120,8 @@ pub struct CompletionRequest {
     pub stream_options: Option<StreamOptions>,
     pub ignore_eos: Option<bool>,
     pub enable_pld: Option<bool>,
+    /// Block drafting with the server's drafter (an extension); default on when the server has one.
+    pub enable_drafter: Option<bool>,
     /// Prefix cache use (llama.cpp's name); default true.
     pub cache_prompt: Option<bool>,
     pub logprobs: Option<i64>,

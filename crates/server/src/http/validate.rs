@@ -33,6 +33,8 @@ pub(crate) struct GenerationSpec {
     pub logprobs: Option<usize>,
     pub ignore_eos: bool,
     pub enable_pld: Option<bool>,
+    /// Per-request switch for the block drafter (`enable_drafter`); `None` keeps the server's choice.
+    pub enable_drafter: Option<bool>,
     /// Whether the prefix cache may serve and keep this prompt (`cache_prompt`, default true).
     pub cache_prompt: bool,
     pub stream: bool,
@@ -69,6 +71,7 @@ struct CommonInput {
     logit_bias: Option<Map<String, Value>>,
     ignore_eos: Option<bool>,
     enable_pld: Option<bool>,
+    enable_drafter: Option<bool>,
     cache_prompt: Option<bool>,
 }
 
@@ -115,6 +118,7 @@ pub(crate) fn validate_chat(req: ChatCompletionRequest, defaults: &SamplingField
         logit_bias: req.logit_bias,
         ignore_eos: req.ignore_eos,
         enable_pld: req.enable_pld,
+        enable_drafter: req.enable_drafter,
         cache_prompt: req.cache_prompt,
     };
     let spec = generation_spec(sampling, defaults, common, logprobs, None)?;
@@ -154,6 +158,7 @@ pub(crate) fn validate_completion(req: CompletionRequest, defaults: &SamplingFie
         logit_bias: req.logit_bias,
         ignore_eos: req.ignore_eos,
         enable_pld: req.enable_pld,
+        enable_drafter: req.enable_drafter,
         cache_prompt: req.cache_prompt,
     };
     let spec = generation_spec(sampling, defaults, common, logprobs, Some(DEFAULT_COMPLETION_MAX_TOKENS))?;
@@ -192,6 +197,7 @@ fn generation_spec(
         logprobs,
         ignore_eos: common.ignore_eos.unwrap_or(false),
         enable_pld: common.enable_pld,
+        enable_drafter: common.enable_drafter,
         cache_prompt: common.cache_prompt.unwrap_or(true),
         stream,
         include_usage: common.stream_options.and_then(|options| options.include_usage).unwrap_or(false),

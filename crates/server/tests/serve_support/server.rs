@@ -30,6 +30,11 @@ impl Logs {
         self.0.lock().unwrap_or_else(PoisonError::into_inner).push(line);
     }
 
+    /// Whether some line contains `needle`.
+    pub fn contains(&self, needle: &str) -> bool {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).iter().any(|l| l.contains(needle))
+    }
+
     /// The last lines, for failure messages.
     pub fn tail(&self) -> String {
         let lines = self.0.lock().unwrap_or_else(PoisonError::into_inner);

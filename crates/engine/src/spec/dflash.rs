@@ -1,0 +1,174 @@
+//! The DFlash lane: a block drafter (DFlash v1 or DFlash2) that reads the target's hidden states.
+//!
+//! Per sequence the lane keeps the drafter's context: the target's captured hidden states for every committed
+//! position, fed to it by the engine after each forward ([`Proposer::observe`]). A round drafts `[anchor, mask ×
+//! (w − 1)]` in one drafter pass and proposes the `w − 1` tokens the drafter (or DFlash2's selector walk) picks.
+//!
+//! Sampled requests draft with the target's own keyed noise: the draft at position `p` is the Gumbel-max of the
+//! drafter's distribution under the same key `(seed, p, token)` the target's sampler uses at `p`. Verification
+//! stays the keyed rule (accept while the draft equals the target's keyed token), so output is token for token
+//! plain decoding's; sharing the noise makes a draft land on the target's token whenever the two distributions
+//! agree near the top, which is where acceptance comes from.
+
+use std::sync::Arc;
+
+use dflash_models::dflash::{DraftModel, DraftSampling, Draw, SamplingFilter};
+use dflash_models::{DrafterContext, LlamaModel, ModelError};
+
+use super::{ProposeInput, Proposer};
+use crate::sampler::{gumbel, keyed_uniform, STREAM_TARGET};
+
+/// A loaded drafter and how wide its rounds may be.
+#[derive(Clone, Debug)]
+pub struct DrafterConfig {
+    pub model: Arc<DraftModel>,
+    /// Verify width (anchor included), at most the trained block size.
+    pub block_size: usize,
+}
+
+/// One sequence's DFlash lane.
+pub struct DflashProposer {
+    model: Arc<DraftModel>,
+    /// The target, for the embedding table and LM head the drafter borrows.
+    target: Arc<LlamaModel>,
+    ctx: DrafterContext,
+    block_size: usize,
+    name: &'static str,
+    /// Set after a drafter error: the lane stops drafting (the request goes on, plain).
+    broken: bool,
+}
+
+impl DflashProposer {
+    /// # Errors
+    /// When the drafter's context cannot be allocated.
+    pub fn new(cfg: &DrafterConfig, target: Arc<LlamaModel>) -> Result<Self, ModelError> {
+        let name = match cfg.model.kind() {
+            dflash_models::dflash::DraftKind::DFlash => "dflash",
+            dflash_models::dflash::DraftKind::DFlash2 => "dflash2",
+        };
+        Ok(DflashProposer {
+            ctx: cfg.model.new_context()?,
+            model: Arc::clone(&cfg.model),
+            target,
+            block_size: cfg.block_size,
+            name,
+            broken: false,
+        })
+    }
+
+    fn fail(&mut self, what: &str, e: &ModelError) {
+        tracing::warn!("{} drafter: {what}: {e}; drafting off for this request", self.name);
+        self.broken = true;
+    }
+}
+
+impl Proposer for DflashProposer {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn propose(&mut self, input: &ProposeInput, max: usize) -> Vec<u32> {
+        let width = self.block_size.min(max + 1);
+        let Some((&anchor, before)) = input.tokens.split_last() else {
+            return Vec::new();
+        };
+        // The context must hold every position before the anchor (the engine observes each computed row).
+        if self.broken || width < 2 || self.ctx.len() != before.len() {
+            return Vec::new();
+        }
+        let params = input.sampling;
+        let mut draw = KeyedDraw { seed: params.seed };
+        let sampling = if params.is_greedy() {
+            DraftSampling::Greedy
+        } else {
+            let filter = SamplingFilter { temperature: params.temperature, top_k: params.top_k, top_p: params.top_p };
+            DraftSampling::Sample { filter, draw: &mut draw }
+        };
+        let (embed, lm_head) = (self.target.embedding(), self.target.lm_head());
+        match self.model.draft(&mut self.ctx, anchor, width, embed, lm_head, sampling) {
+            Ok(draft) => draft.tokens,
+            Err(e) => {
+                self.fail("draft", &e);
+                Vec::new()
+            }
+        }
+    }
+
+    fn observes_target(&self) -> bool {
+        true
+    }
+
+    fn observe(&mut self, first_position: usize, captured: &[f32]) {
+        if self.broken {
+            return;
+        }
+        if let Err(e) = self.model.append_context(&mut self.ctx, first_position, captured) {
+            self.fail("context", &e);
+        }
+    }
+}
+
+/// The engine's keyed noise as the drafter's source of randomness: Gumbel-max over the draft distribution with
+/// the key the target's sampler uses at the same position ([`crate::sampler::sample`]).
+struct KeyedDraw {
+    seed: u64,
+}
+
+impl Draw for KeyedDraw {
+    fn draw(&mut self, position: u32, probs: &[f32], ids: Option<&[u32]>) -> dflash_models::error::Result<usize> {
+        let id_of = |i: usize| ids.map_or(i as u32, |ids| ids[i]);
+        let mut best: Option<(f64, u32, usize)> = None;
+        for (i, &p) in probs.iter().enumerate() {
+            if p <= 0.0 || p.is_nan() {
+                continue;
+            }
+            let id = id_of(i);
+            let score = f64::from(p).ln() + gumbel(keyed_uniform(self.seed, u64::from(position), id, STREAM_TARGET));
+            // Ties to the lowest id, as the target's sampler breaks them.
+            let better = best.is_none_or(|(s, best_id, _)| score > s || (score == s && id < best_id));
+            if better {
+                best = Some((score, id, i));
+            }
+        }
+        best.map(|(_, _, i)| i)
+            .ok_or_else(|| ModelError::Config("a draft distribution with no positive probability".into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampler::{SamplingParams, TokenHistory};
+
+    fn softmax(logits: &[f32]) -> Vec<f32> {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let e: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
+        let total: f32 = e.iter().sum();
+        e.iter().map(|&x| x / total).collect()
+    }
+
+    #[test]
+    fn keyed_draw_matches_the_targets_sampler_on_the_same_distribution() {
+        // With q = p the drafter's keyed Gumbel-max picks exactly the token the target's sampler picks at that
+        // position: the coupling that makes sampled drafts land.
+        let logits: Vec<f32> = (0..64).map(|i| ((i * 37 % 64) as f32) / 9.0).collect();
+        let params = SamplingParams { temperature: 1.0, seed: 7, ..SamplingParams::greedy() };
+        let history = TokenHistory::new(&[]);
+        let probs = softmax(&logits);
+        let mut draw = KeyedDraw { seed: params.seed };
+        for pos in 0..50u32 {
+            let target = crate::sampler::sample(&logits, &params, &history, u64::from(pos));
+            let drafted = draw.draw(pos, &probs, None).expect("draw") as u32;
+            assert_eq!(drafted, target, "position {pos}");
+        }
+    }
+
+    #[test]
+    fn keyed_draw_reads_candidate_ids() {
+        let mut draw = KeyedDraw { seed: 1 };
+        let ids = [40u32, 7, 19];
+        let i = draw.draw(3, &[0.0, 1.0, 0.0], Some(&ids)).expect("draw");
+        assert_eq!(i, 1, "the only positive entry");
+        assert!(draw.draw(3, &[0.0, 0.0], Some(&ids[..2])).is_err());
+    }
+}

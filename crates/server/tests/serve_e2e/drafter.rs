@@ -1,0 +1,44 @@
+//! `dflash serve --drafter DIR`: the tiny Qwen3 target with its tiny DFlash2 drafter (the models crate's parity
+//! fixtures). Requests draft with it and report the lane in `usage.spec`; `enable_drafter: false` opts out; and the
+//! greedy text is the same either way.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::serve_support::{generate, Api, Server};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures").join(name)
+}
+
+#[test]
+fn requests_draft_with_the_drafter_and_can_opt_out() {
+    let (target, drafter) = (fixture("tiny-qwen3"), fixture("dflash-v2"));
+    let args = ["--model", target.to_str().expect("path"), "--drafter", drafter.to_str().expect("path")];
+    let server = Server::start(&[&args[..], &["--draft-block-size", "4", "--no-pld"]].concat());
+    let client = server.client();
+    let body = |extra: serde_json::Value| {
+        let mut b = json!({"prompt": "abcabcabc abc", "max_tokens": 24, "temperature": 0, "ignore_eos": true});
+        if let (Some(b), serde_json::Value::Object(extra)) = (b.as_object_mut(), extra) {
+            b.extend(extra);
+        }
+        b
+    };
+    let drafted = generate(client, Api::Completion, &body(json!({})));
+    let spec = &drafted.json["usage"]["spec"];
+    assert_eq!(spec["mode"], "dflash2", "{}", drafted.json);
+    assert!(spec["rounds"].as_u64().is_some_and(|r| r > 0), "the drafter ran rounds: {}", drafted.json);
+    assert!(spec["drafted"].as_u64().is_some_and(|d| d <= 3 * spec["rounds"].as_u64().unwrap_or(0)), "block 4");
+
+    let plain = generate(client, Api::Completion, &body(json!({"enable_drafter": false})));
+    assert!(plain.json["usage"].get("spec").is_none(), "no lane armed: {}", plain.json);
+    assert_eq!(plain.text, drafted.text, "drafting does not change greedy output");
+    // The engine logs a request's stats line as it retires it, just after the reply's last event.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !server.logs().contains("[spec-stats] mode=dflash2 block=4") {
+        assert!(Instant::now() < deadline, "no stats line\n{}", server.logs().tail());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
