@@ -58,7 +58,7 @@ fn requests(max_tokens: usize) -> Vec<dflash_engine::Request> {
 
 /// No prompt lookup, and a gate that never pauses: every decode step of the drafter lane drafts.
 fn spec() -> SpecConfig {
-    SpecConfig { pld: None, gate_min_accepted: 0.0 }
+    SpecConfig { pld: None, gate_min_accepted: 0.0, dflash_typical: None }
 }
 
 #[test]
@@ -95,4 +95,28 @@ fn a_request_can_opt_out_of_the_drafter() {
     cfg.drafter = Some(drafter);
     let (_, metrics) = run_all(&m, cfg, reqs);
     assert_eq!(metric(&metrics, "dflash_spec_drafted_tokens_total"), 0.0);
+}
+
+#[test]
+fn the_lossy_typical_rule_leaves_greedy_requests_alone_and_accepts_more_sampled_drafts() {
+    let max_tokens = 24;
+    let greedy_only: Vec<_> = requests(max_tokens).into_iter().filter(|r| r.sampling.is_greedy()).collect();
+    let plain = run_all(&tiny_target(&[]), common::config(64, 64, spec()), greedy_only.clone()).0;
+    let (m, drafter) = with_drafter("dflash-v1", 4);
+    let typical = SpecConfig { dflash_typical: Some(0.3), ..spec() };
+    let mut cfg = common::config(64, 64, typical);
+    cfg.drafter = Some(drafter.clone());
+    let (outcomes, _) = run_all(&m, cfg, greedy_only);
+    assert_eq!(outcomes, plain, "greedy requests verify exactly whatever the rule");
+
+    // Sampled requests: the typical rule keeps every draft the exact rule keeps, and more.
+    let sampled: Vec<_> = requests(max_tokens).into_iter().filter(|r| !r.sampling.is_greedy()).collect();
+    let accept_rate = |spec: SpecConfig| {
+        let mut cfg = common::config(64, 64, spec);
+        cfg.drafter = Some(drafter.clone());
+        let (_, metrics) = run_all(&m, cfg, sampled.clone());
+        metric(&metrics, "dflash_spec_accepted_tokens_total") / metric(&metrics, "dflash_spec_drafted_tokens_total")
+    };
+    let (exact, lossy) = (accept_rate(spec()), accept_rate(typical));
+    assert!(lossy > exact, "typical acceptance {lossy:.3} should exceed exact {exact:.3}");
 }

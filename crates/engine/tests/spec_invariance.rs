@@ -74,7 +74,8 @@ fn run(
 
 fn pld(max_draft: usize) -> SpecConfig {
     // A threshold of 0 keeps the runtime gate from pausing, so every configuration really drafts.
-    SpecConfig { pld: Some(NgramConfig { max_draft, min_match: 1, max_match: 4 }), gate_min_accepted: 0.0 }
+    let pld = Some(NgramConfig { max_draft, min_match: 1, max_match: 4 });
+    SpecConfig { pld, gate_min_accepted: 0.0, dflash_typical: None }
 }
 
 fn assert_same(plain: &[Outcome], spec: &[Outcome], what: &str) {

@@ -158,6 +158,11 @@ pub struct SpecArgs {
     /// Load no drafter even if one is given.
     #[arg(long)]
     pub no_drafter: bool,
+    /// Lossy, opt-in: on sampled requests keep a block draft while its target probability exceeds
+    /// min(1, D * exp(-H)) of the row's filtered distribution (H its entropy); a miss samples from the target row.
+    /// Accepts more drafts, but sampled output then differs from plain decoding. Greedy requests stay exact.
+    #[arg(long, value_name = "D")]
+    pub dflash_typical: Option<f32>,
 }
 
 impl SpecArgs {
@@ -171,9 +176,16 @@ impl SpecArgs {
         if self.pld_min_match == 0 || self.pld_max_match < self.pld_min_match || self.pld_max_draft == 0 {
             bail!("need 1 <= --pld-min-match <= --pld-max-match and --pld-max-draft >= 1");
         }
+        if self.dflash_typical.is_some_and(|d| !(d > 0.0 && d.is_finite())) {
+            bail!("--dflash-typical needs a positive number");
+        }
         let ngram =
             NgramConfig { max_draft: self.pld_max_draft, min_match: self.pld_min_match, max_match: self.pld_max_match };
-        Ok(SpecConfig { pld: (!self.no_pld).then_some(ngram), ..SpecConfig::default() })
+        Ok(SpecConfig {
+            pld: (!self.no_pld).then_some(ngram),
+            dflash_typical: self.dflash_typical,
+            ..SpecConfig::default()
+        })
     }
 }
 

@@ -10,7 +10,7 @@ use crate::request::{FinishReason, TokenLogprob, TopLogprob};
 use crate::sampler;
 use crate::scheduler::StepItem;
 use crate::sequence::Outcome;
-use crate::spec::verify::accept_prefix;
+use crate::spec::verify::{accept_prefix, typical_accepts};
 use crate::EngineError;
 
 /// The flat inputs of one step, built from the plan.
@@ -130,9 +130,18 @@ impl Engine {
     /// the sequence finished.
     fn verify(&mut self, i: usize, rows: &[f32], vocab: usize, now: Instant) -> (usize, Option<FinishReason>) {
         let drafts = std::mem::take(&mut self.sched.running[i].drafts);
+        let typical = self.typical_rule(i);
         let mut finish = None;
         let accepted = accept_prefix(&drafts, |j| {
-            let (token, f) = self.sample_commit(i, &rows[j * vocab..(j + 1) * vocab], now);
+            let row = &rows[j * vocab..(j + 1) * vocab];
+            let seq = &self.sched.running[i];
+            let keep_draft = typical.zip(drafts.get(j)).filter(|&(d, &x)| {
+                typical_accepts(&sampler::candidates(row, &seq.request.sampling, &seq.history), x, d)
+            });
+            let (token, f) = match keep_draft {
+                Some((_, &x)) => self.commit_token(i, row, x, now),
+                None => self.sample_commit(i, row, now),
+            };
             finish = f;
             (token, f.is_some())
         });
@@ -151,11 +160,24 @@ impl Engine {
         (1 + accepted, finish)
     }
 
+    /// The lossy typical rule's `d` when it applies to `running[i]`'s rounds: a block drafter's lane, the server's
+    /// `--dflash-typical`, and a sampled request (greedy requests always verify exactly).
+    fn typical_rule(&self, i: usize) -> Option<f32> {
+        let seq = &self.sched.running[i];
+        let block_lane = seq.lane.as_ref().is_some_and(|l| l.stats.block > 0);
+        self.spec.dflash_typical.filter(|_| block_lane && !seq.request.sampling.is_greedy())
+    }
+
     /// Samples `running[i]`'s next token from `row_logits` at its absolute position and commits it.
     fn sample_commit(&mut self, i: usize, row_logits: &[f32], now: Instant) -> (u32, Option<FinishReason>) {
+        let seq = &self.sched.running[i];
+        let id = sampler::sample(row_logits, &seq.request.sampling, &seq.history, seq.len() as u64);
+        self.commit_token(i, row_logits, id, now)
+    }
+
+    /// Commits `id` as `running[i]`'s next token (`row_logits`: the row it was chosen from, for logprobs).
+    fn commit_token(&mut self, i: usize, row_logits: &[f32], id: u32, now: Instant) -> (u32, Option<FinishReason>) {
         let seq = &mut self.sched.running[i];
-        let pos = seq.len() as u64;
-        let id = sampler::sample(row_logits, &seq.request.sampling, &seq.history, pos);
         let logprob = seq.request.logprobs.map(|n| token_logprob(&self.tokenizer, row_logits, id, n));
         let ttft = seq.times.first_token.is_none().then(|| now.duration_since(seq.times.arrived).as_secs_f64());
         let itl = seq.times.last_token.map(|t| now.duration_since(t).as_secs_f64());

@@ -57,11 +57,18 @@ pub struct SpecConfig {
     pub pld: Option<NgramConfig>,
     /// The runtime gate's threshold: accepted drafts per round below it, after the warm-up, pause drafting.
     pub gate_min_accepted: f64,
+    /// Opt-in lossy acceptance for block drafters on sampled requests (`--dflash-typical d`): see
+    /// [`verify::typical_accepts`]. `None`: exact verification only.
+    pub dflash_typical: Option<f32>,
 }
 
 impl Default for SpecConfig {
     fn default() -> Self {
-        SpecConfig { pld: Some(NgramConfig::default()), gate_min_accepted: gate::DEFAULT_MIN_ACCEPTED }
+        SpecConfig {
+            pld: Some(NgramConfig::default()),
+            gate_min_accepted: gate::DEFAULT_MIN_ACCEPTED,
+            dflash_typical: None,
+        }
     }
 }
 

@@ -8,6 +8,8 @@
 //!   accept draft `x` with probability `min(1, p(x) / q(x))`, otherwise draw from `normalize(max(p − q, 0))`. The
 //!   output is distributed exactly as `p`; deterministic drafters are the one-hot `q`.
 
+use crate::sampler::Candidates;
+
 /// Walks a round's rows in order. `commit_target(j)` computes the target's token at row `j` (over the history with
 /// the drafts before `j` accepted), commits it, and returns it with whether the sequence just finished (EOS, stop
 /// string, length). Stops at the first row whose token differs from the draft, at the bonus row after the last
@@ -21,6 +23,17 @@ pub fn accept_prefix(drafts: &[u32], mut commit_target: impl FnMut(usize) -> (u3
         }
     }
     drafts.len()
+}
+
+/// The lossy typical rule (opt-in, `--dflash-typical d`): keep draft `x` while its probability under the row's
+/// filtered distribution exceeds `min(1, d · exp(−H))`, `H` being that distribution's entropy (in nats). Confident
+/// rows (low `H`) demand a likely draft; flat rows accept any draft that is not rare. Not distribution-exact, so
+/// sampled output differs from plain decoding; greedy requests never use it.
+pub fn typical_accepts(candidates: &Candidates, x: u32, d: f32) -> bool {
+    let entropy: f64 = candidates.probs.iter().filter(|&&p| p > 0.0).map(|&p| -f64::from(p) * f64::from(p).ln()).sum();
+    let threshold = (f64::from(d) * (-entropy).exp()).min(1.0);
+    let px = candidates.prob_of(x);
+    f64::from(px) > threshold
 }
 
 /// The residual rule for one draft `x` drawn from `q`: `(true, x)` when accepted, else `(false, y)` with `y` drawn
@@ -52,6 +65,21 @@ pub fn accept_or_resample(p: &[f32], q: &[f32], x: u32, u_accept: f64, u_resampl
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sampler::{candidates, SamplingParams, TokenHistory};
+
+    #[test]
+    fn typical_rule_demands_likely_drafts_on_confident_rows_only() {
+        let params = SamplingParams { temperature: 1.0, ..SamplingParams::greedy() };
+        let history = TokenHistory::new(&[]);
+        // A confident row: token 0 holds almost all the mass, H is small, the threshold near d.
+        let confident = candidates(&[8.0, 0.0, 0.0, 0.0], &params, &history);
+        assert!(typical_accepts(&confident, 0, 0.5));
+        assert!(!typical_accepts(&confident, 1, 0.5), "an unlikely draft on a confident row");
+        // A flat row: H = ln 4, threshold d / 4; every token has p = 1/4.
+        let flat = candidates(&[1.0, 1.0, 1.0, 1.0], &params, &history);
+        assert!(typical_accepts(&flat, 3, 0.5));
+        assert!(!typical_accepts(&flat, 3, 1.0), "p = 1/4 is not above 1/4");
+    }
     use crate::sampler::{keyed_uniform, STREAM_DRAFT, STREAM_TARGET};
 
     /// A round against a fixed list of target tokens; returns (accepted, committed).
