@@ -1,28 +1,18 @@
-//! Row roles and the projections that respect them.
+//! Row roles and the projections of the hybrid forward.
 //!
 //! A batch row is a *prompt* row (its position is below its sequence's `prompt_len`) or a *generated* row
 //! (decode, verify, recomputed output). Generated rows must come out with the same bits however many rows
 //! share the forward: a verify over `w` rows followed by a rollback to `kept` rows must leave exactly the state
-//! of a forward over those `kept` rows, and speculative output must equal plain decoding. Every op of the
-//! forward is row-local except the matmul, whose dense kernel reduces a row differently depending on how many
-//! rows it is given (a group of four rows shares one reduction pattern, a lone row another, many rows go
-//! through a blocked GEMM). So generated rows go through [`matmul_rows_exact`]: groups of at most
-//! [`EXACT_GROUP`] rows, each padded with zero rows to a multiple of four, so every row takes the same
-//! four-row reduction. The weights are still read once per group; the padding costs arithmetic only: a lone
-//! decode row against bf16 weights took about 2.5x the time of the one-row GEMV on a 2-core AVX2 host, a cost
-//! that goes away once the runtime's GEMV reduces every row alike. Prompt rows take the ordinary batched
-//! matmul.
+//! of a forward over those `kept` rows, and speculative output must equal plain decoding. The roles matter to
+//! the ops whose arithmetic differs between a block of rows and rows one at a time (the Gated DeltaNet's
+//! chunked and recurrent rules, attention). The projections need no such care: the runtime's matmul gives
+//! every row the same bits whatever the other rows of the call, for dense and quantized weights alike.
 
 use dflash_runtime::ops;
 use dflash_runtime::{DType, Tensor};
 
 use crate::batch::ForwardBatch;
 use crate::error::Result;
-
-/// Most rows one exact matmul call takes: the dense kernel's GEMV limit.
-pub(crate) const EXACT_GROUP: usize = 8;
-/// Rows of the dense GEMV's shared reduction.
-const EXACT_QUANTUM: usize = 4;
 
 /// Whether a row is prompt (batched freely) or generated (bit-reproducible alone).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,55 +47,14 @@ impl RowPlan {
     pub(crate) fn role(&self, row: usize) -> RowRole {
         self.roles[row]
     }
-
-    fn rows_with(&self, role: RowRole) -> Vec<usize> {
-        self.roles.iter().enumerate().filter(|(_, &r)| r == role).map(|(i, _)| i).collect()
-    }
 }
 
-/// `y = x · wᵀ`, prompt rows batched and generated rows through [`matmul_rows_exact`].
+/// `y = x · wᵀ` over all rows at once, prompt and generated alike.
 ///
-/// `x`: `[T, k]` f32; `w`: `[n, k]`; `y`: `[T, n]` f32, overwritten.
-pub(crate) fn linear(plan: &RowPlan, x: &Tensor, w: &Tensor, y: &mut Tensor) -> Result<()> {
-    let generated = plan.rows_with(RowRole::Generated);
-    if generated.is_empty() {
-        return Ok(ops::matmul(x, w, y)?);
-    }
-    if generated.len() == x.rows() {
-        return matmul_rows_exact(x, w, y);
-    }
-    let prompt = plan.rows_with(RowRole::Prompt);
-    for (rows, exact) in [(prompt, false), (generated, true)] {
-        let xs = gather_rows(x, &rows)?;
-        let mut ys = Tensor::zeros(DType::F32, &[rows.len(), y.row_len()])?;
-        if exact {
-            matmul_rows_exact(&xs, w, &mut ys)?;
-        } else {
-            ops::matmul(&xs, w, &mut ys)?;
-        }
-        scatter_rows(&ys, &rows, y)?;
-    }
-    Ok(())
-}
-
-/// `y = x · wᵀ` where every row's bits depend on that row of `x` and on `w` only.
-///
-/// `x`: `[T, k]` f32; `w`: `[n, k]`; `y`: `[T, n]` f32, overwritten.
-pub(crate) fn matmul_rows_exact(x: &Tensor, w: &Tensor, y: &mut Tensor) -> Result<()> {
-    let (k, n) = (x.row_len(), y.row_len());
-    let t = x.rows();
-    let mut start = 0;
-    while start < t {
-        let rows = (t - start).min(EXACT_GROUP);
-        let padded = rows.next_multiple_of(EXACT_QUANTUM);
-        let mut xg = Tensor::zeros(DType::F32, &[padded, k])?;
-        xg.as_f32_mut()?[..rows * k].copy_from_slice(&x.as_f32()?[start * k..(start + rows) * k]);
-        let mut yg = Tensor::zeros(DType::F32, &[padded, n])?;
-        ops::matmul(&xg, w, &mut yg)?;
-        y.as_f32_mut()?[start * n..(start + rows) * n].copy_from_slice(&yg.as_f32()?[..rows * n]);
-        start += rows;
-    }
-    Ok(())
+/// `x`: `[T, k]` f32; `w`: `[n, k]`; `y`: `[T, n]` f32, overwritten. Every row of `y` depends only on that row
+/// of `x` and on `w` (the runtime matmul is batch-invariant), so the plan does not change how rows are grouped.
+pub(crate) fn linear(_plan: &RowPlan, x: &Tensor, w: &Tensor, y: &mut Tensor) -> Result<()> {
+    Ok(ops::matmul(x, w, y)?)
 }
 
 /// Rows `rows` of `x` `[T, w]` as a new `[rows.len(), w]` tensor.
@@ -118,17 +67,6 @@ pub(crate) fn gather_rows(x: &Tensor, rows: &[usize]) -> Result<Tensor> {
         dst[j * w..(j + 1) * w].copy_from_slice(&src[r * w..(r + 1) * w]);
     }
     Ok(out)
-}
-
-/// Writes row `j` of `src` to row `rows[j]` of `dst`.
-pub(crate) fn scatter_rows(src: &Tensor, rows: &[usize], dst: &mut Tensor) -> Result<()> {
-    let w = src.row_len();
-    let s = src.as_f32()?;
-    let d = dst.as_f32_mut()?;
-    for (j, &r) in rows.iter().enumerate() {
-        d[r * w..(r + 1) * w].copy_from_slice(&s[j * w..(j + 1) * w]);
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -148,28 +86,32 @@ mod tests {
             .collect()
     }
 
+    /// `linear` over rows `rows` of `x` alone, as a `[rows.len(), n]` result.
+    fn linear_of(plan: &RowPlan, x: &Tensor, rows: &[usize], w: &Tensor) -> Vec<f32> {
+        let xs = gather_rows(x, rows).expect("gather");
+        let mut y = Tensor::zeros(DType::F32, &[rows.len(), w.shape()[0]]).expect("y");
+        linear(&plan.subset(rows), &xs, w, &mut y).expect("linear");
+        y.as_f32().expect("f32").to_vec()
+    }
+
     #[test]
-    fn exact_rows_do_not_depend_on_their_company() {
-        let (n, k) = (24, 40);
-        let x = pseudo_random(16 * k, 1);
+    fn projected_rows_do_not_depend_on_their_company() {
+        // A row alone (decode) and the same row among others (verify, a mixed batch) must give the same bits.
+        let (n, k, t) = (24, 40, 17);
+        let x = Tensor::from_f32(&pseudo_random(t * k, 1), &[t, k]).expect("x");
+        let plan = RowPlan { roles: [RowRole::Prompt, RowRole::Generated, RowRole::Generated].repeat(6)[..t].to_vec() };
         for dtype in [DType::F32, DType::BF16] {
             let w = Tensor::from_f32(&pseudo_random(n * k, 2), &[n, k]).expect("w");
             let w = if dtype == DType::F32 { w } else { to_bf16(&w) };
-            let alone = |r: usize| {
-                let xr = Tensor::from_f32(&x[r * k..(r + 1) * k], &[1, k]).expect("x");
-                let mut y = Tensor::zeros(DType::F32, &[1, n]).expect("y");
-                matmul_rows_exact(&xr, &w, &mut y).expect("matmul");
-                y.as_f32().expect("f32").to_vec()
-            };
-            for m in 1..=16 {
-                let xs = Tensor::from_f32(&x[..m * k], &[m, k]).expect("x");
-                let mut y = Tensor::zeros(DType::F32, &[m, n]).expect("y");
-                matmul_rows_exact(&xs, &w, &mut y).expect("matmul");
-                for r in 0..m {
-                    let got: Vec<u32> =
-                        y.as_f32().expect("f32")[r * n..(r + 1) * n].iter().map(|v| v.to_bits()).collect();
-                    let want: Vec<u32> = alone(r).iter().map(|v| v.to_bits()).collect();
-                    assert_eq!(got, want, "{dtype:?}: row {r} of {m}");
+            let alone: Vec<Vec<u32>> =
+                (0..t).map(|r| linear_of(&plan, &x, &[r], &w).iter().map(|v| v.to_bits()).collect()).collect();
+            for m in 1..=t {
+                // Rows m-1, m-2, ... 0: every row lands at another position than its own.
+                let rows: Vec<usize> = (0..m).rev().collect();
+                let y = linear_of(&plan, &x, &rows, &w);
+                for (pos, &r) in rows.iter().enumerate() {
+                    let got: Vec<u32> = y[pos * n..(pos + 1) * n].iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(got, alone[r], "{dtype:?}: row {r} at {pos} of {m}");
                 }
             }
         }
@@ -194,20 +136,5 @@ mod tests {
         use RowRole::{Generated as G, Prompt as P};
         assert_eq!(plan.roles, vec![P, P, G, G, G]);
         assert_eq!(plan.subset(&[4, 0]).roles, vec![G, P]);
-    }
-
-    #[test]
-    fn mixed_linear_matches_each_role_alone() {
-        let (n, k, t) = (8, 16, 6);
-        let x = Tensor::from_f32(&pseudo_random(t * k, 3), &[t, k]).expect("x");
-        let w = Tensor::from_f32(&pseudo_random(n * k, 4), &[n, k]).expect("w");
-        let plan = RowPlan { roles: [RowRole::Prompt, RowRole::Generated].repeat(3) };
-        let mut y = Tensor::zeros(DType::F32, &[t, n]).expect("y");
-        linear(&plan, &x, &w, &mut y).expect("linear");
-        let generated = [1, 3, 5];
-        let mut want = Tensor::zeros(DType::F32, &[3, n]).expect("y");
-        matmul_rows_exact(&gather_rows(&x, &generated).expect("gather"), &w, &mut want).expect("matmul");
-        let got = gather_rows(&y, &generated).expect("gather");
-        assert_eq!(got.as_f32().expect("f32"), want.as_f32().expect("f32"));
     }
 }

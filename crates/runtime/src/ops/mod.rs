@@ -8,6 +8,9 @@
 //! the calling thread, because dispatching tasks costs more than the work.
 
 mod attention;
+mod dense;
+#[cfg(target_arch = "x86_64")]
+mod dense_avx2;
 mod elementwise;
 mod matmul;
 mod norm;

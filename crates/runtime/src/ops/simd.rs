@@ -399,32 +399,6 @@ fn widen_scalar(dtype: DType, src: &[u8], dst: &mut [f32]) {
     }
 }
 
-/// Σ w[i]·x[i] with `w` a row of f16 or bf16 bytes (`2·x.len()` of them), converted on the fly.
-#[inline(always)]
-pub(crate) fn dot_half<const AVX2: bool>(dtype: DType, w: &[u8], x: &[f32]) -> f32 {
-    let n = x.len().min(w.len() / 2);
-    let (w, x) = (&w[..2 * n], &x[..n]);
-    #[cfg(target_arch = "x86_64")]
-    if AVX2 {
-        // SAFETY: `AVX2` is only true after AVX2, FMA and F16C were detected; lengths matched above.
-        return unsafe {
-            if dtype == DType::BF16 {
-                dot_half_avx2::<true>(w, x)
-            } else {
-                dot_half_avx2::<false>(w, x)
-            }
-        };
-    }
-    let mut buf = [0f32; 64];
-    let mut total = 0.0;
-    for (wc, xc) in w.chunks(128).zip(x.chunks(64)) {
-        let wide = &mut buf[..xc.len()];
-        widen_scalar(dtype, wc, wide);
-        total += dot_portable(wide, xc);
-    }
-    total
-}
-
 /// Loads 8 f16 (`BF16 == false`) or bf16 values from `p` as f32 lanes.
 ///
 /// # Safety
@@ -432,7 +406,7 @@ pub(crate) fn dot_half<const AVX2: bool>(dtype: DType, w: &[u8], x: &[f32]) -> f
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn load8_half<const BF16: bool>(p: *const u8) -> __m256 {
+pub(super) unsafe fn load8_half<const BF16: bool>(p: *const u8) -> __m256 {
     // SAFETY: the caller guarantees 16 readable bytes; the load is unaligned.
     let h = unsafe { _mm_loadu_si128(p.cast::<__m128i>()) };
     if BF16 {
@@ -455,33 +429,6 @@ unsafe fn widen_half_avx2<const BF16: bool>(src: &[u8], dst: &mut [f32]) {
     }
     let dtype = if BF16 { DType::BF16 } else { DType::F16 };
     widen_scalar(dtype, &src[2 * full..], &mut dst[full..]);
-}
-
-/// `w.len() == 2 · x.len()`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn dot_half_avx2<const BF16: bool>(w: &[u8], x: &[f32]) -> f32 {
-    let n = x.len();
-    let (pw, px) = (w.as_ptr(), x.as_ptr());
-    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    let mut i = 0;
-    // SAFETY (all loads): i + 16 (or + 8) <= n: inside `x` and, at 2 bytes each, inside `w`.
-    while i + 16 <= n {
-        unsafe {
-            acc0 = _mm256_fmadd_ps(load8_half::<BF16>(pw.add(2 * i)), _mm256_loadu_ps(px.add(i)), acc0);
-            acc1 = _mm256_fmadd_ps(load8_half::<BF16>(pw.add(2 * i + 16)), _mm256_loadu_ps(px.add(i + 8)), acc1);
-        }
-        i += 16;
-    }
-    if i + 8 <= n {
-        unsafe { acc0 = _mm256_fmadd_ps(load8_half::<BF16>(pw.add(2 * i)), _mm256_loadu_ps(px.add(i)), acc0) };
-        i += 8;
-    }
-    let mut tail = [0f32; 8];
-    let dtype = if BF16 { DType::BF16 } else { DType::F16 };
-    widen_scalar(dtype, &w[2 * i..], &mut tail[..n - i]);
-    hsum256(_mm256_add_ps(acc0, acc1)) + dot_portable(&tail[..n - i], &x[i..])
 }
 
 #[cfg(test)]
@@ -583,7 +530,7 @@ mod tests {
     }
 
     #[test]
-    fn widening_and_half_dots_match_half() {
+    fn widening_matches_half() {
         let vals = [0.0f32, -1.5, 3.140625, 65504.0, 1e-5, -2.0e-7, 123.456];
         let mut rng = Rng::new(3);
         // 21 values exercise both the 8-wide body and the tail.
@@ -606,13 +553,6 @@ mod tests {
             assert_eq!(out, exact, "{dtype} widen");
             widen_scalar(dtype, &bytes, &mut out);
             assert_eq!(out, exact, "{dtype} widen scalar");
-            let want: f64 = exact.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
-            let magnitude: f64 = exact.iter().zip(&x).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
-            let tol = 1e-6 * magnitude;
-            assert!((dot_half::<false>(dtype, &bytes, &x) as f64 - want).abs() < tol, "{dtype} dot");
-            if has_avx2() {
-                assert!((dot_half::<true>(dtype, &bytes, &x) as f64 - want).abs() < tol, "{dtype} dot avx2");
-            }
         }
         let f32_bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
         let mut out = vec![0f32; n];
