@@ -6,6 +6,8 @@
 
 pub mod batch;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod dflash;
 pub mod error;
 pub mod gguf;

@@ -210,8 +210,8 @@ fn bench_row_ops(bench: &Bench, rng: &mut Rng) -> Res<()> {
     for batch in [1usize, 64] {
         let logits = dev.upload(&rng.vec(batch * vocab))?;
         let mut best = dev.alloc_zeros::<u32>(batch)?;
-        let mut scratch = gpu::ArgmaxScratch::new(dev, batch, vocab)?;
-        let ms = bench.median_ms(50, |_| Ok(gpu::argmax_rows(dev, &logits, vocab, &mut best, &mut scratch)?))?;
+        let scratch = gpu::ArgmaxScratch::new(dev, batch, vocab)?;
+        let ms = bench.median_ms(50, |_| Ok(gpu::argmax_rows(dev, &logits, vocab, &mut best, &scratch)?))?;
         bench.row("argmax_rows", &format!("{batch}x{vocab}"), ms, 4.0 * (batch * vocab) as f64);
     }
     Ok(())

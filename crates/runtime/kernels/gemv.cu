@@ -78,3 +78,64 @@ DF_GEMV(5)
 DF_GEMV(6)
 DF_GEMV(7)
 DF_GEMV(8)
+
+// One weight row of a bf16 matrix [*, k] dotted with one f32 row x [k]: this lane's partial sum (the same
+// loop as gemv_bf16_rows<1>).
+__device__ __forceinline__ float bf16_row_dot(const bf16_t* __restrict__ wr, const float* __restrict__ x, u32 k) {
+    const u32 lane = threadIdx.x & 31u;
+    float s = 0.0f;
+    if ((k & 7u) == 0) {
+        const uint4* w8 = reinterpret_cast<const uint4*>(wr);
+        const float4* x4 = reinterpret_cast<const float4*>(x);
+#pragma unroll 4
+        for (u32 j = lane; j < (k >> 3); j += 32) {
+            const uint4 q = __ldg(w8 + j);
+            const float4 a = x4[2 * j], b = x4[2 * j + 1];
+            s = fmaf(__uint_as_float(q.x << 16), a.x, s);
+            s = fmaf(__uint_as_float(q.x & 0xffff0000u), a.y, s);
+            s = fmaf(__uint_as_float(q.y << 16), a.z, s);
+            s = fmaf(__uint_as_float(q.y & 0xffff0000u), a.w, s);
+            s = fmaf(__uint_as_float(q.z << 16), b.x, s);
+            s = fmaf(__uint_as_float(q.z & 0xffff0000u), b.y, s);
+            s = fmaf(__uint_as_float(q.w << 16), b.z, s);
+            s = fmaf(__uint_as_float(q.w & 0xffff0000u), b.w, s);
+        }
+    } else {
+        for (u32 j = lane; j < k; j += 32) s = fmaf(bf16_to_f32(wr[j]), x[j], s);
+    }
+    return s;
+}
+
+// One activation row through a bf16 matrix with a fused prologue and epilogue. With `norm_w`, every block
+// first RMS-normalises x into shared memory as the CPU's rms_norm does ((x * inv) * w; dynamic shared
+// memory k * 4 bytes), so the layer's pre-norm needs no kernel of its own. Epilogue: EPI_STORE, EPI_ADD
+// into the residual, EPI_SWIGLU over the gate row col and the up row col + n_out. x [k]; y: columns
+// 0..n_out of one row. Grid: one warp per output column, GEMV_WARPS per block. Memory floor: the weights.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemv_bf16_ep(const bf16_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, u32 n_out, u32 k,
+                 u32 epi, const float* __restrict__ norm_w, float eps) {
+    extern __shared__ float4 gemv_smem[];
+    const float* xs = x;
+    if (norm_w != nullptr) {
+        __shared__ float scratch[32];
+        float* xn = reinterpret_cast<float*>(gemv_smem);
+        float ss = 0.0f;
+        for (u32 i = threadIdx.x; i < k; i += blockDim.x) {
+            const float v = x[i];
+            xn[i] = v;
+            ss = fmaf(v, v, ss);
+        }
+        const float inv = 1.0f / sqrtf(block_sum(ss, scratch) / (float)k + eps);
+        for (u32 i = threadIdx.x; i < k; i += blockDim.x) xn[i] = __fmul_rn(__fmul_rn(xn[i], inv), norm_w[i]);
+        __syncthreads();
+        xs = xn;
+    }
+    const u32 col = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (col >= n_out) return;  // uniform per warp, after the block's barriers
+    float acc = warp_sum(bf16_row_dot(w + (u64)col * k, xs, k));
+    if (epi == EPI_SWIGLU) {
+        const float up = warp_sum(bf16_row_dot(w + (u64)(col + n_out) * k, xs, k));
+        acc = swiglu_value(acc, up);
+    }
+    if ((threadIdx.x & 31u) == 0) y[col] = epi == EPI_ADD ? __fadd_rn(y[col], acc) : acc;
+}

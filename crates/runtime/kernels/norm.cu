@@ -12,12 +12,14 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
     const float* xr = x + row * hidden;
     float* orow = out + row * hidden;
     float sum_sq = 0.0f;
+#pragma unroll 4
     for (u32 i = threadIdx.x; i < hidden; i += blockDim.x) {
         const float v = xr[i];
         sum_sq = fmaf(v, v, sum_sq);
     }
     const float mean = block_sum(sum_sq, scratch) / (float)hidden;
     const float inv = 1.0f / sqrtf(mean + eps);
+#pragma unroll 4
     for (u32 i = threadIdx.x; i < hidden; i += blockDim.x) {
         orow[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
     }

@@ -47,3 +47,43 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     v = lane < warps ? scratch[lane] : 0.0f;
     return warp_sum(v);
 }
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v = fmaxf(v, __shfl_xor_sync(DF_FULL_MASK, v, offset));
+    }
+    return v;
+}
+
+__device__ __forceinline__ int warp_sum_int(int v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(DF_FULL_MASK, v, offset);
+    }
+    return v;
+}
+
+// IEEE half (raw 16 bits) -> f32, exact (the GGUF block scales).
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// Four signed 8-bit products summed into c (dp4a; no header declares __dp4a under NVRTC without headers).
+__device__ __forceinline__ int dp4a(int a, int b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// silu(g) * u, rounded step by step as the CPU's swiglu.
+__device__ __forceinline__ float swiglu_value(float g, float u) {
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+}
+
+// Where a matmul's result goes (the `epi` argument of the fused matmul kernels).
+#define EPI_STORE 0u   // y[r, col] = acc
+#define EPI_ADD 1u     // y[r, col] += acc (the residual stream)
+#define EPI_SWIGLU 2u  // y[r, col] = silu(acc of weight row col) * (acc of weight row col + n_out)

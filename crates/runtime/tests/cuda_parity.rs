@@ -286,8 +286,8 @@ fn argmax_matches_cpu_with_ties_and_nans() {
         }
         let want: Vec<u32> = logits.chunks(len).map(cpu::argmax).collect();
         let mut out = dev.upload(&vec![u32::MAX; rows]).expect("poisoned out");
-        let mut scratch = gpu::ArgmaxScratch::new(dev, rows, len).expect("scratch");
-        gpu::argmax_rows(dev, &dev.upload(&logits).expect("logits"), len, &mut out, &mut scratch).expect("argmax");
+        let scratch = gpu::ArgmaxScratch::new(dev, rows, len).expect("scratch");
+        gpu::argmax_rows(dev, &dev.upload(&logits).expect("logits"), len, &mut out, &scratch).expect("argmax");
         let got = dev.download(&out).expect("download");
         let mismatches = got.iter().zip(&want).filter(|(g, w)| g != w).count() as f64;
         check("argmax_rows", &format!("{rows}x{len}"), mismatches, 0.0);
@@ -407,9 +407,9 @@ fn bad_shapes_are_errors_not_launches() {
     assert!(is_shape(gpu::add_rms_norm(dev, &mut buf(12), &buf(9), &buf(3), 1e-6, &mut buf(12))));
     assert!(is_shape(gpu::swiglu_fused(dev, &buf(12), &mut buf(5), 1)));
     let mut argmax_out = dev.alloc_zeros::<u32>(2).expect("out");
-    let mut scratch = gpu::ArgmaxScratch::new(dev, 1, 5000).expect("scratch");
-    assert!(is_shape(gpu::argmax_rows(dev, &buf(12), 5, &mut argmax_out, &mut scratch)));
-    assert!(is_shape(gpu::argmax_rows(dev, &buf(2 * 5000), 5000, &mut argmax_out, &mut scratch)), "scratch too small");
+    let scratch = gpu::ArgmaxScratch::new(dev, 1, 5000).expect("scratch");
+    assert!(is_shape(gpu::argmax_rows(dev, &buf(12), 5, &mut argmax_out, &scratch)));
+    assert!(is_shape(gpu::argmax_rows(dev, &buf(2 * 5000), 5000, &mut argmax_out, &scratch)), "scratch too small");
     let w = dev.alloc_zeros::<bf16>(64).expect("w");
     assert!(is_shape(gpu::gemv_bf16(dev, &buf(9 * 8), &w, 8, &mut buf(9 * 8))), "more rows than the GEMV takes");
     assert!(is_shape(gpu::gemv_bf16(dev, &buf(8), &w, 8, &mut buf(7))));

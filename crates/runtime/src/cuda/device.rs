@@ -3,6 +3,9 @@
 
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
+use std::ffi::c_void;
+
+use cudarc::cublas::sys::cublasSetWorkspace_v2;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 
@@ -10,6 +13,9 @@ use super::compile::{self, CompileReport};
 use super::kernels::Kernels;
 use super::loader::{self, ALL_LIBS};
 use super::{CudaError, Result};
+
+/// Bytes of the fixed cuBLAS workspace (what cuBLAS asks for on Hopper, with room).
+const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
 /// What a device is.
 #[derive(Clone, Debug)]
@@ -36,6 +42,8 @@ pub struct CudaDevice {
     stream: Arc<CudaStream>,
     pub(crate) kernels: Kernels,
     blas: OnceLock<Mutex<CudaBlas>>,
+    /// cuBLAS's workspace, fixed so that GEMMs can be captured into CUDA graphs (no allocation inside).
+    blas_workspace: OnceLock<DeviceBuf<u8>>,
     info: DeviceInfo,
     compile_report: CompileReport,
 }
@@ -90,7 +98,15 @@ impl CudaDevice {
                 .map_err(CudaError::driver("cuDeviceGetAttribute"))?,
             nvrtc_version: compile::nvrtc_version()?,
         };
-        Ok(CudaDevice { ctx, stream, kernels, blas: OnceLock::new(), info, compile_report })
+        Ok(CudaDevice {
+            ctx,
+            stream,
+            kernels,
+            blas: OnceLock::new(),
+            blas_workspace: OnceLock::new(),
+            info,
+            compile_report,
+        })
     }
 
     pub fn info(&self) -> &DeviceInfo {
@@ -120,16 +136,36 @@ impl CudaDevice {
         self.stream.synchronize().map_err(CudaError::driver("cuStreamSynchronize"))
     }
 
-    /// The cuBLAS handle (made on first use, bound to the stream), locked for one call.
+    /// Makes the cuBLAS handle now (it is otherwise made on first use): call before capturing a CUDA
+    /// graph that contains GEMMs, since creating the handle allocates.
     ///
     /// # Errors
-    /// cuBLAS failing to create its handle.
+    /// cuBLAS failing to create its handle or take its workspace.
+    pub fn init_blas(&self) -> Result<()> {
+        self.blas().map(|_| ())
+    }
+
+    /// The cuBLAS handle (made on first use, bound to the stream, with a fixed workspace), locked for one
+    /// call.
+    ///
+    /// # Errors
+    /// cuBLAS failing to create its handle or take its workspace.
     pub(crate) fn blas(&self) -> Result<MutexGuard<'_, CudaBlas>> {
         if self.blas.get().is_none() {
             let blas = CudaBlas::new(self.stream.clone())
                 .map_err(|source| CudaError::Cublas { what: "cublasCreate".into(), source })?;
-            // Another thread may have won the race; its handle is as good as ours.
-            let _ = self.blas.set(Mutex::new(blas));
+            let workspace: DeviceBuf<u8> = self.alloc_zeros(BLAS_WORKSPACE_BYTES)?;
+            let ptr = workspace.view().device_ptr();
+            // SAFETY: the handle is live and the workspace is a device allocation of the size given; it is
+            // kept next to the handle and dropped after it (field order).
+            unsafe { cublasSetWorkspace_v2(*blas.handle(), ptr as *mut c_void, BLAS_WORKSPACE_BYTES) }
+                .result()
+                .map_err(|source| CudaError::Cublas { what: "cublasSetWorkspace".into(), source })?;
+            // Another thread may have won the race; its handle is as good as ours, and ours goes with
+            // its workspace.
+            if self.blas.set(Mutex::new(blas)).is_ok() {
+                let _ = self.blas_workspace.set(workspace);
+            }
         }
         let blas = self.blas.get().ok_or_else(|| CudaError::NoDevice("cuBLAS handle vanished".into()))?;
         Ok(blas.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
@@ -162,6 +198,39 @@ impl CudaDevice {
             return Err(CudaError::Shape(format!("upload of {} elements into a buffer of {}", host.len(), dst.len())));
         }
         self.stream.memcpy_htod(host, &mut dst.slice).map_err(CudaError::driver("cuMemcpyHtoDAsync"))
+    }
+
+    /// Copies `host` into the first `host.len()` elements of `dst` (queued on the stream; the host memory
+    /// may be reused as soon as this returns).
+    ///
+    /// # Errors
+    /// `host` longer than `dst`, or the copy failing.
+    pub fn upload_prefix<T: DeviceRepr>(&self, host: &[T], dst: &mut DeviceBuf<T>) -> Result<()> {
+        if host.len() > dst.len() {
+            return Err(CudaError::Shape(format!("upload of {} elements into a buffer of {}", host.len(), dst.len())));
+        }
+        if host.is_empty() {
+            return Ok(());
+        }
+        let mut view = dst.slice.slice_mut(0..host.len());
+        self.stream.memcpy_htod(host, &mut view).map_err(CudaError::driver("cuMemcpyHtoDAsync"))
+    }
+
+    /// Copies elements `offset .. offset + host.len()` of `src` into `host`, in stream order (after all
+    /// queued work). Into pageable host memory the copy is complete when this returns; call
+    /// [`CudaDevice::synchronize`] before relying on that elsewhere.
+    ///
+    /// # Errors
+    /// The range past `src`, or the copy (or earlier queued work) failing.
+    pub fn download_into<T: DeviceRepr>(&self, src: &DeviceBuf<T>, offset: usize, host: &mut [T]) -> Result<()> {
+        if offset + host.len() > src.len() {
+            return Err(CudaError::Shape(format!("download of {}..+{} from {}", offset, host.len(), src.len())));
+        }
+        if host.is_empty() {
+            return Ok(());
+        }
+        let view = src.slice.slice(offset..offset + host.len());
+        self.stream.memcpy_dtoh(&view, host).map_err(CudaError::driver("cuMemcpyDtoHAsync"))
     }
 
     /// Waits for the stream, then returns a copy of `buf` (so errors of earlier launches surface here).

@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use cudarc::driver::sys::CUfunction_attribute_enum as CUfunction_attribute;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::Ptx;
 
@@ -12,13 +13,16 @@ use super::compile::{self, CompileReport};
 use super::CudaError;
 
 /// The kernel sources in the order they are compiled.
-const SOURCES: [(&str, &str); 6] = [
+const SOURCES: [(&str, &str); 9] = [
     ("prelude.cuh", include_str!("../../kernels/prelude.cuh")),
     ("elementwise.cu", include_str!("../../kernels/elementwise.cu")),
     ("norm.cu", include_str!("../../kernels/norm.cu")),
     ("rope.cu", include_str!("../../kernels/rope.cu")),
     ("reduce.cu", include_str!("../../kernels/reduce.cu")),
     ("gemv.cu", include_str!("../../kernels/gemv.cu")),
+    ("quant.cu", include_str!("../../kernels/quant.cu")),
+    ("attention.cu", include_str!("../../kernels/attention.cu")),
+    ("misc.cu", include_str!("../../kernels/misc.cu")),
 ];
 
 /// NVRTC options beyond the architecture. NVRTC's defaults keep IEEE division and square root and allow
@@ -36,6 +40,13 @@ pub const GEMV_DISPATCH_MAX_ROWS: usize = 1;
 
 /// Weight rows per GEMV block (one warp each): `GEMV_WARPS` in gemv.cu.
 pub(crate) const GEMV_ROWS_PER_BLOCK: u32 = 8;
+
+/// Dynamic shared memory the kernels that take more than the default 48 KiB may use (the quantized
+/// matmul's activation rows, the attention's query tile and key chunk). Hopper allows 227 KiB per block.
+pub(crate) const MAX_DYNAMIC_SMEM: u32 = 160 * 1024;
+
+/// Activation-row counts the quantized matmul kernels are compiled for (`mmvq_*_r{R}` in quant.cu).
+pub(crate) const MMVQ_ROWS: [usize; 4] = [1, 2, 4, 8];
 
 /// The whole program: every source, each preceded by a `#line` so compiler errors name the file.
 pub fn program_source() -> String {
@@ -62,6 +73,18 @@ pub(crate) struct Kernels {
     pub argmax_finish: CudaFunction,
     /// `gemv[r - 1]` takes `r` input rows.
     pub gemv: Vec<CudaFunction>,
+    pub gemv_bf16_ep: CudaFunction,
+    /// `mmvq[format][i]`: format 0 = Q4_0, 1 = Q4_1, 2 = Q8_0; `MMVQ_ROWS[i]` activation rows per block.
+    pub mmvq: Vec<Vec<CudaFunction>>,
+    pub embedding_quant: CudaFunction,
+    pub rope_kv_write: CudaFunction,
+    pub paged_attention: CudaFunction,
+    pub gather_rms_norm: CudaFunction,
+    pub copy_columns: CudaFunction,
+    pub fill_random_bf16: CudaFunction,
+    pub fill_random_f32: CudaFunction,
+    pub fill_random_u32: CudaFunction,
+    pub fill_random_f16: CudaFunction,
 }
 
 impl Kernels {
@@ -97,6 +120,17 @@ impl Kernels {
                 .map_err(|e| CudaError::Driver { what: format!("cuModuleGetFunction {name}"), source: e })
         };
         let gemv = (1..=GEMV_MAX_ROWS).map(|r| get(&format!("gemv_bf16_r{r}"))).collect::<Result<Vec<_>, _>>()?;
+        let big_smem = |name: &str| -> Result<CudaFunction, CudaError> {
+            let f = get(name)?;
+            let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            f.set_attribute(attr, MAX_DYNAMIC_SMEM as i32)
+                .map_err(|e| CudaError::Driver { what: format!("cuFuncSetAttribute {name}"), source: e })?;
+            Ok(f)
+        };
+        let mmvq = ["q4_0", "q4_1", "q8_0"]
+            .iter()
+            .map(|fmt| MMVQ_ROWS.iter().map(|r| big_smem(&format!("mmvq_{fmt}_r{r}"))).collect())
+            .collect::<Result<Vec<Vec<_>>, _>>()?;
         Ok(Kernels {
             embedding_f32: get("embedding_f32")?,
             embedding_bf16: get("embedding_bf16")?,
@@ -108,6 +142,17 @@ impl Kernels {
             argmax_partial: get("argmax_partial")?,
             argmax_finish: get("argmax_finish")?,
             gemv,
+            gemv_bf16_ep: big_smem("gemv_bf16_ep")?,
+            mmvq,
+            embedding_quant: get("embedding_quant")?,
+            rope_kv_write: get("rope_kv_write")?,
+            paged_attention: big_smem("paged_attention")?,
+            gather_rms_norm: get("gather_rms_norm")?,
+            copy_columns: get("copy_columns")?,
+            fill_random_bf16: get("fill_random_bf16")?,
+            fill_random_f32: get("fill_random_f32")?,
+            fill_random_u32: get("fill_random_u32")?,
+            fill_random_f16: get("fill_random_f16")?,
         })
     }
 }

@@ -3,8 +3,10 @@
 //! * [`CudaDevice`]: one GPU, one non-default stream, our kernels compiled by NVRTC for the device's
 //!   architecture (cached on disk, see [`compile`]), and a cuBLAS handle made on first use.
 //! * [`DeviceBuf`]: a typed device buffer; [`CudaDevice::upload`] / [`CudaDevice::download`] move data.
+//! * [`DevSlice`]: a borrowed range of a buffer, what the launchers take (with [`DevArg`]).
 //! * [`ops`]: the kernels, each the twin of a CPU op in [`crate::ops`] and checked against it by
-//!   `tests/cuda_parity.rs`.
+//!   `tests/cuda_parity.rs` (and `tests/cuda_model_ops.rs` for the fused kernels of the model forward).
+//! * [`StepGraph`]: launches captured into a CUDA graph ([`CudaDevice::capture`]) and replayed.
 //!
 //! Nothing CUDA is linked: the driver, NVRTC and cuBLAS are opened at run time ([`loader`]), so a binary
 //! built with this feature starts on machines without CUDA and only [`CudaDevice::new`] fails there, with
@@ -16,15 +18,19 @@
 
 pub mod compile;
 mod device;
+mod graph;
 mod kernels;
 pub mod loader;
 pub mod ops;
 mod rope_table;
+mod view;
 
 pub use compile::CompileReport;
 pub use device::{device_count, CudaDevice, DeviceBuf, DeviceInfo};
+pub use graph::StepGraph;
 pub use kernels::{program_source, COMPILE_OPTIONS, GEMV_DISPATCH_MAX_ROWS, GEMV_MAX_ROWS};
 pub use rope_table::CudaRopeTable;
+pub use view::{DevArg, DevSlice};
 
 /// Errors of the CUDA backend.
 #[derive(Debug, thiserror::Error)]

@@ -1,20 +1,18 @@
 //! `y = x · Wᵀ` with bf16 weights and f32 activations: our GEMV for a few rows, cuBLAS for more. Twin of
 //! [`crate::ops::matmul`] for bf16 weights.
 
-use std::ffi::c_void;
-
-use cudarc::cublas::result::gemm_ex;
-use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::PushKernelArg;
 use half::bf16;
 
+use super::fused::{gemm, GemmArgs};
 use super::{dim, launch_cfg, launch_err, shape_err, ROW_BLOCK};
-use crate::cuda::device::{CudaDevice, DeviceBuf};
+use crate::cuda::device::CudaDevice;
 use crate::cuda::kernels::{GEMV_DISPATCH_MAX_ROWS, GEMV_MAX_ROWS, GEMV_ROWS_PER_BLOCK};
-use crate::cuda::{CudaError, Result};
+use crate::cuda::view::{DevArg, DevSlice};
+use crate::cuda::Result;
 
 /// `(m, k)` of `x · Wᵀ` for `w` of `n` rows, checking `y` is `[m, n]`.
-fn matmul_dims(x_len: usize, w_len: usize, n: usize, y_len: usize, what: &str) -> Result<(usize, usize)> {
+pub(super) fn matmul_dims(x_len: usize, w_len: usize, n: usize, y_len: usize, what: &str) -> Result<(usize, usize)> {
     if n == 0 || !w_len.is_multiple_of(n) || w_len == 0 {
         return Err(shape_err(format!("{what}: weight of {w_len} elements is not {n} rows")));
     }
@@ -32,13 +30,14 @@ fn matmul_dims(x_len: usize, w_len: usize, n: usize, y_len: usize, what: &str) -
 ///
 /// # Errors
 /// Lengths that do not form these shapes, `m` outside `1..=GEMV_MAX_ROWS`; a launch failure.
-pub fn gemv_bf16(
+pub fn gemv_bf16<'a>(
     dev: &CudaDevice,
-    x: &DeviceBuf<f32>,
-    w: &DeviceBuf<bf16>,
+    x: impl DevArg<'a, f32>,
+    w: impl DevArg<'a, bf16>,
     n: usize,
-    y: &mut DeviceBuf<f32>,
+    y: impl DevArg<'a, f32>,
 ) -> Result<()> {
+    let (x, w, y) = (x.dev(), w.dev(), y.dev());
     let (m, k) = matmul_dims(x.len(), w.len(), n, y.len(), "gemv_bf16")?;
     if m == 0 || m > GEMV_MAX_ROWS {
         return Err(shape_err(format!("gemv_bf16: {m} input rows; the GEMV takes 1..={GEMV_MAX_ROWS}")));
@@ -47,7 +46,7 @@ pub fn gemv_bf16(
     let (n, k) = (dim(n, "n")?, dim(k, "k")?);
     let kernel = &dev.kernels.gemv[m - 1];
     let mut launch = dev.stream().launch_builder(kernel);
-    launch.arg(&w.slice).arg(&x.slice).arg(&mut y.slice).arg(&n).arg(&k);
+    launch.arg(w.arg()).arg(x.arg()).arg(y.arg()).arg(&n).arg(&k);
     // SAFETY: the arguments match the kernel's signature and the shapes were checked; the kernel uses
     // 16-byte loads only when k is a multiple of 8, where rows of both operands are 16-byte aligned
     // (device allocations are 256-byte aligned).
@@ -63,14 +62,15 @@ pub fn gemv_bf16(
 ///
 /// # Errors
 /// Lengths that do not form these shapes or exceed cuBLAS's `i32` sizes; a launch or cuBLAS failure.
-pub fn gemm_bf16(
+pub fn gemm_bf16<'a>(
     dev: &CudaDevice,
-    x: &DeviceBuf<f32>,
-    w: &DeviceBuf<bf16>,
+    x: impl DevArg<'a, f32>,
+    w: impl DevArg<'a, bf16>,
     n: usize,
-    y: &mut DeviceBuf<f32>,
-    x_bf16: &mut DeviceBuf<bf16>,
+    y: impl DevArg<'a, f32>,
+    x_bf16: impl DevArg<'a, bf16>,
 ) -> Result<()> {
+    let (x, w, y, x_bf16) = (x.dev(), w.dev(), y.dev(), x_bf16.dev());
     let (m, k) = matmul_dims(x.len(), w.len(), n, y.len(), "gemm_bf16")?;
     if x_bf16.len() < m * k {
         return Err(shape_err(format!("gemm_bf16: scratch {} for x of {}", x_bf16.len(), m * k)));
@@ -78,57 +78,24 @@ pub fn gemm_bf16(
     if m == 0 {
         return Ok(());
     }
-    let int =
-        |v: usize, what: &str| i32::try_from(v).map_err(|_| shape_err(format!("gemm_bf16: {what} = {v} exceeds i32")));
-    let (m_i, n_i, k_i) = (int(m, "m")?, int(n, "n")?, int(k, "k")?);
-    launch_f32_to_bf16(dev, &x.slice, &mut x_bf16.slice, m * k)?;
-    let blas = dev.blas()?;
-    let stream = dev.stream();
-    let (alpha, beta) = (1.0f32, 0.0f32);
-    let (w_ptr, _w_sync) = w.slice.device_ptr(stream);
-    let (x_ptr, _x_sync) = x_bf16.slice.device_ptr(stream);
-    let (y_ptr, _y_sync) = y.slice.device_ptr_mut(stream);
-    // Column-major view: yᵀ [n, m] = op(W) · xᵀ, where W row-major [n, k] is column-major [k, n] (ld k),
-    // so op = transpose; x row-major [m, k] is column-major xᵀ [k, m] (ld k); yᵀ has ld n.
-    // SAFETY: the pointers are live device buffers of the sizes checked above, all on the handle's stream.
-    unsafe {
-        gemm_ex(
-            *blas.handle(),
-            cublasOperation_t::CUBLAS_OP_T,
-            cublasOperation_t::CUBLAS_OP_N,
-            n_i,
-            m_i,
-            k_i,
-            (&alpha as *const f32).cast::<c_void>(),
-            w_ptr as *const c_void,
-            cudaDataType_t::CUDA_R_16BF,
-            k_i,
-            x_ptr as *const c_void,
-            cudaDataType_t::CUDA_R_16BF,
-            k_i,
-            (&beta as *const f32).cast::<c_void>(),
-            y_ptr as *mut c_void,
-            cudaDataType_t::CUDA_R_32F,
-            n_i,
-            cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    }
-    .map_err(|source| CudaError::Cublas { what: "cublasGemmEx".into(), source })
+    launch_f32_to_bf16(dev, x, x_bf16, m * k)?;
+    let x_bf16 = x_bf16.prefix(m * k)?;
+    gemm(dev, GemmArgs::bf16(w, n, k, x_bf16, m, y, n, false))
 }
 
 /// `y = x · Wᵀ`: [`gemv_bf16`] for up to [`GEMV_DISPATCH_MAX_ROWS`] rows, [`gemm_bf16`] beyond.
 ///
 /// # Errors
 /// As the path taken.
-pub fn matmul_bf16(
+pub fn matmul_bf16<'a>(
     dev: &CudaDevice,
-    x: &DeviceBuf<f32>,
-    w: &DeviceBuf<bf16>,
+    x: impl DevArg<'a, f32>,
+    w: impl DevArg<'a, bf16>,
     n: usize,
-    y: &mut DeviceBuf<f32>,
-    x_bf16: &mut DeviceBuf<bf16>,
+    y: impl DevArg<'a, f32>,
+    x_bf16: impl DevArg<'a, bf16>,
 ) -> Result<()> {
+    let (x, w, y) = (x.dev(), w.dev(), y.dev());
     let (m, _) = matmul_dims(x.len(), w.len(), n, y.len(), "matmul_bf16")?;
     if m == 0 {
         return Ok(());
@@ -141,12 +108,7 @@ pub fn matmul_bf16(
 }
 
 /// Converts the first `n` elements of `x` into `out` (both at least `n` long).
-pub(super) fn launch_f32_to_bf16(
-    dev: &CudaDevice,
-    x: &CudaSlice<f32>,
-    out: &mut CudaSlice<bf16>,
-    n: usize,
-) -> Result<()> {
+pub(crate) fn launch_f32_to_bf16(dev: &CudaDevice, x: DevSlice<f32>, out: DevSlice<bf16>, n: usize) -> Result<()> {
     if x.len() < n || out.len() < n {
         return Err(shape_err(format!("f32_to_bf16: {n} elements from {} into {}", x.len(), out.len())));
     }
@@ -157,7 +119,7 @@ pub(super) fn launch_f32_to_bf16(
     let grid = dim(n.div_ceil(ROW_BLOCK as usize).min(1 << 16), "blocks")?;
     let n = n as u64;
     let mut launch = dev.stream().launch_builder(&dev.kernels.f32_to_bf16);
-    launch.arg(x).arg(out).arg(&n);
+    launch.arg(x.arg()).arg(out.arg()).arg(&n);
     // SAFETY: the arguments match the kernel's signature; both buffers hold at least `n` elements.
     unsafe { launch.launch(launch_cfg((grid, 1, 1), ROW_BLOCK)) }.map_err(launch_err("f32_to_bf16"))?;
     Ok(())

@@ -1,4 +1,5 @@
-//! CUDA twins of the CPU ops in [`crate::ops`], on [`DeviceBuf`]s.
+//! CUDA twins of the CPU ops in [`crate::ops`], on device buffers ([`DevSlice`](super::DevSlice)s or whole
+//! [`DeviceBuf`](super::DeviceBuf)s), and the fused kernels of the model forward.
 //!
 //! Shapes are not stored with buffers: each op derives them from buffer lengths and the sizes it is
 //! given, checks them before launching, and returns [`CudaError::Shape`] instead of launching on a
@@ -9,20 +10,35 @@
 //! the kernel cannot, so it writes NaN to the affected row instead; ids and positions live in device
 //! memory so that a step stays capturable into a CUDA graph.
 
+mod attention;
+mod fused;
 mod matmul;
+mod quant;
 
+pub use attention::{
+    paged_attention, rope_kv_write, AttentionArgs, AttentionScratch, KeySplit, RopeKvArgs, ATTN_KEY_CHUNK,
+    ATTN_MAX_QUERIES,
+};
+pub use fused::{
+    copy_columns, fill_random_bf16, fill_random_f16, fill_random_f32, fill_random_u32, gather_rms_norm, gemm,
+    gemv_bf16_ep, Epilogue, GemmArgs,
+};
 pub use matmul::{gemm_bf16, gemv_bf16, matmul_bf16};
+pub use quant::{embedding_quant, mmvq, mmvq_smem_bytes, MmvqArgs, QuantFormat, QuantMatrix};
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::device::{CudaDevice, DeviceBuf};
+use super::device::CudaDevice;
 use super::rope_table::CudaRopeTable;
+use super::view::DevArg;
 use super::{CudaError, Result};
 use crate::ops::RopeStyle;
 
 /// Threads per block of the row kernels (a multiple of 32, as the block reductions need).
 const ROW_BLOCK: u32 = 256;
+/// Threads per block of the row norms: a whole 4096-wide row in flight at once (one row is a decode step).
+const NORM_BLOCK: u32 = 1024;
 /// The most blocks along grid y (a CUDA limit); the kernels that take rows along y loop beyond it.
 const MAX_GRID_Y: u32 = 65_535;
 
@@ -58,19 +74,20 @@ fn rows_of(len: usize, row_len: usize, what: &str) -> Result<usize> {
 ///
 /// # Errors
 /// Lengths that do not form these shapes; a launch failure.
-pub fn embedding_f32(
+pub fn embedding_f32<'a>(
     dev: &CudaDevice,
-    table: &DeviceBuf<f32>,
-    ids: &DeviceBuf<u32>,
-    out: &mut DeviceBuf<f32>,
+    table: impl DevArg<'a, f32>,
+    ids: impl DevArg<'a, u32>,
+    out: impl DevArg<'a, f32>,
 ) -> Result<()> {
+    let (table, ids, out) = (table.dev(), ids.dev(), out.dev());
     let (vocab, hidden) = embedding_dims(table.len(), ids.len(), out.len())?;
     if ids.is_empty() || hidden == 0 {
         return Ok(());
     }
     let (grid, vocab, hidden) = (dim(ids.len(), "ids")?, dim(vocab, "vocab")?, dim(hidden, "hidden")?);
     let mut launch = dev.stream().launch_builder(&dev.kernels.embedding_f32);
-    launch.arg(&table.slice).arg(&ids.slice).arg(&mut out.slice).arg(&vocab).arg(&hidden);
+    launch.arg(table.arg()).arg(ids.arg()).arg(out.arg()).arg(&vocab).arg(&hidden);
     // SAFETY: the arguments match the kernel's signature; the shapes were checked above.
     unsafe { launch.launch(launch_cfg((grid, 1, 1), ROW_BLOCK)) }.map_err(launch_err("embedding_f32"))?;
     Ok(())
@@ -80,19 +97,20 @@ pub fn embedding_f32(
 ///
 /// # Errors
 /// As [`embedding_f32`].
-pub fn embedding_bf16(
+pub fn embedding_bf16<'a>(
     dev: &CudaDevice,
-    table: &DeviceBuf<bf16>,
-    ids: &DeviceBuf<u32>,
-    out: &mut DeviceBuf<f32>,
+    table: impl DevArg<'a, bf16>,
+    ids: impl DevArg<'a, u32>,
+    out: impl DevArg<'a, f32>,
 ) -> Result<()> {
+    let (table, ids, out) = (table.dev(), ids.dev(), out.dev());
     let (vocab, hidden) = embedding_dims(table.len(), ids.len(), out.len())?;
     if ids.is_empty() || hidden == 0 {
         return Ok(());
     }
     let (grid, vocab, hidden) = (dim(ids.len(), "ids")?, dim(vocab, "vocab")?, dim(hidden, "hidden")?);
     let mut launch = dev.stream().launch_builder(&dev.kernels.embedding_bf16);
-    launch.arg(&table.slice).arg(&ids.slice).arg(&mut out.slice).arg(&vocab).arg(&hidden);
+    launch.arg(table.arg()).arg(ids.arg()).arg(out.arg()).arg(&vocab).arg(&hidden);
     // SAFETY: as in `embedding_f32`.
     unsafe { launch.launch(launch_cfg((grid, 1, 1), ROW_BLOCK)) }.map_err(launch_err("embedding_bf16"))?;
     Ok(())
@@ -120,13 +138,14 @@ fn embedding_dims(table_len: usize, ids: usize, out_len: usize) -> Result<(usize
 ///
 /// # Errors
 /// Lengths that do not form these shapes; a launch failure.
-pub fn rms_norm(
+pub fn rms_norm<'a>(
     dev: &CudaDevice,
-    x: &DeviceBuf<f32>,
-    w: &DeviceBuf<f32>,
+    x: impl DevArg<'a, f32>,
+    w: impl DevArg<'a, f32>,
     eps: f32,
-    out: &mut DeviceBuf<f32>,
+    out: impl DevArg<'a, f32>,
 ) -> Result<()> {
+    let (x, w, out) = (x.dev(), w.dev(), out.dev());
     let rows = rows_of(x.len(), w.len(), "rms_norm x")?;
     if out.len() != x.len() {
         return Err(shape_err(format!("rms_norm: x {} but out {}", x.len(), out.len())));
@@ -136,9 +155,9 @@ pub fn rms_norm(
     }
     let (grid, hidden) = (dim(rows, "rows")?, dim(w.len(), "hidden")?);
     let mut launch = dev.stream().launch_builder(&dev.kernels.rms_norm);
-    launch.arg(&x.slice).arg(&w.slice).arg(&mut out.slice).arg(&hidden).arg(&eps);
+    launch.arg(x.arg()).arg(w.arg()).arg(out.arg()).arg(&hidden).arg(&eps);
     // SAFETY: the arguments match the kernel's signature; the shapes were checked above.
-    unsafe { launch.launch(launch_cfg((grid, 1, 1), ROW_BLOCK)) }.map_err(launch_err("rms_norm"))?;
+    unsafe { launch.launch(launch_cfg((grid, 1, 1), NORM_BLOCK)) }.map_err(launch_err("rms_norm"))?;
     Ok(())
 }
 
@@ -148,14 +167,15 @@ pub fn rms_norm(
 ///
 /// # Errors
 /// Lengths that do not form these shapes; a launch failure.
-pub fn add_rms_norm(
+pub fn add_rms_norm<'a>(
     dev: &CudaDevice,
-    residual: &mut DeviceBuf<f32>,
-    delta: &DeviceBuf<f32>,
-    w: &DeviceBuf<f32>,
+    residual: impl DevArg<'a, f32>,
+    delta: impl DevArg<'a, f32>,
+    w: impl DevArg<'a, f32>,
     eps: f32,
-    out: &mut DeviceBuf<f32>,
+    out: impl DevArg<'a, f32>,
 ) -> Result<()> {
+    let (residual, delta, w, out) = (residual.dev(), delta.dev(), w.dev(), out.dev());
     let rows = rows_of(residual.len(), w.len(), "add_rms_norm residual")?;
     if delta.len() != residual.len() || out.len() != residual.len() {
         return Err(shape_err(format!(
@@ -170,7 +190,7 @@ pub fn add_rms_norm(
     }
     let (grid, hidden) = (dim(rows, "rows")?, dim(w.len(), "hidden")?);
     let mut launch = dev.stream().launch_builder(&dev.kernels.add_rms_norm);
-    launch.arg(&mut residual.slice).arg(&delta.slice).arg(&w.slice).arg(&mut out.slice).arg(&hidden).arg(&eps);
+    launch.arg(residual.arg()).arg(delta.arg()).arg(w.arg()).arg(out.arg()).arg(&hidden).arg(&eps);
     // SAFETY: the arguments match the kernel's signature; the shapes were checked above.
     unsafe { launch.launch(launch_cfg((grid, 1, 1), ROW_BLOCK)) }.map_err(launch_err("add_rms_norm"))?;
     Ok(())
@@ -183,13 +203,14 @@ pub fn add_rms_norm(
 ///
 /// # Errors
 /// Lengths that do not form these shapes, `rotary_dim > head_dim`; a launch failure.
-pub fn rope(
+pub fn rope<'a>(
     dev: &CudaDevice,
-    x: &mut DeviceBuf<f32>,
+    x: impl DevArg<'a, f32>,
     head_dim: usize,
-    positions: &DeviceBuf<u32>,
+    positions: impl DevArg<'a, u32>,
     table: &CudaRopeTable,
 ) -> Result<()> {
+    let (x, positions) = (x.dev(), positions.dev());
     let rows = positions.len();
     if head_dim == 0 || table.rotary_dim > head_dim {
         return Err(shape_err(format!("rope: head_dim {head_dim}, rotary_dim {}", table.rotary_dim)));
@@ -208,11 +229,12 @@ pub fn rope(
     let (half, max_pos) = (dim(table.pairs, "pairs")?, dim(table.max_positions, "max_positions")?);
     let interleaved = u32::from(table.style == RopeStyle::Interleaved);
     let mut launch = dev.stream().launch_builder(&dev.kernels.rope);
+    let (cos, sin) = (table.cos.view(), table.sin.view());
     launch
-        .arg(&mut x.slice)
-        .arg(&positions.slice)
-        .arg(&table.cos.slice)
-        .arg(&table.sin.slice)
+        .arg(x.arg())
+        .arg(positions.arg())
+        .arg(cos.arg())
+        .arg(sin.arg())
         .arg(&row_len)
         .arg(&head_dim)
         .arg(&half)
@@ -229,7 +251,13 @@ pub fn rope(
 ///
 /// # Errors
 /// Lengths that do not form these shapes; a launch failure.
-pub fn swiglu_fused(dev: &CudaDevice, gate_up: &DeviceBuf<f32>, out: &mut DeviceBuf<f32>, rows: usize) -> Result<()> {
+pub fn swiglu_fused<'a>(
+    dev: &CudaDevice,
+    gate_up: impl DevArg<'a, f32>,
+    out: impl DevArg<'a, f32>,
+    rows: usize,
+) -> Result<()> {
+    let (gate_up, out) = (gate_up.dev(), out.dev());
     if rows == 0 {
         return if gate_up.is_empty() && out.is_empty() { Ok(()) } else { Err(shape_err("swiglu: 0 rows".into())) };
     }
@@ -243,7 +271,7 @@ pub fn swiglu_fused(dev: &CudaDevice, gate_up: &DeviceBuf<f32>, out: &mut Device
     let grid = (dim(inter.div_ceil(ROW_BLOCK as usize), "inter")?, dim(rows, "rows")?.min(MAX_GRID_Y), 1);
     let (rows, inter) = (dim(rows, "rows")?, dim(inter, "inter")?);
     let mut launch = dev.stream().launch_builder(&dev.kernels.swiglu_fused);
-    launch.arg(&gate_up.slice).arg(&mut out.slice).arg(&rows).arg(&inter);
+    launch.arg(gate_up.arg()).arg(out.arg()).arg(&rows).arg(&inter);
     // SAFETY: the arguments match the kernel's signature; the shapes were checked above.
     unsafe { launch.launch(launch_cfg(grid, ROW_BLOCK)) }.map_err(launch_err("swiglu_fused"))?;
     Ok(())
@@ -257,8 +285,8 @@ const ARGMAX_CHUNK: usize = 2048;
 /// Made once per shape bound, so a step allocates nothing.
 #[derive(Debug)]
 pub struct ArgmaxScratch {
-    vals: DeviceBuf<f32>,
-    idxs: DeviceBuf<u32>,
+    vals: super::DeviceBuf<f32>,
+    idxs: super::DeviceBuf<u32>,
 }
 
 impl ArgmaxScratch {
@@ -285,13 +313,14 @@ fn argmax_chunks(row_len: usize) -> usize {
 ///
 /// # Errors
 /// Lengths that do not form these shapes, a `scratch` made for fewer chunks; a launch failure.
-pub fn argmax_rows(
+pub fn argmax_rows<'a>(
     dev: &CudaDevice,
-    logits: &DeviceBuf<f32>,
+    logits: impl DevArg<'a, f32>,
     row_len: usize,
-    out: &mut DeviceBuf<u32>,
-    scratch: &mut ArgmaxScratch,
+    out: impl DevArg<'a, u32>,
+    scratch: &ArgmaxScratch,
 ) -> Result<()> {
+    let (logits, out) = (logits.dev(), out.dev());
     let rows = out.len();
     if logits.len() != rows * row_len {
         return Err(shape_err(format!("argmax_rows: logits {} is not {rows} rows of {row_len}", logits.len())));
@@ -312,12 +341,13 @@ pub fn argmax_rows(
     }
     let grid = (dim(chunks, "chunks")?, dim(rows, "rows")?, 1);
     let (row_len, chunk_len, chunks) = (dim(row_len, "row_len")?, ARGMAX_CHUNK as u32, dim(chunks, "chunks")?);
+    let (vals, idxs) = (scratch.vals.view(), scratch.idxs.view());
     let mut partial = dev.stream().launch_builder(&dev.kernels.argmax_partial);
-    partial.arg(&logits.slice).arg(&mut scratch.vals.slice).arg(&mut scratch.idxs.slice).arg(&row_len).arg(&chunk_len);
+    partial.arg(logits.arg()).arg(vals.arg()).arg(idxs.arg()).arg(&row_len).arg(&chunk_len);
     // SAFETY: the arguments match the kernel's signature; the shapes and the scratch size were checked.
     unsafe { partial.launch(launch_cfg(grid, ROW_BLOCK)) }.map_err(launch_err("argmax_partial"))?;
     let mut finish = dev.stream().launch_builder(&dev.kernels.argmax_finish);
-    finish.arg(&scratch.vals.slice).arg(&scratch.idxs.slice).arg(&mut out.slice).arg(&chunks);
+    finish.arg(vals.arg()).arg(idxs.arg()).arg(out.arg()).arg(&chunks);
     // SAFETY: as above; the first pass wrote `rows * chunks` partials.
     unsafe { finish.launch(launch_cfg((grid.1, 1, 1), ROW_BLOCK)) }.map_err(launch_err("argmax_finish"))?;
     Ok(())
@@ -327,9 +357,10 @@ pub fn argmax_rows(
 ///
 /// # Errors
 /// Lengths that differ; a launch failure.
-pub fn f32_to_bf16(dev: &CudaDevice, x: &DeviceBuf<f32>, out: &mut DeviceBuf<bf16>) -> Result<()> {
+pub fn f32_to_bf16<'a>(dev: &CudaDevice, x: impl DevArg<'a, f32>, out: impl DevArg<'a, bf16>) -> Result<()> {
+    let (x, out) = (x.dev(), out.dev());
     if x.len() != out.len() {
         return Err(shape_err(format!("f32_to_bf16: x {} but out {}", x.len(), out.len())));
     }
-    matmul::launch_f32_to_bf16(dev, &x.slice, &mut out.slice, x.len())
+    matmul::launch_f32_to_bf16(dev, x, out, x.len())
 }

@@ -1,0 +1,187 @@
+//! [`CudaCache`]: everything a CUDA forward writes, planned up front: the paged KV cache, the step's
+//! inputs and activations, and the captured decode graphs. A step allocates nothing.
+
+use std::collections::HashMap;
+
+use dflash_runtime::cuda::ops::{ArgmaxScratch, AttentionScratch};
+use dflash_runtime::cuda::{DeviceBuf, StepGraph};
+use half::bf16;
+
+use super::error::{CudaModelError, Result};
+use super::model::CudaLlamaModel;
+use super::plan::{max_splits, Layout};
+use super::weights::{DevProjection, DevWeight};
+
+/// Capacities of a [`CudaCache`], fixed when it is made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CudaCacheConfig {
+    /// KV pages, and tokens per page (slots `page · page_size + offset`, as in [`crate::KvCache`]).
+    pub num_pages: usize,
+    pub page_size: usize,
+    /// Rows one forward may run (the prefill chunk limit).
+    pub max_tokens: usize,
+    /// Sequences one forward may hold.
+    pub max_seqs: usize,
+    /// Tokens one sequence may hold (the width of the block tables; bounds the split-key attention).
+    pub max_seq_len: usize,
+    /// Rows whose logits one forward may return.
+    pub max_logit_rows: usize,
+    /// Decode and verify rows (rows at or past their sequence's prompt) one forward may hold.
+    pub max_decode_rows: usize,
+    /// Whether uniform decode / verify steps are captured into CUDA graphs and replayed.
+    pub graphs: bool,
+}
+
+impl CudaCacheConfig {
+    /// A cache of `num_pages` pages of `page_size` tokens for up to `max_seqs` sequences of `max_seq_len`
+    /// tokens, prefill chunks of `max_tokens` rows, verify steps of up to 16 rows per sequence, graphs on.
+    pub fn new(num_pages: usize, page_size: usize, max_tokens: usize, max_seqs: usize, max_seq_len: usize) -> Self {
+        let decode = (16 * max_seqs).min(max_tokens.max(max_seqs));
+        CudaCacheConfig {
+            num_pages,
+            page_size,
+            max_tokens,
+            max_seqs,
+            max_seq_len,
+            max_logit_rows: decode.max(1),
+            max_decode_rows: decode,
+            graphs: true,
+        }
+    }
+
+    /// Block-table entries per sequence.
+    pub(super) fn table_stride(&self) -> usize {
+        self.max_seq_len.div_ceil(self.page_size).max(1)
+    }
+
+    /// The slot rows of padded graph sequences write (the page past the real ones).
+    pub(super) fn trash_page(&self) -> usize {
+        self.num_pages
+    }
+}
+
+/// Activation buffers, each sized for the cache's largest step.
+#[derive(Debug)]
+pub(super) struct Workspace {
+    /// The step's inputs in one buffer (see [`Layout`]), written by one copy per step.
+    pub inputs: DeviceBuf<u32>,
+    pub residual: DeviceBuf<f32>,  // [T, hidden]
+    pub normed: DeviceBuf<f32>,    // [T, hidden] (dense matmuls; quantized ones normalise in their prologue)
+    pub qkv: DeviceBuf<f32>,       // [T, qkv width]
+    pub q: DeviceBuf<f32>,         // [T, heads * head_dim]
+    pub attn: DeviceBuf<f32>,      // [T, heads * head_dim]
+    pub gate_up: DeviceBuf<f32>,   // [T, 2 * intermediate] (unfused SwiGLU)
+    pub act: DeviceBuf<f32>,       // [T, intermediate]
+    pub x_bf16: DeviceBuf<bf16>,   // [T, max k] (cuBLAS operand)
+    pub logits_in: DeviceBuf<f32>, // [L, hidden]
+    pub logits: DeviceBuf<f32>,    // [L, vocab]
+    pub ids: DeviceBuf<u32>,       // [L]
+    pub argmax: ArgmaxScratch,
+    pub attn_parts: AttentionScratch,
+    pub captured: DeviceBuf<f32>, // [T, taps * hidden]
+}
+
+/// Which graph a uniform decode / verify step replays: sequences (a bucket, padded) and rows per sequence.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub(super) struct GraphKey {
+    pub seqs: usize,
+    pub rows: usize,
+}
+
+/// The device state of a [`CudaLlamaModel`]'s forwards: KV pages (`[layers][pages + 1, page_size,
+/// kv_heads, head_dim]` f32 for K and V; the extra page takes the writes of padded graph rows),
+/// workspaces and graphs. Made by [`CudaLlamaModel::new_cache`] and usable only with that model.
+#[derive(Debug)]
+pub struct CudaCache {
+    pub(super) cfg: CudaCacheConfig,
+    pub(super) model_id: u64,
+    pub(super) k: DeviceBuf<f32>,
+    pub(super) v: DeviceBuf<f32>,
+    /// Floats of one layer's K (or V).
+    pub(super) layer_len: usize,
+    pub(super) ws: Workspace,
+    pub(super) graphs: HashMap<GraphKey, StepGraph>,
+    /// Host staging of the inputs, reused every step.
+    pub(super) host_inputs: Vec<u32>,
+}
+
+impl CudaCache {
+    pub fn config(&self) -> &CudaCacheConfig {
+        &self.cfg
+    }
+
+    /// Graphs captured so far (one per batch bucket and rows per sequence).
+    pub fn graph_count(&self) -> usize {
+        self.graphs.len()
+    }
+
+    /// Device bytes of the K and V pages.
+    pub fn kv_bytes(&self) -> usize {
+        4 * (self.k.len() + self.v.len())
+    }
+}
+
+impl CudaLlamaModel {
+    /// Plans and allocates the device state for forwards within `cfg`'s capacities.
+    ///
+    /// # Errors
+    /// Zero or inconsistent capacities, out of device memory.
+    pub fn new_cache(&self, cfg: CudaCacheConfig) -> Result<CudaCache> {
+        let c = &self.cfg;
+        if cfg.num_pages == 0 || cfg.page_size == 0 || cfg.max_tokens == 0 || cfg.max_seqs == 0 || cfg.max_seq_len == 0
+        {
+            return Err(CudaModelError::Batch(format!("cache capacities must be positive: {cfg:?}")));
+        }
+        let dev = &*self.dev;
+        let (t, l, h) = (cfg.max_tokens, cfg.max_logit_rows.max(1), c.hidden_size);
+        let (qd, f) = (c.num_heads * c.head_dim, c.intermediate_size);
+        let layer_len = (cfg.num_pages + 1) * cfg.page_size * c.num_kv_heads * c.head_dim;
+        let taps = self.capture_layers.len();
+        let max_k = h.max(f).max(qd);
+        let splits = max_splits(cfg.max_seq_len);
+        let inputs = Layout::capacity(&cfg, self.tile_rows());
+        let dense = self.has_dense_weights();
+        let ws = Workspace {
+            inputs: dev.alloc_zeros(inputs)?,
+            residual: dev.alloc_zeros(t * h)?,
+            normed: dev.alloc_zeros(t * h)?,
+            qkv: dev.alloc_zeros(t * c.qkv_width())?,
+            q: dev.alloc_zeros(t * qd)?,
+            attn: dev.alloc_zeros(t * qd)?,
+            gate_up: dev.alloc_zeros(t * 2 * f)?,
+            act: dev.alloc_zeros(t * f)?,
+            x_bf16: dev.alloc_zeros(if dense { t * max_k } else { 1 })?,
+            logits_in: dev.alloc_zeros(l * h)?,
+            logits: dev.alloc_zeros(l * c.vocab_size)?,
+            ids: dev.alloc_zeros(l)?,
+            argmax: ArgmaxScratch::new(dev, l, c.vocab_size)?,
+            attn_parts: AttentionScratch::new(dev, cfg.max_decode_rows.max(1), c.num_heads, c.head_dim, splits)?,
+            captured: dev.alloc_zeros((t * taps * h).max(1))?,
+        };
+        if dense {
+            // Made now: the handle allocates, which a graph capture must not do.
+            dev.init_blas()?;
+        }
+        Ok(CudaCache {
+            cfg,
+            model_id: self.id,
+            k: dev.alloc_zeros(c.num_layers * layer_len)?,
+            v: dev.alloc_zeros(c.num_layers * layer_len)?,
+            layer_len,
+            ws,
+            graphs: HashMap::new(),
+            host_inputs: Vec::with_capacity(inputs),
+        })
+    }
+
+    /// Whether any matrix is dense (its matmuls may go through cuBLAS).
+    fn has_dense_weights(&self) -> bool {
+        let dense = |w: &DevWeight| !matches!(w, DevWeight::Quant(_));
+        let proj = |p: &DevProjection| match p {
+            DevProjection::Fused(m) => dense(&m.w),
+            DevProjection::Split(parts) => parts.iter().any(|m| dense(&m.w)),
+        };
+        dense(&self.lm_head().w)
+            || self.layers.iter().any(|l| proj(&l.qkv) || proj(&l.gate_up) || dense(&l.o_proj.w) || dense(&l.down.w))
+    }
+}

@@ -1,0 +1,368 @@
+//! A batch turned into the step's device inputs: one `u32` buffer holding tokens, positions, slots,
+//! per-row key counts, logit rows, attention tiles and block tables at offsets that depend only on the
+//! counts ([`Layout`]), so a graph captured for some counts reads the right addresses at every replay.
+
+use std::ops::Range;
+
+use super::cache::{CudaCacheConfig, GraphKey};
+use super::error::{CudaModelError, Result};
+use crate::batch::ForwardBatch;
+use crate::config::ModelConfig;
+
+/// Keys per split of decode / verify attention (one chunk of the kernel, so a decode step's blocks each
+/// make one pass): a row's keys are always cut at the same places, so its result does not depend on what
+/// else is in the batch.
+pub(super) const SPLIT_KEYS: usize = dflash_runtime::cuda::ops::ATTN_KEY_CHUNK;
+
+/// Split blocks per tile for sequences of up to `max_seq_len` tokens.
+pub(super) fn max_splits(max_seq_len: usize) -> usize {
+    max_seq_len.div_ceil(SPLIT_KEYS).max(1)
+}
+
+/// Counts that fix where each input lies in the input buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Layout {
+    /// Rows (padded rows included).
+    pub t: usize,
+    /// Logit rows.
+    pub l: usize,
+    pub prompt_tiles: usize,
+    pub decode_tiles: usize,
+    /// Rows attended with split keys (their partial states are merged); not stored, it sizes the scratch.
+    pub decode_rows: usize,
+    pub seqs: usize,
+    /// Block-table entries per sequence.
+    pub stride: usize,
+}
+
+impl Layout {
+    fn spans(&self) -> [usize; 8] {
+        let t = self.t;
+        [t, t, t, t, self.l, 4 * self.prompt_tiles, 4 * self.decode_tiles, self.seqs * self.stride]
+    }
+
+    /// Range of input `i` in the order tokens, positions, slots, row_keys, logit_rows, prompt tiles,
+    /// decode tiles, tables.
+    fn range(&self, i: usize) -> Range<usize> {
+        let spans = self.spans();
+        let start: usize = spans[..i].iter().sum();
+        start..start + spans[i]
+    }
+
+    pub fn tokens(&self) -> Range<usize> {
+        self.range(0)
+    }
+    pub fn positions(&self) -> Range<usize> {
+        self.range(1)
+    }
+    pub fn slots(&self) -> Range<usize> {
+        self.range(2)
+    }
+    pub fn row_keys(&self) -> Range<usize> {
+        self.range(3)
+    }
+    pub fn logit_rows(&self) -> Range<usize> {
+        self.range(4)
+    }
+    pub fn prompt_tiles(&self) -> Range<usize> {
+        self.range(5)
+    }
+    pub fn decode_tiles(&self) -> Range<usize> {
+        self.range(6)
+    }
+    pub fn tables(&self) -> Range<usize> {
+        self.range(7)
+    }
+
+    /// Total `u32`s.
+    pub fn len(&self) -> usize {
+        self.spans().iter().sum()
+    }
+
+    /// The largest input buffer any step within `cfg` needs.
+    pub fn capacity(cfg: &CudaCacheConfig, tile_rows: (usize, usize)) -> usize {
+        let (t, s) = (cfg.max_tokens.max(cfg.max_decode_rows), cfg.max_seqs);
+        let tiles = s + t.div_ceil(tile_rows.0.min(tile_rows.1).max(1));
+        Layout {
+            t,
+            l: cfg.max_logit_rows.max(t),
+            prompt_tiles: tiles,
+            decode_tiles: tiles,
+            decode_rows: cfg.max_decode_rows,
+            seqs: s,
+            stride: cfg.table_stride(),
+        }
+        .len()
+    }
+}
+
+/// What the forward needs to know about a planned step besides the inputs themselves.
+#[derive(Clone, Debug)]
+pub(super) struct StepPlan {
+    pub layout: Layout,
+    pub max_prompt_tile_rows: usize,
+    pub max_decode_tile_rows: usize,
+    /// Split blocks per decode tile (the attention grid's z).
+    pub decode_splits: usize,
+}
+
+/// Checks a batch against itself, the model and the cache's capacities (the device cannot report bad
+/// indices, so they are refused here).
+pub(super) fn validate(batch: &ForwardBatch, cfg: &CudaCacheConfig, model: &ModelConfig) -> Result<()> {
+    let bad = |m: String| Err(CudaModelError::Batch(m));
+    let t = batch.tokens.len();
+    if t == 0 || batch.positions.len() != t || batch.slots.len() != t {
+        return bad(format!("{t} tokens, {} positions, {} slots", batch.positions.len(), batch.slots.len()));
+    }
+    let rows: usize = batch.seqs.iter().map(|s| s.num_rows).sum();
+    if rows != t {
+        return bad(format!("sequences cover {rows} rows, batch has {t}"));
+    }
+    if t > cfg.max_tokens || batch.seqs.len() > cfg.max_seqs || batch.logit_rows.len() > cfg.max_logit_rows {
+        return bad(format!(
+            "{t} rows / {} sequences / {} logit rows exceed the cache's {} / {} / {}",
+            batch.seqs.len(),
+            batch.logit_rows.len(),
+            cfg.max_tokens,
+            cfg.max_seqs,
+            cfg.max_logit_rows
+        ));
+    }
+    if let Some(r) = batch.logit_rows.iter().find(|&&r| r as usize >= t) {
+        return bad(format!("logit row {r} out of {t}"));
+    }
+    if let Some(id) = batch.tokens.iter().find(|&&id| id as usize >= model.vocab_size) {
+        return bad(format!("token {id} past the vocabulary of {}", model.vocab_size));
+    }
+    if let Some(p) = batch.positions.iter().find(|&&p| p as usize >= model.max_position_embeddings.max(1)) {
+        return bad(format!("position {p} past the RoPE table of {}", model.max_position_embeddings));
+    }
+    let capacity = cfg.num_pages * cfg.page_size;
+    if let Some(s) = batch.slots.iter().find(|&&s| s as usize >= capacity) {
+        return bad(format!("slot {s} beyond the cache's {capacity}"));
+    }
+    let mut decode_rows = 0;
+    for s in batch.seqs {
+        let end = s.context_len + s.num_rows;
+        let need = end.div_ceil(cfg.page_size);
+        if end > cfg.max_seq_len
+            || s.block_table.len() < need
+            || s.block_table[..need].iter().any(|&p| p as usize >= cfg.num_pages)
+        {
+            return bad(format!("block table {:?} for {end} tokens (at most {})", s.block_table, cfg.max_seq_len));
+        }
+        decode_rows += s.num_rows - prompt_rows(s.prompt_len, s.context_len, s.num_rows);
+    }
+    if decode_rows > cfg.max_decode_rows {
+        return bad(format!("{decode_rows} decode rows exceed the cache's {}", cfg.max_decode_rows));
+    }
+    Ok(())
+}
+
+/// Rows of a sequence that are prompt (attended whole); the rest are decode rows (split keys).
+fn prompt_rows(prompt_len: usize, context_len: usize, num_rows: usize) -> usize {
+    prompt_len.saturating_sub(context_len).min(num_rows)
+}
+
+/// The graph a batch can replay: every sequence past its prompt with the same rows, padded to a
+/// power-of-two number of sequences within the cache's capacities.
+pub(super) fn graph_key(batch: &ForwardBatch, cfg: &CudaCacheConfig) -> Option<GraphKey> {
+    let first = batch.seqs.first()?;
+    let rows = first.num_rows;
+    let uniform = batch.seqs.iter().all(|s| s.num_rows == rows && s.context_len >= s.prompt_len);
+    if !cfg.graphs || !uniform || rows == 0 {
+        return None;
+    }
+    let fits = |seqs: usize| {
+        seqs <= cfg.max_seqs && seqs * rows <= cfg.max_tokens.min(cfg.max_decode_rows).min(cfg.max_logit_rows)
+    };
+    let n = batch.seqs.len();
+    let seqs = [n.next_power_of_two(), n].into_iter().find(|&s| fits(s))?;
+    Some(GraphKey { seqs, rows })
+}
+
+/// Writes the inputs of `batch` into `host` and returns the plan; `tile_rows` is (prompt, decode) rows per
+/// attention tile. With `graph`, sequences are padded to
+/// `graph.seqs` (rows that write the cache's spare page and attend only it), every row's logits are
+/// computed, and the split count covers the cache's longest sequence, so the counts depend on the key
+/// alone.
+pub(super) fn plan(
+    batch: &ForwardBatch,
+    graph: Option<GraphKey>,
+    cfg: &CudaCacheConfig,
+    tile_rows: (usize, usize),
+    host: &mut Vec<u32>,
+) -> StepPlan {
+    let stride = cfg.table_stride();
+    let trash = cfg.trash_page() as u32;
+    let ps = cfg.page_size as u32;
+    let mut b = Builder::default();
+    for (i, s) in batch.seqs.iter().enumerate() {
+        let first = b.row_keys.len();
+        b.row_keys.extend((0..s.num_rows).map(|j| (s.context_len + j + 1) as u32));
+        let prompt = prompt_rows(s.prompt_len, s.context_len, s.num_rows);
+        b.tiles(i, first, prompt, tile_rows.0, false);
+        b.tiles(i, first + prompt, s.num_rows - prompt, tile_rows.1, true);
+        let used = s.block_table.len().min(stride);
+        b.tables.extend_from_slice(&s.block_table[..used]);
+        b.tables.extend(std::iter::repeat_n(trash, stride - used));
+    }
+    let (mut tokens, mut positions, mut slots) =
+        (batch.tokens.to_vec(), batch.positions.to_vec(), batch.slots.to_vec());
+    if let Some(key) = graph {
+        for i in batch.seqs.len()..key.seqs {
+            let first = b.row_keys.len();
+            b.row_keys.extend((1..=key.rows).map(|j| j as u32));
+            b.tiles(i, first, key.rows, tile_rows.1, true);
+            b.tables.extend(std::iter::repeat_n(trash, stride));
+            tokens.extend(std::iter::repeat_n(0, key.rows));
+            positions.extend(std::iter::repeat_n(0, key.rows));
+            slots.extend((0..key.rows as u32).map(|j| trash * ps + j % ps));
+        }
+    }
+    let t = tokens.len();
+    let logit_rows: Vec<u32> = if graph.is_some() { (0..t as u32).collect() } else { batch.logit_rows.to_vec() };
+    let decode_splits = match graph {
+        Some(_) => max_splits(cfg.max_seq_len),
+        None => b.max_decode_keys.div_ceil(SPLIT_KEYS).max(1),
+    };
+    let layout = Layout {
+        t,
+        l: logit_rows.len(),
+        prompt_tiles: b.prompt_tiles.len() / 4,
+        decode_tiles: b.decode_tiles.len() / 4,
+        decode_rows: b.decode_rows,
+        seqs: b.tables.len() / stride,
+        stride,
+    };
+    host.clear();
+    for part in [&tokens, &positions, &slots, &b.row_keys, &logit_rows, &b.prompt_tiles, &b.decode_tiles, &b.tables] {
+        host.extend_from_slice(part);
+    }
+    StepPlan {
+        layout,
+        max_prompt_tile_rows: b.max_prompt_tile_rows,
+        max_decode_tile_rows: b.max_decode_tile_rows,
+        decode_splits,
+    }
+}
+
+/// The per-row and per-tile inputs as they are built.
+#[derive(Default)]
+struct Builder {
+    row_keys: Vec<u32>,
+    prompt_tiles: Vec<u32>,
+    decode_tiles: Vec<u32>,
+    /// Decode rows so far: the next decode tile's first partial row.
+    decode_rows: usize,
+    tables: Vec<u32>,
+    max_prompt_tile_rows: usize,
+    max_decode_tile_rows: usize,
+    max_decode_keys: usize,
+}
+
+impl Builder {
+    /// Tiles of at most `tile_rows` rows over rows `first .. first + rows` of sequence `seq`.
+    fn tiles(&mut self, seq: usize, first: usize, rows: usize, tile_rows: usize, decode: bool) {
+        let mut start = first;
+        while start < first + rows {
+            let n = tile_rows.min(first + rows - start);
+            if decode {
+                self.decode_tiles.extend([seq as u32, start as u32, n as u32, self.decode_rows as u32]);
+                self.decode_rows += n;
+                self.max_decode_tile_rows = self.max_decode_tile_rows.max(n);
+                self.max_decode_keys = self.max_decode_keys.max(self.row_keys[start + n - 1] as usize);
+            } else {
+                self.prompt_tiles.extend([seq as u32, start as u32, n as u32, 0]);
+                self.max_prompt_tile_rows = self.max_prompt_tile_rows.max(n);
+            }
+            start += n;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::batch::SeqRows;
+
+    fn cfg() -> CudaCacheConfig {
+        CudaCacheConfig::new(8, 4, 32, 4, 16)
+    }
+
+    #[test]
+    fn plan_tiles_prompt_and_decode_rows_apart() {
+        let table_a = [3u32, 1, 2];
+        let table_b = [0u32];
+        // Sequence a: 2 prompt rows then 2 decode rows from context 5 (prompt 7); b: one decode row.
+        let seqs = [
+            SeqRows { num_rows: 4, context_len: 5, block_table: &table_a, prompt_len: 7 },
+            SeqRows { num_rows: 1, context_len: 2, block_table: &table_b, prompt_len: 2 },
+        ];
+        let tokens = [1u32, 2, 3, 4, 5];
+        let positions = [5u32, 6, 7, 8, 2];
+        let slots = [5u32, 6, 7, 8, 2];
+        let batch =
+            ForwardBatch { tokens: &tokens, positions: &positions, seqs: &seqs, slots: &slots, logit_rows: &[3, 4] };
+        validate(&batch, &cfg(), &tiny_model()).expect("valid");
+        let mut host = Vec::new();
+        let p = plan(&batch, None, &cfg(), (2, 2), &mut host);
+        let l = p.layout;
+        assert_eq!((l.t, l.l, l.prompt_tiles, l.decode_tiles, l.decode_rows, l.seqs, l.stride), (5, 2, 1, 2, 3, 2, 4));
+        assert_eq!(&host[l.row_keys()], &[6, 7, 8, 9, 3]);
+        assert_eq!(&host[l.prompt_tiles()], &[0, 0, 2, 0]);
+        assert_eq!(&host[l.decode_tiles()], &[0, 2, 2, 0, 1, 4, 1, 2]);
+        assert_eq!(&host[l.tables()], &[3, 1, 2, 8, 0, 8, 8, 8]);
+        assert_eq!(p.decode_splits, 1);
+        assert_eq!(host.len(), l.len());
+    }
+
+    #[test]
+    fn graph_plans_pad_to_the_bucket_and_keep_their_layout() {
+        let table = [1u32, 2];
+        let mk = |ctx: usize| SeqRows { num_rows: 2, context_len: ctx, block_table: &table, prompt_len: 3 };
+        let seqs = [mk(3), mk(5), mk(4)];
+        let tokens = [7u32; 6];
+        let positions = [3u32, 4, 5, 6, 4, 5];
+        let batch =
+            ForwardBatch { tokens: &tokens, positions: &positions, seqs: &seqs, slots: &positions, logit_rows: &[1] };
+        let key = graph_key(&batch, &cfg()).expect("uniform decode batch");
+        assert_eq!(key, GraphKey { seqs: 4, rows: 2 });
+        let mut host = Vec::new();
+        let p = plan(&batch, Some(key), &cfg(), (16, 4), &mut host);
+        assert_eq!((p.layout.t, p.layout.l, p.layout.seqs), (8, 8, 4));
+        assert_eq!(p.decode_splits, max_splits(16));
+        assert_eq!(&host[p.layout.slots()][6..], &[32, 33], "padded rows write the spare page");
+        assert_eq!(&host[p.layout.row_keys()][6..], &[1, 2]);
+        // A later step with other contexts has the same layout (the graph's addresses stay valid).
+        let seqs2 = [mk(9), mk(5), mk(4)];
+        let batch2 = ForwardBatch { seqs: &seqs2, ..batch };
+        let p2 = plan(&batch2, graph_key(&batch2, &cfg()), &cfg(), (16, 4), &mut host);
+        assert_eq!(p2.layout, p.layout);
+        // A prompt row anywhere, or rows of different counts, take the eager path.
+        let seqs3 = [mk(3), SeqRows { context_len: 1, ..mk(1) }, mk(4)];
+        assert!(graph_key(&ForwardBatch { seqs: &seqs3, ..batch }, &cfg()).is_none());
+    }
+
+    #[test]
+    fn validate_refuses_what_the_device_cannot_check() {
+        let table = [1u32];
+        let seqs = [SeqRows { num_rows: 1, context_len: 0, block_table: &table, prompt_len: 1 }];
+        let ok = ForwardBatch { tokens: &[1], positions: &[0], seqs: &seqs, slots: &[4], logit_rows: &[0] };
+        validate(&ok, &cfg(), &tiny_model()).expect("valid");
+        assert!(validate(&ForwardBatch { tokens: &[999], ..ok }, &cfg(), &tiny_model()).is_err(), "token id");
+        assert!(validate(&ForwardBatch { slots: &[32], ..ok }, &cfg(), &tiny_model()).is_err(), "slot");
+        assert!(validate(&ForwardBatch { positions: &[64], ..ok }, &cfg(), &tiny_model()).is_err(), "position");
+        let bad_page = [8u32];
+        let seqs = [SeqRows { block_table: &bad_page, ..seqs[0] }];
+        assert!(validate(&ForwardBatch { seqs: &seqs, ..ok }, &cfg(), &tiny_model()).is_err(), "page");
+    }
+
+    fn tiny_model() -> ModelConfig {
+        let v = serde_json::json!({
+            "model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "vocab_size": 100, "max_position_embeddings": 64,
+        });
+        ModelConfig::from_hf(&v).expect("config")
+    }
+}

@@ -1,0 +1,302 @@
+// RoPE + KV-cache write, and attention over the paged KV cache; CPU twins in src/ops/attention.rs
+// (kv_write, paged_attention), src/ops/rope.rs and src/ops/norm.rs (head_rms_norm).
+//
+// Cache layout (as on the CPU): per layer [num_pages, page_size, kv_heads, head_dim] f32; a token's slot is
+// page * page_size + offset. Everything a step reads that changes between steps (positions, slots, key
+// counts, tiles, block tables) is in device memory, so a step can be captured into a CUDA graph once and
+// replayed with new inputs.
+
+// One row of a fused q|k|v projection [rows, qkv_ld]: optional per-head RMSNorm of the q and k heads
+// (Qwen3), RoPE of q (into q_out [rows, num_heads * head_dim]) and k, and the k and v heads written to
+// their cache slot. Bit-identical to the CPU's head_rms_norm + rope + kv_write except for the order of the
+// norm's sum of squares. A position >= max_pos turns the rotated dims into NaN (as the rope kernel); a slot
+// >= num_slots is not written (the CPU op rejects it; a kernel cannot).
+// Grid: (rows, head groups of ROPE_KV_WARPS), one warp per head. head_dim <= ROPE_KV_MAX_DIM.
+#define ROPE_KV_WARPS 8
+#define ROPE_KV_MAX_DIM 256
+
+extern "C" __global__ void __launch_bounds__(ROPE_KV_WARPS * 32)
+    rope_kv_write(const float* __restrict__ qkv, u32 qkv_ld, float* __restrict__ q_out, float* __restrict__ k_cache,
+                  float* __restrict__ v_cache, const u32* __restrict__ positions, const u32* __restrict__ slots,
+                  const float* __restrict__ cos_tab, const float* __restrict__ sin_tab, u32 half, u32 max_pos,
+                  u32 interleaved, const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,
+                  u32 num_heads, u32 kv_heads, u32 head_dim, u32 num_slots) {
+    __shared__ float heads[ROPE_KV_WARPS][ROPE_KV_MAX_DIM];
+    const u64 row = blockIdx.x;
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const u32 pos = positions[row];
+    const u64 slot = slots[row];
+    const u32 D = head_dim;
+    const float* src_row = qkv + row * qkv_ld;
+    float* buf = heads[warp];
+    const u32 heads_total = slot < num_slots ? num_heads + 2 * kv_heads : num_heads;
+    for (u32 h = blockIdx.y * ROPE_KV_WARPS + warp; h < heads_total; h += gridDim.y * ROPE_KV_WARPS) {
+        const float* src = src_row + (u64)h * D;
+        if (h >= num_heads + kv_heads) {
+            float* dst = v_cache + (slot * kv_heads + (h - num_heads - kv_heads)) * D;
+#pragma unroll 4
+            for (u32 d = lane; d < D; d += 32) dst[d] = src[d];
+            continue;
+        }
+        const bool is_q = h < num_heads;
+        const float* norm = is_q ? q_norm : k_norm;
+        float ss = 0.0f;
+#pragma unroll 4
+        for (u32 d = lane; d < D; d += 32) {
+            const float v = src[d];
+            buf[d] = v;
+            ss = fmaf(v, v, ss);
+        }
+        if (norm != nullptr) {
+            const float inv = 1.0f / sqrtf(warp_sum(ss) / (float)D + eps);
+            for (u32 d = lane; d < D; d += 32) buf[d] = __fmul_rn(__fmul_rn(buf[d], inv), norm[d]);
+        }
+        __syncwarp();
+        float* dst = is_q ? q_out + row * num_heads * D + (u64)h * D : k_cache + (slot * kv_heads + (h - num_heads)) * D;
+        for (u32 p = lane; p < half; p += 32) {
+            const u32 a = interleaved ? 2 * p : p;
+            const u32 b = a + (interleaved ? 1 : half);
+            if (pos >= max_pos) {
+                dst[a] = DF_NAN;
+                dst[b] = DF_NAN;
+                continue;
+            }
+            const float c = cos_tab[(u64)pos * half + p];
+            const float s = sin_tab[(u64)pos * half + p];
+            const float x1 = buf[a], x2 = buf[b];
+            dst[a] = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+            dst[b] = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+        }
+        for (u32 d = 2 * half + lane; d < D; d += 32) dst[d] = buf[d];
+        __syncwarp();
+    }
+}
+
+// Attention of query rows over their sequence's paged K/V, flash style (online softmax, no score matrix).
+//
+// A work item (block) is one tile of a sequence's consecutive rows x one kv head x one key split. The tile's
+// query vectors are its rows x the `group` query heads that share the kv head (GQA; at most ATTN_MAXQ), so
+// K and V are read once for all of them. tiles[4 * i .. +4] = (sequence, first batch row, rows, first
+// partial row); a tile of 0 rows is unused. Row t attends keys 0 .. row_keys[t] - 1 of its sequence
+// (causal: its position + 1; non-causal: the block's end).
+//
+// Keys go through shared memory in chunks of ATTN_KT: the chunk's slots are looked up once, then every
+// thread issues all of its K/V loads before storing any (one memory round trip per chunk). Warp w owns
+// query vectors w and w + 8; a lane scores one key of the chunk, and the warp keeps an online softmax
+// state per vector. Device data is checked: a page >= num_pages or a key past the block table's row reads
+// as NaN; a tile naming a sequence >= num_seqs or rows past num_rows is skipped.
+//
+// Two modes, so that a row's result depends only on its own keys, never on how rows were batched:
+// * split_keys == 0 (prompt rows): one block per (tile, kv head) takes all keys and writes the normalised
+//   output to out [T, num_heads * head_dim];
+// * split_keys > 0, a multiple of ATTN_KT (decode / verify rows): split s takes keys
+//   [s * split_keys, (s + 1) * split_keys) and writes its unnormalised state (acc, max, sum) to
+//   part_acc [P, num_heads, gridDim.z, head_dim] and part_ml [P, num_heads, gridDim.z, 2] at partial row
+//   (first partial row + r); the last split block of a (tile, kv head) to finish (counted in
+//   counters[tile * kv_heads + kv head], which it resets) merges each row's splits in order
+//   (flash-decoding: a decode step has too few (row, kv head) items to fill the GPU without splitting).
+//
+// head_dim: a multiple of 4, at most 32 * ATTN_MAX_DPL. Dynamic shared memory (floats):
+// nq * D + ATTN_KT * (D + 4) + ATTN_KT * D, plus ATTN_KT slots.
+#define ATTN_WARPS 8
+#define ATTN_KT 32
+#define ATTN_MAXQ 16
+#define ATTN_VPW 2
+#define ATTN_MAX_DPL 4
+#define ATTN_LOADS 4  // float4 loads of K (and of V) per thread per chunk: ATTN_KT * 128 / 4 / 256
+#define ATTN_NO_SLOT 0xffffffffu
+
+// The split-key epilogue of paged_attention: counts this block in; the last of the (tile, kv head)'s
+// active splits resets the counter and merges every query vector's splits in order:
+// out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. Other blocks' partials are read past L1.
+__device__ __forceinline__ void merge_splits(float* __restrict__ out, const float* part_acc, const float* part_ml,
+                                             u32* counters, const u32* __restrict__ row_keys, u32 row0, u32 part0,
+                                             u32 nq, u32 group, u32 num_heads, u32 kv_heads, u32 kvh, u32 D,
+                                             u32 split_keys, u32 kmax) {
+    __shared__ u32 is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32* counter = counters + (u64)blockIdx.x * kv_heads + kvh;
+        const u32 active = (kmax + split_keys - 1) / split_keys;
+        is_last = atomicAdd(counter, 1u) + 1 == active;
+        if (is_last) *counter = 0;  // ready for the next launch: graphs replay without a reset
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    for (u32 i = warp; i < nq; i += ATTN_WARPS) {
+        const u32 r = i / group, head = kvh * group + (i - r * group);
+        const u64 item0 = ((u64)(part0 + r) * num_heads + head) * gridDim.z;
+        const u32 splits = min(gridDim.z, (row_keys[row0 + r] + split_keys - 1) / split_keys);
+        float mx = DF_NEG_INF;
+#pragma unroll 4
+        for (u32 s = 0; s < splits; ++s) mx = fmaxf(mx, __ldcg(part_ml + 2 * (item0 + s)));
+        for (u32 d = lane; d < D; d += 32) {
+            float sum = 0.0f, acc = 0.0f;
+            if (mx != DF_NEG_INF) {
+#pragma unroll 4
+                for (u32 s = 0; s < splits; ++s) {
+                    const float ms = __ldcg(part_ml + 2 * (item0 + s));
+                    const float w = ms == DF_NEG_INF ? 0.0f : expf(ms - mx);
+                    sum += w * __ldcg(part_ml + 2 * (item0 + s) + 1);
+                    acc += w * __ldcg(part_acc + (item0 + s) * D + d);
+                }
+            }
+            out[(u64)(row0 + r) * num_heads * D + (u64)head * D + d] = sum > 0.0f ? acc / sum : 0.0f;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
+    paged_attention(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
+                    const u32* __restrict__ row_keys, const u32* __restrict__ tiles, const u32* __restrict__ tables,
+                    float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml,
+                    u32* __restrict__ counters, u32 num_heads, u32 kv_heads, u32 head_dim, u32 page_size,
+                    u32 table_stride, float scale, u32 split_keys, u32 num_pages, u32 num_seqs, u32 num_rows) {
+    extern __shared__ float4 attn_smem[];
+    __shared__ u32 slots[ATTN_KT];
+    const u32* tile = tiles + 4 * blockIdx.x;
+    const u32 seq = tile[0], row0 = tile[1], nrows = tile[2], part0 = tile[3];
+    if (nrows == 0 || seq >= num_seqs || row0 >= num_rows || nrows > num_rows - row0) return;
+    const u32 kvh = blockIdx.y, split = blockIdx.z;
+    const u32 D = head_dim, D4 = head_dim >> 2, group = num_heads / kv_heads, nq = min(nrows * group, ATTN_MAXQ);
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const u64 q_ld = (u64)num_heads * D;
+    const u32 k_ld = D + 4;  // padded: the score loop's 16-byte reads of 32 key rows hit distinct banks
+    float* qs = reinterpret_cast<float*>(attn_smem);
+    float* ks = qs + nq * D;
+    float* vs = ks + ATTN_KT * k_ld;
+
+    u32 kmax = 0;
+    for (u32 r = 0; r < nrows; ++r) kmax = max(kmax, row_keys[row0 + r]);
+    const u32 k_begin = split_keys == 0 ? 0 : split * split_keys;
+    const u32 k_end = split_keys == 0 ? kmax : min(kmax, k_begin + split_keys);
+    if (split_keys != 0 && k_begin >= kmax) return;  // no row of the tile has keys here; the merge skips it
+
+    for (u32 i = threadIdx.x; i < nq * D; i += blockDim.x) {
+        const u32 v = i / D, d = i - v * D;
+        const u32 r = v / group, head = kvh * group + (v - r * group);
+        qs[i] = q[(row0 + r) * q_ld + (u64)head * D + d];
+    }
+    float m[ATTN_VPW], l[ATTN_VPW], acc[ATTN_VPW][ATTN_MAX_DPL];
+    u32 lim[ATTN_VPW];
+#pragma unroll
+    for (u32 vi = 0; vi < ATTN_VPW; ++vi) {
+        const u32 i = warp + ATTN_WARPS * vi;
+        lim[vi] = i < nq ? row_keys[row0 + i / group] : 0;
+        m[vi] = DF_NEG_INF;
+        l[vi] = 0.0f;
+#pragma unroll
+        for (u32 j = 0; j < ATTN_MAX_DPL; ++j) acc[vi][j] = 0.0f;
+    }
+    const u32* table = tables + (u64)seq * table_stride;
+    for (u32 base = k_begin; base < k_end; base += ATTN_KT) {
+        __syncthreads();  // the previous chunk (and, the first time, q) is done with / written
+        if (threadIdx.x < ATTN_KT) {
+            const u32 key = base + threadIdx.x;
+            u32 slot = ATTN_NO_SLOT;
+            if (key < k_end) {
+                const u32 page = key / page_size < table_stride ? table[key / page_size] : num_pages;
+                slot = page < num_pages ? page * page_size + key % page_size : ATTN_NO_SLOT - 1;
+            }
+            slots[threadIdx.x] = slot;
+        }
+        __syncthreads();
+        float4 kv[ATTN_LOADS], vv[ATTN_LOADS];
+#pragma unroll
+        for (u32 it = 0; it < ATTN_LOADS; ++it) {
+            const u32 e = threadIdx.x + it * blockDim.x;
+            const u32 c = e / D4, d4 = e - c * D4;
+            kv[it] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            vv[it] = kv[it];
+            if (c < ATTN_KT) {
+                const u32 slot = slots[c];
+                if (slot < ATTN_NO_SLOT - 1) {
+                    const u64 off = ((u64)slot * kv_heads + kvh) * D + 4 * d4;
+                    kv[it] = *reinterpret_cast<const float4*>(k_cache + off);
+                    vv[it] = *reinterpret_cast<const float4*>(v_cache + off);
+                } else if (slot == ATTN_NO_SLOT - 1) {
+                    kv[it] = make_float4(DF_NAN, DF_NAN, DF_NAN, DF_NAN);
+                    vv[it] = kv[it];
+                }
+            }
+        }
+#pragma unroll
+        for (u32 it = 0; it < ATTN_LOADS; ++it) {
+            const u32 e = threadIdx.x + it * blockDim.x;
+            const u32 c = e / D4, d4 = e - c * D4;
+            if (c < ATTN_KT) {
+                *reinterpret_cast<float4*>(ks + c * k_ld + 4 * d4) = kv[it];
+                *reinterpret_cast<float4*>(vs + c * D + 4 * d4) = vv[it];
+            }
+        }
+        __syncthreads();
+        const u32 key = base + lane;
+#pragma unroll
+        for (u32 vi = 0; vi < ATTN_VPW; ++vi) {
+            const u32 i = warp + ATTN_WARPS * vi;
+            if (i >= nq) break;  // uniform across the warp
+            const float4* qv = reinterpret_cast<const float4*>(qs + i * D);
+            const float4* kr = reinterpret_cast<const float4*>(ks + lane * k_ld);
+            float s = 0.0f;
+#pragma unroll 4
+            for (u32 d4 = 0; d4 < D4; ++d4) {
+                const float4 a = qv[d4], b = kr[d4];
+                s = fmaf(a.x, b.x, s);
+                s = fmaf(a.y, b.y, s);
+                s = fmaf(a.z, b.z, s);
+                s = fmaf(a.w, b.w, s);
+            }
+            const bool valid = key < k_end && key < lim[vi];
+            s = valid ? s * scale : DF_NEG_INF;
+            const float m_new = fmaxf(m[vi], warp_max(s));
+            float p = 0.0f, alpha = 1.0f;
+            if (m_new != DF_NEG_INF) {
+                p = valid ? expf(s - m_new) : 0.0f;
+                alpha = expf(m[vi] - m_new);
+            }
+            l[vi] = l[vi] * alpha + warp_sum(p);
+            m[vi] = m_new;
+#pragma unroll
+            for (u32 j = 0; j < ATTN_MAX_DPL; ++j) acc[vi][j] *= alpha;
+#pragma unroll 8
+            for (u32 c = 0; c < ATTN_KT; ++c) {
+                const float pc = __shfl_sync(DF_FULL_MASK, p, c);
+#pragma unroll
+                for (u32 j = 0; j < ATTN_MAX_DPL; ++j) {
+                    const u32 d = lane + 32 * j;
+                    if (d < D) acc[vi][j] = fmaf(pc, vs[c * D + d], acc[vi][j]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (u32 vi = 0; vi < ATTN_VPW; ++vi) {
+        const u32 i = warp + ATTN_WARPS * vi;
+        if (i >= nq) break;
+        const u32 r = i / group, head = kvh * group + (i - r * group);
+        if (split_keys == 0) {
+            float* dst = out + (row0 + r) * q_ld + (u64)head * D;
+#pragma unroll
+            for (u32 j = 0; j < ATTN_MAX_DPL; ++j) {
+                const u32 d = lane + 32 * j;
+                if (d < D) dst[d] = l[vi] > 0.0f ? acc[vi][j] / l[vi] : 0.0f;
+            }
+        } else {
+            const u64 item = ((u64)(part0 + r) * num_heads + head) * gridDim.z + split;
+#pragma unroll
+            for (u32 j = 0; j < ATTN_MAX_DPL; ++j) {
+                const u32 d = lane + 32 * j;
+                if (d < D) part_acc[item * D + d] = acc[vi][j];
+            }
+            if (lane == 0) {
+                part_ml[2 * item] = m[vi];
+                part_ml[2 * item + 1] = l[vi];
+            }
+        }
+    }
+    if (split_keys != 0) merge_splits(out, part_acc, part_ml, counters, row_keys, row0, part0, nq, group, num_heads,
+                                      kv_heads, kvh, D, split_keys, kmax);
+}

@@ -1,0 +1,326 @@
+// GGUF block-quantized matmul and embedding (Q4_0, Q4_1, Q8_0); CPU twins in src/quant (quant::matmul,
+// dequantize_row).
+//
+// Weight layout on the device (repacked at upload by src/cuda/ops/quant.rs, same values as the GGUF
+// blocks, split into two arrays so every load is aligned):
+//   qs:     [n, k / 2] bytes for Q4_0 / Q4_1, [n, k] for Q8_0. A 32-element block's quants are
+//           contiguous: 16 bytes for the 4-bit types (byte j = element j in the low nibble, element j + 16
+//           in the high one, as in ggml), 32 signed bytes for Q8_0.
+//   scales: [n, k / 32] f16 `d` (Q4_0, Q8_0), or [n, k / 32] pairs of f16 (`d`, `m`) (Q4_1).
+//
+// As on the CPU (and in llama.cpp), the activations are first quantized to 8-bit blocks of 32 with an
+// f32 scale d = amax / 127 and s = d * sum(q); the dot product of a block is an integer sum (dp4a),
+// scaled per block in f32 with the CPU's formula and rounding. Only the order in which the blocks'
+// terms are summed differs from the CPU.
+//
+// The kernels fuse what surrounds a matmul in a decoder layer:
+//   prologue: the activation rows are RMS-normalised (when `norm_w` is not null) and quantized into
+//             shared memory by every block (rows are short; the weights are what must be streamed);
+//   epilogue: EPI_STORE, EPI_ADD (residual += y) or EPI_SWIGLU (gate and up rows at col and col + n_out).
+// Grid: x strides over output columns (one warp per column), y over chunks of R activation rows.
+// Memory floor: the weight bytes (0.5625 B/elem Q4_0, 0.625 Q4_1, 1.0625 Q8_0).
+
+#define QF_Q4_0 0
+#define QF_Q4_1 1
+#define QF_Q8_0 2
+
+#define MMVQ_WARPS 8
+
+// Quantizes up to R rows of x (row stride x_ld) into shared memory: xq [R][k] int8, xd / xs [R][k/32].
+// Rows past `rows` are zeros (their outputs are never written). With `norm_w`, each row is first
+// RMS-normalised as the CPU's rms_norm does: (x * inv) * w, inv = 1 / sqrt(mean(x^2) + eps).
+template <int R>
+__device__ __forceinline__ void quantize_rows_smem(const float* __restrict__ x, u32 x_ld, u32 rows, u32 k,
+                                                   const float* __restrict__ norm_w, float eps, signed char* xq,
+                                                   float* xd, float* xs) {
+    __shared__ float inv_rms[R];
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const u32 nb = k >> 5;
+    if (norm_w != nullptr) {
+        for (u32 r = warp; r < R; r += warps) {
+            float ss = 0.0f;
+            if (r < rows) {
+                for (u32 i = lane; i < k; i += 32) {
+                    const float v = x[(u64)r * x_ld + i];
+                    ss = fmaf(v, v, ss);
+                }
+            }
+            ss = warp_sum(ss);
+            if (lane == 0) inv_rms[r] = 1.0f / sqrtf(ss / (float)k + eps);
+        }
+        __syncthreads();
+    }
+    for (u32 blk = warp; blk < R * nb; blk += warps) {
+        const u32 r = blk / nb, b = blk - r * nb;
+        float v = 0.0f;
+        if (r < rows) {
+            v = x[(u64)r * x_ld + b * 32 + lane];
+            if (norm_w != nullptr) v = __fmul_rn(__fmul_rn(v, inv_rms[r]), norm_w[b * 32 + lane]);
+        }
+        const float amax = warp_max(fabsf(v));
+        const float id = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+        const int q = __float2int_rn(__fmul_rn(v, id));
+        const int sum = warp_sum_int(q);
+        xq[(u64)r * k + b * 32 + lane] = (signed char)q;
+        if (lane == 0) {
+            const float d = __fdiv_rn(amax, 127.0f);
+            xd[r * nb + b] = d;
+            xs[r * nb + b] = __fmul_rn(d, (float)sum);
+        }
+    }
+    __syncthreads();
+}
+
+// Integer dot product of one 32-element block: 16 nibble bytes (w) against 32 activation quants (x0: elements
+// 0..15, x1: 16..31).
+__device__ __forceinline__ int dot_q4_block(uint4 w, int4 x0, int4 x1) {
+    const u32 m = 0x0F0F0F0Fu;
+    int s = dp4a((int)(w.x & m), x0.x, 0);
+    s = dp4a((int)(w.y & m), x0.y, s);
+    s = dp4a((int)(w.z & m), x0.z, s);
+    s = dp4a((int)(w.w & m), x0.w, s);
+    s = dp4a((int)((w.x >> 4) & m), x1.x, s);
+    s = dp4a((int)((w.y >> 4) & m), x1.y, s);
+    s = dp4a((int)((w.z >> 4) & m), x1.z, s);
+    s = dp4a((int)((w.w >> 4) & m), x1.w, s);
+    return s;
+}
+
+__device__ __forceinline__ int dot_q8_block(int4 w0, int4 w1, int4 x0, int4 x1) {
+    int s = dp4a(w0.x, x0.x, 0);
+    s = dp4a(w0.y, x0.y, s);
+    s = dp4a(w0.z, x0.z, s);
+    s = dp4a(w0.w, x0.w, s);
+    s = dp4a(w1.x, x1.x, s);
+    s = dp4a(w1.y, x1.y, s);
+    s = dp4a(w1.z, x1.z, s);
+    s = dp4a(w1.w, x1.w, s);
+    return s;
+}
+
+// One lane's weight block: the quants (16 bytes for the 4-bit types, 32 for Q8_0) and the f16 scale(s).
+struct WBlock {
+    uint4 q0, q1;
+    u32 sc;
+};
+
+template <int FMT>
+__device__ __forceinline__ WBlock load_wblock(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc,
+                                              u64 blk) {
+    WBlock w;
+    if (FMT == QF_Q8_0) {
+        const uint4* q = reinterpret_cast<const uint4*>(qs + blk * 32);
+        w.q0 = __ldg(q);
+        w.q1 = __ldg(q + 1);
+        w.sc = __ldg(sc + blk);
+    } else {
+        w.q0 = __ldg(reinterpret_cast<const uint4*>(qs + blk * 16));
+        w.q1 = make_uint4(0, 0, 0, 0);
+        w.sc = FMT == QF_Q4_1 ? __ldg(reinterpret_cast<const u32*>(sc) + blk) : (u32)__ldg(sc + blk);
+    }
+    return w;
+}
+
+// Adds block b's terms for the R activation rows, each rounded exactly as the CPU's scalar kernel rounds
+// it.
+template <int FMT, int R>
+__device__ __forceinline__ void mmvq_block(const WBlock& w, u32 b, u32 k, const signed char* xq, const float* xd,
+                                           const float* xs, float acc[R]) {
+    const u32 nb = k >> 5;
+    const float d = f16_to_f32((unsigned short)(w.sc & 0xffffu));
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int4* xv = reinterpret_cast<const int4*>(xq + (u64)r * k + b * 32);
+        const float dx = xd[r * nb + b];
+        if (FMT == QF_Q8_0) {
+            const int4 w0 = make_int4((int)w.q0.x, (int)w.q0.y, (int)w.q0.z, (int)w.q0.w);
+            const int4 w1 = make_int4((int)w.q1.x, (int)w.q1.y, (int)w.q1.z, (int)w.q1.w);
+            const float sumi = (float)dot_q8_block(w0, w1, xv[0], xv[1]);
+            acc[r] += __fmul_rn(__fmul_rn(d, dx), sumi);
+        } else {
+            const float sumi = (float)dot_q4_block(w.q0, xv[0], xv[1]);
+            const float sx = xs[r * nb + b];
+            if (FMT == QF_Q4_1) {
+                const float m = f16_to_f32((unsigned short)(w.sc >> 16));
+                acc[r] += __fadd_rn(__fmul_rn(__fmul_rn(d, dx), sumi), __fmul_rn(m, sx));
+            } else {
+                acc[r] += __fmul_rn(d, __fsub_rn(__fmul_rn(dx, sumi), __fmul_rn(8.0f, sx)));
+            }
+        }
+    }
+}
+
+// Per-lane partial dot products of weight row `row` with the R quantized activation rows (lane b takes
+// blocks b, b + 32, ...). `first`, with `use_first`, is this lane's first block (b = lane), loaded before the
+// prologue so that its memory latency overlaps the activations' quantization.
+template <int FMT, int R>
+__device__ __forceinline__ void mmvq_row(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc,
+                                         u32 row, u32 k, const signed char* xq, const float* xd, const float* xs,
+                                         float acc[R], bool use_first, const WBlock first) {
+    const u32 lane = threadIdx.x & 31u, nb = k >> 5;
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+    for (u32 b = lane; b < nb; b += 32) {
+        const WBlock w = (use_first && b == lane) ? first : load_wblock<FMT>(qs, sc, (u64)row * nb + b);
+        mmvq_block<FMT, R>(w, b, k, xq, xd, xs, acc);
+    }
+}
+
+// One activation row (R = 1) against two weight rows at once, so twice the loads are in flight (a decode
+// step's matmuls are bound by memory latency, not bandwidth). `b_row` < 0 means no second row.
+template <int FMT>
+__device__ __forceinline__ void mmvq_two_rows_r1(const unsigned char* __restrict__ qs,
+                                                 const unsigned short* __restrict__ sc, u32 a_row, long long b_row,
+                                                 u32 k, const signed char* xq, const float* xd, const float* xs,
+                                                 float& a_acc, float& b_acc, bool use_first, const WBlock a_first,
+                                                 const WBlock b_first) {
+    const u32 lane = threadIdx.x & 31u, nb = k >> 5;
+    float a[1] = {0.0f}, b[1] = {0.0f};
+    for (u32 blk = lane; blk < nb; blk += 32) {
+        const bool first = use_first && blk == lane;
+        const WBlock wa = first ? a_first : load_wblock<FMT>(qs, sc, (u64)a_row * nb + blk);
+        WBlock wb = b_first;
+        if (b_row >= 0 && !first) wb = load_wblock<FMT>(qs, sc, (u64)b_row * nb + blk);
+        mmvq_block<FMT, 1>(wa, blk, k, xq, xd, xs, a);
+        if (b_row >= 0) mmvq_block<FMT, 1>(wb, blk, k, xq, xd, xs, b);
+    }
+    a_acc = warp_sum(a[0]);
+    b_acc = warp_sum(b[0]);
+}
+
+// The R = 1 matmul: each warp takes two weight rows per pass (for SwiGLU its column's gate and up rows,
+// otherwise two columns).
+template <int FMT>
+__device__ __forceinline__ void mmvq_r1(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc,
+                                        const signed char* xq, const float* xd, const float* xs, float* __restrict__ y,
+                                        u32 n_out, u32 k, u32 epi, u32 col0, bool prefetched, const WBlock first,
+                                        const WBlock first_b) {
+    const u32 lane = threadIdx.x & 31u, step = gridDim.x * MMVQ_WARPS;
+    const bool swiglu = epi == EPI_SWIGLU;
+    for (u32 col = col0; col < n_out; col += swiglu ? step : 2 * step) {
+        const long long b_row = swiglu ? (long long)(col + n_out) : (col + step < n_out ? (long long)(col + step) : -1);
+        float a, b;
+        mmvq_two_rows_r1<FMT>(qs, sc, col, b_row, k, xq, xd, xs, a, b, prefetched && col == col0, first, first_b);
+        if (lane != 0) continue;
+        if (swiglu) {
+            y[col] = swiglu_value(a, b);
+        } else if (epi == EPI_ADD) {
+            y[col] = __fadd_rn(y[col], a);
+            if (b_row >= 0) y[b_row] = __fadd_rn(y[b_row], b);
+        } else {
+            y[col] = a;
+            if (b_row >= 0) y[b_row] = b;
+        }
+    }
+}
+
+// y = epilogue(quantize(prologue(x)) . W^T) for rows [blockIdx.y * R, +R) of x.
+//   x [m, x_ld] f32; y [m, y_ld] f32 (columns 0..n_out written); W [n, k] (n = n_out, or 2 n_out for
+//   EPI_SWIGLU). Dynamic shared memory: R * k * 1.25 bytes.
+template <int FMT, int R>
+__device__ __forceinline__ void mmvq(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc,
+                                     const float* __restrict__ x, u32 x_ld, u32 m, const float* __restrict__ norm_w,
+                                     float eps, float* __restrict__ y, u32 y_ld, u32 n_out, u32 k, u32 epi) {
+    extern __shared__ int4 mmvq_smem[];
+    const u32 nb = k >> 5;
+    signed char* xq = reinterpret_cast<signed char*>(mmvq_smem);
+    float* xd = reinterpret_cast<float*>(xq + (u64)R * k);
+    float* xs = xd + R * nb;
+    const u32 row0 = blockIdx.y * R;
+    const u32 rows = min((u32)R, m - row0);
+    const u32 lane = threadIdx.x & 31u;
+    const u32 col0 = blockIdx.x * MMVQ_WARPS + (threadIdx.x >> 5);
+    // The first column's first weight blocks are loaded before the prologue (for k <= 1024 that is the
+    // whole row), so the weights' latency overlaps the activations' norm and quantization.
+    WBlock first = {}, first_up = {};
+    const bool prefetch = col0 < n_out && lane < nb;
+    // The R = 1 path's second row: the up row for SwiGLU, else the warp's next column.
+    const u32 second = epi == EPI_SWIGLU ? col0 + n_out : col0 + gridDim.x * MMVQ_WARPS;
+    const bool second_ok = epi == EPI_SWIGLU || col0 + gridDim.x * MMVQ_WARPS < n_out;
+    if (prefetch) {
+        first = load_wblock<FMT>(qs, sc, (u64)col0 * nb + lane);
+        if (R == 1 ? second_ok : epi == EPI_SWIGLU) {
+            first_up = load_wblock<FMT>(qs, sc, (u64)(R == 1 ? second : col0 + n_out) * nb + lane);
+        }
+    }
+    quantize_rows_smem<R>(x + (u64)row0 * x_ld, x_ld, rows, k, norm_w, eps, xq, xd, xs);
+    if (R == 1) {
+        mmvq_r1<FMT>(qs, sc, xq, xd, xs, y + (u64)row0 * y_ld, n_out, k, epi, col0, prefetch, first, first_up);
+        return;
+    }
+    for (u32 col = col0; col < n_out; col += gridDim.x * MMVQ_WARPS) {
+        float acc[R], up[R];
+        const bool use_first = prefetch && col == col0;
+        mmvq_row<FMT, R>(qs, sc, col, k, xq, xd, xs, acc, use_first, first);
+        if (epi == EPI_SWIGLU) mmvq_row<FMT, R>(qs, sc, col + n_out, k, xq, xd, xs, up, use_first, first_up);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            acc[r] = warp_sum(acc[r]);
+            if (epi == EPI_SWIGLU) up[r] = warp_sum(up[r]);
+        }
+        // Lane r writes row r, so the R stores go out in parallel.
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (lane == (u32)r && (u32)r < rows) {
+                float* dst = y + (u64)(row0 + r) * y_ld + col;
+                if (epi == EPI_STORE) {
+                    *dst = acc[r];
+                } else if (epi == EPI_ADD) {
+                    *dst = __fadd_rn(*dst, acc[r]);
+                } else {
+                    *dst = swiglu_value(acc[r], up[r]);
+                }
+            }
+        }
+    }
+}
+
+#define DF_MMVQ(NAME, FMT, R)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(MMVQ_WARPS * 32, 4)                                            \
+        NAME##_r##R(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc,                \
+                    const float* __restrict__ x, u32 x_ld, u32 m, const float* __restrict__ norm_w, float eps,  \
+                    float* __restrict__ y, u32 y_ld, u32 n_out, u32 k, u32 epi) {                               \
+        mmvq<FMT, R>(qs, sc, x, x_ld, m, norm_w, eps, y, y_ld, n_out, k, epi);                                  \
+    }
+
+#define DF_MMVQ_ALL_R(NAME, FMT) \
+    DF_MMVQ(NAME, FMT, 1)        \
+    DF_MMVQ(NAME, FMT, 2)        \
+    DF_MMVQ(NAME, FMT, 4)        \
+    DF_MMVQ(NAME, FMT, 8)
+
+DF_MMVQ_ALL_R(mmvq_q4_0, QF_Q4_0)
+DF_MMVQ_ALL_R(mmvq_q4_1, QF_Q4_1)
+DF_MMVQ_ALL_R(mmvq_q8_0, QF_Q8_0)
+
+// out[t, :] = dequantize(table row ids[t]) for a repacked quantized table [vocab, hidden]; bit-identical to
+// the CPU's dequantize_row. An id >= vocab gives a row of NaN. Grid: one block per id.
+extern "C" __global__ void embedding_quant(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc,
+                                           const u32* __restrict__ ids, float* __restrict__ out, u32 vocab,
+                                           u32 hidden, u32 fmt) {
+    const u64 t = blockIdx.x;
+    const u32 id = ids[t];
+    float* dst = out + t * hidden;
+    const u32 nb = hidden >> 5;
+    for (u32 i = threadIdx.x; i < hidden; i += blockDim.x) {
+        if (id >= vocab) {
+            dst[i] = DF_NAN;
+            continue;
+        }
+        const u64 blk = (u64)id * nb + (i >> 5);
+        const u32 j = i & 31u;
+        if (fmt == QF_Q8_0) {
+            const float d = f16_to_f32(sc[blk]);
+            dst[i] = __fmul_rn(d, (float)(signed char)qs[blk * 32 + j]);
+        } else {
+            const unsigned char byte = qs[blk * 16 + (j & 15u)];
+            const int q = j < 16 ? (byte & 15) : (byte >> 4);
+            if (fmt == QF_Q4_1) {
+                const float d = f16_to_f32(sc[2 * blk]), m = f16_to_f32(sc[2 * blk + 1]);
+                dst[i] = __fadd_rn(__fmul_rn(d, (float)q), m);
+            } else {
+                dst[i] = __fmul_rn(f16_to_f32(sc[blk]), (float)(q - 8));
+            }
+        }
+    }
+}

@@ -1,0 +1,302 @@
+//! RoPE + KV-cache write and paged attention: twins of [`crate::ops::rope`] / [`crate::ops::head_rms_norm`]
+//! / [`crate::ops::kv_write`] and of [`crate::ops::paged_attention`] (causal and non-causal, GQA).
+//!
+//! Everything that changes from step to step (positions, slots, per-row key counts, tiles, block tables)
+//! is read from device memory, so a step is capturable into a CUDA graph.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::{dim, launch_err, shape_err};
+use crate::cuda::device::{CudaDevice, DeviceBuf};
+use crate::cuda::rope_table::CudaRopeTable;
+use crate::cuda::view::DevSlice;
+use crate::cuda::Result;
+use crate::ops::RopeStyle;
+
+/// Query vectors (tile rows × query heads per kv head) one attention block takes (`ATTN_MAXQ` in
+/// attention.cu).
+pub const ATTN_MAX_QUERIES: usize = 16;
+/// Keys per shared-memory chunk of the attention kernel (`ATTN_KT`); split-key ranges are multiples of it.
+pub const ATTN_KEY_CHUNK: usize = 32;
+/// Largest head_dim of the attention kernel (`32 · ATTN_MAX_DPL`) and of rope_kv_write.
+const ATTN_MAX_HEAD_DIM: usize = 128;
+
+/// One layer's q|k|v rows through the optional q/k head norm and RoPE, q to `q_out`, k and v to the cache.
+#[derive(Clone, Copy, Debug)]
+pub struct RopeKvArgs<'a> {
+    /// `[rows, qkv_ld]`: q heads, then k heads, then v heads, `head_dim` each.
+    pub qkv: DevSlice<'a, f32>,
+    pub qkv_ld: usize,
+    /// `[rows, num_heads · head_dim]`.
+    pub q_out: DevSlice<'a, f32>,
+    /// One layer's cache, `[slots, kv_heads, head_dim]` each.
+    pub k_cache: DevSlice<'a, f32>,
+    pub v_cache: DevSlice<'a, f32>,
+    /// `[rows]` each.
+    pub positions: DevSlice<'a, u32>,
+    pub slots: DevSlice<'a, u32>,
+    pub rope: &'a CudaRopeTable,
+    /// Per-head RMSNorm weights `[head_dim]` (Qwen3), with eps.
+    pub q_norm: Option<DevSlice<'a, f32>>,
+    pub k_norm: Option<DevSlice<'a, f32>>,
+    pub eps: f32,
+    pub num_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Runs [`RopeKvArgs`]: one block per row.
+///
+/// # Errors
+/// Lengths that do not form the shapes, a head_dim over 256 or under the rotary dims; a launch failure.
+pub fn rope_kv_write(dev: &CudaDevice, a: RopeKvArgs) -> Result<()> {
+    let rows = a.positions.len();
+    let (d, qw, kw) = (a.head_dim, a.num_heads * a.head_dim, a.kv_heads * a.head_dim);
+    let norm_ok = |n: Option<DevSlice<f32>>| n.is_none_or(|n| n.len() == d);
+    if d == 0
+        || d > 256
+        || a.rope.rotary_dim > d
+        || a.slots.len() != rows
+        || a.qkv_ld < qw + 2 * kw
+        || a.qkv.len() < rows.saturating_sub(1) * a.qkv_ld + qw + 2 * kw
+        || a.q_out.len() != rows * qw
+        || kw == 0
+        || a.k_cache.len() != a.v_cache.len()
+        || !a.k_cache.len().is_multiple_of(kw)
+        || !norm_ok(a.q_norm)
+        || !norm_ok(a.k_norm)
+    {
+        return Err(shape_err(format!(
+            "rope_kv_write: {rows} rows, qkv {} (ld {}), q_out {}, cache {}, {} heads / {} kv heads of {d}",
+            a.qkv.len(),
+            a.qkv_ld,
+            a.q_out.len(),
+            a.k_cache.len(),
+            a.num_heads,
+            a.kv_heads
+        )));
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    let (cos, sin) = (a.rope.cos.view(), a.rope.sin.view());
+    let ptr = |n: Option<DevSlice<f32>>| n.map_or(0, |n| n.device_ptr());
+    let (q_norm, k_norm) = (ptr(a.q_norm), ptr(a.k_norm));
+    let qkv_ld = dim(a.qkv_ld, "qkv_ld")?;
+    let (half, max_pos) = (dim(a.rope.pairs, "pairs")?, dim(a.rope.max_positions, "max_positions")?);
+    let interleaved = u32::from(a.rope.style == RopeStyle::Interleaved);
+    let (nh, kvh, hd) = (dim(a.num_heads, "heads")?, dim(a.kv_heads, "kv_heads")?, dim(d, "head_dim")?);
+    let num_slots = dim(a.k_cache.len() / kw, "slots")?;
+    let mut launch = dev.stream().launch_builder(&dev.kernels.rope_kv_write);
+    launch
+        .arg(a.qkv.arg())
+        .arg(&qkv_ld)
+        .arg(a.q_out.arg())
+        .arg(a.k_cache.arg())
+        .arg(a.v_cache.arg())
+        .arg(a.positions.arg())
+        .arg(a.slots.arg())
+        .arg(cos.arg())
+        .arg(sin.arg())
+        .arg(&half)
+        .arg(&max_pos)
+        .arg(&interleaved)
+        .arg(&q_norm)
+        .arg(&k_norm)
+        .arg(&a.eps)
+        .arg(&nh)
+        .arg(&kvh)
+        .arg(&hd)
+        .arg(&num_slots);
+    let head_groups = dim((a.num_heads + 2 * a.kv_heads).div_ceil(8), "head groups")?;
+    let cfg =
+        LaunchConfig { grid_dim: (dim(rows, "rows")?, head_groups, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match the kernel's signature; shapes were checked above, slots and positions
+    // are checked in the kernel.
+    unsafe { launch.launch(cfg) }.map_err(launch_err("rope_kv_write"))?;
+    Ok(())
+}
+
+/// Partial softmax states of split-key attention, sized once for the largest step.
+#[derive(Debug)]
+pub struct AttentionScratch {
+    /// `[rows, num_heads, splits, head_dim]`.
+    part_acc: DeviceBuf<f32>,
+    /// `[rows, num_heads, splits, 2]`.
+    part_ml: DeviceBuf<f32>,
+    /// Finished split blocks per (tile, kv head); the last one resets its counter to 0.
+    counters: DeviceBuf<u32>,
+}
+
+impl AttentionScratch {
+    /// Room for `rows` partial rows of `num_heads · splits` states of `head_dim` (and as many tiles).
+    ///
+    /// # Errors
+    /// Out of device memory.
+    pub fn new(dev: &CudaDevice, rows: usize, num_heads: usize, head_dim: usize, splits: usize) -> Result<Self> {
+        let items = (rows * num_heads * splits).max(1);
+        Ok(AttentionScratch {
+            part_acc: dev.alloc_zeros(items * head_dim)?,
+            part_ml: dev.alloc_zeros(2 * items)?,
+            // Tiles have at least one row and kv heads are at most the heads: rows · heads counters suffice.
+            counters: dev.alloc_zeros((rows * num_heads).max(1))?,
+        })
+    }
+
+    /// Partial states it holds.
+    fn items(&self) -> usize {
+        self.part_ml.len() / 2
+    }
+}
+
+/// How a launch cuts each row's keys.
+#[derive(Clone, Copy, Debug)]
+pub enum KeySplit {
+    /// One block takes all of a tile's keys and writes the normalised output (prompt rows).
+    Whole,
+    /// Keys in fixed ranges of `keys` (a multiple of [`ATTN_KEY_CHUNK`]; decode and verify rows),
+    /// `max_splits` blocks per tile, merged per
+    /// row by the last block of each (tile, kv head). Tiles name their first partial row; `partial_rows`
+    /// bounds them (the scratch must hold that many).
+    Fixed { keys: usize, max_splits: usize, partial_rows: usize },
+}
+
+/// One layer's attention over the paged cache.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionArgs<'a> {
+    /// `[T, num_heads · head_dim]` (after RoPE).
+    pub q: DevSlice<'a, f32>,
+    /// One layer's cache, `[num_pages · page_size, kv_heads, head_dim]` each.
+    pub k_cache: DevSlice<'a, f32>,
+    pub v_cache: DevSlice<'a, f32>,
+    /// `[T]`: row t attends keys `0 .. row_keys[t]` of its sequence.
+    pub row_keys: DevSlice<'a, u32>,
+    /// `[4 · tiles]`: (sequence, first row, rows, first partial row) per tile; a tile of 0 rows is skipped.
+    pub tiles: DevSlice<'a, u32>,
+    /// The most rows any tile has (sizes the shared memory); `max_tile_rows · group <= ATTN_MAX_QUERIES`.
+    pub max_tile_rows: usize,
+    /// `[sequences, table_stride]` page ids.
+    pub tables: DevSlice<'a, u32>,
+    pub table_stride: usize,
+    pub page_size: usize,
+    /// `[T, num_heads · head_dim]`: the rows the tiles cover are overwritten.
+    pub out: DevSlice<'a, f32>,
+    pub num_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+    pub split: KeySplit,
+}
+
+impl AttentionArgs<'_> {
+    fn check(&self, scratch: &AttentionScratch) -> Result<()> {
+        let t = self.row_keys.len();
+        let (d, nh, kvh) = (self.head_dim, self.num_heads, self.kv_heads);
+        let slot_len = kvh * d;
+        let group = nh.checked_div(kvh).unwrap_or(0);
+        let fail = |what: &str| Err(shape_err(format!("paged_attention: {what}")));
+        if d == 0 || d > ATTN_MAX_HEAD_DIM || !d.is_multiple_of(4) {
+            return fail(&format!("head_dim {d} must be a multiple of 4 up to {ATTN_MAX_HEAD_DIM}"));
+        }
+        if kvh == 0 || !nh.is_multiple_of(kvh) || self.max_tile_rows * group > ATTN_MAX_QUERIES {
+            return fail(&format!("{nh} heads, {kvh} kv heads, tiles of {} rows", self.max_tile_rows));
+        }
+        if self.q.len() != t * nh * d || self.out.len() != self.q.len() {
+            return fail(&format!("q {} / out {} for {t} rows", self.q.len(), self.out.len()));
+        }
+        let slots = self.k_cache.len() / slot_len;
+        if self.k_cache.len() != self.v_cache.len() || self.k_cache.len() != slots * slot_len || self.page_size == 0 {
+            return fail(&format!("cache {} / {} of slots of {slot_len}", self.k_cache.len(), self.v_cache.len()));
+        }
+        if self.table_stride == 0
+            || !self.tables.len().is_multiple_of(self.table_stride)
+            || !self.tiles.len().is_multiple_of(4)
+        {
+            return fail(&format!(
+                "tables {} (stride {}), tiles {}",
+                self.tables.len(),
+                self.table_stride,
+                self.tiles.len()
+            ));
+        }
+        if let KeySplit::Fixed { keys, max_splits, partial_rows } = self.split {
+            let tiles = self.tiles.len() / 4;
+            if keys == 0
+                || !keys.is_multiple_of(ATTN_KEY_CHUNK)
+                || max_splits == 0
+                || scratch.items() < partial_rows * nh * max_splits
+                || scratch.counters.len() < tiles * kvh
+            {
+                return fail(&format!(
+                    "{max_splits} splits of {keys} keys for {partial_rows} partial rows in {tiles} tiles; scratch holds {} states",
+                    scratch.items()
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs [`AttentionArgs`]: grid (tiles, kv heads, splits); with [`KeySplit::Fixed`] the last split block
+/// of each (tile, kv head) merges the splits.
+///
+/// # Errors
+/// Lengths that do not form the shapes, unsupported head sizes, too small a scratch; a launch failure.
+pub fn paged_attention(dev: &CudaDevice, a: AttentionArgs, scratch: &AttentionScratch) -> Result<()> {
+    a.check(scratch)?;
+    let (t, tiles) = (a.row_keys.len(), a.tiles.len() / 4);
+    if t == 0 || tiles == 0 {
+        return Ok(());
+    }
+    let d = a.head_dim;
+    let group = a.num_heads / a.kv_heads;
+    // Queries, the K chunk (rows padded by 4), the V chunk (attention.cu).
+    let nq = (a.max_tile_rows.max(1) * group).min(ATTN_MAX_QUERIES);
+    let smem = 4 * (nq * d + ATTN_KEY_CHUNK * (d + 4) + ATTN_KEY_CHUNK * d);
+    let (pa, pm, counters) = (scratch.part_acc.view(), scratch.part_ml.view(), scratch.counters.view());
+    let slots = a.k_cache.len() / (a.kv_heads * d);
+    let num_pages = dim(slots / a.page_size, "pages")?;
+    // Slots are u32 in the kernel, the two largest values being markers.
+    if slots >= (u32::MAX - 1) as usize {
+        return Err(shape_err(format!("paged_attention: {slots} slots exceed the kernel's u32 slots")));
+    }
+    let num_seqs = dim(a.tables.len() / a.table_stride, "sequences")?;
+    let (nh, kvh, hd) = (dim(a.num_heads, "heads")?, dim(a.kv_heads, "kv_heads")?, dim(d, "head_dim")?);
+    let (ps, stride, rows) = (dim(a.page_size, "page_size")?, dim(a.table_stride, "stride")?, dim(t, "rows")?);
+    let (split_keys, grid_z) = match a.split {
+        KeySplit::Whole => (0, 1),
+        KeySplit::Fixed { keys, max_splits, .. } => (dim(keys, "split keys")?, dim(max_splits, "splits")?),
+    };
+    let mut launch = dev.stream().launch_builder(&dev.kernels.paged_attention);
+    launch
+        .arg(a.q.arg())
+        .arg(a.k_cache.arg())
+        .arg(a.v_cache.arg())
+        .arg(a.row_keys.arg())
+        .arg(a.tiles.arg())
+        .arg(a.tables.arg())
+        .arg(a.out.arg())
+        .arg(pa.arg())
+        .arg(pm.arg())
+        .arg(counters.arg())
+        .arg(&nh)
+        .arg(&kvh)
+        .arg(&hd)
+        .arg(&ps)
+        .arg(&stride)
+        .arg(&a.scale)
+        .arg(&split_keys)
+        .arg(&num_pages)
+        .arg(&num_seqs)
+        .arg(&rows);
+    let cfg = LaunchConfig {
+        grid_dim: (dim(tiles, "tiles")?, kvh, grid_z),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: dim(smem, "shared memory")?,
+    };
+    // SAFETY: the arguments match the kernel's signature; shapes were checked above; device-side indices
+    // (tiles, pages, key counts) are checked in the kernel, partial rows against the scratch's size by
+    // the caller's tiles (first partial row + rows <= partial_rows).
+    unsafe { launch.launch(cfg) }.map_err(launch_err("paged_attention"))?;
+    Ok(())
+}

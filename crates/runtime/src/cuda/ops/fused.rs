@@ -1,0 +1,371 @@
+//! Launchers of the model forward's building blocks: cuBLAS GEMM with a row stride and accumulation, the
+//! bf16 GEMV with a fused epilogue, the final norm of gathered rows, the capture copy, and random fills.
+
+use std::ffi::c_void;
+
+use cudarc::cublas::result::gemm_ex;
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use super::{dim, launch_cfg, launch_err, shape_err, ROW_BLOCK};
+use crate::cuda::device::CudaDevice;
+use crate::cuda::kernels::{GEMV_ROWS_PER_BLOCK, MAX_DYNAMIC_SMEM};
+use crate::cuda::view::{DevArg, DevSlice};
+use crate::cuda::{CudaError, Result};
+
+/// Where a fused matmul's result goes (`EPI_*` in prelude.cuh).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Epilogue {
+    /// `y[r, c] = acc`.
+    Store,
+    /// `y[r, c] += acc` (the residual stream).
+    Add,
+    /// `y[r, c] = silu(acc of weight row c) · (acc of weight row c + n_out)`: a fused gate/up projection
+    /// straight to the SwiGLU activation. The weight has `2 · n_out` rows.
+    Swiglu,
+}
+
+impl Epilogue {
+    pub(crate) fn code(self) -> u32 {
+        match self {
+            Epilogue::Store => 0,
+            Epilogue::Add => 1,
+            Epilogue::Swiglu => 2,
+        }
+    }
+
+    /// Weight rows behind `n_out` output columns.
+    pub fn weight_rows(self, n_out: usize) -> usize {
+        if self == Epilogue::Swiglu {
+            2 * n_out
+        } else {
+            n_out
+        }
+    }
+}
+
+/// Element type of a [`gemm`]: weights and activations share it; the output is always f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GemmType {
+    Bf16,
+    F32,
+}
+
+/// One `y[m, n] (+)= x[m, k] · W[n, k]ᵀ` through cuBLAS, checked at construction.
+#[derive(Clone, Copy, Debug)]
+pub struct GemmArgs {
+    ty: GemmType,
+    w: u64,
+    x: u64,
+    y: u64,
+    m: usize,
+    n: usize,
+    k: usize,
+    y_ld: usize,
+    accumulate: bool,
+    /// Lengths, checked in [`gemm`] (constructors cannot fail).
+    lens: (usize, usize, usize),
+}
+
+impl GemmArgs {
+    /// bf16 weights `[n, k]` and activations `[m, k]`; `y` rows of stride `y_ld` (`>= n`), added to when
+    /// `accumulate`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn bf16(
+        w: DevSlice<bf16>,
+        n: usize,
+        k: usize,
+        x: DevSlice<bf16>,
+        m: usize,
+        y: DevSlice<f32>,
+        y_ld: usize,
+        accumulate: bool,
+    ) -> Self {
+        let ptrs = (w.device_ptr(), x.device_ptr(), y.device_ptr());
+        Self::new(GemmType::Bf16, ptrs, (w.len(), x.len(), y.len()), (m, n, k), y_ld, accumulate)
+    }
+
+    /// As [`GemmArgs::bf16`] with f32 weights and activations (full f32 arithmetic, no TF32).
+    #[allow(clippy::too_many_arguments)]
+    pub fn f32(
+        w: DevSlice<f32>,
+        n: usize,
+        k: usize,
+        x: DevSlice<f32>,
+        m: usize,
+        y: DevSlice<f32>,
+        y_ld: usize,
+        accumulate: bool,
+    ) -> Self {
+        let ptrs = (w.device_ptr(), x.device_ptr(), y.device_ptr());
+        Self::new(GemmType::F32, ptrs, (w.len(), x.len(), y.len()), (m, n, k), y_ld, accumulate)
+    }
+
+    fn new(
+        ty: GemmType,
+        (w, x, y): (u64, u64, u64),
+        lens: (usize, usize, usize),
+        (m, n, k): (usize, usize, usize),
+        y_ld: usize,
+        accumulate: bool,
+    ) -> Self {
+        GemmArgs { ty, w, x, y, m, n, k, y_ld, accumulate, lens }
+    }
+
+    fn check(&self) -> Result<()> {
+        let (w_len, x_len, y_len) = self.lens;
+        let y_need = if self.m == 0 { 0 } else { (self.m - 1) * self.y_ld + self.n };
+        if w_len != self.n * self.k || x_len < self.m * self.k || self.y_ld < self.n || y_len < y_need {
+            return Err(shape_err(format!(
+                "gemm: w {w_len} for [{}, {}], x {x_len} for {} rows, y {y_len} with ld {}",
+                self.n, self.k, self.m, self.y_ld
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Runs one [`GemmArgs`] on the device's cuBLAS handle (whose workspace is fixed, so the call can be
+/// captured into a CUDA graph).
+///
+/// # Errors
+/// Lengths that do not form the shapes, sizes past cuBLAS's `i32`; a cuBLAS failure.
+pub fn gemm(dev: &CudaDevice, a: GemmArgs) -> Result<()> {
+    a.check()?;
+    if a.m == 0 || a.n == 0 {
+        return Ok(());
+    }
+    let int = |v: usize, what: &str| i32::try_from(v).map_err(|_| shape_err(format!("gemm: {what} = {v} exceeds i32")));
+    let (m, n, k, ldy) = (int(a.m, "m")?, int(a.n, "n")?, int(a.k, "k")?, int(a.y_ld, "y_ld")?);
+    let ty = match a.ty {
+        GemmType::Bf16 => cudaDataType_t::CUDA_R_16BF,
+        GemmType::F32 => cudaDataType_t::CUDA_R_32F,
+    };
+    let (alpha, beta) = (1.0f32, if a.accumulate { 1.0f32 } else { 0.0 });
+    let blas = dev.blas()?;
+    // Column-major view: yᵀ [n, m] = op(W) · xᵀ, where W row-major [n, k] is column-major [k, n] (ld k),
+    // so op = transpose; x row-major [m, k] is column-major xᵀ [k, m] (ld k); yᵀ has ld y_ld.
+    // SAFETY: the pointers are live device buffers of the sizes checked above, all on the handle's stream.
+    unsafe {
+        gemm_ex(
+            *blas.handle(),
+            cublasOperation_t::CUBLAS_OP_T,
+            cublasOperation_t::CUBLAS_OP_N,
+            n,
+            m,
+            k,
+            (&alpha as *const f32).cast::<c_void>(),
+            a.w as *const c_void,
+            ty,
+            k,
+            a.x as *const c_void,
+            ty,
+            k,
+            (&beta as *const f32).cast::<c_void>(),
+            a.y as *mut c_void,
+            cudaDataType_t::CUDA_R_32F,
+            ldy,
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|source| CudaError::Cublas { what: "cublasGemmEx".into(), source })
+}
+
+/// One activation row through a bf16 matrix with a fused prologue and epilogue: warp per output column.
+///
+/// `w`: `[epi.weight_rows(n_out), k]` bf16; `x`: `[k]` f32; `norm`: an RMSNorm weight `[k]` and eps applied
+/// to x first (the layer's pre-norm, computed by every block into shared memory); `y`: `[n_out]` f32 (a
+/// row of a wider matrix is fine: pass its slice).
+///
+/// # Errors
+/// Lengths that do not form these shapes; a launch failure.
+pub fn gemv_bf16_ep<'a>(
+    dev: &CudaDevice,
+    w: impl DevArg<'a, bf16>,
+    n_out: usize,
+    x: impl DevArg<'a, f32>,
+    norm: Option<(DevSlice<'a, f32>, f32)>,
+    y: impl DevArg<'a, f32>,
+    epi: Epilogue,
+) -> Result<()> {
+    let (w, x, y) = (w.dev(), x.dev(), y.dev());
+    let k = x.len();
+    let bad_norm = norm.is_some_and(|(nw, _)| nw.len() != k || 4 * k > MAX_DYNAMIC_SMEM as usize);
+    if n_out == 0 || k == 0 || w.len() != epi.weight_rows(n_out) * k || y.len() != n_out || bad_norm {
+        return Err(shape_err(format!("gemv_bf16_ep: w {}, x {k}, y {} for {n_out} outputs", w.len(), y.len())));
+    }
+    let grid = dim(n_out.div_ceil(GEMV_ROWS_PER_BLOCK as usize), "blocks")?;
+    let (n, k32, code) = (dim(n_out, "n")?, dim(k, "k")?, epi.code());
+    let (norm_ptr, eps) = norm.map(|(nw, eps)| (nw.device_ptr(), eps)).unwrap_or((0, 0.0));
+    let mut launch = dev.stream().launch_builder(&dev.kernels.gemv_bf16_ep);
+    launch.arg(w.arg()).arg(x.arg()).arg(y.arg()).arg(&n).arg(&k32).arg(&code).arg(&norm_ptr).arg(&eps);
+    let smem = if norm.is_some() { dim(4 * k, "shared memory")? } else { 0 };
+    let cfg =
+        LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (GEMV_ROWS_PER_BLOCK * 32, 1, 1), shared_mem_bytes: smem };
+    // SAFETY: the arguments match the kernel's signature and the shapes were checked; 16-byte loads are
+    // used only when k is a multiple of 8 (then every row start is 16-byte aligned, given an aligned base);
+    // the shared memory holds the k normalised inputs.
+    unsafe { launch.launch(cfg) }.map_err(launch_err("gemv_bf16_ep"))?;
+    Ok(())
+}
+
+/// `out[j] = rms_norm(x[rows[j]]) · w`: the final norm of the rows whose logits are wanted. A row index
+/// past `x` gives a row of NaN.
+///
+/// `x`: `[T, H]`; `rows`: `[L]`; `w`: `[H]`; `out`: `[L, H]`.
+///
+/// # Errors
+/// Lengths that do not form these shapes; a launch failure.
+pub fn gather_rms_norm<'a>(
+    dev: &CudaDevice,
+    x: impl DevArg<'a, f32>,
+    rows: impl DevArg<'a, u32>,
+    w: impl DevArg<'a, f32>,
+    eps: f32,
+    out: impl DevArg<'a, f32>,
+) -> Result<()> {
+    let (x, rows, w, out) = (x.dev(), rows.dev(), w.dev(), out.dev());
+    let h = w.len();
+    if h == 0 || !x.len().is_multiple_of(h) || out.len() != rows.len() * h {
+        return Err(shape_err(format!(
+            "gather_rms_norm: x {}, w {h}, {} rows, out {}",
+            x.len(),
+            rows.len(),
+            out.len()
+        )));
+    }
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let (grid, x_rows, hidden) = (dim(rows.len(), "rows")?, dim(x.len() / h, "x rows")?, dim(h, "hidden")?);
+    let mut launch = dev.stream().launch_builder(&dev.kernels.gather_rms_norm);
+    launch.arg(x.arg()).arg(&x_rows).arg(rows.arg()).arg(w.arg()).arg(out.arg()).arg(&hidden).arg(&eps);
+    // SAFETY: the arguments match the kernel's signature; the shapes were checked and the kernel checks
+    // each row index against x_rows.
+    unsafe { launch.launch(launch_cfg((grid, 1, 1), 1024)) }.map_err(launch_err("gather_rms_norm"))?;
+    Ok(())
+}
+
+/// `dst[r, col .. col + width] = src[r, ..]` for `src` `[rows, width]` and `dst` `[rows, dst_ld]`.
+///
+/// # Errors
+/// Lengths that do not form these shapes; a launch failure.
+pub fn copy_columns<'a>(
+    dev: &CudaDevice,
+    src: impl DevArg<'a, f32>,
+    width: usize,
+    dst: impl DevArg<'a, f32>,
+    dst_ld: usize,
+    col: usize,
+) -> Result<()> {
+    let (src, dst) = (src.dev(), dst.dev());
+    if width == 0
+        || !src.len().is_multiple_of(width)
+        || col + width > dst_ld
+        || dst.len() < (src.len() / width) * dst_ld
+    {
+        return Err(shape_err(format!(
+            "copy_columns: src {} of width {width} into {} at {col} of {dst_ld}",
+            src.len(),
+            dst.len()
+        )));
+    }
+    let rows = src.len() / width;
+    if rows == 0 {
+        return Ok(());
+    }
+    let grid = dim(src.len().div_ceil(ROW_BLOCK as usize).min(1 << 14), "blocks")?;
+    let (rows, width, dst_ld, col) =
+        (dim(rows, "rows")?, dim(width, "width")?, dim(dst_ld, "dst_ld")?, dim(col, "col")?);
+    let mut launch = dev.stream().launch_builder(&dev.kernels.copy_columns);
+    launch.arg(src.arg()).arg(dst.arg()).arg(&rows).arg(&width).arg(&dst_ld).arg(&col);
+    // SAFETY: the arguments match the kernel's signature; the shapes were checked.
+    unsafe { launch.launch(launch_cfg((grid, 1, 1), ROW_BLOCK)) }.map_err(launch_err("copy_columns"))?;
+    Ok(())
+}
+
+/// Blocks of a grid-stride fill over `n` elements.
+fn fill_grid(n: usize) -> Result<u32> {
+    dim(n.div_ceil(ROW_BLOCK as usize).clamp(1, 1 << 15), "blocks")
+}
+
+/// `out[i] = bf16(offset + scale · u_i)`, `u_i` uniform in `[-1, 1)` from a counter-based generator keyed
+/// by `seed` (random-weight models made on the device).
+///
+/// # Errors
+/// A launch failure.
+pub fn fill_random_bf16<'a>(
+    dev: &CudaDevice,
+    out: impl DevArg<'a, bf16>,
+    seed: u64,
+    scale: f32,
+    offset: f32,
+) -> Result<()> {
+    let out = out.dev();
+    let n = out.len() as u64;
+    let mut launch = dev.stream().launch_builder(&dev.kernels.fill_random_bf16);
+    launch.arg(out.arg()).arg(&n).arg(&seed).arg(&scale).arg(&offset);
+    // SAFETY: the kernel writes the `n` elements of `out`.
+    unsafe { launch.launch(launch_cfg((fill_grid(out.len())?, 1, 1), ROW_BLOCK)) }
+        .map_err(launch_err("fill_random_bf16"))?;
+    Ok(())
+}
+
+/// `out[i] = offset + scale · u_i` (see [`fill_random_bf16`]).
+///
+/// # Errors
+/// A launch failure.
+pub fn fill_random_f32<'a>(
+    dev: &CudaDevice,
+    out: impl DevArg<'a, f32>,
+    seed: u64,
+    scale: f32,
+    offset: f32,
+) -> Result<()> {
+    let out = out.dev();
+    let n = out.len() as u64;
+    let mut launch = dev.stream().launch_builder(&dev.kernels.fill_random_f32);
+    launch.arg(out.arg()).arg(&n).arg(&seed).arg(&scale).arg(&offset);
+    // SAFETY: the kernel writes the `n` elements of `out`.
+    unsafe { launch.launch(launch_cfg((fill_grid(out.len())?, 1, 1), ROW_BLOCK)) }
+        .map_err(launch_err("fill_random_f32"))?;
+    Ok(())
+}
+
+/// Random 32-bit words (the quants of a random quantized matrix).
+///
+/// # Errors
+/// A launch failure.
+pub fn fill_random_u32<'a>(dev: &CudaDevice, out: impl DevArg<'a, u32>, seed: u64) -> Result<()> {
+    let out = out.dev();
+    let n = out.len() as u64;
+    let mut launch = dev.stream().launch_builder(&dev.kernels.fill_random_u32);
+    launch.arg(out.arg()).arg(&n).arg(&seed);
+    // SAFETY: the kernel writes the `n` elements of `out`.
+    unsafe { launch.launch(launch_cfg((fill_grid(out.len())?, 1, 1), ROW_BLOCK)) }
+        .map_err(launch_err("fill_random_u32"))?;
+    Ok(())
+}
+
+/// f16 bit patterns of `offset + scale · u_i` (the block scales of a random quantized matrix).
+///
+/// # Errors
+/// A launch failure.
+pub fn fill_random_f16<'a>(
+    dev: &CudaDevice,
+    out: impl DevArg<'a, u16>,
+    seed: u64,
+    scale: f32,
+    offset: f32,
+) -> Result<()> {
+    let out = out.dev();
+    let n = out.len() as u64;
+    let mut launch = dev.stream().launch_builder(&dev.kernels.fill_random_f16);
+    launch.arg(out.arg()).arg(&n).arg(&seed).arg(&scale).arg(&offset);
+    // SAFETY: the kernel writes the `n` elements of `out`.
+    unsafe { launch.launch(launch_cfg((fill_grid(out.len())?, 1, 1), ROW_BLOCK)) }
+        .map_err(launch_err("fill_random_f16"))?;
+    Ok(())
+}

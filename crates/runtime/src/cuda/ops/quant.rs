@@ -1,0 +1,286 @@
+//! GGUF block-quantized weights on the device (Q4_0, Q4_1, Q8_0) and their matmul: twins of
+//! [`crate::quant::matmul`] and [`crate::quant::dequantize_row`].
+//!
+//! Blocks are kept quantized, repacked at upload into two arrays so that every load in the kernel is
+//! aligned (quant.cu describes the layout): the same bytes as the file, minus nothing, plus nothing.
+
+use cudarc::driver::PushKernelArg;
+
+use super::fused::{fill_random_f16, fill_random_u32, Epilogue};
+use super::{dim, launch_err, shape_err, ROW_BLOCK};
+use crate::cuda::device::{CudaDevice, DeviceBuf};
+use crate::cuda::kernels::{MAX_DYNAMIC_SMEM, MMVQ_ROWS};
+use crate::cuda::view::{DevArg, DevSlice};
+use crate::cuda::Result;
+use crate::DType;
+
+/// The block types the CUDA kernels take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantFormat {
+    Q4_0,
+    Q4_1,
+    Q8_0,
+}
+
+impl QuantFormat {
+    /// The format of a GGUF dtype, if the kernels take it.
+    pub fn from_dtype(dtype: DType) -> Option<Self> {
+        match dtype {
+            DType::Q4_0 => Some(QuantFormat::Q4_0),
+            DType::Q4_1 => Some(QuantFormat::Q4_1),
+            DType::Q8_0 => Some(QuantFormat::Q8_0),
+            _ => None,
+        }
+    }
+
+    /// The `QF_*` code of quant.cu.
+    fn code(self) -> usize {
+        match self {
+            QuantFormat::Q4_0 => 0,
+            QuantFormat::Q4_1 => 1,
+            QuantFormat::Q8_0 => 2,
+        }
+    }
+
+    /// Quant bytes of one 32-element block.
+    fn quant_bytes(self) -> usize {
+        match self {
+            QuantFormat::Q8_0 => 32,
+            _ => 16,
+        }
+    }
+
+    /// f16 scales per block (`d`, and `m` for Q4_1).
+    fn scales_per_block(self) -> usize {
+        match self {
+            QuantFormat::Q4_1 => 2,
+            _ => 1,
+        }
+    }
+
+    /// Bytes of one ggml block (scales first, then quants).
+    fn ggml_block_bytes(self) -> usize {
+        2 * self.scales_per_block() + self.quant_bytes()
+    }
+}
+
+/// A block-quantized matrix `[n, k]` on the device, repacked for aligned loads.
+#[derive(Debug)]
+pub struct QuantMatrix {
+    pub format: QuantFormat,
+    /// Rows (outputs).
+    pub n: usize,
+    /// Columns (inputs), a multiple of 32.
+    pub k: usize,
+    /// `[n, k / 32, quant bytes]`.
+    qs: DeviceBuf<u8>,
+    /// `[n, k / 32, scales per block]` f16 bits.
+    scales: DeviceBuf<u16>,
+}
+
+impl QuantMatrix {
+    /// Uploads `n` rows of `k` elements stored as ggml blocks of `dtype` (the bytes of a GGUF tensor).
+    ///
+    /// # Errors
+    /// A dtype the kernels do not take, `k` not a multiple of 32, a byte length that does not match, or
+    /// the upload failing.
+    pub fn upload(dev: &CudaDevice, dtype: DType, ggml: &[u8], n: usize, k: usize) -> Result<Self> {
+        let format = QuantFormat::from_dtype(dtype)
+            .ok_or_else(|| shape_err(format!("no CUDA quantized matmul for {dtype} (Q4_0, Q4_1, Q8_0 only)")))?;
+        let blocks = Self::check_dims(n, k)?;
+        if ggml.len() != blocks * format.ggml_block_bytes() {
+            return Err(shape_err(format!(
+                "{dtype} [{n}, {k}]: {} bytes, expected {}",
+                ggml.len(),
+                blocks * format.ggml_block_bytes()
+            )));
+        }
+        let (qb, sb) = (format.quant_bytes(), format.scales_per_block());
+        let mut qs = Vec::with_capacity(blocks * qb);
+        let mut scales = Vec::with_capacity(blocks * sb);
+        for blk in ggml.chunks_exact(format.ggml_block_bytes()) {
+            for s in 0..sb {
+                scales.push(u16::from_le_bytes([blk[2 * s], blk[2 * s + 1]]));
+            }
+            qs.extend_from_slice(&blk[2 * sb..]);
+        }
+        Ok(QuantMatrix { format, n, k, qs: dev.upload(&qs)?, scales: dev.upload(&scales)? })
+    }
+
+    /// A matrix of random quants and random f16 scales in `±scale` (random-weight models for benchmarks).
+    ///
+    /// # Errors
+    /// `k` not a multiple of 32; out of device memory; a launch failure.
+    pub fn random(dev: &CudaDevice, format: QuantFormat, n: usize, k: usize, seed: u64, scale: f32) -> Result<Self> {
+        let blocks = Self::check_dims(n, k)?;
+        let qs: DeviceBuf<u8> = dev.alloc_zeros(blocks * format.quant_bytes())?;
+        let scales: DeviceBuf<u16> = dev.alloc_zeros(blocks * format.scales_per_block())?;
+        fill_random_u32(dev, qs.view().cast::<u32>()?, seed)?;
+        fill_random_f16(dev, &scales, seed ^ 0x5eed, scale, 0.0)?;
+        Ok(QuantMatrix { format, n, k, qs, scales })
+    }
+
+    fn check_dims(n: usize, k: usize) -> Result<usize> {
+        if n == 0 || k == 0 || !k.is_multiple_of(32) {
+            return Err(shape_err(format!("quantized matrix [{n}, {k}]: k must be a positive multiple of 32")));
+        }
+        Ok(n * k / 32)
+    }
+
+    /// Device bytes (what one pass over the matrix reads).
+    pub fn bytes(&self) -> usize {
+        self.qs.len() + 2 * self.scales.len()
+    }
+}
+
+/// Activation rows per block for `m` rows of length `k`: the smallest compiled count that covers `m`,
+/// limited by the shared memory the quantized rows take.
+fn rows_per_block(m: usize, k: usize) -> usize {
+    let fit = |r: usize| mmvq_smem_bytes(k, r) <= MAX_DYNAMIC_SMEM as usize;
+    let mut best = MMVQ_ROWS[0];
+    for &r in &MMVQ_ROWS {
+        if fit(r) {
+            best = r;
+            if r >= m {
+                break;
+            }
+        }
+    }
+    best
+}
+
+/// Dynamic shared memory of one quantized-matmul block: `r` rows of `k` int8 quants plus two f32 per
+/// 32-element block.
+pub fn mmvq_smem_bytes(k: usize, r: usize) -> usize {
+    r * k + 2 * 4 * r * (k / 32)
+}
+
+/// One fused quantized matmul: `y = epi(quantize(prologue(x)) · Wᵀ)`.
+#[derive(Clone, Copy, Debug)]
+pub struct MmvqArgs<'a> {
+    /// `[m, x_ld]` f32; the first `k` columns of each row are used.
+    pub x: DevSlice<'a, f32>,
+    pub x_ld: usize,
+    pub m: usize,
+    /// RMSNorm weight `[k]` and eps, applied to x before quantizing (the layer's pre-norm).
+    pub norm: Option<(DevSlice<'a, f32>, f32)>,
+    /// `[m, y_ld]` f32; columns `0..n_out` are written.
+    pub y: DevSlice<'a, f32>,
+    pub y_ld: usize,
+    pub epi: Epilogue,
+}
+
+/// Runs one [`MmvqArgs`] against `w` (`n_out = w.n`, or `w.n / 2` for [`Epilogue::Swiglu`]).
+///
+/// # Errors
+/// Lengths that do not form the shapes; a launch failure.
+pub fn mmvq(dev: &CudaDevice, w: &QuantMatrix, a: MmvqArgs) -> Result<()> {
+    let k = w.k;
+    let n_out = if a.epi == Epilogue::Swiglu { w.n / 2 } else { w.n };
+    let span = |rows: usize, ld: usize, width: usize| if rows == 0 { 0 } else { (rows - 1) * ld + width };
+    let bad_norm = a.norm.is_some_and(|(nw, _)| nw.len() != k);
+    if a.epi.weight_rows(n_out) != w.n
+        || a.x_ld < k
+        || a.y_ld < n_out
+        || a.x.len() < span(a.m, a.x_ld, k)
+        || a.y.len() < span(a.m, a.y_ld, n_out)
+        || bad_norm
+    {
+        return Err(shape_err(format!(
+            "mmvq: W [{}, {k}] ({:?}), x {} (ld {}), y {} (ld {}), {} rows",
+            w.n,
+            a.epi,
+            a.x.len(),
+            a.x_ld,
+            a.y.len(),
+            a.y_ld,
+            a.m
+        )));
+    }
+    if a.m == 0 {
+        return Ok(());
+    }
+    let r = rows_per_block(a.m, k);
+    let chunks = a.m.div_ceil(r);
+    let target_blocks = (4 * dev.info().multiprocessors.max(1) as usize).div_ceil(chunks);
+    // One-row launches take two columns per warp and pass (the kernel's R = 1 path), except SwiGLU,
+    // whose warps take their column's gate and up rows together.
+    let cols_per_block = if r == 1 && a.epi != Epilogue::Swiglu { 16 } else { 8 };
+    let grid_x = n_out.div_ceil(cols_per_block).min(target_blocks.max(1));
+    let ri = MMVQ_ROWS.iter().position(|&v| v == r).unwrap_or(0);
+    let kernel = &dev.kernels.mmvq[w.format.code()][ri];
+    let (qs, sc) = (w.qs.view(), w.scales.view());
+    let (norm_ptr, eps) = a.norm.map(|(nw, eps)| (nw.device_ptr(), eps)).unwrap_or((0, 0.0));
+    let (x_ld, m, y_ld, n_out32, k32) =
+        (dim(a.x_ld, "x_ld")?, dim(a.m, "m")?, dim(a.y_ld, "y_ld")?, dim(n_out, "n")?, dim(k, "k")?);
+    let epi = a.epi.code();
+    let mut launch = dev.stream().launch_builder(kernel);
+    launch
+        .arg(qs.arg())
+        .arg(sc.arg())
+        .arg(a.x.arg())
+        .arg(&x_ld)
+        .arg(&m)
+        .arg(&norm_ptr)
+        .arg(&eps)
+        .arg(a.y.arg())
+        .arg(&y_ld)
+        .arg(&n_out32)
+        .arg(&k32)
+        .arg(&epi);
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (dim(grid_x, "blocks")?, dim(chunks, "row chunks")?, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: dim(mmvq_smem_bytes(k, r), "shared memory")?,
+    };
+    // SAFETY: the arguments match the kernel's signature; the shapes were checked above and the shared
+    // memory asked for is what the kernel carves (within the attribute set at load).
+    unsafe { launch.launch(cfg) }.map_err(launch_err("mmvq"))?;
+    Ok(())
+}
+
+/// `out[t, :] = dequantize(table[ids[t], :])`, bit-identical to the CPU's [`crate::quant::dequantize_row`];
+/// an id past the table gives a row of NaN.
+///
+/// `ids`: `[T]`; `out`: `[T, table.k]`.
+///
+/// # Errors
+/// Lengths that do not form these shapes; a launch failure.
+pub fn embedding_quant<'a>(
+    dev: &CudaDevice,
+    table: &QuantMatrix,
+    ids: impl DevArg<'a, u32>,
+    out: impl DevArg<'a, f32>,
+) -> Result<()> {
+    let (ids, out) = (ids.dev(), out.dev());
+    if out.len() != ids.len() * table.k {
+        return Err(shape_err(format!("embedding_quant: {} ids, out {}, hidden {}", ids.len(), out.len(), table.k)));
+    }
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let (qs, sc) = (table.qs.view(), table.scales.view());
+    let (grid, vocab, hidden) = (dim(ids.len(), "ids")?, dim(table.n, "vocab")?, dim(table.k, "hidden")?);
+    let fmt = table.format.code() as u32;
+    let mut launch = dev.stream().launch_builder(&dev.kernels.embedding_quant);
+    launch.arg(qs.arg()).arg(sc.arg()).arg(ids.arg()).arg(out.arg()).arg(&vocab).arg(&hidden).arg(&fmt);
+    // SAFETY: the arguments match the kernel's signature; the shapes were checked; ids are checked in the
+    // kernel against vocab.
+    unsafe { launch.launch(super::launch_cfg((grid, 1, 1), ROW_BLOCK)) }.map_err(launch_err("embedding_quant"))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_per_block_covers_m_within_shared_memory() {
+        assert_eq!(rows_per_block(1, 576), 1);
+        assert_eq!(rows_per_block(3, 576), 4);
+        assert_eq!(rows_per_block(16, 1536), 8);
+        // 14336 columns: 8 rows would take 143 KiB, within the 160 KiB limit; 32K columns only fit 4.
+        assert_eq!(rows_per_block(8, 14336), 8);
+        assert_eq!(rows_per_block(8, 32768), 4);
+    }
+}
