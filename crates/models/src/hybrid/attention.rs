@@ -1,6 +1,6 @@
 //! Full-attention layers: Qwen3-MoE's (q/k RMSNorm, RoPE) and Qwen3-Next's gated variant (`q_proj` also
 //! yields a per-head output gate, `attn · sigmoid(gate)` before `o_proj`; zero-centred q/k norms; RoPE on the
-//! leading `rotary_dim` dims of each head only).
+//! leading `rotary_dim` dims of each head only). MTP heads reuse them, Llama-style ones without q/k norms.
 
 use dflash_runtime::ops::{self, AttnSeq, RopeTable, RowKernel};
 use dflash_runtime::{DType, Tensor};
@@ -13,14 +13,45 @@ use super::config::HybridConfig;
 use super::rows::{linear, RowPlan};
 use super::weights::{norm_weight, stack_rows};
 
+/// The shape and conventions of an attention layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct AttnSpec {
+    pub(crate) hidden: usize,
+    pub(crate) heads: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) head_dim: usize,
+    /// `q_proj` also yields the output gate (Qwen3-Next).
+    pub(crate) gated: bool,
+    /// q/k norms compute `x̂ · (1 + w)`.
+    pub(crate) zero_centred: bool,
+    pub(crate) eps: f32,
+}
+
+impl AttnSpec {
+    /// The attention layers of a hybrid checkpoint.
+    pub(crate) fn of(cfg: &HybridConfig) -> Self {
+        let b = &cfg.base;
+        AttnSpec {
+            hidden: b.hidden_size,
+            heads: b.num_heads,
+            kv_heads: b.num_kv_heads,
+            head_dim: b.head_dim,
+            gated: cfg.attn_output_gate,
+            zero_centred: cfg.zero_centred_norms,
+            eps: b.rms_norm_eps,
+        }
+    }
+}
+
 /// One attention layer's weights.
 #[derive(Debug)]
 pub(crate) struct Attention {
     /// q (and, gated, the gate) then k and v: `[q | gate | k | v]` outputs, q and gate each head by head.
     qkv: Tensor, // [(heads·(1 + gated) + 2·kv_heads)·head_dim, hidden]
-    q_norm: Tensor, // [head_dim]
-    k_norm: Tensor, // [head_dim]
-    o_proj: Tensor, // [hidden, heads·head_dim]
+    /// Per-head q/k norms (`None`: a Llama-style layer without them).
+    q_norm: Option<Tensor>, // [head_dim]
+    k_norm: Option<Tensor>, // [head_dim]
+    o_proj: Tensor,         // [hidden, heads·head_dim]
     gated: bool,
     heads: usize,
     kv_heads: usize,
@@ -37,12 +68,11 @@ struct Parts {
 }
 
 impl Attention {
-    /// Takes `model.layers.{i}.self_attn.*`.
-    pub(crate) fn load(store: &mut WeightStore, i: usize, cfg: &HybridConfig) -> Result<Self> {
-        let p = |s: &str| format!("model.layers.{i}.self_attn.{s}");
-        let b = &cfg.base;
-        let (h, hd, gated) = (b.hidden_size, b.head_dim, cfg.attn_output_gate);
-        let (qd, kd) = (b.num_heads * hd, b.num_kv_heads * hd);
+    /// Takes `{prefix}.{q,k,v,o}_proj.weight` and, when `qk_norm`, `{prefix}.{q,k}_norm.weight`.
+    pub(crate) fn load(store: &mut WeightStore, prefix: &str, spec: AttnSpec, qk_norm: bool) -> Result<Self> {
+        let p = |s: &str| format!("{prefix}.{s}");
+        let (h, hd, gated) = (spec.hidden, spec.head_dim, spec.gated);
+        let (qd, kd) = (spec.heads * hd, spec.kv_heads * hd);
         let q = store.take(&p("q_proj.weight"), &[if gated { 2 * qd } else { qd }, h])?;
         let k = store.take(&p("k_proj.weight"), &[kd, h])?;
         let v = store.take(&p("v_proj.weight"), &[kd, h])?;
@@ -50,23 +80,25 @@ impl Attention {
         let mut parts = Vec::new();
         if gated {
             for offset in [0, hd] {
-                parts.extend((0..b.num_heads).map(|j| (&q, j * 2 * hd + offset..j * 2 * hd + offset + hd)));
+                parts.extend((0..spec.heads).map(|j| (&q, j * 2 * hd + offset..j * 2 * hd + offset + hd)));
             }
         } else {
             parts.push((&q, 0..qd));
         }
         parts.extend([(&k, 0..kd), (&v, 0..kd)]);
-        let zc = cfg.zero_centred_norms;
+        let zc = spec.zero_centred;
+        let mut norm = |name: &str| qk_norm.then(|| norm_weight(store, &p(name), hd, zc)).transpose();
+        let (q_norm, k_norm) = (norm("q_norm.weight")?, norm("k_norm.weight")?);
         Ok(Attention {
             qkv: stack_rows(&parts)?,
-            q_norm: norm_weight(store, &p("q_norm.weight"), hd, zc)?,
-            k_norm: norm_weight(store, &p("k_norm.weight"), hd, zc)?,
+            q_norm,
+            k_norm,
             o_proj: store.take(&p("o_proj.weight"), &[h, qd])?,
             gated,
-            heads: b.num_heads,
-            kv_heads: b.num_kv_heads,
+            heads: spec.heads,
+            kv_heads: spec.kv_heads,
             head_dim: hd,
-            eps: b.rms_norm_eps,
+            eps: spec.eps,
         })
     }
 
@@ -88,8 +120,10 @@ impl Attention {
         let mut qkv = Tensor::zeros(DType::F32, &[t, self.qkv.rows()])?;
         linear(plan, normed, &self.qkv, &mut qkv)?;
         let mut x = self.split(&qkv)?;
-        ops::head_rms_norm(&mut x.q, self.head_dim, &self.q_norm, self.eps)?;
-        ops::head_rms_norm(&mut x.k, self.head_dim, &self.k_norm, self.eps)?;
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            ops::head_rms_norm(&mut x.q, self.head_dim, qn, self.eps)?;
+            ops::head_rms_norm(&mut x.k, self.head_dim, kn, self.eps)?;
+        }
         ops::rope(&mut x.q, self.head_dim, batch.positions, rope)?;
         ops::rope(&mut x.k, self.head_dim, batch.positions, rope)?;
         ops::kv_write(&mut kv.k[slot], &mut kv.v[slot], &x.k, &x.v, batch.slots)?;

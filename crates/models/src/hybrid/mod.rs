@@ -28,14 +28,14 @@
 //! `C` = 8192) that is 75 MiB copied and 2 MiB recorded per row, against 75 MiB per row for keeping a
 //! per-position snapshot of the state instead.
 
-mod attention;
+pub(crate) mod attention;
 mod config;
 mod delta_rule;
 mod gdn;
-mod moe;
-mod rows;
+pub(crate) mod moe;
+pub(crate) mod rows;
 mod state;
-mod weights;
+pub(crate) mod weights;
 
 use std::path::Path;
 
@@ -52,7 +52,7 @@ use crate::loader::LoadOptions;
 use crate::safetensors_dir::{read_json, SafetensorsDir};
 use crate::weights::{WeightFile, WeightStore};
 
-use attention::Attention;
+use attention::{Attention, AttnSpec};
 use gdn::GatedDeltaNet;
 use moe::{Ffn, Mlp, SparseMoe};
 use rows::{linear, RowPlan};
@@ -255,14 +255,16 @@ fn load_layer(cfg: &HybridConfig, store: &mut WeightStore, i: usize) -> Result<L
     let (h, zc) = (b.hidden_size, cfg.zero_centred_norms);
     let p = |s: &str| format!("model.layers.{i}.{s}");
     let mixer = match cfg.mixers[i] {
-        MixerKind::FullAttention => Mixer::Attention(slot_of(cfg, i), Attention::load(store, i, cfg)?),
+        MixerKind::FullAttention => {
+            Mixer::Attention(slot_of(cfg, i), Attention::load(store, &p("self_attn"), AttnSpec::of(cfg), true)?)
+        }
         MixerKind::LinearAttention => {
             let dims = cfg.gdn.ok_or_else(|| ModelError::Config("linear attention layer without sizes".into()))?;
             Mixer::Gdn(slot_of(cfg, i), GatedDeltaNet::load(store, i, dims, h, b.rms_norm_eps)?)
         }
     };
     let ffn = match (cfg.ffns[i], cfg.moe) {
-        (FfnKind::Sparse, Some(dims)) => Ffn::Sparse(SparseMoe::load(store, i, dims, h)?),
+        (FfnKind::Sparse, Some(dims)) => Ffn::Sparse(SparseMoe::load(store, &p("mlp"), dims, h)?),
         _ => Ffn::Dense(Mlp::load(store, &p("mlp"), h, b.intermediate_size)?),
     };
     Ok(Layer {

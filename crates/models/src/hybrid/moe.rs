@@ -57,9 +57,9 @@ pub(crate) struct SparseMoe {
 }
 
 impl SparseMoe {
-    /// Takes `model.layers.{i}.mlp.*`.
-    pub(crate) fn load(store: &mut WeightStore, i: usize, dims: MoeDims, hidden: usize) -> Result<Self> {
-        let p = |s: &str| format!("model.layers.{i}.mlp.{s}");
+    /// Takes `{prefix}.gate`, `{prefix}.experts.*` and, with a shared expert, `{prefix}.shared_expert*`.
+    pub(crate) fn load(store: &mut WeightStore, prefix: &str, dims: MoeDims, hidden: usize) -> Result<Self> {
+        let p = |s: &str| format!("{prefix}.{s}");
         let gate = store.take(&p("gate.weight"), &[dims.num_experts, hidden])?;
         let experts = (0..dims.num_experts)
             .map(|e| Mlp::load(store, &p(&format!("experts.{e}")), hidden, dims.expert_intermediate))

@@ -1,0 +1,137 @@
+//! The head's forward: committed entries appended to a sequence's history, chained draft steps past it, and
+//! logits through the target's LM head.
+
+use dflash_runtime::ops;
+use dflash_runtime::{DType, Tensor};
+
+use super::{MtpContext, MtpHead};
+use crate::batch::{ForwardBatch, SeqRows};
+use crate::error::{ModelError, Result};
+use crate::hybrid::rows::RowPlan;
+
+impl MtpHead {
+    /// Appends committed entries at positions `ctx.len() ..`: `trunk` `[n, hidden]` holds the target's last-layer
+    /// outputs at those positions (before its final norm, as captured), `next_tokens` `[n]` the token after
+    /// each. `embedding` is the target's `[vocab, hidden]` table. Returns the entries' outputs `[n, hidden]`
+    /// (after `mtp.norm`): the last one drafts the token after the next committed one.
+    ///
+    /// # Errors
+    /// Shapes that do not match, a token outside the vocabulary, an op failure; the history is then unchanged.
+    pub fn append(
+        &self,
+        ctx: &mut MtpContext,
+        embedding: &Tensor,
+        trunk: &Tensor, // [n, hidden]
+        next_tokens: &[u32],
+    ) -> Result<Tensor> {
+        self.check_rows(trunk, next_tokens.len())?;
+        let mut hidden = Tensor::zeros(DType::F32, trunk.shape())?;
+        ops::rms_norm(trunk, &self.trunk_norm.weight, self.trunk_norm.eps, &mut hidden)?;
+        let first = ctx.len();
+        let out = self.run(ctx, embedding, &hidden, next_tokens, first, true)?;
+        ctx.commit(next_tokens.len());
+        Ok(out)
+    }
+
+    /// One chained draft step past the history, at position `ctx.len() + step` (steps `0, 1, …` of a round, in
+    /// order): `previous` `[1, hidden]` is the output the step continues (the last appended entry's for step 0,
+    /// else the previous step's), `token` the token drafted from it. Returns the step's output `[1, hidden]`.
+    /// Nothing is committed: the next [`MtpHead::append`] overwrites the scratch slots.
+    ///
+    /// # Errors
+    /// As [`MtpHead::append`].
+    pub fn chain(
+        &self,
+        ctx: &mut MtpContext,
+        embedding: &Tensor,
+        previous: &Tensor, // [1, hidden]
+        token: u32,
+        step: usize,
+    ) -> Result<Tensor> {
+        self.check_rows(previous, 1)?;
+        let first = ctx.len() + step;
+        self.run(ctx, embedding, previous, &[token], first, false)
+    }
+
+    /// Logits `[n, vocab]` of head outputs `[n, hidden]` through the target's LM head `[vocab, hidden]`.
+    ///
+    /// # Errors
+    /// Mismatched shapes or an op failure.
+    pub fn logits(&self, lm_head: &Tensor, out: &Tensor) -> Result<Tensor> {
+        let mut logits = Tensor::zeros(DType::F32, &[out.rows(), lm_head.rows()])?;
+        ops::matmul(out, lm_head, &mut logits)?;
+        Ok(logits)
+    }
+
+    fn check_rows(&self, x: &Tensor, rows: usize) -> Result<()> {
+        let h = self.cfg.hidden_size();
+        if x.shape() != [rows, h] {
+            return Err(ModelError::Batch(format!("MTP input {:?} for {rows} rows of {h}", x.shape())));
+        }
+        Ok(())
+    }
+
+    /// The head over rows at positions `first ..` with normed hidden inputs `hidden` `[n, hidden]` and their next
+    /// tokens; writes their K/V at the same slots. Committed rows attend as one block (the tiled kernel), chained
+    /// steps one row at a time, like a target's prompt and generated rows.
+    fn run(
+        &self,
+        ctx: &mut MtpContext,
+        embedding: &Tensor,
+        hidden: &Tensor, // [n, hidden]
+        tokens: &[u32],
+        first: usize,
+        committed: bool,
+    ) -> Result<Tensor> {
+        let (n, h, eps) = (tokens.len(), self.cfg.hidden_size(), self.cfg.eps());
+        if n == 0 {
+            return Ok(Tensor::zeros(DType::F32, &[0, h])?);
+        }
+        let mut x = self.combine(embedding, hidden, tokens)?; // [n, hidden]
+        ctx.reserve(first + n)?;
+        let positions: Vec<u32> = (first..first + n).map(|p| p as u32).collect();
+        let seqs = [SeqRows {
+            num_rows: n,
+            context_len: first,
+            block_table: &ctx.block_table,
+            prompt_len: if committed { first + n } else { 0 },
+        }];
+        let batch = ForwardBatch { tokens, positions: &positions, seqs: &seqs, slots: &positions, logit_rows: &[] };
+        let plan = RowPlan::from_batch(&batch);
+        let mut normed = Tensor::zeros(DType::F32, &[n, h])?;
+        let mut delta = Tensor::zeros(DType::F32, &[n, h])?;
+        ops::rms_norm(&x, &self.attn_norm, eps, &mut normed)?;
+        self.attn.forward(&plan, &batch, &mut ctx.kv, 0, &self.rope, &normed, &mut delta)?;
+        ops::add_rms_norm(&mut x, &delta, &self.ffn_norm, eps, &mut normed)?;
+        self.ffn.forward(&plan, &normed, &mut delta)?;
+        ops::add_in_place(&mut x, &delta)?;
+        let mut out = Tensor::zeros(DType::F32, &[n, h])?;
+        ops::rms_norm(&x, &self.norm, eps, &mut out)?;
+        Ok(out)
+    }
+
+    /// `fc([pre_fc_norm_embedding(embed(tokens)) | pre_fc_norm_hidden(hidden)])`: `[n, hidden]`.
+    fn combine(&self, embedding: &Tensor, hidden: &Tensor, tokens: &[u32]) -> Result<Tensor> {
+        let (n, h, eps) = (tokens.len(), self.cfg.hidden_size(), self.cfg.eps());
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= embedding.rows()) {
+            return Err(ModelError::Batch(format!("token {t} outside a vocabulary of {}", embedding.rows())));
+        }
+        let mut emb = Tensor::zeros(DType::F32, &[n, h])?;
+        ops::embedding(embedding, tokens, &mut emb)?;
+        let mut e = Tensor::zeros(DType::F32, &[n, h])?;
+        ops::rms_norm(&emb, &self.pre_fc_norm_embedding, eps, &mut e)?;
+        let mut hn = Tensor::zeros(DType::F32, &[n, h])?;
+        ops::rms_norm(hidden, &self.pre_fc_norm_hidden, eps, &mut hn)?;
+        let mut joined = Tensor::zeros(DType::F32, &[n, 2 * h])?;
+        {
+            let (e, hn) = (e.as_f32()?, hn.as_f32()?);
+            for (r, row) in joined.as_f32_mut()?.chunks_exact_mut(2 * h).enumerate() {
+                row[..h].copy_from_slice(&e[r * h..(r + 1) * h]);
+                row[h..].copy_from_slice(&hn[r * h..(r + 1) * h]);
+            }
+        }
+        let mut x = Tensor::zeros(DType::F32, &[n, h])?;
+        ops::matmul(&joined, &self.fc, &mut x)?;
+        Ok(x)
+    }
+}
