@@ -4,6 +4,8 @@
     OUT/drafter/config.json         DFlash2DraftModel config (Qwen3 fields; DFlash fields in dflash_config)
     OUT/drafter/model.safetensors   bf16; tensor names as the reference expects, the selector codebooks without a
                                     `.weight` suffix (dflash-spec.md §1.3)
+    OUT/drafter/draft_vocab.safetensors
+                                    with --samples: the token ranking of the draft vocabulary (draft_vocab.py)
     OUT/mtp/config.json             the target's geometry plus mtp_num_hidden_layers and the head's conventions
     OUT/mtp/model.safetensors       bf16; `mtp.*` tensors (Qwen3-Next layout, see mtp.py)
     OUT/metrics.json                training metrics, sizes, and the reference check's results
@@ -13,7 +15,7 @@ drafter with the reference `dflash` package, compares its tensors and its forwar
 drafts greedily with the reference decode loop on bench/prompts/heldout-small.json (the output must equal plain
 greedy decoding), and measures both drafters' greedy acceptance.
 
-    python tools/train/export.py --ckpt OUT/ckpt/train_state.pt --out OUT/export
+    python tools/train/export.py --ckpt OUT/ckpt/train_state.pt --out OUT/export --samples OUT/data/samples.npz
     python tools/train/export.py --check-only OUT/export          # re-check an export (e.g. after fetching it)
     python tools/train/export.py --smoke --ckpt /tmp/smoke/ckpt/train_state.pt --out /tmp/smoke/export
 """
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+import draft_vocab
 from target import DEFAULT_GGUF
 
 SIZE_LIMIT_BYTES = 30_000_000
@@ -119,6 +122,8 @@ def main() -> None:
     parser.add_argument("--check-only", type=Path, help="check an existing export directory, write nothing else")
     parser.add_argument("--no-check", action="store_true", help="only write the files")
     parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
+    parser.add_argument("--samples", type=Path,
+                        help="generate.py's samples .npz: also write the drafter's draft vocabulary from them")
     parser.add_argument("--prompts", type=Path, help="held-out prompts for the check (default heldout-small.json)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -135,6 +140,9 @@ def main() -> None:
         out = args.out
         report = {"sizes": write_export(state, out, args.smoke), "train_metrics": state["metrics"],
                   "data": state.get("data"), "train_args": state.get("args")}
+        if args.samples is not None:
+            report["draft_vocab"] = draft_vocab.build(args.samples, args.gguf, out / "drafter")
+            log(f"draft vocabulary ranking written (default size {report['draft_vocab']['default_size']})")
     if not args.no_check:
         report["reference_check"] = reference_check.run(out, args.gguf, args.prompts, args.max_new_tokens,
                                                         torch.device("cpu" if args.smoke else args.device),

@@ -92,7 +92,8 @@ case "${from}" in
         ;&
     export)
         say "export and reference check"
-        "${py}" -u "${here}/export.py" --gguf "${gguf}" --ckpt "${out}/ckpt/train_state.pt" --out "${out}/export" ${smoke}
+        "${py}" -u "${here}/export.py" --gguf "${gguf}" --ckpt "${out}/ckpt/train_state.pt" --out "${out}/export" \
+            --samples "${out}/data/samples.npz" ${smoke}
         ;;
     *) echo "--from must be generate, train or export" >&2; exit 2 ;;
 esac

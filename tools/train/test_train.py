@@ -6,11 +6,13 @@
 from __future__ import annotations
 
 import unittest
+from pathlib import Path
 
 import numpy as np
 import torch
 
 import check_heldout
+import draft_vocab
 import drafter as dfl
 import mtp as mtp_mod
 import prompts
@@ -219,6 +221,34 @@ class EvalAndDataTests(unittest.TestCase):
         names = set(drafter_tensors(state))
         self.assertEqual(names, {"candidate_selector.predecessor_codebook", "fc.weight"})
         self.assertEqual(set(mtp_tensors({"fc.weight": torch.ones(1)})), {"mtp.fc.weight"})
+
+
+class DraftVocabTests(unittest.TestCase):
+    def test_ranking_puts_control_tokens_first_then_frequency(self):
+        response = np.array([0, 5, 1, 9, 0, 0, 3, 0])
+        prompt = np.array([0, 0, 0, 0, 4, 2, 0, 0])
+        ranking = draft_vocab.rank(response, prompt, control=[7, 1])
+        # Controls 1 (count 5) and 7 (count 0); then by response count; unseen 4, 5, 0 by prompt count.
+        self.assertEqual(ranking.tolist(), [1, 7, 3, 6, 2, 4, 5, 0])
+        self.assertEqual(ranking.dtype, np.int32)
+        cov = draft_vocab.coverage(ranking, response, sizes=(2, 4, 16))
+        self.assertEqual(cov, {"2": round(5 / 18, 6), "4": round(17 / 18, 6)})
+
+    def test_counts_split_prompt_and_response_tokens_and_the_file_reads_back(self):
+        import tempfile
+        from safetensors import safe_open
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "samples.npz"
+            np.savez(path, tokens=np.array([1, 2, 3, 3, 4, 1, 4], dtype=np.uint16), offsets=np.array([0, 4, 7]),
+                     prompt_len=np.array([2, 1], dtype=np.int32))
+            response, prompt = draft_vocab.token_counts(path, vocab=6)
+            self.assertEqual(response.tolist(), [0, 1, 0, 2, 1, 0])
+            self.assertEqual(prompt.tolist(), [0, 1, 1, 0, 1, 0])
+            written = draft_vocab.write(Path(tmp) / "drafter", np.array([2, 0, 1], dtype=np.int32), 2, {"x": "y"})
+            with safe_open(str(written), "np") as f:
+                self.assertEqual(f.get_tensor("token_ids").tolist(), [2, 0, 1])
+                self.assertEqual(f.metadata()["default_size"], "2")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,11 @@
 //! From a block's logits to proposed tokens: argmax or a filtered sample per slot (DFlash v1), the selector's walk
 //! (DFlash2), and the draft distributions `q` that exact (lossless) verification needs.
+//!
+//! With a draft vocabulary the logits have one column per draft-vocabulary token; every index picked here (an
+//! argmax, a draw, a selector candidate) is mapped back to its target id before it is proposed, so tokens, `q` and
+//! the selector's codebook lookups are always in target ids.
+
+use std::sync::Arc;
 
 use dflash_runtime::{ops, Tensor};
 
@@ -10,6 +16,7 @@ use super::context::DrafterContext;
 use super::forward::{BlockOutput, BlockRequest};
 use super::sampling::{filtered_probs, Draw, SamplingFilter};
 use super::selector::WalkMode;
+use super::vocab::{target_id, DraftHead};
 use super::DraftModel;
 
 /// How the drafts of a block are chosen.
@@ -30,14 +37,17 @@ pub struct Draft {
     pub tokens: Vec<u32>,
     /// The distributions the tokens were drawn from (None for greedy drafts).
     pub q: Option<DraftProbs>,
-    /// Draft logits `[w − 1, V]` (after multiplier and softcap).
+    /// Draft logits `[w − 1, V]`, or `[w − 1, N]` over a draft vocabulary (after multiplier and softcap).
     pub logits: Tensor,
+    /// With a draft vocabulary, the target id of each logit column; `None`: column `j` is token `j`.
+    pub token_ids: Option<Arc<[u32]>>,
 }
 
 /// The draft distribution of every slot, for the accept test `u · q(d) < p(d)` and the residual `max(p − q, 0)`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum DraftProbs {
-    /// DFlash v1: a full-vocabulary distribution per slot, `[slots, vocab]` (independent slots).
+    /// DFlash v1: a full-vocabulary distribution per slot, `[slots, vocab]` (independent slots; zero outside a
+    /// draft vocabulary).
     Dense { vocab: usize, probs: Vec<f32> },
     /// DFlash2: per slot the selector's K candidates and their probabilities, `[slots, K]` each; slot `j`'s
     /// distribution is conditioned on the tokens drafted before it (the anchor for slot 0).
@@ -90,15 +100,17 @@ impl DraftModel {
     /// Drafts one block for one sequence: the block pass, then [`DraftModel::propose`]. The context must hold every
     /// committed position before the anchor (`ctx.len()` is the anchor's position).
     ///
+    /// `lm_head`: the target's `[V, Ht]` head, or a [`super::DraftVocab`] to score only its tokens.
+    ///
     /// # Errors
     /// As [`DraftModel::forward_blocks`] and [`DraftModel::propose`].
-    pub fn draft(
+    pub fn draft<'h>(
         &self,
         ctx: &mut DrafterContext,
         anchor: u32,
         width: usize,
-        embed: &Tensor,   // [V, Ht]
-        lm_head: &Tensor, // [V, Ht]
+        embed: &Tensor, // [V, Ht]
+        lm_head: impl Into<DraftHead<'h>>,
         sampling: DraftSampling<'_>,
     ) -> Result<Draft> {
         let mut requests = [BlockRequest { ctx, anchor, width }];
@@ -113,17 +125,21 @@ impl DraftModel {
     /// An invalid sampling filter, a failing draw or one that returns an index out of range.
     pub fn propose(&self, block: BlockOutput, anchor: u32, sampling: DraftSampling<'_>) -> Result<Draft> {
         let first_position = (block.start + 1) as u32;
+        let ids = block.token_ids.as_deref();
         let (tokens, q) = match (self.kind(), sampling) {
-            (DraftKind::DFlash, DraftSampling::Greedy) => (greedy_tokens(&block.logits)?, None),
+            (DraftKind::DFlash, DraftSampling::Greedy) => (greedy_tokens(&block.logits, ids)?, None),
             (DraftKind::DFlash, DraftSampling::Sample { filter, draw }) => {
                 filter.validate()?;
-                let (tokens, q) = sample_dense(&block.logits, &filter, first_position, draw)?;
+                let columns = Columns { ids, vocab: self.target().vocab_size };
+                let (tokens, q) = sample_dense(&block.logits, columns, &filter, first_position, draw)?;
                 (tokens, Some(q))
             }
             (DraftKind::DFlash2, sampling) => {
                 let selector =
                     self.selector().ok_or_else(|| ModelError::Config("DFlash2 drafter without a selector".into()))?;
-                let candidates = selector.candidates(&block.logits)?;
+                let mut candidates = selector.candidates(&block.logits)?;
+                // Ascending ids keep the candidates' (value, id) order: ties still go to the lower target id.
+                candidates.ids.iter_mut().for_each(|c| *c = target_id(ids, *c));
                 let projected = selector.project(&block.hidden)?;
                 let mode = match sampling {
                     DraftSampling::Greedy => WalkMode::Greedy,
@@ -137,41 +153,125 @@ impl DraftModel {
                 (walk.path, q)
             }
         };
-        Ok(Draft { start: block.start, tokens, q, logits: block.logits })
+        Ok(Draft { start: block.start, tokens, q, logits: block.logits, token_ids: block.token_ids })
     }
 }
 
-/// The argmax of every row (ties: lowest id).
-fn greedy_tokens(logits: &Tensor) -> Result<Vec<u32>> {
-    let v = logits.row_len().max(1);
-    Ok(logits.as_f32()?.chunks_exact(v).map(ops::argmax).collect())
+/// What the logit columns are: target ids (`ids`, or the column itself) of a `vocab`-token target.
+#[derive(Clone, Copy)]
+struct Columns<'a> {
+    ids: Option<&'a [u32]>,
+    vocab: usize,
 }
 
-/// One independent draw per slot from the filtered distribution; returns the tokens and the distributions.
+/// The argmax of every row (ties: lowest id), as target ids.
+fn greedy_tokens(logits: &Tensor, ids: Option<&[u32]>) -> Result<Vec<u32>> {
+    let v = logits.row_len().max(1);
+    Ok(logits.as_f32()?.chunks_exact(v).map(|row| target_id(ids, ops::argmax(row))).collect())
+}
+
+/// One independent draw per slot from the filtered distribution (over the logit columns: a draft vocabulary's
+/// draws see its target ids); returns the target tokens and the distributions over the whole target vocabulary.
 fn sample_dense(
     logits: &Tensor,
+    columns: Columns<'_>,
     filter: &SamplingFilter,
     first_position: u32,
     draw: &mut dyn Draw,
 ) -> Result<(Vec<u32>, DraftProbs)> {
-    let v = logits.row_len();
+    let n = logits.row_len();
     let mut tokens = Vec::with_capacity(logits.rows());
-    let mut all = Vec::with_capacity(logits.rows() * v);
-    for (j, row) in logits.as_f32()?.chunks_exact(v.max(1)).enumerate() {
+    let mut all = vec![0f32; logits.rows() * columns.vocab];
+    for (j, row) in logits.as_f32()?.chunks_exact(n.max(1)).enumerate() {
         let probs = filtered_probs(row, filter);
-        let i = draw.draw(first_position + j as u32, &probs, None)?;
-        if i >= v {
-            return Err(ModelError::Batch(format!("draw returned token {i} of a {v}-token vocabulary")));
+        let i = draw.draw(first_position + j as u32, &probs, columns.ids)?;
+        if i >= n {
+            return Err(ModelError::Batch(format!("draw returned column {i} of {n}")));
         }
-        tokens.push(i as u32);
-        all.extend_from_slice(&probs);
+        tokens.push(target_id(columns.ids, i as u32));
+        let dense = &mut all[j * columns.vocab..(j + 1) * columns.vocab];
+        for (c, &p) in probs.iter().enumerate() {
+            dense[target_id(columns.ids, c as u32) as usize] = p;
+        }
     }
-    Ok((tokens, DraftProbs::Dense { vocab: v, probs: all }))
+    Ok((tokens, DraftProbs::Dense { vocab: columns.vocab, probs: all }))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dflash::{BlockRequest, DraftVocab, InverseCdf, TargetSpec};
+    use crate::loader::{load_hf_weights, LoadOptions};
+    use crate::LlamaModel;
+    use std::path::{Path, PathBuf};
+
+    fn fixture(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    }
+
+    /// A fixture drafter over the tiny Qwen3 target, its context holding 10 positions of made-up captured rows.
+    fn drafter_with_context(name: &str) -> (DraftModel, LlamaModel, DrafterContext) {
+        let target = load_hf_weights(&fixture("tiny-qwen3"), &LoadOptions::default()).expect("target");
+        let spec = TargetSpec::of(target.config());
+        let model = DraftModel::load(&fixture(name), &spec).expect("drafter");
+        let width = model.target_layer_ids().len() * spec.hidden_size;
+        let taps: Vec<f32> = (0..10 * width).map(|i| ((i * 53 % 97) as f32 - 48.0) / 24.0).collect();
+        let mut ctx = model.new_context().expect("context");
+        model.append_context(&mut ctx, 0, &taps).expect("append");
+        (model, target, ctx)
+    }
+
+    /// The full head's block with every column outside `ids` at -inf: what drafting over `ids` must reproduce.
+    fn masked(block: &BlockOutput, ids: &[u32]) -> BlockOutput {
+        let v = block.logits.row_len();
+        let mut logits = vec![f32::NEG_INFINITY; block.logits.len()];
+        for (row, src) in logits.chunks_exact_mut(v).zip(block.logits.as_f32().expect("f32").chunks_exact(v)) {
+            ids.iter().for_each(|&id| row[id as usize] = src[id as usize]);
+        }
+        let logits = Tensor::from_f32(&logits, block.logits.shape()).expect("logits");
+        let hidden = Tensor::from_f32(block.hidden.as_f32().expect("f32"), block.hidden.shape()).expect("hidden");
+        BlockOutput { start: block.start, hidden, logits, token_ids: None }
+    }
+
+    #[test]
+    fn a_draft_vocabulary_drafts_what_the_full_head_drafts_restricted_to_its_tokens() {
+        for name in ["dflash-v1", "dflash-v2"] {
+            let (model, target, mut ctx) = drafter_with_context(name);
+            let ids: Vec<u32> = (0..256).filter(|i| i % 3 == 0 || i % 7 == 2).collect();
+            let vocab = DraftVocab::gather(target.lm_head(), &ids).expect("vocab");
+            let anchor = 42;
+            let mut pass = |head: DraftHead<'_>| {
+                let mut requests = [BlockRequest { ctx: &mut ctx, anchor, width: 8 }];
+                model.forward_blocks(&mut requests, target.embedding(), head, None).expect("pass").remove(0)
+            };
+            let full = pass(DraftHead::Full(target.lm_head()));
+            let restricted = pass(DraftHead::Vocab(&vocab));
+            assert_eq!(restricted.logits.shape(), &[7, vocab.len()]);
+            let (all, some) = (full.logits.as_f32().expect("f32"), restricted.logits.as_f32().expect("f32"));
+            for r in 0..7 {
+                for (j, &id) in vocab.ids().iter().enumerate() {
+                    assert_eq!(some[r * vocab.len() + j], all[r * 256 + id as usize], "{name} row {r} id {id}");
+                }
+            }
+            let expect = |b: &BlockOutput, sampling| model.propose(masked(b, vocab.ids()), anchor, sampling);
+            let greedy = expect(&full, DraftSampling::Greedy).expect("masked greedy");
+            let got = model.propose(restricted, anchor, DraftSampling::Greedy).expect("greedy");
+            assert_eq!(got.tokens, greedy.tokens, "{name} greedy");
+            assert!(got.tokens.iter().all(|t| vocab.draft_id(*t).is_some()), "{name}: drafts outside the vocabulary");
+            assert_eq!(got.token_ids.as_deref(), Some(vocab.ids()));
+
+            let filter = SamplingFilter { temperature: 0.9, top_k: 40, top_p: 0.95 };
+            let uniforms: Vec<f32> = (0..7).map(|i| (i as f32 * 0.37 + 0.11) % 1.0).collect();
+            let sample = |b: BlockOutput, draw: &mut InverseCdf| {
+                model.propose(b, anchor, DraftSampling::Sample { filter, draw }).expect("sample")
+            };
+            let want = sample(masked(&full, vocab.ids()), &mut InverseCdf::new(uniforms.clone()));
+            let restricted = pass(DraftHead::Vocab(&vocab));
+            let got = sample(restricted, &mut InverseCdf::new(uniforms));
+            assert_eq!(got.tokens, want.tokens, "{name} sampled");
+            assert_eq!(got.q, want.q, "{name} q");
+        }
+    }
 
     #[test]
     fn draft_probs_read_and_subtract() {
@@ -189,5 +289,72 @@ mod tests {
         let mut p = vec![0.25; 5];
         cands.subtract_from(1, &mut p);
         assert_eq!(p, vec![-0.25, 0.25, 0.25, -0.25, 0.25]);
+    }
+}
+
+#[cfg(test)]
+mod tmp_timing {
+    use super::*;
+    use crate::dflash::{BlockRequest, DraftVocab, TargetSpec, VocabRanking};
+    use std::path::Path;
+    use std::time::Instant;
+
+    #[test]
+    #[ignore]
+    fn time_draft_heads() {
+        dflash_runtime::threads::init(Some(2));
+        let path = crate::resolve::default_model_path();
+        let loaded = crate::load_model(&crate::resolve::ModelSource::GgufFile(path), &Default::default()).expect("m");
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/drafters/smollm2-135m-instruct");
+        let spec = TargetSpec::of(loaded.model.config());
+        let model = DraftModel::load(&dir, &spec).expect("d");
+        let ranking = VocabRanking::read_dir(&dir).expect("r").expect("r");
+        let width = model.target_layer_ids().len() * spec.hidden_size;
+        let taps: Vec<f32> = (0..300 * width).map(|i| ((i * 53 % 97) as f32 - 48.0) / 24.0).collect();
+        let mut ctx = model.new_context().expect("c");
+        model.append_context(&mut ctx, 0, &taps).expect("a");
+        for n in [0usize, 16384, 8192, 4096, 2048] {
+            let vocab =
+                (n > 0).then(|| DraftVocab::gather(loaded.model.lm_head(), &ranking.select(n, &[2])).expect("g"));
+            for w in [8usize, 4, 2] {
+                let mut times = Vec::new();
+                for _ in 0..25 {
+                    let t = Instant::now();
+                    let head = match &vocab {
+                        Some(v) => DraftHead::Vocab(v),
+                        None => DraftHead::Full(loaded.model.lm_head()),
+                    };
+                    model.draft(&mut ctx, 5, w, loaded.model.embedding(), head, DraftSampling::Greedy).expect("x");
+                    times.push(t.elapsed().as_secs_f64() * 1e3);
+                }
+                times.sort_by(f64::total_cmp);
+                eprintln!("TIMING n={n} width={w}: median {:.2} ms, min {:.2} ms", times[12], times[0]);
+            }
+            let head = match &vocab {
+                Some(v) => DraftHead::Vocab(v),
+                None => DraftHead::Full(loaded.model.lm_head()),
+            };
+            let x = Tensor::from_f32(&vec![0.1f32; 7 * 576], &[7, 576]).expect("x");
+            let mut y = Tensor::zeros(dflash_runtime::DType::F32, &[7, head.matrix().rows()]).expect("y");
+            let (mut tm, mut tf, mut tp) = (Vec::new(), Vec::new(), Vec::new());
+            for _ in 0..25 {
+                let t = Instant::now();
+                dflash_runtime::threads::install(|| dflash_runtime::ops::matmul(&x, head.matrix(), &mut y))
+                    .expect("mm");
+                tm.push(t.elapsed().as_secs_f64() * 1e3);
+                let t = Instant::now();
+                let mut requests = [BlockRequest { ctx: &mut ctx, anchor: 5, width: 8 }];
+                let out =
+                    model.forward_blocks(&mut requests, loaded.model.embedding(), head, None).expect("f").remove(0);
+                tf.push(t.elapsed().as_secs_f64() * 1e3);
+                let t = Instant::now();
+                model.propose(out, 5, DraftSampling::Greedy).expect("p");
+                tp.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            for (name, v) in [("head matmul", &mut tm), ("forward_blocks", &mut tf), ("propose", &mut tp)] {
+                v.sort_by(f64::total_cmp);
+                eprintln!("TIMING n={n} {name}: median {:.2} ms, min {:.2} ms", v[12], v[0]);
+            }
+        }
     }
 }

@@ -3,8 +3,11 @@
 //! A block pass runs `[anchor, mask × (w − 1)]` at positions `start .. start + w` (`start` = the context length)
 //! through every layer: pre-norm attention whose keys are the layer's cached context K/V plus the block's own
 //! K/V, then a SwiGLU MLP, each sublayer wrapped in DFlash2's convolutions when present; the final norm; the
-//! target's LM head on rows `1..w` (same-position prediction: row `j` predicts the token at `start + j`).
+//! target's LM head (all of it, or a draft vocabulary's rows) on rows `1..w` (same-position prediction: row `j`
+//! predicts the token at `start + j`).
 //! Activations and the residual are f32 (never f16, whose range DFlash2 residuals exceed).
+
+use std::sync::Arc;
 
 use dflash_runtime::ops::{self, AttnSeq, RowKernel};
 use dflash_runtime::{DType, Tensor};
@@ -12,6 +15,7 @@ use dflash_runtime::{DType, Tensor};
 use crate::error::{ModelError, Result};
 
 use super::context::DrafterContext;
+use super::vocab::DraftHead;
 use super::weights::DraftLayer;
 use super::DraftModel;
 
@@ -32,8 +36,11 @@ pub struct BlockOutput {
     pub start: usize,
     /// Final-normed hidden rows of the draft slots.
     pub hidden: Tensor, // [w - 1, H]
-    /// Draft logits (target LM head, then output multiplier and softcap).
-    pub logits: Tensor, // [w - 1, V]
+    /// Draft logits (target LM head, then output multiplier and softcap), over the full vocabulary or a draft
+    /// vocabulary's `N` tokens.
+    pub logits: Tensor, // [w - 1, V or N]
+    /// With a draft vocabulary, the target id of each logit column (ascending); `None`: column `j` is token `j`.
+    pub token_ids: Option<Arc<[u32]>>,
 }
 
 /// Intermediates of one block pass, row-major over all the pass's rows (`[rows, H]` each); for tests and
@@ -131,29 +138,42 @@ impl DraftModel {
 
     /// Runs the blocks of one or more sequences through the drafter (one batched pass; attention per sequence).
     ///
-    /// `embed` and `lm_head` are the target's `[V, Ht]` tables (any dtype the runtime can read). Each context's
-    /// block rows are written as scratch past its committed length and overwritten by the next append.
+    /// `embed` is the target's `[V, Ht]` embedding table and `lm_head` its LM head (a `&Tensor` `[V, Ht]`, or a
+    /// [`super::DraftVocab`] for a draft vocabulary's rows); any dtype the runtime can read. Each context's block
+    /// rows are written as scratch past its committed length and overwritten by the next append.
     ///
     /// # Errors
     /// A width outside `2..=block_size`, an anchor outside the vocabulary, tables of the wrong shape, a context of
     /// another drafter, or an op failure.
-    pub fn forward_blocks(
+    pub fn forward_blocks<'h>(
         &self,
         requests: &mut [BlockRequest<'_>],
         embed: &Tensor,
-        lm_head: &Tensor,
+        lm_head: impl Into<DraftHead<'h>>,
         trace: Option<&mut BlockTrace>,
     ) -> Result<Vec<BlockOutput>> {
-        self.check_requests(requests, embed, lm_head)?;
-        dflash_runtime::threads::install(|| self.forward_checked(requests, embed, lm_head, trace))
+        let head = lm_head.into();
+        self.check_requests(requests, embed, head)?;
+        dflash_runtime::threads::install(|| self.forward_checked(requests, embed, head, trace))
     }
 
-    fn check_requests(&self, requests: &[BlockRequest<'_>], embed: &Tensor, lm_head: &Tensor) -> Result<()> {
+    fn check_requests(&self, requests: &[BlockRequest<'_>], embed: &Tensor, head: DraftHead<'_>) -> Result<()> {
         let (v, ht) = (self.target.vocab_size, self.target.hidden_size);
-        for (name, t) in [("embedding", embed), ("LM head", lm_head)] {
-            if t.shape() != [v, ht] {
-                return Err(ModelError::Batch(format!("target {name} {:?}, expected [{v}, {ht}]", t.shape())));
+        if embed.shape() != [v, ht] {
+            return Err(ModelError::Batch(format!("target embedding {:?}, expected [{v}, {ht}]", embed.shape())));
+        }
+        let rows = match head {
+            DraftHead::Full(_) => v,
+            DraftHead::Vocab(vocab) if vocab.target_vocab() == v => vocab.len(),
+            DraftHead::Vocab(vocab) => {
+                return Err(ModelError::Batch(format!(
+                    "a draft vocabulary gathered from a {}-token head, the target has {v}",
+                    vocab.target_vocab()
+                )))
             }
+        };
+        if head.matrix().shape() != [rows, ht] {
+            return Err(ModelError::Batch(format!("LM head {:?}, expected [{rows}, {ht}]", head.matrix().shape())));
         }
         let b = &self.cfg.backbone;
         for r in requests {
@@ -175,7 +195,7 @@ impl DraftModel {
         &self,
         requests: &mut [BlockRequest<'_>],
         embed: &Tensor,
-        lm_head: &Tensor,
+        head: DraftHead<'_>,
         mut trace: Option<&mut BlockTrace>,
     ) -> Result<Vec<BlockOutput>> {
         let h = self.cfg.hidden_size();
@@ -209,7 +229,7 @@ impl DraftModel {
         if let Some(t) = trace {
             t.final_hidden = out.as_f32()?.to_vec();
         }
-        self.draft_logits(&out, requests, &blocks, lm_head)
+        self.draft_logits(&out, requests, &blocks, head)
     }
 
     /// One decoder layer over all rows, in place on the residual `x`; returns the layer's trace.
@@ -338,13 +358,14 @@ impl DraftModel {
         Ok(out)
     }
 
-    /// The draft rows (`1..w` of every block) through the LM head, multiplier and softcap, one matmul for all.
+    /// The draft rows (`1..w` of every block) through the LM head (or the draft vocabulary's rows of it),
+    /// multiplier and softcap, one matmul for all.
     fn draft_logits(
         &self,
         normed: &Tensor, // [rows, H]
         requests: &[BlockRequest<'_>],
         blocks: &[(usize, usize)],
-        lm_head: &Tensor,
+        head: DraftHead<'_>,
     ) -> Result<Vec<BlockOutput>> {
         let h = self.cfg.hidden_size();
         let src = normed.as_f32()?;
@@ -354,8 +375,8 @@ impl DraftModel {
         }
         let n = drafts.len() / h;
         let hidden = Tensor::from_f32(&drafts, &[n, h])?;
-        let v = self.target.vocab_size;
-        let mut logits = Tensor::zeros(DType::F32, &[n, v])?;
+        let lm_head = head.matrix();
+        let mut logits = Tensor::zeros(DType::F32, &[n, lm_head.rows()])?;
         ops::matmul(&hidden, lm_head, &mut logits)?;
         self.scale_logits(logits.as_f32_mut()?);
         let mut outputs = Vec::with_capacity(blocks.len());
@@ -366,6 +387,7 @@ impl DraftModel {
                 start: r.ctx.len(),
                 hidden: row_range(&hidden, at, rows)?,
                 logits: row_range(&logits, at, rows)?,
+                token_ids: head.token_ids(),
             });
             at += rows;
         }

@@ -39,6 +39,7 @@ mod forward;
 mod sampling;
 mod selector;
 mod target;
+mod vocab;
 mod weights;
 
 use std::path::Path;
@@ -56,6 +57,7 @@ pub use forward::{BlockOutput, BlockRequest, BlockTrace, LayerTrace};
 pub use sampling::{filtered_probs, inverse_cdf, Draw, InverseCdf, SamplingFilter};
 pub use selector::{CandidateSelector, Candidates, Walk, WalkMode};
 pub use target::{CaptureLayout, TargetSpec};
+pub use vocab::{target_id, DraftHead, DraftVocab, VocabRanking, DRAFT_VOCAB_FILE};
 
 use weights::DraftWeights;
 
