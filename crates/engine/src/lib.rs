@@ -13,6 +13,7 @@ pub mod sequence;
 pub mod service;
 pub mod spec;
 pub mod stop;
+pub mod target;
 
 pub use engine::{Engine, EngineConfig};
 pub use generate::{GenerateOptions, GenerationStats, Generator};
@@ -22,6 +23,9 @@ pub use prefix_cache::PrefixCache;
 pub use request::{Event, EventSink, FinishReason, Request, TokenLogprob, TopLogprob, Usage};
 pub use sampler::SamplingParams;
 pub use service::{spawn, EngineClient, SubmitError};
+#[cfg(feature = "cuda")]
+pub use target::CudaTarget;
+pub use target::{CpuTarget, HybridTarget, StepSeq, Target};
 
 /// Errors from the engine.
 #[derive(Debug, thiserror::Error)]
@@ -40,4 +44,7 @@ pub enum EngineError {
     Model(#[from] dflash_models::ModelError),
     #[error(transparent)]
     Sampler(#[from] sampler::SamplerError),
+    /// A failure of a target backend other than the CPU's (device errors, a batch past its planned capacity).
+    #[error("target: {0}")]
+    Target(String),
 }

@@ -5,7 +5,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use crate::sequence::Outcome;
-use crate::spec::TRACKED_POSITIONS;
+use crate::spec::policy::CostTable;
+use crate::spec::{TRACKED_POSITIONS, WIDTH_SLOTS};
 use crate::FinishReason;
 
 /// Upper bounds (seconds) of the time-to-first-token buckets.
@@ -62,6 +63,13 @@ pub struct EngineMetrics {
     /// Per draft position: rounds that drafted it, and rounds that accepted it.
     spec_drafted_at: [AtomicU64; TRACKED_POSITIONS],
     spec_accepted_at: [AtomicU64; TRACKED_POSITIONS],
+    /// Decode steps of armed lanes by verify rows (slot 0: plain rounds).
+    spec_widths: [AtomicU64; WIDTH_SLOTS],
+    spec_gate_pauses: AtomicU64,
+    /// Running lanes the gate holds to plain rounds, as of the last step.
+    spec_gated_lanes: AtomicU64,
+    /// The engine's round cost table, as of the last step that measured it.
+    round_costs: Mutex<Option<CostTable>>,
     queue_depth: AtomicU64,
     running: AtomicU64,
     kv_pages_used: AtomicU64,
@@ -89,6 +97,10 @@ impl Default for EngineMetrics {
             spec_accepted: AtomicU64::new(0),
             spec_drafted_at: std::array::from_fn(|_| AtomicU64::new(0)),
             spec_accepted_at: std::array::from_fn(|_| AtomicU64::new(0)),
+            spec_widths: std::array::from_fn(|_| AtomicU64::new(0)),
+            spec_gate_pauses: AtomicU64::new(0),
+            spec_gated_lanes: AtomicU64::new(0),
+            round_costs: Mutex::new(None),
             queue_depth: AtomicU64::new(0),
             running: AtomicU64::new(0),
             kv_pages_used: AtomicU64::new(0),
@@ -164,6 +176,25 @@ impl EngineMetrics {
         }
     }
 
+    /// An armed lane's decode step of `rows` verify rows (1: a plain round); `paused`: the gate paused drafting
+    /// after it.
+    pub fn record_spec_width(&self, rows: usize, paused: bool) {
+        self.spec_widths[rows.clamp(1, WIDTH_SLOTS) - 1].fetch_add(1, Ordering::Relaxed);
+        if paused {
+            self.spec_gate_pauses.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// How many running lanes the gate holds to plain rounds.
+    pub fn set_spec_gated_lanes(&self, lanes: usize) {
+        self.spec_gated_lanes.store(lanes as u64, Ordering::Relaxed);
+    }
+
+    /// The cost table's current figures (each step that measured it).
+    pub fn publish_round_costs(&self, costs: &CostTable) {
+        *self.round_costs.lock().unwrap_or_else(PoisonError::into_inner) = Some(costs.clone());
+    }
+
     pub fn record_step(&self) {
         self.steps.fetch_add(1, Ordering::Relaxed);
     }
@@ -211,6 +242,34 @@ impl EngineMetrics {
         }
     }
 
+    /// The width histogram (`rows="17"` also counts wider rounds) and the cost table's cells.
+    fn render_rounds(&self, out: &mut String) {
+        let name = "dflash_spec_width_total";
+        let _ = writeln!(out, "# HELP {name} Decode steps of armed speculation lanes by verify rows (1: plain).");
+        let _ = writeln!(out, "# TYPE {name} counter");
+        for (r, count) in self.spec_widths.iter().enumerate() {
+            let _ = writeln!(out, "{name}{{rows=\"{}\"}} {}", r + 1, count.load(Ordering::Relaxed));
+        }
+        let costs = self.round_costs.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(costs) = costs.as_ref() else {
+            return;
+        };
+        let name = "dflash_spec_round_cost_ms";
+        let _ = writeln!(out, "# HELP {name} Expected ms of a step by verify rows and context bucket (tokens below).");
+        let _ = writeln!(out, "# TYPE {name} gauge");
+        for view in costs.buckets() {
+            let context = view.context_below.map_or("+Inf".to_string(), |c| c.to_string());
+            for (r, ms) in view.ms.iter().enumerate() {
+                let _ = writeln!(out, "{name}{{context_below=\"{context}\",rows=\"{}\"}} {ms:.3}", r + 1);
+            }
+        }
+        let name = "dflash_spec_draft_cost_ms";
+        let _ = writeln!(out, "# HELP {name} Expected ms of a drafting call, by lane kind.\n# TYPE {name} gauge");
+        for (lane, ms) in costs.draft_costs() {
+            let _ = writeln!(out, "{name}{{lane=\"{lane}\"}} {ms:.3}");
+        }
+    }
+
     /// Prometheus text exposition.
     pub fn render(&self) -> String {
         let mut out = String::new();
@@ -221,6 +280,13 @@ impl EngineMetrics {
                 writeln!(out, "dflash_requests_total{{finish_reason=\"{name}\"}} {}", count.load(Ordering::Relaxed));
         }
         self.render_positions(&mut out);
+        self.render_rounds(&mut out);
+        let plain = self.spec_widths[0].load(Ordering::Relaxed);
+        let _ = writeln!(
+            out,
+            "# HELP dflash_spec_plain_rounds_total Decode steps of armed lanes verifying no draft.\n\
+             # TYPE dflash_spec_plain_rounds_total counter\ndflash_spec_plain_rounds_total {plain}"
+        );
         let counters = [
             ("dflash_prompt_tokens_total", "Prompt tokens of admitted requests.", &self.prompt_tokens),
             ("dflash_generation_tokens_total", "Tokens generated.", &self.generation_tokens),
@@ -229,6 +295,11 @@ impl EngineMetrics {
             ("dflash_spec_rounds_total", "Speculative rounds verified.", &self.spec_rounds),
             ("dflash_spec_drafted_tokens_total", "Draft tokens verified.", &self.spec_drafted),
             ("dflash_spec_accepted_tokens_total", "Draft tokens accepted.", &self.spec_accepted),
+            (
+                "dflash_spec_gate_pauses_total",
+                "Times a lane's gate paused drafting after drafted rounds lost to plain ones.",
+                &self.spec_gate_pauses,
+            ),
             ("dflash_prefix_cache_hits_total", "Admissions that reused cached prefix pages.", &self.prefix_cache_hits),
             (
                 "dflash_prefix_cache_misses_total",
@@ -253,6 +324,11 @@ impl EngineMetrics {
         let gauges = [
             ("dflash_queue_depth", "Requests waiting for admission.", &self.queue_depth),
             ("dflash_running_sequences", "Sequences admitted and running.", &self.running),
+            (
+                "dflash_spec_gated_lanes",
+                "Running speculation lanes the gate holds to plain rounds.",
+                &self.spec_gated_lanes,
+            ),
             ("dflash_kv_pages_used", "KV cache pages held by sequences.", &self.kv_pages_used),
             ("dflash_kv_pages_total", "KV cache pages in all.", &self.kv_pages_total),
             ("dflash_prefix_cache_pages", "KV pages in the prefix cache, held or idle.", &self.prefix_cache_pages),
@@ -290,6 +366,14 @@ mod tests {
         m.record_token(None, Some(0.03));
         m.record_spec_round(3, 1);
         m.record_spec_round(2, 2);
+        m.record_spec_width(1, false);
+        m.record_spec_width(4, true);
+        m.record_spec_width(4, false);
+        m.set_spec_gated_lanes(2);
+        let mut costs = CostTable::new(2);
+        costs.seed(&[10.0, 12.5]);
+        costs.observe_draft("pld", 0.25);
+        m.publish_round_costs(&costs);
         m.publish(Gauges {
             queue_depth: 2,
             running: 3,
@@ -304,6 +388,14 @@ mod tests {
         let text = m.render();
         for line in [
             "dflash_spec_position_drafted_total{position=\"0\"} 2",
+            "dflash_spec_width_total{rows=\"1\"} 1",
+            "dflash_spec_width_total{rows=\"4\"} 2",
+            "dflash_spec_width_total{rows=\"2\"} 0",
+            "dflash_spec_plain_rounds_total 1",
+            "dflash_spec_gate_pauses_total 1",
+            "dflash_spec_gated_lanes 2",
+            "dflash_spec_round_cost_ms{context_below=\"1024\",rows=\"2\"} 12.500",
+            "dflash_spec_draft_cost_ms{lane=\"pld\"} 0.250",
             "dflash_spec_position_drafted_total{position=\"2\"} 1",
             "dflash_spec_position_accepted_total{position=\"1\"} 1",
             "dflash_spec_position_accepted_total{position=\"2\"} 0",

@@ -177,11 +177,20 @@ impl PageAllocator {
     }
 
     /// Offers the held, fully computed page `page` to the prefix cache as the `index`-th page of a prefix whose
-    /// page hashes are `hashes`, holding `tokens`. Evicts the least recently used idle page when the cache is full.
+    /// page hashes are `hashes`, holding `tokens`, with the target's `captured` hidden states of its positions
+    /// (`[page_size, taps · hidden]`) when the target captures any. Evicts the least recently used idle page when
+    /// the cache is full.
     ///
     /// The caller guarantees the losslessness rule of [`crate::prefix_cache`]: every position of the page was
     /// computed as a prompt row.
-    pub fn publish(&mut self, page: u32, hashes: &[u64], index: usize, tokens: &[u32]) -> Published {
+    pub fn publish(
+        &mut self,
+        page: u32,
+        hashes: &[u64],
+        index: usize,
+        tokens: &[u32],
+        captured: Option<Box<[f32]>>,
+    ) -> Published {
         let Some(&hash) = hashes.get(index) else { return Published::Skipped };
         if !self.cache.enabled() || self.cache.contains_page(page) {
             return Published::Skipped;
@@ -196,8 +205,13 @@ impl PageAllocator {
             self.free.push(p);
         }
         let parent = if index == 0 { ROOT_HASH } else { hashes[index - 1] };
-        self.cache.insert(page, hash, parent, tokens);
+        self.cache.insert(page, hash, parent, tokens, captured);
         Published::Indexed
+    }
+
+    /// The target's captured hidden states of cached `page`'s positions, if it was published with them.
+    pub fn captured(&self, page: u32) -> Option<&[f32]> {
+        self.cache.captured(page)
     }
 
     /// Checks that every page is in exactly one state and that reference counts match `tables` (every block
@@ -268,7 +282,7 @@ mod tests {
     fn publish_all(a: &mut PageAllocator, table: &[u32], tokens: &[u32]) -> Vec<u64> {
         let hashes = a.chain_hashes(tokens, 2);
         for (k, &p) in table.iter().enumerate().take(hashes.len()) {
-            assert_eq!(a.publish(p, &hashes, k, &tokens[k * 2..k * 2 + 2]), Published::Indexed);
+            assert_eq!(a.publish(p, &hashes, k, &tokens[k * 2..k * 2 + 2], None), Published::Indexed);
         }
         hashes
     }
@@ -332,14 +346,14 @@ mod tests {
         let mut t = Vec::new();
         assert!(a.reserve(&mut t, 4, 2));
         let hashes = a.chain_hashes(&[1, 2, 3, 4], 2);
-        assert_eq!(a.publish(t[0], &hashes, 0, &[1, 2]), Published::Indexed);
-        assert_eq!(a.publish(t[1], &hashes, 1, &[3, 4]), Published::Skipped, "full of held pages");
+        assert_eq!(a.publish(t[0], &hashes, 0, &[1, 2], None), Published::Indexed);
+        assert_eq!(a.publish(t[1], &hashes, 1, &[3, 4], None), Published::Skipped, "full of held pages");
         let mut other = Vec::new();
         assert!(a.reserve(&mut other, 2, 2));
-        assert_eq!(a.publish(other[0], &hashes, 0, &[1, 2]), Published::Duplicate);
+        assert_eq!(a.publish(other[0], &hashes, 0, &[1, 2], None), Published::Duplicate);
         a.release(&mut t);
         let hashes = a.chain_hashes(&[5, 6], 2);
-        assert_eq!(a.publish(other[0], &hashes, 0, &[5, 6]), Published::Indexed, "the idle page made room");
+        assert_eq!(a.publish(other[0], &hashes, 0, &[5, 6], None), Published::Indexed, "the idle page made room");
         assert_eq!((a.evictions(), a.cached_count(), a.free_count()), (1, 1, 3));
         a.release(&mut other);
         assert_eq!(a.audit([]), Ok(()));
@@ -354,7 +368,7 @@ mod tests {
         let mut t = Vec::new();
         assert!(a.reserve(&mut t, 2, 2));
         let hashes = a.chain_hashes(&[1, 2], 2);
-        assert_eq!(a.publish(t[0], &hashes, 0, &[1, 2]), Published::Skipped);
+        assert_eq!(a.publish(t[0], &hashes, 0, &[1, 2], None), Published::Skipped);
         assert!(a.longest_prefix(&hashes, &[1, 2], 2, 1).is_empty());
     }
 }

@@ -21,11 +21,19 @@
 //! Pages no sequence holds stay indexed on an LRU list until the allocator needs them ([`crate::PageAllocator`]
 //! owns reference counts and the free list; this module only knows which pages are indexed and which are idle).
 //!
+//! Lanes that read the target's hidden states (block drafters, MTP heads) need them for every position before
+//! they draft, and a cached prefix's rows are not recomputed. So an entry also keeps the target's captured hidden
+//! states of its page's positions (`[page_size, taps · hidden]`, computed as prompt rows like the page's K/V),
+//! and a sequence whose lane observes the target hands them to the lane at admission: a warm turn drafts from
+//! its first round with the same context as a cold one. The engine has one target and one set of capture layers,
+//! so every entry's rows have the same layout; a lane never reads the prefix past the first entry without them
+//! (pages indexed before the target captured anything), and recomputes the rest instead.
+//!
 //! Room for other state keyed the same way: a hybrid target's recurrent-state checkpoints (taken at page
-//! boundaries every N tokens) and a drafter's context for a cached prefix belong in a payload on `Entry`, set
-//! when the page is published and dropped in `forget`, the one place an entry leaves the index. A lookup would then
-//! cut its match back to the deepest entry whose payload it needs (the nearest checkpoint at or below the match)
-//! and the sequence recomputes the rest, as it already does for the partial last page.
+//! boundaries every N tokens) belong beside the captured rows on `Entry`, set when the page is published and
+//! dropped in `forget`, the one place an entry leaves the index. A lookup would then cut its match back to the
+//! deepest entry whose payload it needs (the nearest checkpoint at or below the match) and the sequence
+//! recomputes the rest, as it already does for the partial last page.
 
 use std::collections::hash_map::RandomState;
 use std::collections::{BTreeMap, HashMap};
@@ -42,6 +50,9 @@ struct Entry {
     parent: u64,
     /// The page's token ids, compared on every lookup.
     tokens: Box<[u32]>,
+    /// The target's captured hidden states of the page's positions (`[page_size, taps · hidden]`), when the
+    /// target captures any.
+    captured: Option<Box<[f32]>>,
 }
 
 /// Which full prompt pages are indexed, and which of them no sequence holds (oldest release first).
@@ -153,14 +164,22 @@ impl PrefixCache {
         self.by_hash.len() >= self.max_pages
     }
 
-    /// Indexes `page` (held by a sequence) under `hash`. The caller checked that neither is indexed and that there
-    /// is room.
-    pub fn insert(&mut self, page: u32, hash: u64, parent: u64, tokens: &[u32]) {
+    /// Indexes `page` (held by a sequence) under `hash`, with the target's `captured` hidden states of its
+    /// positions (`[page_size, taps · hidden]`) when there are any. The caller checked that neither is indexed
+    /// and that there is room.
+    pub fn insert(&mut self, page: u32, hash: u64, parent: u64, tokens: &[u32], captured: Option<Box<[f32]>>) {
         debug_assert!(!self.contains_hash(hash) && !self.contains_page(page) && !self.is_full());
         if let Some(slot) = self.hash_of.get_mut(page as usize) {
             *slot = Some(hash);
-            self.by_hash.insert(hash, Entry { page, parent, tokens: tokens.into() });
+            self.by_hash.insert(hash, Entry { page, parent, tokens: tokens.into(), captured });
         }
+    }
+
+    /// The target's captured hidden states of indexed `page`'s positions (`[page_size, taps · hidden]`), if it
+    /// was published with them.
+    pub fn captured(&self, page: u32) -> Option<&[f32]> {
+        let hash = self.hash_of.get(page as usize).copied().flatten()?;
+        self.by_hash.get(&hash).and_then(|e| e.captured.as_deref())
     }
 
     /// `page` (indexed) is no longer held by any sequence: it becomes the most recently used idle page.
@@ -220,7 +239,7 @@ mod tests {
         let hashes = cache.chain_hashes(tokens, page_size);
         for (k, (&page, &hash)) in pages.iter().zip(&hashes).enumerate() {
             let parent = if k == 0 { ROOT_HASH } else { hashes[k - 1] };
-            cache.insert(page, hash, parent, &tokens[k * page_size..(k + 1) * page_size]);
+            cache.insert(page, hash, parent, &tokens[k * page_size..(k + 1) * page_size], None);
         }
     }
 
@@ -269,6 +288,22 @@ mod tests {
         cache.mark_idle(1);
         assert_eq!(cache.clear(), [1]);
         assert!(cache.is_empty() && !cache.contains_page(1) && !cache.is_idle(1));
+    }
+
+    #[test]
+    fn captured_rows_ride_with_their_page_and_leave_with_it() {
+        let mut cache = PrefixCache::new(4, 4);
+        let hashes = cache.chain_hashes(&[1, 2, 3, 4], 2);
+        cache.insert(0, hashes[0], ROOT_HASH, &[1, 2], Some(vec![0.5; 6].into()));
+        cache.insert(1, hashes[1], hashes[0], &[3, 4], None);
+        assert_eq!(cache.captured(0), Some(&[0.5; 6][..]));
+        assert_eq!(cache.captured(1), None, "published without rows");
+        assert_eq!(cache.captured(2), None, "not indexed");
+        cache.mark_idle(1);
+        cache.mark_idle(0);
+        assert_eq!(cache.evict_lru(), Some(1));
+        assert_eq!(cache.evict_lru(), Some(0));
+        assert_eq!(cache.captured(0), None, "evicted with its page");
     }
 
     #[test]

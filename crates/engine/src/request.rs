@@ -23,6 +23,8 @@ pub struct Request {
     /// Block drafting (DFlash): `None` or `Some(true)` drafts with the server's drafter when it has one;
     /// `Some(false)` turns it off for this request (prompt lookup may then take over, per `enable_pld`).
     pub enable_drafter: Option<bool>,
+    /// How the lane chooses each round's width (adaptive or fixed); `None` follows the server's `--spec-policy`.
+    pub spec_policy: Option<crate::spec::PolicyMode>,
     /// Let the prefix cache serve this prompt's leading pages and keep its pages for later requests (when the
     /// server has the cache on). False: computed from scratch and never cached.
     pub cache_prompt: bool,

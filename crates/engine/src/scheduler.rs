@@ -12,7 +12,9 @@
 //!    them (see [`crate::prefix_cache`]).
 //!
 //! After each step's forward, [`Scheduler::publish_prompt_pages`] offers every newly computed full prompt page to
-//! the prefix cache.
+//! the prefix cache, with the target's captured hidden states of its positions ([`Scheduler::keep_capture`]
+//! collects them as rows are computed). A sequence whose lane observes the target starts only from cached pages
+//! that carry them, and its lane reads them at admission.
 
 use std::collections::VecDeque;
 
@@ -29,6 +31,9 @@ pub struct SchedulerConfig {
     pub page_size: usize,
     /// Most pages the prefix cache indexes; 0 turns it off.
     pub prefix_cache_pages: usize,
+    /// Floats per row of the target's captured hidden states (`taps · hidden`); 0 when it captures none. Cached
+    /// pages keep their positions' rows for lanes that observe the target.
+    pub capture_width: usize,
 }
 
 /// What the prefix cache did at admissions.
@@ -187,9 +192,10 @@ impl Scheduler {
                 break;
             }
             let Some(mut seq) = self.waiting.pop_front() else { break };
-            if seq.reads_prefix_cache() && self.pages.prefix_cache().enabled() {
+            if seq.uses_prefix_cache() && self.pages.prefix_cache().enabled() {
                 self.pages.share(&mut seq.block_table, &hit);
-                seq.resume_from_cache(hit.len(), page_size);
+                let captured = if seq.observes_target() { self.captured_rows(&hit) } else { Vec::new() };
+                seq.resume_from_cache(hit.len(), page_size, &captured);
                 self.record_lookup(&seq, hit.len() * page_size);
             }
             self.running.push(seq);
@@ -202,6 +208,17 @@ impl Scheduler {
                 None => break,
             }
         }
+    }
+
+    /// The captured hidden states cached with `pages`, in order (`[pages · page_size, capture_width]`).
+    fn captured_rows(&self, pages: &[u32]) -> Vec<f32> {
+        let per_page = self.cfg.page_size * self.cfg.capture_width;
+        let mut rows = Vec::with_capacity(pages.len() * per_page);
+        for &p in pages {
+            rows.extend_from_slice(self.pages.captured(p).unwrap_or_default());
+        }
+        debug_assert_eq!(rows.len(), pages.len() * per_page, "a shared page without captured rows");
+        rows
     }
 
     fn record_lookup(&mut self, seq: &Sequence, reused: usize) {
@@ -224,7 +241,7 @@ impl Scheduler {
         if !self.pages.prefix_cache().enabled() {
             return;
         }
-        let page_size = self.cfg.page_size;
+        let (page_size, width) = (self.cfg.page_size, self.cfg.capture_width);
         for seq in &mut self.running {
             if !seq.uses_prefix_cache() {
                 continue;
@@ -232,13 +249,27 @@ impl Scheduler {
             let full = seq.computed().min(seq.prompt_len()) / page_size;
             while seq.prefix.settled_pages < full {
                 let k = seq.prefix.settled_pages;
+                let captured = seq.prefix.captured.take(k * page_size, page_size, width);
                 let page_tokens = &seq.tokens()[k * page_size..(k + 1) * page_size];
-                let published = self.pages.publish(seq.block_table[k], &seq.prefix.hashes, k, page_tokens);
+                let (page, hashes) = (seq.block_table[k], &seq.prefix.hashes);
+                let published = self.pages.publish(page, hashes, k, page_tokens, captured);
                 if published == Published::Skipped {
                     tracing::trace!("{}: prompt page {k} not cached", seq.request.id);
                 }
                 seq.prefix.settled_pages += 1;
             }
+        }
+    }
+
+    /// Keeps the target's captured hidden states of `running[i]`'s rows that stay in the cache (positions
+    /// `first_position ..`, `[rows, capture_width]`) where they are prompt positions, to be cached with their
+    /// pages. Call after each forward, for every sequence's kept rows.
+    pub fn keep_capture(&mut self, i: usize, first_position: usize, rows: &[f32]) {
+        let width = self.cfg.capture_width;
+        let Some(seq) = self.running.get_mut(i) else { return };
+        if width > 0 && seq.uses_prefix_cache() && self.pages.prefix_cache().enabled() {
+            let end = seq.prompt_len();
+            seq.prefix.captured.push(first_position, rows, width, end);
         }
     }
 
@@ -251,20 +282,23 @@ impl Scheduler {
 }
 
 /// The cached pages `seq` may start from: its prompt's longest cached prefix, leaving at least one committed token
-/// to compute (its row yields the logits to sample from). Computes the prompt's page hashes on first use.
+/// to compute (its row yields the logits to sample from), and, when its lane observes the target, ending before
+/// the first page cached without the target's hidden states (the lane's context must not start with a hole).
+/// Computes the prompt's page hashes on first use.
 fn cached_prefix(pages: &PageAllocator, seq: &mut Sequence, page_size: usize) -> Vec<u32> {
     if !seq.uses_prefix_cache() || !pages.prefix_cache().enabled() {
         return Vec::new();
     }
-    // Publishing the prompt's pages later needs the hashes even when the sequence may not read the cache.
     if seq.prefix.hashes.is_empty() {
         seq.prefix.hashes = pages.chain_hashes(&seq.tokens()[..seq.prompt_len()], page_size);
     }
-    if !seq.reads_prefix_cache() {
-        return Vec::new();
-    }
     let max_pages = (seq.len() - 1) / page_size;
-    pages.longest_prefix(&seq.prefix.hashes, seq.tokens(), page_size, max_pages)
+    let mut hit = pages.longest_prefix(&seq.prefix.hashes, seq.tokens(), page_size, max_pages);
+    if seq.observes_target() {
+        let with_rows = hit.iter().take_while(|&&p| pages.captured(p).is_some()).count();
+        hit.truncate(with_rows);
+    }
+    hit
 }
 
 #[cfg(test)]

@@ -28,18 +28,28 @@ fn seq_with(id: &str, prompt: Vec<u32>, cache_prompt: bool) -> Sequence {
         ignore_eos: true,
         enable_pld: None,
         enable_drafter: None,
+        spec_policy: None,
         cache_prompt,
     };
     Sequence::new(request, Box::new(NullSink))
 }
 
 fn scheduler(max_running: usize, max_batch_tokens: usize, pages: usize) -> Scheduler {
-    Scheduler::new(SchedulerConfig { max_running, max_batch_tokens, page_size: 4, prefix_cache_pages: 0 }, pages)
+    Scheduler::new(
+        SchedulerConfig { max_running, max_batch_tokens, page_size: 4, prefix_cache_pages: 0, capture_width: 0 },
+        pages,
+    )
 }
 
 fn cached_scheduler(pages: usize) -> Scheduler {
     Scheduler::new(
-        SchedulerConfig { max_running: 8, max_batch_tokens: 64, page_size: 4, prefix_cache_pages: pages },
+        SchedulerConfig {
+            max_running: 8,
+            max_batch_tokens: 64,
+            page_size: 4,
+            prefix_cache_pages: pages,
+            capture_width: 0,
+        },
         pages,
     )
 }
@@ -235,4 +245,118 @@ fn admission_counts_idle_cached_pages_as_free_and_evicts_them_but_never_held_one
     s.retire(0);
     let items = s.plan();
     assert_eq!(rows(&items), [(0, 4, true)], "admitted after b, on b's cached pages");
+}
+
+/// What a lane that reads the target's hidden states was shown: `(first_position, rows)` per call.
+type Observed = std::sync::Arc<std::sync::Mutex<Vec<(usize, Vec<f32>)>>>;
+
+struct ObservingProposer(Observed);
+
+impl crate::spec::Proposer for ObservingProposer {
+    fn name(&self) -> &'static str {
+        "observer"
+    }
+    fn propose(&mut self, _: &crate::spec::ProposeInput, _: usize) -> crate::spec::Proposal {
+        crate::spec::Proposal::default()
+    }
+    fn observes_target(&self) -> bool {
+        true
+    }
+    fn observe(&mut self, first_position: usize, captured: &[f32]) {
+        self.0.lock().expect("lock").push((first_position, captured.to_vec()));
+    }
+}
+
+fn observing_seq(id: &str, prompt_len: usize) -> (Sequence, Observed) {
+    use crate::spec::{CostTable, PolicyMode, SharedCosts, SpecLane};
+    let observed = Observed::default();
+    let mut s = seq(id, prompt_len);
+    let proposer = Box::new(ObservingProposer(observed.clone()));
+    let costs = SharedCosts::new(CostTable::new(4));
+    s.lane = Some(SpecLane::new(proposer, 3, 0, PolicyMode::Fixed, costs));
+    (s, observed)
+}
+
+const WIDTH: usize = 2;
+
+/// The captured row of position `p`: `[p, p + 0.5]`.
+fn captured_rows(positions: std::ops::Range<usize>) -> Vec<f32> {
+    positions.flat_map(|p| [p as f32, p as f32 + 0.5]).collect()
+}
+
+fn capturing_scheduler(pages: usize, max_batch_tokens: usize) -> Scheduler {
+    let cfg = SchedulerConfig {
+        max_running: 4,
+        max_batch_tokens,
+        page_size: 4,
+        prefix_cache_pages: pages,
+        capture_width: WIDTH,
+    };
+    Scheduler::new(cfg, pages)
+}
+
+/// As [`apply`], first handing the scheduler the captured rows of every item's positions below `captured_below`.
+fn apply_capturing(s: &mut Scheduler, items: &[StepItem], captured_below: usize) {
+    for item in items {
+        let start = s.running[item.seq].computed();
+        let end = (start + item.rows).min(captured_below.max(start));
+        s.keep_capture(item.seq, start, &captured_rows(start..end));
+    }
+    apply(s, items);
+}
+
+#[test]
+fn a_lane_observing_the_target_starts_from_cached_pages_and_reads_their_captured_rows() {
+    // Chunks of 6 rows: the second page's rows arrive over two steps.
+    let mut s = capturing_scheduler(16, 6);
+    s.waiting.push_back(seq("first", 10));
+    let items = s.plan();
+    assert_eq!(rows(&items), [(0, 6, false)]);
+    apply_capturing(&mut s, &items, usize::MAX);
+    assert_eq!(s.pages.cached_count(), 1);
+    let items = s.plan();
+    apply_capturing(&mut s, &items, usize::MAX);
+    assert_eq!(s.pages.cached_count(), 2);
+    assert_eq!(s.pages.captured(s.running[0].block_table[1]), Some(&captured_rows(4..8)[..]));
+
+    let (second, observed) = observing_seq("second", 10);
+    s.waiting.push_back(second);
+    let items = s.plan();
+    assert_eq!(rows(&items), [(0, 1, true), (1, 2, true)], "8 tokens come from the cache");
+    assert_eq!(*observed.lock().expect("lock"), [(0, captured_rows(0..8))], "the lane saw positions 0..8 at once");
+    assert_eq!(s.prefix_stats.reused_tokens, 8);
+}
+
+#[test]
+fn observing_lanes_never_read_pages_cached_without_captured_rows() {
+    let mut s = capturing_scheduler(16, 64);
+    s.waiting.push_back(seq("first", 10));
+    let items = s.plan();
+    // Rows of the first page only: the second is cached without any.
+    apply_capturing(&mut s, &items, 4);
+    assert_eq!(s.pages.cached_count(), 2);
+    assert!(s.pages.captured(s.running[0].block_table[1]).is_none());
+
+    let (observer, observed) = observing_seq("observer", 10);
+    s.waiting.push_back(observer);
+    s.waiting.push_back(seq("plain", 10));
+    s.plan();
+    assert_eq!(s.running[1].computed(), 4, "the observer stops at the page without rows");
+    assert_eq!(*observed.lock().expect("lock"), [(0, captured_rows(0..4))]);
+    assert_eq!(s.running[2].computed(), 8, "a lane-less sequence reads both pages");
+}
+
+#[test]
+fn pending_captured_rows_follow_chunks_and_restart_after_a_gap() {
+    let mut p = crate::sequence::PendingCapture::default();
+    p.push(0, &captured_rows(0..3), WIDTH, 10);
+    p.push(3, &captured_rows(3..6), WIDTH, 10);
+    assert_eq!(p.take(0, 4, WIDTH).as_deref(), Some(&captured_rows(0..4)[..]));
+    assert_eq!(p.take(4, 4, WIDTH), None, "positions 6 and 7 are not held yet");
+    p.push(6, &captured_rows(6..12), WIDTH, 10);
+    assert_eq!(p.take(4, 4, WIDTH).as_deref(), Some(&captured_rows(4..8)[..]));
+    assert_eq!(p.take(8, 4, WIDTH), None, "rows past the prompt (10) are not kept");
+    p.push(20, &captured_rows(20..24), WIDTH, 30);
+    assert_eq!(p.take(8, 4, WIDTH), None, "a gap drops what came before");
+    assert_eq!(p.take(20, 4, WIDTH).as_deref(), Some(&captured_rows(20..24)[..]));
 }

@@ -25,6 +25,9 @@ pub enum Outcome {
 /// token is uncomputed, one decode row once only the last sampled token is. After a preemption `computed` drops to
 /// zero and the same rule recomputes prompt and output alike.
 pub struct Sequence {
+    /// A key unique among the engine's sequences, for the lifetime of the sequence (targets with per-sequence
+    /// state keep it under this key). Assigned when the engine takes the request.
+    pub key: u64,
     pub request: Request,
     sink: Box<dyn EventSink>,
     tokens: Vec<u32>,
@@ -54,6 +57,56 @@ pub struct PrefixProgress {
     pub settled_pages: usize,
     /// Prompt tokens found in the cache at admission (the latest admission before the first token).
     pub cached_tokens: usize,
+    /// The target's captured hidden states of computed prompt positions whose pages are not settled yet, to be
+    /// cached with them.
+    pub captured: PendingCapture,
+}
+
+/// Captured rows (`[rows, width]`) of consecutive positions from `first`, waiting for their page to fill.
+#[derive(Clone, Debug, Default)]
+pub struct PendingCapture {
+    first: usize,
+    rows: Vec<f32>,
+}
+
+impl PendingCapture {
+    /// Keeps the rows of positions `first_position ..` (`[n, width]`) that lie below `end` (the prompt length).
+    /// Rows that do not continue the held ones replace them.
+    pub fn push(&mut self, first_position: usize, rows: &[f32], width: usize, end: usize) {
+        if width == 0 {
+            return;
+        }
+        debug_assert!(rows.len().is_multiple_of(width), "captured rows of {width} floats");
+        if first_position != self.first + self.rows.len() / width {
+            self.rows.clear();
+        }
+        if self.rows.is_empty() {
+            self.first = first_position;
+        }
+        let keep = end.saturating_sub(first_position).min(rows.len() / width);
+        self.rows.extend_from_slice(&rows[..keep * width]);
+    }
+
+    /// Takes out the rows of positions `start .. start + n` (dropping any held before them); `None` when some of
+    /// them are not held.
+    pub fn take(&mut self, start: usize, n: usize, width: usize) -> Option<Box<[f32]>> {
+        if width == 0 || start < self.first {
+            return None;
+        }
+        let skip = ((start - self.first) * width).min(self.rows.len());
+        self.rows.drain(..skip);
+        self.first = start;
+        if self.rows.len() < n * width {
+            return None;
+        }
+        let page: Box<[f32]> = self.rows.drain(..n * width).collect();
+        self.first += n;
+        Some(page)
+    }
+
+    pub fn clear(&mut self) {
+        self.rows.clear();
+    }
 }
 
 /// When things happened to a sequence.
@@ -72,6 +125,7 @@ impl Sequence {
         let stop = StopScanner::new(&request.stop);
         let times = Timings { arrived: Instant::now(), first_scheduled: None, first_token: None, last_token: None };
         Sequence {
+            key: 0,
             prompt_len: tokens.len(),
             tokens,
             request,
@@ -155,18 +209,26 @@ impl Sequence {
     pub fn reset_computed(&mut self) {
         self.computed = 0;
         self.prefix.settled_pages = 0;
+        self.prefix.captured.clear();
     }
 
     /// Starts the sequence on `pages` cached prefix pages of `page_size` tokens, already in its block table: their
-    /// tokens count as computed. Called at admission, before any row runs.
-    pub fn resume_from_cache(&mut self, pages: usize, page_size: usize) {
+    /// tokens count as computed. `captured` holds the target's hidden states of their positions
+    /// (`[pages · page_size, taps · hidden]`) when the lane observes the target, which reads them now, so its
+    /// context holds every position before the first row it is shown. Called at admission, before any row runs.
+    pub fn resume_from_cache(&mut self, pages: usize, page_size: usize, captured: &[f32]) {
         debug_assert!(self.computed == 0 && self.block_table.len() == pages);
         let tokens = pages * page_size;
         debug_assert!(tokens < self.tokens.len(), "at least one token is left to compute");
         self.computed = tokens;
         self.prefix.settled_pages = pages;
+        self.prefix.captured.clear();
         if self.times.first_token.is_none() {
             self.prefix.cached_tokens = tokens;
+        }
+        if let Some(lane) = self.lane.as_mut().filter(|l| l.proposer.observes_target() && tokens > 0) {
+            // Positions already held (a readmission after a preemption) are skipped by the lane.
+            lane.proposer.observe(0, captured);
         }
     }
 
@@ -175,10 +237,10 @@ impl Sequence {
         self.request.cache_prompt
     }
 
-    /// Whether the prefix cache may serve this prompt's leading pages. Not while the lane reads the target's
-    /// hidden states: they are not cached with the pages (yet), and the lane's context would start with a hole.
-    pub fn reads_prefix_cache(&self) -> bool {
-        self.uses_prefix_cache() && !self.lane.as_ref().is_some_and(|l| l.proposer.observes_target())
+    /// Whether the sequence's lane reads the target's hidden states: it may then start only from cached pages
+    /// that carry them ([`crate::prefix_cache`]).
+    pub fn observes_target(&self) -> bool {
+        self.lane.as_ref().is_some_and(|l| l.proposer.observes_target())
     }
 
     /// True once the client has gone away.

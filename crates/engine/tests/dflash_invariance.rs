@@ -1,5 +1,5 @@
 //! The DFlash lane is lossless: with a block drafter, greedy and seeded-sampling outputs equal plain decoding's,
-//! for every block size and with several sequences decoding together.
+//! for every block size, with a restricted draft vocabulary, and with several sequences decoding together.
 //!
 //! Target and drafters are the tiny random checkpoints the models crate's parity tests use (a 3-layer Qwen3
 //! target, DFlash v1 and DFlash2 drafters of 2 layers reading its layers 0 and 1). Their drafts are poor, which is
@@ -11,9 +11,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use common::{metric, request, run_all, Model};
-use dflash_engine::spec::{DrafterConfig, SpecConfig};
+use dflash_engine::spec::{DrafterConfig, PolicyMode, SpecConfig};
 use dflash_engine::SamplingParams;
-use dflash_models::dflash::{DraftConfig, DraftModel, TargetSpec};
+use dflash_models::dflash::{DraftConfig, DraftModel, DraftVocab, TargetSpec};
 use dflash_models::loader::load_hf_weights;
 use dflash_models::resolve::{ensure_default_model, ModelSource};
 use dflash_models::{load_model, LoadOptions};
@@ -40,7 +40,19 @@ fn with_drafter(name: &str, block_size: usize) -> (Model, DrafterConfig) {
     let m = tiny_target(&cfg.target_layer_ids);
     let model = DraftModel::load(&fixture(name), &TargetSpec::of(m.model.config())).expect("drafter");
     let block_size = model.clamp_block_size(Some(block_size)).expect("block size");
-    (m, DrafterConfig { model: Arc::new(model), block_size })
+    (m, DrafterConfig { model: Arc::new(model), block_size, draft_vocab: None })
+}
+
+/// A draft vocabulary of a third of the tiny target's 256 tokens: every other token plain decoding emits (so
+/// some drafts can land) and every sixth id; the tokens left out can never be drafted.
+fn small_draft_vocab(m: &Model, plain: &[common::Outcome]) -> Arc<DraftVocab> {
+    let mut emitted: Vec<u32> = plain.iter().flat_map(|o| o.ids.iter().copied()).collect();
+    emitted.sort_unstable();
+    emitted.dedup();
+    let ids: Vec<u32> = emitted.iter().step_by(2).copied().chain((0..256).step_by(6)).collect();
+    let vocab = DraftVocab::gather(m.model.lm_head(), &ids).expect("draft vocabulary");
+    assert!(vocab.len() < 128 && emitted.iter().any(|t| vocab.draft_id(*t).is_none()), "a restricted vocabulary");
+    Arc::new(vocab)
 }
 
 /// Six prompts of ids below 256, each greedy and sampled (seeded), all in one batch.
@@ -56,32 +68,57 @@ fn requests(max_tokens: usize) -> Vec<dflash_engine::Request> {
     out
 }
 
-/// No prompt lookup, and a gate that never pauses: every decode step of the drafter lane drafts.
+/// No prompt lookup, and the fixed width policy: every decode step of the drafter lane drafts its full block.
 fn spec() -> SpecConfig {
-    SpecConfig { pld: None, gate_min_accepted: 0.0, dflash_typical: None }
+    SpecConfig { pld: None, policy: PolicyMode::Fixed, dflash_typical: None }
 }
 
 #[test]
 fn dflash_and_dflash2_outputs_equal_plain_decoding_for_every_block_size() {
     let max_tokens = 24;
     let plain = run_all(&tiny_target(&[]), common::config(64, 64, spec()), requests(max_tokens)).0;
-    let mut accepted = 0.0;
+    let (mut accepted, mut accepted_restricted) = (0.0, 0.0);
     for name in ["dflash-v1", "dflash-v2"] {
-        for block in [2, 4, 8] {
-            let (m, drafter) = with_drafter(name, block);
+        // (block, restricted draft vocabulary)
+        for (block, restricted) in [(2, false), (4, false), (8, false), (4, true), (8, true)] {
+            let (m, mut drafter) = with_drafter(name, block);
+            if restricted {
+                drafter.draft_vocab = Some(small_draft_vocab(&m, &plain));
+            }
+            let case = format!("{name} block {block}{}", if restricted { " draft vocab" } else { "" });
             let mut cfg = common::config(64, 64, spec());
             cfg.drafter = Some(drafter);
             let (outcomes, metrics) = run_all(&m, cfg, requests(max_tokens));
             for (i, (got, want)) in outcomes.iter().zip(&plain).enumerate() {
-                assert_eq!(got, want, "{name} block {block}: request {i} differs from plain decoding");
+                assert_eq!(got, want, "{case}: request {i} differs from plain decoding");
             }
             let drafted = metric(&metrics, "dflash_spec_drafted_tokens_total");
-            assert!(drafted > 0.0, "{name} block {block}: the lane drafted nothing");
-            accepted += metric(&metrics, "dflash_spec_accepted_tokens_total");
+            assert!(drafted > 0.0, "{case}: the lane drafted nothing");
+            let case_accepted = metric(&metrics, "dflash_spec_accepted_tokens_total");
+            accepted += case_accepted;
+            if restricted {
+                accepted_restricted += case_accepted;
+            }
         }
     }
+    // Drafts mapped back from draft ids must land sometimes, or the mapping went untested.
+    assert!(accepted_restricted > 0.0, "no draft over a restricted vocabulary was accepted");
     // Random drafters rarely hit, but some rounds must accept, or the accept paths went untested.
     assert!(accepted > 0.0, "no draft was ever accepted");
+}
+
+#[test]
+fn the_adaptive_policy_changes_widths_never_tokens() {
+    let max_tokens = 24;
+    let plain = run_all(&tiny_target(&[]), common::config(64, 64, spec()), requests(max_tokens)).0;
+    for name in ["dflash-v1", "dflash-v2"] {
+        let (m, drafter) = with_drafter(name, 8);
+        let mut cfg = common::config(64, 64, SpecConfig { policy: PolicyMode::Adaptive, ..spec() });
+        cfg.drafter = Some(drafter);
+        let (outcomes, metrics) = run_all(&m, cfg, requests(max_tokens));
+        assert_eq!(outcomes, plain, "{name}: adaptive widths changed the output");
+        assert!(metric(&metrics, "dflash_spec_drafted_tokens_total") > 0.0, "{name}: the lane drafted nothing");
+    }
 }
 
 #[test]

@@ -2,15 +2,23 @@
 //! engine without the cache (greedy and seeded), in multi-turn chats, across requests sharing a system prompt,
 //! for prefixes ending mid-page, when a sharer is cancelled, and when idle pages are evicted while sequences
 //! run. Debug builds also audit the page states after every step (nothing held is ever free or evictable) and
-//! check that no write lands on a cached page. Runs the real default model.
+//! check that no write lands on a cached page. Runs the real default model; the drafter cases run the tiny
+//! fixtures (a 3-layer Qwen3 target, a DFlash2 drafter and an MTP head) the lane invariance tests use.
 
 mod common;
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use common::{config, load, metric, request, Disconnecting, Model, Recorder};
-use dflash_engine::spec::SpecConfig;
-use dflash_engine::{Engine, EngineMetrics, Request, SamplingParams};
+use dflash_engine::spec::{DrafterConfig, MtpDepth, MtpLaneConfig, PolicyMode, SpecConfig, SpecStats};
+use dflash_engine::{Engine, EngineConfig, EngineMetrics, Event, Request, SamplingParams};
+use dflash_models::dflash::{DraftConfig, DraftModel, TargetSpec};
+use dflash_models::loader::load_hf_weights;
+use dflash_models::mtp::TrunkNorm;
+use dflash_models::resolve::ModelSource;
+use dflash_models::tokenizer::Tokenizer;
+use dflash_models::{LoadOptions, MtpHead};
 
 const PAGE: usize = 16;
 
@@ -251,4 +259,130 @@ fn eviction_under_memory_pressure_never_touches_running_sequences() {
     assert!(recs1.iter().all(|r| r.outcome().ids.len() == 4));
     let got: Vec<Vec<u32>> = recs2.iter().map(|r| r.outcome().ids).collect();
     assert_same(&got, &cold(&m, &wave2), "under eviction");
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures").join(name)
+}
+
+/// The tiny target capturing `taps`, with its byte-level tokenizer.
+fn tiny_target(taps: &[usize]) -> Model {
+    dflash_runtime::threads::init(Some(2));
+    let dir = fixture("tiny-qwen3");
+    let opts = LoadOptions { capture_layers: taps.to_vec(), ..LoadOptions::default() };
+    let model = Arc::new(load_hf_weights(&dir, &opts).expect("tiny target"));
+    Model { model, tokenizer: Arc::new(Tokenizer::from_hf_dir(&dir).expect("byte tokenizer")) }
+}
+
+/// A lane that reads the target's hidden states.
+enum Lane {
+    Dflash(DrafterConfig),
+    Mtp(MtpLaneConfig),
+}
+
+/// The tiny target capturing what `lane` reads, and the lane: the DFlash2 fixture drafter at block 4, or the MTP
+/// fixture head at depth 3.
+fn tiny_with_lane(mtp: bool) -> (Model, Lane) {
+    if mtp {
+        let dir = fixture("tiny-qwen3");
+        let m = tiny_target(&[num_layers(&dir) - 1]);
+        let trunk = TrunkNorm::read(&ModelSource::HfDir(dir), None).expect("final norm");
+        let head = MtpHead::load(&fixture("tiny-qwen3-mtp"), trunk, false).expect("mtp head");
+        return (m, Lane::Mtp(MtpLaneConfig { head: Arc::new(head), depth: MtpDepth::Fixed(3), typical: None }));
+    }
+    let json = std::fs::read_to_string(fixture("dflash-v2").join("config.json")).expect("drafter config");
+    let cfg = DraftConfig::from_json(&serde_json::from_str(&json).expect("json")).expect("drafter config");
+    let m = tiny_target(&cfg.target_layer_ids);
+    let model = DraftModel::load(&fixture("dflash-v2"), &TargetSpec::of(m.model.config())).expect("drafter");
+    let block_size = model.clamp_block_size(Some(4)).expect("block size");
+    (m, Lane::Dflash(DrafterConfig { model: Arc::new(model), block_size, draft_vocab: None }))
+}
+
+fn num_layers(dir: &Path) -> usize {
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).expect("config")).expect("json");
+    config["num_hidden_layers"].as_u64().expect("layers") as usize
+}
+
+/// Every round drafts its full width, so drafts depend only on the lane's context (never on timings).
+fn fixed_widths(num_pages: usize) -> EngineConfig {
+    config(num_pages, 64, SpecConfig { pld: None, policy: PolicyMode::Fixed, dflash_typical: None })
+}
+
+/// What the lane did for a finished request.
+fn spec_stats(rec: &Recorder) -> SpecStats {
+    let events = rec.0.lock().expect("lock");
+    events
+        .iter()
+        .find_map(|e| match e {
+            Event::Finished { usage, .. } => usage.spec.as_deref().copied(),
+            _ => None,
+        })
+        .expect("a finished request with a lane")
+}
+
+/// A lane that reads the target's hidden states starts a warm turn from the cached prefix with the same context
+/// as a cold turn: the second of two requests sharing a long prompt reuses its pages, answers as plain decoding
+/// does, and drafts exactly the cold request's drafts (same prompt, same lane, identical context), greedy and
+/// seeded.
+fn lane_resumes_with_cached_context(mtp: bool) {
+    // 90 tokens: the warm turn reuses five pages and computes the last ten rows; the cold turn computes the
+    // prompt in two chunks (64 rows a step), so the lane's context is built from different row groupings.
+    let prompt: Vec<u32> = (0..90u32).map(|i| 3 + (i * 37 + 11) % 250).collect();
+    let plain_model = tiny_target(&[]);
+    for sampling in [SamplingParams::greedy(), seeded(5)] {
+        let plain =
+            common::run_all(&plain_model, fixed_widths(64), vec![request(0, prompt.clone(), sampling.clone(), 24)])
+                .0
+                .remove(0)
+                .ids;
+        let (m, lane) = tiny_with_lane(mtp);
+        let mut cfg = fixed_widths(64);
+        cfg.prefix_cache_pages = 64;
+        let metrics = Arc::new(EngineMetrics::default());
+        let mut engine = match lane {
+            Lane::Dflash(drafter) => {
+                cfg.drafter = Some(drafter);
+                Engine::new(Arc::clone(&m.model), Arc::clone(&m.tokenizer), cfg, Arc::clone(&metrics))
+            }
+            Lane::Mtp(head) => Engine::new(Arc::clone(&m.model), Arc::clone(&m.tokenizer), cfg, Arc::clone(&metrics))
+                .and_then(|e| e.with_mtp(head)),
+        }
+        .expect("engine");
+        let mut turn = |id| {
+            let rec = Recorder::default();
+            engine.add(request(id, prompt.clone(), sampling.clone(), 24), Box::new(rec.clone()));
+            while engine.has_work() {
+                engine.step().expect("step");
+            }
+            rec
+        };
+        let (cold, warm) = (turn(1), turn(2));
+        let case = format!(
+            "{} {}",
+            if mtp { "mtp" } else { "dflash2" },
+            if sampling.is_greedy() { "greedy" } else { "seeded" }
+        );
+        assert_eq!((cold.cached_tokens(), warm.cached_tokens()), (0, 80), "{case}: the warm turn reuses five pages");
+        assert_eq!(cold.outcome().ids, plain, "{case}: the cold turn differs from plain decoding");
+        assert_eq!(warm.outcome().ids, plain, "{case}: the warm turn differs from plain decoding");
+        let (c, w) = (spec_stats(&cold), spec_stats(&warm));
+        assert!(c.drafted > 0, "{case}: the lane drafted nothing");
+        assert_eq!(
+            (w.rounds, w.drafted, w.accepted, w.plain_steps),
+            (c.rounds, c.drafted, c.accepted, c.plain_steps),
+            "{case}: the warm turn drafts from the same context as the cold one"
+        );
+        assert_eq!(metric(&metrics.render(), "dflash_prefix_cache_hits_total"), 1.0);
+    }
+}
+
+#[test]
+fn a_block_drafter_resumes_from_a_cached_prefix_with_the_cold_context() {
+    lane_resumes_with_cached_context(false);
+}
+
+#[test]
+fn an_mtp_head_resumes_from_a_cached_prefix_with_the_cold_context() {
+    lane_resumes_with_cached_context(true);
 }

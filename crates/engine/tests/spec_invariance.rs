@@ -5,7 +5,7 @@
 mod common;
 
 use common::{config, load, metric, request, run_all, Model, Outcome};
-use dflash_engine::spec::{NgramConfig, SpecConfig};
+use dflash_engine::spec::{NgramConfig, PolicyMode, SpecConfig};
 use dflash_engine::SamplingParams;
 
 const MAX_TOKENS: usize = 24;
@@ -72,10 +72,10 @@ fn run(
     run_all(m, config(256, 512, spec), requests)
 }
 
-fn pld(max_draft: usize) -> SpecConfig {
-    // A threshold of 0 keeps the runtime gate from pausing, so every configuration really drafts.
+/// The n-gram lane at `max_draft`, widths chosen by `policy` (fixed: every match drafts its full length).
+fn pld(max_draft: usize, policy: PolicyMode) -> SpecConfig {
     let pld = Some(NgramConfig { max_draft, min_match: 1, max_match: 4 });
-    SpecConfig { pld, gate_min_accepted: 0.0, dflash_typical: None }
+    SpecConfig { pld, policy, dflash_typical: None }
 }
 
 fn assert_same(plain: &[Outcome], spec: &[Outcome], what: &str) {
@@ -94,11 +94,13 @@ fn greedy_and_seeded_outputs_are_identical_with_the_ngram_lane_for_every_draft_l
     let sampling = move |i: usize| if i < n { SamplingParams::greedy() } else { sampled(100 + i as u64) };
     let off = SpecConfig { pld: None, ..SpecConfig::default() };
     let (plain, _) = run(&m, &both, off, &sampling);
-    for k in [1, 2, 4, 8] {
-        let (spec, text) = run(&m, &both, pld(k), &sampling);
-        assert_same(&plain[..n], &spec[..n], &format!("greedy, k={k}"));
-        assert_same(&plain[n..], &spec[n..], &format!("sampled, k={k}"));
-        assert!(metric(&text, "dflash_spec_accepted_tokens_total") > 0.0, "k={k}: nothing was accepted:\n{text}");
+    let fixed = [1, 2, 4, 8].map(|k| (k, PolicyMode::Fixed));
+    for (k, policy) in fixed.into_iter().chain([(8, PolicyMode::Adaptive)]) {
+        let (spec, text) = run(&m, &both, pld(k, policy), &sampling);
+        let what = format!("k={k}, {}", policy.as_str());
+        assert_same(&plain[..n], &spec[..n], &format!("greedy, {what}"));
+        assert_same(&plain[n..], &spec[n..], &format!("sampled, {what}"));
+        assert!(metric(&text, "dflash_spec_accepted_tokens_total") > 0.0, "{what}: nothing was accepted:\n{text}");
     }
 }
 
@@ -116,7 +118,7 @@ fn max_tokens_and_stop_strings_inside_an_accepted_block_end_the_output_exactly()
         let cut = |spec| {
             let mut r = request(0, prompts[0].clone(), SamplingParams::greedy(), max_tokens);
             r.enable_pld = Some(spec);
-            let s = if spec { pld(8) } else { off };
+            let s = if spec { pld(8, PolicyMode::Fixed) } else { off };
             run_all(&m, config(64, 512, s), vec![r]).0.remove(0)
         };
         let (plain, spec) = (cut(false), cut(true));
@@ -131,7 +133,7 @@ fn max_tokens_and_stop_strings_inside_an_accepted_block_end_the_output_exactly()
         let mut r = request(0, prompts[0].clone(), SamplingParams::greedy(), MAX_TOKENS);
         r.enable_pld = Some(spec);
         r.stop = vec![stop.clone()];
-        let s = if spec { pld(8) } else { off };
+        let s = if spec { pld(8, PolicyMode::Fixed) } else { off };
         run_all(&m, config(64, 512, s), vec![r]).0.remove(0)
     };
     let (plain, spec) = (with_stop(false), with_stop(true));

@@ -2,7 +2,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use dflash_engine::spec::{NgramConfig, SpecConfig};
+use dflash_engine::spec::{NgramConfig, PolicyMode, SpecConfig};
 use dflash_engine::SamplingParams;
 use dflash_models::loader::GenerationDefaults;
 
@@ -67,15 +67,6 @@ impl ModelArgs {
             .as_deref()
             .map(|s| serde_json::from_str(s).context("--config-overrides is not valid JSON"))
             .transpose()
-    }
-
-    /// Checks `--device`; only the CPU backend exists in this build.
-    pub fn check_device(&self) -> Result<()> {
-        match self.device.as_str() {
-            "auto" | "cpu" => Ok(()),
-            d if d.starts_with("cuda") => bail!("--device {d}: this build has no CUDA backend; use --device cpu"),
-            d => bail!("--device {d}: expected cpu, cuda[:N] or auto"),
-        }
     }
 }
 
@@ -148,21 +139,39 @@ pub struct SpecArgs {
     #[arg(long, default_value_t = 4)]
     pub pld_max_match: usize,
     /// A DFlash or DFlash2 drafter checkpoint (config.json + safetensors) for this target: requests draft with it
-    /// (per-request `enable_drafter: false` opts out, and prompt lookup then applies as configured).
+    /// (per-request `enable_drafter: false` opts out, and prompt lookup then applies as configured). Default: the
+    /// drafter shipped for the default model, when the target is the default model.
     #[arg(long, value_name = "DIR")]
     pub drafter: Option<std::path::PathBuf>,
     /// Verify width of the drafter's rounds (anchor included): clamped down to its trained block size, never
     /// above it.
     #[arg(long, value_name = "N")]
     pub draft_block_size: Option<usize>,
-    /// Load no drafter even if one is given.
+    /// Load no drafter, neither a given one nor the default model's.
     #[arg(long)]
     pub no_drafter: bool,
+    /// Tokens the drafter scores: the N most frequent target tokens of the ranking shipped with the drafter
+    /// (draft_vocab.safetensors; end-of-sequence tokens always included), or `all`. Default: the size recorded
+    /// with the ranking, else all. Output is the same either way; only acceptance and drafting cost change.
+    #[arg(long, value_name = "N|all", value_parser = crate::target::parse_draft_vocab)]
+    pub draft_vocab: Option<crate::target::DraftVocabSize>,
     /// Lossy, opt-in: on sampled requests keep a block draft while its target probability exceeds
     /// min(1, D * exp(-H)) of the row's filtered distribution (H its entropy); a miss samples from the target row.
     /// Accepts more drafts, but sampled output then differs from plain decoding. Greedy requests stay exact.
     #[arg(long, value_name = "D")]
     pub dflash_typical: Option<f32>,
+    /// How each speculative round's width is chosen: `adaptive` (from measured verify costs and calibrated
+    /// acceptance, going plain while drafting does not pay) or `fixed` (every round verifies the full block or
+    /// the maximum draft length). Requests may override it with `spec_policy`.
+    #[arg(long, default_value = "adaptive", value_parser = parse_spec_policy())]
+    pub spec_policy: PolicyMode,
+    #[command(flatten)]
+    pub mtp: crate::mtp_lane::MtpArgs,
+}
+
+fn parse_spec_policy() -> impl clap::builder::TypedValueParser<Value = PolicyMode> {
+    use clap::builder::TypedValueParser as _;
+    clap::builder::PossibleValuesParser::new(["adaptive", "fixed"]).try_map(|s| s.parse::<PolicyMode>())
 }
 
 impl SpecArgs {
@@ -184,7 +193,7 @@ impl SpecArgs {
         Ok(SpecConfig {
             pld: (!self.no_pld).then_some(ngram),
             dflash_typical: self.dflash_typical,
-            ..SpecConfig::default()
+            policy: self.spec_policy,
         })
     }
 }

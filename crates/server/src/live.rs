@@ -89,6 +89,7 @@ impl EngineHandle for LiveEngine {
             ignore_eos: req.ignore_eos,
             enable_pld: req.enable_pld,
             enable_drafter: req.enable_drafter,
+            spec_policy: req.spec_policy,
             cache_prompt: req.cache_prompt,
         };
         let (tx, rx) = mpsc::unbounded_channel();

@@ -2,8 +2,10 @@
 
 mod bench;
 mod cli;
+mod device;
 mod http;
 mod live;
+mod mtp_lane;
 mod run;
 mod serve;
 mod target;

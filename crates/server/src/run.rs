@@ -6,9 +6,9 @@ use std::time::Instant;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result};
-use dflash_engine::{Engine, EngineConfig, EngineMetrics, Event, EventSink, FinishReason, Request, Usage};
+use dflash_engine::{EngineConfig, EngineMetrics, Event, EventSink, FinishReason, Request, Usage};
 use dflash_models::tokenizer::ChatMessage;
-use dflash_models::{load_model, LoadOptions, LoadedModel};
+use dflash_models::{LoadOptions, LoadedTarget};
 
 use crate::cli::{FetchArgs, ModelArgs, RunArgs};
 use crate::target::{load_target, Target};
@@ -18,9 +18,10 @@ const PAGE_SIZE: usize = 16;
 /// Prompt tokens per prefill forward.
 const PREFILL_CHUNK: usize = 512;
 
-/// Resolves, loads and reports a model whose forwards capture the outputs of `capture_layers`.
-pub fn load(args: &ModelArgs, capture_layers: &[usize]) -> Result<LoadedModel> {
-    args.check_device()?;
+/// Resolves, loads and reports a model (Llama-family or hybrid) whose forwards capture the outputs of
+/// `capture_layers`.
+pub fn load(args: &ModelArgs, capture_layers: &[usize]) -> Result<LoadedTarget> {
+    crate::device::DeviceChoice::parse(&args.device)?;
     let threads = dflash_runtime::threads::init(args.threads);
     let source = dflash_models::resolve::resolve_model(args.model.as_deref())?;
     let t0 = Instant::now();
@@ -29,12 +30,12 @@ pub fn load(args: &ModelArgs, capture_layers: &[usize]) -> Result<LoadedModel> {
         config_overrides: args.overrides()?,
         f32_weights: args.f32_weights,
     };
-    let loaded = load_model(&source, &opts).with_context(|| format!("loading {source:?}"))?;
+    let loaded = dflash_models::load_target(&source, &opts).with_context(|| format!("loading {source:?}"))?;
     let cfg = loaded.model.config();
     tracing::info!(
-        "loaded {} ({:?}, {} layers, hidden {}, vocab {}) in {:.0} ms; {threads} threads, {}",
+        "loaded {} ({}, {} layers, hidden {}, vocab {}) in {:.0} ms; {threads} threads, {}",
         loaded.name,
-        cfg.arch,
+        loaded.model.kind_name(),
         cfg.num_layers,
         cfg.hidden_size,
         cfg.vocab_size,
@@ -45,7 +46,7 @@ pub fn load(args: &ModelArgs, capture_layers: &[usize]) -> Result<LoadedModel> {
 }
 
 /// The prompt as token ids: chat-templated unless `--raw`.
-fn prompt_ids(loaded: &LoadedModel, args: &RunArgs) -> Result<Vec<u32>> {
+fn prompt_ids(loaded: &LoadedTarget, args: &RunArgs) -> Result<Vec<u32>> {
     let tok = &loaded.tokenizer;
     let text = match (args.raw, tok.chat_template()) {
         (false, Some(tpl)) => {
@@ -104,7 +105,7 @@ impl StdoutSink {
 }
 
 pub fn run(args: &RunArgs) -> Result<()> {
-    let Target { loaded, drafter } = load_target(&args.model, &args.spec)?;
+    let Target { loaded, drafter, mtp } = load_target(&args.model, &args.spec)?;
     let ids = prompt_ids(&loaded, args)?;
     let cfg = loaded.model.config();
     let ctx = args.model.ctx_size.unwrap_or(cfg.max_position_embeddings.min(8192));
@@ -132,10 +133,12 @@ pub fn run(args: &RunArgs) -> Result<()> {
         ignore_eos: args.ignore_eos,
         enable_pld: None,
         enable_drafter: None,
+        spec_policy: None,
         cache_prompt: false,
     };
     let tokenizer = Arc::new(loaded.tokenizer);
-    let mut engine = Engine::new(Arc::new(loaded.model), tokenizer, engine_cfg, Arc::new(EngineMetrics::default()))?;
+    let metrics = Arc::new(EngineMetrics::default());
+    let mut engine = crate::device::engine(&args.model, loaded.model, tokenizer, engine_cfg, metrics, mtp)?;
     let result = Arc::new(Mutex::new(None));
     let started = Instant::now();
     engine.add(request, Box::new(StdoutSink { out: std::io::stdout(), result: Arc::clone(&result) }));

@@ -4,10 +4,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use dflash_engine::{Engine, EngineClient, EngineConfig, EngineMetrics};
-use dflash_models::KvCache;
+use dflash_engine::{EngineClient, EngineConfig, EngineMetrics};
+use dflash_models::{KvCache, TargetModel};
 
 use crate::cli::ServeArgs;
+use crate::device;
 use crate::http::{self, HttpConfig};
 use crate::live::LiveEngine;
 use crate::target::{load_target, Target};
@@ -18,15 +19,18 @@ const PAGE_SIZE: usize = 16;
 const DEFAULT_KV_CACHE_MEM: u64 = 1 << 30;
 
 pub fn serve(args: &ServeArgs) -> Result<()> {
-    let Target { loaded, drafter } = load_target(&args.model, &args.spec)?;
+    let Target { loaded, drafter, mtp } = load_target(&args.model, &args.spec)?;
     let cfg = loaded.model.config();
     let context_window = args.model.ctx_size.unwrap_or(cfg.max_position_embeddings.min(8192));
-    let bytes_per_token = KvCache::bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) as u64;
+    // Only attention layers keep K/V (a hybrid model's recurrent layers keep a fixed state per sequence).
+    let bytes_per_token = KvCache::bytes_per_token(loaded.model.kv_layers(), cfg.num_kv_heads, cfg.head_dim) as u64;
     let window_bytes = context_window as u64 * bytes_per_token;
     let kv_mem = args.kv_cache_mem.unwrap_or(DEFAULT_KV_CACHE_MEM.max(window_bytes));
     let num_pages = usize::try_from(kv_mem / (bytes_per_token * PAGE_SIZE as u64)).unwrap_or(usize::MAX);
     let page_bytes = bytes_per_token * PAGE_SIZE as u64;
-    let prefix_cache_pages = args.prefix_cache.pages(num_pages, page_bytes);
+    // Hybrid targets' recurrent state is not cached with the pages (yet): the engine keeps their prefix cache off.
+    let hybrid = matches!(loaded.model, TargetModel::Hybrid(_));
+    let prefix_cache_pages = if hybrid { 0 } else { args.prefix_cache.pages(num_pages, page_bytes) };
     let mut eos_ids = loaded.tokenizer.eos_ids().to_vec();
     eos_ids.extend(&cfg.eos_token_ids);
     let engine_cfg = EngineConfig {
@@ -43,8 +47,9 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     let defaults = LiveEngine::sampling_defaults(&loaded.generation);
     let tokenizer = Arc::new(loaded.tokenizer);
     let metrics = Arc::new(EngineMetrics::default());
-    let engine = Engine::new(Arc::new(loaded.model), Arc::clone(&tokenizer), engine_cfg, Arc::clone(&metrics))
-        .context("setting up the engine (see --kv-cache-mem and --ctx-size)")?;
+    let engine =
+        device::engine(&args.model, loaded.model, Arc::clone(&tokenizer), engine_cfg, Arc::clone(&metrics), mtp)
+            .context("setting up the engine (see --device, --kv-cache-mem and --ctx-size)")?;
     tracing::info!(
         "KV cache: {num_pages} pages of {PAGE_SIZE} tokens ({:.0} MiB, {} tokens); context window {context_window}; \
          up to {} sequences, {} rows per step",

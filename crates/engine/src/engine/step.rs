@@ -11,6 +11,7 @@ use crate::sampler;
 use crate::scheduler::StepItem;
 use crate::sequence::Outcome;
 use crate::spec::verify::{accept_prefix, typical_accepts};
+use crate::target::StepSeq;
 use crate::EngineError;
 
 /// The flat inputs of one step, built from the plan.
@@ -27,7 +28,7 @@ impl Engine {
     /// item order (`[L, vocab]`), and the hidden states captured for every row (`[T, taps · hidden]`) when the
     /// target captures any.
     pub(super) fn forward(&mut self, items: &[StepItem], now: Instant) -> Result<ForwardOut, EngineError> {
-        let page_size = self.kv.page_size;
+        let page_size = self.page_size;
         let mut inputs = StepInputs::default();
         for item in items {
             let seq = &mut self.sched.running[item.seq];
@@ -70,7 +71,9 @@ impl Engine {
             slots: &inputs.slots,
             logit_rows: &inputs.logit_rows,
         };
-        Ok(self.model.forward(&batch, &mut self.kv)?)
+        let keyed: Vec<StepSeq> =
+            items.iter().map(|item| StepSeq { key: running[item.seq].key, verifies: item.drafts > 0 }).collect();
+        self.target.forward_step(&batch, &keyed)
     }
 
     /// Advances every item's sequence; samples plain rows and verifies drafted rounds; streams the tokens.
@@ -117,8 +120,9 @@ impl Engine {
     }
 
     /// Hands a sequence's lane the captured hidden states of its rows that stay in the cache (positions
-    /// `start ..`), if the lane reads them.
+    /// `start ..`), if the lane reads them; prompt rows are also kept to be cached with their pages.
     fn observe(&mut self, i: usize, start: usize, rows: &[f32]) {
+        self.sched.keep_capture(i, start, rows);
         if let Some(lane) = self.sched.running[i].lane.as_mut().filter(|l| l.proposer.observes_target()) {
             lane.proposer.observe(start, rows);
         }
@@ -145,7 +149,7 @@ impl Engine {
             finish = f;
             (token, f.is_some())
         });
-        let page_size = self.kv.page_size;
+        let page_size = self.page_size;
         let sched = &mut self.sched;
         let seq = &mut sched.running[i];
         // The anchor and the accepted drafts are valid K/V; rows past them were computed for rejected drafts and
@@ -156,6 +160,8 @@ impl Engine {
         if let Some(lane) = seq.lane.as_mut() {
             lane.verified(drafts.len(), accepted);
         }
+        let key = seq.key;
+        self.target.verified(key, 1 + accepted);
         self.metrics.record_spec_round(drafts.len(), accepted);
         (1 + accepted, finish)
     }
@@ -165,7 +171,9 @@ impl Engine {
     fn typical_rule(&self, i: usize) -> Option<f32> {
         let seq = &self.sched.running[i];
         let block_lane = seq.lane.as_ref().is_some_and(|l| l.stats.block > 0);
-        self.spec.dflash_typical.filter(|_| block_lane && !seq.request.sampling.is_greedy())
+        let mtp_lane = seq.lane.as_ref().is_some_and(|l| l.stats.mode == "mtp");
+        let rule = if mtp_lane { self.mtp.as_ref().and_then(|m| m.typical) } else { self.spec.dflash_typical };
+        rule.filter(|_| (block_lane || mtp_lane) && !seq.request.sampling.is_greedy())
     }
 
     /// Samples `running[i]`'s next token from `row_logits` at its absolute position and commits it.

@@ -9,13 +9,18 @@
 //! stays the keyed rule (accept while the draft equals the target's keyed token), so output is token for token
 //! plain decoding's; sharing the noise makes a draft land on the target's token whenever the two distributions
 //! agree near the top, which is where acceptance comes from.
+//!
+//! With a draft vocabulary ([`DraftVocab`]) the drafter scores only those tokens: greedy drafts are the argmax
+//! (or DFlash2's walk) over them, sampled drafts the keyed Gumbel-max over them, mapped back to target ids.
+//! Verification still compares each draft with the target's keyed token over the full vocabulary, so the output
+//! is unchanged; a token outside the draft vocabulary simply cannot be drafted and ends the round.
 
 use std::sync::Arc;
 
-use dflash_models::dflash::{DraftModel, DraftSampling, Draw, SamplingFilter};
-use dflash_models::{DrafterContext, LlamaModel, ModelError};
+use dflash_models::dflash::{DraftHead, DraftModel, DraftSampling, DraftVocab, Draw, SamplingFilter};
+use dflash_models::{DrafterContext, ModelError, TargetHeads};
 
-use super::{ProposeInput, Proposer};
+use super::{policy, Proposal, ProposeInput, Proposer};
 use crate::sampler::{gumbel, keyed_uniform, STREAM_TARGET};
 
 /// A loaded drafter and how wide its rounds may be.
@@ -24,15 +29,18 @@ pub struct DrafterConfig {
     pub model: Arc<DraftModel>,
     /// Verify width (anchor included), at most the trained block size.
     pub block_size: usize,
+    /// The tokens drafts are scored over, with their LM head rows gathered once; `None`: the whole vocabulary.
+    pub draft_vocab: Option<Arc<DraftVocab>>,
 }
 
 /// One sequence's DFlash lane.
 pub struct DflashProposer {
     model: Arc<DraftModel>,
     /// The target, for the embedding table and LM head the drafter borrows.
-    target: Arc<LlamaModel>,
+    target: Arc<dyn TargetHeads>,
     ctx: DrafterContext,
     block_size: usize,
+    draft_vocab: Option<Arc<DraftVocab>>,
     name: &'static str,
     /// Set after a drafter error: the lane stops drafting (the request goes on, plain).
     broken: bool,
@@ -41,7 +49,7 @@ pub struct DflashProposer {
 impl DflashProposer {
     /// # Errors
     /// When the drafter's context cannot be allocated.
-    pub fn new(cfg: &DrafterConfig, target: Arc<LlamaModel>) -> Result<Self, ModelError> {
+    pub fn new(cfg: &DrafterConfig, target: Arc<dyn TargetHeads>) -> Result<Self, ModelError> {
         let name = match cfg.model.kind() {
             dflash_models::dflash::DraftKind::DFlash => "dflash",
             dflash_models::dflash::DraftKind::DFlash2 => "dflash2",
@@ -51,6 +59,7 @@ impl DflashProposer {
             model: Arc::clone(&cfg.model),
             target,
             block_size: cfg.block_size,
+            draft_vocab: cfg.draft_vocab.clone(),
             name,
             broken: false,
         })
@@ -67,14 +76,14 @@ impl Proposer for DflashProposer {
         self.name
     }
 
-    fn propose(&mut self, input: &ProposeInput, max: usize) -> Vec<u32> {
+    fn propose(&mut self, input: &ProposeInput, max: usize) -> Proposal {
         let width = self.block_size.min(max + 1);
         let Some((&anchor, before)) = input.tokens.split_last() else {
-            return Vec::new();
+            return Proposal::default();
         };
         // The context must hold every position before the anchor (the engine observes each computed row).
         if self.broken || width < 2 || self.ctx.len() != before.len() {
-            return Vec::new();
+            return Proposal::default();
         }
         let params = input.sampling;
         let mut draw = KeyedDraw { seed: params.seed };
@@ -84,12 +93,15 @@ impl Proposer for DflashProposer {
             let filter = SamplingFilter { temperature: params.temperature, top_k: params.top_k, top_p: params.top_p };
             DraftSampling::Sample { filter, draw: &mut draw }
         };
-        let (embed, lm_head) = (self.target.embedding(), self.target.lm_head());
-        match self.model.draft(&mut self.ctx, anchor, width, embed, lm_head, sampling) {
-            Ok(draft) => draft.tokens,
+        let head = match &self.draft_vocab {
+            Some(vocab) => DraftHead::Vocab(vocab),
+            None => DraftHead::Full(self.target.lm_head()),
+        };
+        match self.model.draft(&mut self.ctx, anchor, width, self.target.embedding(), head, sampling) {
+            Ok(draft) => Proposal { confidence: policy::top_probabilities(&draft.logits), tokens: draft.tokens },
             Err(e) => {
                 self.fail("draft", &e);
-                Vec::new()
+                Proposal::default()
             }
         }
     }

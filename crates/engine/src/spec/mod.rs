@@ -9,12 +9,18 @@
 
 pub mod dflash;
 pub mod gate;
+pub mod mtp;
 pub mod ngram;
+pub mod policy;
 pub mod verify;
 
+use std::time::Instant;
+
 pub use dflash::{DflashProposer, DrafterConfig};
-pub use gate::{prompt_gate_passes, RuntimeGate};
+pub use gate::prompt_gate_passes;
+pub use mtp::{MtpDepth, MtpLaneConfig, MtpProposer};
 pub use ngram::{NgramConfig, NgramProposer};
+pub use policy::{CostTable, PolicyMode, RoundPlan, RoundPolicy, SharedCosts};
 
 use crate::sampler::SamplingParams;
 
@@ -27,14 +33,29 @@ pub struct ProposeInput<'a> {
     pub sampling: &'a SamplingParams,
 }
 
+/// A proposer's drafts for one round.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Proposal {
+    pub tokens: Vec<u32>,
+    /// The drafter's confidence in each draft (`confidence[j]` for `tokens[j]`, in [0, 1]) when it has one; the
+    /// round policy calibrates it against what the target accepts.
+    pub confidence: Option<Vec<f32>>,
+}
+
+impl From<Vec<u32>> for Proposal {
+    fn from(tokens: Vec<u32>) -> Self {
+        Proposal { tokens, confidence: None }
+    }
+}
+
 /// A drafter for one sequence.
 pub trait Proposer: Send {
     /// The lane's name in logs and stats (`pld`, `dflash`, `dflash2`, later `mtp`).
     fn name(&self) -> &'static str;
 
-    /// Up to `max` tokens likely to follow the committed tokens; empty when it has no guess, which makes the
-    /// round a plain decode step.
-    fn propose(&mut self, input: &ProposeInput, max: usize) -> Vec<u32>;
+    /// Up to `max` tokens likely to follow the committed tokens; none when it has no guess, which makes the round
+    /// a plain decode step. The round policy may verify only a prefix of them.
+    fn propose(&mut self, input: &ProposeInput, max: usize) -> Proposal;
 
     /// Whether the lane reads the target's hidden states at its capture layers ([`Proposer::observe`]).
     fn observes_target(&self) -> bool {
@@ -55,8 +76,8 @@ pub trait Proposer: Send {
 pub struct SpecConfig {
     /// The n-gram lane; `None` when off.
     pub pld: Option<NgramConfig>,
-    /// The runtime gate's threshold: accepted drafts per round below it, after the warm-up, pause drafting.
-    pub gate_min_accepted: f64,
+    /// How each round's width is chosen (`--spec-policy`; a request may override it).
+    pub policy: PolicyMode,
     /// Opt-in lossy acceptance for block drafters on sampled requests (`--dflash-typical d`): see
     /// [`verify::typical_accepts`]. `None`: exact verification only.
     pub dflash_typical: Option<f32>,
@@ -64,26 +85,31 @@ pub struct SpecConfig {
 
 impl Default for SpecConfig {
     fn default() -> Self {
-        SpecConfig {
-            pld: Some(NgramConfig::default()),
-            gate_min_accepted: gate::DEFAULT_MIN_ACCEPTED,
-            dflash_typical: None,
-        }
+        SpecConfig { pld: Some(NgramConfig::default()), policy: PolicyMode::Adaptive, dflash_typical: None }
     }
 }
+
+/// Draft positions whose acceptance the stats track (a block of 16 has 15 drafts).
+pub const TRACKED_POSITIONS: usize = 16;
+/// Verify widths the histograms tell apart: 1 (a plain round) to `WIDTH_SLOTS`; wider rounds count in the last.
+pub const WIDTH_SLOTS: usize = TRACKED_POSITIONS + 1;
 
 /// What speculation did for one sequence.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SpecStats {
     /// The lane (`pld`, ...).
     pub mode: &'static str,
+    /// How its widths were chosen.
+    pub policy: PolicyMode,
     /// Rounds that verified at least one draft.
     pub rounds: u64,
     pub drafted: u64,
     pub accepted: u64,
-    /// Decode steps run without drafts while the lane was armed (no match, or the runtime gate paused it).
+    /// Decode steps run without drafts while the lane was armed (no match, or the policy chose a plain round).
     pub plain_steps: u64,
-    /// Times the runtime gate paused drafting.
+    /// Of those, the rounds the policy made plain: owed to the gate, or no width predicted to pay.
+    pub gated_steps: u64,
+    /// Times the gate paused drafting after drafted rounds lost to plain ones.
     pub gate_pauses: u64,
     /// Block drafters: the verify width (anchor included); 0 for other lanes.
     pub block: usize,
@@ -91,10 +117,12 @@ pub struct SpecStats {
     /// the first [`TRACKED_POSITIONS`] positions.
     pub drafted_at: [u64; TRACKED_POSITIONS],
     pub accepted_at: [u64; TRACKED_POSITIONS],
+    /// Decode steps by verify rows (`widths[r - 1]`, anchor included; slot 0: plain rounds).
+    pub widths: [u64; WIDTH_SLOTS],
+    /// Times the proposer was asked for drafts, and the microseconds it took in all.
+    pub draft_calls: u64,
+    pub draft_us: u64,
 }
-
-/// Draft positions whose acceptance the stats track (a block of 16 has 15 drafts).
-pub const TRACKED_POSITIONS: usize = 16;
 
 impl SpecStats {
     pub fn record_round(&mut self, drafted: usize, accepted: usize) {
@@ -105,6 +133,11 @@ impl SpecStats {
             self.drafted_at[slot] += 1;
             self.accepted_at[slot] += u64::from(slot < accepted);
         }
+    }
+
+    /// Counts a decode step of `rows` verify rows (1: plain).
+    pub fn record_width(&mut self, rows: usize) {
+        self.widths[rows.clamp(1, WIDTH_SLOTS) - 1] += 1;
     }
 
     /// Acceptance rate of each draft position that was drafted at least once: the chance a round that drafted
@@ -123,13 +156,28 @@ impl SpecStats {
         }
     }
 
+    /// Mean time of a drafting call, ms.
+    pub fn draft_ms(&self) -> f64 {
+        if self.draft_calls == 0 {
+            0.0
+        } else {
+            self.draft_us as f64 / 1e3 / self.draft_calls as f64
+        }
+    }
+
+    /// The width histogram as `rows:steps` pairs of the widths used, e.g. `1:12,3:4,8:30`.
+    pub fn widths_summary(&self) -> String {
+        let used = self.widths.iter().enumerate().filter(|(_, &n)| n > 0);
+        used.map(|(r, n)| format!("{}:{n}", r + 1)).collect::<Vec<_>>().join(",")
+    }
+
     /// The `[spec-stats]` log line.
     pub fn log_line(&self) -> String {
         let block = if self.block > 0 { format!(" block={}", self.block) } else { String::new() };
         let per_position: Vec<String> = self.per_position().iter().map(|r| format!("{r:.2}")).collect();
         format!(
             "[spec-stats] mode={}{block} rounds={} drafted={} accepted={} accept_rate={:.3} tokens_per_round={:.2} \
-             per_position=[{}] plain_steps={} gate_pauses={}",
+             per_position=[{}] plain_steps={} gate_pauses={} policy={} widths=[{}] gated_steps={} draft_ms={:.2}",
             self.mode,
             self.rounds,
             self.drafted,
@@ -138,7 +186,11 @@ impl SpecStats {
             self.tokens_per_round(),
             per_position.join(","),
             self.plain_steps,
-            self.gate_pauses
+            self.gate_pauses,
+            self.policy.as_str(),
+            self.widths_summary(),
+            self.gated_steps,
+            self.draft_ms(),
         )
     }
 
@@ -152,73 +204,120 @@ impl SpecStats {
     }
 }
 
-/// How many drafts the next round asks for: the maximum at first; after a rejection, one past the accepted prefix
-/// but no less than half the round's drafts; after a round accepted whole, twice its drafts (up to the maximum).
-///
-/// Every draft is a verify row, and a row the target rejects is paid for and wasted. Where the lane guesses well
-/// (code edits copying the prompt) rounds stay long; where it rarely does (prose) they shrink to one or two drafts
-/// within a few rounds, so a round costs little more than the plain step it replaces. Halving rather than
-/// dropping at once keeps one unlucky round inside a long copied span from costing the next rounds' length.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DraftLength {
-    max: usize,
-    next: usize,
+/// What a lane remembers of the round in flight, between drafting, verification and the step's timing.
+#[derive(Clone, Debug, Default)]
+struct RoundInFlight {
+    /// Committed tokens when it drafted.
+    context: usize,
+    /// Time the proposer took (ms).
+    draft_ms: f64,
+    /// The drafter's confidence in the drafts sent to verification.
+    confidence: Option<Vec<f32>>,
+    /// The policy made the round plain.
+    gated: bool,
+    /// Tokens the verified round committed.
+    committed: Option<usize>,
 }
 
-impl DraftLength {
-    pub fn new(max: usize) -> Self {
-        DraftLength { max, next: max }
-    }
-
-    /// Drafts to ask for next round.
-    pub fn get(&self) -> usize {
-        self.next
-    }
-
-    /// Records a verified round of `drafted` drafts of which the first `accepted` were accepted.
-    pub fn record(&mut self, drafted: usize, accepted: usize) {
-        if drafted == 0 {
-            return;
-        }
-        let next = if accepted >= drafted { self.next.max(2 * drafted) } else { (accepted + 1).max(drafted / 2) };
-        self.next = next.min(self.max);
-    }
-}
-
-/// A sequence's armed lane: its proposer, gate, draft length and stats.
+/// A sequence's armed lane: its proposer, round policy and stats, and the engine's cost table.
 pub struct SpecLane {
     pub proposer: Box<dyn Proposer>,
-    pub gate: RuntimeGate,
-    pub length: DraftLength,
+    pub policy: RoundPolicy,
     pub stats: SpecStats,
+    costs: SharedCosts,
+    max_draft: usize,
+    round: RoundInFlight,
 }
 
 impl SpecLane {
-    /// A lane drafting at most `max_draft` tokens a round; `block` is the verify width of block drafters (0 for
-    /// others), for the stats.
-    pub fn new(proposer: Box<dyn Proposer>, max_draft: usize, min_accepted: f64, block: usize) -> Self {
-        let stats = SpecStats { mode: proposer.name(), block, ..SpecStats::default() };
-        SpecLane { proposer, gate: RuntimeGate::new(min_accepted), length: DraftLength::new(max_draft), stats }
+    /// A lane drafting at most `max_draft` tokens a round, widths chosen by `mode` against the engine's `costs`;
+    /// `block` is the verify width of block drafters (0 for others), for the stats.
+    pub fn new(
+        proposer: Box<dyn Proposer>,
+        max_draft: usize,
+        block: usize,
+        mode: PolicyMode,
+        costs: SharedCosts,
+    ) -> Self {
+        let stats = SpecStats { mode: proposer.name(), policy: mode, block, ..SpecStats::default() };
+        let policy = RoundPolicy::new(mode, proposer.name(), max_draft);
+        SpecLane { proposer, policy, stats, costs, max_draft, round: RoundInFlight::default() }
     }
 
-    /// Drafts for the next round (at most `cap`), or none while the gate holds the lane back.
+    /// Drafts for the next round (at most `cap`): none when the policy makes it plain, else the prefix of the
+    /// proposal the policy chooses to verify.
     pub fn draft(&mut self, input: &ProposeInput, cap: usize) -> Vec<u32> {
-        let cap = cap.min(self.length.get());
-        let drafts = if cap > 0 && self.gate.allows() { self.proposer.propose(input, cap) } else { Vec::new() };
-        if drafts.is_empty() {
-            self.stats.plain_steps += 1;
+        let context = input.tokens.len();
+        let max = cap.min(self.max_draft);
+        self.round = RoundInFlight { context, ..RoundInFlight::default() };
+        if max == 0 {
+            return Vec::new();
         }
-        drafts
+        if let RoundPlan::Plain = self.policy.plan(&self.costs.lock(), context, max) {
+            self.round.gated = true;
+            return Vec::new();
+        }
+        let (Proposal { mut tokens, confidence }, draft_ms) = self.timed_proposal(input, max);
+        tokens.truncate(max);
+        if tokens.is_empty() {
+            return tokens;
+        }
+        let confidence = confidence.filter(|c| c.len() >= tokens.len());
+        let costs = self.costs.lock();
+        let keep = self.policy.choose(&costs, context, tokens.len(), confidence.as_deref(), draft_ms);
+        drop(costs);
+        tokens.truncate(keep);
+        self.round.gated = tokens.is_empty();
+        self.round.confidence = confidence.map(|mut c| {
+            c.truncate(keep);
+            c
+        });
+        tokens
+    }
+
+    /// Asks the proposer for up to `max` drafts and records how long it took (in the stats, the round and the
+    /// engine's table of drafting costs); returns the proposal and its ms.
+    fn timed_proposal(&mut self, input: &ProposeInput, max: usize) -> (Proposal, f64) {
+        let started = Instant::now();
+        let proposal = self.proposer.propose(input, max);
+        let draft_ms = started.elapsed().as_secs_f64() * 1e3;
+        self.round.draft_ms = draft_ms;
+        self.stats.draft_calls += 1;
+        self.stats.draft_us += (draft_ms * 1e3) as u64;
+        self.costs.lock().observe_draft(self.stats.mode, draft_ms);
+        (proposal, draft_ms)
     }
 
     /// Records a verified round.
     pub fn verified(&mut self, drafted: usize, accepted: usize) {
         self.stats.record_round(drafted, accepted);
-        self.length.record(drafted, accepted);
+        let confidence = self.round.confidence.take();
+        self.policy.record_verified(drafted, accepted, confidence.as_deref());
         self.proposer.on_verified(drafted, accepted);
-        if self.gate.record(accepted) {
-            self.stats.gate_pauses += 1;
+        self.round.committed = Some(accepted + 1);
+    }
+
+    /// Records the decode step this lane's round ran in: `rows` verify rows (1: plain), and the step's time in ms
+    /// when it says what the round cost (a step with prompt rows in it does not). Returns true when the gate
+    /// paused drafting.
+    pub fn stepped(&mut self, rows: usize, step_ms: Option<f64>) -> bool {
+        self.stats.record_width(rows);
+        if rows <= 1 {
+            self.stats.plain_steps += 1;
+            self.stats.gated_steps += u64::from(self.round.gated);
         }
+        let (Some(tokens), Some(step_ms)) = (self.round.committed.take(), step_ms) else {
+            return false;
+        };
+        let took_ms = self.round.draft_ms + step_ms;
+        let paused = self.policy.record_round(&self.costs.lock(), self.round.context, tokens, took_ms);
+        self.stats.gate_pauses += u64::from(paused);
+        paused
+    }
+
+    /// Whether the gate holds the lane to plain rounds now.
+    pub fn is_gated(&self) -> bool {
+        self.policy.backoff().owed() > 0
     }
 }
 
@@ -230,47 +329,74 @@ impl std::fmt::Debug for SpecLane {
 
 #[cfg(test)]
 mod tests {
-    use super::{DraftLength, SpecStats};
+    use super::*;
+
+    /// Proposes the same drafts every round.
+    struct Echo(Vec<u32>);
+
+    impl Proposer for Echo {
+        fn name(&self) -> &'static str {
+            "echo"
+        }
+
+        fn propose(&mut self, _input: &ProposeInput, max: usize) -> Proposal {
+            self.0.iter().copied().take(max).collect::<Vec<_>>().into()
+        }
+    }
 
     #[test]
-    fn stats_track_acceptance_per_draft_position() {
+    fn stats_track_acceptance_per_draft_position_and_widths() {
         let mut stats = SpecStats { mode: "dflash", block: 4, ..SpecStats::default() };
         stats.record_round(3, 3);
         stats.record_round(3, 1);
         stats.record_round(2, 0);
+        for rows in [4, 4, 3, 1, 40] {
+            stats.record_width(rows);
+        }
         assert_eq!(stats.per_position(), vec![2.0 / 3.0, 1.0 / 3.0, 1.0 / 2.0]);
         let line = stats.log_line();
         assert!(line.contains("mode=dflash block=4 rounds=3"), "{line}");
         assert!(line.contains("per_position=[0.67,0.33,0.50]"), "{line}");
+        assert!(line.contains("policy=adaptive widths=[1:1,3:1,4:2,17:1]"), "{line}");
     }
 
     #[test]
-    fn draft_length_shrinks_on_rejection_and_doubles_on_full_accepts() {
-        let mut len = DraftLength::new(8);
-        assert_eq!(len.get(), 8);
-        len.record(8, 0);
-        assert_eq!(len.get(), 4, "nothing accepted: halved");
-        len.record(4, 0);
-        len.record(2, 0);
-        assert_eq!(len.get(), 1, "down to one draft");
-        len.record(1, 0);
-        assert_eq!(len.get(), 1, "never below one");
-        len.record(1, 1);
-        assert_eq!(len.get(), 2);
-        len.record(2, 2);
-        assert_eq!(len.get(), 4);
-        len.record(4, 4);
-        len.record(8, 8);
-        assert_eq!(len.get(), 8, "capped at the maximum");
-        len.record(8, 5);
-        assert_eq!(len.get(), 6, "one past the accepted prefix");
-        len.record(6, 1);
-        assert_eq!(len.get(), 3, "no less than half");
-        len.record(3, 3);
-        assert_eq!(len.get(), 6);
-        len.record(2, 2);
-        assert_eq!(len.get(), 6, "a short proposal accepted whole does not shrink the length");
-        len.record(0, 0);
-        assert_eq!(len.get(), 6, "a plain step changes nothing");
+    fn a_fixed_lane_verifies_every_draft_it_gets_and_never_pauses() {
+        let costs = SharedCosts::new(CostTable::new(9));
+        let mut lane = SpecLane::new(Box::new(Echo(vec![5; 8])), 8, 0, PolicyMode::Fixed, costs);
+        let sampling = SamplingParams::greedy();
+        let tokens = [1, 2, 3];
+        for _ in 0..40 {
+            let input = ProposeInput { tokens: &tokens, sampling: &sampling };
+            assert_eq!(lane.draft(&input, 100).len(), 8);
+            lane.verified(8, 0);
+            assert!(!lane.stepped(9, Some(50.0)));
+        }
+        let input = ProposeInput { tokens: &tokens, sampling: &sampling };
+        assert_eq!(lane.draft(&input, 3).len(), 3, "capped by the caller");
+        assert_eq!(lane.stats.widths[8], 40);
+        assert_eq!((lane.stats.gate_pauses, lane.stats.plain_steps), (0, 0));
+    }
+
+    #[test]
+    fn an_adaptive_lane_goes_plain_when_its_rounds_lose() {
+        let mut table = CostTable::new(9);
+        table.seed(&[10.0, 11.0, 12.0, 13.0, 14.0, 15.0, 16.0, 17.0, 18.0]);
+        let costs = SharedCosts::new(table);
+        let mut lane = SpecLane::new(Box::new(Echo(vec![5; 8])), 8, 0, PolicyMode::Adaptive, costs);
+        let sampling = SamplingParams::greedy();
+        let tokens = [1, 2, 3];
+        let mut plain = 0;
+        for _ in 0..40 {
+            let drafts = lane.draft(&ProposeInput { tokens: &tokens, sampling: &sampling }, 100);
+            if !drafts.is_empty() {
+                lane.verified(drafts.len(), 0);
+            }
+            plain += usize::from(drafts.is_empty());
+            lane.stepped(1 + drafts.len(), Some(10.0 + drafts.len() as f64));
+        }
+        assert!(plain >= 30, "plain rounds: {plain} of 40");
+        assert_eq!(lane.stats.plain_steps, plain as u64);
+        assert!(lane.stats.gated_steps > 0 && lane.stats.gate_pauses + lane.stats.gated_steps > 0);
     }
 }

@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use super::{ProposeInput, Proposer};
+use super::{Proposal, ProposeInput, Proposer};
 
 /// Settings of the n-gram lane.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -88,11 +88,11 @@ impl Proposer for NgramProposer {
         "pld"
     }
 
-    fn propose(&mut self, input: &ProposeInput, max: usize) -> Vec<u32> {
+    fn propose(&mut self, input: &ProposeInput, max: usize) -> Proposal {
         let tokens = input.tokens;
         let len = tokens.len();
         if len < 2 {
-            return Vec::new();
+            return Proposal::default();
         }
         // Index every n-gram that ends before the last token; the suffix itself must find an earlier occurrence.
         if self.indexed_to < len {
@@ -100,8 +100,8 @@ impl Proposer for NgramProposer {
         }
         let max = max.min(self.cfg.max_draft);
         match self.find_match(tokens) {
-            Some(end) => tokens[end..len.min(end + max)].to_vec(),
-            None => Vec::new(),
+            Some(end) => tokens[end..len.min(end + max)].to_vec().into(),
+            None => Proposal::default(),
         }
     }
 }
@@ -113,7 +113,7 @@ mod tests {
 
     fn propose(p: &mut NgramProposer, tokens: &[u32], max: usize) -> Vec<u32> {
         let sampling = SamplingParams::greedy();
-        p.propose(&ProposeInput { tokens, sampling: &sampling }, max)
+        p.propose(&ProposeInput { tokens, sampling: &sampling }, max).tokens
     }
 
     fn proposer(max_draft: usize, min_match: usize, max_match: usize) -> NgramProposer {

@@ -141,6 +141,7 @@ pub fn request(id: usize, prompt: Vec<u32>, sampling: SamplingParams, max_tokens
         ignore_eos: true,
         enable_pld: None,
         enable_drafter: None,
+        spec_policy: None,
         cache_prompt: true,
     }
 }

@@ -4,6 +4,10 @@
 //! machine hit them alike. Requests are greedy, so every lane produces the same tokens (verification is lossless)
 //! and the timings compare like with like. Writes every run as JSON and prints a Markdown table of medians per
 //! prompt group.
+//!
+//! A lane name may end in `-fixed` or `-adaptive` (`pld-fixed`, `dflash-adaptive`) to set the request's width
+//! policy; bare `pld` and `dflash` follow `--spec-policy`. The round-cost probe runs before the first request, so
+//! no lane pays for it, and the cost table is printed at the end.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -12,7 +16,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use dflash_engine::spec::{DrafterConfig, SpecStats};
+use dflash_engine::spec::{DrafterConfig, PolicyMode, SpecStats};
 use dflash_engine::{Engine, EngineConfig, EngineMetrics, Event, EventSink, Request, SamplingParams, Usage};
 use dflash_models::tokenizer::{ChatMessage, Tokenizer};
 use dflash_models::LlamaModel;
@@ -28,7 +32,8 @@ pub struct LanesArgs {
     #[arg(long, default_value = "bench/prompts/lanes.json")]
     pub prompts: PathBuf,
     /// Lanes to compare: plain (no drafting), pld (prompt lookup, with its gates as served) and dflash (the
-    /// block drafter given with --drafter).
+    /// block drafter given with --drafter); pld and dflash take a `-fixed` or `-adaptive` suffix to pick the
+    /// width policy (default: --spec-policy).
     #[arg(long, value_delimiter = ',', default_value = "plain,pld")]
     pub lanes: Vec<String>,
     /// Tokens per request at most (requests stop at EOS too).
@@ -116,10 +121,8 @@ pub fn run(
 ) -> Result<()> {
     let entries = read_prompts(&args.prompts)?;
     for lane in &args.lanes {
-        if !matches!(lane.as_str(), "plain" | "pld" | "dflash") {
-            bail!("unknown lane `{lane}` (known: plain, pld, dflash)");
-        }
-        if lane == "dflash" && drafter.is_none() {
+        let (kind, _) = lane_kind(lane)?;
+        if kind == "dflash" && drafter.is_none() {
             bail!("the dflash lane needs a drafter: --drafter DIR");
         }
     }
@@ -136,6 +139,7 @@ pub fn run(
         drafter,
     };
     let mut engine = Engine::new(model, Arc::clone(&tokenizer), cfg, Arc::new(EngineMetrics::default()))?;
+    engine.probe_round_costs()?;
     let mut results = Vec::new();
     for (i, entry) in entries.iter().enumerate() {
         let prompt = chat_prompt(&tokenizer, &entry.prompt)?;
@@ -144,11 +148,12 @@ pub fn run(
                 let (usage, ttft_ms) = run_one(&mut engine, &prompt, lane, args.max_tokens)?;
                 let r = RunResult { group: entry.group.clone(), prompt: i, lane: lane.clone(), usage, ttft_ms };
                 eprintln!(
-                    "[bench] {} #{i} {lane}: {} tokens, decode {:.1} tok/s, {:.2} tokens/round",
+                    "[bench] {} #{i} {lane}: {} tokens, decode {:.1} tok/s, {:.2} tokens/round, widths [{}]",
                     r.group,
                     r.usage.completion_tokens,
                     r.decode_tok_s(),
                     r.usage.spec.as_deref().map_or(1.0, |s| s.tokens_per_round()),
+                    r.spec().widths_summary(),
                 );
                 results.push(r);
             }
@@ -156,6 +161,7 @@ pub fn run(
     }
     let path = write_json(&args.out_dir, &results)?;
     println!("{}", table(&results, &args.lanes));
+    eprintln!("{}", engine.round_costs().summary());
     eprintln!("[bench] runs written to {}", path.display());
     Ok(())
 }
@@ -178,8 +184,21 @@ fn chat_prompt(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>> {
     Ok(tokenizer.encode(&rendered, true)?)
 }
 
+/// A lane name's kind (`plain`, `pld`, `dflash`) and the width policy its suffix asks for.
+fn lane_kind(lane: &str) -> Result<(&str, Option<PolicyMode>)> {
+    let (kind, policy) = match lane.rsplit_once('-') {
+        Some((kind, policy)) => (kind, Some(policy.parse::<PolicyMode>()?)),
+        None => (lane, None),
+    };
+    if !matches!(kind, "plain" | "pld" | "dflash") || (kind == "plain" && policy.is_some()) {
+        bail!("unknown lane `{lane}` (known: plain, pld, dflash, and pld or dflash with -fixed or -adaptive)");
+    }
+    Ok((kind, policy))
+}
+
 /// One greedy request through `engine` on `lane`; returns its usage and TTFT in ms.
 fn run_one(engine: &mut Engine, prompt: &[u32], lane: &str, max_tokens: usize) -> Result<(Usage, f64)> {
+    let (kind, spec_policy) = lane_kind(lane)?;
     let probe = UsageProbe::default();
     let request = Request {
         id: format!("bench-{lane}"),
@@ -191,8 +210,9 @@ fn run_one(engine: &mut Engine, prompt: &[u32], lane: &str, max_tokens: usize) -
         ignore_eos: false,
         // plain forces every lane off; pld follows the engine's setting, prompt gate included, as served;
         // dflash drafts with the drafter.
-        enable_pld: (lane != "pld").then_some(false),
-        enable_drafter: Some(lane == "dflash"),
+        enable_pld: (kind != "pld").then_some(false),
+        enable_drafter: Some(kind == "dflash"),
+        spec_policy,
         cache_prompt: false,
     };
     let started = Instant::now();
@@ -223,6 +243,9 @@ fn write_json(dir: &Path, results: &[RunResult]) -> Result<PathBuf> {
                 "ttft_ms": r.ttft_ms, "prefill_tok_s": r.prefill_tok_s(), "decode_tok_s": r.decode_tok_s(),
                 "rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted,
                 "accept_rate": s.accept_rate(), "tokens_per_round": s.tokens_per_round(),
+                "tokens_per_step": tokens_per_step(&s), "policy": s.policy.as_str(), "widths": s.widths,
+                "plain_steps": s.plain_steps, "gated_steps": s.gated_steps, "gate_pauses": s.gate_pauses,
+                "draft_ms": s.draft_ms(),
             })
         })
         .collect();
@@ -238,8 +261,8 @@ fn table(results: &[RunResult], lanes: &[String]) -> String {
         groups.entry(r.group.as_str()).or_default().push(r);
     }
     let mut out = String::from(
-        "| group | lane | prefill tok/s | decode tok/s | TTFT ms | tokens/round | accept rate | decode speedup |\n\
-         |---|---|---|---|---|---|---|---|\n",
+        "| group | lane | prefill tok/s | decode tok/s | TTFT ms | tokens/round | tokens/step | accept rate | \
+         decode speedup |\n|---|---|---|---|---|---|---|---|---|\n",
     );
     for (group, runs) in &groups {
         for lane in lanes {
@@ -247,16 +270,17 @@ fn table(results: &[RunResult], lanes: &[String]) -> String {
             let med = |f: &dyn Fn(&RunResult) -> f64| median(&mine.iter().map(|r| f(r)).collect::<Vec<_>>());
             let speedup = speedup(runs, lane);
             let spec = mine.iter().any(|r| r.usage.spec.is_some());
-            let (tpr, rate) = if spec {
+            let (tpr, tps, rate) = if spec {
                 (
                     format!("{:.2}", med(&|r| r.spec().tokens_per_round())),
+                    format!("{:.2}", med(&|r| tokens_per_step(&r.spec()))),
                     format!("{:.2}", med(&|r| r.spec().accept_rate())),
                 )
             } else {
-                ("-".into(), "-".into())
+                ("-".into(), "1.00".into(), "-".into())
             };
             out.push_str(&format!(
-                "| {group} | {lane} | {:.0} | {:.1} | {:.0} | {tpr} | {rate} | {speedup:.2}x |\n",
+                "| {group} | {lane} | {:.0} | {:.1} | {:.0} | {tpr} | {tps} | {rate} | {speedup:.2}x |\n",
                 med(&|r| r.prefill_tok_s()),
                 med(&|r| r.decode_tok_s()),
                 med(&|r| r.ttft_ms),
@@ -264,6 +288,16 @@ fn table(results: &[RunResult], lanes: &[String]) -> String {
         }
     }
     out
+}
+
+/// Tokens committed per decode step of the lane, plain steps included (verified rounds commit accepted + 1).
+fn tokens_per_step(s: &SpecStats) -> f64 {
+    let steps = s.rounds + s.plain_steps;
+    if steps == 0 {
+        1.0
+    } else {
+        (s.accepted + steps) as f64 / steps as f64
+    }
 }
 
 fn speedup(runs: &[&RunResult], lane: &str) -> f64 {

@@ -5,9 +5,11 @@
 //! * `ttft`: time to first token of a long prompt alone, and while other streams decode.
 //! * `lanes`: speculation lanes side by side on a prompt set (see [`lanes`]).
 //! * `prefix`: a long chat's second turn, cold and from the prefix cache (see [`prefix`]).
+//! * `shapes`: CUDA decode against the memory floor on random-weight models of real shapes (see [`shapes`]).
 
 mod lanes;
 mod prefix;
+mod shapes;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -17,7 +19,7 @@ use clap::{Args, Subcommand};
 use dflash_engine::spec::SpecConfig;
 use dflash_engine::{Engine, EngineConfig, EngineMetrics, Event, EventSink, Request, SamplingParams};
 use dflash_models::tokenizer::Tokenizer;
-use dflash_models::{LlamaModel, LoadedModel};
+use dflash_models::{LlamaModel, Loaded};
 
 use crate::cli::{ModelArgs, SpecArgs};
 use crate::target::{load_target, Target};
@@ -64,6 +66,9 @@ pub enum Scenario {
     Lanes(lanes::LanesArgs),
     /// Time to first token of a long chat's second turn, cold and served from the prefix cache.
     Prefix(prefix::PrefixArgs),
+    /// CUDA decode and verify speed of random-weight models of real shapes against the memory floor (no
+    /// model is loaded; needs a build with `--features cuda`).
+    Shapes(shapes::ShapesArgs),
 }
 
 /// First/last token times and the token count of one stream.
@@ -106,8 +111,12 @@ impl Probe {
 }
 
 pub fn bench(args: &BenchArgs) -> Result<()> {
-    let Target { loaded, drafter } = load_target(&args.model, &args.spec)?;
-    let LoadedModel { model, tokenizer, .. } = loaded;
+    if let Scenario::Shapes(shapes_args) = &args.scenario {
+        return shapes::run(shapes_args);
+    }
+    let Target { loaded, drafter, .. } = load_target(&args.model, &args.spec)?;
+    let Loaded { model, tokenizer, .. } = loaded;
+    let model = model.into_llama("dflash bench")?;
     let tokenizer = Arc::new(tokenizer);
     let prompts = bench_prompts(&tokenizer)?;
     match &args.scenario {
@@ -123,7 +132,10 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
             ttft(&mut e, &long, &prompts, *background, *repeat)
         }
         Scenario::Lanes(lanes_args) => lanes::run(Arc::new(model), tokenizer, &args.spec, drafter, lanes_args),
-        Scenario::Prefix(prefix_args) => prefix::run(Arc::new(model), tokenizer, args.max_batch_tokens, prefix_args),
+        Scenario::Prefix(prefix_args) => {
+            prefix::run(Arc::new(model), tokenizer, args.max_batch_tokens, drafter, prefix_args)
+        }
+        Scenario::Shapes(_) => bail!("the shapes scenario loads no model"),
     }
 }
 
@@ -160,6 +172,7 @@ fn request(id: String, prompt: Vec<u32>, max_tokens: usize) -> Request {
         ignore_eos: true,
         enable_pld: Some(false),
         enable_drafter: Some(false),
+        spec_policy: None,
         cache_prompt: false,
     }
 }

@@ -6,13 +6,18 @@
 //! afresh. Each round runs the second turn cold (the request opts out of the cache) and warm (right after the
 //! first turn, with the cache emptied before each round), alternating cold and warm so drifts of the machine hit
 //! both alike, and checks that both give the same tokens.
+//!
+//! With a block drafter (the default model ships one), each round also runs the second turn cold and warm with
+//! the drafter for `--drafter-tokens` tokens: a warm turn's drafter reads the target's hidden states cached with
+//! the prefix, so the table shows TTFT and tokens per decode round for both, and the bench checks that the drafted
+//! turns give the same tokens.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use dflash_engine::spec::SpecConfig;
+use dflash_engine::spec::{DrafterConfig, PolicyMode, SpecConfig, SpecStats};
 use dflash_engine::{Engine, EngineConfig, EngineMetrics, Event, EventSink, Request, SamplingParams};
 use dflash_models::tokenizer::{ChatMessage, Tokenizer};
 use dflash_models::LlamaModel;
@@ -31,6 +36,9 @@ pub struct PrefixArgs {
     /// Cold / warm pairs; medians are reported.
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
+    /// Tokens each drafted second turn generates (when a drafter is loaded), for its tokens per round.
+    #[arg(long, default_value_t = 64)]
+    pub drafter_tokens: usize,
     /// Text files the earlier turns are cut from.
     #[arg(
         long,
@@ -47,6 +55,7 @@ struct Seen {
     ids: Vec<u32>,
     text: String,
     cached_tokens: usize,
+    spec: Option<SpecStats>,
     error: Option<String>,
 }
 
@@ -63,7 +72,10 @@ impl EventSink for Probe {
                 seen.ids.extend(ids);
                 seen.text.push_str(&text);
             }
-            Event::Finished { usage, .. } => seen.cached_tokens = usage.cached_tokens,
+            Event::Finished { usage, .. } => {
+                seen.cached_tokens = usage.cached_tokens;
+                seen.spec = usage.spec.as_deref().copied();
+            }
             Event::Error(m) => seen.error = Some(m),
         }
         true
@@ -79,17 +91,20 @@ struct Turn {
     ttft: Duration,
     ids: Vec<u32>,
     cached_tokens: usize,
+    spec: Option<SpecStats>,
 }
 
 pub fn run(
     model: Arc<LlamaModel>,
     tokenizer: Arc<Tokenizer>,
     max_batch_tokens: usize,
+    drafter: Option<DrafterConfig>,
     args: &PrefixArgs,
 ) -> Result<()> {
     let history = history_messages(&tokenizer, &args.history, args.context)?;
     let first_prompt = render(&tokenizer, &history)?;
-    let context_window = (first_prompt.len() + args.answer_tokens + 1024).max(2048);
+    let drafted = drafter.is_some();
+    let context_window = (first_prompt.len() + args.answer_tokens.max(args.drafter_tokens) + 1024).max(2048);
     let cfg = EngineConfig {
         context_window,
         num_pages: context_window.div_ceil(16),
@@ -97,9 +112,10 @@ pub fn run(
         max_running: 1,
         max_batch_tokens,
         eos_ids: tokenizer.eos_ids().to_vec(),
-        spec: SpecConfig { pld: None, ..SpecConfig::default() },
+        // Fixed widths: a drafted round's width depends only on the drafter, not on measured step costs.
+        spec: SpecConfig { pld: None, policy: PolicyMode::Fixed, ..SpecConfig::default() },
         prefix_cache_pages: context_window.div_ceil(16),
-        drafter: None,
+        drafter,
     };
     let mut engine = Engine::new(model, Arc::clone(&tokenizer), cfg, Arc::new(EngineMetrics::default()))?;
     let answer = run_request(&mut engine, "turn1", &first_prompt, args.answer_tokens, Lane::FirstTurn)?;
@@ -109,12 +125,10 @@ pub fn run(
     let second_prompt = render(&tokenizer, &second)?;
     eprintln!("[bench] first turn {} tokens, second turn {} tokens", first_prompt.len(), second_prompt.len());
 
-    let (mut cold, mut warm) = (Vec::new(), Vec::new());
+    let turns = Turns { first: &first_prompt, second: &second_prompt, answer_tokens: args.answer_tokens };
+    let (mut plain, mut with_drafter) = (Vec::new(), Vec::new());
     for round in 0..args.repeat.max(1) {
-        engine.clear_prefix_cache();
-        let c = measure(&mut engine, &second_prompt, false)?;
-        run_request(&mut engine, "turn1", &first_prompt, args.answer_tokens, Lane::FirstTurn)?;
-        let w = measure(&mut engine, &second_prompt, true)?;
+        let (c, w) = turns.pair(&mut engine, 4, false)?;
         if c.ids != w.ids {
             bail!("round {round}: warm and cold second turns differ: {:?} vs {:?}", w.ids, c.ids);
         }
@@ -124,41 +138,100 @@ pub fn run(
             w.ttft.as_secs_f64(),
             w.cached_tokens
         );
-        cold.push(c);
-        warm.push(w);
+        if drafted {
+            let (dc, dw) = turns.pair(&mut engine, args.drafter_tokens, true)?;
+            if dc.ids != dw.ids || !dc.ids.starts_with(&c.ids) {
+                bail!("round {round}: drafted second turns differ: {:?} vs {:?}", dw.ids, dc.ids);
+            }
+            eprintln!(
+                "[bench] round {round} with the drafter: cold {:.3} s, {:.2} tokens/round; warm {:.3} s, {:.2} \
+                 tokens/round",
+                dc.ttft.as_secs_f64(),
+                tokens_per_round(&dc),
+                dw.ttft.as_secs_f64(),
+                tokens_per_round(&dw)
+            );
+            with_drafter.push((dc, dw));
+        }
+        plain.push((c, w));
     }
-    let secs = |v: &[Turn]| median(&v.iter().map(|t| t.ttft.as_secs_f64()).collect::<Vec<_>>());
-    let (cold_s, warm_s) = (secs(&cold), secs(&warm));
-    println!("| second turn | prompt tokens | cached tokens | TTFT median of {} (s) |", args.repeat.max(1));
-    println!("|---|---|---|---|");
-    println!("| cold | {} | 0 | {cold_s:.3} |", second_prompt.len());
-    println!("| warm | {} | {} | {warm_s:.3} |", second_prompt.len(), warm.last().map_or(0, |t| t.cached_tokens));
-    println!("\nwarm TTFT is {:.1}x lower; outputs identical in every round", cold_s / warm_s.max(1e-9));
+    print_table(&plain, &with_drafter, second_prompt.len(), args.repeat.max(1));
     Ok(())
+}
+
+/// The two turns' prompts.
+struct Turns<'a> {
+    first: &'a [u32],
+    second: &'a [u32],
+    answer_tokens: usize,
+}
+
+impl Turns<'_> {
+    /// The second turn cold on an empty cache, then warm right after the first turn (same lane both times).
+    fn pair(&self, engine: &mut Engine, max_tokens: usize, drafter: bool) -> Result<(Turn, Turn)> {
+        engine.clear_prefix_cache();
+        let cold = measure(engine, self.second, max_tokens, Lane::Cold { drafter })?;
+        run_request(engine, "turn1", self.first, self.answer_tokens, Lane::FirstTurn)?;
+        let warm = measure(engine, self.second, max_tokens, Lane::Warm { drafter })?;
+        Ok((cold, warm))
+    }
+}
+
+/// Tokens committed per decode step (1 without a lane).
+fn tokens_per_round(t: &Turn) -> f64 {
+    t.spec.as_ref().map_or(1.0, SpecStats::tokens_per_round)
+}
+
+/// The median TTFTs of cold and warm turns, and with the drafter their tokens per round.
+fn print_table(plain: &[(Turn, Turn)], drafted: &[(Turn, Turn)], prompt_tokens: usize, repeat: usize) {
+    let med = |v: &[(Turn, Turn)], warm: bool, f: &dyn Fn(&Turn) -> f64| {
+        median(&v.iter().map(|(c, w)| f(if warm { w } else { c })).collect::<Vec<_>>())
+    };
+    let ttft = |t: &Turn| t.ttft.as_secs_f64();
+    let cached = |v: &[(Turn, Turn)]| v.last().map_or(0, |(_, w)| w.cached_tokens);
+    println!("| second turn | prompt tokens | cached tokens | TTFT median of {repeat} (s) | tokens per round |");
+    println!("|---|---|---|---|---|");
+    println!("| cold | {prompt_tokens} | 0 | {:.3} | - |", med(plain, false, &ttft));
+    println!("| warm | {prompt_tokens} | {} | {:.3} | - |", cached(plain), med(plain, true, &ttft));
+    if !drafted.is_empty() {
+        for (name, warm) in [("cold + drafter", false), ("warm + drafter", true)] {
+            let cached = if warm { cached(drafted) } else { 0 };
+            let (t, per_round) = (med(drafted, warm, &ttft), med(drafted, warm, &tokens_per_round));
+            println!("| {name} | {prompt_tokens} | {cached} | {t:.3} | {per_round:.2} |");
+        }
+    }
+    let speedup = med(plain, false, &ttft) / med(plain, true, &ttft).max(1e-9);
+    println!("\nwarm TTFT is {speedup:.1}x lower; outputs identical in every round");
 }
 
 /// How a request is sent.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Lane {
-    /// The first turn: a natural answer (up to EOS), its prompt cached.
+    /// The first turn: a natural answer (up to EOS), its prompt cached, no drafter.
     FirstTurn,
     /// The second turn without the cache.
-    Cold,
+    Cold { drafter: bool },
     /// The second turn, served from the cache.
-    Warm,
+    Warm { drafter: bool },
 }
 
-/// The second turn's TTFT (4 tokens generated past any EOS, to compare outputs).
-fn measure(engine: &mut Engine, prompt: &[u32], cache: bool) -> Result<Turn> {
+/// The second turn's TTFT (`max_tokens` generated past any EOS, to compare outputs).
+fn measure(engine: &mut Engine, prompt: &[u32], max_tokens: usize, lane: Lane) -> Result<Turn> {
     let submitted = Instant::now();
-    let (id, lane) = if cache { ("warm", Lane::Warm) } else { ("cold", Lane::Cold) };
-    let seen = run_request(engine, id, prompt, 4, lane)?;
+    let id = if matches!(lane, Lane::Warm { .. }) { "warm" } else { "cold" };
+    let seen = run_request(engine, id, prompt, max_tokens, lane)?;
     let first = seen.first.context("no token came back")?;
-    Ok(Turn { ttft: first.duration_since(submitted), ids: seen.ids, cached_tokens: seen.cached_tokens })
+    Ok(Turn {
+        ttft: first.duration_since(submitted),
+        ids: seen.ids,
+        cached_tokens: seen.cached_tokens,
+        spec: seen.spec,
+    })
 }
 
 fn run_request(engine: &mut Engine, id: &str, prompt: &[u32], max_tokens: usize, lane: Lane) -> Result<Seen> {
     let probe = Probe::default();
+    let drafter = matches!(lane, Lane::Cold { drafter: true } | Lane::Warm { drafter: true });
     let request = Request {
         id: id.into(),
         prompt: prompt.to_vec(),
@@ -168,8 +241,9 @@ fn run_request(engine: &mut Engine, id: &str, prompt: &[u32], max_tokens: usize,
         logprobs: None,
         ignore_eos: lane != Lane::FirstTurn,
         enable_pld: Some(false),
-        enable_drafter: Some(false),
-        cache_prompt: lane != Lane::Cold,
+        enable_drafter: Some(drafter),
+        spec_policy: None,
+        cache_prompt: !matches!(lane, Lane::Cold { .. }),
     };
     engine.add(request, Box::new(probe.clone()));
     while engine.has_work() {

@@ -2,6 +2,7 @@
 
 use tokio::sync::mpsc::UnboundedReceiver as Receiver;
 
+pub use dflash_engine::spec::PolicyMode as SpecPolicy;
 pub use dflash_engine::{Event as EngineEvent, FinishReason, TokenLogprob, Usage};
 
 use super::errors::ApiError;
@@ -74,6 +75,8 @@ pub struct EngineRequest {
     pub enable_pld: Option<bool>,
     /// Per-request switch for the block drafter; `None` keeps the server default.
     pub enable_drafter: Option<bool>,
+    /// Per-request width policy of the speculation lane (`spec_policy`); `None` keeps the server default.
+    pub spec_policy: Option<SpecPolicy>,
     /// Whether the prefix cache may serve this prompt and keep its pages (no effect when the server runs without
     /// the cache).
     pub cache_prompt: bool,

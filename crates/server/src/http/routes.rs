@@ -75,6 +75,7 @@ async fn generate(
         ignore_eos: spec.ignore_eos,
         enable_pld: spec.enable_pld,
         enable_drafter: spec.enable_drafter,
+        spec_policy: spec.spec_policy,
         cache_prompt: spec.cache_prompt,
     };
     let rx = engine.submit(request).map_err(|e| {

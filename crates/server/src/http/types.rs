@@ -82,6 +82,9 @@ pub struct ChatCompletionRequest {
     pub enable_pld: Option<bool>,
     /// Block drafting with the server's drafter (an extension); default on when the server has one.
     pub enable_drafter: Option<bool>,
+    /// How the speculation lane chooses each round's width (an extension): `"adaptive"` or `"fixed"`; default the
+    /// server's `--spec-policy`.
+    pub spec_policy: Option<String>,
     /// Prefix cache use (llama.cpp's name); default true.
     pub cache_prompt: Option<bool>,
     pub logprobs: Option<bool>,
@@ -122,6 +125,9 @@ pub struct CompletionRequest {
     pub enable_pld: Option<bool>,
     /// Block drafting with the server's drafter (an extension); default on when the server has one.
     pub enable_drafter: Option<bool>,
+    /// How the speculation lane chooses each round's width (an extension): `"adaptive"` or `"fixed"`; default the
+    /// server's `--spec-policy`.
+    pub spec_policy: Option<String>,
     /// Prefix cache use (llama.cpp's name); default true.
     pub cache_prompt: Option<bool>,
     pub logprobs: Option<i64>,

@@ -4,7 +4,7 @@ use std::path::Path;
 
 use serde_json::{Map, Number, Value};
 
-use super::engine::SamplingFields;
+use super::engine::{SamplingFields, SpecPolicy};
 use super::errors::ApiError;
 use super::types::{ChatCompletionRequest, ChatMessageIn, CompletionRequest, RawMessage, Role, StreamOptions};
 
@@ -35,6 +35,8 @@ pub(crate) struct GenerationSpec {
     pub enable_pld: Option<bool>,
     /// Per-request switch for the block drafter (`enable_drafter`); `None` keeps the server's choice.
     pub enable_drafter: Option<bool>,
+    /// Per-request width policy (`spec_policy`); `None` keeps the server's.
+    pub spec_policy: Option<SpecPolicy>,
     /// Whether the prefix cache may serve and keep this prompt (`cache_prompt`, default true).
     pub cache_prompt: bool,
     pub stream: bool,
@@ -72,6 +74,7 @@ struct CommonInput {
     ignore_eos: Option<bool>,
     enable_pld: Option<bool>,
     enable_drafter: Option<bool>,
+    spec_policy: Option<String>,
     cache_prompt: Option<bool>,
 }
 
@@ -119,6 +122,7 @@ pub(crate) fn validate_chat(req: ChatCompletionRequest, defaults: &SamplingField
         ignore_eos: req.ignore_eos,
         enable_pld: req.enable_pld,
         enable_drafter: req.enable_drafter,
+        spec_policy: req.spec_policy,
         cache_prompt: req.cache_prompt,
     };
     let spec = generation_spec(sampling, defaults, common, logprobs, None)?;
@@ -159,6 +163,7 @@ pub(crate) fn validate_completion(req: CompletionRequest, defaults: &SamplingFie
         ignore_eos: req.ignore_eos,
         enable_pld: req.enable_pld,
         enable_drafter: req.enable_drafter,
+        spec_policy: req.spec_policy,
         cache_prompt: req.cache_prompt,
     };
     let spec = generation_spec(sampling, defaults, common, logprobs, Some(DEFAULT_COMPLETION_MAX_TOKENS))?;
@@ -198,10 +203,25 @@ fn generation_spec(
         ignore_eos: common.ignore_eos.unwrap_or(false),
         enable_pld: common.enable_pld,
         enable_drafter: common.enable_drafter,
+        spec_policy: spec_policy(common.spec_policy.as_deref())?,
         cache_prompt: common.cache_prompt.unwrap_or(true),
         stream,
         include_usage: common.stream_options.and_then(|options| options.include_usage).unwrap_or(false),
     })
+}
+
+/// `spec_policy`: `"adaptive"` or `"fixed"` when given.
+fn spec_policy(value: Option<&str>) -> Result<Option<SpecPolicy>, ApiError> {
+    value
+        .map(|v| {
+            v.parse().map_err(|_| {
+                ApiError::invalid_param(
+                    "spec_policy",
+                    format!("`spec_policy` must be \"adaptive\" or \"fixed\", got {v:?}."),
+                )
+            })
+        })
+        .transpose()
 }
 
 /// Checks the sampling fields; absent ones take `defaults` (the model's generation config over OpenAI's).

@@ -185,3 +185,14 @@ fn context_fit_follows_vllm_wording() {
     assert!(error.message.contains("30 tokens in the prompt"), "{}", error.message);
     assert_eq!(fit_context(0, None, 30, "prompt").expect_err("should be rejected").param.as_deref(), Some("prompt"));
 }
+
+#[test]
+fn spec_policy_is_adaptive_or_fixed() {
+    let policy = |value: Value| chat(json!({"messages": user("hi"), "spec_policy": value})).map(|v| v.spec.spec_policy);
+    assert_eq!(policy(json!("fixed")).expect("valid"), Some(SpecPolicy::Fixed));
+    assert_eq!(policy(json!("adaptive")).expect("valid"), Some(SpecPolicy::Adaptive));
+    assert_eq!(chat(json!({"messages": user("hi")})).expect("valid").spec.spec_policy, None);
+    assert_eq!(param_of(policy(json!("wide"))), "spec_policy");
+    let fixed = completion(json!({"prompt": "hi", "spec_policy": "fixed"})).expect("valid");
+    assert_eq!(fixed.spec.spec_policy, Some(SpecPolicy::Fixed));
+}

@@ -1,0 +1,214 @@
+//! The gate: when drafted rounds lose to plain rounds, stop drafting for a while, and probe again later.
+//!
+//! Each drafted round is judged by time: the plain-round milliseconds its committed tokens replaced (tokens x the
+//! measured cost of a plain step) against the milliseconds it took (drafting plus its step). Both are kept as
+//! moving averages of milliseconds, so long rounds weigh more than short ones. When the averages say drafting
+//! loses, the lane owes `period` plain rounds and the period doubles; the next drafted round is a probe, judged
+//! on its own: a winning probe clears the debt, a losing one owes the doubled period. Only judged rounds after a
+//! probe shorten the period again (a winning one halves it): a single probe that happened to land is no proof.
+//! A round the policy itself predicts plain (drafting cannot pay on the current estimates) waits the longest
+//! pause before its probe ([`Backoff::wait`]); a drafted round whose drafts turned out not worth a row backs off
+//! like a loss, without a verdict ([`Backoff::defer`]). Either way estimates that turned pessimistic are re-tested
+//! by probes instead of never again. The caller caps the period by what a failed probe costs on its target (see
+//! `RoundPolicy`): cheap probes come often, expensive ones rarely.
+
+/// Plain rounds owed after the first loss, and the least the period shrinks to.
+pub const FIRST_PERIOD: u32 = 2;
+/// The longest pause (rounds) between probes any cap allows.
+pub const MAX_PERIOD: u32 = 64;
+/// Weight of the newest round in the moving averages.
+const EMA_WEIGHT: f64 = 0.3;
+/// Drafted rounds judged before the averages may pause the lane (one unlucky first round is no verdict).
+const WARMUP_ROUNDS: u32 = 3;
+
+/// The gate's state for one lane.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Backoff {
+    /// Moving averages (ms) of what drafted rounds replaced and what they took.
+    replaced_ms: f64,
+    took_ms: f64,
+    /// Drafted rounds judged since the averages were last reset.
+    judged: u32,
+    /// Plain rounds still owed.
+    owed: u32,
+    /// Rounds owed at the next loss.
+    period: u32,
+    /// The next drafted round is a probe.
+    probing: bool,
+    /// Times drafting was paused after a measured loss.
+    pauses: u64,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff { replaced_ms: 0.0, took_ms: 0.0, judged: 0, owed: 0, period: FIRST_PERIOD, probing: false, pauses: 0 }
+    }
+}
+
+impl Backoff {
+    /// Whether this round must be plain (paying one owed round if so). The round after the last owed one is a
+    /// probe.
+    pub fn owes_plain(&mut self) -> bool {
+        if self.owed == 0 {
+            return false;
+        }
+        self.owed -= 1;
+        if self.owed == 0 {
+            self.probing = true;
+        }
+        true
+    }
+
+    /// Whether the next drafted round is a probe.
+    pub fn probing(&self) -> bool {
+        self.probing
+    }
+
+    /// Plain rounds still owed.
+    pub fn owed(&self) -> u32 {
+        self.owed
+    }
+
+    /// Rounds the next pause will last.
+    pub fn period(&self) -> u32 {
+        self.period
+    }
+
+    /// Times a measured loss paused drafting.
+    pub fn pauses(&self) -> u64 {
+        self.pauses
+    }
+
+    /// The estimates say drafting cannot pay: this round and `rounds - 1` more are plain, then a probe.
+    pub fn wait(&mut self, rounds: u32) {
+        self.owed = rounds.saturating_sub(1);
+        self.probing = self.owed == 0;
+    }
+
+    /// A drafted round was not worth verifying: this round and `period - 1` more are plain, then a probe; the
+    /// period doubles (never past `cap`).
+    pub fn defer(&mut self, cap: u32) {
+        self.owed = self.period.min(cap).saturating_sub(1);
+        self.probing = self.owed == 0;
+        self.period = Self::doubled(self.period, cap);
+    }
+
+    fn doubled(period: u32, cap: u32) -> u32 {
+        (period * 2).min(cap.clamp(FIRST_PERIOD, MAX_PERIOD))
+    }
+
+    /// Judges a drafted round that replaced `replaced_ms` of plain rounds and took `took_ms`; returns true when it
+    /// paused drafting (for at most `cap` rounds).
+    pub fn judge(&mut self, replaced_ms: f64, took_ms: f64, cap: u32) -> bool {
+        if !(replaced_ms.is_finite() && took_ms.is_finite()) {
+            return false;
+        }
+        let won = replaced_ms >= took_ms;
+        if std::mem::take(&mut self.probing) {
+            if !won {
+                return self.pause(cap);
+            }
+            // Drafting may pay again: judged afresh from this round.
+            (self.replaced_ms, self.took_ms, self.judged) = (replaced_ms, took_ms, 1);
+            return false;
+        }
+        if self.judged == 0 {
+            (self.replaced_ms, self.took_ms) = (replaced_ms, took_ms);
+        } else {
+            self.replaced_ms += EMA_WEIGHT * (replaced_ms - self.replaced_ms);
+            self.took_ms += EMA_WEIGHT * (took_ms - self.took_ms);
+        }
+        self.judged += 1;
+        if self.replaced_ms >= self.took_ms {
+            self.period = (self.period / 2).max(FIRST_PERIOD);
+            false
+        } else if self.judged >= WARMUP_ROUNDS {
+            self.pause(cap)
+        } else {
+            false
+        }
+    }
+
+    fn pause(&mut self, cap: u32) -> bool {
+        self.owed = self.period.min(cap.max(1));
+        self.probing = false;
+        self.period = Self::doubled(self.period, cap);
+        self.pauses += 1;
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plain_rounds_until_drafting(b: &mut Backoff) -> u32 {
+        let mut n = 0;
+        while b.owes_plain() {
+            n += 1;
+        }
+        n
+    }
+
+    #[test]
+    fn winning_rounds_never_pause() {
+        let mut b = Backoff::default();
+        for _ in 0..50 {
+            assert!(!b.owes_plain());
+            assert!(!b.judge(30.0, 12.0, MAX_PERIOD));
+        }
+        assert_eq!(b.pauses(), 0);
+    }
+
+    #[test]
+    fn losses_pause_after_the_warmup_and_failed_probes_double_the_pause() {
+        let mut b = Backoff::default();
+        assert!(!b.judge(10.0, 12.0, MAX_PERIOD) && !b.judge(10.0, 12.0, MAX_PERIOD), "no verdict during the warm-up");
+        assert!(b.judge(10.0, 12.0, MAX_PERIOD));
+        assert_eq!(plain_rounds_until_drafting(&mut b), FIRST_PERIOD);
+        assert!(b.probing());
+        assert!(b.judge(10.0, 12.0, MAX_PERIOD), "a losing probe pauses again");
+        assert_eq!(plain_rounds_until_drafting(&mut b), FIRST_PERIOD * 2);
+        assert!(b.judge(10.0, 12.0, MAX_PERIOD));
+        assert_eq!(plain_rounds_until_drafting(&mut b), FIRST_PERIOD * 4);
+        assert!(!b.judge(40.0, 12.0, MAX_PERIOD), "a winning probe clears the debt");
+        assert!(!b.probing() && b.owed() == 0);
+        assert_eq!(b.period(), FIRST_PERIOD * 8, "but keeps the period");
+        assert!(!b.owes_plain());
+        assert!(!b.judge(40.0, 12.0, MAX_PERIOD));
+        assert_eq!(b.period(), FIRST_PERIOD * 4, "winning rounds after it halve the period");
+        assert_eq!(b.pauses(), 3);
+    }
+
+    #[test]
+    fn the_averages_weigh_time_not_rounds() {
+        // One long winning round outweighs two short losing ones.
+        let mut b = Backoff::default();
+        assert!(!b.judge(100.0, 20.0, MAX_PERIOD));
+        assert!(!b.judge(10.0, 12.0, MAX_PERIOD));
+        assert!(!b.judge(10.0, 12.0, MAX_PERIOD));
+    }
+
+    #[test]
+    fn waits_are_exact() {
+        let mut b = Backoff::default();
+        b.wait(5);
+        assert_eq!(plain_rounds_until_drafting(&mut b) + 1, 5);
+        assert!(b.probing());
+        assert_eq!(b.period(), FIRST_PERIOD, "a wait is no verdict");
+    }
+
+    #[test]
+    fn deferred_rounds_back_off_with_growing_periods() {
+        let mut b = Backoff::default();
+        b.defer(MAX_PERIOD);
+        assert_eq!(plain_rounds_until_drafting(&mut b), FIRST_PERIOD - 1);
+        assert!(b.probing());
+        for period in [4, 8, 16, 16] {
+            b.defer(16);
+            assert_eq!(plain_rounds_until_drafting(&mut b) + 1, period, "this round and the owed ones");
+        }
+        b.defer(4);
+        assert_eq!(plain_rounds_until_drafting(&mut b) + 1, 4, "a lower cap shortens the pause at once");
+    }
+}

@@ -1,0 +1,65 @@
+//! The width choice: the verify rows that commit the most tokens per millisecond.
+
+/// Rates within this fraction of the best count as ties, and the cheapest of them wins: a wider round that is
+/// barely better on paper is not worth its noise.
+pub const TIE_MARGIN: f64 = 0.02;
+
+/// Expected tokens a round of `rows` verify rows commits, given `accept[j]` = P(draft `j` accepted | drafts
+/// before it accepted): `1 + sum_{k < rows - 1} prod_{j <= k} accept[j]` (the target's own token always, draft
+/// `k`'s while every draft up to it holds). Positions past `accept` count as never accepted; NaN counts as 0.
+pub fn expected_tokens(accept: &[f64], rows: usize) -> f64 {
+    let mut survive = 1.0;
+    let mut expected = 1.0;
+    for &a in accept.iter().take(rows.saturating_sub(1)) {
+        survive *= if a.is_nan() { 0.0 } else { a.clamp(0.0, 1.0) };
+        expected += survive;
+    }
+    expected
+}
+
+/// The rows (1..=`max_rows`) maximising `expected_tokens / cost(rows)`, preferring the cheapest within
+/// [`TIE_MARGIN`] of the best. 1 means a plain round. `cost` is in any positive unit (ms).
+pub fn choose_rows(accept: &[f64], max_rows: usize, cost: impl Fn(usize) -> f64) -> usize {
+    let rates: Vec<f64> =
+        (1..=max_rows.max(1)).map(|rows| expected_tokens(accept, rows) / cost(rows).max(f64::MIN_POSITIVE)).collect();
+    let best = rates.iter().copied().fold(0.0, f64::max);
+    rates.iter().position(|&rate| rate >= best * (1.0 - TIE_MARGIN)).map_or(1, |i| i + 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expected_tokens_multiply_conditionals() {
+        assert_eq!(expected_tokens(&[], 1), 1.0);
+        assert_eq!(expected_tokens(&[1.0; 4], 5), 5.0);
+        assert!((expected_tokens(&[0.5, 0.5], 3) - 1.75).abs() < 1e-12);
+        assert_eq!(expected_tokens(&[0.5, f64::NAN, 1.0], 4), 1.5, "NaN stops the chain");
+        assert_eq!(expected_tokens(&[0.5], 4), 1.5, "positions past the estimates add nothing");
+    }
+
+    #[test]
+    fn flat_costs_take_every_row_that_adds_tokens() {
+        assert_eq!(choose_rows(&[0.8; 7], 8, |_| 10.0), 8);
+        assert_eq!(choose_rows(&[0.0; 7], 8, |_| 10.0), 1, "nothing to gain: the cheapest tie is plain");
+    }
+
+    #[test]
+    fn a_steep_ladder_keeps_only_rows_that_pay() {
+        // Each row adds 40% of a plain step: a draft must be accepted more often than that to buy its row.
+        let ladder = |rows: usize| 10.0 * (1.0 + 0.4 * (rows - 1) as f64);
+        assert_eq!(choose_rows(&[0.3; 7], 8, ladder), 1);
+        assert_eq!(choose_rows(&[0.9, 0.9, 0.2, 0.2, 0.2, 0.2, 0.2], 8, ladder), 3);
+    }
+
+    #[test]
+    fn near_ties_go_to_the_cheaper_width() {
+        // Rows 2 and 3 within 1% of each other: the narrower one wins.
+        let accept = [0.5, 0.25];
+        let rate = |rows: usize, cost: f64| expected_tokens(&accept, rows) / cost;
+        let cost = |rows: usize| [10.0, 14.0, 15.0][rows - 1];
+        assert!((rate(3, 15.0) / rate(2, 14.0) - 1.0).abs() < TIE_MARGIN);
+        assert_eq!(choose_rows(&accept, 3, cost), 2);
+    }
+}

@@ -1,0 +1,346 @@
+//! What a round costs on this target and device: milliseconds per step by verify rows and context length.
+//!
+//! One table per engine (one target on one device), shared by every lane. Each context bucket models a step as
+//! `level x shape[rows]`: the level is how fast the machine runs right now (ms of a one-row step), the shape how
+//! much each extra verify row adds relative to it. A start-up probe gives the first shape (ms for 1..B rows at a
+//! short context). Every measured step then moves the level quickly and its own width's shape cell slowly, both
+//! with clamped moving averages: a shared machine that slows down for a while slows every width alike, and one
+//! stalled step must not rewrite the table. A bucket nobody has measured yet borrows the nearest measured one
+//! below it. The table also keeps what drafting costs, per lane kind (`pld`, `dflash2`, ...): a property of the
+//! drafter on this device like the verify costs, so a new sequence's lane knows it from its first round.
+
+use std::fmt::Write;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+/// Upper bounds (exclusive, in tokens of context) of the context buckets; the last one is open.
+pub const CONTEXT_BUCKETS: [usize; 5] = [1024, 4096, 16384, 65536, usize::MAX];
+/// Weight of a new measurement in the level, and in a width's shape, once settled.
+const LEVEL_WEIGHT: f64 = 0.2;
+const SHAPE_WEIGHT: f64 = 0.05;
+/// Measurements a bucket's level (and a width's shape) take as a running mean, with a wide clamp, before the
+/// moving averages take over.
+const YOUNG_SAMPLES: u64 = 4;
+/// A measurement is clamped to these factors of what the table expected (young, settled).
+const YOUNG_CLAMP: (f64, f64) = (0.5, 2.0);
+const SETTLED_CLAMP: (f64, f64) = (0.8, 1.25);
+/// Before any probe or measurement: a dense target where each verify row adds a tenth of a plain step.
+const PRIOR_PLAIN_MS: f64 = 10.0;
+const PRIOR_ROW_SLOPE: f64 = 0.1;
+/// Costs are never taken below this (a zero would make every rate infinite).
+const MIN_MS: f64 = 1e-3;
+
+/// Milliseconds per step by verify rows (1..=`max_rows`) and context bucket.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CostTable {
+    /// What buckets start from: the probe's curve, or the prior.
+    start: Bucket,
+    /// Whether `start` was measured on this target (the probe ran).
+    probed: bool,
+    /// Per context bucket; `None` until measured.
+    buckets: Vec<Option<Bucket>>,
+    /// Per lane kind: ms of a drafting call (moving average) and how many were measured.
+    drafts: Vec<(&'static str, f64, u64)>,
+}
+
+/// One context bucket: a step of `r` rows costs `level * shape[r - 1]` ms.
+#[derive(Clone, Debug, PartialEq)]
+struct Bucket {
+    level: f64,
+    /// Relative to the level (`shape[0]` starts at 1).
+    shape: Vec<f64>,
+    /// Measured steps by rows.
+    samples: Vec<u64>,
+}
+
+impl Bucket {
+    /// A bucket following the curve `ms_by_rows` (at least one positive entry).
+    fn from_curve(ms_by_rows: &[f64]) -> Self {
+        let level = ms_by_rows[0].max(MIN_MS);
+        Bucket { level, shape: ms_by_rows.iter().map(|m| m / level).collect(), samples: vec![0; ms_by_rows.len()] }
+    }
+
+    fn cost(&self, r: usize) -> f64 {
+        (self.level * self.shape[r]).max(MIN_MS)
+    }
+
+    fn observe(&mut self, r: usize, ms: f64) {
+        let total: u64 = self.samples.iter().sum();
+        let implied = ms / self.shape[r].max(MIN_MS);
+        self.level = blend(self.level, implied, total, LEVEL_WEIGHT);
+        let n = self.samples[r];
+        self.shape[r] = blend(self.shape[r], ms / self.level, n, SHAPE_WEIGHT);
+        self.samples[r] = n + 1;
+    }
+}
+
+/// `current` moved toward `x` (clamped around it): a running mean while `n` (samples behind it) is young, then a
+/// moving average of weight `settled`.
+fn blend(current: f64, x: f64, n: u64, settled: f64) -> f64 {
+    let ((lo, hi), weight) =
+        if n < YOUNG_SAMPLES { (YOUNG_CLAMP, 1.0 / (n + 1) as f64) } else { (SETTLED_CLAMP, settled) };
+    current + weight * (x.clamp(current * lo, current * hi) - current)
+}
+
+/// One context bucket of the table, for metrics and logs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BucketView {
+    /// Contexts below this many tokens (`None`: the open last bucket).
+    pub context_below: Option<usize>,
+    /// ms by rows (`ms[r - 1]`).
+    pub ms: Vec<f64>,
+    /// Measured steps by rows.
+    pub samples: Vec<u64>,
+}
+
+/// The bucket index of a context length.
+pub fn bucket_of(context: usize) -> usize {
+    CONTEXT_BUCKETS.iter().position(|&bound| context < bound).unwrap_or(CONTEXT_BUCKETS.len() - 1)
+}
+
+impl CostTable {
+    /// A table for rounds of up to `max_rows` verify rows (at least 1), holding the prior until probed.
+    pub fn new(max_rows: usize) -> Self {
+        let prior: Vec<f64> =
+            (0..max_rows.max(1)).map(|r| PRIOR_PLAIN_MS * (1.0 + PRIOR_ROW_SLOPE * r as f64)).collect();
+        let buckets = vec![None; CONTEXT_BUCKETS.len()];
+        CostTable { start: Bucket::from_curve(&prior), probed: false, buckets, drafts: Vec::new() }
+    }
+
+    /// Widest round the table covers.
+    pub fn max_rows(&self) -> usize {
+        self.start.shape.len()
+    }
+
+    /// Whether a probe seeded the table.
+    pub fn is_probed(&self) -> bool {
+        self.probed
+    }
+
+    /// Seeds the curve every bucket starts from with a probe: `ms_by_rows[r - 1]` is a step of `r` rows at a short
+    /// context. Rows past the probe's are extrapolated along its last segment. Ignored when empty or not all
+    /// positive and finite.
+    pub fn seed(&mut self, ms_by_rows: &[f64]) {
+        if ms_by_rows.is_empty() || !ms_by_rows.iter().all(|m| m.is_finite() && *m > 0.0) {
+            return;
+        }
+        let n = ms_by_rows.len().min(self.max_rows());
+        let last = ms_by_rows[n - 1];
+        let slope = if n >= 2 { (last - ms_by_rows[n - 2]).max(0.0) } else { 0.0 };
+        let curve: Vec<f64> = (0..self.max_rows())
+            .map(|r| ms_by_rows.get(r).copied().unwrap_or_else(|| last + slope * (r + 1 - n) as f64))
+            .collect();
+        self.start = Bucket::from_curve(&curve);
+        self.probed = true;
+    }
+
+    /// Feeds a measured step of `rows` rows (clamped to the table) at `context` tokens that took `ms`.
+    pub fn observe(&mut self, context: usize, rows: usize, ms: f64) {
+        if rows == 0 || !(ms.is_finite() && ms > 0.0) {
+            return;
+        }
+        let b = bucket_of(context);
+        let r = rows.min(self.max_rows()) - 1;
+        let bucket = match self.buckets[b].take() {
+            Some(bucket) => bucket,
+            // A new context range: start from the curve below, with nothing measured here yet.
+            None => Bucket { samples: vec![0; self.max_rows()], ..self.fallback(b).clone() },
+        };
+        self.buckets[b].insert(bucket).observe(r, ms);
+    }
+
+    /// Expected ms of a step of `rows` rows (clamped to 1..=max_rows) at `context` tokens.
+    pub fn cost(&self, context: usize, rows: usize) -> f64 {
+        let b = bucket_of(context);
+        self.buckets[b].as_ref().unwrap_or_else(|| self.fallback(b)).cost(rows.clamp(1, self.max_rows()) - 1)
+    }
+
+    /// Feeds a drafting call of lane kind `lane` that took `ms`.
+    pub fn observe_draft(&mut self, lane: &'static str, ms: f64) {
+        if !(ms.is_finite() && ms >= 0.0) {
+            return;
+        }
+        match self.drafts.iter_mut().find(|d| d.0 == lane) {
+            // Drafting times of microseconds (prompt lookup) jump by large factors: no clamp below a microsecond.
+            Some((_, avg, n)) => {
+                *avg = blend(avg.max(1e-3), ms, *n, LEVEL_WEIGHT);
+                *n += 1;
+            }
+            None => self.drafts.push((lane, ms, 1)),
+        }
+    }
+
+    /// Expected ms of a drafting call of lane kind `lane` (0 until one was measured).
+    pub fn draft_cost(&self, lane: &str) -> f64 {
+        self.drafts.iter().find(|d| d.0 == lane).map_or(0.0, |d| d.1)
+    }
+
+    /// Drafting costs by lane kind (ms).
+    pub fn draft_costs(&self) -> Vec<(&'static str, f64)> {
+        self.drafts.iter().map(|&(lane, ms, _)| (lane, ms)).collect()
+    }
+
+    /// Whether the costs at `context` come from this target: measured in that bucket, or probed (the probe runs at
+    /// a short context, so it speaks for the first bucket).
+    pub fn is_calibrated(&self, context: usize) -> bool {
+        let b = bucket_of(context);
+        self.buckets[b].is_some() || (b == 0 && self.probed)
+    }
+
+    /// Every measured bucket, plus the first bucket once probed.
+    pub fn buckets(&self) -> Vec<BucketView> {
+        (0..self.buckets.len())
+            .filter_map(|b| {
+                let bucket = match &self.buckets[b] {
+                    Some(bucket) => bucket,
+                    None if b == 0 && self.probed => &self.start,
+                    None => return None,
+                };
+                Some(BucketView {
+                    context_below: CONTEXT_BUCKETS.get(b).copied().filter(|&c| c != usize::MAX),
+                    ms: (0..self.max_rows()).map(|r| bucket.cost(r)).collect(),
+                    samples: bucket.samples.clone(),
+                })
+            })
+            .collect()
+    }
+
+    /// The table as one log line: per bucket, ms by rows (a `*` marks widths measured there).
+    pub fn summary(&self) -> String {
+        let mut out = format!("[round-costs] probed={}", self.probed);
+        for view in self.buckets() {
+            let bound = view.context_below.map_or("inf".to_string(), |c| c.to_string());
+            let _ = write!(out, " ctx<{bound}:");
+            for (r, (ms, n)) in view.ms.iter().zip(&view.samples).enumerate() {
+                let _ = write!(out, " {}={ms:.2}{}", r + 1, if *n > 0 { "*" } else { "" });
+            }
+        }
+        for (lane, ms) in self.draft_costs() {
+            let _ = write!(out, " draft[{lane}]={ms:.2}");
+        }
+        out
+    }
+
+    /// What an unmeasured bucket `b` uses: the nearest measured bucket below it, else the start curve.
+    fn fallback(&self, b: usize) -> &Bucket {
+        self.buckets[..b].iter().rev().find_map(Option::as_ref).unwrap_or(&self.start)
+    }
+}
+
+/// The engine's cost table as its lanes share it.
+#[derive(Clone, Debug)]
+pub struct SharedCosts(Arc<Mutex<CostTable>>);
+
+impl SharedCosts {
+    pub fn new(table: CostTable) -> Self {
+        SharedCosts(Arc::new(Mutex::new(table)))
+    }
+
+    /// The table (a panic elsewhere while it was held leaves plain numbers behind, still usable).
+    pub fn lock(&self) -> MutexGuard<'_, CostTable> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-9
+    }
+
+    #[test]
+    fn buckets_split_at_their_bounds() {
+        assert_eq!(bucket_of(0), 0);
+        assert_eq!(bucket_of(1023), 0);
+        assert_eq!(bucket_of(1024), 1);
+        assert_eq!(bucket_of(70_000), 4);
+        assert_eq!(bucket_of(usize::MAX), 4);
+    }
+
+    #[test]
+    fn the_probe_sets_the_shape_and_rows_past_it_follow_its_last_segment() {
+        let mut t = CostTable::new(6);
+        assert!(!t.is_calibrated(0));
+        t.seed(&[10.0, 11.0, 13.0]);
+        assert!(t.is_probed() && t.is_calibrated(0) && !t.is_calibrated(5000));
+        let row: Vec<f64> = (1..=6).map(|r| t.cost(0, r)).collect();
+        assert_eq!(row, vec![10.0, 11.0, 13.0, 15.0, 17.0, 19.0]);
+        assert_eq!(t.cost(0, 60), 19.0, "rows past the table cost the widest round");
+        t.seed(&[1.0, f64::NAN]);
+        assert_eq!(t.cost(0, 1), 10.0, "a broken probe is ignored");
+    }
+
+    #[test]
+    fn measurements_move_cells_and_unmeasured_cells_follow_their_level() {
+        let mut t = CostTable::new(4);
+        t.seed(&[10.0, 12.0, 14.0, 16.0]);
+        for _ in 0..4 {
+            t.observe(10, 1, 20.0);
+        }
+        assert!(close(t.cost(10, 1), 20.0), "young cells average: {}", t.cost(10, 1));
+        assert!(close(t.cost(10, 3), 28.0), "an unmeasured cell scales with its bucket's level");
+        // A longer context starts from the level below it, then learns its own.
+        assert!(close(t.cost(2000, 2), 24.0));
+        t.observe(2000, 2, 30.0);
+        assert!(close(t.cost(2000, 2), 30.0));
+        assert!(close(t.cost(2000, 4), 40.0));
+        assert!(t.is_calibrated(2000));
+    }
+
+    #[test]
+    fn settled_cells_resist_outliers() {
+        let mut t = CostTable::new(2);
+        t.seed(&[10.0, 11.0]);
+        for _ in 0..10 {
+            t.observe(0, 1, 10.0);
+        }
+        t.observe(0, 1, 1000.0);
+        let after = t.cost(0, 1);
+        assert!(after < 10.7, "one stalled step moved the cost to {after}");
+        t.observe(0, 1, f64::INFINITY);
+        t.observe(0, 0, 5.0);
+        assert!(close(t.cost(0, 1), after), "invalid measurements are ignored");
+    }
+
+    #[test]
+    fn a_slower_machine_raises_every_width_alike() {
+        let mut t = CostTable::new(3);
+        t.seed(&[10.0, 12.0, 14.0]);
+        for _ in 0..40 {
+            t.observe(0, 1, 20.0);
+        }
+        assert!((t.cost(0, 3) / t.cost(0, 1) - 1.4).abs() < 1e-9, "the shape holds");
+        assert!((t.cost(0, 1) - 20.0).abs() < 0.1, "{}", t.cost(0, 1));
+        for _ in 0..200 {
+            t.observe(0, 3, 20.0);
+        }
+        assert!((t.cost(0, 3) / t.cost(0, 1) - 1.0).abs() < 0.05, "measured widths learn their own shape");
+    }
+
+    #[test]
+    fn drafting_costs_are_kept_per_lane_kind() {
+        let mut t = CostTable::new(2);
+        assert_eq!(t.draft_cost("dflash2"), 0.0);
+        for _ in 0..4 {
+            t.observe_draft("dflash2", 6.0);
+        }
+        t.observe_draft("pld", 0.01);
+        assert!((t.draft_cost("dflash2") - 6.0).abs() < 1e-9);
+        t.observe_draft("dflash2", 600.0);
+        assert!(t.draft_cost("dflash2") < 6.5, "clamped: {}", t.draft_cost("dflash2"));
+        assert!((t.draft_cost("pld") - 0.01).abs() < 1e-9);
+    }
+
+    #[test]
+    fn the_summary_marks_measured_cells() {
+        let mut t = CostTable::new(2);
+        t.seed(&[4.0, 5.0]);
+        t.observe(0, 2, 5.0);
+        t.observe_draft("dflash2", 3.0);
+        assert_eq!(t.summary(), "[round-costs] probed=true ctx<1024: 1=4.00 2=5.00* draft[dflash2]=3.00");
+        let views = t.buckets();
+        assert_eq!(views.len(), 1);
+        assert_eq!(views[0].samples, vec![0, 1]);
+    }
+}

@@ -1,0 +1,225 @@
+//! The policy on synthetic targets: a cost curve and an acceptance stream stand in for the model, and a seeded
+//! generator decides which drafts the "target" accepts, so every run is reproducible.
+
+use super::*;
+
+/// A deterministic uniform source (splitmix64).
+struct Rng(u64);
+
+impl Rng {
+    fn uniform(&mut self) -> f64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// A lane and its target: `ms(rows)` is what a step really costs, `draft_ms` what drafting costs.
+struct Sim {
+    policy: RoundPolicy,
+    costs: CostTable,
+    rng: Rng,
+    drafts: usize,
+    ms: Box<dyn Fn(usize) -> f64>,
+    draft_ms: f64,
+    tokens: f64,
+    elapsed_ms: f64,
+}
+
+/// What one round drafted: per draft, the drafter's confidence and the chance the target accepts it.
+struct Drafts {
+    confidence: Option<Vec<f32>>,
+    accept: Vec<f64>,
+}
+
+impl Sim {
+    fn new(mode: PolicyMode, drafts: usize, ms: impl Fn(usize) -> f64 + 'static, draft_ms: f64) -> Self {
+        let mut costs = CostTable::new(drafts + 1);
+        // The probe measures the real curve (short context, quiet machine).
+        costs.seed(&(1..=drafts + 1).map(&ms).collect::<Vec<_>>());
+        Sim {
+            policy: RoundPolicy::new(mode, "sim", drafts),
+            costs,
+            rng: Rng(7),
+            drafts,
+            ms: Box::new(ms),
+            draft_ms,
+            tokens: 0.0,
+            elapsed_ms: 0.0,
+        }
+    }
+
+    /// Runs one round whose drafts are accepted with conditional probability `p` each; returns its verify rows.
+    fn round(&mut self, p: f64) -> usize {
+        let drafts = Drafts { confidence: None, accept: vec![p; self.drafts] };
+        self.round_with(&drafts)
+    }
+
+    fn round_with(&mut self, drafts: &Drafts) -> usize {
+        let context = 100;
+        if let RoundPlan::Plain = self.policy.plan(&self.costs, context, self.drafts) {
+            return self.step(1, 1, 0.0);
+        }
+        self.costs.observe_draft("sim", self.draft_ms);
+        let confidence = drafts.confidence.as_deref();
+        let keep = self.policy.choose(&self.costs, context, self.drafts, confidence, self.draft_ms);
+        if keep == 0 {
+            return self.step(1, 1, self.draft_ms);
+        }
+        let accepted = drafts.accept[..keep].iter().take_while(|&&p| self.rng.uniform() < p).count();
+        self.policy.record_verified(keep, accepted, confidence.map(|c| &c[..keep]));
+        let rows = self.step(keep + 1, accepted + 1, self.draft_ms);
+        let took = self.draft_ms + (self.ms)(rows);
+        self.policy.record_round(&self.costs, context, accepted + 1, took);
+        rows
+    }
+
+    /// Accounts a step of `rows` rows that committed `tokens`, and feeds its cost to the table.
+    fn step(&mut self, rows: usize, tokens: usize, draft_ms: f64) -> usize {
+        let ms = (self.ms)(rows);
+        self.costs.observe(100, rows, ms);
+        self.tokens += tokens as f64;
+        self.elapsed_ms += draft_ms + ms;
+        rows
+    }
+
+    /// Tokens per ms so far.
+    fn rate(&self) -> f64 {
+        self.tokens / self.elapsed_ms
+    }
+}
+
+/// A dense target on this CPU class: each extra verify row adds half a percent.
+fn dense(rows: usize) -> f64 {
+    10.0 + 0.05 * (rows - 1) as f64
+}
+
+/// A sparse MoE target: every extra row routes to more experts (a measured 8-row verify ladder, ms).
+fn sparse(rows: usize) -> f64 {
+    [17.7, 25.5, 29.6, 33.6, 36.8, 42.4, 44.8, 47.9][rows - 1]
+}
+
+fn widths(sim: &mut Sim, p: f64, rounds: usize) -> Vec<usize> {
+    (0..rounds).map(|_| sim.round(p)).collect()
+}
+
+fn mean(xs: &[usize]) -> f64 {
+    xs.iter().sum::<usize>() as f64 / xs.len() as f64
+}
+
+#[test]
+fn dense_flat_costs_widen_to_the_full_block() {
+    let mut sim = Sim::new(PolicyMode::Adaptive, 7, dense, 1.0);
+    widths(&mut sim, 0.9, 20);
+    let w = widths(&mut sim, 0.9, 100);
+    let full = w.iter().filter(|&&r| r == 8).count();
+    assert!(full >= 90, "full-block rounds: {full} of 100: {w:?}");
+    let mut fixed = Sim::new(PolicyMode::Fixed, 7, dense, 1.0);
+    widths(&mut fixed, 0.9, 120);
+    assert!(sim.rate() >= 0.97 * fixed.rate(), "adaptive {:.4} vs fixed {:.4} tok/ms", sim.rate(), fixed.rate());
+}
+
+#[test]
+fn a_steep_ladder_with_weak_acceptance_goes_plain() {
+    let mut sim = Sim::new(PolicyMode::Adaptive, 7, sparse, 2.0);
+    let w = widths(&mut sim, 0.3, 400);
+    let plain = w[20..].iter().filter(|&&r| r == 1).count();
+    assert!(plain >= 300, "plain rounds: {plain} of 380");
+    assert!(w[20..].iter().all(|&r| r <= 3), "rounds stay narrow: {w:?}");
+    let plain_rate = 1.0 / sparse(1);
+    assert!(sim.rate() >= 0.97 * plain_rate, "adaptive {:.4} vs plain {plain_rate:.4} tok/ms", sim.rate());
+    let mut fixed = Sim::new(PolicyMode::Fixed, 7, sparse, 2.0);
+    widths(&mut fixed, 0.3, 400);
+    assert!(sim.rate() > fixed.rate() * 1.5, "adaptive {:.4} vs fixed {:.4}", sim.rate(), fixed.rate());
+    assert!(sim.policy.backoff().period() > backoff::FIRST_PERIOD, "the gate backed off");
+}
+
+#[test]
+fn a_steep_ladder_with_strong_acceptance_still_drafts_wide() {
+    let mut sim = Sim::new(PolicyMode::Adaptive, 7, sparse, 2.0);
+    let w = widths(&mut sim, 0.95, 200);
+    assert!(mean(&w[20..]) >= 6.0, "{w:?}");
+}
+
+#[test]
+fn expensive_drafting_keeps_a_lane_near_plain_speed() {
+    // This CPU's ladder for the default model (a third verify row doubles the step) and a block drafter whose
+    // pass costs 60% of a plain step, accepted 45% of the time: no width pays.
+    let cpu = |rows: usize| [15.9, 18.5, 38.0, 38.0, 42.0, 45.1, 49.9, 48.1][rows - 1];
+    let mut sim = Sim::new(PolicyMode::Adaptive, 7, cpu, 9.0);
+    widths(&mut sim, 0.45, 400);
+    let plain_rate = 1.0 / cpu(1);
+    assert!(sim.rate() >= 0.96 * plain_rate, "adaptive {:.4} vs plain {plain_rate:.4} tok/ms", sim.rate());
+    let mut fixed = Sim::new(PolicyMode::Fixed, 7, cpu, 9.0);
+    widths(&mut fixed, 0.45, 400);
+    assert!(sim.rate() > 1.5 * fixed.rate(), "adaptive {:.4} vs fixed {:.4}", sim.rate(), fixed.rate());
+}
+
+#[test]
+fn shifting_content_is_followed_within_a_few_rounds() {
+    // A CPU-like ladder: each row adds 15% of a plain step.
+    let ladder = |rows: usize| 10.0 * (1.0 + 0.15 * (rows - 1) as f64);
+    let mut sim = Sim::new(PolicyMode::Adaptive, 7, ladder, 0.5);
+    let repetitive = widths(&mut sim, 0.95, 60);
+    assert!(mean(&repetitive[10..]) >= 6.0, "copying: {repetitive:?}");
+    let prose = widths(&mut sim, 0.05, 80);
+    assert!(prose[6..].iter().all(|&r| r <= 2), "prose narrows within a few rounds: {prose:?}");
+    assert!(mean(&prose[6..]) <= 1.2, "and mostly goes plain: {prose:?}");
+    let back = widths(&mut sim, 0.95, 60);
+    // Probes come at least every (1.5 + 0.5) / (PROBE_SHARE * 10) = 10 rounds here.
+    let wide_again = back.iter().position(|&r| r >= 6).unwrap_or(usize::MAX);
+    assert!(wide_again <= 15, "copying again: {back:?}");
+    assert!(mean(&back[20..]) >= 6.0, "{back:?}");
+}
+
+#[test]
+fn confidence_cuts_the_round_where_the_drafter_stops_being_sure() {
+    let mut sim = Sim::new(PolicyMode::Adaptive, 7, |rows| 10.0 * (1.0 + 0.2 * (rows - 1) as f64), 0.5);
+    let mut rng = Rng(3);
+    let mut cut_right = 0;
+    for round in 0..300 {
+        // The drafter is sure of a leading run of 1-6 drafts (and right about them), unsure after.
+        let sure = 1 + (rng.uniform() * 6.0) as usize;
+        let confidence: Vec<f32> = (0..7).map(|j| if j < sure { 0.995 } else { 0.3 }).collect();
+        let accept = (0..7).map(|j| if j < sure { 0.97 } else { 0.1 }).collect();
+        let rows = sim.round_with(&Drafts { confidence: Some(confidence), accept });
+        cut_right += usize::from(round >= 100 && rows == sure + 1);
+    }
+    assert!(cut_right >= 170, "rounds cut after the sure run: {cut_right} of 200");
+}
+
+#[test]
+fn the_policy_is_deterministic() {
+    let run = || {
+        let mut sim = Sim::new(PolicyMode::Adaptive, 7, sparse, 2.0);
+        let w: Vec<usize> = [0.9, 0.2, 0.6].iter().flat_map(|&p| widths(&mut sim, p, 80)).collect();
+        (w, sim.policy, sim.costs)
+    };
+    assert_eq!(run(), run());
+}
+
+#[test]
+fn fixed_always_verifies_the_full_width() {
+    let mut sim = Sim::new(PolicyMode::Fixed, 7, sparse, 2.0);
+    for p in [0.0, 0.3, 1.0] {
+        assert!(widths(&mut sim, p, 50).iter().all(|&r| r == 8), "p = {p}");
+    }
+    assert_eq!(sim.policy.backoff().pauses(), 0, "no gate");
+}
+
+#[test]
+fn policy_names_parse() {
+    assert_eq!("fixed".parse::<PolicyMode>().ok(), Some(PolicyMode::Fixed));
+    assert_eq!(PolicyMode::default().as_str().parse::<PolicyMode>().ok(), Some(PolicyMode::Adaptive));
+    assert!("wide".parse::<PolicyMode>().is_err());
+}
+
+#[test]
+fn top_probabilities_read_each_slot() {
+    let logits = Tensor::from_f32(&[0.0, 0.0, 0.0, 0.0, 10.0, 0.0, 0.0, 0.0], &[2, 4]).expect("tensor");
+    let top = top_probabilities(&logits).expect("f32 logits");
+    assert!((top[0] - 0.25).abs() < 1e-6, "{top:?}");
+    assert!(top[1] > 0.99, "{top:?}");
+}

@@ -1,0 +1,254 @@
+//! Hybrid and sparse targets in the engine: plain decoding, the prompt-lookup lane and the MTP lane (depths 1 to
+//! 3 and auto) give the same greedy and seeded-sampling outputs, several sequences at once; a preempted sequence
+//! recomputes with a fresh recurrent state; the prefix cache stays off; an MTP head trained for a Llama-family
+//! target drafts through the same lane.
+//!
+//! Targets are the tiny random checkpoints of the models crate (tiny-qwen3-next: Gated DeltaNet and gated
+//! attention layers with MoE and its own random `mtp.*` head; tiny-qwen3-moe; tiny-qwen3 with the Llama-layout
+//! head tiny-qwen3-mtp), with their byte-level tokenizers. Their drafts are poor, which is what this needs: most
+//! rounds reject somewhere, so every rollback length runs.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use common::{metric, request, Recorder};
+use dflash_engine::spec::{DrafterConfig, MtpDepth, MtpLaneConfig, NgramConfig, PolicyMode, SpecConfig};
+use dflash_engine::{Engine, EngineConfig, EngineMetrics, HybridTarget, Request, SamplingParams, Target};
+use dflash_models::dflash::{DraftConfig, DraftModel, TargetSpec};
+use dflash_models::hybrid::{load_hybrid_weights, HybridModel};
+use dflash_models::loader::load_hf_weights;
+use dflash_models::mtp::TrunkNorm;
+use dflash_models::resolve::ModelSource;
+use dflash_models::tokenizer::Tokenizer;
+use dflash_models::{LoadOptions, MtpHead};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures").join(name)
+}
+
+/// Builds a fresh target for an engine config.
+type MakeTarget = Box<dyn Fn(&EngineConfig) -> Box<dyn Target>>;
+
+/// How the engine under test is built: a target, and optionally the MTP lane.
+struct Setup {
+    target: MakeTarget,
+    tokenizer: Arc<Tokenizer>,
+    mtp: Option<MtpLaneConfig>,
+}
+
+/// tiny-qwen3-next (or -moe) capturing its last layer (for the MTP lane).
+fn hybrid(name: &str) -> Setup {
+    hybrid_capturing(name, vec![last_layer(&fixture(name))]).0
+}
+
+/// A hybrid fixture capturing `taps`, and its model.
+fn hybrid_capturing(name: &str, taps: Vec<usize>) -> (Setup, Arc<HybridModel>) {
+    dflash_runtime::threads::init(Some(2));
+    let opts = LoadOptions { capture_layers: taps, ..LoadOptions::default() };
+    let model = Arc::new(load_hybrid_weights(&fixture(name), &opts).expect("target"));
+    let handle = Arc::clone(&model);
+    let target = move |cfg: &EngineConfig| -> Box<dyn Target> {
+        Box::new(HybridTarget::new(Arc::clone(&model), cfg.num_pages, cfg.page_size).expect("hybrid target"))
+    };
+    let tokenizer = Arc::new(Tokenizer::from_hf_dir(&fixture("tiny-qwen3")).expect("byte tokenizer"));
+    (Setup { target: Box::new(target), tokenizer, mtp: None }, handle)
+}
+
+fn last_layer(dir: &Path) -> usize {
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).expect("config")).expect("json");
+    config["num_hidden_layers"].as_u64().expect("layers") as usize - 1
+}
+
+/// The MTP lane with the head in `head_dir` for the target in `target_dir`.
+fn mtp(head_dir: &Path, target_dir: &Path, depth: MtpDepth) -> MtpLaneConfig {
+    let trunk = TrunkNorm::read(&ModelSource::HfDir(target_dir.to_path_buf()), None).expect("final norm");
+    let head = MtpHead::load(head_dir, trunk, false).expect("mtp head");
+    MtpLaneConfig { head: Arc::new(head), depth, typical: None }
+}
+
+fn spec(pld: Option<usize>) -> SpecConfig {
+    let pld = pld.map(|max_draft| NgramConfig { max_draft, min_match: 1, max_match: 3 });
+    SpecConfig { pld, policy: PolicyMode::Fixed, dflash_typical: None }
+}
+
+fn engine(setup: &Setup, cfg: EngineConfig, metrics: &Arc<EngineMetrics>) -> Engine {
+    let target = (setup.target)(&cfg);
+    let engine = Engine::with_target(target, Arc::clone(&setup.tokenizer), cfg, Arc::clone(metrics)).expect("engine");
+    match &setup.mtp {
+        Some(m) => engine.with_mtp(m.clone()).expect("mtp lane"),
+        None => engine,
+    }
+}
+
+/// Runs `requests` together to completion; returns each recorder and the metrics text.
+fn run(setup: &Setup, cfg: EngineConfig, requests: Vec<Request>) -> (Vec<Recorder>, String) {
+    let metrics = Arc::new(EngineMetrics::default());
+    let mut engine = engine(setup, cfg, &metrics);
+    let recorders: Vec<Recorder> = requests.iter().map(|_| Recorder::default()).collect();
+    for (r, rec) in requests.into_iter().zip(&recorders) {
+        engine.add(r, Box::new(rec.clone()));
+    }
+    while engine.has_work() {
+        engine.step().expect("step");
+    }
+    let text = metrics.render();
+    assert!(text.contains("dflash_kv_pages_used 0\n"), "every page is freed:\n{text}");
+    (recorders, text)
+}
+
+fn outcomes(recorders: &[Recorder]) -> Vec<common::Outcome> {
+    recorders.iter().map(Recorder::outcome).collect()
+}
+
+/// Five prompts of ids below 256 (repeating, so prompt lookup drafts), each greedy and seeded-sampled; `pld`
+/// turns prompt lookup on for every one of them.
+fn requests(max_tokens: usize, pld: bool) -> Vec<Request> {
+    let sampled = |seed| SamplingParams { temperature: 0.9, top_p: 0.95, seed, ..SamplingParams::greedy() };
+    let mut out = Vec::new();
+    for p in 0..5u32 {
+        let len = 4 + 6 * p as usize;
+        let prompt: Vec<u32> = (0..len as u32).map(|i| 3 + (i % (3 + p)) * 41 % 250 + p).collect();
+        for sampling in [SamplingParams::greedy(), sampled(u64::from(p) + 5)] {
+            let mut r = request(out.len(), prompt.clone(), sampling, max_tokens);
+            r.enable_pld = Some(pld);
+            out.push(r);
+        }
+    }
+    out
+}
+
+#[test]
+fn qwen3_next_lanes_equal_plain_decoding() {
+    let max_tokens = 20;
+    let mut setup = hybrid("tiny-qwen3-next");
+    let plain = outcomes(&run(&setup, common::config(64, 64, spec(None)), requests(max_tokens, false)).0);
+    let (pld, text) = run(&setup, common::config(64, 64, spec(Some(4))), requests(max_tokens, true));
+    assert_eq!(outcomes(&pld), plain, "prompt lookup changed the output");
+    assert!(metric(&text, "dflash_spec_drafted_tokens_total") > 0.0, "prompt lookup drafted nothing");
+
+    let dir = fixture("tiny-qwen3-next");
+    let mut accepted = 0.0;
+    for depth in [MtpDepth::Fixed(1), MtpDepth::Fixed(2), MtpDepth::Fixed(3), MtpDepth::Auto { max: 4 }] {
+        setup.mtp = Some(mtp(&dir, &dir, depth));
+        let (got, text) = run(&setup, common::config(64, 64, spec(None)), requests(max_tokens, false));
+        for (i, (g, want)) in outcomes(&got).iter().zip(&plain).enumerate() {
+            assert_eq!(g, want, "mtp {depth:?}: request {i} differs from plain decoding");
+        }
+        assert!(metric(&text, "dflash_spec_drafted_tokens_total") > 0.0, "mtp {depth:?} drafted nothing");
+        accepted += metric(&text, "dflash_spec_accepted_tokens_total");
+    }
+    assert!(accepted > 0.0, "no MTP draft was ever accepted: the accept paths went untested");
+    // The adaptive policy verifies prefixes of the chains (or none): widths change, tokens do not.
+    setup.mtp = Some(mtp(&dir, &dir, MtpDepth::Auto { max: 4 }));
+    let adaptive = SpecConfig { policy: PolicyMode::Adaptive, ..spec(None) };
+    let (got, _) = run(&setup, common::config(64, 64, adaptive), requests(max_tokens, false));
+    assert_eq!(outcomes(&got), plain, "adaptive widths changed the output");
+}
+
+#[test]
+fn a_dflash_drafter_reading_gdn_layers_equals_plain_decoding() {
+    let dir = fixture("dflash-next");
+    let json = std::fs::read_to_string(dir.join("config.json")).expect("drafter config");
+    let cfg = DraftConfig::from_json(&serde_json::from_str(&json).expect("json")).expect("drafter config");
+    let (setup, model) = hybrid_capturing("tiny-qwen3-next", cfg.target_layer_ids.clone());
+    let plain = outcomes(&run(&setup, common::config(64, 64, spec(None)), requests(20, false)).0);
+    let drafter = Arc::new(DraftModel::load(&dir, &TargetSpec::of(&model.config().base)).expect("drafter"));
+    for block in [2, 4, 8] {
+        let block_size = drafter.clamp_block_size(Some(block)).expect("block size");
+        let mut engine_cfg = common::config(64, 64, spec(None));
+        engine_cfg.drafter = Some(DrafterConfig { model: Arc::clone(&drafter), block_size, draft_vocab: None });
+        let (got, text) = run(&setup, engine_cfg, requests(20, false));
+        assert_eq!(outcomes(&got), plain, "block {block}: the DFlash lane changed the output");
+        assert!(metric(&text, "dflash_spec_drafted_tokens_total") > 0.0, "block {block}: nothing drafted");
+    }
+}
+
+#[test]
+fn qwen3_moe_prompt_lookup_equals_plain_decoding() {
+    let setup = hybrid("tiny-qwen3-moe");
+    let plain = outcomes(&run(&setup, common::config(64, 64, spec(None)), requests(16, false)).0);
+    let (pld, text) = run(&setup, common::config(64, 64, spec(Some(4))), requests(16, true));
+    assert_eq!(outcomes(&pld), plain);
+    assert!(metric(&text, "dflash_spec_accepted_tokens_total") > 0.0, "no prompt-lookup draft was accepted");
+}
+
+#[test]
+fn preempted_hybrid_sequences_recompute_from_a_fresh_state() {
+    let mut setup = hybrid("tiny-qwen3-next");
+    let dir = fixture("tiny-qwen3-next");
+    let plain = outcomes(&run(&setup, common::config(64, 64, spec(None)), requests(24, false)).0);
+    // 6 pages of 16 tokens for ten sequences of up to 52 tokens: decodes run out of pages and preempt.
+    for lane in [None, Some(MtpDepth::Fixed(2))] {
+        setup.mtp = lane.map(|d| mtp(&dir, &dir, d));
+        let (got, text) = run(&setup, common::config(6, 64, spec(None)), requests(24, false));
+        assert!(metric(&text, "dflash_preemptions_total") > 0.0, "expected preemptions:\n{text}");
+        assert_eq!(outcomes(&got), plain, "lane {lane:?}: a preempted sequence differs");
+    }
+}
+
+#[test]
+fn hybrid_targets_never_share_cached_prefixes() {
+    let setup = hybrid("tiny-qwen3-next");
+    let prompt: Vec<u32> = (0..40u32).map(|i| 7 + i * 13 % 200).collect();
+    let mut cfg = common::config(64, 64, spec(None));
+    cfg.prefix_cache_pages = 64;
+    let metrics = Arc::new(EngineMetrics::default());
+    let mut engine = engine(&setup, cfg, &metrics);
+    // One after the other: each later request could start from the first one's cached prompt pages.
+    let mut got = Vec::new();
+    for i in 0..3 {
+        let rec = Recorder::default();
+        engine.add(request(i, prompt.clone(), SamplingParams::greedy(), 6), Box::new(rec.clone()));
+        while engine.has_work() {
+            engine.step().expect("step");
+        }
+        assert_eq!(rec.cached_tokens(), 0, "request {i} resumed from cached pages");
+        got.push(rec.outcome());
+    }
+    let text = metrics.render();
+    assert!(text.contains("dflash_prefix_cache_pages 0\n"), "pages were cached:\n{text}");
+    assert!(got.windows(2).all(|w| w[0] == w[1]));
+}
+
+#[test]
+fn a_trained_style_mtp_head_drafts_for_a_llama_family_target() {
+    dflash_runtime::threads::init(Some(2));
+    let target_dir = fixture("tiny-qwen3");
+    let opts = LoadOptions { capture_layers: vec![last_layer(&target_dir)], ..LoadOptions::default() };
+    let model = Arc::new(load_hf_weights(&target_dir, &opts).expect("target"));
+    let tokenizer = Arc::new(Tokenizer::from_hf_dir(&target_dir).expect("tokenizer"));
+    let target = move |cfg: &EngineConfig| -> Box<dyn Target> {
+        Box::new(dflash_engine::CpuTarget::new(Arc::clone(&model), cfg.num_pages, cfg.page_size).expect("target"))
+    };
+    let mut setup = Setup { target: Box::new(target), tokenizer, mtp: None };
+    let plain = outcomes(&run(&setup, common::config(64, 64, spec(None)), requests(16, false)).0);
+    setup.mtp = Some(mtp(&fixture("tiny-qwen3-mtp"), &target_dir, MtpDepth::Fixed(3)));
+    let (got, text) = run(&setup, common::config(64, 64, spec(None)), requests(16, false));
+    assert_eq!(outcomes(&got), plain);
+    assert!(metric(&text, "dflash_spec_drafted_tokens_total") > 0.0, "the head drafted nothing");
+}
+
+#[test]
+fn the_mtp_typical_rule_leaves_greedy_requests_alone_and_accepts_more_sampled_drafts() {
+    let mut setup = hybrid("tiny-qwen3-next");
+    let dir = fixture("tiny-qwen3-next");
+    let (greedy, sampled): (Vec<Request>, Vec<Request>) =
+        requests(20, false).into_iter().partition(|r| r.sampling.is_greedy());
+    let plain = outcomes(&run(&setup, common::config(64, 64, spec(None)), greedy.clone()).0);
+    let mut lossy = mtp(&dir, &dir, MtpDepth::Fixed(3));
+    lossy.typical = Some(0.3);
+    setup.mtp = Some(lossy.clone());
+    assert_eq!(outcomes(&run(&setup, common::config(64, 64, spec(None)), greedy).0), plain);
+
+    let mut accept_rate = |m: MtpLaneConfig| {
+        setup.mtp = Some(m);
+        let (_, text) = run(&setup, common::config(64, 64, spec(None)), sampled.clone());
+        metric(&text, "dflash_spec_accepted_tokens_total") / metric(&text, "dflash_spec_drafted_tokens_total")
+    };
+    let exact = accept_rate(mtp(&dir, &dir, MtpDepth::Fixed(3)));
+    let typical = accept_rate(lossy);
+    assert!(typical > exact, "typical acceptance {typical:.3} should exceed exact {exact:.3}");
+}

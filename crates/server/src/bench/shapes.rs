@@ -1,0 +1,285 @@
+//! `dflash bench shapes` (feature `cuda`): decode speed of the CUDA forward against the memory-bandwidth floor,
+//! on random-weight models of real shapes made on the device (the SmolLM2-135M shape with Q4_1 layers and a
+//! tied Q8_0 embedding, as the default GGUF; Qwen3-0.6B, Qwen3-8B and Llama-3-8B shapes in bf16), plus a GGUF
+//! file if given.
+//!
+//! Per model: one sequence with a 128-token prompt (prefill timed), then `--steps` greedy decode steps (each one
+//! forward: inputs in, graph replay, ids out, one synchronisation), then steps of 1..16 sequences and verify steps
+//! of 1..16 rows. Every step is timed on the host clock (it ends with a synchronisation); medians are printed with
+//! the bytes a step must read (weights + KV) and the ratio of the floor (those bytes at 4.3 TB/s) to the time.
+
+use anyhow::Result;
+use clap::Args;
+
+/// `dflash bench shapes` flags.
+#[derive(Args, Debug)]
+pub struct ShapesArgs {
+    /// Shapes to build with random weights: smollm2, qwen3-0.6b, qwen3-8b, llama3-8b.
+    #[arg(long, value_delimiter = ',', default_value = "smollm2,qwen3-0.6b,qwen3-8b")]
+    pub shapes: Vec<String>,
+    /// Also a GGUF file (e.g. the default model).
+    #[arg(long)]
+    pub gguf: Option<String>,
+    /// Greedy decode steps of the single sequence.
+    #[arg(long, default_value_t = 256)]
+    pub steps: usize,
+    /// Only the single-sequence decode (for profiling a few steps).
+    #[arg(long)]
+    pub quick: bool,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+}
+
+/// Runs the benchmark on the GPU.
+///
+/// # Errors
+/// A build without the CUDA backend, no usable device, an unknown shape, a model that does not fit.
+pub fn run(args: &ShapesArgs) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    return gpu::run(args);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = args;
+        anyhow::bail!("dflash bench shapes runs on the GPU: build with --features cuda")
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use anyhow::{bail, Result};
+
+    use super::ShapesArgs;
+    use dflash_models::cuda::{CudaCache, CudaCacheConfig, CudaLlamaModel, RandomWeights};
+    use dflash_models::loader::LoadOptions;
+    use dflash_models::resolve::ModelSource;
+    use dflash_models::{ForwardBatch, ModelConfig, SeqRows};
+    use dflash_runtime::cuda::ops::QuantFormat;
+    use dflash_runtime::cuda::CudaDevice;
+
+    /// Device-to-device copy bandwidth measured on the H200 (read + write).
+    const FLOOR_BYTES_PER_S: f64 = 4.3e12;
+    const PAGE: usize = 16;
+    const PROMPT: usize = 128;
+
+    fn config(shape: &str) -> Result<ModelConfig> {
+        let v = match shape {
+            "smollm2" => serde_json::json!({
+                "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "rms_norm_eps": 1e-5,
+                "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": true,
+            }),
+            "llama3-8b" => serde_json::json!({
+                "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "rms_norm_eps": 1e-5,
+                "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": false,
+            }),
+            // Qwen3 dense shapes (q/k norm, head_dim 128 decoupled from hidden / heads).
+            "qwen3-0.6b" => serde_json::json!({
+                "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 8192,
+                "tie_word_embeddings": true,
+            }),
+            "qwen3-8b" => serde_json::json!({
+                "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 8192,
+                "tie_word_embeddings": false,
+            }),
+            other => bail!("unknown shape {other} (smollm2, llama3-8b, qwen3-0.6b, qwen3-8b)"),
+        };
+        Ok(ModelConfig::from_hf(&v)?)
+    }
+
+    /// Runs the benchmark.
+    ///
+    /// # Errors
+    /// No usable CUDA device, an unknown shape, a model that does not fit, a device failure.
+    pub fn run(a: &ShapesArgs) -> Result<()> {
+        let t0 = Instant::now();
+        let dev = Arc::new(CudaDevice::new(a.device)?);
+        let info = dev.info().clone();
+        println!(
+            "device {} ({} SMs), opened in {:.0} ms",
+            info.name,
+            info.multiprocessors,
+            t0.elapsed().as_secs_f64() * 1e3
+        );
+        for shape in &a.shapes {
+            let cfg = config(shape)?;
+            let weights = if shape == "smollm2" {
+                RandomWeights::Quant { layers: QuantFormat::Q4_1, head: QuantFormat::Q8_0 }
+            } else {
+                RandomWeights::Bf16
+            };
+            let t = Instant::now();
+            let model = CudaLlamaModel::random(dev.clone(), cfg, weights, 7)?;
+            println!("\n== {shape}, random weights {weights:?}, made in {:.0} ms", t.elapsed().as_secs_f64() * 1e3);
+            run_model(&model, a.steps, a.quick)?;
+        }
+        if let Some(path) = &a.gguf {
+            let t = Instant::now();
+            let model =
+                CudaLlamaModel::from_source(dev.clone(), &ModelSource::GgufFile(path.into()), &LoadOptions::default())?;
+            println!("\n== {path}, loaded in {:.0} ms", t.elapsed().as_secs_f64() * 1e3);
+            run_model(&model, a.steps, a.quick)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes one decode step of `rows` rows per sequence must read: the weights once, and each
+    /// sequence's K and V up to `context` keys.
+    fn step_bytes(model: &CudaLlamaModel, seqs: usize, context: usize) -> f64 {
+        let c = model.config();
+        let kv = 2.0 * 4.0 * (c.num_layers * c.num_kv_heads * c.head_dim) as f64 * context as f64;
+        model.weight_bytes() as f64 + seqs as f64 * kv
+    }
+
+    fn run_model(model: &CudaLlamaModel, steps: usize, quick: bool) -> Result<()> {
+        let c = model.config();
+        let max_len = PROMPT + steps + 64;
+        let pages_per_seq = max_len.div_ceil(PAGE);
+        let mut cfg = CudaCacheConfig::new(16 * pages_per_seq + 1, PAGE, 256, 16, max_len);
+        cfg.max_logit_rows = 256;
+        let mut cache = model.new_cache(cfg)?;
+        let floor_ms = model.weight_bytes() as f64 / FLOOR_BYTES_PER_S * 1e3;
+        println!(
+            "weights read per step {:.1} MB (floor {:.3} ms at 4.3 TB/s); KV cache {:.0} MB; {} layers, hidden {}, vocab {}",
+            model.weight_bytes() as f64 / 1e6,
+            floor_ms,
+            cache.kv_bytes() as f64 / 1e6,
+            c.num_layers,
+            c.hidden_size,
+            c.vocab_size
+        );
+        // One sequence: prefill, then greedy decode.
+        let table: Vec<u32> = (0..pages_per_seq as u32).collect();
+        let prompt: Vec<u32> = (0..PROMPT as u32).map(|i| (i * 7919 + 13) % c.vocab_size as u32).collect();
+        let t = Instant::now();
+        let first = step(model, &mut cache, &[&prompt], &[0], &[&table], PROMPT)?[0];
+        let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
+        println!(
+            "prefill {PROMPT} tokens (eager, first call): {prefill_ms:.2} ms = {:.0} tok/s",
+            PROMPT as f64 / prefill_ms * 1e3
+        );
+        let t = Instant::now();
+        let again = step(model, &mut cache, &[&prompt], &[0], &[&table], PROMPT)?[0];
+        let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
+        println!("prefill {PROMPT} tokens (again): {prefill_ms:.2} ms = {:.0} tok/s", PROMPT as f64 / prefill_ms * 1e3);
+        assert_eq!(first, again, "the same prefill gives the same token");
+        let mut token = first;
+        let mut times = Vec::with_capacity(steps);
+        let t_all = Instant::now();
+        for i in 0..steps {
+            let t = Instant::now();
+            token = step(model, &mut cache, &[&[token]], &[PROMPT + i], &[&table], PROMPT)?[0];
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        let total = t_all.elapsed().as_secs_f64();
+        let med = median(&mut times[1..].to_vec());
+        let bytes = step_bytes(model, 1, PROMPT + steps / 2);
+        println!(
+            "decode 1 sequence, {steps} steps: {:.1} tok/s ({:.4} ms/step median, first step {:.2} ms with the graph capture); \
+             {:.1} MB/step, floor {:.4} ms, floor/time {:.2}",
+            steps as f64 / total,
+            med,
+            times[0],
+            bytes / 1e6,
+            bytes / FLOOR_BYTES_PER_S * 1e3,
+            bytes / FLOOR_BYTES_PER_S * 1e3 / med
+        );
+        if !quick {
+            batch_steps(model, &mut cache, pages_per_seq)?;
+            verify_steps(model, &mut cache, &table)?;
+        }
+        Ok(())
+    }
+
+    /// `seqs` sequences of `prompt`s at contexts `ctx`, `rows` rows each (tokens from `tokens`), one forward;
+    /// the greedy id of every row.
+    fn step(
+        model: &CudaLlamaModel,
+        cache: &mut CudaCache,
+        tokens: &[&[u32]],
+        ctx: &[usize],
+        tables: &[&[u32]],
+        prompt_len: usize,
+    ) -> Result<Vec<u32>> {
+        let mut all = Vec::new();
+        let (mut positions, mut slots, mut seqs) = (Vec::new(), Vec::new(), Vec::new());
+        for ((t, &c), table) in tokens.iter().zip(ctx).zip(tables) {
+            all.extend_from_slice(t);
+            for p in c..c + t.len() {
+                positions.push(p as u32);
+                slots.push(table[p / PAGE] * PAGE as u32 + (p % PAGE) as u32);
+            }
+            seqs.push(SeqRows { num_rows: t.len(), context_len: c, block_table: table, prompt_len });
+        }
+        let logit_rows: Vec<u32> = if tokens.iter().all(|t| t.len() == 1) || all.len() <= 16 {
+            (0..all.len() as u32).collect()
+        } else {
+            vec![all.len() as u32 - 1]
+        };
+        let batch =
+            ForwardBatch { tokens: &all, positions: &positions, seqs: &seqs, slots: &slots, logit_rows: &logit_rows };
+        Ok(model.forward_greedy(&batch, cache)?)
+    }
+
+    /// Steps of 1, 2, 4, 8, 16 sequences decoding one row each at contexts near the prompt length.
+    fn batch_steps(model: &CudaLlamaModel, cache: &mut CudaCache, pages_per_seq: usize) -> Result<()> {
+        let tables: Vec<Vec<u32>> =
+            (0..16).map(|s| ((s * pages_per_seq) as u32..((s + 1) * pages_per_seq) as u32).collect()).collect();
+        let vocab = model.config().vocab_size as u32;
+        for (s, table) in tables.iter().enumerate() {
+            let prompt: Vec<u32> = (0..PROMPT as u32).map(|i| (i * 31 + s as u32 * 101) % vocab).collect();
+            step(model, cache, &[&prompt], &[0], &[table], PROMPT)?;
+        }
+        println!("{:>6} {:>12} {:>12} {:>12} {:>10}", "seqs", "ms/step", "tok/s", "floor ms", "floor/t");
+        for b in [1usize, 2, 4, 8, 16] {
+            let mut times = Vec::new();
+            let mut toks = vec![1u32; b];
+            for i in 0..24 {
+                let ctx: Vec<usize> = vec![PROMPT + i; b];
+                let tokens: Vec<&[u32]> = toks.chunks(1).collect();
+                let tabs: Vec<&[u32]> = tables[..b].iter().map(Vec::as_slice).collect();
+                let t = Instant::now();
+                toks = step(model, cache, &tokens, &ctx, &tabs, PROMPT)?;
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            let med = median(&mut times[2..].to_vec());
+            let floor = step_bytes(model, b, PROMPT + 12) / FLOOR_BYTES_PER_S * 1e3;
+            println!("{b:>6} {med:>12.4} {:>12.0} {floor:>12.4} {:>10.2}", b as f64 / med * 1e3, floor / med);
+        }
+        Ok(())
+    }
+
+    /// Verify steps of one sequence: 1, 2, 4, 8, 16 rows at once (the rows overwrite the same slots).
+    fn verify_steps(model: &CudaLlamaModel, cache: &mut CudaCache, table: &[u32]) -> Result<()> {
+        println!("{:>6} {:>12} {:>16}", "rows", "ms/step", "x 1-row step");
+        let mut one = 0.0;
+        for r in [1usize, 2, 4, 8, 16] {
+            let tokens: Vec<u32> = (0..r as u32).map(|i| 5 + i).collect();
+            let mut times = Vec::new();
+            for _ in 0..24 {
+                let t = Instant::now();
+                step(model, cache, &[&tokens], &[PROMPT], &[table], PROMPT)?;
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            let med = median(&mut times[2..].to_vec());
+            if r == 1 {
+                one = med;
+            }
+            println!("{r:>6} {med:>12.4} {:>16.2}", med / one);
+        }
+        Ok(())
+    }
+
+    fn median(v: &mut [f64]) -> f64 {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    }
+}
