@@ -113,13 +113,7 @@ fn cache_for(model: &CudaLlamaModel, graphs: bool) -> CudaCache {
 
 /// Runs `tokens` as one sequence through `run` in steps: the first `prompt` rows as one chunk (prompt
 /// rows), then `step` rows at a time (decode rows). Returns every row's logits and captured states.
-fn run_steps(
-    run: &mut RunStep,
-    tokens: &[u32],
-    prompt: usize,
-    step: usize,
-    table: &[u32],
-) -> (Vec<f32>, Vec<f32>) {
+fn run_steps(run: &mut RunStep, tokens: &[u32], prompt: usize, step: usize, table: &[u32]) -> (Vec<f32>, Vec<f32>) {
     let (mut logits, mut captured) = (Vec::new(), Vec::new());
     let mut pos = 0;
     while pos < tokens.len() {
