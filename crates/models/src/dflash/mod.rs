@@ -12,11 +12,12 @@
 //! ```text
 //! load:    model  = DraftModel::load(dir, &TargetSpec::of(target.config()))
 //!          target = LlamaModel::load(cfg, store, model.target_layer_ids())      // capture the taps
+//!          vocab  = DraftVocab::gather(target.lm_head(), &ranking.select(n, eos))   // optional draft vocabulary
 //! admit:   ctx    = model.new_context()                                          // one per sequence
 //! prefill: out = target.forward(prompt rows)                                     // out.captured: [N, taps·Ht]
 //!          model.append_context(&mut ctx, 0, captured)                           // positions 0..N
 //!          anchor = sample(out.logits)                                           // position N
-//! round:   draft = model.draft(&mut ctx, anchor, w, target.embedding(), target.lm_head(), sampling)
+//! round:   draft = model.draft(&mut ctx, anchor, w, target.embedding(), &vocab (or target.lm_head()), sampling)
 //!          verify [anchor, draft.tokens] on the target at positions ctx.len() ..  (captured rows too)
 //!          accept a drafts (greedy: match the target argmax; sampled: u·q < p with draft.q)
 //!          model.append_context(&mut ctx, start, rows 0 ..= a of its captured)   // anchor + accepted drafts
@@ -26,6 +27,10 @@
 //! The context is append-only: rejected drafts never reach it, so nothing is rolled back. While drafting is
 //! suspended (a gate, a greedy fallback), keep appending each committed position's captured rows, or the
 //! context has holes when drafting resumes ([`DraftModel::append_context`] refuses gaps).
+//!
+//! A draft vocabulary ([`DraftVocab`], module `vocab`) restricts the drafter's LM head to the target tokens it
+//! ranks highest: drafts are chosen among them and mapped back to target ids, and exact verification keeps the
+//! output lossless.
 //!
 //! Numerics: f32 activations and residual throughout (the reference runs bf16; f16 is never safe because DFlash2
 //! residuals exceed its range). Parity with the reference package is checked in f32 by
