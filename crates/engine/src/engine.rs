@@ -18,7 +18,7 @@ use crate::spec::{
     prompt_gate_passes, CostTable, DflashProposer, DrafterConfig, MtpLaneConfig, MtpProposer, NgramProposer,
     SharedCosts, SpecConfig, SpecLane,
 };
-use crate::target::{CpuTarget, Target};
+use crate::target::{CpuTarget, ResumeState, Target};
 use crate::EngineError;
 
 /// How the engine is sized.
@@ -44,7 +44,21 @@ pub struct EngineConfig {
     /// A block drafter (DFlash / DFlash2): when set, requests draft with it unless they opt out, and the target
     /// must capture the drafter's `target_layer_ids`.
     pub drafter: Option<DrafterConfig>,
+    /// Tokens between the recurrent-state checkpoints a prompt leaves in the prefix cache, for targets whose
+    /// per-sequence state is not in the pages (hybrid models; see [`crate::prefix_cache`]); rounded up to a
+    /// multiple of the page size and of the target's prompt-cut alignment. 0: no checkpoints, and such targets
+    /// run with the prefix cache off. Other targets ignore it. Default: [`DEFAULT_STATE_CHECKPOINT_STRIDE`].
+    pub state_checkpoint_stride: usize,
 }
+
+/// The default `--state-checkpoint-stride`. A checkpoint costs the same whatever it covers (Qwen3-Next-80B:
+/// 36 GDN layers of 2 MiB of delta-rule state and 96 KiB of conv state, about 75 MiB, the K/V of some 1,600
+/// tokens of its 12 attention layers), while a hit recomputes up to one stride past its checkpoint. At 512
+/// tokens the checkpoints take about three times the K/V of the pages they serve, and a warm turn of a 4K-token
+/// chat recomputes at most 511 of them (under a sixth of a cold prefill with the new turn); halving the stride
+/// would double the memory for a few hundred tokens less. 512 is a multiple of every page size the server
+/// uses and of the recurrence's 64-token chunk.
+pub const DEFAULT_STATE_CHECKPOINT_STRIDE: usize = 512;
 
 /// Sequences, and the target (model and cache) that runs them.
 pub struct Engine {
@@ -83,8 +97,8 @@ impl Engine {
     }
 
     /// An engine over `target`, whose cache must hold `cfg.num_pages` pages of `cfg.page_size` tokens. A target
-    /// whose per-sequence state is not cached with the pages ([`Target::reuses_prefix_cache`]) runs with the
-    /// prefix cache off.
+    /// whose per-sequence state is not in the pages ([`ResumeState::Snapshot`]) runs with the prefix cache off
+    /// unless `cfg.state_checkpoint_stride` turns state checkpoints on.
     ///
     /// # Errors
     /// When the cache cannot hold one full context window or its page size is not `cfg.page_size`; when a
@@ -121,20 +135,18 @@ impl Engine {
                 )));
             }
         }
-        if cfg.prefix_cache_pages > 0 && !target.reuses_prefix_cache() {
-            tracing::info!("prefix cache off: the target's per-sequence state is not cached with the pages");
-        }
         let capture_width = target.capture_layers().len() * target.config().hidden_size;
+        let stride = checkpoint_stride(target.as_ref(), cfg.page_size, cfg.state_checkpoint_stride);
+        let budget = PrefixBudget::plan(cfg.prefix_cache_pages, target.as_ref(), cfg.page_size, stride);
         let sched_cfg = SchedulerConfig {
             max_running: cfg.max_running,
             max_batch_tokens: cfg.max_batch_tokens,
             page_size: cfg.page_size,
-            prefix_cache_pages: if target.reuses_prefix_cache() {
-                pages_with_captured_rows(cfg.prefix_cache_pages, target.as_ref(), cfg.page_size)
-            } else {
-                0
-            },
+            prefix_cache_pages: budget.pages,
             capture_width,
+            checkpoint_stride: if budget.pages > 0 { stride } else { 0 },
+            prefix_cache_checkpoints: budget.checkpoints,
+            prompt_cut_alignment: target.prompt_cut_alignment(),
         };
         let engine = Engine {
             page_size: cfg.page_size,
@@ -184,6 +196,11 @@ impl Engine {
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
         &self.tokenizer
+    }
+
+    /// Most pages the prefix cache indexes, as sized for this target (0: off).
+    pub fn prefix_cache_pages(&self) -> usize {
+        self.sched.pages.prefix_cache().max_pages()
     }
 
     pub fn has_work(&self) -> bool {
@@ -246,6 +263,7 @@ impl Engine {
         let forward_ms = started.elapsed().as_secs_f64() * 1e3;
         let finished = self.sample_and_stream(&items, &out);
         self.record_round_times(&items, forward_ms);
+        self.keep_state_checkpoints(&items);
         self.sched.publish_prompt_pages();
         self.retire(finished);
         #[cfg(debug_assertions)]
@@ -423,22 +441,111 @@ impl Engine {
     }
 }
 
-/// How many pages a prefix cache budget of `kv_pages` K/V pages indexes when each cached page also keeps the
-/// target's captured hidden states of its positions (f32 rows of `taps · hidden`): the budget's bytes over a
-/// page's K/V plus its rows. The engine has one target, so every cached page carries rows of one layout.
-fn pages_with_captured_rows(kv_pages: usize, target: &dyn Target, page_size: usize) -> usize {
-    let c = target.config();
-    let row_bytes = target.capture_layers().len() * c.hidden_size * std::mem::size_of::<f32>();
-    if kv_pages == 0 || row_bytes == 0 {
-        return kv_pages;
+/// The effective checkpoint stride for `target`: 0 when its pages hold all of its state or `requested` is 0,
+/// else `requested` rounded up to a multiple of the page size and of the target's prompt-cut alignment (a
+/// checkpoint sits at a page's end, and a prompt chunk may stop there without changing any bit).
+fn checkpoint_stride(target: &dyn Target, page_size: usize, requested: usize) -> usize {
+    if requested == 0 || target.resume_state() == ResumeState::Pages {
+        return 0;
     }
-    let kv_page_bytes = KvCache::bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim) * page_size;
-    let pages = kv_pages.saturating_mul(kv_page_bytes) / (kv_page_bytes + row_bytes * page_size).max(1);
-    tracing::info!(
-        "prefix cache: up to {pages} pages, each with the target's captured hidden states ({} KiB a page)",
-        row_bytes * page_size / 1024
-    );
-    pages.max(1)
+    let unit = lcm(page_size.max(1), target.prompt_cut_alignment().max(1));
+    let stride = requested.div_ceil(unit) * unit;
+    if stride != requested {
+        tracing::info!("state checkpoint stride {requested} rounded up to {stride} (a multiple of {unit})");
+    }
+    stride
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    let gcd = |mut x: usize, mut y: usize| {
+        while y != 0 {
+            (x, y) = (y, x % y);
+        }
+        x
+    };
+    a / gcd(a, b) * b
+}
+
+/// How much the prefix cache holds: pages, and state checkpoints for targets whose state is not in the pages.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct PrefixBudget {
+    pages: usize,
+    checkpoints: usize,
+}
+
+impl PrefixBudget {
+    /// Spends the bytes of `kv_pages` K/V pages. Each cached page also keeps the target's captured hidden states
+    /// of its positions when it captures any (f32 rows of `taps · hidden`; one target, one layout); with state
+    /// checkpoints (`stride` > 0), every `stride / page_size` pages also carry one snapshot of the target's
+    /// state. So the budget buys whole strides (their pages and a checkpoint), then pages without one.
+    fn plan(kv_pages: usize, target: &dyn Target, page_size: usize, stride: usize) -> PrefixBudget {
+        let snapshot_bytes = match target.resume_state() {
+            ResumeState::Pages => 0,
+            ResumeState::Snapshot { floats } => floats * std::mem::size_of::<f32>(),
+        };
+        if snapshot_bytes > 0 && stride == 0 {
+            if kv_pages > 0 {
+                tracing::info!(
+                    "prefix cache off: the target's recurrent state needs checkpoints (--state-checkpoint-stride is 0)"
+                );
+            }
+            return PrefixBudget::default();
+        }
+        let c = target.config();
+        let kv_bytes = KvCache::bytes_per_token(target.kv_layers(), c.num_kv_heads, c.head_dim) * page_size;
+        let row_bytes = target.capture_layers().len() * c.hidden_size * std::mem::size_of::<f32>() * page_size;
+        if kv_pages == 0 || row_bytes + snapshot_bytes == 0 {
+            return PrefixBudget { pages: kv_pages, checkpoints: 0 };
+        }
+        let page_bytes = kv_bytes + row_bytes;
+        let budget = kv_pages.saturating_mul(kv_bytes);
+        let budget = if snapshot_bytes == 0 {
+            PrefixBudget { pages: (budget / page_bytes.max(1)).max(1), checkpoints: 0 }
+        } else {
+            let stride_bytes = stride / page_size * page_bytes + snapshot_bytes;
+            let strides = budget / stride_bytes.max(1);
+            let rest = budget - strides * stride_bytes;
+            PrefixBudget { pages: strides * (stride / page_size) + rest / page_bytes.max(1), checkpoints: strides }
+        };
+        if snapshot_bytes > 0 && budget.checkpoints == 0 {
+            tracing::warn!(
+                "prefix cache off: its budget ({kv_pages} K/V pages) holds no {stride}-token stride with its state checkpoint"
+            );
+            return PrefixBudget::default();
+        }
+        budget.log(kv_bytes, row_bytes, snapshot_bytes, stride);
+        budget
+    }
+
+    fn log(&self, kv_bytes: usize, row_bytes: usize, snapshot_bytes: usize, stride: usize) {
+        let rows = if row_bytes > 0 {
+            format!(" and {} of the target's captured hidden states", size(row_bytes))
+        } else {
+            String::new()
+        };
+        let checkpoints = if snapshot_bytes > 0 {
+            let n = self.checkpoints;
+            format!(", and {n} recurrent-state checkpoints of {} (one per {stride} tokens)", size(snapshot_bytes))
+        } else {
+            String::new()
+        };
+        let total = self.pages * (kv_bytes + row_bytes) + self.checkpoints * snapshot_bytes;
+        tracing::info!(
+            "prefix cache: up to {} pages ({} of K/V each{rows}){checkpoints}: {} in all",
+            self.pages,
+            size(kv_bytes),
+            size(total)
+        );
+    }
+}
+
+/// `bytes` in MiB, or KiB below one MiB.
+fn size(bytes: usize) -> String {
+    if bytes >= 1 << 20 {
+        format!("{:.1} MiB", bytes as f64 / f64::from(1u32 << 20))
+    } else {
+        format!("{:.1} KiB", bytes as f64 / 1024.0)
+    }
 }
 
 /// The widest round (verify rows) any lane of this engine may run: the drafter's block, or one past the n-gram
@@ -446,4 +553,51 @@ fn pages_with_captured_rows(kv_pages: usize, target: &dyn Target, page_size: usi
 fn widest_round(spec: &SpecConfig, drafter: Option<&DrafterConfig>) -> usize {
     let pld = spec.pld.unwrap_or_default().max_draft + 1;
     drafter.map_or(pld, |d| d.block_size.max(pld))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::HybridTarget;
+    use dflash_models::hybrid::load_hybrid_weights;
+    use dflash_models::LoadOptions;
+    use std::path::Path;
+
+    /// A tiny fixture's hybrid target (pages of 16 tokens), capturing `taps`.
+    fn hybrid(name: &str, taps: Vec<usize>) -> HybridTarget {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures").join(name);
+        let model = load_hybrid_weights(&dir, &LoadOptions { capture_layers: taps, ..LoadOptions::default() });
+        HybridTarget::new(Arc::new(model.expect(name)), 4, 16).expect("target")
+    }
+
+    #[test]
+    fn the_prefix_cache_budget_buys_strides_of_pages_with_their_checkpoint() {
+        // tiny-qwen3-next: one attention layer (K/V of 4 KiB a page), 3 GDN layers (a 5,376-byte state).
+        let plain = hybrid("tiny-qwen3-next", Vec::new());
+        assert_eq!(plain.resume_state(), ResumeState::Snapshot { floats: 1344 });
+        // 24 pages of K/V (96 KiB) buy 4 strides of 4 pages and a checkpoint (21,760 bytes each), then 2 pages.
+        assert_eq!(PrefixBudget::plan(24, &plain, 16, 64), PrefixBudget { pages: 18, checkpoints: 4 });
+        // Captured rows of the last layer add 2 KiB a page: 3 strides, then 1 page.
+        let capturing = hybrid("tiny-qwen3-next", vec![3]);
+        assert_eq!(PrefixBudget::plan(24, &capturing, 16, 64), PrefixBudget { pages: 13, checkpoints: 3 });
+        assert_eq!(PrefixBudget::plan(24, &plain, 16, 0), PrefixBudget::default(), "no checkpoints: off");
+        assert_eq!(PrefixBudget::plan(1, &plain, 16, 64), PrefixBudget::default(), "not one stride: off");
+        assert_eq!(PrefixBudget::plan(0, &plain, 16, 64), PrefixBudget::default());
+
+        // A target without recurrent layers needs no checkpoint: the pages cost their K/V only.
+        let moe = hybrid("tiny-qwen3-moe", Vec::new());
+        assert_eq!(moe.resume_state(), ResumeState::Pages);
+        assert_eq!(checkpoint_stride(&moe, 16, 512), 0);
+        assert_eq!(PrefixBudget::plan(24, &moe, 16, 0), PrefixBudget { pages: 24, checkpoints: 0 });
+    }
+
+    #[test]
+    fn the_stride_is_rounded_up_to_whole_pages_and_chunks() {
+        let target = hybrid("tiny-qwen3-next", Vec::new());
+        assert_eq!(checkpoint_stride(&target, 16, 512), 512);
+        assert_eq!(checkpoint_stride(&target, 16, 100), 128, "a multiple of the 64-token chunk");
+        assert_eq!(checkpoint_stride(&target, 16, 1), 64);
+        assert_eq!(checkpoint_stride(&target, 16, 0), 0, "off");
+        assert_eq!((lcm(16, 64), lcm(48, 64), lcm(1, 7)), (64, 192, 7));
+    }
 }

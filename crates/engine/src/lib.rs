@@ -15,7 +15,7 @@ pub mod spec;
 pub mod stop;
 pub mod target;
 
-pub use engine::{Engine, EngineConfig};
+pub use engine::{Engine, EngineConfig, DEFAULT_STATE_CHECKPOINT_STRIDE};
 pub use generate::{GenerateOptions, GenerationStats, Generator};
 pub use metrics::EngineMetrics;
 pub use pages::{PageAllocator, Published};

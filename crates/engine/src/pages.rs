@@ -5,7 +5,9 @@
 //! prefix page); or idle in the prefix cache (indexed, held by nobody, kept for a later request). Nothing a
 //! sequence holds is ever evicted.
 
-use crate::prefix_cache::{PrefixCache, ROOT_HASH};
+use std::sync::Arc;
+
+use crate::prefix_cache::{PagePayload, PrefixCache, ROOT_HASH};
 
 /// Hands out page ids of a [`dflash_models::KvCache`].
 #[derive(Debug)]
@@ -46,6 +48,12 @@ impl PageAllocator {
             cache: PrefixCache::new(total, cache_pages),
             evictions: 0,
         }
+    }
+
+    /// The same allocator, its prefix cache keeping at most `max` state checkpoints.
+    pub fn with_checkpoints(mut self, max: usize) -> Self {
+        self.cache = self.cache.with_checkpoints(max);
+        self
     }
 
     pub fn total(&self) -> usize {
@@ -177,26 +185,31 @@ impl PageAllocator {
     }
 
     /// Offers the held, fully computed page `page` to the prefix cache as the `index`-th page of a prefix whose
-    /// page hashes are `hashes`, holding `tokens`, with the target's `captured` hidden states of its positions
-    /// (`[page_size, taps · hidden]`) when the target captures any. Evicts the least recently used idle page when
-    /// the cache is full.
+    /// page hashes are `hashes`, holding `tokens`, with what rides with it (`payload`: the target's captured
+    /// hidden states of its positions, the state checkpoint after its last one). Evicts the least recently used
+    /// idle page when the cache is full. When the same prefix is indexed already, a checkpoint it lacks is added
+    /// to it.
     ///
     /// The caller guarantees the losslessness rule of [`crate::prefix_cache`]: every position of the page was
-    /// computed as a prompt row.
+    /// computed as a prompt row (and a checkpoint is the exact state after them).
     pub fn publish(
         &mut self,
         page: u32,
         hashes: &[u64],
         index: usize,
         tokens: &[u32],
-        captured: Option<Box<[f32]>>,
+        payload: PagePayload,
     ) -> Published {
         let Some(&hash) = hashes.get(index) else { return Published::Skipped };
         if !self.cache.enabled() || self.cache.contains_page(page) {
             return Published::Skipped;
         }
         debug_assert!(self.refs(page) > 0, "only held pages are published");
+        let parent = if index == 0 { ROOT_HASH } else { hashes[index - 1] };
         if self.cache.contains_hash(hash) {
+            if let Some(checkpoint) = payload.checkpoint {
+                self.cache.add_checkpoint(hash, parent, tokens, checkpoint);
+            }
             return Published::Duplicate;
         }
         if self.cache.is_full() {
@@ -204,14 +217,18 @@ impl PageAllocator {
             self.evictions += 1;
             self.free.push(p);
         }
-        let parent = if index == 0 { ROOT_HASH } else { hashes[index - 1] };
-        self.cache.insert(page, hash, parent, tokens, captured);
+        self.cache.insert(page, hash, parent, tokens, payload);
         Published::Indexed
     }
 
     /// The target's captured hidden states of cached `page`'s positions, if it was published with them.
     pub fn captured(&self, page: u32) -> Option<&[f32]> {
         self.cache.captured(page)
+    }
+
+    /// The state checkpoint after cached `page`'s last position, if one is kept.
+    pub fn checkpoint(&self, page: u32) -> Option<&Arc<[f32]>> {
+        self.cache.checkpoint(page)
     }
 
     /// Checks that every page is in exactly one state and that reference counts match `tables` (every block
@@ -278,11 +295,15 @@ mod tests {
         assert_eq!(a.used_count(), 0);
     }
 
+    fn none() -> PagePayload {
+        PagePayload::default()
+    }
+
     /// Publishes every full page of `tokens` held in `table`.
     fn publish_all(a: &mut PageAllocator, table: &[u32], tokens: &[u32]) -> Vec<u64> {
         let hashes = a.chain_hashes(tokens, 2);
         for (k, &p) in table.iter().enumerate().take(hashes.len()) {
-            assert_eq!(a.publish(p, &hashes, k, &tokens[k * 2..k * 2 + 2], None), Published::Indexed);
+            assert_eq!(a.publish(p, &hashes, k, &tokens[k * 2..k * 2 + 2], none()), Published::Indexed);
         }
         hashes
     }
@@ -346,14 +367,14 @@ mod tests {
         let mut t = Vec::new();
         assert!(a.reserve(&mut t, 4, 2));
         let hashes = a.chain_hashes(&[1, 2, 3, 4], 2);
-        assert_eq!(a.publish(t[0], &hashes, 0, &[1, 2], None), Published::Indexed);
-        assert_eq!(a.publish(t[1], &hashes, 1, &[3, 4], None), Published::Skipped, "full of held pages");
+        assert_eq!(a.publish(t[0], &hashes, 0, &[1, 2], none()), Published::Indexed);
+        assert_eq!(a.publish(t[1], &hashes, 1, &[3, 4], none()), Published::Skipped, "full of held pages");
         let mut other = Vec::new();
         assert!(a.reserve(&mut other, 2, 2));
-        assert_eq!(a.publish(other[0], &hashes, 0, &[1, 2], None), Published::Duplicate);
+        assert_eq!(a.publish(other[0], &hashes, 0, &[1, 2], none()), Published::Duplicate);
         a.release(&mut t);
         let hashes = a.chain_hashes(&[5, 6], 2);
-        assert_eq!(a.publish(other[0], &hashes, 0, &[5, 6], None), Published::Indexed, "the idle page made room");
+        assert_eq!(a.publish(other[0], &hashes, 0, &[5, 6], none()), Published::Indexed, "the idle page made room");
         assert_eq!((a.evictions(), a.cached_count(), a.free_count()), (1, 1, 3));
         a.release(&mut other);
         assert_eq!(a.audit([]), Ok(()));
@@ -363,12 +384,29 @@ mod tests {
     }
 
     #[test]
+    fn a_duplicate_page_brings_the_checkpoint_the_indexed_one_lacks() {
+        let mut a = PageAllocator::with_prefix_cache(4, 4).with_checkpoints(1);
+        let hashes = a.chain_hashes(&[1, 2], 2);
+        let (mut first, mut second) = (Vec::new(), Vec::new());
+        assert!(a.reserve(&mut first, 2, 2) && a.reserve(&mut second, 2, 2));
+        assert_eq!(a.publish(first[0], &hashes, 0, &[1, 2], none()), Published::Indexed);
+        assert!(a.checkpoint(first[0]).is_none());
+        let checkpoint = PagePayload { captured: None, checkpoint: Some(Arc::from(vec![1.5; 4])) };
+        assert_eq!(a.publish(second[0], &hashes, 0, &[1, 2], checkpoint), Published::Duplicate);
+        assert_eq!(a.checkpoint(first[0]).map(|c| c.len()), Some(4), "kept on the indexed entry");
+        assert_eq!(a.prefix_cache().checkpoint_count(), 1);
+        a.release(&mut first);
+        a.release(&mut second);
+        assert_eq!(a.audit([]), Ok(()));
+    }
+
+    #[test]
     fn without_a_cache_nothing_is_published() {
         let mut a = PageAllocator::new(2);
         let mut t = Vec::new();
         assert!(a.reserve(&mut t, 2, 2));
         let hashes = a.chain_hashes(&[1, 2], 2);
-        assert_eq!(a.publish(t[0], &hashes, 0, &[1, 2], None), Published::Skipped);
+        assert_eq!(a.publish(t[0], &hashes, 0, &[1, 2], none()), Published::Skipped);
         assert!(a.longest_prefix(&hashes, &[1, 2], 2, 1).is_empty());
     }
 }

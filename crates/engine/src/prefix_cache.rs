@@ -29,15 +29,35 @@
 //! so every entry's rows have the same layout; a lane never reads the prefix past the first entry without them
 //! (pages indexed before the target captured anything), and recomputes the rest instead.
 //!
-//! Room for other state keyed the same way: a hybrid target's recurrent-state checkpoints (taken at page
-//! boundaries every N tokens) belong beside the captured rows on `Entry`, set when the page is published and
-//! dropped in `forget`, the one place an entry leaves the index. A lookup would then cut its match back to the
-//! deepest entry whose payload it needs (the nearest checkpoint at or below the match) and the sequence
-//! recomputes the rest, as it already does for the partial last page.
+//! Hybrid targets' recurrent state is not in the pages and cannot be cut at any position, so a sequence resumes
+//! from cached pages only where a snapshot of that state was taken: a *state checkpoint*, the full recurrent
+//! state (every Gated DeltaNet layer's conv and delta-rule state) after a page-aligned prompt position `p`, kept
+//! on the entry of the page that ends at `p` (so keyed by that page's chain hash, set when the page is published
+//! or later by a sequence that recomputed the same page, dropped in `forget` with the entry, the one place an
+//! entry leaves the index). The rules that make a checkpoint exact, bit for bit what a plain forward over tokens
+//! `0..p` leaves:
+//! * Positions: multiples of the checkpoint stride (`--state-checkpoint-stride`, a multiple of the page size
+//!   and of the recurrence's chunk), at most [`crate::scheduler::MAX_CHECKPOINTS_PER_SEQUENCE`] per prompt (a
+//!   longer prompt spreads them out and keeps its deepest); only prompt positions (the losslessness rule above).
+//! * Cuts: the scheduler ends a prefill chunk at the sequence's next checkpoint position, and every chunk that
+//!   stops inside the prompt on a multiple of the recurrence's chunk, so any prefill computes what one whole
+//!   prefill does and the state after the chunk ending at `p` is the checkpoint. (A chunk that cannot reach an
+//!   aligned cut waits for a later step; only when it runs alone in a step and still cannot, it runs off the
+//!   alignment and its sequence caches nothing past where that chunk starts.)
+//! * Never from a verify: snapshots are taken only after prompt forwards (verify rows are generated rows, and a
+//!   verify's state awaits its rollback).
+//!
+//! A lookup cuts its match back to the deepest matched entry that carries a checkpoint and hands that snapshot to
+//! the target, which installs it; the sequence recomputes the rest, as it does for the partial last page. No
+//! checkpoint, no reuse. Checkpoints are charged to the cache's budget: the engine sizes `max_pages` and
+//! `max_checkpoints` so that pages (K/V, captured rows) and one checkpoint per stride of pages fit it; past
+//! `max_checkpoints`, a new checkpoint replaces the one of the least recently used idle page (the page stays
+//! indexed), or is not kept when every page carrying one is held.
 
 use std::collections::hash_map::RandomState;
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasher, Hasher};
+use std::sync::Arc;
 
 /// The chain hash a sequence's first page hangs from.
 pub const ROOT_HASH: u64 = 0x9e37_79b9_7f4a_7c15;
@@ -53,6 +73,17 @@ struct Entry {
     /// The target's captured hidden states of the page's positions (`[page_size, taps · hidden]`), when the
     /// target captures any.
     captured: Option<Box<[f32]>>,
+    /// The target's recurrent state after the page's last position, when a checkpoint was taken there.
+    checkpoint: Option<Arc<[f32]>>,
+}
+
+/// What rides with a page offered to the cache besides its K/V.
+#[derive(Clone, Debug, Default)]
+pub struct PagePayload {
+    /// The target's captured hidden states of the page's positions (`[page_size, taps · hidden]`).
+    pub captured: Option<Box<[f32]>>,
+    /// The target's recurrent state after the page's last position (a state checkpoint).
+    pub checkpoint: Option<Arc<[f32]>>,
 }
 
 /// Which full prompt pages are indexed, and which of them no sequence holds (oldest release first).
@@ -69,6 +100,10 @@ pub struct PrefixCache {
     /// Per page id: its key in `idle`.
     idle_since: Vec<Option<u64>>,
     clock: u64,
+    /// Most state checkpoints kept at once.
+    max_checkpoints: usize,
+    /// Entries carrying a state checkpoint.
+    checkpoints: usize,
 }
 
 impl PrefixCache {
@@ -82,7 +117,24 @@ impl PrefixCache {
             idle: BTreeMap::new(),
             idle_since: vec![None; total_pages],
             clock: 0,
+            max_checkpoints: 0,
+            checkpoints: 0,
         }
+    }
+
+    /// The same index, keeping at most `max` state checkpoints (none by default).
+    pub fn with_checkpoints(mut self, max: usize) -> Self {
+        self.max_checkpoints = max;
+        self
+    }
+
+    pub fn max_checkpoints(&self) -> usize {
+        self.max_checkpoints
+    }
+
+    /// Indexed pages carrying a state checkpoint.
+    pub fn checkpoint_count(&self) -> usize {
+        self.checkpoints
     }
 
     pub fn enabled(&self) -> bool {
@@ -164,22 +216,73 @@ impl PrefixCache {
         self.by_hash.len() >= self.max_pages
     }
 
-    /// Indexes `page` (held by a sequence) under `hash`, with the target's `captured` hidden states of its
-    /// positions (`[page_size, taps · hidden]`) when there are any. The caller checked that neither is indexed
-    /// and that there is room.
-    pub fn insert(&mut self, page: u32, hash: u64, parent: u64, tokens: &[u32], captured: Option<Box<[f32]>>) {
+    /// Indexes `page` (held by a sequence) under `hash`, with what rides with it (`payload`); its checkpoint is
+    /// kept when there is room for one ([`PrefixCache::make_room_for_checkpoint`]). The caller checked that
+    /// neither is indexed and that there is room.
+    pub fn insert(&mut self, page: u32, hash: u64, parent: u64, tokens: &[u32], payload: PagePayload) {
         debug_assert!(!self.contains_hash(hash) && !self.contains_page(page) && !self.is_full());
-        if let Some(slot) = self.hash_of.get_mut(page as usize) {
-            *slot = Some(hash);
-            self.by_hash.insert(hash, Entry { page, parent, tokens: tokens.into(), captured });
+        let Some(slot) = self.hash_of.get_mut(page as usize) else { return };
+        *slot = Some(hash);
+        let PagePayload { captured, checkpoint } = payload;
+        let checkpoint = checkpoint.filter(|_| self.make_room_for_checkpoint());
+        self.checkpoints += usize::from(checkpoint.is_some());
+        self.by_hash.insert(hash, Entry { page, parent, tokens: tokens.into(), captured, checkpoint });
+    }
+
+    /// Gives the entry under `hash`, which holds `tokens` after the prefix `parent` (a page another sequence
+    /// published), the state `checkpoint` after its last position, unless it has one. Returns whether it was
+    /// kept (also false when no room could be made).
+    pub fn add_checkpoint(&mut self, hash: u64, parent: u64, tokens: &[u32], checkpoint: Arc<[f32]>) -> bool {
+        match self.by_hash.get(&hash) {
+            Some(e) if e.checkpoint.is_none() && e.parent == parent && *e.tokens == *tokens => {}
+            _ => return false,
+        }
+        if !self.make_room_for_checkpoint() {
+            return false;
+        }
+        if let Some(e) = self.by_hash.get_mut(&hash) {
+            e.checkpoint = Some(checkpoint);
+            self.checkpoints += 1;
+        }
+        true
+    }
+
+    /// Whether one more checkpoint may be kept: under the limit, or after dropping the checkpoint of the least
+    /// recently used idle page that carries one (the page stays indexed).
+    fn make_room_for_checkpoint(&mut self) -> bool {
+        if self.checkpoints < self.max_checkpoints {
+            return true;
+        }
+        let by_hash = &self.by_hash;
+        let hash_of = &self.hash_of;
+        let victim = self.idle.values().find_map(|&p| {
+            let hash = hash_of.get(p as usize).copied().flatten()?;
+            by_hash.get(&hash).filter(|e| e.checkpoint.is_some()).map(|_| hash)
+        });
+        match victim.and_then(|h| self.by_hash.get_mut(&h)) {
+            Some(e) => {
+                e.checkpoint = None;
+                self.checkpoints -= 1;
+                true
+            }
+            None => false,
         }
     }
 
     /// The target's captured hidden states of indexed `page`'s positions (`[page_size, taps · hidden]`), if it
     /// was published with them.
     pub fn captured(&self, page: u32) -> Option<&[f32]> {
+        self.entry(page).and_then(|e| e.captured.as_deref())
+    }
+
+    /// The state checkpoint after indexed `page`'s last position, if one is kept.
+    pub fn checkpoint(&self, page: u32) -> Option<&Arc<[f32]>> {
+        self.entry(page).and_then(|e| e.checkpoint.as_ref())
+    }
+
+    fn entry(&self, page: u32) -> Option<&Entry> {
         let hash = self.hash_of.get(page as usize).copied().flatten()?;
-        self.by_hash.get(&hash).and_then(|e| e.captured.as_deref())
+        self.by_hash.get(&hash)
     }
 
     /// `page` (indexed) is no longer held by any sequence: it becomes the most recently used idle page.
@@ -218,6 +321,7 @@ impl PrefixCache {
         self.idle_since.iter_mut().for_each(|s| *s = None);
         self.hash_of.iter_mut().for_each(|h| *h = None);
         self.by_hash.clear();
+        self.checkpoints = 0;
         idle
     }
 
@@ -226,7 +330,9 @@ impl PrefixCache {
             *slot = None;
         }
         if let Some(hash) = self.hash_of.get_mut(page as usize).and_then(Option::take) {
-            self.by_hash.remove(&hash);
+            if self.by_hash.remove(&hash).is_some_and(|e| e.checkpoint.is_some()) {
+                self.checkpoints -= 1;
+            }
         }
     }
 }
@@ -239,7 +345,7 @@ mod tests {
         let hashes = cache.chain_hashes(tokens, page_size);
         for (k, (&page, &hash)) in pages.iter().zip(&hashes).enumerate() {
             let parent = if k == 0 { ROOT_HASH } else { hashes[k - 1] };
-            cache.insert(page, hash, parent, &tokens[k * page_size..(k + 1) * page_size], None);
+            cache.insert(page, hash, parent, &tokens[k * page_size..(k + 1) * page_size], PagePayload::default());
         }
     }
 
@@ -294,8 +400,9 @@ mod tests {
     fn captured_rows_ride_with_their_page_and_leave_with_it() {
         let mut cache = PrefixCache::new(4, 4);
         let hashes = cache.chain_hashes(&[1, 2, 3, 4], 2);
-        cache.insert(0, hashes[0], ROOT_HASH, &[1, 2], Some(vec![0.5; 6].into()));
-        cache.insert(1, hashes[1], hashes[0], &[3, 4], None);
+        let rows = PagePayload { captured: Some(vec![0.5; 6].into()), checkpoint: None };
+        cache.insert(0, hashes[0], ROOT_HASH, &[1, 2], rows);
+        cache.insert(1, hashes[1], hashes[0], &[3, 4], PagePayload::default());
         assert_eq!(cache.captured(0), Some(&[0.5; 6][..]));
         assert_eq!(cache.captured(1), None, "published without rows");
         assert_eq!(cache.captured(2), None, "not indexed");
@@ -304,6 +411,57 @@ mod tests {
         assert_eq!(cache.evict_lru(), Some(1));
         assert_eq!(cache.evict_lru(), Some(0));
         assert_eq!(cache.captured(0), None, "evicted with its page");
+    }
+
+    fn checkpointed(value: f32) -> PagePayload {
+        PagePayload { captured: None, checkpoint: Some(Arc::from(vec![value; 3])) }
+    }
+
+    #[test]
+    fn checkpoints_ride_with_their_page_are_counted_and_leave_with_it() {
+        let mut cache = PrefixCache::new(4, 4).with_checkpoints(4);
+        let h = cache.chain_hashes(&[1, 2, 3, 4, 5, 6], 2);
+        cache.insert(0, h[0], ROOT_HASH, &[1, 2], PagePayload::default());
+        cache.insert(1, h[1], h[0], &[3, 4], checkpointed(1.0));
+        assert_eq!((cache.checkpoint_count(), cache.checkpoint(1).map(|c| c[0])), (1, Some(1.0)));
+        assert!(cache.checkpoint(0).is_none() && cache.checkpoint(2).is_none());
+        // A sequence that recomputed page 0 brings the checkpoint its publisher lacked; never a second one, and
+        // never for other tokens or another parent.
+        assert!(cache.add_checkpoint(h[0], ROOT_HASH, &[1, 2], Arc::from(vec![0.0; 3])));
+        assert!(!cache.add_checkpoint(h[0], ROOT_HASH, &[1, 2], Arc::from(vec![9.0; 3])), "has one");
+        assert!(!cache.add_checkpoint(h[1], h[0], &[3, 3], Arc::from(vec![9.0; 3])), "other tokens");
+        assert!(!cache.add_checkpoint(h[2], h[1], &[5, 6], Arc::from(vec![9.0; 3])), "not indexed");
+        assert_eq!((cache.checkpoint_count(), cache.checkpoint(0).map(|c| c[0])), (2, Some(0.0)));
+        cache.mark_idle(1);
+        cache.mark_idle(0);
+        assert_eq!(cache.evict_lru(), Some(1));
+        assert_eq!(cache.checkpoint_count(), 1, "evicted with its page");
+        assert_eq!(cache.clear(), [0]);
+        assert_eq!(cache.checkpoint_count(), 0);
+    }
+
+    #[test]
+    fn past_the_limit_a_checkpoint_replaces_the_least_recently_used_idle_one() {
+        let mut cache = PrefixCache::new(8, 8).with_checkpoints(2);
+        let tokens = [1, 2, 3, 4, 5, 6, 7, 8];
+        let h = cache.chain_hashes(&tokens, 2);
+        let parent = |k: usize| if k == 0 { ROOT_HASH } else { h[k - 1] };
+        for k in 0..2 {
+            cache.insert(k as u32, h[k], parent(k), &tokens[2 * k..2 * k + 2], checkpointed(k as f32));
+        }
+        // Both checkpointed pages held: no room, the third page is indexed without its checkpoint.
+        cache.insert(2, h[2], parent(2), &[5, 6], checkpointed(2.0));
+        assert!(cache.contains_page(2) && cache.checkpoint(2).is_none());
+        assert_eq!(cache.checkpoint_count(), 2);
+        cache.mark_idle(1);
+        cache.mark_idle(0);
+        cache.insert(3, h[3], parent(3), &[7, 8], checkpointed(3.0));
+        assert!(cache.checkpoint(1).is_none(), "the least recently released checkpoint went");
+        assert!(cache.contains_page(1), "its page stays indexed");
+        assert_eq!(cache.checkpoint(0).map(|c| c[0]), Some(0.0));
+        assert_eq!(cache.checkpoint(3).map(|c| c[0]), Some(3.0));
+        assert_eq!(cache.checkpoint_count(), 2);
+        assert_eq!(PrefixCache::new(4, 4).max_checkpoints(), 0, "none unless asked for");
     }
 
     #[test]

@@ -15,11 +15,27 @@
 //! the prefix cache, with the target's captured hidden states of its positions ([`Scheduler::keep_capture`]
 //! collects them as rows are computed). A sequence whose lane observes the target starts only from cached pages
 //! that carry them, and its lane reads them at admission.
+//!
+//! Targets with recurrent state ([`crate::target::ResumeState::Snapshot`]) add two rules. A prompt chunk that
+//! stops inside the prompt ends on a multiple of the target's prompt-cut alignment (so every prefill has the bits
+//! of one whole prefill, however the budget cuts it; a chunk that cannot reach such a cut in what is left of a
+//! step waits for a later step, and runs off the alignment only in a step of its own or when no step is wide
+//! enough, the sequence then caching nothing past where that chunk starts), and, when state checkpoints are on,
+//! at the sequence's next checkpoint
+//! position ([`checkpoint_positions`]), after which the engine snapshots the state
+//! ([`Scheduler::keep_checkpoint`]); the snapshot is published with the page ending there. An admitted request
+//! resumes only at the deepest cached page that carries a checkpoint, and the target installs it first.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use crate::pages::{PageAllocator, Published};
+use crate::prefix_cache::PagePayload;
 use crate::sequence::Sequence;
+
+/// Most state checkpoints one prompt plans: a long prompt spreads them out (keeping its deepest), so one
+/// sequence never holds more than this many snapshots in the cache.
+pub const MAX_CHECKPOINTS_PER_SEQUENCE: usize = 8;
 
 /// Limits the scheduler works within.
 #[derive(Clone, Copy, Debug)]
@@ -34,6 +50,14 @@ pub struct SchedulerConfig {
     /// Floats per row of the target's captured hidden states (`taps · hidden`); 0 when it captures none. Cached
     /// pages keep their positions' rows for lanes that observe the target.
     pub capture_width: usize,
+    /// Tokens between a prompt's recurrent-state checkpoint positions (a multiple of `page_size` and of
+    /// `prompt_cut_alignment`); 0 when the target needs none (or the prefix cache is off). A sequence then
+    /// resumes from cached pages only at a checkpoint.
+    pub checkpoint_stride: usize,
+    /// Most state checkpoints the prefix cache keeps at once.
+    pub prefix_cache_checkpoints: usize,
+    /// A prompt chunk that stops inside the prompt ends on a multiple of this many positions (1: anywhere).
+    pub prompt_cut_alignment: usize,
 }
 
 /// What the prefix cache did at admissions.
@@ -80,7 +104,8 @@ impl Scheduler {
             cfg,
             waiting: VecDeque::new(),
             running: Vec::new(),
-            pages: PageAllocator::with_prefix_cache(num_pages, cfg.prefix_cache_pages),
+            pages: PageAllocator::with_prefix_cache(num_pages, cfg.prefix_cache_pages)
+                .with_checkpoints(cfg.prefix_cache_checkpoints),
             preemptions: 0,
             prefix_stats: PrefixStats::default(),
         }
@@ -166,15 +191,25 @@ impl Scheduler {
         }
     }
 
-    /// Reserves pages for the next chunk of `running[i]`, at most `budget` rows and no more than free pages allow.
+    /// Reserves pages for the next chunk of `running[i]`, at most `budget` rows and no more than free pages allow,
+    /// cut where [`chunk_end`] says. A chunk that cannot reach an aligned cut waits for a step with more room,
+    /// unless nothing else runs in this one or no step could reach one (then it runs, and the sequence caches
+    /// nothing past its start).
     fn chunk(&mut self, i: usize, budget: usize) -> Option<StepItem> {
-        let page_size = self.cfg.page_size;
+        let (page_size, full_step) = (self.cfg.page_size, self.cfg.max_batch_tokens);
         let seq = &mut self.running[i];
         let room = (seq.block_table.len() + self.pages.free_count()) * page_size - seq.computed();
-        let rows = seq.uncomputed().min(budget).min(room);
-        let need = seq.computed() + rows;
-        if rows == 0 || !self.pages.reserve(&mut seq.block_table, need, page_size) {
+        let (end, aligned) = chunk_end(&self.cfg, seq, seq.uncomputed().min(budget).min(room));
+        let rows = end - seq.computed();
+        let waits = !aligned && budget < full_step && chunk_end(&self.cfg, seq, seq.uncomputed().min(full_step)).1;
+        if rows == 0 || waits || !self.pages.reserve(&mut seq.block_table, end, page_size) {
             return None;
+        }
+        if !aligned {
+            // Rows from here on differ in their last bits from a whole prefill: nothing past here is cached.
+            let start = seq.computed();
+            seq.prefix.inexact_from.get_or_insert(start);
+            tracing::debug!("{}: prompt cut off the alignment at {end}; not cached past {start}", seq.request.id);
         }
         Some(StepItem { seq: i, rows, samples: rows == seq.uncomputed(), drafts: 0 })
     }
@@ -183,7 +218,7 @@ impl Scheduler {
         let page_size = self.cfg.page_size;
         while *budget > 0 && self.running.len() < self.cfg.max_running {
             let Some(seq) = self.waiting.front_mut() else { break };
-            let hit = cached_prefix(&self.pages, seq, page_size);
+            let (hit, checkpoint) = cached_prefix(&self.pages, seq, &self.cfg);
             // The whole prompt (and the first generated token) must fit in free pages: admitting on the first
             // chunk alone would let long prompts take pages from each other and thrash. Shared idle pages stop
             // being free once taken.
@@ -196,6 +231,7 @@ impl Scheduler {
                 self.pages.share(&mut seq.block_table, &hit);
                 let captured = if seq.observes_target() { self.captured_rows(&hit) } else { Vec::new() };
                 seq.resume_from_cache(hit.len(), page_size, &captured);
+                seq.prefix.restore = checkpoint;
                 self.record_lookup(&seq, hit.len() * page_size);
             }
             self.running.push(seq);
@@ -246,13 +282,15 @@ impl Scheduler {
             if !seq.uses_prefix_cache() {
                 continue;
             }
-            let full = seq.computed().min(seq.prompt_len()) / page_size;
+            let exact = seq.prefix.inexact_from.unwrap_or(usize::MAX);
+            let full = seq.computed().min(seq.prompt_len()).min(exact) / page_size;
             while seq.prefix.settled_pages < full {
                 let k = seq.prefix.settled_pages;
                 let captured = seq.prefix.captured.take(k * page_size, page_size, width);
+                let checkpoint = seq.prefix.take_snapshot((k + 1) * page_size);
                 let page_tokens = &seq.tokens()[k * page_size..(k + 1) * page_size];
                 let (page, hashes) = (seq.block_table[k], &seq.prefix.hashes);
-                let published = self.pages.publish(page, hashes, k, page_tokens, captured);
+                let published = self.pages.publish(page, hashes, k, page_tokens, PagePayload { captured, checkpoint });
                 if published == Published::Skipped {
                     tracing::trace!("{}: prompt page {k} not cached", seq.request.id);
                 }
@@ -273,6 +311,23 @@ impl Scheduler {
         }
     }
 
+    /// Where `running[i]`'s state should be snapshotted now, if anywhere: the position its last forward ended
+    /// on, when that is one of its checkpoint positions (only prompt positions, computed exactly, are). Call
+    /// after each forward, for sequences whose rows were not a verify.
+    pub fn checkpoint_due(&self, i: usize) -> Option<usize> {
+        let seq = self.running.get(i)?;
+        let due = self.cfg.checkpoint_stride > 0 && seq.uses_prefix_cache() && self.pages.prefix_cache().enabled();
+        due.then(|| seq.computed()).filter(|&p| seq.prefix.wants_checkpoint_at(p))
+    }
+
+    /// Keeps the target's state `snapshot` of `running[i]` at position `position` (from
+    /// [`Scheduler::checkpoint_due`]), to be cached with the page ending there.
+    pub fn keep_checkpoint(&mut self, i: usize, position: usize, snapshot: Vec<f32>) {
+        if let Some(seq) = self.running.get_mut(i) {
+            seq.prefix.snapshots.push((position, Arc::from(snapshot)));
+        }
+    }
+
     /// Removes `running[i]` and frees its pages.
     pub fn retire(&mut self, i: usize) -> Sequence {
         let mut seq = self.running.remove(i);
@@ -284,13 +339,19 @@ impl Scheduler {
 /// The cached pages `seq` may start from: its prompt's longest cached prefix, leaving at least one committed token
 /// to compute (its row yields the logits to sample from), and, when its lane observes the target, ending before
 /// the first page cached without the target's hidden states (the lane's context must not start with a hole).
-/// Computes the prompt's page hashes on first use.
-fn cached_prefix(pages: &PageAllocator, seq: &mut Sequence, page_size: usize) -> Vec<u32> {
+/// With state checkpoints, cut back to the deepest of those pages that carries one, returned with it (no
+/// checkpoint: no pages). Computes the prompt's page hashes and checkpoint positions on first use.
+fn cached_prefix(pages: &PageAllocator, seq: &mut Sequence, cfg: &SchedulerConfig) -> (Vec<u32>, Option<Arc<[f32]>>) {
+    let page_size = cfg.page_size;
     if !seq.uses_prefix_cache() || !pages.prefix_cache().enabled() {
-        return Vec::new();
+        return (Vec::new(), None);
     }
     if seq.prefix.hashes.is_empty() {
         seq.prefix.hashes = pages.chain_hashes(&seq.tokens()[..seq.prompt_len()], page_size);
+    }
+    if cfg.checkpoint_stride > 0 && seq.prefix.checkpoints.is_empty() {
+        seq.prefix.checkpoints =
+            checkpoint_positions(seq.prompt_len(), cfg.checkpoint_stride, MAX_CHECKPOINTS_PER_SEQUENCE);
     }
     let max_pages = (seq.len() - 1) / page_size;
     let mut hit = pages.longest_prefix(&seq.prefix.hashes, seq.tokens(), page_size, max_pages);
@@ -298,7 +359,51 @@ fn cached_prefix(pages: &PageAllocator, seq: &mut Sequence, page_size: usize) ->
         let with_rows = hit.iter().take_while(|&&p| pages.captured(p).is_some()).count();
         hit.truncate(with_rows);
     }
-    hit
+    if cfg.checkpoint_stride == 0 {
+        return (hit, None);
+    }
+    let deepest = hit.iter().rposition(|&p| pages.checkpoint(p).is_some());
+    hit.truncate(deepest.map_or(0, |k| k + 1));
+    let checkpoint = hit.last().and_then(|&p| pages.checkpoint(p)).cloned();
+    (hit, checkpoint)
+}
+
+/// Where a prompt of `prompt_len` tokens takes state checkpoints: every multiple of `stride` up to the prompt's
+/// end, or, past `max` of them, the deepest one (what the next turn of a chat resumes from) and multiples of
+/// the smallest multiple of `stride` that leaves at most `max - 1` below it (what requests sharing a shorter
+/// prefix resume from). Ascending.
+pub fn checkpoint_positions(prompt_len: usize, stride: usize, max: usize) -> Vec<usize> {
+    if stride == 0 || max == 0 {
+        return Vec::new();
+    }
+    let n = prompt_len / stride;
+    if n <= max {
+        return (1..=n).map(|j| j * stride).collect();
+    }
+    let step = if max == 1 { n } else { (n - 1).div_ceil(max - 1) };
+    (1..n).filter(|j| j % step == 0).chain([n]).map(|j| j * stride).collect()
+}
+
+/// Where `seq`'s next chunk of at most `rows` rows ends: at its next checkpoint position if the chunk passes
+/// one, else, when the chunk stops inside the prompt, at the last multiple of the prompt-cut alignment it
+/// reaches. The flag is false when the chunk had to stop inside the prompt off the alignment (fewer rows than
+/// one alignment step fit).
+fn chunk_end(cfg: &SchedulerConfig, seq: &Sequence, rows: usize) -> (usize, bool) {
+    let start = seq.computed();
+    let mut end = start + rows;
+    if let Some(&p) = seq.prefix.checkpoints.iter().find(|&&p| p > start && p < end) {
+        end = p;
+    }
+    let align = cfg.prompt_cut_alignment.max(1);
+    if rows == 0 || end >= seq.prompt_len() || end.is_multiple_of(align) {
+        return (end, true);
+    }
+    let aligned = end / align * align;
+    if aligned > start {
+        (aligned, true)
+    } else {
+        (end, false)
+    }
 }
 
 #[cfg(test)]

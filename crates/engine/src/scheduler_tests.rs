@@ -34,24 +34,26 @@ fn seq_with(id: &str, prompt: Vec<u32>, cache_prompt: bool) -> Sequence {
     Sequence::new(request, Box::new(NullSink))
 }
 
+/// Limits with the prefix cache off, no captured rows and no state checkpoints.
+fn limits(max_running: usize, max_batch_tokens: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        max_running,
+        max_batch_tokens,
+        page_size: 4,
+        prefix_cache_pages: 0,
+        capture_width: 0,
+        checkpoint_stride: 0,
+        prefix_cache_checkpoints: 0,
+        prompt_cut_alignment: 1,
+    }
+}
+
 fn scheduler(max_running: usize, max_batch_tokens: usize, pages: usize) -> Scheduler {
-    Scheduler::new(
-        SchedulerConfig { max_running, max_batch_tokens, page_size: 4, prefix_cache_pages: 0, capture_width: 0 },
-        pages,
-    )
+    Scheduler::new(limits(max_running, max_batch_tokens), pages)
 }
 
 fn cached_scheduler(pages: usize) -> Scheduler {
-    Scheduler::new(
-        SchedulerConfig {
-            max_running: 8,
-            max_batch_tokens: 64,
-            page_size: 4,
-            prefix_cache_pages: pages,
-            capture_width: 0,
-        },
-        pages,
-    )
+    Scheduler::new(SchedulerConfig { prefix_cache_pages: pages, ..limits(8, 64) }, pages)
 }
 
 /// Applies a plan as the engine would: advance each item, and append a token where it samples; then offer the
@@ -285,14 +287,10 @@ fn captured_rows(positions: std::ops::Range<usize>) -> Vec<f32> {
 }
 
 fn capturing_scheduler(pages: usize, max_batch_tokens: usize) -> Scheduler {
-    let cfg = SchedulerConfig {
-        max_running: 4,
-        max_batch_tokens,
-        page_size: 4,
-        prefix_cache_pages: pages,
-        capture_width: WIDTH,
-    };
-    Scheduler::new(cfg, pages)
+    Scheduler::new(
+        SchedulerConfig { prefix_cache_pages: pages, capture_width: WIDTH, ..limits(4, max_batch_tokens) },
+        pages,
+    )
 }
 
 /// As [`apply`], first handing the scheduler the captured rows of every item's positions below `captured_below`.
@@ -359,4 +357,140 @@ fn pending_captured_rows_follow_chunks_and_restart_after_a_gap() {
     p.push(20, &captured_rows(20..24), WIDTH, 30);
     assert_eq!(p.take(8, 4, WIDTH), None, "a gap drops what came before");
     assert_eq!(p.take(20, 4, WIDTH).as_deref(), Some(&captured_rows(20..24)[..]));
+}
+
+/// Stride 8 over pages of 4, prompt cuts aligned to `align`.
+fn checkpointing_scheduler(max_running: usize, max_batch_tokens: usize, align: usize) -> Scheduler {
+    let cfg = SchedulerConfig {
+        prefix_cache_pages: 32,
+        checkpoint_stride: 8,
+        prefix_cache_checkpoints: 8,
+        prompt_cut_alignment: align,
+        ..limits(max_running, max_batch_tokens)
+    };
+    Scheduler::new(cfg, 32)
+}
+
+/// As [`apply`], snapshotting a due checkpoint after each item's rows as the engine does (the "state" of
+/// position `p` is `[p]`).
+fn apply_checkpointing(s: &mut Scheduler, items: &[StepItem]) {
+    for item in items {
+        let seq = &mut s.running[item.seq];
+        seq.advance(item.rows);
+        if item.samples {
+            seq.push_for_test(7);
+        }
+        if let Some(p) = s.checkpoint_due(item.seq) {
+            s.keep_checkpoint(item.seq, p, vec![p as f32]);
+        }
+    }
+    s.publish_prompt_pages();
+}
+
+fn checkpoint_at(s: &Scheduler, page: u32) -> Option<f32> {
+    s.pages.checkpoint(page).map(|c| c[0])
+}
+
+#[test]
+fn checkpoint_positions_follow_the_stride_and_spread_out_past_the_bound() {
+    assert_eq!(checkpoint_positions(300, 64, 8), [64, 128, 192, 256]);
+    assert_eq!(checkpoint_positions(256, 64, 8), [64, 128, 192, 256], "the prompt's end is a prompt position");
+    assert!(checkpoint_positions(63, 64, 8).is_empty());
+    // 20 boundaries, at most 8: every third one and the deepest.
+    let spread = checkpoint_positions(20 * 64 + 5, 64, 8);
+    assert_eq!(spread, [3, 6, 9, 12, 15, 18, 20].map(|j| j * 64));
+    assert_eq!(checkpoint_positions(20 * 64, 64, 1), [20 * 64], "one: the deepest");
+    assert!(checkpoint_positions(300, 0, 8).is_empty() && checkpoint_positions(300, 64, 0).is_empty());
+    for n in 1..200 {
+        let positions = checkpoint_positions(n * 16, 16, MAX_CHECKPOINTS_PER_SEQUENCE);
+        assert!(positions.len() <= MAX_CHECKPOINTS_PER_SEQUENCE, "{n}: {positions:?}");
+        assert_eq!(positions.last(), Some(&(n * 16)), "{n}: the deepest is kept");
+        assert!(positions.windows(2).all(|w| w[0] < w[1]));
+    }
+}
+
+#[test]
+fn prefill_stops_at_checkpoints_and_a_hit_resumes_from_the_deepest_one_at_or_below_it() {
+    let mut s = checkpointing_scheduler(8, 64, 4);
+    s.waiting.push_back(seq_with("first", (0..21).collect(), true));
+    let mut chunks = Vec::new();
+    while s.running.first().is_none_or(|seq| seq.generated() == 0) {
+        let items = s.plan();
+        chunks.extend(rows(&items));
+        apply_checkpointing(&mut s, &items);
+    }
+    assert_eq!(chunks, [(0, 8, false), (0, 8, false), (0, 5, true)], "chunks end at the checkpoints 8 and 16");
+    let table = s.running[0].block_table.clone();
+    assert_eq!(s.pages.cached_count(), 5);
+    let kept: Vec<Option<f32>> = table[..5].iter().map(|&p| checkpoint_at(&s, p)).collect();
+    assert_eq!(kept, [None, Some(8.0), None, Some(16.0), None], "on the pages ending at 8 and 16");
+    assert_eq!(s.pages.prefix_cache().checkpoint_count(), 2);
+
+    let sharing = |n: usize| seq_with("sharer", (0..n as u32).chain([99, 98, 97, 96, 95]).collect(), true);
+    // 18 shared tokens match 4 pages: resume at 16. 13 match 3: back to 8. 6 match 1, below any checkpoint.
+    for n in [18, 13, 6] {
+        s.waiting.push_back(sharing(n));
+    }
+    s.plan();
+    let resumed: Vec<(usize, Option<f32>)> =
+        s.running[1..].iter().map(|q| (q.computed(), q.prefix.restore.as_ref().map(|c| c[0]))).collect();
+    assert_eq!(resumed, [(16, Some(16.0)), (8, Some(8.0)), (0, None)]);
+    assert_eq!(s.running[1].block_table[..4], table[..4], "the pages up to the checkpoint are shared");
+    assert_eq!(s.running[2].block_table[..2], table[..2]);
+    assert_eq!(s.prefix_stats, PrefixStats { hits: 2, misses: 2, reused_tokens: 24 });
+}
+
+#[test]
+fn prompt_chunks_stop_on_the_alignment_or_cache_nothing_past_an_unaligned_cut() {
+    // Budgets of 6 rows: cuts at 4, 8 (a checkpoint), 12, 16 (a checkpoint), then the prompt's end.
+    let mut s = checkpointing_scheduler(2, 6, 4);
+    s.waiting.push_back(seq_with("aligned", (0..21).collect(), true));
+    let mut chunks = Vec::new();
+    while s.running.first().is_none_or(|seq| seq.generated() == 0) {
+        let items = s.plan();
+        chunks.extend(rows(&items));
+        apply_checkpointing(&mut s, &items);
+    }
+    assert_eq!(chunks, [(0, 4, false), (0, 4, false), (0, 4, false), (0, 4, false), (0, 5, true)]);
+    assert_eq!((s.pages.cached_count(), s.pages.prefix_cache().checkpoint_count()), (5, 2));
+
+    // Steps of 5 rows: after a 2-token prompt, the 3 rows left cannot reach the cut at 4, so the long prompt
+    // waits; beside one decode row, 4 rows can.
+    let mut s = checkpointing_scheduler(2, 5, 4);
+    s.waiting.push_back(seq_with("short", vec![1, 2], true));
+    s.waiting.push_back(seq_with("waiter", (0..21).collect(), true));
+    let items = s.plan();
+    assert_eq!(rows(&items), [(0, 2, true)], "the waiter is admitted but runs nothing");
+    apply_checkpointing(&mut s, &items);
+    assert_eq!(rows(&s.plan()), [(0, 1, true), (1, 4, false)]);
+
+    // Steps of 3 rows never reach an aligned cut from position 0: the chunk runs anyway (beside a decode row too),
+    // and nothing of that prompt is cached.
+    let mut s = checkpointing_scheduler(2, 3, 4);
+    s.waiting.push_back(seq_with("short", vec![1], true));
+    s.waiting.push_back(seq_with("cramped", (0..21).collect(), true));
+    let items = s.plan();
+    assert_eq!(rows(&items), [(0, 1, true), (1, 2, false)]);
+    assert_eq!(s.running[1].prefix.inexact_from, Some(0));
+    apply_checkpointing(&mut s, &items);
+    s.retire(0);
+    run_until(&mut s, 1);
+    assert_eq!((s.pages.cached_count(), s.pages.prefix_cache().checkpoint_count()), (0, 0));
+    assert_eq!(s.checkpoint_due(0), None);
+}
+
+#[test]
+fn a_preempted_sequence_drops_its_pending_restore_and_snapshots() {
+    let mut s = checkpointing_scheduler(8, 64, 4);
+    s.waiting.push_back(seq_with("first", (0..17).collect(), true));
+    let items = s.plan();
+    apply_checkpointing(&mut s, &items);
+    s.waiting.push_back(seq_with("second", (0..17).collect(), true));
+    s.plan();
+    assert!(s.running[1].prefix.restore.is_some());
+    s.running[1].prefix.snapshots.push((20, vec![1.0].into()));
+    s.running[1].reset_computed();
+    let q = &s.running[1];
+    assert!(q.prefix.restore.is_none() && q.prefix.snapshots.is_empty() && q.computed() == 0);
+    assert_eq!(q.prefix.checkpoints, [8, 16], "planned from the prompt alone: kept");
 }

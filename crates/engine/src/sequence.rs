@@ -1,6 +1,7 @@
 //! One request's life in the engine: its committed tokens, how many of them the KV cache holds, its pages, and its
 //! output stream (detokenizer, stop strings, timings).
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use dflash_models::tokenizer::{DecodeState, Tokenizer};
@@ -60,6 +61,32 @@ pub struct PrefixProgress {
     /// The target's captured hidden states of computed prompt positions whose pages are not settled yet, to be
     /// cached with them.
     pub captured: PendingCapture,
+    /// Prompt positions after which the target's recurrent state is snapshotted for the cache (ascending; empty
+    /// unless the target needs state checkpoints). Planned with the page hashes.
+    pub checkpoints: Vec<usize>,
+    /// State snapshots taken at those positions, by position, waiting for the page that ends there to settle.
+    pub snapshots: Vec<(usize, Arc<[f32]>)>,
+    /// The state checkpoint the sequence resumes from, for the target to install before its next forward.
+    pub restore: Option<Arc<[f32]>>,
+    /// Set when a prompt chunk had to stop off the prompt-cut alignment: the rows from this position on differ in
+    /// their last bits from a whole prefill, so no page or state past it is cached.
+    pub inexact_from: Option<usize>,
+}
+
+impl PrefixProgress {
+    /// Whether the state after position `p` should be snapshotted: one of the planned positions, computed as
+    /// prompt rows, exactly.
+    pub fn wants_checkpoint_at(&self, p: usize) -> bool {
+        self.inexact_from.is_none_or(|x| p <= x) && self.checkpoints.binary_search(&p).is_ok()
+    }
+
+    /// Takes out the snapshot taken at position `end` (the end of the page being settled), dropping any taken
+    /// before it.
+    pub fn take_snapshot(&mut self, end: usize) -> Option<Arc<[f32]>> {
+        self.snapshots.retain(|(p, _)| *p >= end);
+        let at = self.snapshots.iter().position(|(p, _)| *p == end)?;
+        Some(self.snapshots.remove(at).1)
+    }
 }
 
 /// Captured rows (`[rows, width]`) of consecutive positions from `first`, waiting for their page to fill.
@@ -210,6 +237,9 @@ impl Sequence {
         self.computed = 0;
         self.prefix.settled_pages = 0;
         self.prefix.captured.clear();
+        self.prefix.snapshots.clear();
+        self.prefix.restore = None;
+        self.prefix.inexact_from = None;
     }
 
     /// Starts the sequence on `pages` cached prefix pages of `page_size` tokens, already in its block table: their

@@ -9,6 +9,12 @@
 //! [`HybridTarget`]) also get each batch sequence's stable key and role ([`StepSeq`]) through
 //! [`Target::forward_step`], the kept rows of every verify ([`Target::verified`]) and the end of every sequence
 //! ([`Target::release`]); the other targets ignore them (the default implementations).
+//!
+//! Such a state is not in the pages, so a sequence resuming from cached prompt pages also needs the state at the
+//! resume position ([`ResumeState::Snapshot`]): the engine snapshots it after prompt forwards that end on a
+//! checkpoint position ([`Target::snapshot_state`]), keeps the snapshot with the page ending there, and installs
+//! it before the first forward of a sequence that resumes there ([`Target::restore_state`]); see
+//! [`crate::prefix_cache`].
 
 use std::sync::Arc;
 
@@ -27,6 +33,16 @@ pub struct StepSeq {
     pub key: u64,
     /// Its rows are a verify round (the anchor, then drafts): [`Target::verified`] follows with the rows kept.
     pub verifies: bool,
+}
+
+/// What a sequence resuming from cached prompt pages needs besides them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResumeState {
+    /// Nothing: the pages hold all of a sequence's state (dense targets; hybrid targets without recurrent
+    /// layers).
+    Pages,
+    /// A snapshot of the sequence's state at the resume position, `floats` floats long.
+    Snapshot { floats: usize },
 }
 
 /// A target model with its cache, as the engine drives it.
@@ -81,11 +97,41 @@ pub trait Target: Send {
         let _ = key;
     }
 
-    /// Whether a sequence may start from cached prompt pages. False for targets whose per-sequence state is
-    /// not cached with the pages (a hybrid model's recurrent state, until state checkpoints ride on the
-    /// prefix cache's entries): the engine then keeps the prefix cache off.
-    fn reuses_prefix_cache(&self) -> bool {
-        true
+    /// Layers whose K/V the paged cache holds (every layer but a hybrid model's recurrent ones).
+    fn kv_layers(&self) -> usize {
+        self.config().num_layers
+    }
+
+    /// What a sequence resuming from cached prompt pages needs besides them. With
+    /// [`ResumeState::Snapshot`], the engine keeps the prefix cache off unless state checkpoints are on.
+    fn resume_state(&self) -> ResumeState {
+        ResumeState::Pages
+    }
+
+    /// Prompt chunks that stop inside the prompt end on a multiple of this many positions, so that however a
+    /// prompt is cut into forwards its rows get the bits of one whole prefill (a hybrid model's chunked
+    /// recurrence: [`dflash_models::hybrid::HybridModel::prompt_cut_alignment`]). 1: any cut.
+    fn prompt_cut_alignment(&self) -> usize {
+        1
+    }
+
+    /// A copy of sequence `key`'s per-sequence state after its last forward (for [`ResumeState::Snapshot`]
+    /// targets; the engine asks only after a prompt forward, never after a verify). None when there is none to
+    /// take.
+    fn snapshot_state(&self, key: u64) -> Option<Vec<f32>> {
+        let _ = key;
+        None
+    }
+
+    /// Sequence `key` resumes from cached pages: its state becomes `snapshot` (from [`Target::snapshot_state`]
+    /// of a sequence that computed the same prompt up to the same position). Targets whose pages hold
+    /// everything have nothing to install.
+    ///
+    /// # Errors
+    /// A snapshot that does not fit the target's state.
+    fn restore_state(&mut self, key: u64, snapshot: &[f32]) -> Result<(), EngineError> {
+        let _ = (key, snapshot);
+        Ok(())
     }
 }
 

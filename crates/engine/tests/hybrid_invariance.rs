@@ -1,7 +1,7 @@
 //! Hybrid and sparse targets in the engine: plain decoding, the prompt-lookup lane and the MTP lane (depths 1 to
 //! 3 and auto) give the same greedy and seeded-sampling outputs, several sequences at once; a preempted sequence
-//! recomputes with a fresh recurrent state; the prefix cache stays off; an MTP head trained for a Llama-family
-//! target drafts through the same lane.
+//! recomputes with a fresh recurrent state; without state checkpoints the prefix cache stays off (with them:
+//! hybrid_prefix_cache.rs); an MTP head trained for a Llama-family target drafts through the same lane.
 //!
 //! Targets are the tiny random checkpoints of the models crate (tiny-qwen3-next: Gated DeltaNet and gated
 //! attention layers with MoE and its own random `mtp.*` head; tiny-qwen3-moe; tiny-qwen3 with the Llama-layout
@@ -190,11 +190,12 @@ fn preempted_hybrid_sequences_recompute_from_a_fresh_state() {
 }
 
 #[test]
-fn hybrid_targets_never_share_cached_prefixes() {
+fn without_state_checkpoints_hybrid_targets_never_share_cached_prefixes() {
     let setup = hybrid("tiny-qwen3-next");
     let prompt: Vec<u32> = (0..40u32).map(|i| 7 + i * 13 % 200).collect();
     let mut cfg = common::config(64, 64, spec(None));
     cfg.prefix_cache_pages = 64;
+    cfg.state_checkpoint_stride = 0;
     let metrics = Arc::new(EngineMetrics::default());
     let mut engine = engine(&setup, cfg, &metrics);
     // One after the other: each later request could start from the first one's cached prompt pages.

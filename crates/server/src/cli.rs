@@ -58,6 +58,13 @@ pub struct ModelArgs {
     /// 4 bytes per weight). Quantized weights otherwise meet 8-bit quantized activations, as in llama.cpp.
     #[arg(long)]
     pub f32_weights: bool,
+    /// Hybrid targets (Qwen3-Next): tokens between the recurrent-state checkpoints a prompt leaves in the prefix
+    /// cache (rounded up to a multiple of the page size and of the recurrence's 64-token chunk). A later request
+    /// sharing the prefix resumes from the deepest checkpoint within the match and recomputes the rest; each
+    /// checkpoint is a copy of the whole recurrent state, charged to the prefix cache's memory. 0: no
+    /// checkpoints, and hybrid targets run with the prefix cache off. Other targets ignore it.
+    #[arg(long, value_name = "N", default_value_t = dflash_engine::engine::DEFAULT_STATE_CHECKPOINT_STRIDE)]
+    pub state_checkpoint_stride: usize,
 }
 
 impl ModelArgs {

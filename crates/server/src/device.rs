@@ -219,6 +219,7 @@ mod tests {
             spec: SpecConfig { pld: None, ..SpecConfig::default() },
             prefix_cache_pages: 0,
             drafter: None,
+            state_checkpoint_stride: dflash_engine::DEFAULT_STATE_CHECKPOINT_STRIDE,
         };
         let metrics = Arc::new(EngineMetrics::default());
         let tokenizer = Arc::new(loaded.tokenizer);

@@ -122,6 +122,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         // One request: nothing to share.
         prefix_cache_pages: 0,
         drafter,
+        state_checkpoint_stride: args.model.state_checkpoint_stride,
     };
     let request = Request {
         id: "run".into(),

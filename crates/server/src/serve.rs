@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use dflash_engine::{EngineClient, EngineConfig, EngineMetrics};
-use dflash_models::{KvCache, TargetModel};
+use dflash_models::KvCache;
 
 use crate::cli::ServeArgs;
 use crate::device;
@@ -28,9 +28,9 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     let kv_mem = args.kv_cache_mem.unwrap_or(DEFAULT_KV_CACHE_MEM.max(window_bytes));
     let num_pages = usize::try_from(kv_mem / (bytes_per_token * PAGE_SIZE as u64)).unwrap_or(usize::MAX);
     let page_bytes = bytes_per_token * PAGE_SIZE as u64;
-    // Hybrid targets' recurrent state is not cached with the pages (yet): the engine keeps their prefix cache off.
-    let hybrid = matches!(loaded.model, TargetModel::Hybrid(_));
-    let prefix_cache_pages = if hybrid { 0 } else { args.prefix_cache.pages(num_pages, page_bytes) };
+    // The engine also charges captured rows and hybrid targets' state checkpoints to this budget (and keeps the
+    // cache off for hybrid targets without checkpoints).
+    let prefix_cache_pages = args.prefix_cache.pages(num_pages, page_bytes);
     let mut eos_ids = loaded.tokenizer.eos_ids().to_vec();
     eos_ids.extend(&cfg.eos_token_ids);
     let engine_cfg = EngineConfig {
@@ -43,6 +43,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         spec: args.spec.config()?,
         prefix_cache_pages,
         drafter,
+        state_checkpoint_stride: args.model.state_checkpoint_stride,
     };
     let defaults = LiveEngine::sampling_defaults(&loaded.generation);
     let tokenizer = Arc::new(loaded.tokenizer);
@@ -58,10 +59,10 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         args.max_concurrent,
         args.max_batch_tokens.max(args.max_concurrent),
     );
-    match prefix_cache_pages {
+    match engine.prefix_cache_pages() {
         0 => tracing::info!("prefix cache: off"),
         n => tracing::info!(
-            "prefix cache: up to {n} pages ({:.0} MiB); idle cached pages are given back when requests need room",
+            "prefix cache: up to {n} pages ({:.0} MiB of K/V); idle cached pages are given back when requests need room",
             (n as u64 * page_bytes) as f64 / (1u64 << 20) as f64
         ),
     }

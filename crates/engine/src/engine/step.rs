@@ -28,6 +28,7 @@ impl Engine {
     /// item order (`[L, vocab]`), and the hidden states captured for every row (`[T, taps · hidden]`) when the
     /// target captures any.
     pub(super) fn forward(&mut self, items: &[StepItem], now: Instant) -> Result<ForwardOut, EngineError> {
+        self.restore_states(items)?;
         let page_size = self.page_size;
         let mut inputs = StepInputs::default();
         for item in items {
@@ -74,6 +75,30 @@ impl Engine {
         let keyed: Vec<StepSeq> =
             items.iter().map(|item| StepSeq { key: running[item.seq].key, verifies: item.drafts > 0 }).collect();
         self.target.forward_step(&batch, &keyed)
+    }
+
+    /// Installs the state checkpoint of every item's sequence that resumes from one (admitted on cached pages
+    /// since its last forward), before its first rows run.
+    fn restore_states(&mut self, items: &[StepItem]) -> Result<(), EngineError> {
+        for item in items {
+            let seq = &mut self.sched.running[item.seq];
+            if let Some(snapshot) = seq.prefix.restore.take() {
+                self.target.restore_state(seq.key, &snapshot)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Snapshots the target's state of every item's sequence whose prompt forward just ended on one of its
+    /// checkpoint positions, for the prefix cache (never after a verify).
+    pub(super) fn keep_state_checkpoints(&mut self, items: &[StepItem]) {
+        for item in items.iter().filter(|i| i.drafts == 0) {
+            let Some(position) = self.sched.checkpoint_due(item.seq) else { continue };
+            let key = self.sched.running[item.seq].key;
+            if let Some(snapshot) = self.target.snapshot_state(key) {
+                self.sched.keep_checkpoint(item.seq, position, snapshot);
+            }
+        }
     }
 
     /// Advances every item's sequence; samples plain rows and verifies drafted rounds; streams the tokens.

@@ -5,8 +5,16 @@
 //! sequence's [`StepSeq::key`]. It is created on the sequence's first rows and zeroed whenever a sequence starts
 //! again from position 0 (a preempted sequence recomputing everything). A verify round arms it to record
 //! ([`HybridState::begin_verify`]); [`Target::verified`] then replays the kept rows from the pre-verify state
-//! (bit-identical to a plain forward over them). Cached prompt pages would resume a sequence mid-way without the
-//! recurrent state they imply, so this target keeps the prefix cache off ([`Target::reuses_prefix_cache`]).
+//! (bit-identical to a plain forward over them).
+//!
+//! Cached prompt pages resume a sequence mid-way, and the recurrent state they imply is not in them, so a model
+//! with GDN layers resumes only from a snapshot of that state ([`ResumeState::Snapshot`]): every layer's conv
+//! and delta-rule state, flat ([`HybridState::snapshot`]), taken after a prompt forward that ended on a
+//! checkpoint position and installed before the resuming sequence's first forward. Prompt forwards are cut only
+//! at multiples of the chunked rule's chunk ([`Target::prompt_cut_alignment`]), so a snapshot equals the state
+//! one whole prefill up to its position leaves, bit for bit. A sequence that starts past position 0 without a
+//! restored state fails rather than run from a zero state. A model without GDN layers (Qwen3-MoE) keeps all of
+//! its state in the pages.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -14,7 +22,7 @@ use std::sync::Arc;
 use dflash_models::hybrid::{HybridModel, HybridState};
 use dflash_models::{ForwardBatch, ForwardOut, KvCache, LlamaModel, ModelConfig, TargetHeads};
 
-use super::{StepSeq, Target};
+use super::{ResumeState, StepSeq, Target};
 use crate::EngineError;
 
 /// A hybrid model with its attention layers' cache and its sequences' recurrent states.
@@ -24,6 +32,8 @@ pub struct HybridTarget {
     states: HashMap<u64, HybridState>,
     /// Sequences whose state could not be restored after a verify, with why: their next forward fails.
     lost: HashMap<u64, String>,
+    /// Floats in one sequence's state (0 without GDN layers).
+    state_floats: usize,
 }
 
 impl HybridTarget {
@@ -33,7 +43,8 @@ impl HybridTarget {
     /// When the cache cannot be allocated.
     pub fn new(model: Arc<HybridModel>, num_pages: usize, page_size: usize) -> Result<Self, EngineError> {
         let kv = model.new_kv_cache(num_pages, page_size)?;
-        Ok(HybridTarget { model, kv, states: HashMap::new(), lost: HashMap::new() })
+        let state_floats = model.new_state().snapshot_len();
+        Ok(HybridTarget { model, kv, states: HashMap::new(), lost: HashMap::new(), state_floats })
     }
 
     /// Sequences holding a recurrent state.
@@ -42,13 +53,24 @@ impl HybridTarget {
     }
 
     /// Takes each batch sequence's state out of the map, fresh or zeroed where the sequence starts at position
-    /// 0, armed where it verifies.
+    /// 0, armed where it verifies. A sequence past position 0 must have one (kept from its earlier forwards or
+    /// restored from a snapshot).
     fn take_states(&mut self, batch: &ForwardBatch, seqs: &[StepSeq]) -> Result<Vec<HybridState>, EngineError> {
         if seqs.len() != batch.seqs.len() {
             return Err(EngineError::Target(format!("{} keys for {} sequences", seqs.len(), batch.seqs.len())));
         }
         if let Some((key, why)) = seqs.iter().find_map(|s| self.lost.get_key_value(&s.key)) {
             return Err(EngineError::Target(format!("the recurrent state of sequence {key} was lost: {why}")));
+        }
+        if let Some((s, rows)) = seqs
+            .iter()
+            .zip(batch.seqs)
+            .find(|(s, rows)| rows.context_len > 0 && self.state_floats > 0 && !self.states.contains_key(&s.key))
+        {
+            return Err(EngineError::Target(format!(
+                "sequence {} resumes at position {} without its recurrent state",
+                s.key, rows.context_len
+            )));
         }
         let mut taken = Vec::with_capacity(seqs.len());
         for (s, rows) in seqs.iter().zip(batch.seqs) {
@@ -127,8 +149,37 @@ impl Target for HybridTarget {
         self.lost.remove(&key);
     }
 
-    fn reuses_prefix_cache(&self) -> bool {
-        false
+    fn kv_layers(&self) -> usize {
+        self.kv.k.len()
+    }
+
+    fn resume_state(&self) -> ResumeState {
+        match self.state_floats {
+            0 => ResumeState::Pages,
+            floats => ResumeState::Snapshot { floats },
+        }
+    }
+
+    fn prompt_cut_alignment(&self) -> usize {
+        self.model.prompt_cut_alignment()
+    }
+
+    fn snapshot_state(&self, key: u64) -> Option<Vec<f32>> {
+        let state = self.states.get(&key).filter(|_| self.state_floats > 0)?;
+        match state.snapshot() {
+            Ok(snapshot) => Some(snapshot),
+            Err(e) => {
+                tracing::warn!("sequence {key}: no state checkpoint: {e}");
+                None
+            }
+        }
+    }
+
+    fn restore_state(&mut self, key: u64, snapshot: &[f32]) -> Result<(), EngineError> {
+        let mut state = self.states.remove(&key).unwrap_or_else(|| self.model.new_state());
+        let restored = state.restore(snapshot);
+        self.states.insert(key, state);
+        Ok(restored?)
     }
 }
 
@@ -140,12 +191,18 @@ mod tests {
     use std::path::Path;
 
     fn target() -> HybridTarget {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny-qwen3-next");
-        let model = load_hybrid_weights(&dir, &LoadOptions::default()).expect("tiny qwen3-next");
-        HybridTarget::new(Arc::new(model), 8, 4).expect("target")
+        target_with_pages(8)
     }
 
-    /// Runs `tokens` for sequence `key` at `start..` (its pages are 0, 1, ...); returns the last row's logits.
+    /// tiny-qwen3-next with `pages` pages of 4 tokens.
+    fn target_with_pages(pages: usize) -> HybridTarget {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny-qwen3-next");
+        let model = load_hybrid_weights(&dir, &LoadOptions::default()).expect("tiny qwen3-next");
+        HybridTarget::new(Arc::new(model), pages, 4).expect("target")
+    }
+
+    /// Runs `tokens` for sequence `key` at `start..` (every sequence's pages are 0, 1, ..., so sequences running
+    /// the same tokens write the same K/V); returns the last row's logits.
     fn run(
         t: &mut HybridTarget,
         key: u64,
@@ -154,7 +211,7 @@ mod tests {
         prompt_len: usize,
         verifies: bool,
     ) -> Vec<f32> {
-        let table = [0u32, 1, 2, 3];
+        let table: Vec<u32> = (0..t.kv.num_pages as u32).collect();
         let positions: Vec<u32> = (start..start + tokens.len()).map(|p| p as u32).collect();
         let seqs = [SeqRows { num_rows: tokens.len(), context_len: start, block_table: &table, prompt_len }];
         let last = [tokens.len() as u32 - 1];
@@ -193,6 +250,44 @@ mod tests {
         assert!(t.forward(&batch).is_ok(), "a scratch forward keeps no state");
         assert_eq!(t.live_states(), 0, "the lost state was dropped");
         t.release(8);
-        assert!(t.host_heads().is_some() && t.host_model().is_none() && !t.reuses_prefix_cache());
+        assert!(t.host_heads().is_some() && t.host_model().is_none());
+        assert!(matches!(t.resume_state(), ResumeState::Snapshot { floats } if floats > 0));
+    }
+
+    #[test]
+    fn aligned_prompt_cuts_and_restored_snapshots_give_the_bits_of_one_whole_prefill() {
+        let prompt: Vec<u32> = (0..150u32).map(|i| 3 + (i * 37 + 11) % 250).collect();
+        let mut t = target_with_pages(40);
+        let align = t.prompt_cut_alignment();
+        assert_eq!(align, 64, "the chunked rule's chunk");
+        let cut = 2 * align;
+        let whole = run(&mut t, 1, 0, &prompt, 150, false);
+        let want = run(&mut t, 1, 150, &[40], 150, false);
+
+        // The same prompt in three forwards cut at multiples of the alignment.
+        run(&mut t, 2, 0, &prompt[..align], 150, false);
+        run(&mut t, 2, align, &prompt[align..cut], 150, false);
+        let snapshot = t.snapshot_state(2).expect("a state after a prompt forward");
+        assert_eq!(run(&mut t, 2, cut, &prompt[cut..], 150, false), whole, "the prompt's last row");
+        assert_eq!(run(&mut t, 2, 150, &[40], 150, false), want, "the first generated row");
+
+        // Another sequence resumes at the cut from the snapshot (the K/V of 0..cut are in the shared pages).
+        t.restore_state(3, &snapshot).expect("restore");
+        assert_eq!(run(&mut t, 3, cut, &prompt[cut..], 150, false), whole);
+        assert_eq!(run(&mut t, 3, 150, &[40], 150, false), want, "resumed bit for bit");
+        assert!(t.restore_state(3, &snapshot[1..]).is_err(), "a snapshot of another shape");
+
+        // Past position 0 without a state (nothing restored): an error, never a run from zeros.
+        let table: Vec<u32> = (0..40).collect();
+        let seqs = [SeqRows { num_rows: 1, context_len: cut, block_table: &table, prompt_len: 150 }];
+        let (pos, tokens) = ([cut as u32], [prompt[cut]]);
+        let batch = ForwardBatch { tokens: &tokens, positions: &pos, seqs: &seqs, slots: &pos, logit_rows: &[0] };
+        assert!(t.forward_step(&batch, &[StepSeq { key: 4, verifies: false }]).is_err());
+
+        // A verify's state is not snapshotted before its rollback.
+        run(&mut t, 3, 151, &[41, 42], 150, true);
+        assert!(t.snapshot_state(3).is_none(), "pending verify");
+        t.verified(3, 1);
+        assert!(t.snapshot_state(3).is_some());
     }
 }

@@ -1,6 +1,7 @@
 //! Shared by the engine tests: the default model, a recording sink, and a batched run to completion.
 #![allow(dead_code)]
 
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -127,6 +128,7 @@ pub fn config(num_pages: usize, max_batch_tokens: usize, spec: SpecConfig) -> En
         spec,
         prefix_cache_pages: 0,
         drafter: None,
+        state_checkpoint_stride: dflash_engine::engine::DEFAULT_STATE_CHECKPOINT_STRIDE,
     }
 }
 

@@ -145,6 +145,18 @@ impl HybridModel {
         KvCache::new(self.cfg.attention_layers().len(), num_pages, page_size, b.num_kv_heads, b.head_dim)
     }
 
+    /// The prompt positions at which a prefill may be cut into forwards without changing a bit: the Gated
+    /// DeltaNet's chunked rule runs chunks cut at multiples of this many positions, so a prompt prefilled in
+    /// forwards whose cuts all fall on such multiples computes exactly what one whole forward does (every other
+    /// op of a prompt row is independent of how rows are grouped). 1 for a model without GDN layers.
+    pub fn prompt_cut_alignment(&self) -> usize {
+        if self.cfg.gdn_layers().is_empty() {
+            1
+        } else {
+            delta_rule::CHUNK
+        }
+    }
+
     /// A fresh sequence's recurrent state (zeros; empty for a model without GDN layers).
     pub fn new_state(&self) -> HybridState {
         HybridState::new(self.cfg.gdn, self.cfg.gdn_layers().len())

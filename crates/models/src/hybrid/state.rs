@@ -155,6 +155,55 @@ impl HybridState {
         Ok(())
     }
 
+    /// Floats in a [`HybridState::snapshot`] of this state.
+    pub fn snapshot_len(&self) -> usize {
+        self.layers.iter().map(|l| l.conv.len() + l.ssm.len()).sum()
+    }
+
+    /// The whole state between two forwards, flat: each GDN layer's conv state then its recurrent state, in
+    /// layer order. [`HybridState::restore`] into a state of the same model continues exactly where this one
+    /// stands (it is a copy, so bit for bit).
+    ///
+    /// # Errors
+    /// `Batch` while a recorded verify awaits its rollback: the state then holds rows that may not stay.
+    pub fn snapshot(&self) -> Result<Vec<f32>> {
+        if self.has_pending_verify() {
+            return Err(ModelError::Batch("snapshot of a state whose verify is not rolled back".into()));
+        }
+        let mut flat = Vec::with_capacity(self.snapshot_len());
+        for l in &self.layers {
+            flat.extend_from_slice(&l.conv);
+            flat.extend_from_slice(&l.ssm);
+        }
+        Ok(flat)
+    }
+
+    /// Installs `snapshot` (a [`HybridState::snapshot`] of a state of the same model) and drops any verify
+    /// recording: the sequence continues from the snapshot's position.
+    ///
+    /// # Errors
+    /// `Batch` when its length is not this model's state length; the state is left as it was.
+    pub fn restore(&mut self, snapshot: &[f32]) -> Result<()> {
+        if snapshot.len() != self.snapshot_len() {
+            return Err(ModelError::Batch(format!(
+                "a state snapshot of {} floats for a state of {}",
+                snapshot.len(),
+                self.snapshot_len()
+            )));
+        }
+        let mut rest = snapshot;
+        for l in &mut self.layers {
+            let (conv, tail) = rest.split_at(l.conv.len());
+            let (ssm, tail) = tail.split_at(l.ssm.len());
+            l.conv.copy_from_slice(conv);
+            l.ssm.copy_from_slice(ssm);
+            rest = tail;
+        }
+        self.checkpoint = Checkpoint::Off;
+        self.recording.clear();
+        Ok(())
+    }
+
     /// Checks the state belongs to a model with these GDN sizes.
     pub(crate) fn check_shape(&self, dims: Option<GdnDims>, num_layers: usize) -> Result<()> {
         if self.dims != dims || self.layers.len() != num_layers {
@@ -255,5 +304,30 @@ mod tests {
         assert_eq!(&s.layer(0).ssm()[..4], &[0.3, 0.3, 0.4, 0.4]);
         assert!(s.check_shape(Some(dims()), 1).is_ok());
         assert!(s.check_shape(None, 0).is_err());
+    }
+
+    #[test]
+    fn snapshots_round_trip_and_refuse_a_pending_verify_or_a_foreign_length() {
+        let mut s = HybridState::new(Some(dims()), 2);
+        for (i, l) in s.layers.iter_mut().enumerate() {
+            l.conv.iter_mut().enumerate().for_each(|(j, x)| *x = (i * 100 + j) as f32);
+            l.ssm.iter_mut().enumerate().for_each(|(j, x)| *x = -((i * 100 + j) as f32) / 7.0);
+        }
+        assert_eq!(s.snapshot_len(), 2 * (2 * 8 + 8));
+        let snap = s.snapshot().expect("snapshot");
+        assert_eq!(snap.len(), s.snapshot_len());
+        assert_eq!(&snap[..16], s.layer(0).conv(), "layer 0's conv state first");
+        assert_eq!(&snap[16..24], s.layer(0).ssm());
+
+        let mut other = HybridState::new(Some(dims()), 2);
+        other.begin_verify();
+        other.finish_recording(0);
+        assert!(other.snapshot().is_err(), "a pending verify is not a state to keep");
+        assert!(other.restore(&snap[1..]).is_err());
+        assert!(other.has_pending_verify(), "a refused restore changes nothing");
+        other.restore(&snap).expect("restore");
+        assert!(!other.has_pending_verify(), "a restore drops the recording");
+        assert_eq!((other.layer(0), other.layer(1)), (s.layer(0), s.layer(1)));
+        assert_eq!(other.snapshot().expect("snapshot"), snap);
     }
 }

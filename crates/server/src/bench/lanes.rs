@@ -137,6 +137,7 @@ pub fn run(
         // Every prompt runs once per lane: each lane must prefill it cold.
         prefix_cache_pages: 0,
         drafter,
+        state_checkpoint_stride: dflash_engine::DEFAULT_STATE_CHECKPOINT_STRIDE,
     };
     let mut engine = Engine::new(model, Arc::clone(&tokenizer), cfg, Arc::new(EngineMetrics::default()))?;
     engine.probe_round_costs()?;

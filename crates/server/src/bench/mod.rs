@@ -157,6 +157,7 @@ fn engine(
         // These scenarios repeat prompts and measure cold prefill.
         prefix_cache_pages: 0,
         drafter: None,
+        state_checkpoint_stride: dflash_engine::DEFAULT_STATE_CHECKPOINT_STRIDE,
     };
     Ok(Engine::new(model, tokenizer, cfg, Arc::new(EngineMetrics::default()))?)
 }

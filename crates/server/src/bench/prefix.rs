@@ -116,6 +116,7 @@ pub fn run(
         spec: SpecConfig { pld: None, policy: PolicyMode::Fixed, ..SpecConfig::default() },
         prefix_cache_pages: context_window.div_ceil(16),
         drafter,
+        state_checkpoint_stride: dflash_engine::DEFAULT_STATE_CHECKPOINT_STRIDE,
     };
     let mut engine = Engine::new(model, Arc::clone(&tokenizer), cfg, Arc::new(EngineMetrics::default()))?;
     let answer = run_request(&mut engine, "turn1", &first_prompt, args.answer_tokens, Lane::FirstTurn)?;
