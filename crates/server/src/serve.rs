@@ -48,9 +48,11 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     let defaults = LiveEngine::sampling_defaults(&loaded.generation);
     let tokenizer = Arc::new(loaded.tokenizer);
     let metrics = Arc::new(EngineMetrics::default());
-    let engine =
+    let mut engine =
         device::engine(&args.model, loaded.model, Arc::clone(&tokenizer), engine_cfg, Arc::clone(&metrics), mtp)
             .context("setting up the engine (see --device, --kv-cache-mem and --ctx-size)")?;
+    // At start-up, so the first request does not pay for the round policy's calibration.
+    engine.probe_round_costs_at_start();
     tracing::info!(
         "KV cache: {num_pages} pages of {PAGE_SIZE} tokens ({:.0} MiB, {} tokens); context window {context_window}; \
          up to {} sequences, {} rows per step",

@@ -21,7 +21,7 @@ impl Engine {
     /// Times target steps of 1..=B verify rows (B: the widest round a lane may verify, at most 17) on scratch KV
     /// pages at a short context, and seeds the cost table with their medians; returns the ms by rows. Empty when
     /// no page is free (the table keeps its prior until measured steps fill it in). Runs once, on the first
-    /// decode step of an adaptive lane, unless called earlier (benchmarks call it up front).
+    /// decode step of an adaptive lane, unless called earlier (`serve`, `run` and the benchmarks call it up front).
     ///
     /// # Errors
     /// A target failure.
@@ -51,6 +51,18 @@ impl Engine {
     /// The engine's cost table, as measured so far.
     pub fn round_costs(&self) -> CostTable {
         self.round_costs.lock().clone()
+    }
+
+    /// Probes now, before any request, when requests could arm a lane (prompt lookup, a block drafter or an MTP
+    /// head): the probe's steps then cost start-up time instead of the first request's decoding. A failed probe
+    /// only logs: widths start from the prior costs and measured steps correct them.
+    pub fn probe_round_costs_at_start(&mut self) {
+        if self.costs_probed || !(self.spec.pld.is_some() || self.drafter.is_some() || self.mtp.is_some()) {
+            return;
+        }
+        if let Err(e) = self.probe_round_costs() {
+            tracing::warn!("round-cost probe failed ({e}); widths start from the prior costs");
+        }
     }
 
     /// Probes once, before the first decode step of a sequence whose lane adapts its widths.

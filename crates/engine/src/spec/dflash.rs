@@ -1,7 +1,11 @@
 //! The DFlash lane: a block drafter (DFlash v1 or DFlash2) that reads the target's hidden states.
 //!
 //! Per sequence the lane keeps the drafter's context: the target's captured hidden states for every committed
-//! position, fed to it by the engine after each forward ([`Proposer::observe`]). A round drafts `[anchor, mask ×
+//! position, fed to it by the engine after each forward ([`Proposer::observe`]). Observed rows wait in a pending
+//! buffer and enter the context (the drafter's K/V projections) in one pass right before the next draft, or when
+//! [`MAX_PENDING_ROWS`] have gathered: while the round policy keeps the lane plain, a step costs the lane a copy of
+//! its rows rather than a drafter pass, and the context is the same (the projections are per row, and the dense
+//! matmul gives a row the same bits in any batch). A round drafts `[anchor, mask ×
 //! (w − 1)]` in one drafter pass and proposes the `w − 1` tokens the drafter (or DFlash2's selector walk) picks.
 //!
 //! Sampled requests draft with the target's own keyed noise: the draft at position `p` is the Gumbel-max of the
@@ -23,6 +27,10 @@ use dflash_models::{DrafterContext, ModelError, TargetHeads};
 use super::{policy, Proposal, ProposeInput, Proposer};
 use crate::sampler::{gumbel, keyed_uniform, STREAM_TARGET};
 
+/// Observed rows held back at most before they enter the drafter's context in one pass (bounds the buffer at
+/// `rows × taps × hidden` floats: 1.2 MB for the default model's drafter).
+pub const MAX_PENDING_ROWS: usize = 256;
+
 /// A loaded drafter and how wide its rounds may be.
 #[derive(Clone, Debug)]
 pub struct DrafterConfig {
@@ -39,6 +47,11 @@ pub struct DflashProposer {
     /// The target, for the embedding table and LM head the drafter borrows.
     target: Arc<dyn TargetHeads>,
     ctx: DrafterContext,
+    /// Observed captured rows not yet in `ctx` (`[rows, taps · hidden]`), the first at `pending_first`.
+    pending: Vec<f32>,
+    pending_first: usize,
+    /// Floats per captured row.
+    row_width: usize,
     block_size: usize,
     draft_vocab: Option<Arc<DraftVocab>>,
     name: &'static str,
@@ -54,8 +67,13 @@ impl DflashProposer {
             dflash_models::dflash::DraftKind::DFlash => "dflash",
             dflash_models::dflash::DraftKind::DFlash2 => "dflash2",
         };
+        let taps = cfg.model.config().target_layer_ids.len();
+        let row_width = cfg.model.capture_layout().captured_width(taps, cfg.model.target().hidden_size);
         Ok(DflashProposer {
             ctx: cfg.model.new_context()?,
+            pending: Vec::new(),
+            pending_first: 0,
+            row_width,
             model: Arc::clone(&cfg.model),
             target,
             block_size: cfg.block_size,
@@ -68,6 +86,23 @@ impl DflashProposer {
     fn fail(&mut self, what: &str, e: &ModelError) {
         tracing::warn!("{} drafter: {what}: {e}; drafting off for this request", self.name);
         self.broken = true;
+        self.pending = Vec::new();
+    }
+
+    fn pending_rows(&self) -> usize {
+        self.pending.len() / self.row_width.max(1)
+    }
+
+    /// Appends the pending rows to the drafter's context (one drafter pass over all of them).
+    fn flush(&mut self) {
+        if self.pending.is_empty() || self.broken {
+            return;
+        }
+        let result = self.model.append_context(&mut self.ctx, self.pending_first, &self.pending);
+        self.pending.clear();
+        if let Err(e) = result {
+            self.fail("context", &e);
+        }
     }
 }
 
@@ -81,6 +116,7 @@ impl Proposer for DflashProposer {
         let Some((&anchor, before)) = input.tokens.split_last() else {
             return Proposal::default();
         };
+        self.flush();
         // The context must hold every position before the anchor (the engine observes each computed row).
         if self.broken || width < 2 || self.ctx.len() != before.len() {
             return Proposal::default();
@@ -111,11 +147,20 @@ impl Proposer for DflashProposer {
     }
 
     fn observe(&mut self, first_position: usize, captured: &[f32]) {
-        if self.broken {
+        if self.broken || captured.is_empty() {
             return;
         }
-        if let Err(e) = self.model.append_context(&mut self.ctx, first_position, captured) {
-            self.fail("context", &e);
+        // Rows that do not continue the pending run (a recomputation after a preemption) go after a flush, so the
+        // context sees them exactly as it would have one call at a time.
+        if !self.pending.is_empty() && first_position != self.pending_first + self.pending_rows() {
+            self.flush();
+        }
+        if self.pending.is_empty() {
+            self.pending_first = first_position;
+        }
+        self.pending.extend_from_slice(captured);
+        if self.pending_rows() >= MAX_PENDING_ROWS {
+            self.flush();
         }
     }
 }

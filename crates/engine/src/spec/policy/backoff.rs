@@ -10,16 +10,37 @@
 //! pause before its probe ([`Backoff::wait`]); a drafted round whose drafts turned out not worth a row backs off
 //! like a loss, without a verdict ([`Backoff::defer`]). Either way estimates that turned pessimistic are re-tested
 //! by probes instead of never again. The caller caps the period by what a failed probe costs on its target (see
-//! `RoundPolicy`): cheap probes come often, expensive ones rarely.
+//! `RoundPolicy`): cheap probes come often, expensive ones rarely. The caller also floors the pause after a loss
+//! ([`Spacing::floor`]): where one probe costs several plain steps (a drafter on the host beside a target on a
+//! GPU), pauses of 2, 4, 8... rounds would spend more on probing than drafting could ever win back.
 
 /// Plain rounds owed after the first loss, and the least the period shrinks to.
 pub const FIRST_PERIOD: u32 = 2;
 /// The longest pause (rounds) between probes any cap allows.
-pub const MAX_PERIOD: u32 = 64;
+pub const MAX_PERIOD: u32 = 256;
 /// Weight of the newest round in the moving averages.
 const EMA_WEIGHT: f64 = 0.3;
 /// Drafted rounds judged before the averages may pause the lane (one unlucky first round is no verdict).
 const WARMUP_ROUNDS: u32 = 3;
+
+/// How far apart the probes of a losing lane are: a pause lasts at least `floor` rounds and at most `cap`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Spacing {
+    pub floor: u32,
+    pub cap: u32,
+}
+
+impl Spacing {
+    /// Pauses from [`FIRST_PERIOD`] up to `cap`.
+    pub fn up_to(cap: u32) -> Self {
+        Spacing { floor: FIRST_PERIOD, cap }
+    }
+
+    /// `period` within the bounds (the cap wins over the floor).
+    fn bound(self, period: u32) -> u32 {
+        period.max(self.floor).min(self.cap.max(1))
+    }
+}
 
 /// The gate's state for one lane.
 #[derive(Clone, Debug, PartialEq)]
@@ -85,12 +106,13 @@ impl Backoff {
         self.probing = self.owed == 0;
     }
 
-    /// A drafted round was not worth verifying: this round and `period - 1` more are plain, then a probe; the
-    /// period doubles (never past `cap`).
-    pub fn defer(&mut self, cap: u32) {
-        self.owed = self.period.min(cap).saturating_sub(1);
+    /// A drafted round was not worth verifying: this round and `period - 1` more are plain (the period bounded by
+    /// `spacing`), then a probe; the period doubles (never past the cap).
+    pub fn defer(&mut self, spacing: Spacing) {
+        let period = spacing.bound(self.period);
+        self.owed = period.saturating_sub(1);
         self.probing = self.owed == 0;
-        self.period = Self::doubled(self.period, cap);
+        self.period = Self::doubled(period, spacing.cap);
     }
 
     fn doubled(period: u32, cap: u32) -> u32 {
@@ -98,15 +120,15 @@ impl Backoff {
     }
 
     /// Judges a drafted round that replaced `replaced_ms` of plain rounds and took `took_ms`; returns true when it
-    /// paused drafting (for at most `cap` rounds).
-    pub fn judge(&mut self, replaced_ms: f64, took_ms: f64, cap: u32) -> bool {
+    /// paused drafting (for a period within `spacing`).
+    pub fn judge(&mut self, replaced_ms: f64, took_ms: f64, spacing: Spacing) -> bool {
         if !(replaced_ms.is_finite() && took_ms.is_finite()) {
             return false;
         }
         let won = replaced_ms >= took_ms;
         if std::mem::take(&mut self.probing) {
             if !won {
-                return self.pause(cap);
+                return self.pause(spacing);
             }
             // Drafting may pay again: judged afresh from this round.
             (self.replaced_ms, self.took_ms, self.judged) = (replaced_ms, took_ms, 1);
@@ -123,16 +145,17 @@ impl Backoff {
             self.period = (self.period / 2).max(FIRST_PERIOD);
             false
         } else if self.judged >= WARMUP_ROUNDS {
-            self.pause(cap)
+            self.pause(spacing)
         } else {
             false
         }
     }
 
-    fn pause(&mut self, cap: u32) -> bool {
-        self.owed = self.period.min(cap.max(1));
+    fn pause(&mut self, spacing: Spacing) -> bool {
+        let period = spacing.bound(self.period);
+        self.owed = period;
         self.probing = false;
-        self.period = Self::doubled(self.period, cap);
+        self.period = Self::doubled(period, spacing.cap);
         self.pauses += 1;
         true
     }
@@ -155,7 +178,7 @@ mod tests {
         let mut b = Backoff::default();
         for _ in 0..50 {
             assert!(!b.owes_plain());
-            assert!(!b.judge(30.0, 12.0, MAX_PERIOD));
+            assert!(!b.judge(30.0, 12.0, Spacing::up_to(MAX_PERIOD)));
         }
         assert_eq!(b.pauses(), 0);
     }
@@ -163,19 +186,22 @@ mod tests {
     #[test]
     fn losses_pause_after_the_warmup_and_failed_probes_double_the_pause() {
         let mut b = Backoff::default();
-        assert!(!b.judge(10.0, 12.0, MAX_PERIOD) && !b.judge(10.0, 12.0, MAX_PERIOD), "no verdict during the warm-up");
-        assert!(b.judge(10.0, 12.0, MAX_PERIOD));
+        assert!(
+            !b.judge(10.0, 12.0, Spacing::up_to(MAX_PERIOD)) && !b.judge(10.0, 12.0, Spacing::up_to(MAX_PERIOD)),
+            "no verdict during the warm-up"
+        );
+        assert!(b.judge(10.0, 12.0, Spacing::up_to(MAX_PERIOD)));
         assert_eq!(plain_rounds_until_drafting(&mut b), FIRST_PERIOD);
         assert!(b.probing());
-        assert!(b.judge(10.0, 12.0, MAX_PERIOD), "a losing probe pauses again");
+        assert!(b.judge(10.0, 12.0, Spacing::up_to(MAX_PERIOD)), "a losing probe pauses again");
         assert_eq!(plain_rounds_until_drafting(&mut b), FIRST_PERIOD * 2);
-        assert!(b.judge(10.0, 12.0, MAX_PERIOD));
+        assert!(b.judge(10.0, 12.0, Spacing::up_to(MAX_PERIOD)));
         assert_eq!(plain_rounds_until_drafting(&mut b), FIRST_PERIOD * 4);
-        assert!(!b.judge(40.0, 12.0, MAX_PERIOD), "a winning probe clears the debt");
+        assert!(!b.judge(40.0, 12.0, Spacing::up_to(MAX_PERIOD)), "a winning probe clears the debt");
         assert!(!b.probing() && b.owed() == 0);
         assert_eq!(b.period(), FIRST_PERIOD * 8, "but keeps the period");
         assert!(!b.owes_plain());
-        assert!(!b.judge(40.0, 12.0, MAX_PERIOD));
+        assert!(!b.judge(40.0, 12.0, Spacing::up_to(MAX_PERIOD)));
         assert_eq!(b.period(), FIRST_PERIOD * 4, "winning rounds after it halve the period");
         assert_eq!(b.pauses(), 3);
     }
@@ -184,9 +210,9 @@ mod tests {
     fn the_averages_weigh_time_not_rounds() {
         // One long winning round outweighs two short losing ones.
         let mut b = Backoff::default();
-        assert!(!b.judge(100.0, 20.0, MAX_PERIOD));
-        assert!(!b.judge(10.0, 12.0, MAX_PERIOD));
-        assert!(!b.judge(10.0, 12.0, MAX_PERIOD));
+        assert!(!b.judge(100.0, 20.0, Spacing::up_to(MAX_PERIOD)));
+        assert!(!b.judge(10.0, 12.0, Spacing::up_to(MAX_PERIOD)));
+        assert!(!b.judge(10.0, 12.0, Spacing::up_to(MAX_PERIOD)));
     }
 
     #[test]
@@ -201,14 +227,33 @@ mod tests {
     #[test]
     fn deferred_rounds_back_off_with_growing_periods() {
         let mut b = Backoff::default();
-        b.defer(MAX_PERIOD);
+        b.defer(Spacing::up_to(MAX_PERIOD));
         assert_eq!(plain_rounds_until_drafting(&mut b), FIRST_PERIOD - 1);
         assert!(b.probing());
         for period in [4, 8, 16, 16] {
-            b.defer(16);
+            b.defer(Spacing::up_to(16));
             assert_eq!(plain_rounds_until_drafting(&mut b) + 1, period, "this round and the owed ones");
         }
-        b.defer(4);
+        b.defer(Spacing::up_to(4));
         assert_eq!(plain_rounds_until_drafting(&mut b) + 1, 4, "a lower cap shortens the pause at once");
+    }
+
+    #[test]
+    fn a_floor_lengthens_the_first_pauses_of_expensive_probes() {
+        let spacing = Spacing { floor: 32, cap: 200 };
+        let mut b = Backoff::default();
+        for _ in 0..3 {
+            b.judge(1.0, 6.0, spacing);
+        }
+        assert_eq!(b.pauses(), 1);
+        assert_eq!(plain_rounds_until_drafting(&mut b), 32, "the floor, not FIRST_PERIOD");
+        assert!(b.judge(1.0, 6.0, spacing), "a losing probe");
+        assert_eq!(plain_rounds_until_drafting(&mut b), 64);
+        assert!(b.judge(1.0, 6.0, spacing));
+        assert_eq!(plain_rounds_until_drafting(&mut b), 128);
+        assert!(b.judge(1.0, 6.0, spacing));
+        assert_eq!(plain_rounds_until_drafting(&mut b), 200, "then the cap");
+        b.defer(Spacing { floor: 300, cap: 100 });
+        assert_eq!(plain_rounds_until_drafting(&mut b) + 1, 100, "the cap wins over the floor");
     }
 }

@@ -25,7 +25,7 @@ use std::str::FromStr;
 use dflash_runtime::{ops, Tensor};
 
 pub use acceptance::{ConfidenceCalibration, PositionAcceptance};
-pub use backoff::Backoff;
+pub use backoff::{Backoff, Spacing};
 pub use choice::{choose_rows, expected_tokens};
 pub use costs::{BucketView, CostTable, SharedCosts, CONTEXT_BUCKETS};
 
@@ -34,6 +34,10 @@ pub use costs::{BucketView, CostTable, SharedCosts, CONTEXT_BUCKETS};
 /// plain step (the default model on this CPU) prompt lookup probes every 8 rounds or more; a sparse MoE (44%)
 /// every 22 or more; a block drafter whose pass costs half a plain step on top, every 33 or more.
 const PROBE_SHARE: f64 = 0.02;
+/// While the gate learns (pauses doubling from the first), failed probes may cost at most this share: the same
+/// ratio floors every pause. Cheap probes keep the first pause of 2 rounds; the default model's block drafter run
+/// on the host beside its target on an H200 (a probe costs 4.8 plain steps) pauses at least 32 rounds.
+const PROBE_FLOOR_SHARE: f64 = 0.15;
 
 /// How widths are chosen.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -136,7 +140,7 @@ impl RoundPolicy {
         let draft_ms = costs.draft_cost(self.lane);
         let cost = |rows: usize| costs.cost(context, rows) + if rows > 1 { draft_ms } else { 0.0 };
         if choose_rows(&accept, max_drafts + 1, cost) == 1 {
-            self.backoff.wait(self.probe_cap(costs, context));
+            self.backoff.wait(self.probe_spacing(costs, context).cap);
             return RoundPlan::Plain;
         }
         RoundPlan::Draft { probe: false }
@@ -169,7 +173,7 @@ impl RoundPolicy {
             return keep.max(1);
         }
         if keep == 0 {
-            self.backoff.defer(self.probe_cap(costs, context));
+            self.backoff.defer(self.probe_spacing(costs, context));
         }
         keep
     }
@@ -195,20 +199,23 @@ impl RoundPolicy {
         }
         let was_probing = self.backoff.probing();
         let replaced_ms = tokens as f64 * costs.cost(context, 1);
-        let paused = self.backoff.judge(replaced_ms, took_ms, self.probe_cap(costs, context));
+        let paused = self.backoff.judge(replaced_ms, took_ms, self.probe_spacing(costs, context));
         if was_probing && !paused {
             self.trial = true;
         }
         paused
     }
 
-    /// Most rounds between probes at `context`: enough that failed probes cost at most [`PROBE_SHARE`] of plain
-    /// speed.
-    fn probe_cap(&self, costs: &CostTable, context: usize) -> u32 {
+    /// How far apart probes are at `context`: at most enough rounds that failed probes cost [`PROBE_SHARE`] of plain
+    /// speed, at least enough that they cost [`PROBE_FLOOR_SHARE`].
+    fn probe_spacing(&self, costs: &CostTable, context: usize) -> Spacing {
         let plain = costs.cost(context, 1);
         let extra = (costs.cost(context, 2) + costs.draft_cost(self.lane) - plain).max(0.0);
-        let rounds = (extra / (PROBE_SHARE * plain)).ceil();
-        (rounds.min(f64::from(backoff::MAX_PERIOD)) as u32).max(backoff::FIRST_PERIOD)
+        let rounds = |share: f64| {
+            let r = (extra / (share * plain)).ceil();
+            (r.min(f64::from(backoff::MAX_PERIOD)) as u32).max(backoff::FIRST_PERIOD)
+        };
+        Spacing { floor: rounds(PROBE_FLOOR_SHARE), cap: rounds(PROBE_SHARE) }
     }
 
     /// Conditional acceptance of the first `n` drafts: calibrated from their confidences when given, else by
