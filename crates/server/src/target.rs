@@ -20,6 +20,8 @@ use crate::run::load;
 
 /// The default model's drafter, relative to the assets directory.
 pub const DEFAULT_DRAFTER: &str = "drafters/smollm2-135m-instruct";
+/// The MTP head shipped for the default model, under the assets directory (opt-in: `--mtp DIR`).
+pub const DEFAULT_MTP_HEAD: &str = "drafters/smollm2-135m-instruct-mtp";
 
 /// The loaded target and its drafter.
 pub struct Target {
@@ -140,6 +142,12 @@ pub fn assets_dir() -> PathBuf {
 /// default model's drafter; no other model has one.
 pub fn default_drafter(model: Option<&str>, assets: &Path) -> Option<PathBuf> {
     let dir = assets.join(DEFAULT_DRAFTER);
+    (is_default_model(model) && dir.join("config.json").is_file()).then_some(dir)
+}
+
+/// The MTP head shipped for the default model, if `--model` names it and `assets` holds the head.
+pub fn default_mtp_head(model: Option<&str>, assets: &Path) -> Option<PathBuf> {
+    let dir = assets.join(DEFAULT_MTP_HEAD);
     (is_default_model(model) && dir.join("config.json").is_file()).then_some(dir)
 }
 

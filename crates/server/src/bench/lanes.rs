@@ -1,45 +1,58 @@
-//! `dflash bench lanes`: speculation lanes side by side in one process.
+//! `dflash bench lanes`: speculation lanes side by side in one process, on the device `--device` picks.
 //!
-//! Every prompt runs once per lane per repeat, lanes alternating (plain, pld, plain, pld, ...) so drifts of the
-//! machine hit them alike. Requests are greedy, so every lane produces the same tokens (verification is lossless)
-//! and the timings compare like with like. Writes every run as JSON and prints a Markdown table of medians per
-//! prompt group.
+//! Every prompt runs once per temperature per lane per repeat, lanes alternating (plain, pld, dflash, mtp, plain,
+//! ...) so drifts of the machine hit them alike. Greedy requests and seeded sampled requests (the seed is fixed
+//! per prompt) must produce plain decoding's tokens on every lane, since verification is lossless: the bench
+//! checks it and fails loudly otherwise, so the timings always compare like with like. Writes every run as JSON
+//! and prints a Markdown table per prompt group and temperature ([`super::lanes_report`]).
 //!
-//! A lane name may end in `-fixed` or `-adaptive` (`pld-fixed`, `dflash-adaptive`) to set the request's width
-//! policy; bare `pld` and `dflash` follow `--spec-policy`. The round-cost probe runs before the first request, so
-//! no lane pays for it, and the cost table is printed at the end.
+//! Lanes: `plain` (no drafting), `pld` (prompt lookup, with its gates as served), `dflash` (the block drafter:
+//! `--drafter`, or the one shipped for the default model) and `mtp` (an MTP head: `--mtp DIR|auto`, or the one
+//! shipped for the default model). A lane name may end in `-fixed` or `-adaptive` (`dflash-fixed`) to set the
+//! request's width policy; bare names follow `--spec-policy`. The MTP lane runs on a second engine over a second
+//! copy of the target (a target captures the layers of one lane's drafter). Each engine's round-cost probe runs
+//! before the first request, so no lane pays for it, and the cost tables are printed at the end.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use dflash_engine::spec::{DrafterConfig, PolicyMode, SpecStats};
+use dflash_engine::spec::{DrafterConfig, MtpLaneConfig, PolicyMode};
 use dflash_engine::{Engine, EngineConfig, EngineMetrics, Event, EventSink, Request, SamplingParams, Usage};
 use dflash_models::tokenizer::{ChatMessage, Tokenizer};
-use dflash_models::LlamaModel;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::median;
-use crate::cli::SpecArgs;
+use super::lanes_report::{table, write_json, RunResult};
+use crate::cli::{ModelArgs, SpecArgs};
+use crate::target::{assets_dir, default_mtp_head, load_target, Target};
+
+/// Nucleus cut of the sampled runs (as common chat defaults).
+const SAMPLED_TOP_P: f32 = 0.95;
+/// The sampled runs' seed for prompt `i` is this plus `i`.
+const SEED_BASE: u64 = 0x5eed_0000;
 
 #[derive(Args, Debug)]
 pub struct LanesArgs {
     /// JSON list of {"group": ..., "prompt": ...}; prompts are sent through the chat template.
     #[arg(long, default_value = "bench/prompts/lanes.json")]
     pub prompts: PathBuf,
-    /// Lanes to compare: plain (no drafting), pld (prompt lookup, with its gates as served) and dflash (the
-    /// block drafter given with --drafter); pld and dflash take a `-fixed` or `-adaptive` suffix to pick the
-    /// width policy (default: --spec-policy).
+    /// Lanes to compare: plain, pld, dflash, mtp; pld, dflash and mtp take a `-fixed` or `-adaptive` suffix to
+    /// pick the width policy (default: --spec-policy).
     #[arg(long, value_delimiter = ',', default_value = "plain,pld")]
     pub lanes: Vec<String>,
+    /// Sampling temperatures; 0 is greedy. Sampled requests use top-p 0.95 and a seed fixed per prompt.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    pub temperatures: Vec<f32>,
+    /// Use at most this many prompts of each group (the first ones in the file); 0 = all.
+    #[arg(long, default_value_t = 0)]
+    pub per_group: usize,
     /// Tokens per request at most (requests stop at EOS too).
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
-    /// Runs of every (prompt, lane); medians are reported.
+    /// Runs of every (prompt, temperature, lane); medians are reported.
     #[arg(long, default_value_t = 2)]
     pub repeat: usize,
     /// Where the JSON goes.
@@ -53,80 +66,141 @@ struct PromptEntry {
     prompt: String,
 }
 
-/// One request's figures.
-struct RunResult {
-    group: String,
-    prompt: usize,
-    lane: String,
-    usage: Usage,
-    ttft_ms: f64,
+/// What a lane name asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LaneKind {
+    Plain,
+    Pld,
+    Dflash,
+    Mtp,
 }
 
-impl RunResult {
-    fn decode_tok_s(&self) -> f64 {
-        let tokens = self.usage.completion_tokens.saturating_sub(1) as f64;
-        if self.usage.decode_ms > 0.0 {
-            tokens / self.usage.decode_ms * 1e3
-        } else {
-            0.0
-        }
-    }
+/// A lane name's kind and the width policy its suffix asks for.
+fn lane_kind(lane: &str) -> Result<(LaneKind, Option<PolicyMode>)> {
+    let (name, policy) = match lane.rsplit_once('-') {
+        Some((name, policy)) => (name, Some(policy.parse::<PolicyMode>()?)),
+        None => (lane, None),
+    };
+    let kind = match name {
+        "plain" if policy.is_none() => LaneKind::Plain,
+        "pld" => LaneKind::Pld,
+        "dflash" => LaneKind::Dflash,
+        "mtp" => LaneKind::Mtp,
+        _ => bail!("unknown lane `{lane}` (known: plain, pld, dflash, mtp; all but plain take -fixed or -adaptive)"),
+    };
+    Ok((kind, policy))
+}
 
-    fn prefill_tok_s(&self) -> f64 {
-        if self.usage.prefill_ms > 0.0 {
-            self.usage.prompt_tokens as f64 / self.usage.prefill_ms * 1e3
-        } else {
-            0.0
-        }
-    }
+/// The engines the lanes run on: the target with the block drafter (plain, pld and dflash lanes), and a second
+/// copy of it with the MTP head when an `mtp` lane is asked for.
+struct Engines {
+    main: Engine,
+    mtp: Option<Engine>,
+}
 
-    fn spec(&self) -> SpecStats {
-        self.usage.spec.as_deref().copied().unwrap_or_default()
+impl Engines {
+    fn for_lane(&mut self, kind: LaneKind) -> Result<&mut Engine> {
+        match kind {
+            LaneKind::Mtp => self.mtp.as_mut().context("no MTP engine"),
+            _ => Ok(&mut self.main),
+        }
     }
 }
 
-/// When the first token came, and how the request ended.
-type ProbeSlot = (Option<Instant>, Option<Result<Usage, String>>);
-
-/// Keeps the final usage and the first token's time.
-#[derive(Clone, Default)]
-struct UsageProbe(Arc<Mutex<ProbeSlot>>);
-
-impl EventSink for UsageProbe {
-    fn send(&mut self, event: Event) -> bool {
-        let now = Instant::now();
-        if let Ok(mut slot) = self.0.lock() {
-            match event {
-                Event::Tokens { .. } => {
-                    slot.0.get_or_insert(now);
+pub fn run(model: &ModelArgs, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
+    let entries = select(read_prompts(&args.prompts)?, args.per_group);
+    let kinds: Vec<LaneKind> = args.lanes.iter().map(|l| lane_kind(l).map(|k| k.0)).collect::<Result<_>>()?;
+    if kinds.first() != Some(&LaneKind::Plain) {
+        bail!("the first lane must be `plain`: the other lanes' tokens and speedups are checked against it");
+    }
+    let (mut engines, tokenizer) = engines(model, spec, &kinds)?;
+    let lossy = spec.dflash_typical.is_some() || spec.mtp.mtp_typical.is_some();
+    let mut results = Vec::new();
+    for (i, entry) in entries.iter().enumerate() {
+        let prompt = chat_prompt(&tokenizer, &entry.prompt)?;
+        for &temperature in &args.temperatures {
+            let sampling = sampling(temperature, SEED_BASE + i as u64);
+            for _ in 0..args.repeat.max(1) {
+                let mut plain_ids = Vec::new();
+                for (lane, &kind) in args.lanes.iter().zip(&kinds) {
+                    let engine = engines.for_lane(kind)?;
+                    let (usage, ttft_ms, ids) = run_one(engine, &prompt, lane, sampling.clone(), args.max_tokens)?;
+                    if kind == LaneKind::Plain {
+                        plain_ids = ids;
+                    } else if ids != plain_ids && !(lossy && temperature > 0.0) {
+                        bail!(
+                            "prompt #{i} at T={temperature}: lane {lane} gave other tokens than plain decoding \
+                             (first difference at token {})",
+                            first_difference(&ids, &plain_ids)
+                        );
+                    }
+                    let r = RunResult {
+                        group: entry.group.clone(),
+                        prompt: i,
+                        temperature,
+                        lane: lane.clone(),
+                        usage,
+                        ttft_ms,
+                    };
+                    eprintln!("{}", r.summary());
+                    results.push(r);
                 }
-                Event::Finished { usage, .. } => slot.1 = Some(Ok(usage)),
-                Event::Error(m) => slot.1 = Some(Err(m)),
             }
         }
-        true
     }
-
-    fn is_closed(&self) -> bool {
-        false
+    let path = write_json(&args.out_dir, &results)?;
+    println!("{}", table(&results, &args.lanes));
+    eprintln!("{}", engines.main.round_costs().summary());
+    if let Some(mtp) = &engines.mtp {
+        eprintln!("MTP engine: {}", mtp.round_costs().summary());
     }
+    eprintln!("[bench] runs written to {}", path.display());
+    Ok(())
 }
 
-pub fn run(
-    model: Arc<LlamaModel>,
-    tokenizer: Arc<Tokenizer>,
-    spec: &SpecArgs,
-    drafter: Option<DrafterConfig>,
-    args: &LanesArgs,
-) -> Result<()> {
-    let entries = read_prompts(&args.prompts)?;
-    for lane in &args.lanes {
-        let (kind, _) = lane_kind(lane)?;
-        if kind == "dflash" && drafter.is_none() {
-            bail!("the dflash lane needs a drafter: --drafter DIR");
-        }
+/// Loads the target once per engine the lanes need and probes each engine's round costs.
+fn engines(model: &ModelArgs, spec: &SpecArgs, kinds: &[LaneKind]) -> Result<(Engines, Arc<Tokenizer>)> {
+    let mut main_spec = spec.clone();
+    main_spec.mtp.mtp = None;
+    main_spec.mtp.no_mtp = true;
+    let Target { loaded, drafter, .. } = load_target(model, &main_spec)?;
+    if kinds.contains(&LaneKind::Dflash) && drafter.is_none() {
+        bail!("the dflash lane needs a drafter: --drafter DIR (the default model has one shipped)");
     }
-    let cfg = EngineConfig {
+    let tokenizer = Arc::new(loaded.tokenizer);
+    let cfg = engine_config(&tokenizer, spec, drafter)?;
+    let mut main = crate::device::engine(model, loaded.model, Arc::clone(&tokenizer), cfg, metrics(), None)?;
+    main.probe_round_costs()?;
+    let mtp = if kinds.contains(&LaneKind::Mtp) {
+        let (loaded, head) = load_mtp_target(model, spec)?;
+        let cfg = engine_config(&tokenizer, spec, None)?;
+        let mut e = crate::device::engine(model, loaded, Arc::clone(&tokenizer), cfg, metrics(), Some(head))?;
+        e.probe_round_costs()?;
+        Some(e)
+    } else {
+        None
+    };
+    Ok((Engines { main, mtp }, tokenizer))
+}
+
+/// The target capturing its last layer, with the MTP head `--mtp` names (the default model's shipped head when
+/// none is given).
+fn load_mtp_target(model: &ModelArgs, spec: &SpecArgs) -> Result<(dflash_models::TargetModel, MtpLaneConfig)> {
+    let mut mtp_spec = spec.clone();
+    mtp_spec.drafter = None;
+    mtp_spec.no_drafter = true;
+    mtp_spec.mtp.no_mtp = false;
+    if mtp_spec.mtp.mtp.is_none() {
+        let shipped = default_mtp_head(model.model.as_deref(), &assets_dir())
+            .context("the mtp lane needs a head: --mtp DIR|auto (the default model has one shipped)")?;
+        mtp_spec.mtp.mtp = Some(shipped.to_string_lossy().into_owned());
+    }
+    let Target { loaded, mtp, .. } = load_target(model, &mtp_spec)?;
+    Ok((loaded.model, mtp.context("no MTP head was loaded")?))
+}
+
+fn engine_config(tokenizer: &Tokenizer, spec: &SpecArgs, drafter: Option<DrafterConfig>) -> Result<EngineConfig> {
+    Ok(EngineConfig {
         context_window: 4096,
         num_pages: 4096 / 16,
         page_size: 16,
@@ -138,33 +212,18 @@ pub fn run(
         prefix_cache_pages: 0,
         drafter,
         state_checkpoint_stride: dflash_engine::DEFAULT_STATE_CHECKPOINT_STRIDE,
-    };
-    let mut engine = Engine::new(model, Arc::clone(&tokenizer), cfg, Arc::new(EngineMetrics::default()))?;
-    engine.probe_round_costs()?;
-    let mut results = Vec::new();
-    for (i, entry) in entries.iter().enumerate() {
-        let prompt = chat_prompt(&tokenizer, &entry.prompt)?;
-        for _ in 0..args.repeat.max(1) {
-            for lane in &args.lanes {
-                let (usage, ttft_ms) = run_one(&mut engine, &prompt, lane, args.max_tokens)?;
-                let r = RunResult { group: entry.group.clone(), prompt: i, lane: lane.clone(), usage, ttft_ms };
-                eprintln!(
-                    "[bench] {} #{i} {lane}: {} tokens, decode {:.1} tok/s, {:.2} tokens/round, widths [{}]",
-                    r.group,
-                    r.usage.completion_tokens,
-                    r.decode_tok_s(),
-                    r.usage.spec.as_deref().map_or(1.0, |s| s.tokens_per_round()),
-                    r.spec().widths_summary(),
-                );
-                results.push(r);
-            }
-        }
+    })
+}
+
+fn metrics() -> Arc<EngineMetrics> {
+    Arc::new(EngineMetrics::default())
+}
+
+fn sampling(temperature: f32, seed: u64) -> SamplingParams {
+    if temperature <= 0.0 {
+        return SamplingParams::greedy();
     }
-    let path = write_json(&args.out_dir, &results)?;
-    println!("{}", table(&results, &args.lanes));
-    eprintln!("{}", engine.round_costs().summary());
-    eprintln!("[bench] runs written to {}", path.display());
-    Ok(())
+    SamplingParams { temperature, top_p: SAMPLED_TOP_P, seed, ..SamplingParams::greedy() }
 }
 
 fn read_prompts(path: &Path) -> Result<Vec<PromptEntry>> {
@@ -177,6 +236,22 @@ fn read_prompts(path: &Path) -> Result<Vec<PromptEntry>> {
     Ok(entries)
 }
 
+/// The first `per_group` entries of each group (all when 0), in file order.
+fn select(entries: Vec<PromptEntry>, per_group: usize) -> Vec<PromptEntry> {
+    if per_group == 0 {
+        return entries;
+    }
+    let mut taken: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    entries
+        .into_iter()
+        .filter(|e| {
+            let n = taken.entry(e.group.clone()).or_default();
+            *n += 1;
+            *n <= per_group
+        })
+        .collect()
+}
+
 fn chat_prompt(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>> {
     let rendered = match tokenizer.chat_template() {
         Some(t) => t.render(&[ChatMessage::new("user", text)], true, &json!({}))?,
@@ -185,34 +260,65 @@ fn chat_prompt(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>> {
     Ok(tokenizer.encode(&rendered, true)?)
 }
 
-/// A lane name's kind (`plain`, `pld`, `dflash`) and the width policy its suffix asks for.
-fn lane_kind(lane: &str) -> Result<(&str, Option<PolicyMode>)> {
-    let (kind, policy) = match lane.rsplit_once('-') {
-        Some((kind, policy)) => (kind, Some(policy.parse::<PolicyMode>()?)),
-        None => (lane, None),
-    };
-    if !matches!(kind, "plain" | "pld" | "dflash") || (kind == "plain" && policy.is_some()) {
-        bail!("unknown lane `{lane}` (known: plain, pld, dflash, and pld or dflash with -fixed or -adaptive)");
-    }
-    Ok((kind, policy))
+fn first_difference(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-/// One greedy request through `engine` on `lane`; returns its usage and TTFT in ms.
-fn run_one(engine: &mut Engine, prompt: &[u32], lane: &str, max_tokens: usize) -> Result<(Usage, f64)> {
+/// When the first token came, the tokens, and how the request ended.
+#[derive(Default)]
+struct Seen {
+    first: Option<Instant>,
+    ids: Vec<u32>,
+    end: Option<Result<Usage, String>>,
+}
+
+/// Keeps what [`Seen`] holds.
+#[derive(Clone, Default)]
+struct UsageProbe(Arc<Mutex<Seen>>);
+
+impl EventSink for UsageProbe {
+    fn send(&mut self, event: Event) -> bool {
+        let now = Instant::now();
+        if let Ok(mut seen) = self.0.lock() {
+            match event {
+                Event::Tokens { ids, .. } => {
+                    seen.first.get_or_insert(now);
+                    seen.ids.extend(ids);
+                }
+                Event::Finished { usage, .. } => seen.end = Some(Ok(usage)),
+                Event::Error(m) => seen.end = Some(Err(m)),
+            }
+        }
+        true
+    }
+
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+/// One request through `engine` on `lane`; returns its usage, TTFT in ms and tokens.
+fn run_one(
+    engine: &mut Engine,
+    prompt: &[u32],
+    lane: &str,
+    sampling: SamplingParams,
+    max_tokens: usize,
+) -> Result<(Usage, f64, Vec<u32>)> {
     let (kind, spec_policy) = lane_kind(lane)?;
     let probe = UsageProbe::default();
     let request = Request {
         id: format!("bench-{lane}"),
         prompt: prompt.to_vec(),
-        sampling: SamplingParams::greedy(),
+        sampling,
         max_tokens,
         stop: Vec::new(),
         logprobs: None,
         ignore_eos: false,
-        // plain forces every lane off; pld follows the engine's setting, prompt gate included, as served;
-        // dflash drafts with the drafter.
-        enable_pld: (kind != "pld").then_some(false),
-        enable_drafter: Some(kind == "dflash"),
+        // plain forces every lane off; pld follows the engine's setting, prompt gate included, as served; dflash
+        // and mtp draft with the engine's drafter or head.
+        enable_pld: (kind != LaneKind::Pld).then_some(false),
+        enable_drafter: Some(matches!(kind, LaneKind::Dflash | LaneKind::Mtp)),
         spec_policy,
         cache_prompt: false,
     };
@@ -221,93 +327,33 @@ fn run_one(engine: &mut Engine, prompt: &[u32], lane: &str, max_tokens: usize) -
     while engine.has_work() {
         engine.step()?;
     }
-    let slot = probe.0.lock().map_err(|_| anyhow::anyhow!("poisoned probe"))?;
-    let ttft_ms = slot.0.map(|t| t.duration_since(started).as_secs_f64() * 1e3).unwrap_or(0.0);
-    match &slot.1 {
-        Some(Ok(usage)) => Ok((usage.clone(), ttft_ms)),
+    let mut seen = probe.0.lock().map_err(|_| anyhow::anyhow!("poisoned probe"))?;
+    let ttft_ms = seen.first.map(|t| t.duration_since(started).as_secs_f64() * 1e3).unwrap_or(0.0);
+    match seen.end.take() {
+        Some(Ok(usage)) => Ok((usage, ttft_ms, std::mem::take(&mut seen.ids))),
         Some(Err(m)) => bail!("request failed: {m}"),
         None => bail!("request did not finish"),
     }
 }
 
-fn write_json(dir: &Path, results: &[RunResult]) -> Result<PathBuf> {
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    let path = dir.join(format!("lanes-{stamp}.json"));
-    let runs: Vec<_> = results
-        .iter()
-        .map(|r| {
-            let s = r.spec();
-            json!({
-                "group": r.group, "prompt": r.prompt, "lane": r.lane,
-                "prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens,
-                "ttft_ms": r.ttft_ms, "prefill_tok_s": r.prefill_tok_s(), "decode_tok_s": r.decode_tok_s(),
-                "rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted,
-                "accept_rate": s.accept_rate(), "tokens_per_round": s.tokens_per_round(),
-                "tokens_per_step": tokens_per_step(&s), "policy": s.policy.as_str(), "widths": s.widths,
-                "plain_steps": s.plain_steps, "gated_steps": s.gated_steps, "gate_pauses": s.gate_pauses,
-                "draft_ms": s.draft_ms(),
-            })
-        })
-        .collect();
-    std::fs::write(&path, serde_json::to_string_pretty(&runs)?)?;
-    Ok(path)
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-/// Medians per (group, lane), and each lane's decode speedup over plain (median over prompts of the per-prompt
-/// ratio of median decode speeds).
-fn table(results: &[RunResult], lanes: &[String]) -> String {
-    let mut groups: BTreeMap<&str, Vec<&RunResult>> = BTreeMap::new();
-    for r in results {
-        groups.entry(r.group.as_str()).or_default().push(r);
+    #[test]
+    fn lane_names_take_a_policy_suffix_except_plain() {
+        assert_eq!(lane_kind("plain").expect("plain"), (LaneKind::Plain, None));
+        assert_eq!(lane_kind("mtp-fixed").expect("mtp"), (LaneKind::Mtp, Some(PolicyMode::Fixed)));
+        assert_eq!(lane_kind("dflash-adaptive").expect("dflash"), (LaneKind::Dflash, Some(PolicyMode::Adaptive)));
+        assert!(lane_kind("plain-fixed").is_err());
+        assert!(lane_kind("eagle").is_err());
     }
-    let mut out = String::from(
-        "| group | lane | prefill tok/s | decode tok/s | TTFT ms | tokens/round | tokens/step | accept rate | \
-         decode speedup |\n|---|---|---|---|---|---|---|---|---|\n",
-    );
-    for (group, runs) in &groups {
-        for lane in lanes {
-            let mine: Vec<&&RunResult> = runs.iter().filter(|r| &r.lane == lane).collect();
-            let med = |f: &dyn Fn(&RunResult) -> f64| median(&mine.iter().map(|r| f(r)).collect::<Vec<_>>());
-            let speedup = speedup(runs, lane);
-            let spec = mine.iter().any(|r| r.usage.spec.is_some());
-            let (tpr, tps, rate) = if spec {
-                (
-                    format!("{:.2}", med(&|r| r.spec().tokens_per_round())),
-                    format!("{:.2}", med(&|r| tokens_per_step(&r.spec()))),
-                    format!("{:.2}", med(&|r| r.spec().accept_rate())),
-                )
-            } else {
-                ("-".into(), "1.00".into(), "-".into())
-            };
-            out.push_str(&format!(
-                "| {group} | {lane} | {:.0} | {:.1} | {:.0} | {tpr} | {tps} | {rate} | {speedup:.2}x |\n",
-                med(&|r| r.prefill_tok_s()),
-                med(&|r| r.decode_tok_s()),
-                med(&|r| r.ttft_ms),
-            ));
-        }
-    }
-    out
-}
 
-/// Tokens committed per decode step of the lane, plain steps included (verified rounds commit accepted + 1).
-fn tokens_per_step(s: &SpecStats) -> f64 {
-    let steps = s.rounds + s.plain_steps;
-    if steps == 0 {
-        1.0
-    } else {
-        (s.accepted + steps) as f64 / steps as f64
+    #[test]
+    fn per_group_keeps_the_first_prompts_of_each_group() {
+        let e = |g: &str, p: &str| PromptEntry { group: g.into(), prompt: p.into() };
+        let picked = select(vec![e("a", "1"), e("b", "2"), e("a", "3"), e("a", "4"), e("b", "5")], 2);
+        let prompts: Vec<&str> = picked.iter().map(|p| p.prompt.as_str()).collect();
+        assert_eq!(prompts, ["1", "2", "3", "5"]);
     }
-}
-
-fn speedup(runs: &[&RunResult], lane: &str) -> f64 {
-    let per_prompt = |l: &str, p: usize| {
-        median(&runs.iter().filter(|r| r.lane == l && r.prompt == p).map(|r| r.decode_tok_s()).collect::<Vec<_>>())
-    };
-    let mut prompts: Vec<usize> = runs.iter().map(|r| r.prompt).collect();
-    prompts.dedup();
-    let ratios: Vec<f64> =
-        prompts.iter().map(|&p| per_prompt(lane, p) / per_prompt("plain", p)).filter(|x| x.is_finite()).collect();
-    median(&ratios)
 }

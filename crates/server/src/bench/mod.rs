@@ -8,6 +8,7 @@
 //! * `shapes`: CUDA decode against the memory floor on random-weight models of real shapes (see [`shapes`]).
 
 mod lanes;
+mod lanes_report;
 mod prefix;
 mod shapes;
 
@@ -111,13 +112,18 @@ impl Probe {
 }
 
 pub fn bench(args: &BenchArgs) -> Result<()> {
-    if let Scenario::Shapes(shapes_args) = &args.scenario {
-        return shapes::run(shapes_args);
+    match &args.scenario {
+        Scenario::Shapes(shapes_args) => return shapes::run(shapes_args),
+        Scenario::Lanes(lanes_args) => return lanes::run(&args.model, &args.spec, lanes_args),
+        _ => {}
     }
     let Target { loaded, drafter, .. } = load_target(&args.model, &args.spec)?;
     let Loaded { model, tokenizer, .. } = loaded;
-    let model = model.into_llama("dflash bench")?;
     let tokenizer = Arc::new(tokenizer);
+    if let Scenario::Prefix(prefix_args) = &args.scenario {
+        return prefix::run(&args.model, model, tokenizer, args.max_batch_tokens, drafter, prefix_args);
+    }
+    let model = model.into_llama("dflash bench")?;
     let prompts = bench_prompts(&tokenizer)?;
     match &args.scenario {
         Scenario::Batch { streams, max_tokens, repeat } => {
@@ -131,11 +137,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
             let mut e = engine(Arc::new(model), tokenizer, background + 1, args.max_batch_tokens)?;
             ttft(&mut e, &long, &prompts, *background, *repeat)
         }
-        Scenario::Lanes(lanes_args) => lanes::run(Arc::new(model), tokenizer, &args.spec, drafter, lanes_args),
-        Scenario::Prefix(prefix_args) => {
-            prefix::run(Arc::new(model), tokenizer, args.max_batch_tokens, drafter, prefix_args)
-        }
-        Scenario::Shapes(_) => bail!("the shapes scenario loads no model"),
+        Scenario::Lanes(_) | Scenario::Prefix(_) | Scenario::Shapes(_) => bail!("handled above"),
     }
 }
 
@@ -274,8 +276,13 @@ fn bench_prompts(tokenizer: &Tokenizer) -> Result<Vec<Vec<u32>>> {
     texts.iter().map(|t| Ok(tokenizer.encode(t, true)?)).collect()
 }
 
+/// The median (the mean of the middle two for an even count); NaN for no values.
 pub(crate) fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
-    s.get(s.len() / 2).copied().unwrap_or(f64::NAN)
+    match s.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
 }

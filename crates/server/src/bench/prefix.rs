@@ -20,10 +20,11 @@ use clap::Args;
 use dflash_engine::spec::{DrafterConfig, PolicyMode, SpecConfig, SpecStats};
 use dflash_engine::{Engine, EngineConfig, EngineMetrics, Event, EventSink, Request, SamplingParams};
 use dflash_models::tokenizer::{ChatMessage, Tokenizer};
-use dflash_models::LlamaModel;
+use dflash_models::TargetModel;
 use serde_json::json;
 
 use super::median;
+use crate::cli::ModelArgs;
 
 #[derive(Args, Debug)]
 pub struct PrefixArgs {
@@ -95,7 +96,8 @@ struct Turn {
 }
 
 pub fn run(
-    model: Arc<LlamaModel>,
+    model_args: &ModelArgs,
+    model: TargetModel,
     tokenizer: Arc<Tokenizer>,
     max_batch_tokens: usize,
     drafter: Option<DrafterConfig>,
@@ -116,9 +118,10 @@ pub fn run(
         spec: SpecConfig { pld: None, policy: PolicyMode::Fixed, ..SpecConfig::default() },
         prefix_cache_pages: context_window.div_ceil(16),
         drafter,
-        state_checkpoint_stride: dflash_engine::DEFAULT_STATE_CHECKPOINT_STRIDE,
+        state_checkpoint_stride: model_args.state_checkpoint_stride,
     };
-    let mut engine = Engine::new(model, Arc::clone(&tokenizer), cfg, Arc::new(EngineMetrics::default()))?;
+    let metrics = Arc::new(EngineMetrics::default());
+    let mut engine = crate::device::engine(model_args, model, Arc::clone(&tokenizer), cfg, metrics, None)?;
     let answer = run_request(&mut engine, "turn1", &first_prompt, args.answer_tokens, Lane::FirstTurn)?;
     let mut second = history;
     second.push(ChatMessage::new("assistant", answer.text.trim()));
