@@ -138,7 +138,8 @@ fn run(mut engine: Engine, rx: &Receiver<Command>, in_flight: &AtomicUsize) {
             break;
         }
     }
-    tracing::debug!("engine thread stopped");
+    // What the round policy learnt of this target, for the operator (the same table /metrics exports).
+    tracing::info!("engine stopped; {}", engine.round_costs().summary());
 }
 
 fn take(engine: &mut Engine, cmd: Command, in_flight: &AtomicUsize, deadline: &mut Option<Instant>) {

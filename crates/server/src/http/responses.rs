@@ -1,6 +1,7 @@
 //! Response bodies in OpenAI's shapes, whole and streamed, and their ids.
 
 use std::collections::hash_map::RandomState;
+use std::collections::BTreeMap;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -89,16 +90,26 @@ pub(crate) struct PromptTokensDetails {
     pub cached_tokens: usize,
 }
 
-/// `usage.spec`.
+/// `usage.spec`: what speculation did for the request, and how its widths were chosen.
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub(crate) struct SpecUsage {
     pub mode: &'static str,
+    /// `adaptive` or `fixed`.
+    pub policy: &'static str,
     pub rounds: u64,
     pub drafted: u64,
     pub accepted: u64,
     pub accept_rate: f64,
     pub tokens_per_round: f64,
+    /// Acceptance rate of each draft position, over the rounds that drafted it.
+    pub per_position: Vec<f64>,
+    /// Decode steps by verify rows (anchor included; "1": plain steps), only widths that ran.
+    pub widths: BTreeMap<usize, u64>,
+    /// Plain steps the policy chose (owed to the gate, or no width predicted to pay).
+    pub gated_steps: u64,
     pub gate_pauses: u64,
+    /// Time spent drafting, in ms.
+    pub draft_ms: f64,
 }
 
 impl From<&Usage> for UsageOut {
@@ -110,12 +121,17 @@ impl From<&Usage> for UsageOut {
             prompt_tokens_details: PromptTokensDetails { cached_tokens: usage.cached_tokens },
             spec: usage.spec.as_deref().map(|s| SpecUsage {
                 mode: s.mode,
+                policy: s.policy.as_str(),
                 rounds: s.rounds,
                 drafted: s.drafted,
                 accepted: s.accepted,
                 accept_rate: s.accept_rate(),
                 tokens_per_round: s.tokens_per_round(),
+                per_position: s.per_position(),
+                widths: (1..=s.widths.len()).zip(s.widths).filter(|&(_, n)| n > 0).collect(),
+                gated_steps: s.gated_steps,
                 gate_pauses: s.gate_pauses,
+                draft_ms: s.draft_ms(),
             }),
         }
     }
@@ -287,5 +303,22 @@ mod tests {
         logprobs.extend(&[token("hé"), token("llo")], &mut offset);
         assert_eq!(logprobs.text_offset, vec![0, 2]);
         assert_eq!(offset, 5);
+    }
+
+    #[test]
+    fn usage_spec_reports_the_policy_widths_and_positions() {
+        let mut spec = dflash_engine::spec::SpecStats { mode: "dflash2", ..Default::default() };
+        spec.record_round(3, 1);
+        spec.record_width(4);
+        spec.record_width(1);
+        spec.record_width(1);
+        spec.gated_steps = 2;
+        let usage = Usage { completion_tokens: 4, spec: Some(Box::new(spec)), ..Usage::default() };
+        let json = serde_json::to_value(UsageOut::from(&usage)).expect("serializes");
+        let s = &json["spec"];
+        assert_eq!(s["policy"], "adaptive");
+        assert_eq!(s["per_position"], serde_json::json!([1.0, 0.0, 0.0]));
+        assert_eq!(s["widths"], serde_json::json!({"1": 2, "4": 1}));
+        assert_eq!(s["gated_steps"], 2);
     }
 }
