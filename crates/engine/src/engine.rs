@@ -437,6 +437,7 @@ impl Engine {
             prefix_cache_misses: prefix.misses,
             prefix_cache_reused_tokens: prefix.reused_tokens,
             prefix_cache_evictions: pages.evictions(),
+            prefix_cache_checkpoints: pages.prefix_cache().checkpoint_count(),
         });
     }
 }

@@ -80,6 +80,7 @@ pub struct EngineMetrics {
     prefix_cache_misses: AtomicU64,
     prefix_cache_reused_tokens: AtomicU64,
     prefix_cache_evictions: AtomicU64,
+    prefix_cache_checkpoints: AtomicU64,
     ttft: Mutex<Histogram>,
     itl: Mutex<Histogram>,
 }
@@ -111,6 +112,7 @@ impl Default for EngineMetrics {
             prefix_cache_misses: AtomicU64::new(0),
             prefix_cache_reused_tokens: AtomicU64::new(0),
             prefix_cache_evictions: AtomicU64::new(0),
+            prefix_cache_checkpoints: AtomicU64::new(0),
             ttft: Mutex::new(Histogram::new(&TTFT_BUCKETS)),
             itl: Mutex::new(Histogram::new(&ITL_BUCKETS)),
         }
@@ -133,6 +135,8 @@ pub struct Gauges {
     pub prefix_cache_misses: u64,
     pub prefix_cache_reused_tokens: u64,
     pub prefix_cache_evictions: u64,
+    /// Recurrent-state checkpoints kept with cached pages (hybrid targets).
+    pub prefix_cache_checkpoints: usize,
 }
 
 const OUTCOMES: [&str; 4] = ["stop", "length", "cancelled", "error"];
@@ -211,6 +215,7 @@ impl EngineMetrics {
         self.prefix_cache_misses.store(g.prefix_cache_misses, Ordering::Relaxed);
         self.prefix_cache_reused_tokens.store(g.prefix_cache_reused_tokens, Ordering::Relaxed);
         self.prefix_cache_evictions.store(g.prefix_cache_evictions, Ordering::Relaxed);
+        self.prefix_cache_checkpoints.store(g.prefix_cache_checkpoints as u64, Ordering::Relaxed);
     }
 
     /// Sequences waiting for admission, as last published.
@@ -337,6 +342,11 @@ impl EngineMetrics {
                 "Prefix cache pages no sequence holds (evicted when room is needed).",
                 &self.prefix_cache_idle_pages,
             ),
+            (
+                "dflash_prefix_cache_checkpoints",
+                "Recurrent-state checkpoints kept with cached pages (hybrid targets).",
+                &self.prefix_cache_checkpoints,
+            ),
         ];
         for (name, help, value) in gauges {
             let _ =
@@ -383,6 +393,7 @@ mod tests {
             prefix_cache_pages: 12,
             prefix_cache_hits: 5,
             prefix_cache_evictions: 7,
+            prefix_cache_checkpoints: 3,
             ..Gauges::default()
         });
         let text = m.render();
@@ -394,6 +405,7 @@ mod tests {
             "dflash_spec_plain_rounds_total 1",
             "dflash_spec_gate_pauses_total 1",
             "dflash_spec_gated_lanes 2",
+            "dflash_prefix_cache_checkpoints 3",
             "dflash_spec_round_cost_ms{context_below=\"1024\",rows=\"2\"} 12.500",
             "dflash_spec_draft_cost_ms{lane=\"pld\"} 0.250",
             "dflash_spec_position_drafted_total{position=\"2\"} 1",
