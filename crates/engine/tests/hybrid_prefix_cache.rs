@@ -13,7 +13,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use common::{config, metric, request, Recorder};
+use common::{config, metric, request, Recorder, Session};
 use dflash_engine::spec::{MtpDepth, MtpLaneConfig, PolicyMode, SpecConfig};
 use dflash_engine::{Engine, EngineMetrics, Event, HybridTarget, Request, SamplingParams};
 use dflash_models::hybrid::{load_hybrid_weights, HybridModel};
@@ -60,11 +60,6 @@ fn mtp_lane(h: &Hybrid) -> MtpLaneConfig {
 /// An engine of `num_pages` pages on the hybrid target, no speculation but the optional MTP lane (every round
 /// at its full width, so drafts depend only on the lane's context); the prefix cache on with checkpoints every
 /// 64 tokens, or off.
-struct Session {
-    engine: Engine,
-    metrics: Arc<EngineMetrics>,
-}
-
 impl Session {
     fn new(h: &Hybrid, num_pages: usize, max_batch_tokens: usize, cache: bool, mtp: Option<MtpLaneConfig>) -> Self {
         let spec = SpecConfig { pld: None, policy: PolicyMode::Fixed, dflash_typical: None };
@@ -80,21 +75,6 @@ impl Session {
             None => engine,
         };
         Session { engine, metrics }
-    }
-
-    fn submit(&mut self, r: Request) -> Recorder {
-        let rec = Recorder::default();
-        self.engine.add(r, Box::new(rec.clone()));
-        rec
-    }
-
-    fn run(&mut self) -> String {
-        while self.engine.has_work() {
-            self.engine.step().expect("step");
-        }
-        let text = self.metrics.render();
-        assert_eq!(metric(&text, "dflash_kv_pages_used"), 0.0, "every page is given back:\n{text}");
-        text
     }
 }
 

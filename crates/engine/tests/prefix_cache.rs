@@ -10,7 +10,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use common::{config, load, metric, request, Disconnecting, Model, Recorder};
+use common::{config, load, metric, request, Disconnecting, Model, Recorder, Session};
 use dflash_engine::spec::{DrafterConfig, MtpDepth, MtpLaneConfig, PolicyMode, SpecConfig, SpecStats};
 use dflash_engine::{Engine, EngineConfig, EngineMetrics, Event, Request, SamplingParams};
 use dflash_models::dflash::{DraftConfig, DraftModel, TargetSpec};
@@ -31,11 +31,6 @@ answers short and plain, name dates when you know them, and say so when you do n
 const WIDE: usize = 512;
 
 /// An engine with `num_pages` pages of 16 tokens, prefix cache on or off, no speculation.
-struct Session {
-    engine: Engine,
-    metrics: Arc<EngineMetrics>,
-}
-
 impl Session {
     fn new(m: &Model, num_pages: usize, cache: bool, max_batch_tokens: usize) -> Self {
         let mut cfg = config(num_pages, max_batch_tokens, SpecConfig { pld: None, ..SpecConfig::default() });
@@ -44,21 +39,6 @@ impl Session {
         let engine =
             Engine::new(Arc::clone(&m.model), Arc::clone(&m.tokenizer), cfg, Arc::clone(&metrics)).expect("engine");
         Session { engine, metrics }
-    }
-
-    fn submit(&mut self, r: Request) -> Recorder {
-        let rec = Recorder::default();
-        self.engine.add(r, Box::new(rec.clone()));
-        rec
-    }
-
-    fn run(&mut self) -> String {
-        while self.engine.has_work() {
-            self.engine.step().expect("step");
-        }
-        let text = self.metrics.render();
-        assert_eq!(metric(&text, "dflash_kv_pages_used"), 0.0, "every page is given back:\n{text}");
-        text
     }
 }
 

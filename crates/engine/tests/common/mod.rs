@@ -173,3 +173,27 @@ pub fn metric(text: &str, name: &str) -> f64 {
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no {name} in\n{text}"))
 }
+
+/// An engine with its metrics, for tests that submit requests and run them all to the end.
+pub struct Session {
+    pub engine: Engine,
+    pub metrics: Arc<EngineMetrics>,
+}
+
+impl Session {
+    pub fn submit(&mut self, r: Request) -> Recorder {
+        let rec = Recorder::default();
+        self.engine.add(r, Box::new(rec.clone()));
+        rec
+    }
+
+    /// Steps until every request ended; returns the rendered metrics, after checking every page was given back.
+    pub fn run(&mut self) -> String {
+        while self.engine.has_work() {
+            self.engine.step().expect("step");
+        }
+        let text = self.metrics.render();
+        assert_eq!(metric(&text, "dflash_kv_pages_used"), 0.0, "every page is given back:\n{text}");
+        text
+    }
+}
