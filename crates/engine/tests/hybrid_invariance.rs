@@ -13,7 +13,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use common::{metric, request, Recorder};
+use common::{metric, request, Recorder, Session};
 use dflash_engine::spec::{DrafterConfig, MtpDepth, MtpLaneConfig, NgramConfig, PolicyMode, SpecConfig};
 use dflash_engine::{Engine, EngineConfig, EngineMetrics, HybridTarget, Request, SamplingParams, Target};
 use dflash_models::dflash::{DraftConfig, DraftModel, TargetSpec};
@@ -86,17 +86,7 @@ fn engine(setup: &Setup, cfg: EngineConfig, metrics: &Arc<EngineMetrics>) -> Eng
 /// Runs `requests` together to completion; returns each recorder and the metrics text.
 fn run(setup: &Setup, cfg: EngineConfig, requests: Vec<Request>) -> (Vec<Recorder>, String) {
     let metrics = Arc::new(EngineMetrics::default());
-    let mut engine = engine(setup, cfg, &metrics);
-    let recorders: Vec<Recorder> = requests.iter().map(|_| Recorder::default()).collect();
-    for (r, rec) in requests.into_iter().zip(&recorders) {
-        engine.add(r, Box::new(rec.clone()));
-    }
-    while engine.has_work() {
-        engine.step().expect("step");
-    }
-    let text = metrics.render();
-    assert!(text.contains("dflash_kv_pages_used 0\n"), "every page is freed:\n{text}");
-    (recorders, text)
+    Session { engine: engine(setup, cfg, &metrics), metrics }.run_together(requests)
 }
 
 fn outcomes(recorders: &[Recorder]) -> Vec<common::Outcome> {

@@ -152,17 +152,9 @@ pub fn request(id: usize, prompt: Vec<u32>, sampling: SamplingParams, max_tokens
 /// Runs `requests` together to completion; returns each outcome and the metrics text.
 pub fn run_all(m: &Model, cfg: EngineConfig, requests: Vec<Request>) -> (Vec<Outcome>, String) {
     let metrics = Arc::new(EngineMetrics::default());
-    let mut engine =
+    let engine =
         Engine::new(Arc::clone(&m.model), Arc::clone(&m.tokenizer), cfg, Arc::clone(&metrics)).expect("engine");
-    let recorders: Vec<Recorder> = requests.iter().map(|_| Recorder::default()).collect();
-    for (r, rec) in requests.into_iter().zip(&recorders) {
-        engine.add(r, Box::new(rec.clone()));
-    }
-    while engine.has_work() {
-        engine.step().expect("step");
-    }
-    let text = metrics.render();
-    assert!(text.contains("dflash_kv_pages_used 0\n"), "every page is freed:\n{text}");
+    let (recorders, text) = Session { engine, metrics }.run_together(requests);
     (recorders.iter().map(Recorder::outcome).collect(), text)
 }
 
@@ -185,6 +177,12 @@ impl Session {
         let rec = Recorder::default();
         self.engine.add(r, Box::new(rec.clone()));
         rec
+    }
+
+    /// Submits `requests` together and runs them all to the end: their recorders and the metrics text.
+    pub fn run_together(&mut self, requests: Vec<Request>) -> (Vec<Recorder>, String) {
+        let recorders = requests.into_iter().map(|r| self.submit(r)).collect();
+        (recorders, self.run())
     }
 
     /// Steps until every request ended; returns the rendered metrics, after checking every page was given back.
