@@ -141,13 +141,17 @@ pub fn assets_dir() -> PathBuf {
 /// The drafter shipped for the target `--model` names (`None`: the default model), if `assets` holds one: the
 /// default model's drafter; no other model has one.
 pub fn default_drafter(model: Option<&str>, assets: &Path) -> Option<PathBuf> {
-    let dir = assets.join(DEFAULT_DRAFTER);
-    (is_default_model(model) && dir.join("config.json").is_file()).then_some(dir)
+    shipped(model, assets, DEFAULT_DRAFTER)
 }
 
 /// The MTP head shipped for the default model, if `--model` names it and `assets` holds the head.
 pub fn default_mtp_head(model: Option<&str>, assets: &Path) -> Option<PathBuf> {
-    let dir = assets.join(DEFAULT_MTP_HEAD);
+    shipped(model, assets, DEFAULT_MTP_HEAD)
+}
+
+/// `assets/relative` when `--model` means the default model and that directory holds a checkpoint.
+fn shipped(model: Option<&str>, assets: &Path, relative: &str) -> Option<PathBuf> {
+    let dir = assets.join(relative);
     (is_default_model(model) && dir.join("config.json").is_file()).then_some(dir)
 }
 

@@ -109,7 +109,8 @@ impl Engines {
 
 pub fn run(model: &ModelArgs, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
     let entries = select(read_prompts(&args.prompts)?, args.per_group);
-    let kinds: Vec<LaneKind> = args.lanes.iter().map(|l| lane_kind(l).map(|k| k.0)).collect::<Result<_>>()?;
+    let parsed: Vec<(LaneKind, Option<PolicyMode>)> = args.lanes.iter().map(|l| lane_kind(l)).collect::<Result<_>>()?;
+    let kinds: Vec<LaneKind> = parsed.iter().map(|&(kind, _)| kind).collect();
     if kinds.first() != Some(&LaneKind::Plain) {
         bail!("the first lane must be `plain`: the other lanes' tokens and speedups are checked against it");
     }
@@ -122,9 +123,10 @@ pub fn run(model: &ModelArgs, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
             let sampling = sampling(temperature, SEED_BASE + i as u64);
             for _ in 0..args.repeat.max(1) {
                 let mut plain_ids = Vec::new();
-                for (lane, &kind) in args.lanes.iter().zip(&kinds) {
+                for (lane, &(kind, policy)) in args.lanes.iter().zip(&parsed) {
                     let engine = engines.for_lane(kind)?;
-                    let (usage, ttft_ms, ids) = run_one(engine, &prompt, lane, sampling.clone(), args.max_tokens)?;
+                    let (usage, ttft_ms, ids) =
+                        run_one(engine, &prompt, (lane, kind, policy), sampling.clone(), args.max_tokens)?;
                     if kind == LaneKind::Plain {
                         plain_ids = ids;
                     } else if ids != plain_ids && !(lossy && temperature > 0.0) {
@@ -297,15 +299,15 @@ impl EventSink for UsageProbe {
     }
 }
 
-/// One request through `engine` on `lane`; returns its usage, TTFT in ms and tokens.
+/// One request through `engine` on `lane` (its name, kind and width policy); returns its usage, TTFT in ms and
+/// tokens.
 fn run_one(
     engine: &mut Engine,
     prompt: &[u32],
-    lane: &str,
+    (lane, kind, spec_policy): (&str, LaneKind, Option<PolicyMode>),
     sampling: SamplingParams,
     max_tokens: usize,
 ) -> Result<(Usage, f64, Vec<u32>)> {
-    let (kind, spec_policy) = lane_kind(lane)?;
     let probe = UsageProbe::default();
     let request = Request {
         id: format!("bench-{lane}"),
