@@ -96,14 +96,15 @@ extern "C" __global__ void __launch_bounds__(ROPE_KV_WARPS * 32)
 //   counters[tile * kv_heads + kv head], which it resets) merges each row's splits in order
 //   (flash-decoding: a decode step has too few (row, kv head) items to fill the GPU without splitting).
 //
-// head_dim: a multiple of 4, at most 32 * ATTN_MAX_DPL. Dynamic shared memory (floats):
-// nq * D + ATTN_KT * (D + 4) + ATTN_KT * D, plus ATTN_KT slots.
+// head_dim: a multiple of 4, at most 32 * DPL, DPL (dims per lane) being the body's template bound, so
+// that the accumulators stay in registers: paged_attention (DPL 4) takes head_dim <= 128,
+// paged_attention_d256 (DPL 8) head_dim <= 256 (Qwen3-Next); the launcher picks by head_dim. Dynamic
+// shared memory (floats): nq * D + ATTN_KT * (D + 4) + ATTN_KT * D, plus ATTN_KT slots: at most
+// 41,472 bytes for head_dim 128, 82,432 for 256.
 #define ATTN_WARPS 8
 #define ATTN_KT 32
 #define ATTN_MAXQ 16
 #define ATTN_VPW 2
-#define ATTN_MAX_DPL 4
-#define ATTN_LOADS 4  // float4 loads of K (and of V) per thread per chunk: ATTN_KT * 128 / 4 / 256
 #define ATTN_NO_SLOT 0xffffffffu
 
 // The split-key epilogue of paged_attention: counts this block in; the last of the (tile, kv head)'s
@@ -149,12 +150,17 @@ __device__ __forceinline__ void merge_splits(float* __restrict__ out, const floa
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
-    paged_attention(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
-                    const u32* __restrict__ row_keys, const u32* __restrict__ tiles, const u32* __restrict__ tables,
-                    float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml,
-                    u32* __restrict__ counters, u32 num_heads, u32 kv_heads, u32 head_dim, u32 page_size,
-                    u32 table_stride, float scale, u32 split_keys, u32 num_pages, u32 num_seqs, u32 num_rows) {
+// The body of the paged_attention kernels; DPL: head dims per lane, head_dim <= 32 * DPL.
+template <u32 DPL>
+__device__ __forceinline__ void paged_attention_body(
+    const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
+    const u32* __restrict__ row_keys, const u32* __restrict__ tiles, const u32* __restrict__ tables,
+    float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml, u32* __restrict__ counters,
+    u32 num_heads, u32 kv_heads, u32 head_dim, u32 page_size, u32 table_stride, float scale, u32 split_keys,
+    u32 num_pages, u32 num_seqs, u32 num_rows) {
+    // float4 loads of K (and of V) per thread per chunk: ATTN_KT keys of up to 32 * DPL floats.
+    constexpr u32 LOADS = ATTN_KT * 32 * DPL / 4 / (ATTN_WARPS * 32);
+    static_assert(LOADS * 4 * ATTN_WARPS * 32 == ATTN_KT * 32 * DPL, "a chunk is whole float4 loads per thread");
     extern __shared__ float4 attn_smem[];
     __shared__ u32 slots[ATTN_KT];
     const u32* tile = tiles + 4 * blockIdx.x;
@@ -180,7 +186,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
         const u32 r = v / group, head = kvh * group + (v - r * group);
         qs[i] = q[(row0 + r) * q_ld + (u64)head * D + d];
     }
-    float m[ATTN_VPW], l[ATTN_VPW], acc[ATTN_VPW][ATTN_MAX_DPL];
+    float m[ATTN_VPW], l[ATTN_VPW], acc[ATTN_VPW][DPL];
     u32 lim[ATTN_VPW];
 #pragma unroll
     for (u32 vi = 0; vi < ATTN_VPW; ++vi) {
@@ -189,7 +195,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
         m[vi] = DF_NEG_INF;
         l[vi] = 0.0f;
 #pragma unroll
-        for (u32 j = 0; j < ATTN_MAX_DPL; ++j) acc[vi][j] = 0.0f;
+        for (u32 j = 0; j < DPL; ++j) acc[vi][j] = 0.0f;
     }
     const u32* table = tables + (u64)seq * table_stride;
     for (u32 base = k_begin; base < k_end; base += ATTN_KT) {
@@ -204,9 +210,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
             slots[threadIdx.x] = slot;
         }
         __syncthreads();
-        float4 kv[ATTN_LOADS], vv[ATTN_LOADS];
+        float4 kv[LOADS], vv[LOADS];
 #pragma unroll
-        for (u32 it = 0; it < ATTN_LOADS; ++it) {
+        for (u32 it = 0; it < LOADS; ++it) {
             const u32 e = threadIdx.x + it * blockDim.x;
             const u32 c = e / D4, d4 = e - c * D4;
             kv[it] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -224,7 +230,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
             }
         }
 #pragma unroll
-        for (u32 it = 0; it < ATTN_LOADS; ++it) {
+        for (u32 it = 0; it < LOADS; ++it) {
             const u32 e = threadIdx.x + it * blockDim.x;
             const u32 c = e / D4, d4 = e - c * D4;
             if (c < ATTN_KT) {
@@ -260,12 +266,12 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
             l[vi] = l[vi] * alpha + warp_sum(p);
             m[vi] = m_new;
 #pragma unroll
-            for (u32 j = 0; j < ATTN_MAX_DPL; ++j) acc[vi][j] *= alpha;
+            for (u32 j = 0; j < DPL; ++j) acc[vi][j] *= alpha;
 #pragma unroll 8
             for (u32 c = 0; c < ATTN_KT; ++c) {
                 const float pc = __shfl_sync(DF_FULL_MASK, p, c);
 #pragma unroll
-                for (u32 j = 0; j < ATTN_MAX_DPL; ++j) {
+                for (u32 j = 0; j < DPL; ++j) {
                     const u32 d = lane + 32 * j;
                     if (d < D) acc[vi][j] = fmaf(pc, vs[c * D + d], acc[vi][j]);
                 }
@@ -280,14 +286,14 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
         if (split_keys == 0) {
             float* dst = out + (row0 + r) * q_ld + (u64)head * D;
 #pragma unroll
-            for (u32 j = 0; j < ATTN_MAX_DPL; ++j) {
+            for (u32 j = 0; j < DPL; ++j) {
                 const u32 d = lane + 32 * j;
                 if (d < D) dst[d] = l[vi] > 0.0f ? acc[vi][j] / l[vi] : 0.0f;
             }
         } else {
             const u64 item = ((u64)(part0 + r) * num_heads + head) * gridDim.z + split;
 #pragma unroll
-            for (u32 j = 0; j < ATTN_MAX_DPL; ++j) {
+            for (u32 j = 0; j < DPL; ++j) {
                 const u32 d = lane + 32 * j;
                 if (d < D) part_acc[item * D + d] = acc[vi][j];
             }
@@ -300,3 +306,18 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
     if (split_keys != 0) merge_splits(out, part_acc, part_ml, counters, row_keys, row0, part0, nq, group, num_heads,
                                       kv_heads, kvh, D, split_keys, kmax);
 }
+
+#define PAGED_ATTENTION_KERNEL(NAME, DPL)                                                                          \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                                                  \
+        NAME(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,     \
+             const u32* __restrict__ row_keys, const u32* __restrict__ tiles, const u32* __restrict__ tables,      \
+             float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml,                   \
+             u32* __restrict__ counters, u32 num_heads, u32 kv_heads, u32 head_dim, u32 page_size,                 \
+             u32 table_stride, float scale, u32 split_keys, u32 num_pages, u32 num_seqs, u32 num_rows) {           \
+        paged_attention_body<DPL>(q, k_cache, v_cache, row_keys, tiles, tables, out, part_acc, part_ml, counters,  \
+                                  num_heads, kv_heads, head_dim, page_size, table_stride, scale, split_keys,       \
+                                  num_pages, num_seqs, num_rows);                                                  \
+    }
+
+PAGED_ATTENTION_KERNEL(paged_attention, 4)       // head_dim <= 128
+PAGED_ATTENTION_KERNEL(paged_attention_d256, 8)  // 128 < head_dim <= 256

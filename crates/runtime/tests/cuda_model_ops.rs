@@ -1,7 +1,7 @@
 //! The fused kernels of the CUDA model forward against their CPU twins, on fresh random inputs with odd
 //! sizes and outputs poisoned with NaN: the quantized matmul (every format, row count, prologue and
 //! epilogue), the quantized embedding, RoPE + KV write, paged attention (prompt and split-key modes,
-//! GQA, shuffled pages), the bf16 GEMV with epilogues, cuBLAS with strides and accumulation, the gathered
+//! GQA, shuffled pages, head_dim up to 256), the bf16 GEMV with epilogues, cuBLAS with strides and accumulation, the gathered
 //! final norm, the capture copy, and a CUDA graph replayed with new inputs.
 //!
 //! Without a CUDA device every test prints a SKIP notice and passes. Tolerances (`err` = |gpu − cpu|):
@@ -264,6 +264,8 @@ fn rope_kv_write_matches_cpu_norm_rope_and_kv_write() {
         (RopeStyle::Interleaved, 9, 3, 64, 64, false),
         (RopeStyle::Neox, 4, 2, 32, 32, true),
         (RopeStyle::Neox, 8, 2, 128, 64, false),
+        // Qwen3-Next-80B's attention heads: head norm, rotary over a quarter of 256 dims.
+        (RopeStyle::Neox, 16, 2, 256, 64, true),
     ];
     for (style, nh, kvh, d, rot, head_norm) in cases {
         let (rows, pages, ps) = (11, 6, 4);
@@ -480,6 +482,12 @@ fn paged_attention_matches_reference_and_is_batch_invariant() {
         AttnCase { seqs: vec![(300, 16, 0), (0, 20, 20), (64, 1, 0)], nh: 8, kvh: 2, d: 128, ps: 4 },
         // Tiny heads, an odd page size.
         AttnCase { seqs: vec![(7, 3, 1), (0, 2, 2)], nh: 4, kvh: 2, d: 16, ps: 3 },
+        // Qwen3-Next-80B's attention heads (the head_dim 256 kernel, 2 rows per tile): an odd prompt, a decode
+        // row over 201 keys (4 splits), an odd verify, and a chunk of 4 prompt rows over 2 key chunks + 5 decode
+        // rows.
+        AttnCase { seqs: vec![(0, 13, 13), (200, 1, 0), (93, 3, 0), (45, 9, 4)], nh: 16, kvh: 2, d: 256, ps: 16 },
+        // Just over 128 (the head_dim 256 kernel with dims left over in each lane's last slot), odd pages.
+        AttnCase { seqs: vec![(0, 5, 5), (70, 3, 0), (17, 4, 2)], nh: 6, kvh: 3, d: 132, ps: 5 },
     ];
     for case in cases {
         let (nh, kvh, d, ps) = (case.nh, case.kvh, case.d, case.ps);

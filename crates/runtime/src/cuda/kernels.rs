@@ -13,7 +13,7 @@ use super::compile::{self, CompileReport};
 use super::CudaError;
 
 /// The kernel sources in the order they are compiled.
-const SOURCES: [(&str, &str); 9] = [
+const SOURCES: [(&str, &str); 11] = [
     ("prelude.cuh", include_str!("../../kernels/prelude.cuh")),
     ("elementwise.cu", include_str!("../../kernels/elementwise.cu")),
     ("norm.cu", include_str!("../../kernels/norm.cu")),
@@ -23,6 +23,8 @@ const SOURCES: [(&str, &str); 9] = [
     ("quant.cu", include_str!("../../kernels/quant.cu")),
     ("attention.cu", include_str!("../../kernels/attention.cu")),
     ("misc.cu", include_str!("../../kernels/misc.cu")),
+    ("gdn.cu", include_str!("../../kernels/gdn.cu")),
+    ("moe.cu", include_str!("../../kernels/moe.cu")),
 ];
 
 /// NVRTC options beyond the architecture. NVRTC's defaults keep IEEE division and square root and allow
@@ -79,12 +81,26 @@ pub(crate) struct Kernels {
     pub embedding_quant: CudaFunction,
     pub rope_kv_write: CudaFunction,
     pub paged_attention: CudaFunction,
+    /// `paged_attention` for 128 < head_dim <= 256.
+    pub paged_attention_d256: CudaFunction,
     pub gather_rms_norm: CudaFunction,
     pub copy_columns: CudaFunction,
     pub fill_random_bf16: CudaFunction,
     pub fill_random_f32: CudaFunction,
     pub fill_random_u32: CudaFunction,
     pub fill_random_f16: CudaFunction,
+    pub moe_route: CudaFunction,
+    /// `moe_gate_up[i]`: i = 2 · (f32 weights) + (one row per weight load); `moe_down[i]`,
+    /// `moe_down_combine[i]`: i = (f32 weights).
+    pub moe_gate_up: [CudaFunction; 4],
+    pub moe_down: [CudaFunction; 2],
+    pub moe_down_combine: [CudaFunction; 2],
+    pub moe_combine: CudaFunction,
+    pub gdn_conv: CudaFunction,
+    pub gdn_prep: CudaFunction,
+    pub gdn_rule: CudaFunction,
+    pub gdn_gated_norm: CudaFunction,
+    pub sigmoid_gate_mul: CudaFunction,
 }
 
 impl Kernels {
@@ -147,12 +163,28 @@ impl Kernels {
             embedding_quant: get("embedding_quant")?,
             rope_kv_write: get("rope_kv_write")?,
             paged_attention: big_smem("paged_attention")?,
+            paged_attention_d256: big_smem("paged_attention_d256")?,
             gather_rms_norm: get("gather_rms_norm")?,
             copy_columns: get("copy_columns")?,
             fill_random_bf16: get("fill_random_bf16")?,
             fill_random_f32: get("fill_random_f32")?,
             fill_random_u32: get("fill_random_u32")?,
             fill_random_f16: get("fill_random_f16")?,
+            moe_route: get("moe_route")?,
+            moe_gate_up: [
+                get("moe_gate_up_bf16")?,
+                get("moe_gate_up_bf16_r1")?,
+                get("moe_gate_up_f32")?,
+                get("moe_gate_up_f32_r1")?,
+            ],
+            moe_down: [get("moe_down_bf16")?, get("moe_down_f32")?],
+            moe_down_combine: [get("moe_down_combine_bf16")?, get("moe_down_combine_f32")?],
+            moe_combine: get("moe_combine")?,
+            gdn_conv: get("gdn_conv")?,
+            gdn_prep: get("gdn_prep")?,
+            gdn_rule: get("gdn_rule")?,
+            gdn_gated_norm: get("gdn_gated_norm")?,
+            sigmoid_gate_mul: get("sigmoid_gate_mul")?,
         })
     }
 }

@@ -18,8 +18,11 @@ use crate::ops::RopeStyle;
 pub const ATTN_MAX_QUERIES: usize = 16;
 /// Keys per shared-memory chunk of the attention kernel (`ATTN_KT`); split-key ranges are multiples of it.
 pub const ATTN_KEY_CHUNK: usize = 32;
-/// Largest head_dim of the attention kernel (`32 · ATTN_MAX_DPL`) and of rope_kv_write.
-const ATTN_MAX_HEAD_DIM: usize = 128;
+/// Largest head_dim of `paged_attention` (`32 · 4` dims per lane); larger ones take `paged_attention_d256`.
+const ATTN_SMALL_HEAD_DIM: usize = 128;
+/// Largest head_dim of the attention kernels (`paged_attention_d256`: `32 · 8` dims per lane) and of
+/// rope_kv_write.
+const ATTN_MAX_HEAD_DIM: usize = 256;
 
 /// One layer's q|k|v rows through the optional q/k head norm and RoPE, q to `q_out`, k and v to the cache.
 #[derive(Clone, Copy, Debug)]
@@ -54,7 +57,7 @@ pub fn rope_kv_write(dev: &CudaDevice, a: RopeKvArgs) -> Result<()> {
     let (d, qw, kw) = (a.head_dim, a.num_heads * a.head_dim, a.kv_heads * a.head_dim);
     let norm_ok = |n: Option<DevSlice<f32>>| n.is_none_or(|n| n.len() == d);
     if d == 0
-        || d > 256
+        || d > ATTN_MAX_HEAD_DIM
         || a.rope.rotary_dim > d
         || a.slots.len() != rows
         || a.qkv_ld < qw + 2 * kw
@@ -252,6 +255,7 @@ pub fn paged_attention(dev: &CudaDevice, a: AttentionArgs, scratch: &AttentionSc
     let group = a.num_heads / a.kv_heads;
     // Queries, the K chunk (rows padded by 4), the V chunk (attention.cu).
     let nq = (a.max_tile_rows.max(1) * group).min(ATTN_MAX_QUERIES);
+    // At most 16 · 256 + 32 · 260 + 32 · 256 floats (82,432 bytes) for head_dim 256: within MAX_DYNAMIC_SMEM.
     let smem = 4 * (nq * d + ATTN_KEY_CHUNK * (d + 4) + ATTN_KEY_CHUNK * d);
     let (pa, pm, counters) = (scratch.part_acc.view(), scratch.part_ml.view(), scratch.counters.view());
     let slots = a.k_cache.len() / (a.kv_heads * d);
@@ -267,7 +271,11 @@ pub fn paged_attention(dev: &CudaDevice, a: AttentionArgs, scratch: &AttentionSc
         KeySplit::Whole => (0, 1),
         KeySplit::Fixed { keys, max_splits, .. } => (dim(keys, "split keys")?, dim(max_splits, "splits")?),
     };
-    let mut launch = dev.stream().launch_builder(&dev.kernels.paged_attention);
+    // The accumulators are per lane in registers: the kernel for head_dim <= 128 keeps 4 dims per lane, the
+    // other 8 (more registers, so only where needed).
+    let kernel =
+        if d <= ATTN_SMALL_HEAD_DIM { &dev.kernels.paged_attention } else { &dev.kernels.paged_attention_d256 };
+    let mut launch = dev.stream().launch_builder(kernel);
     launch
         .arg(a.q.arg())
         .arg(a.k_cache.arg())

@@ -12,7 +12,9 @@
 
 mod attention;
 mod fused;
+mod gdn;
 mod matmul;
+mod moe;
 mod quant;
 
 pub use attention::{
@@ -23,7 +25,12 @@ pub use fused::{
     copy_columns, fill_random_bf16, fill_random_f16, fill_random_f32, fill_random_u32, gather_rms_norm, gemm,
     gemv_bf16_ep, Epilogue, GemmArgs,
 };
+pub use gdn::{
+    gdn_conv, gdn_gated_norm, gdn_prep, gdn_rule, sigmoid_gate_mul, GdnConvArgs, GdnPrepArgs, GdnRuleArgs, GdnRuns,
+    GdnStateView, GDN_MAX_CONV_KERNEL, GDN_MAX_K_HEAD_DIM,
+};
 pub use matmul::{gemm_bf16, gemv_bf16, matmul_bf16};
+pub use moe::{moe_forward, ExpertWeights, MoeArgs, MoeScratch, MOE_SMALL_BATCH};
 pub use quant::{embedding_quant, mmvq, mmvq_smem_bytes, MmvqArgs, QuantFormat, QuantMatrix};
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};

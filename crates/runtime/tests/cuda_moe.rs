@@ -1,0 +1,518 @@
+//! The sparse mixture-of-experts block on the device (`cuda::ops::moe_forward`) against a CPU reference
+//! of `SparseMoe::forward` (crates/models/src/hybrid/moe.rs) built from `ops::{softmax_in_place, top_k,
+//! swiglu_fused}`: odd and vector-friendly sizes, f32 and bf16 weights (widened exactly on the CPU side),
+//! with and without the shared expert, renormalised picks or not, exact routing ties, a masked row, 1 and 3
+//! rows (the small-batch path: one-row plan, fused down + combine) and 16 (the batch path), rows alone and
+//! in a batch of 5 against the same rows in a batch of 16, a CUDA graph against eager launches, and shape
+//! errors.
+//!
+//! Without a CUDA device every test prints a SKIP notice and passes.
+//!
+//! Tolerance per residual element: `|gpu − cpu| <= 2e-5 · S` with
+//! `S = Σ_picks w · Σ_i |down[h, i]| · (|act_i| + (|up_i| + 1)·Σ|gate·x| + (|gate_i| + 1)·Σ|up·x| + 1)
+//!      + |g · shared[h]| + |residual[h]|`:
+//! the reference sums its dot products in f64, the kernels in f32 in another order (each dot's error is a
+//! few ulp of its Σ|terms|); that error passes through SwiGLU scaled by the other operand plus one (as in
+//! cuda_model_ops' SwiGLU epilogue), the CPU's polynomial `exp` and CUDA's `expf` differ by about 1e-6
+//! relative (the `+ 1`, and the routing weights, whose softmax sum also runs in another order), and the
+//! final residual add rounds once. A wrong expert, weight or slot moves an output by one term `w · y`,
+//! about 1e-3 · S at these sizes (50 times the tolerance); the errors seen on the H200 are below 1e-8 · S.
+//! Routing must pick the same experts: generated rows whose k-th and (k+1)-th probabilities are closer
+//! than 1e-4 relative without being exact ties are drawn again. Batch invariance and graph replay are
+//! checked bit for bit.
+#![cfg(feature = "cuda")]
+
+use std::io::Write;
+use std::sync::OnceLock;
+
+use dflash_runtime::cuda::ops::{self as gpu, ExpertWeights, MoeArgs, MoeScratch};
+use dflash_runtime::cuda::{CudaDevice, CudaError, DevSlice, DeviceBuf};
+use dflash_runtime::ops as cpu;
+use dflash_runtime::Tensor;
+use half::bf16;
+
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn uniform(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.uniform() * scale).collect()
+    }
+}
+
+fn say(line: &str) {
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
+
+fn device() -> Option<&'static CudaDevice> {
+    static DEVICE: OnceLock<Option<CudaDevice>> = OnceLock::new();
+    DEVICE
+        .get_or_init(|| match CudaDevice::new(0) {
+            Ok(dev) => {
+                say(&format!("{:<34} {:<36} {:>11} {:>11}", "kernel", "shape", "max err", "tolerance"));
+                Some(dev)
+            }
+            Err(e) => {
+                say(&format!("SKIP cuda MoE tests: no usable CUDA device ({e})"));
+                None
+            }
+        })
+        .as_ref()
+}
+
+fn check(kernel: &str, shape: &str, max_err: f64, tol: f64) {
+    say(&format!("{kernel:<34} {shape:<36} {max_err:>11.3e} {tol:>11.1e}"));
+    assert!(max_err <= tol, "{kernel} {shape}: max error {max_err:e} over tolerance {tol:e}");
+}
+
+fn bit_mismatches(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    got.iter().zip(want).filter(|(g, w)| g.to_bits() != w.to_bits()).count() as f64
+}
+
+/// One block's sizes and options.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    hidden: usize,
+    inter: usize,
+    experts: usize,
+    top_k: usize,
+    rows: usize,
+    shared: bool,
+    norm_topk: bool,
+    bf16: bool,
+}
+
+impl Case {
+    fn name(&self) -> String {
+        let ty = if self.bf16 { "bf16" } else { "f32" };
+        let shared = if self.shared { " +shared" } else { "" };
+        let norm = if self.norm_topk { " norm" } else { "" };
+        format!("moe_forward {ty}{shared}{norm}")
+    }
+
+    fn shape(&self) -> String {
+        let (h, i, e, k, t) = (self.hidden, self.inter, self.experts, self.top_k, self.rows);
+        format!("T{t} H{h} I{i} {k}/{e}")
+    }
+
+    /// Logit row stride: the expert logits, the shared gate and two spare columns.
+    fn ld(&self) -> usize {
+        self.experts + 3
+    }
+}
+
+/// Host inputs of one case; weights as the f32 values the device sees (bf16-exact when `bf16`).
+struct Inputs {
+    x: Vec<f32>,        // [T, H]
+    logits: Vec<f32>,   // [T, ld]
+    gate_up: Vec<f32>,  // [E, 2I, H]
+    down: Vec<f32>,     // [E, H, I]
+    shared: Vec<f32>,   // [T, H]
+    residual: Vec<f32>, // [T, H]
+}
+
+/// The CPU's routing of one logit row: `(expert, weight)` picks in rank order (SparseMoe::route).
+fn route(row: &[f32], case: &Case) -> Vec<(usize, f32)> {
+    let mut probs = row[..case.experts].to_vec();
+    cpu::softmax_in_place(&mut probs);
+    let top = cpu::top_k(&probs, case.top_k);
+    let sum: f32 = top.iter().map(|&(_, p)| p).sum();
+    let norm = if case.norm_topk { sum } else { 1.0 };
+    top.iter().map(|&(id, p)| (id as usize, p / norm)).collect()
+}
+
+/// Whether the GPU must pick the same experts: the k-th and (k+1)-th probabilities are exact ties (equal
+/// logits, ranked by id on both sides) or apart by more than 1e-4 relative.
+fn routing_is_stable(row: &[f32], case: &Case) -> bool {
+    if case.top_k >= case.experts {
+        return true;
+    }
+    let mut probs = row[..case.experts].to_vec();
+    cpu::softmax_in_place(&mut probs);
+    let top = cpu::top_k(&probs, case.top_k + 1);
+    let (a, b) = (top[case.top_k - 1], top[case.top_k]);
+    row[a.0 as usize] == row[b.0 as usize] || a.1 - b.1 > 1e-4 * a.1
+}
+
+fn inputs(rng: &mut Rng, case: &Case) -> Inputs {
+    let (h, i, e, t, ld) = (case.hidden, case.inter, case.experts, case.rows, case.ld());
+    let widen = |v: Vec<f32>| -> Vec<f32> {
+        if case.bf16 {
+            v.iter().map(|&w| bf16::from_f32(w).to_f32()).collect()
+        } else {
+            v
+        }
+    };
+    let gate_up = widen(rng.vec(e * 2 * i * h, 2.0 / (h as f32).sqrt()));
+    let down = widen(rng.vec(e * h * i, 2.0 / (i as f32).sqrt()));
+    let mut logits = vec![0f32; t * ld];
+    for r in 0..t {
+        let row = &mut logits[r * ld..(r + 1) * ld];
+        loop {
+            for v in row.iter_mut() {
+                *v = rng.uniform() * 3.0;
+            }
+            match r % 7 {
+                // All experts equal: uniform probabilities, the lowest ids win.
+                3 => row[..e].fill(0.5),
+                // Logits on a coarse grid: many exact ties around the k-th pick.
+                4 => row[..e].iter_mut().for_each(|v| *v = (*v * 2.0).round() / 2.0),
+                // Every expert masked: uniform as well (the gate column stays finite).
+                5 if r > 10 => row[..e].fill(f32::NEG_INFINITY),
+                _ => {}
+            }
+            if routing_is_stable(row, case) {
+                break;
+            }
+        }
+    }
+    Inputs { x: rng.vec(t * h, 2.0), logits, gate_up, down, shared: rng.vec(t * h, 1.0), residual: rng.vec(t * h, 1.0) }
+}
+
+/// The CPU result (the residual after the block) and the error scale of each element.
+fn reference(inp: &Inputs, case: &Case) -> (Vec<f32>, Vec<f64>) {
+    let (h, i, e, t, ld) = (case.hidden, case.inter, case.experts, case.rows, case.ld());
+    let mut out = inp.residual.clone();
+    let mut scale = vec![0f64; t * h];
+    for r in 0..t {
+        let x = &inp.x[r * h..(r + 1) * h];
+        let mut picks = route(&inp.logits[r * ld..(r + 1) * ld], case);
+        // The CPU adds the experts in ascending id order (its expert loop).
+        picks.sort_by_key(|&(id, _)| id);
+        let mut delta = vec![0f32; h];
+        for &(id, w) in &picks {
+            let gu = &inp.gate_up[id * 2 * i * h..(id + 1) * 2 * i * h];
+            let dot = |row: &[f32]| -> (f32, f64) {
+                let s: f64 = row.iter().zip(x).map(|(&a, &b)| a as f64 * b as f64).sum();
+                let abs: f64 = row.iter().zip(x).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
+                (s as f32, abs)
+            };
+            let (pre, pre_abs): (Vec<f32>, Vec<f64>) = gu.chunks_exact(h).map(dot).unzip();
+            let mut act = Tensor::from_f32(&vec![0.0; i], &[1, i]).expect("act");
+            cpu::swiglu_fused(&Tensor::from_f32(&pre, &[1, 2 * i]).expect("gate_up"), &mut act).expect("swiglu");
+            let act = act.as_f32().expect("f32");
+            // Error scale of each activation: the dots' scales through SwiGLU, plus the exp difference.
+            let act_err: Vec<f64> = (0..i)
+                .map(|j| {
+                    let (g, u) = (pre[j] as f64, pre[i + j] as f64);
+                    act[j].abs() as f64 + (u.abs() + 1.0) * pre_abs[j] + (g.abs() + 1.0) * pre_abs[i + j] + 1.0
+                })
+                .collect();
+            let dn = &inp.down[id * h * i..(id + 1) * h * i];
+            for (c, d) in dn.chunks_exact(i).enumerate() {
+                let y: f64 = d.iter().zip(act).map(|(&a, &b)| a as f64 * b as f64).sum();
+                delta[c] += y as f32 * w;
+                scale[r * h + c] += w as f64 * d.iter().zip(&act_err).map(|(&a, &s)| a.abs() as f64 * s).sum::<f64>();
+            }
+        }
+        if case.shared {
+            let g = 1.0 / (1.0 + (-inp.logits[r * ld + e]).exp());
+            for (c, d) in delta.iter_mut().enumerate() {
+                let term = g * inp.shared[r * h + c];
+                *d += term;
+                scale[r * h + c] += term.abs() as f64;
+            }
+        }
+        for (c, d) in delta.iter().enumerate() {
+            out[r * h + c] += d;
+            scale[r * h + c] += out[r * h + c].abs() as f64 + 1e-30;
+        }
+    }
+    (out, scale)
+}
+
+/// The device copies of one case's inputs.
+struct DevInputs {
+    x: DeviceBuf<f32>,
+    logits: DeviceBuf<f32>,
+    gu_f32: DeviceBuf<f32>,
+    down_f32: DeviceBuf<f32>,
+    gu_bf16: DeviceBuf<bf16>,
+    down_bf16: DeviceBuf<bf16>,
+    shared: DeviceBuf<f32>,
+    residual: DeviceBuf<f32>,
+}
+
+impl DevInputs {
+    fn new(dev: &CudaDevice, inp: &Inputs, case: &Case) -> Self {
+        let to_bf16 = |v: &[f32]| -> Vec<bf16> { v.iter().map(|&w| bf16::from_f32(w)).collect() };
+        // Only one of the weight types is used; the other is a one-element placeholder.
+        let (gu_f32, down_f32, gu_bf16, down_bf16) = if case.bf16 {
+            (vec![0.0], vec![0.0], to_bf16(&inp.gate_up), to_bf16(&inp.down))
+        } else {
+            (inp.gate_up.clone(), inp.down.clone(), vec![bf16::ZERO], vec![bf16::ZERO])
+        };
+        let up = |v: &[f32]| dev.upload(v).expect("upload");
+        DevInputs {
+            x: up(&inp.x),
+            logits: up(&inp.logits),
+            gu_f32: up(&gu_f32),
+            down_f32: up(&down_f32),
+            gu_bf16: dev.upload(&gu_bf16).expect("upload"),
+            down_bf16: dev.upload(&down_bf16).expect("upload"),
+            shared: up(&inp.shared),
+            residual: up(&inp.residual),
+        }
+    }
+
+    /// The arguments for rows `first .. first + rows` (the whole case when `rows == case.rows`).
+    fn args<'a>(&'a self, case: &Case, first: usize, rows: usize) -> MoeArgs<'a> {
+        let (h, ld) = (case.hidden, case.ld());
+        let part = |b: &'a DeviceBuf<f32>| b.view().sub(first * h, rows * h).expect("rows");
+        let experts = if case.bf16 {
+            ExpertWeights::Bf16 { gate_up: self.gu_bf16.view(), down: self.down_bf16.view() }
+        } else {
+            ExpertWeights::F32 { gate_up: self.gu_f32.view(), down: self.down_f32.view() }
+        };
+        MoeArgs {
+            x: part(&self.x),
+            logits: self.logits.view().sub(first * ld, rows * ld).expect("logit rows"),
+            logit_ld: ld,
+            experts,
+            num_experts: case.experts,
+            top_k: case.top_k,
+            norm_topk: case.norm_topk,
+            hidden: h,
+            inter: case.inter,
+            shared: case.shared.then(|| part(&self.shared)),
+            residual: part(&self.residual),
+        }
+    }
+}
+
+/// Sizes `(H, I, E, top_k)`: odd (scalar loads), vector-friendly, a hidden multiple of 8 with an odd inter,
+/// many experts, few experts with many rows each (the 8-row chunks), and so many experts that the routing
+/// kernel takes fewer rows per block.
+const SIZES: [(usize, usize, usize, usize); 6] =
+    [(72, 40, 9, 3), (70, 37, 9, 3), (72, 37, 9, 3), (256, 96, 64, 8), (64, 24, 4, 2), (16, 8, 3000, 6)];
+
+#[test]
+fn moe_forward_matches_cpu_reference() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(61);
+    // One scratch for every case (sized for the largest): stale plans or slots from an earlier case would
+    // show up as errors.
+    let scratch = MoeScratch::new(dev, 16, 3000, 8, 256, 96).expect("scratch");
+    let mut n = 0usize;
+    for (hidden, inter, experts, top_k) in SIZES {
+        for rows in [1, 3, 16] {
+            for bf16 in [false, true] {
+                // bf16 alternates with n, so any 8 consecutive cases cover every (bf16, shared, norm).
+                let shared = (n / 2).is_multiple_of(2);
+                let norm_topk = (n / 4).is_multiple_of(2);
+                n += 1;
+                let case = Case { hidden, inter, experts, top_k, rows, shared, norm_topk, bf16 };
+                let inp = inputs(&mut rng, &case);
+                let (want, scale) = reference(&inp, &case);
+                let d = DevInputs::new(dev, &inp, &case);
+                gpu::moe_forward(dev, d.args(&case, 0, rows), &scratch).expect("moe_forward");
+                let got = dev.download(&d.residual).expect("download");
+                let err = got
+                    .iter()
+                    .zip(&want)
+                    .zip(&scale)
+                    .map(|((&g, &w), &s)| if g.is_nan() { f64::INFINITY } else { (g as f64 - w as f64).abs() / s })
+                    .fold(0.0, f64::max);
+                check(&case.name(), &case.shape(), err, 2e-5);
+            }
+        }
+    }
+}
+
+#[test]
+fn moe_forward_rows_alone_equal_rows_in_a_batch_of_16() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(62);
+    let scratch = MoeScratch::new(dev, 16, 3000, 8, 256, 96).expect("scratch");
+    for (hidden, inter, experts, top_k) in SIZES {
+        for bf16 in [false, true] {
+            let case = Case { hidden, inter, experts, top_k, rows: 16, shared: bf16, norm_topk: !bf16, bf16 };
+            let inp = inputs(&mut rng, &case);
+            let mut d = DevInputs::new(dev, &inp, &case);
+            gpu::moe_forward(dev, d.args(&case, 0, 16), &scratch).expect("batch");
+            let batched = dev.download(&d.residual).expect("download");
+            // Each row alone, in reverse order, from the original residual.
+            dev.upload_into(&inp.residual, &mut d.residual).expect("reset");
+            for r in (0..16).rev() {
+                gpu::moe_forward(dev, d.args(&case, r, 1), &scratch).expect("alone");
+            }
+            let alone = dev.download(&d.residual).expect("download");
+            check(&format!("{} alone", case.name()), &case.shape(), bit_mismatches(&alone, &batched), 0.0);
+            // Rows 3..8 as a batch of 5: the small-batch path with two routing blocks and a grouping.
+            dev.upload_into(&inp.residual, &mut d.residual).expect("reset");
+            gpu::moe_forward(dev, d.args(&case, 3, 5), &scratch).expect("five");
+            let five = dev.download(&d.residual).expect("download");
+            let part = |v: &[f32]| v[3 * hidden..8 * hidden].to_vec();
+            check(
+                &format!("{} 5 rows", case.name()),
+                &case.shape(),
+                bit_mismatches(&part(&five), &part(&batched)),
+                0.0,
+            );
+        }
+    }
+}
+
+#[test]
+fn moe_forward_replays_in_a_cuda_graph() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(63);
+    let case =
+        Case { hidden: 256, inter: 96, experts: 64, top_k: 8, rows: 3, shared: true, norm_topk: true, bf16: true };
+    let scratch = MoeScratch::new(dev, case.rows, case.experts, case.top_k, case.hidden, case.inter).expect("scratch");
+    let first = inputs(&mut rng, &case);
+    let mut d = DevInputs::new(dev, &first, &case);
+    let graph = dev.capture(|| gpu::moe_forward(dev, d.args(&case, 0, case.rows), &scratch)).expect("capture");
+    for round in 0..3 {
+        // New routing and inputs at the same addresses.
+        let next = inputs(&mut rng, &case);
+        dev.upload_into(&next.logits, &mut d.logits).expect("logits");
+        dev.upload_into(&next.x, &mut d.x).expect("x");
+        dev.upload_into(&next.residual, &mut d.residual).expect("residual");
+        graph.launch().expect("replay");
+        let replayed = dev.download(&d.residual).expect("download");
+        dev.upload_into(&next.residual, &mut d.residual).expect("residual");
+        gpu::moe_forward(dev, d.args(&case, 0, case.rows), &scratch).expect("eager");
+        let eager = dev.download(&d.residual).expect("download");
+        check("moe_forward graph vs eager", &format!("round {round}"), bit_mismatches(&replayed, &eager), 0.0);
+        let routed =
+            Inputs { gate_up: first.gate_up.clone(), down: first.down.clone(), shared: first.shared.clone(), ..next };
+        let (want, scale) = reference(&routed, &case);
+        let err = replayed.iter().zip(&want).zip(&scale).map(|((&g, &w), &s)| (g as f64 - w as f64).abs() / s);
+        check("moe_forward graph vs cpu", &format!("round {round}"), err.fold(0.0, f64::max), 2e-5);
+    }
+}
+
+#[test]
+fn moe_forward_rejects_bad_shapes_without_launching() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(64);
+    let case =
+        Case { hidden: 72, inter: 40, experts: 9, top_k: 3, rows: 3, shared: true, norm_topk: false, bf16: false };
+    let inp = inputs(&mut rng, &case);
+    let d = DevInputs::new(dev, &inp, &case);
+    let scratch = MoeScratch::new(dev, 3, 9, 3, 72, 40).expect("scratch");
+    let small = MoeScratch::new(dev, 2, 9, 3, 72, 40).expect("small scratch");
+    let good = d.args(&case, 0, 3);
+    fn short(b: &DeviceBuf<f32>, len: usize) -> DevSlice<'_, f32> {
+        b.view().prefix(len).expect("prefix")
+    }
+    let bad: Vec<(&str, MoeArgs, &MoeScratch)> = vec![
+        ("x not rows of hidden", MoeArgs { x: short(&d.x, 3 * 72 - 1), ..good }, &scratch),
+        ("residual rows", MoeArgs { residual: short(&d.residual, 2 * 72), ..good }, &scratch),
+        ("shared rows", MoeArgs { shared: Some(short(&d.shared, 2 * 72)), ..good }, &scratch),
+        ("logits short", MoeArgs { logits: short(&d.logits, 2 * case.ld() + 9), ..good }, &scratch),
+        ("no gate column", MoeArgs { logit_ld: 9, ..good }, &scratch),
+        ("top_k over experts", MoeArgs { top_k: 10, ..good }, &scratch),
+        ("no picks", MoeArgs { top_k: 0, ..good }, &scratch),
+        ("inter mismatch", MoeArgs { inter: 39, ..good }, &scratch),
+        (
+            "gate_up short",
+            MoeArgs {
+                experts: ExpertWeights::F32 { gate_up: short(&d.gu_f32, 9 * 80 * 72 - 8), down: d.down_f32.view() },
+                ..good
+            },
+            &scratch,
+        ),
+        ("scratch rows", good, &small),
+    ];
+    for (what, args, s) in bad {
+        match gpu::moe_forward(dev, args, s) {
+            Err(CudaError::Shape(msg)) => say(&format!("moe_forward shape error ({what}): {msg}")),
+            other => panic!("{what}: expected a shape error, got {other:?}"),
+        }
+    }
+    dev.synchronize().expect("sync");
+    let after = dev.download(&d.residual).expect("download");
+    check("moe_forward bad shapes launch nothing", "residual untouched", bit_mismatches(&after, &inp.residual), 0.0);
+}
+
+/// Decode (1 row) and verify (4, 16 rows) through Qwen3-Next-80B's MoE shape, eight layers (different
+/// routings) per replay of a CUDA graph, so the weights come from HBM, not L2. Prints the time per layer; for
+/// one row against the floor of the 10 routed experts' bytes at 4.3 TB/s (15 us). Needs 3.3 GB of device
+/// memory: run with `--ignored`.
+#[test]
+#[ignore]
+fn moe_decode_timing() {
+    let Some(dev) = device() else { return };
+    let (h, i, e, k, layers) = (2048, 512, 512, 10, 8);
+    let gate_up = dev.alloc_zeros::<bf16>(e * 2 * i * h).expect("gate_up");
+    let down = dev.alloc_zeros::<bf16>(e * h * i).expect("down");
+    let scale = 1.0 / (h as f32).sqrt();
+    gpu::fill_random_bf16(dev, &gate_up, 1, scale, 0.0).expect("fill");
+    gpu::fill_random_bf16(dev, &down, 2, scale, 0.0).expect("fill");
+    let mut rng = Rng::new(65);
+    for rows in [1, 4, 16] {
+        let x = dev.upload(&rng.vec(rows * h, 1.0)).expect("x");
+        let residual = dev.alloc_zeros::<f32>(rows * h).expect("residual");
+        let logits: Vec<DeviceBuf<f32>> =
+            (0..layers).map(|_| dev.upload(&rng.vec(rows * e, 4.0)).expect("logits")).collect();
+        let scratch = MoeScratch::new(dev, rows, e, k, h, i).expect("scratch");
+        let layers_args: Vec<MoeArgs> = logits
+            .iter()
+            .map(|l| MoeArgs {
+                x: x.view(),
+                logits: l.view(),
+                logit_ld: e,
+                experts: ExpertWeights::Bf16 { gate_up: gate_up.view(), down: down.view() },
+                num_experts: e,
+                top_k: k,
+                norm_topk: true,
+                hidden: h,
+                inter: i,
+                shared: None,
+                residual: residual.view(),
+            })
+            .collect();
+        let all = || layers_args.iter().try_for_each(|&a| gpu::moe_forward(dev, a, &scratch));
+        let graph = dev.capture(all).expect("capture");
+        for _ in 0..5 {
+            graph.launch().expect("warm-up");
+        }
+        dev.synchronize().expect("sync");
+        let reps = 200;
+        let start = std::time::Instant::now();
+        for _ in 0..reps {
+            graph.launch().expect("replay");
+        }
+        dev.synchronize().expect("sync");
+        let per_layer = start.elapsed().as_secs_f64() / (reps * layers) as f64;
+        // Eager launches, for the launch overhead.
+        let start = std::time::Instant::now();
+        for _ in 0..reps {
+            all().expect("eager");
+        }
+        dev.synchronize().expect("sync");
+        let eager = start.elapsed().as_secs_f64() / (reps * layers) as f64;
+        let floor = if rows == 1 {
+            let bytes = (k * 3 * i * h * 2) as f64;
+            format!(
+                ", {:.0} GB/s of routed weights ({:.0}% of 4.3 TB/s)",
+                bytes / per_layer / 1e9,
+                bytes / per_layer / 4.3e12 * 100.0
+            )
+        } else {
+            String::new()
+        };
+        say(&format!(
+            "moe H{h} I{i} {k}/{e} bf16, {rows} rows: {:.1} us per layer in a graph ({:.1} eager){floor}",
+            per_layer * 1e6,
+            eager * 1e6
+        ));
+    }
+}
