@@ -3,38 +3,19 @@
 //! one synchronisation.
 
 use dflash_runtime::cuda::ops::{
-    self as gpu, copy_columns, embedding_quant, gather_rms_norm, gemm, gemv_bf16_ep, mmvq, paged_attention,
-    rope_kv_write, AttentionArgs, Epilogue, GemmArgs, KeySplit, MmvqArgs, RopeKvArgs,
+    self as gpu, copy_columns, embedding_quant, gather_rms_norm, paged_attention, rope_kv_write, AttentionArgs,
+    KeySplit, RopeKvArgs,
 };
-use dflash_runtime::cuda::DevSlice;
+use dflash_runtime::cuda::{CudaDevice, DeviceBuf};
 use dflash_runtime::Tensor;
 
-use super::cache::{CudaCache, Workspace};
+use super::cache::CudaCache;
 use super::error::{CudaModelError, Result};
+use super::linear::{Linear, MatIn, MatOut};
 use super::model::{CudaLayer, CudaLlamaModel};
 use super::plan::{self, StepPlan, SPLIT_KEYS};
-use super::weights::{DevMatrix, DevProjection, DevWeight};
+use super::weights::DevWeight;
 use crate::batch::{ForwardBatch, ForwardOut};
-
-/// The input of a matmul.
-#[derive(Clone, Copy)]
-enum MatIn<'a> {
-    /// `x` `[m, k]`, RMS-normalised with weight `w` first (the layer's pre-norm).
-    Normed { x: DevSlice<'a, f32>, w: DevSlice<'a, f32> },
-    /// `x` `[m, k]` as it is.
-    Plain(DevSlice<'a, f32>),
-}
-
-/// Where a matmul's result goes.
-#[derive(Clone, Copy)]
-enum MatOut<'a> {
-    /// Into columns `col ..` of `y` `[m, ld]`.
-    Store { y: DevSlice<'a, f32>, ld: usize, col: usize },
-    /// Added to the residual stream `[m, n]`.
-    Add(DevSlice<'a, f32>),
-    /// SwiGLU of the gate and up halves into `act` `[m, n / 2]`.
-    Swiglu(DevSlice<'a, f32>),
-}
 
 /// What a forward brings back to the host.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -125,18 +106,7 @@ impl CudaLlamaModel {
     }
 
     fn download_logits(&self, cache: &CudaCache, rows: &[usize], out: &mut [f32]) -> Result<()> {
-        let v = self.cfg.vocab_size;
-        let mut j = 0;
-        while j < rows.len() {
-            // Copy runs of consecutive device rows at once.
-            let mut end = j + 1;
-            while end < rows.len() && rows[end] == rows[end - 1] + 1 {
-                end += 1;
-            }
-            self.dev.download_into(&cache.ws.logits, rows[j] * v, &mut out[j * v..end * v])?;
-            j = end;
-        }
-        Ok(())
+        download_rows(&self.dev, &cache.ws.logits, self.cfg.vocab_size, rows, out)
     }
 
     /// Queues one step's kernels (for eager runs and for graph capture alike): embedding, the layers, the
@@ -165,7 +135,13 @@ impl CudaLlamaModel {
         gather_rms_norm(&self.dev, residual, input(lay.logit_rows())?, &self.final_norm, cfg.rms_norm_eps, logits_in)?;
         let logits = ws.logits.view().prefix(l * cfg.vocab_size)?;
         let head = self.lm_head();
-        self.matmul(ws, l, MatIn::Plain(logits_in), head, MatOut::Store { y: logits, ld: cfg.vocab_size, col: 0 })?;
+        self.linear().matmul(
+            ws,
+            l,
+            MatIn::Plain(logits_in),
+            head,
+            MatOut::Store { y: logits, ld: cfg.vocab_size, col: 0 },
+        )?;
         if argmax {
             gpu::argmax_rows(&self.dev, logits, cfg.vocab_size, ws.ids.view().prefix(l)?, &ws.argmax)?;
         }
@@ -183,7 +159,7 @@ impl CudaLlamaModel {
         let qkv_w = cfg.qkv_width();
         let qkv = ws.qkv.view().prefix(t * qkv_w)?;
         let normed_in = MatIn::Normed { x: residual, w: layer.attn_norm.view() };
-        self.project(ws, t, normed_in, &layer.qkv, MatOut::Store { y: qkv, ld: qkv_w, col: 0 })?;
+        self.linear().project(ws, t, normed_in, &layer.qkv, MatOut::Store { y: qkv, ld: qkv_w, col: 0 })?;
         let (k_cache, v_cache) = (
             cache.k.view().sub(i * cache.layer_len, cache.layer_len)?,
             cache.v.view().sub(i * cache.layer_len, cache.layer_len)?,
@@ -240,100 +216,34 @@ impl CudaLlamaModel {
                 &ws.attn_parts,
             )?;
         }
-        self.matmul(ws, t, MatIn::Plain(attn), &layer.o_proj, MatOut::Add(residual))?;
+        self.linear().matmul(ws, t, MatIn::Plain(attn), &layer.o_proj, MatOut::Add(residual))?;
         let act = ws.act.view().prefix(t * f)?;
         let ffn_in = MatIn::Normed { x: residual, w: layer.ffn_norm.view() };
-        self.project(ws, t, ffn_in, &layer.gate_up, MatOut::Swiglu(act))?;
-        self.matmul(ws, t, MatIn::Plain(act), &layer.down, MatOut::Add(residual))
+        self.linear().project(ws, t, ffn_in, &layer.gate_up, MatOut::Swiglu(act))?;
+        self.linear().matmul(ws, t, MatIn::Plain(act), &layer.down, MatOut::Add(residual))
     }
 
-    /// A projection: one matmul when fused; when split, each part into its columns (and, for SwiGLU,
-    /// through the gate/up scratch and the separate SwiGLU kernel).
-    fn project(&self, ws: &Workspace, m: usize, input: MatIn, proj: &DevProjection, out: MatOut) -> Result<()> {
-        let parts = match proj {
-            DevProjection::Fused(w) => return self.matmul(ws, m, input, w, out),
-            DevProjection::Split(parts) => parts,
-        };
-        let (y, ld, col0, swiglu) = match out {
-            MatOut::Store { y, ld, col } => (y, ld, col, None),
-            MatOut::Swiglu(act) => (ws.gate_up.view().prefix(m * proj.rows())?, proj.rows(), 0, Some(act)),
-            MatOut::Add(_) => {
-                return Err(CudaModelError::Unsupported("a split projection added to the residual".into()))
-            }
-        };
-        let mut col = col0;
-        for part in parts {
-            self.matmul(ws, m, input, part, MatOut::Store { y, ld, col })?;
-            col += part.n;
-        }
-        if let Some(act) = swiglu {
-            gpu::swiglu_fused(&self.dev, y, act, m)?;
-        }
-        Ok(())
+    pub(super) fn linear(&self) -> Linear<'_> {
+        Linear { dev: &self.dev, eps: self.cfg.rms_norm_eps }
     }
+}
 
-    /// One matrix: the fused quantized kernel (prologue norm, epilogue); otherwise a separate norm kernel,
-    /// then the bf16 GEMV with its epilogue for one row, cuBLAS (after a bf16 cast) for more.
-    fn matmul(&self, ws: &Workspace, m: usize, input: MatIn, w: &DevMatrix, out: MatOut) -> Result<()> {
-        let dev = &*self.dev;
-        let (epi, y, y_ld) = match out {
-            MatOut::Store { y, ld, col } => (Epilogue::Store, y.sub(col, y.len() - col)?, ld),
-            MatOut::Add(y) => (Epilogue::Add, y, w.n),
-            MatOut::Swiglu(act) => (Epilogue::Swiglu, act, w.n / 2),
-        };
-        if let DevWeight::Quant(q) = &w.w {
-            let (x, norm) = match input {
-                MatIn::Normed { x, w: nw } => (x, Some((nw, self.cfg.rms_norm_eps))),
-                MatIn::Plain(x) => (x, None),
-            };
-            return Ok(mmvq(dev, q, MmvqArgs { x, x_ld: w.k, m, norm, y, y_ld, epi })?);
+/// Rows `rows` of `src` (`[*, row_len]`) into `out`, copying runs of consecutive rows at once.
+pub(super) fn download_rows(
+    dev: &CudaDevice,
+    src: &DeviceBuf<f32>,
+    row_len: usize,
+    rows: &[usize],
+    out: &mut [f32],
+) -> Result<()> {
+    let mut j = 0;
+    while j < rows.len() {
+        let mut end = j + 1;
+        while end < rows.len() && rows[end] == rows[end - 1] + 1 {
+            end += 1;
         }
-        let n_out = if epi == Epilogue::Swiglu { w.n / 2 } else { w.n };
-        let x = match input {
-            MatIn::Plain(x) => x,
-            MatIn::Normed { x, w: nw } => {
-                let normed = ws.normed.view().prefix(m * w.k)?;
-                gpu::rms_norm(dev, x, nw, self.cfg.rms_norm_eps, normed)?;
-                normed
-            }
-        };
-        match &w.w {
-            // One row: the GEMV (measured faster after a separate norm kernel than with the norm in every
-            // block's prologue: 5.9 against 7.0 ms per Qwen3-8B-shape step).
-            DevWeight::Bf16(wb) if m == 1 => {
-                Ok(gemv_bf16_ep(dev, wb, n_out, x.prefix(w.k)?, None, y.prefix(n_out)?, epi)?)
-            }
-            DevWeight::Bf16(wb) => {
-                let xb = ws.x_bf16.view().prefix(m * w.k)?;
-                gpu::f32_to_bf16(dev, x, xb)?;
-                self.gemm_out(ws, m, w, out, |y, ld, acc| GemmArgs::bf16(wb.view(), w.n, w.k, xb, m, y, ld, acc))
-            }
-            DevWeight::F32(wf) => {
-                self.gemm_out(ws, m, w, out, |y, ld, acc| GemmArgs::f32(wf.view(), w.n, w.k, x, m, y, ld, acc))
-            }
-            DevWeight::Quant(_) => Err(CudaModelError::Unsupported("quantized matrix past the quantized path".into())),
-        }
+        dev.download_into(src, rows[j] * row_len, &mut out[j * row_len..end * row_len])?;
+        j = end;
     }
-
-    /// A cuBLAS matmul into `out`: stored at its columns, accumulated into the residual (beta = 1), or
-    /// into the gate/up scratch followed by the SwiGLU kernel.
-    fn gemm_out<'a>(
-        &self,
-        ws: &'a Workspace,
-        m: usize,
-        w: &DevMatrix,
-        out: MatOut<'a>,
-        args: impl Fn(DevSlice<'a, f32>, usize, bool) -> GemmArgs,
-    ) -> Result<()> {
-        let dev = &*self.dev;
-        match out {
-            MatOut::Store { y, ld, col } => Ok(gemm(dev, args(y.sub(col, y.len() - col)?, ld, false))?),
-            MatOut::Add(y) => Ok(gemm(dev, args(y, w.n, true))?),
-            MatOut::Swiglu(act) => {
-                let gate_up = ws.gate_up.view().prefix(m * w.n)?;
-                gemm(dev, args(gate_up, w.n, false))?;
-                Ok(gpu::swiglu_fused(dev, gate_up, act, m)?)
-            }
-        }
-    }
+    Ok(())
 }

@@ -21,6 +21,7 @@
 mod cache;
 mod error;
 mod forward;
+mod linear;
 mod model;
 mod plan;
 mod weights;
