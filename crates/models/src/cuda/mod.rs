@@ -21,6 +21,7 @@
 mod cache;
 mod error;
 mod forward;
+mod hybrid;
 mod linear;
 mod model;
 mod plan;
@@ -28,4 +29,5 @@ mod weights;
 
 pub use cache::{CudaCache, CudaCacheConfig};
 pub use error::CudaModelError;
+pub use hybrid::{CudaHybridCache, CudaHybridModel, GdnSeq};
 pub use model::{CudaLlamaModel, RandomWeights};

@@ -59,7 +59,7 @@ pub enum RandomWeights {
     Quant { layers: QuantFormat, head: QuantFormat },
 }
 
-fn next_model_id() -> u64 {
+pub(super) fn next_model_id() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
     NEXT.fetch_add(1, Ordering::Relaxed)
 }

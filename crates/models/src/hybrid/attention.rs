@@ -47,16 +47,16 @@ impl AttnSpec {
 #[derive(Debug)]
 pub(crate) struct Attention {
     /// q (and, gated, the gate) then k and v: `[q | gate | k | v]` outputs, q and gate each head by head.
-    qkv: Tensor, // [(heads·(1 + gated) + 2·kv_heads)·head_dim, hidden]
+    pub(crate) qkv: Tensor, // [(heads·(1 + gated) + 2·kv_heads)·head_dim, hidden]
     /// Per-head q/k norms (`None`: a Llama-style layer without them).
-    q_norm: Option<Tensor>, // [head_dim]
-    k_norm: Option<Tensor>, // [head_dim]
-    o_proj: Tensor,         // [hidden, heads·head_dim]
-    gated: bool,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    eps: f32,
+    pub(crate) q_norm: Option<Tensor>, // [head_dim]
+    pub(crate) k_norm: Option<Tensor>, // [head_dim]
+    pub(crate) o_proj: Tensor,         // [hidden, heads·head_dim]
+    pub(crate) gated: bool,
+    pub(crate) heads: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) eps: f32,
 }
 
 /// Per-forward buffers of one attention layer.

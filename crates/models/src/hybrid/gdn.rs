@@ -31,16 +31,16 @@ const L2_EPS: f32 = 1e-6;
 /// One Gated DeltaNet layer's weights.
 #[derive(Debug)]
 pub(crate) struct GatedDeltaNet {
-    d: GdnDims,
+    pub(crate) d: GdnDims,
     /// `in_proj_qkvz` and `in_proj_ba` with rows regrouped from HF's per-key-head interleave to
     /// `q | k | v | z | b | a`.
-    in_proj: Tensor, // [conv_dim + value_dim + 2 v_heads, hidden]
-    conv_w: Vec<f32>,  // [conv_dim, kernel]
-    neg_a: Vec<f32>,   // [v_heads]: −exp(A_log)
-    dt_bias: Vec<f32>, // [v_heads]
-    norm: Vec<f32>,    // [v_head_dim]
-    out_proj: Tensor,  // [hidden, value_dim]
-    eps: f32,
+    pub(crate) in_proj: Tensor, // [conv_dim + value_dim + 2 v_heads, hidden]
+    pub(crate) conv_w: Vec<f32>,  // [conv_dim, kernel]
+    pub(crate) neg_a: Vec<f32>,   // [v_heads]: −exp(A_log)
+    pub(crate) dt_bias: Vec<f32>, // [v_heads]
+    pub(crate) norm: Vec<f32>,    // [v_head_dim]
+    pub(crate) out_proj: Tensor,  // [hidden, value_dim]
+    pub(crate) eps: f32,
 }
 
 /// Per-row inputs of the delta rule for a run of rows.

@@ -31,7 +31,7 @@
 pub(crate) mod attention;
 mod config;
 mod delta_rule;
-mod gdn;
+pub(crate) mod gdn;
 pub(crate) mod moe;
 pub(crate) mod rows;
 mod state;
@@ -60,29 +60,29 @@ use weights::norm_weight;
 
 /// A layer's token mixer with its cache slot (attention layer index, or GDN layer index).
 #[derive(Debug)]
-enum Mixer {
+pub(crate) enum Mixer {
     Attention(usize, Attention),
     Gdn(usize, GatedDeltaNet),
 }
 
 #[derive(Debug)]
-struct Layer {
-    attn_norm: Tensor, // [hidden]
-    mixer: Mixer,
-    ffn_norm: Tensor, // [hidden]
-    ffn: Ffn,
+pub(crate) struct Layer {
+    pub(crate) attn_norm: Tensor, // [hidden]
+    pub(crate) mixer: Mixer,
+    pub(crate) ffn_norm: Tensor, // [hidden]
+    pub(crate) ffn: Ffn,
 }
 
 /// A loaded Qwen3-Next or Qwen3-MoE target.
 #[derive(Debug)]
 pub struct HybridModel {
-    cfg: HybridConfig,
-    embed: Tensor, // [vocab, hidden]
-    layers: Vec<Layer>,
-    final_norm: Tensor,      // [hidden]
-    lm_head: Option<Tensor>, // [vocab, hidden]; None = tied
-    rope: RopeTable,
-    capture_layers: Vec<usize>,
+    pub(crate) cfg: HybridConfig,
+    pub(crate) embed: Tensor, // [vocab, hidden]
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) final_norm: Tensor,      // [hidden]
+    pub(crate) lm_head: Option<Tensor>, // [vocab, hidden]; None = tied
+    pub(crate) rope: RopeTable,
+    pub(crate) capture_layers: Vec<usize>,
 }
 
 impl HybridModel {

@@ -20,8 +20,8 @@ use super::weights::concat_rows;
 /// `down(silu(gate(x)) · up(x))`.
 #[derive(Debug)]
 pub(crate) struct Mlp {
-    gate_up: Tensor, // [2·inter, hidden]
-    down: Tensor,    // [hidden, inter]
+    pub(crate) gate_up: Tensor, // [2·inter, hidden]
+    pub(crate) down: Tensor,    // [hidden, inter]
 }
 
 impl Mlp {
@@ -50,10 +50,10 @@ impl Mlp {
 #[derive(Debug)]
 pub(crate) struct SparseMoe {
     /// Router rows, then the shared expert's gate row when there is one.
-    router: Tensor, // [experts (+ 1), hidden]
-    experts: Vec<Mlp>,
-    shared: Option<Mlp>,
-    dims: MoeDims,
+    pub(crate) router: Tensor, // [experts (+ 1), hidden]
+    pub(crate) experts: Vec<Mlp>,
+    pub(crate) shared: Option<Mlp>,
+    pub(crate) dims: MoeDims,
 }
 
 impl SparseMoe {

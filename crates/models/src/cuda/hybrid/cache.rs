@@ -1,0 +1,182 @@
+//! [`CudaHybridCache`]: the device state of a [`CudaHybridModel`]'s forwards, planned up front: the KV
+//! pages of the attention layers, the conv and recurrent state of every GDN layer per state slot, the GDN
+//! layers' per-layer buffers (what a rollback replays), the MoE scratch, the workspace and the graphs.
+
+use std::collections::HashMap;
+
+use dflash_runtime::cuda::ops::{ArgmaxScratch, AttentionScratch, MoeScratch};
+use dflash_runtime::cuda::DeviceBuf;
+
+use super::CudaHybridModel;
+use crate::cuda::cache::{CudaCache, CudaCacheConfig, Workspace};
+use crate::cuda::error::{CudaModelError, Result};
+use crate::cuda::plan::{max_splits, Layout};
+
+/// The GDN and MoE buffers beside the dense workspace.
+#[derive(Debug)]
+pub(super) struct HybridBuffers {
+    /// Per GDN layer, `[max_tokens, in_proj rows]`: `[conv input | z | b | a]` of every row.
+    pub proj: DeviceBuf<f32>,
+    /// Per GDN layer, `[max_tokens, conv_dim]`: `[q | k | v]` after the conv and the normalisation.
+    pub conv_out: DeviceBuf<f32>,
+    /// Per GDN layer, `[max_tokens, 2·v_heads]`: `[g | β]`.
+    pub gb: DeviceBuf<f32>,
+    pub core: DeviceBuf<f32>, // [max_tokens, value_dim]
+    /// `[slots + 1, gdn_layers, kernel - 1, conv_dim]`; the extra slot takes padded graph sequences.
+    pub conv_state: DeviceBuf<f32>,
+    /// `[slots + 1, gdn_layers, v_heads, k_head_dim, v_head_dim]`.
+    pub ssm: DeviceBuf<f32>,
+    /// The runs a rollback replays, `[max_seqs, 4]`.
+    pub replay_runs: DeviceBuf<u32>,
+    pub router: DeviceBuf<f32>,   // [max_tokens, experts + 1]
+    pub shared_y: DeviceBuf<f32>, // [max_tokens, hidden]
+    pub moe: Option<MoeScratch>,
+}
+
+/// Floats per row of the GDN buffers, and the layer count.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct GdnSizes {
+    pub layers: usize,
+    pub proj: usize,
+    pub conv: usize,
+    pub gb: usize,
+    pub conv_state: usize,
+    pub ssm: usize,
+}
+
+/// The device state of a [`CudaHybridModel`]'s forwards. Made by [`CudaHybridModel::new_cache`].
+#[derive(Debug)]
+pub struct CudaHybridCache {
+    /// KV pages (attention layers only), dense workspace, graphs, host staging.
+    pub(super) base: CudaCache,
+    pub(super) hy: HybridBuffers,
+    pub(super) gdn: GdnSizes,
+    /// State slots (sequences that may hold state at once).
+    pub(super) slots: usize,
+    /// The runs of the last forward's verifying sequences (first row, rows, slot), awaiting a rollback.
+    pub(super) pending: Vec<[u32; 3]>,
+}
+
+impl CudaHybridCache {
+    pub fn config(&self) -> &CudaCacheConfig {
+        &self.base.cfg
+    }
+
+    /// State slots.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Graphs captured so far.
+    pub fn graph_count(&self) -> usize {
+        self.base.graphs.len()
+    }
+
+    /// Device bytes of the KV pages, the states and the GDN buffers.
+    pub fn bytes(&self) -> usize {
+        let hy = &self.hy;
+        self.base.kv_bytes()
+            + 4 * (hy.proj.len() + hy.conv_out.len() + hy.gb.len() + hy.conv_state.len() + hy.ssm.len())
+            + hy.moe.as_ref().map_or(0, MoeScratch::bytes)
+    }
+}
+
+impl CudaHybridModel {
+    /// Plans and allocates the device state for forwards within `cfg`'s capacities, with `slots` state
+    /// slots (at least `cfg.max_seqs`).
+    ///
+    /// # Errors
+    /// Zero or inconsistent capacities, out of device memory.
+    pub fn new_cache(&self, cfg: CudaCacheConfig, slots: usize) -> Result<CudaHybridCache> {
+        if cfg.num_pages == 0 || cfg.page_size == 0 || cfg.max_tokens == 0 || cfg.max_seqs == 0 || slots < cfg.max_seqs
+        {
+            return Err(CudaModelError::Batch(format!("cache capacities must be positive: {cfg:?}, {slots} slots")));
+        }
+        let dev = &*self.dev;
+        let b = &self.cfg.base;
+        let (t, h) = (cfg.max_tokens, b.hidden_size);
+        let gdn = self.gdn_sizes();
+        let moe = self.cfg.moe;
+        let (e, inter) = moe.map_or((0, 0), |m| (m.num_experts + 1, m.expert_intermediate));
+        let shared = moe.and_then(|m| m.shared_intermediate).unwrap_or(0);
+        let f = b.intermediate_size.max(shared);
+        let qd = b.num_heads * b.head_dim;
+        let qkv_w = 2 * qd + 2 * b.num_kv_heads * b.head_dim;
+        let vd = self.cfg.gdn.map_or(0, |d| d.value_dim());
+        let max_k = h.max(f).max(qd).max(vd);
+        let l = cfg.max_logit_rows.max(1);
+        let inputs = Layout::capacity(&cfg, self.tile_rows()) + 4 * cfg.max_seqs.next_power_of_two();
+        let ws = Workspace {
+            inputs: dev.alloc_zeros(inputs)?,
+            residual: dev.alloc_zeros(t * h)?,
+            normed: dev.alloc_zeros(t * h)?,
+            qkv: dev.alloc_zeros(t * qkv_w)?,
+            q: dev.alloc_zeros(t * qd)?,
+            attn: dev.alloc_zeros(t * qd)?,
+            gate_up: dev.alloc_zeros(t * 2 * f)?,
+            act: dev.alloc_zeros(t * f)?,
+            x_bf16: dev.alloc_zeros(t * max_k)?,
+            logits_in: dev.alloc_zeros(l * h)?,
+            logits: dev.alloc_zeros(l * b.vocab_size)?,
+            ids: dev.alloc_zeros(l)?,
+            argmax: ArgmaxScratch::new(dev, l, b.vocab_size)?,
+            attn_parts: AttentionScratch::new(
+                dev,
+                cfg.max_decode_rows.max(1),
+                b.num_heads,
+                b.head_dim,
+                max_splits(cfg.max_seq_len),
+            )?,
+            captured: dev.alloc_zeros((t * self.capture_layers.len() * h).max(1))?,
+        };
+        let alloc = |n: usize| dev.alloc_zeros::<f32>(n.max(1));
+        let hy = HybridBuffers {
+            proj: alloc(gdn.layers * t * gdn.proj)?,
+            conv_out: alloc(gdn.layers * t * gdn.conv)?,
+            gb: alloc(gdn.layers * t * gdn.gb)?,
+            core: alloc(t * vd)?,
+            conv_state: alloc((slots + 1) * gdn.layers * gdn.conv_state)?,
+            ssm: alloc((slots + 1) * gdn.layers * gdn.ssm)?,
+            replay_runs: dev.alloc_zeros(4 * cfg.max_seqs)?,
+            router: alloc(t * e)?,
+            shared_y: alloc(if shared > 0 { t * h } else { 0 })?,
+            moe: moe.map(|m| MoeScratch::new(dev, t, m.num_experts, m.top_k, h, inter)).transpose()?,
+        };
+        // Made now: the handle allocates, which a graph capture must not do.
+        dev.init_blas()?;
+        let attn_layers = self.cfg.attention_layers().len().max(1);
+        let layer_len = (cfg.num_pages + 1) * cfg.page_size * b.num_kv_heads * b.head_dim;
+        let base = CudaCache {
+            cfg,
+            model_id: self.id,
+            k: dev.alloc_zeros(attn_layers * layer_len)?,
+            v: dev.alloc_zeros(attn_layers * layer_len)?,
+            layer_len,
+            ws,
+            graphs: HashMap::new(),
+            host_inputs: Vec::with_capacity(inputs),
+        };
+        Ok(CudaHybridCache { base, hy, gdn, slots, pending: Vec::new() })
+    }
+
+    pub(super) fn gdn_sizes(&self) -> GdnSizes {
+        match self.cfg.gdn {
+            Some(d) => GdnSizes {
+                layers: self.cfg.gdn_layers().len(),
+                proj: d.conv_dim() + d.value_dim() + 2 * d.num_v_heads,
+                conv: d.conv_dim(),
+                gb: 2 * d.num_v_heads,
+                conv_state: d.conv_state_rows() * d.conv_dim(),
+                ssm: d.ssm_len(),
+            },
+            None => GdnSizes::default(),
+        }
+    }
+
+    /// Rows per attention tile (prompt, decode), as the dense model.
+    pub(super) fn tile_rows(&self) -> (usize, usize) {
+        let b = &self.cfg.base;
+        let rows = (dflash_runtime::cuda::ops::ATTN_MAX_QUERIES / (b.num_heads / b.num_kv_heads.max(1))).max(1);
+        (rows, rows)
+    }
+}

@@ -1,0 +1,505 @@
+//! The hybrid forward on the device: one step's kernels (eager, or captured per (batch bucket, rows) and
+//! replayed), the per-sequence GDN runs riding in the step's one input copy, and the rollback replay.
+
+use dflash_runtime::cuda::ops::{
+    self as gpu, copy_columns, embedding_quant, gather_rms_norm, gdn_conv, gdn_gated_norm, gdn_prep, gdn_rule,
+    moe_forward, paged_attention, rope_kv_write, sigmoid_gate_mul, AttentionArgs, GdnConvArgs, GdnPrepArgs,
+    GdnRuleArgs, GdnRuns, GdnStateView, KeySplit, MoeArgs, RopeKvArgs,
+};
+use dflash_runtime::cuda::DevSlice;
+use dflash_runtime::Tensor;
+
+use super::cache::CudaHybridCache;
+use super::{CudaHybridModel, DevAttention, DevFfn, DevGdn, DevMixer, DevMoe, GdnSeq};
+use crate::batch::{ForwardBatch, ForwardOut};
+use crate::cuda::error::{CudaModelError, Result};
+use crate::cuda::forward::download_rows;
+use crate::cuda::linear::{Linear, MatIn, MatOut};
+use crate::cuda::plan::{self, StepPlan, SPLIT_KEYS};
+use crate::cuda::weights::DevWeight;
+
+/// A planned step: the dense plan and where the GDN runs sit in the input buffer.
+struct HybridStep {
+    plan: StepPlan,
+    runs_at: usize,
+}
+
+impl CudaHybridModel {
+    /// Runs every row of `batch` (as [`crate::hybrid::HybridModel::forward`]), `seqs[i]` naming the state
+    /// slot of `batch.seqs[i]` and whether this is its verify; returns the logits of `batch.logit_rows`
+    /// and the captured hidden states on the host. Uniform decode / verify batches replay a CUDA graph.
+    ///
+    /// # Errors
+    /// A batch inconsistent in itself or with the cache, slots out of range or repeated, a verify still
+    /// awaiting [`CudaHybridModel::rollback`], a cache made for another model, a device failure.
+    pub fn forward(&self, batch: &ForwardBatch, cache: &mut CudaHybridCache, seqs: &[GdnSeq]) -> Result<ForwardOut> {
+        let (rows, captured) = self.run(batch, cache, seqs, false)?;
+        let (v, h) = (self.cfg.base.vocab_size, self.cfg.base.hidden_size);
+        let mut logits = vec![0f32; batch.logit_rows.len() * v];
+        download_rows(&self.dev, &cache.base.ws.logits, v, &rows, &mut logits)?;
+        let width = self.capture_layers.len() * h;
+        let mut hidden = vec![0f32; if captured { batch.num_tokens() * width } else { 0 }];
+        if captured {
+            self.dev.download_into(&cache.base.ws.captured, 0, &mut hidden)?;
+        }
+        self.dev.synchronize()?;
+        let captured = captured.then(|| Tensor::from_f32(&hidden, &[batch.num_tokens(), width])).transpose()?;
+        Ok(ForwardOut { logits: Tensor::from_f32(&logits, &[batch.logit_rows.len(), v])?, captured })
+    }
+
+    /// As [`CudaHybridModel::forward`], returning only the argmax of each logit row (on the device).
+    ///
+    /// # Errors
+    /// As [`CudaHybridModel::forward`].
+    pub fn forward_greedy(
+        &self,
+        batch: &ForwardBatch,
+        cache: &mut CudaHybridCache,
+        seqs: &[GdnSeq],
+    ) -> Result<Vec<u32>> {
+        let (rows, _) = self.run(batch, cache, seqs, true)?;
+        let mut ids = vec![0u32; rows.len()];
+        for (dst, &r) in ids.iter_mut().zip(&rows) {
+            self.dev.download_into(&cache.base.ws.ids, r, std::slice::from_mut(dst))?;
+        }
+        self.dev.synchronize()?;
+        Ok(ids)
+    }
+
+    /// Resolves the last forward's verifies: `kept[i]` rows of the `i`-th verifying sequence (in batch
+    /// order) are kept, the rest rejected. Replays the kept rows into the conv and recurrent state of every
+    /// GDN layer (two launches, queued; no synchronisation). The attention layers need nothing: the caller
+    /// cuts the sequence's length.
+    ///
+    /// # Errors
+    /// No verify pending, a count per verifying sequence other than one, a kept count over the rows.
+    pub fn rollback(&self, cache: &mut CudaHybridCache, kept: &[usize]) -> Result<()> {
+        let pending = std::mem::take(&mut cache.pending);
+        if pending.len() != kept.len() || pending.iter().zip(kept).any(|(p, &k)| k > p[1] as usize) {
+            return Err(CudaModelError::Batch(format!("rollback of {kept:?} for verifies {pending:?}")));
+        }
+        let g = cache.gdn;
+        if g.layers == 0 || pending.is_empty() {
+            return Ok(());
+        }
+        let host: Vec<u32> = pending.iter().zip(kept).flat_map(|(p, &k)| [p[0], k as u32, p[2], 1]).collect();
+        self.dev.upload_prefix(&host, &mut cache.hy.replay_runs)?;
+        let hy = &cache.hy;
+        let t_cap = cache.base.cfg.max_tokens;
+        let runs = GdnRuns { runs: hy.replay_runs.view().prefix(host.len())?, rows: t_cap };
+        let d = self.gdn_dims()?;
+        let conv_state = GdnStateView {
+            state: hy.conv_state.view(),
+            layer_stride: g.conv_state,
+            slot_stride: g.layers * g.conv_state,
+            slots: cache.slots + 1,
+        };
+        gdn_conv(
+            &self.dev,
+            GdnConvArgs {
+                x: hy.proj.view(),
+                x_ld: g.proj,
+                x_layer: t_cap * g.proj,
+                w: None,
+                state: conv_state,
+                runs,
+                layers: g.layers,
+                channels: g.conv,
+                kernel: d.conv_kernel,
+                out: None,
+            },
+        )?;
+        let ssm = GdnStateView {
+            state: hy.ssm.view(),
+            layer_stride: g.ssm,
+            slot_stride: g.layers * g.ssm,
+            slots: cache.slots + 1,
+        };
+        gdn_rule(
+            &self.dev,
+            GdnRuleArgs {
+                qkv: hy.conv_out.view(),
+                channels: g.conv,
+                qkv_layer: t_cap * g.conv,
+                gb: hy.gb.view(),
+                gb_layer: t_cap * g.gb,
+                state: ssm,
+                runs,
+                layers: g.layers,
+                k_heads: d.num_k_heads,
+                v_heads: d.num_v_heads,
+                k_head_dim: d.k_head_dim,
+                v_head_dim: d.v_head_dim,
+                out: None,
+            },
+        )?;
+        Ok(())
+    }
+
+    /// Zeroes a state slot (a sequence starting over).
+    ///
+    /// # Errors
+    /// A slot out of range, a device failure.
+    pub fn reset_slot(&self, cache: &mut CudaHybridCache, slot: usize) -> Result<()> {
+        let g = cache.gdn;
+        if slot >= cache.slots {
+            return Err(CudaModelError::Batch(format!("state slot {slot} of {}", cache.slots)));
+        }
+        for (buf, per) in [(&cache.hy.conv_state, g.conv_state), (&cache.hy.ssm, g.ssm)] {
+            let n = g.layers * per;
+            if n > 0 {
+                // Scale and offset 0: the fill writes zeros.
+                gpu::fill_random_f32(&self.dev, buf.view().sub(slot * n, n)?, 0, 0.0, 0.0)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One state slot's conv and recurrent state over every GDN layer, `[layers, kernel − 1, conv_dim]`
+    /// and `[layers, v_heads, k_head_dim, v_head_dim]` (tests and debugging; synchronises).
+    ///
+    /// # Errors
+    /// A slot out of range, a device failure.
+    pub fn read_state(&self, cache: &CudaHybridCache, slot: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        let g = cache.gdn;
+        if slot > cache.slots {
+            return Err(CudaModelError::Batch(format!("state slot {slot} of {}", cache.slots)));
+        }
+        let (mut conv, mut ssm) = (vec![0f32; g.layers * g.conv_state], vec![0f32; g.layers * g.ssm]);
+        self.dev.download_into(&cache.hy.conv_state, slot * conv.len(), &mut conv)?;
+        self.dev.download_into(&cache.hy.ssm, slot * ssm.len(), &mut ssm)?;
+        self.dev.synchronize()?;
+        Ok((conv, ssm))
+    }
+
+    fn gdn_dims(&self) -> Result<crate::hybrid::GdnDims> {
+        self.cfg.gdn.ok_or_else(|| CudaModelError::Unsupported("GDN layers without GDN dims".into()))
+    }
+
+    /// Validates, plans (the dense inputs, then the GDN runs), uploads and runs the step. Returns the
+    /// device row of each requested logit row and whether hidden states were captured.
+    fn run(
+        &self,
+        batch: &ForwardBatch,
+        cache: &mut CudaHybridCache,
+        seqs: &[GdnSeq],
+        greedy: bool,
+    ) -> Result<(Vec<usize>, bool)> {
+        self.check(batch, cache, seqs)?;
+        let cfg = cache.base.cfg;
+        plan::validate(batch, &cfg, &self.cfg.base)?;
+        let key = plan::graph_key(batch, &cfg);
+        let mut host = std::mem::take(&mut cache.base.host_inputs);
+        let plan = plan::plan(batch, key, &cfg, self.tile_rows(), &mut host);
+        let runs_at = host.len();
+        let mut first = 0u32;
+        for (s, g) in batch.seqs.iter().zip(seqs) {
+            host.extend([first, s.num_rows as u32, g.slot as u32, u32::from(!g.verify)]);
+            first += s.num_rows as u32;
+        }
+        // Padded graph sequences step the spare slot.
+        for _ in batch.seqs.len()..plan.layout.seqs {
+            let rows = key.map_or(0, |k| k.rows) as u32;
+            host.extend([first, rows, cache.slots as u32, 1]);
+            first += rows;
+        }
+        let uploaded = self.dev.upload_prefix(&host, &mut cache.base.ws.inputs);
+        cache.base.host_inputs = host;
+        uploaded?;
+        let step = HybridStep { plan, runs_at };
+        match key {
+            Some(key) => {
+                if !cache.base.graphs.contains_key(&key) {
+                    let graph = self.dev.capture(|| self.record_step(cache, &step, true))?;
+                    cache.base.graphs.insert(key, graph);
+                }
+                if let Some(graph) = cache.base.graphs.get(&key) {
+                    graph.launch()?;
+                }
+            }
+            None => self.record_step(cache, &step, greedy)?,
+        }
+        let mut start = 0u32;
+        cache.pending.clear();
+        for (s, g) in batch.seqs.iter().zip(seqs) {
+            if g.verify {
+                cache.pending.push([start, s.num_rows as u32, g.slot as u32]);
+            }
+            start += s.num_rows as u32;
+        }
+        let rows = match key {
+            Some(_) => batch.logit_rows.iter().map(|&r| r as usize).collect(),
+            None => (0..batch.logit_rows.len()).collect(),
+        };
+        Ok((rows, !self.capture_layers.is_empty()))
+    }
+
+    fn check(&self, batch: &ForwardBatch, cache: &CudaHybridCache, seqs: &[GdnSeq]) -> Result<()> {
+        let bad = |m: String| Err(CudaModelError::Batch(m));
+        if cache.base.model_id != self.id {
+            return bad("this cache was made for another model".into());
+        }
+        if !cache.pending.is_empty() {
+            return bad("a verify awaits its rollback".into());
+        }
+        if seqs.len() != batch.seqs.len() {
+            return bad(format!("{} state slots for {} sequences", seqs.len(), batch.seqs.len()));
+        }
+        let mut seen = vec![false; cache.slots];
+        for g in seqs {
+            if g.slot >= cache.slots || std::mem::replace(&mut seen[g.slot], true) {
+                return bad(format!("state slot {} out of {} or repeated", g.slot, cache.slots));
+            }
+        }
+        Ok(())
+    }
+
+    fn linear(&self) -> Linear<'_> {
+        Linear { dev: &self.dev, eps: self.cfg.base.rms_norm_eps }
+    }
+
+    /// Queues one step's kernels: embedding, the layers, the final norm and LM head, and with `argmax`
+    /// the greedy ids.
+    fn record_step(&self, cache: &CudaHybridCache, step: &HybridStep, argmax: bool) -> Result<()> {
+        let (b, ws, lay) = (&self.cfg.base, &cache.base.ws, &step.plan.layout);
+        let (t, h) = (lay.t, b.hidden_size);
+        let inputs = ws.inputs.view();
+        let residual = ws.residual.view().prefix(t * h)?;
+        let tokens = inputs.sub(lay.tokens().start, t)?;
+        match &self.embed.w {
+            DevWeight::Bf16(table) => gpu::embedding_bf16(&self.dev, table, tokens, residual)?,
+            DevWeight::F32(table) => gpu::embedding_f32(&self.dev, table, tokens, residual)?,
+            DevWeight::Quant(table) => embedding_quant(&self.dev, table, tokens, residual)?,
+        }
+        let runs = GdnRuns { runs: inputs.sub(step.runs_at, 4 * lay.seqs)?, rows: t };
+        for (i, layer) in self.layers.iter().enumerate() {
+            let normed = MatIn::Normed { x: residual, w: layer.attn_norm.view() };
+            match &layer.mixer {
+                DevMixer::Attention(slot, a) => self.attention(cache, &step.plan, *slot, a, normed)?,
+                DevMixer::Gdn(slot, g) => self.gdn(cache, t, *slot, g, normed, runs)?,
+            }
+            let normed = MatIn::Normed { x: residual, w: layer.ffn_norm.view() };
+            match &layer.ffn {
+                DevFfn::Dense { gate_up, down } => {
+                    let act = ws.act.view().prefix(t * down.k)?;
+                    self.linear().matmul(ws, t, normed, gate_up, MatOut::Swiglu(act))?;
+                    self.linear().matmul(ws, t, MatIn::Plain(act), down, MatOut::Add(residual))?;
+                }
+                DevFfn::Sparse(m) => self.moe(cache, t, m, layer.ffn_norm.view())?,
+            }
+            if let Some(tap) = self.capture_layers.iter().position(|&l| l == i) {
+                let width = self.capture_layers.len() * h;
+                copy_columns(&self.dev, residual, h, ws.captured.view().prefix(t * width)?, width, tap * h)?;
+            }
+        }
+        let l = lay.l;
+        let logits_in = ws.logits_in.view().prefix(l * h)?;
+        let rows = inputs.sub(lay.logit_rows().start, l)?;
+        gather_rms_norm(&self.dev, residual, rows, &self.final_norm, b.rms_norm_eps, logits_in)?;
+        let logits = ws.logits.view().prefix(l * b.vocab_size)?;
+        let out = MatOut::Store { y: logits, ld: b.vocab_size, col: 0 };
+        self.linear().matmul(ws, l, MatIn::Plain(logits_in), self.lm_head(), out)?;
+        if argmax {
+            gpu::argmax_rows(&self.dev, logits, b.vocab_size, ws.ids.view().prefix(l)?, &ws.argmax)?;
+        }
+        Ok(())
+    }
+
+    /// A (gated) attention layer: projection, q/k norm + RoPE + KV write, attention, the output gate, o_proj
+    /// added to the residual.
+    fn attention(
+        &self,
+        cache: &CudaHybridCache,
+        p: &StepPlan,
+        slot: usize,
+        a: &DevAttention,
+        normed: MatIn,
+    ) -> Result<()> {
+        let (b, ws, lay) = (&self.cfg.base, &cache.base.ws, &p.layout);
+        let (t, h, hd) = (lay.t, b.hidden_size, b.head_dim);
+        let (qd, kd) = (b.num_heads * hd, b.num_kv_heads * hd);
+        let inputs = ws.inputs.view();
+        let input = |r: std::ops::Range<usize>| inputs.sub(r.start, r.len());
+        let w = a.qkv.n;
+        let qkv = ws.qkv.view().prefix(t * w)?;
+        self.linear().matmul(ws, t, normed, &a.qkv, MatOut::Store { y: qkv, ld: w, col: 0 })?;
+        let len = cache.base.layer_len;
+        let (k_cache, v_cache) = (cache.base.k.view().sub(slot * len, len)?, cache.base.v.view().sub(slot * len, len)?);
+        let q = ws.q.view().prefix(t * qd)?;
+        let (positions, slots) = (input(lay.positions())?, input(lay.slots())?);
+        let rope = &self.rope;
+        let (q_norm, k_norm) = (a.q_norm.as_ref().map(|n| n.view()), a.k_norm.as_ref().map(|n| n.view()));
+        let (num_heads, kv_heads, eps) = (b.num_heads, b.num_kv_heads, b.rms_norm_eps);
+        let args = RopeKvArgs {
+            qkv,
+            qkv_ld: w,
+            q_out: q,
+            k_cache,
+            v_cache,
+            positions,
+            slots,
+            rope,
+            q_norm,
+            k_norm,
+            eps,
+            num_heads,
+            kv_heads,
+            head_dim: hd,
+        };
+        rope_kv_write(&self.dev, args)?;
+        let attn = ws.attn.view().prefix(t * qd)?;
+        let (row_keys, tables) = (input(lay.row_keys())?, input(lay.tables())?);
+        let args = |tiles, max_tile_rows, split| AttentionArgs {
+            q,
+            k_cache,
+            v_cache,
+            row_keys,
+            tiles,
+            max_tile_rows,
+            tables,
+            table_stride: lay.stride,
+            page_size: cache.base.cfg.page_size,
+            out: attn,
+            num_heads,
+            kv_heads,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+            split,
+        };
+        if lay.prompt_tiles > 0 {
+            paged_attention(
+                &self.dev,
+                args(input(lay.prompt_tiles())?, p.max_prompt_tile_rows, KeySplit::Whole),
+                &ws.attn_parts,
+            )?;
+        }
+        if lay.decode_tiles > 0 {
+            let split =
+                KeySplit::Fixed { keys: SPLIT_KEYS, max_splits: p.decode_splits, partial_rows: lay.decode_rows };
+            paged_attention(
+                &self.dev,
+                args(input(lay.decode_tiles())?, p.max_decode_tile_rows, split),
+                &ws.attn_parts,
+            )?;
+        }
+        if a.gated {
+            sigmoid_gate_mul(&self.dev, attn, qd, qkv.sub(qd + 2 * kd, t * w - qd - 2 * kd)?, w)?;
+        }
+        let residual = ws.residual.view().prefix(t * h)?;
+        self.linear().matmul(ws, t, MatIn::Plain(attn), &a.o_proj, MatOut::Add(residual))
+    }
+
+    /// A Gated DeltaNet layer (GDN layer `g`): projection into the layer's own buffer (kept for a
+    /// rollback), conv, rule inputs, the recurrent rule, the gated norm, out_proj added to the residual.
+    fn gdn(&self, cache: &CudaHybridCache, t: usize, g: usize, w: &DevGdn, normed: MatIn, runs: GdnRuns) -> Result<()> {
+        let d = self.gdn_dims()?;
+        let (sz, hy, ws) = (cache.gdn, &cache.hy, &cache.base.ws);
+        let t_cap = cache.base.cfg.max_tokens;
+        let (c, vd, hv) = (d.conv_dim(), d.value_dim(), d.num_v_heads);
+        let proj = hy.proj.view().sub(g * t_cap * sz.proj, t * sz.proj)?;
+        let conv_out = hy.conv_out.view().sub(g * t_cap * c, t * c)?;
+        let gb = hy.gb.view().sub(g * t_cap * sz.gb, t * sz.gb)?;
+        let core = hy.core.view().prefix(t * vd)?;
+        self.linear().matmul(ws, t, normed, &w.in_proj, MatOut::Store { y: proj, ld: sz.proj, col: 0 })?;
+        let slot_view = |buf, per| layer_state(buf, g, per, sz.layers, cache.slots + 1);
+        let conv_state = slot_view(hy.conv_state.view(), sz.conv_state)?;
+        let conv = GdnConvArgs {
+            x: proj,
+            x_ld: sz.proj,
+            x_layer: 0,
+            w: Some(w.conv_w.view()),
+            state: conv_state,
+            runs,
+            layers: 1,
+            channels: c,
+            kernel: d.conv_kernel,
+            out: Some(conv_out),
+        };
+        gdn_conv(&self.dev, conv)?;
+        let ba = proj.sub(c + vd, t * sz.proj - c - vd)?;
+        let prep = GdnPrepArgs {
+            qkv: conv_out,
+            channels: c,
+            k_heads: d.num_k_heads,
+            k_head_dim: d.k_head_dim,
+            ba,
+            ba_ld: sz.proj,
+            neg_a: w.neg_a.view(),
+            dt_bias: w.dt_bias.view(),
+            gb,
+            rows: t,
+        };
+        gdn_prep(&self.dev, prep)?;
+        let rule = GdnRuleArgs {
+            qkv: conv_out,
+            channels: c,
+            qkv_layer: 0,
+            gb,
+            gb_layer: 0,
+            state: slot_view(hy.ssm.view(), sz.ssm)?,
+            runs,
+            layers: 1,
+            k_heads: d.num_k_heads,
+            v_heads: hv,
+            k_head_dim: d.k_head_dim,
+            v_head_dim: d.v_head_dim,
+            out: Some(core),
+        };
+        gdn_rule(&self.dev, rule)?;
+        gdn_gated_norm(
+            &self.dev,
+            core,
+            proj.sub(c, t * sz.proj - c)?,
+            sz.proj,
+            &w.norm,
+            hv,
+            self.cfg.base.rms_norm_eps,
+        )?;
+        let residual = ws.residual.view().prefix(t * self.cfg.base.hidden_size)?;
+        self.linear().matmul(ws, t, MatIn::Plain(core), &w.out_proj, MatOut::Add(residual))
+    }
+
+    /// A sparse MoE block: the pre-norm once, the router (and shared gate) logits, the shared expert, then
+    /// routing, the routed experts and the weighted sum added to the residual.
+    fn moe(&self, cache: &CudaHybridCache, t: usize, m: &DevMoe, norm: DevSlice<'_, f32>) -> Result<()> {
+        let (b, ws, hy) = (&self.cfg.base, &cache.base.ws, &cache.hy);
+        let dims = self.cfg.moe.ok_or_else(|| CudaModelError::Unsupported("a sparse layer without MoE dims".into()))?;
+        let h = b.hidden_size;
+        let (residual, normed) = (ws.residual.view().prefix(t * h)?, ws.normed.view().prefix(t * h)?);
+        gpu::rms_norm(&self.dev, residual, norm, b.rms_norm_eps, normed)?;
+        let lw = m.router.n;
+        let logits = hy.router.view().prefix(t * lw)?;
+        self.linear().matmul(ws, t, MatIn::Plain(normed), &m.router, MatOut::Store { y: logits, ld: lw, col: 0 })?;
+        let shared = match &m.shared {
+            Some((gate_up, down)) => {
+                let act = ws.act.view().prefix(t * down.k)?;
+                let y = hy.shared_y.view().prefix(t * h)?;
+                self.linear().matmul(ws, t, MatIn::Plain(normed), gate_up, MatOut::Swiglu(act))?;
+                self.linear().matmul(ws, t, MatIn::Plain(act), down, MatOut::Store { y, ld: h, col: 0 })?;
+                Some(y)
+            }
+            None => None,
+        };
+        let scratch = hy.moe.as_ref().ok_or_else(|| CudaModelError::Unsupported("no MoE scratch".into()))?;
+        let args = MoeArgs {
+            x: normed,
+            logits,
+            logit_ld: lw,
+            experts: m.experts.view(),
+            num_experts: dims.num_experts,
+            top_k: dims.top_k,
+            norm_topk: dims.norm_topk_prob,
+            hidden: h,
+            inter: dims.expert_intermediate,
+            shared,
+            residual,
+        };
+        Ok(moe_forward(&self.dev, args, scratch)?)
+    }
+}
+
+/// GDN layer `g`'s state in a buffer of `[slots, layers, per]` floats, as a one-layer view.
+fn layer_state(buf: DevSlice<'_, f32>, g: usize, per: usize, layers: usize, slots: usize) -> Result<GdnStateView<'_>> {
+    let state = buf.sub(g * per, buf.len() - g * per)?;
+    Ok(GdnStateView { state, layer_stride: 0, slot_stride: layers * per, slots })
+}
