@@ -6,7 +6,9 @@
 //! * `lanes`: speculation lanes side by side on a prompt set (see [`lanes`]).
 //! * `prefix`: a long chat's second turn, cold and from the prefix cache (see [`prefix`]).
 //! * `shapes`: CUDA decode against the memory floor on random-weight models of real shapes (see [`shapes`]).
+//! * `hybrid`: the same for a Qwen3-Next-shaped target, with its verify-cost ladder (see [`hybrid`]).
 
+mod hybrid;
 mod lanes;
 mod lanes_report;
 mod prefix;
@@ -70,6 +72,8 @@ pub enum Scenario {
     /// CUDA decode and verify speed of random-weight models of real shapes against the memory floor (no
     /// model is loaded; needs a build with `--features cuda`).
     Shapes(shapes::ShapesArgs),
+    /// CUDA decode and the verify-cost ladder of a random-weight Qwen3-Next-shaped target (GDN + MoE).
+    Hybrid(hybrid::HybridArgs),
 }
 
 /// First/last token times and the token count of one stream.
@@ -114,6 +118,7 @@ impl Probe {
 pub fn bench(args: &BenchArgs) -> Result<()> {
     match &args.scenario {
         Scenario::Shapes(shapes_args) => return shapes::run(shapes_args),
+        Scenario::Hybrid(hybrid_args) => return hybrid::run(hybrid_args),
         Scenario::Lanes(lanes_args) => return lanes::run(&args.model, &args.spec, lanes_args),
         _ => {}
     }
@@ -137,7 +142,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
             let mut e = engine(Arc::new(model), tokenizer, background + 1, args.max_batch_tokens)?;
             ttft(&mut e, &long, &prompts, *background, *repeat)
         }
-        Scenario::Lanes(_) | Scenario::Prefix(_) | Scenario::Shapes(_) => bail!("handled above"),
+        Scenario::Lanes(_) | Scenario::Prefix(_) | Scenario::Shapes(_) | Scenario::Hybrid(_) => bail!("handled above"),
     }
 }
 

@@ -257,11 +257,11 @@ mod gpu {
         Ok(())
     }
 
-    /// Verify steps of one sequence: 1, 2, 4, 8, 16 rows at once (the rows overwrite the same slots).
+    /// Verify steps of one sequence: 1, 2, 3, 4, 6, 8, 12, 16 rows at once (the rows overwrite the same slots).
     fn verify_steps(model: &CudaLlamaModel, cache: &mut CudaCache, table: &[u32]) -> Result<()> {
         println!("{:>6} {:>12} {:>16}", "rows", "ms/step", "x 1-row step");
         let mut one = 0.0;
-        for r in [1usize, 2, 4, 8, 16] {
+        for r in [1usize, 2, 3, 4, 6, 8, 12, 16] {
             let tokens: Vec<u32> = (0..r as u32).map(|i| 5 + i).collect();
             let mut times = Vec::new();
             for _ in 0..24 {

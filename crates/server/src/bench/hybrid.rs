@@ -1,0 +1,218 @@
+//! `dflash bench hybrid` (feature `cuda`): a Qwen3-Next-80B-A3B-shaped target with random bf16 weights made
+//! on the device (full width, fewer layers: `--layers`, keeping the 3 GDN : 1 attention pattern), against the
+//! memory floor of its active parameters: decode ms per token, and the verify-cost ladder the round policy
+//! needs (ms per round for 1, 2, 3, 4, 6, 8, 12, 16 rows; a round is the verify forward, graph-replayed,
+//! plus the GDN rollback replay of the kept rows, until the ids are back on the host).
+//!
+//! The floor of a round of `w` rows: the dense weights once, plus the experts the round routes to. With
+//! random routing, `w` rows of top-`k` picks out of `E` experts touch `E·(1 − (1 − k/E)^w)` distinct
+//! experts on average, so the floor grows with `w` (the sparse target pays for every extra row).
+
+use anyhow::Result;
+use clap::Args;
+
+/// `dflash bench hybrid` flags.
+#[derive(Args, Debug)]
+pub struct HybridArgs {
+    /// Layers (a multiple of 4: 3 Gated DeltaNet layers, then one attention layer); Qwen3-Next-80B has 48.
+    #[arg(long, default_value_t = 16)]
+    pub layers: usize,
+    /// Greedy decode steps of the single sequence.
+    #[arg(long, default_value_t = 128)]
+    pub steps: usize,
+    /// Context (prompt tokens) before the decode and verify steps.
+    #[arg(long, default_value_t = 128)]
+    pub context: usize,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+}
+
+/// Runs the benchmark on the GPU.
+///
+/// # Errors
+/// A build without the CUDA backend, no usable device, a model that does not fit.
+pub fn run(args: &HybridArgs) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    return gpu::run(args);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = args;
+        anyhow::bail!("dflash bench hybrid runs on the GPU: build with --features cuda")
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use anyhow::{bail, Result};
+
+    use super::HybridArgs;
+    use dflash_models::cuda::{CudaCacheConfig, CudaHybridCache, CudaHybridModel, GdnSeq};
+    use dflash_models::hybrid::HybridConfig;
+    use dflash_models::{ForwardBatch, SeqRows};
+    use dflash_runtime::cuda::CudaDevice;
+
+    /// Device-to-device copy bandwidth measured on the H200 (read + write).
+    const FLOOR_BYTES_PER_S: f64 = 4.3e12;
+    const PAGE: usize = 16;
+    /// Verify widths of the ladder.
+    const LADDER: [usize; 8] = [1, 2, 3, 4, 6, 8, 12, 16];
+    const ROUNDS: usize = 24;
+
+    /// Qwen3-Next-80B-A3B's shapes (its config.json), `layers` deep.
+    fn config(layers: usize) -> Result<HybridConfig> {
+        if layers == 0 || !layers.is_multiple_of(4) {
+            bail!("--layers must be a positive multiple of 4, got {layers}");
+        }
+        let types: Vec<&str> =
+            (0..layers).map(|i| if i % 4 == 3 { "full_attention" } else { "linear_attention" }).collect();
+        let v = serde_json::json!({
+            "model_type": "qwen3_next", "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": layers,
+            "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25,
+            "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 10000000.0, "max_position_embeddings": 32768,
+            "tie_word_embeddings": false, "layer_types": types, "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+            "linear_value_head_dim": 128, "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512, "norm_topk_prob": true, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "hidden_act": "silu", "attention_bias": false,
+        });
+        Ok(HybridConfig::from_hf(&v)?)
+    }
+
+    pub fn run(a: &HybridArgs) -> Result<()> {
+        let dev = Arc::new(CudaDevice::new(a.device)?);
+        println!("device {} ({} SMs)", dev.info().name, dev.info().multiprocessors);
+        let cfg = config(a.layers)?;
+        let t = Instant::now();
+        let model = CudaHybridModel::random(dev.clone(), cfg, 7)?;
+        let max_len = a.context + a.steps + 64;
+        let pages = max_len.div_ceil(PAGE);
+        let mut cc = CudaCacheConfig::new(pages + 1, PAGE, 256, 1, max_len);
+        cc.max_logit_rows = 256;
+        let mut cache = model.new_cache(cc, 1)?;
+        println!(
+            "Qwen3-Next-80B-A3B shape, {} of 48 layers, random bf16 weights made in {:.1} s; active weights {:.1} MB \
+             per row (decode floor {:.3} ms at 4.3 TB/s); state {:.1} MB per sequence; cache {:.0} MB",
+            a.layers,
+            t.elapsed().as_secs_f64(),
+            model.active_weight_bytes() as f64 / 1e6,
+            model.active_weight_bytes() as f64 / FLOOR_BYTES_PER_S * 1e3,
+            model.state_bytes_per_slot() as f64 / 1e6,
+            cache.bytes() as f64 / 1e6,
+        );
+        let table: Vec<u32> = (0..pages as u32).collect();
+        let vocab = model.config().base.vocab_size as u32;
+        let prompt: Vec<u32> = (0..a.context as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+        let t = Instant::now();
+        let mut token = step(&model, &mut cache, &prompt, 0, &table, a.context, false)?[0];
+        let ms = t.elapsed().as_secs_f64() * 1e3;
+        println!(
+            "prefill {} tokens (eager, recurrent GDN rule): {ms:.1} ms = {:.0} tok/s",
+            a.context,
+            a.context as f64 / ms * 1e3
+        );
+        let mut times = Vec::with_capacity(a.steps);
+        for i in 0..a.steps {
+            let t = Instant::now();
+            token = step(&model, &mut cache, &[token], a.context + i, &table, a.context, false)?[0];
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        let med = median(&mut times[1..].to_vec());
+        let floor = model.active_weight_bytes() as f64 / FLOOR_BYTES_PER_S * 1e3;
+        println!(
+            "decode: {med:.3} ms/token median ({:.0} tok/s); floor {floor:.3} ms, floor/time {:.2}",
+            1e3 / med,
+            floor / med
+        );
+        ladder(&model, &mut cache, &table, a.context)
+    }
+
+    /// The verify ladder: rounds of `w` rows at the same context, each followed by the rollback replay of
+    /// all `w` rows (the dearest replay), timed until the ids are back.
+    fn ladder(model: &CudaHybridModel, cache: &mut CudaHybridCache, table: &[u32], ctx: usize) -> Result<()> {
+        let moe = model.config().moe;
+        let dense = dense_bytes(model);
+        println!(
+            "{:>5} {:>10} {:>10} {:>12} {:>12} {:>10} {:>12}",
+            "rows", "ms/round", "x 1 row", "ms/row", "experts", "floor ms", "floor/time"
+        );
+        let mut one = 0.0;
+        for w in LADDER {
+            let tokens: Vec<u32> = (0..w as u32).map(|i| 11 + 97 * i).collect();
+            let mut times = Vec::with_capacity(ROUNDS);
+            for _ in 0..ROUNDS {
+                let t = Instant::now();
+                step(model, cache, &tokens, ctx, table, ctx, true)?;
+                model.rollback(cache, &[w])?;
+                model.device().synchronize()?;
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            // Each replay advances the recurrent state; only the costs matter here, and every round runs at
+            // the same context (its attention rows overwrite the same slots).
+            let med = median(&mut times[2..].to_vec());
+            if w == 1 {
+                one = med;
+            }
+            let (experts, expert_bytes) = match moe {
+                Some(m) => {
+                    let (e, k) = (m.num_experts as f64, m.top_k as f64);
+                    let touched = e * (1.0 - (1.0 - k / e).powi(w as i32));
+                    (touched, touched * expert_bytes(model) * layers_sparse(model) as f64)
+                }
+                None => (0.0, 0.0),
+            };
+            let floor = (dense + expert_bytes) / FLOOR_BYTES_PER_S * 1e3;
+            println!(
+                "{w:>5} {med:>10.3} {:>10.2} {:>12.3} {experts:>12.1} {floor:>10.3} {:>12.2}",
+                med / one,
+                med / w as f64,
+                floor / med
+            );
+        }
+        Ok(())
+    }
+
+    /// Bytes of one routed expert (gate, up, down in bf16).
+    fn expert_bytes(model: &CudaHybridModel) -> f64 {
+        let h = model.config().base.hidden_size as f64;
+        model.config().moe.map_or(0.0, |m| 3.0 * 2.0 * h * m.expert_intermediate as f64)
+    }
+
+    fn layers_sparse(model: &CudaHybridModel) -> usize {
+        model.config().ffns.iter().filter(|f| matches!(f, dflash_models::hybrid::FfnKind::Sparse)).count()
+    }
+
+    /// Active bytes less the routed experts of one row: what every round reads once.
+    fn dense_bytes(model: &CudaHybridModel) -> f64 {
+        let k = model.config().moe.map_or(0, |m| m.top_k) as f64;
+        model.active_weight_bytes() as f64 - k * expert_bytes(model) * layers_sparse(model) as f64
+    }
+
+    /// One forward of `tokens` at context `ctx` of the single sequence (slot 0); greedy ids of every row.
+    fn step(
+        model: &CudaHybridModel,
+        cache: &mut CudaHybridCache,
+        tokens: &[u32],
+        ctx: usize,
+        table: &[u32],
+        prompt_len: usize,
+        verify: bool,
+    ) -> Result<Vec<u32>> {
+        let positions: Vec<u32> = (ctx..ctx + tokens.len()).map(|p| p as u32).collect();
+        let slots: Vec<u32> =
+            (ctx..ctx + tokens.len()).map(|p| table[p / PAGE] * PAGE as u32 + (p % PAGE) as u32).collect();
+        let seqs = [SeqRows { num_rows: tokens.len(), context_len: ctx, block_table: table, prompt_len }];
+        let rows: Vec<u32> =
+            if tokens.len() <= 16 { (0..tokens.len() as u32).collect() } else { vec![tokens.len() as u32 - 1] };
+        let batch = ForwardBatch { tokens, positions: &positions, seqs: &seqs, slots: &slots, logit_rows: &rows };
+        Ok(model.forward_greedy(&batch, cache, &[GdnSeq { slot: 0, verify }])?)
+    }
+
+    fn median(v: &mut [f64]) -> f64 {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    }
+}
