@@ -16,7 +16,7 @@ use crate::scheduler::{Scheduler, SchedulerConfig, StepItem};
 use crate::sequence::{Outcome, Sequence};
 use crate::spec::{
     prompt_gate_passes, CostTable, DflashProposer, DrafterConfig, MtpLaneConfig, MtpProposer, NgramProposer,
-    SharedCosts, SpecConfig, SpecLane,
+    OracleProposer, SharedCosts, SpecConfig, SpecLane,
 };
 use crate::target::{CpuTarget, ResumeState, Target};
 use crate::EngineError;
@@ -300,6 +300,11 @@ impl Engine {
     /// opt out of drafters, else prompt lookup as the request's explicit `enable_pld` or the server's setting
     /// (behind the prompt gate) say.
     fn arm_lane(&self, req: &Request) -> Option<SpecLane> {
+        if let Some(draft) = &req.oracle {
+            let max = draft.max_draft;
+            let proposer = Box::new(OracleProposer::new(draft.clone(), req.prompt.len()));
+            return Some(SpecLane::new(proposer, max, 0, self.policy_for(req), self.round_costs.clone()));
+        }
         if let Some(lane) = self.arm_mtp(req).or_else(|| self.arm_drafter(req)) {
             return Some(lane);
         }

@@ -28,6 +28,9 @@ pub struct Request {
     /// Let the prefix cache serve this prompt's leading pages and keep its pages for later requests (when the
     /// server has the cache on). False: computed from scratch and never cached.
     pub cache_prompt: bool,
+    /// Benchmarks only: draft with the oracle lane ([`crate::spec::OracleDraft`]: the target's own continuation,
+    /// right at each draft position with a set probability) instead of the server's lanes.
+    pub oracle: Option<crate::spec::OracleDraft>,
 }
 
 /// Where a sequence's events go. The engine calls it from its own thread.

@@ -30,6 +30,7 @@ fn seq_with(id: &str, prompt: Vec<u32>, cache_prompt: bool) -> Sequence {
         enable_drafter: None,
         spec_policy: None,
         cache_prompt,
+        oracle: None,
     };
     Sequence::new(request, Box::new(NullSink))
 }

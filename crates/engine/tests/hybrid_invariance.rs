@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use common::{metric, request, Recorder, Session};
-use dflash_engine::spec::{DrafterConfig, MtpDepth, MtpLaneConfig, NgramConfig, PolicyMode, SpecConfig};
+use dflash_engine::spec::{DrafterConfig, MtpDepth, MtpLaneConfig, NgramConfig, OracleDraft, PolicyMode, SpecConfig};
 use dflash_engine::{Engine, EngineConfig, EngineMetrics, HybridTarget, Request, SamplingParams, Target};
 use dflash_models::dflash::{DraftConfig, DraftModel, TargetSpec};
 use dflash_models::hybrid::{load_hybrid_weights, HybridModel};
@@ -163,6 +163,53 @@ fn qwen3_moe_prompt_lookup_equals_plain_decoding() {
     let (pld, text) = run(&setup, common::config(64, 64, spec(Some(4))), requests(16, true));
     assert_eq!(outcomes(&pld), plain);
     assert!(metric(&text, "dflash_spec_accepted_tokens_total") > 0.0, "no prompt-lookup draft was accepted");
+}
+
+/// The oracle lane (a set acceptance per draft position, drafting plain decoding's own tokens) on the sparse and
+/// hybrid targets: every acceptance and both width policies give plain decoding's output, greedy and seeded; a
+/// perfect oracle under the fixed policy commits its whole block every round; a hopeless one never gets a draft
+/// accepted.
+#[test]
+fn the_oracle_lane_equals_plain_decoding_and_accepts_as_set() {
+    for name in ["tiny-qwen3-moe", "tiny-qwen3-next"] {
+        let setup = hybrid(name);
+        let plain = outcomes(&run(&setup, common::config(64, 64, spec(None)), requests(20, false)).0);
+        for (acceptance, policy) in [
+            (vec![1.0], PolicyMode::Fixed),
+            (vec![0.0], PolicyMode::Fixed),
+            (vec![0.9, 0.7, 0.5], PolicyMode::Fixed),
+            (vec![0.9, 0.7, 0.5], PolicyMode::Adaptive),
+        ] {
+            let with_oracle: Vec<Request> = requests(20, false)
+                .into_iter()
+                .zip(&plain)
+                .map(|(mut r, want)| {
+                    r.oracle = Some(OracleDraft {
+                        continuation: Arc::new(want.ids.clone()),
+                        acceptance: acceptance.clone(),
+                        max_draft: 3,
+                        seed: 11,
+                        vocab: 256,
+                    });
+                    r.spec_policy = Some(policy);
+                    r
+                })
+                .collect();
+            let (got, text) = run(&setup, common::config(64, 64, spec(None)), with_oracle);
+            let what = format!("{name}, oracle {acceptance:?} {policy:?}");
+            assert_eq!(outcomes(&got), plain, "{what}: the output changed");
+            let drafted = metric(&text, "dflash_spec_drafted_tokens_total");
+            let accepted = metric(&text, "dflash_spec_accepted_tokens_total");
+            let (perfect, hopeless) = (acceptance[0] >= 1.0, acceptance[0] <= 0.0);
+            if perfect {
+                assert!(drafted > 0.0 && accepted == drafted, "{what}: {accepted} of {drafted}");
+            } else if hopeless {
+                assert!(drafted > 0.0 && accepted == 0.0, "{what}: {accepted} of {drafted}");
+            } else if policy == PolicyMode::Fixed {
+                assert!(accepted > 0.0 && accepted < drafted, "{what}: {accepted} of {drafted}");
+            }
+        }
+    }
 }
 
 #[test]

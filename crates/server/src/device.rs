@@ -237,6 +237,7 @@ mod tests {
             enable_drafter: None,
             spec_policy: None,
             cache_prompt: false,
+            oracle: None,
         };
         engine.add(request, Box::new(last.clone()));
         while engine.has_work() {

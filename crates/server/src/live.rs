@@ -91,6 +91,7 @@ impl EngineHandle for LiveEngine {
             enable_drafter: req.enable_drafter,
             spec_policy: req.spec_policy,
             cache_prompt: req.cache_prompt,
+            oracle: None,
         };
         let (tx, rx) = mpsc::unbounded_channel();
         self.client.submit(request, Box::new(ChannelSink(tx))).map_err(|e| match e {

@@ -136,6 +136,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         enable_drafter: None,
         spec_policy: None,
         cache_prompt: false,
+        oracle: None,
     };
     let tokenizer = Arc::new(loaded.tokenizer);
     let metrics = Arc::new(EngineMetrics::default());

@@ -11,6 +11,7 @@ pub mod dflash;
 pub mod gate;
 pub mod mtp;
 pub mod ngram;
+pub mod oracle;
 pub mod policy;
 pub mod verify;
 
@@ -20,6 +21,7 @@ pub use dflash::{DflashProposer, DrafterConfig};
 pub use gate::prompt_gate_passes;
 pub use mtp::{MtpDepth, MtpLaneConfig, MtpProposer};
 pub use ngram::{NgramConfig, NgramProposer};
+pub use oracle::{OracleDraft, OracleProposer};
 pub use policy::{CostTable, PolicyMode, RoundPlan, RoundPolicy, SharedCosts};
 
 use crate::sampler::SamplingParams;

@@ -146,6 +146,7 @@ pub fn request(id: usize, prompt: Vec<u32>, sampling: SamplingParams, max_tokens
         enable_drafter: None,
         spec_policy: None,
         cache_prompt: true,
+        oracle: None,
     }
 }
 

@@ -8,7 +8,10 @@
 //!
 //! Lanes: `plain` (no drafting), `pld` (prompt lookup, with its gates as served), `dflash` (the block drafter:
 //! `--drafter`, or the one shipped for the default model) and `mtp` (an MTP head: `--mtp DIR|auto`, or the one
-//! shipped for the default model). A lane name may end in `-fixed` or `-adaptive` (`dflash-fixed`) to set the
+//! shipped for the default model), and `oracleN` (a stand-in drafter of block `N`, default 8, that drafts the plain
+//! run's own tokens, right at each draft position with the probabilities `--oracle-acceptance` sets: what the
+//! round policy does with a drafter of a chosen quality on any target, e.g. a sparse or hybrid one without a
+//! trained drafter). A lane name may end in `-fixed` or `-adaptive` (`dflash-fixed`, `oracle4-fixed`) to set the
 //! request's width policy; bare names follow `--spec-policy`. The MTP lane runs on a second engine over a second
 //! copy of the target (a target captures the layers of one lane's drafter). Each engine's round-cost probe runs
 //! before the first request, so no lane pays for it, and the cost tables are printed at the end.
@@ -19,7 +22,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use dflash_engine::spec::{DrafterConfig, MtpLaneConfig, PolicyMode};
+use dflash_engine::spec::{DrafterConfig, MtpLaneConfig, OracleDraft, PolicyMode};
 use dflash_engine::{Engine, EngineConfig, EngineMetrics, Event, EventSink, Request, SamplingParams, Usage};
 use dflash_models::tokenizer::{ChatMessage, Tokenizer};
 use serde::Deserialize;
@@ -43,6 +46,10 @@ pub struct LanesArgs {
     /// pick the width policy (default: --spec-policy).
     #[arg(long, value_delimiter = ',', default_value = "plain,pld")]
     pub lanes: Vec<String>,
+    /// The oracle lanes' chance of a right draft at each draft position (given the earlier ones were right); the
+    /// last value holds for later positions.
+    #[arg(long, value_delimiter = ',', default_value = "0.8,0.6,0.5,0.4")]
+    pub oracle_acceptance: Vec<f32>,
     /// Sampling temperatures; 0 is greedy. Sampled requests use top-p 0.95 and a seed fixed per prompt.
     #[arg(long, value_delimiter = ',', default_value = "0")]
     pub temperatures: Vec<f32>,
@@ -73,6 +80,8 @@ enum LaneKind {
     Pld,
     Dflash,
     Mtp,
+    /// The oracle lane with this block (verify rows, drafts + 1).
+    Oracle(usize),
 }
 
 /// A lane name's kind and the width policy its suffix asks for.
@@ -86,7 +95,14 @@ fn lane_kind(lane: &str) -> Result<(LaneKind, Option<PolicyMode>)> {
         "pld" => LaneKind::Pld,
         "dflash" => LaneKind::Dflash,
         "mtp" => LaneKind::Mtp,
-        _ => bail!("unknown lane `{lane}` (known: plain, pld, dflash, mtp; all but plain take -fixed or -adaptive)"),
+        oracle if oracle.starts_with("oracle") => match oracle["oracle".len()..].parse::<usize>() {
+            Ok(block) if block >= 2 => LaneKind::Oracle(block),
+            Err(_) if oracle == "oracle" => LaneKind::Oracle(8),
+            _ => bail!("lane `{lane}`: oracleN takes a block N of at least 2"),
+        },
+        _ => bail!(
+            "unknown lane `{lane}` (known: plain, pld, dflash, mtp, oracleN; all but plain take -fixed or -adaptive)"
+        ),
     };
     Ok((kind, policy))
 }
@@ -124,9 +140,19 @@ pub fn run(model: &ModelArgs, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
             for _ in 0..args.repeat.max(1) {
                 let mut plain_ids = Vec::new();
                 for (lane, &(kind, policy)) in args.lanes.iter().zip(&parsed) {
+                    let oracle = match kind {
+                        LaneKind::Oracle(block) => Some(OracleDraft {
+                            continuation: Arc::new(plain_ids.clone()),
+                            acceptance: args.oracle_acceptance.clone(),
+                            max_draft: block - 1,
+                            seed: SEED_BASE + i as u64,
+                            vocab: tokenizer.vocab_size(),
+                        }),
+                        _ => None,
+                    };
                     let engine = engines.for_lane(kind)?;
-                    let (usage, ttft_ms, ids) =
-                        run_one(engine, &prompt, (lane, kind, policy), sampling.clone(), args.max_tokens)?;
+                    let lane_spec = (lane.as_str(), kind, policy, oracle);
+                    let (usage, ttft_ms, ids) = run_one(engine, &prompt, lane_spec, sampling.clone(), args.max_tokens)?;
                     if kind == LaneKind::Plain {
                         plain_ids = ids;
                     } else if ids != plain_ids && !(lossy && temperature > 0.0) {
@@ -304,7 +330,7 @@ impl EventSink for UsageProbe {
 fn run_one(
     engine: &mut Engine,
     prompt: &[u32],
-    (lane, kind, spec_policy): (&str, LaneKind, Option<PolicyMode>),
+    (lane, kind, spec_policy, oracle): (&str, LaneKind, Option<PolicyMode>, Option<OracleDraft>),
     sampling: SamplingParams,
     max_tokens: usize,
 ) -> Result<(Usage, f64, Vec<u32>)> {
@@ -318,11 +344,12 @@ fn run_one(
         logprobs: None,
         ignore_eos: false,
         // plain forces every lane off; pld follows the engine's setting, prompt gate included, as served; dflash
-        // and mtp draft with the engine's drafter or head.
+        // and mtp draft with the engine's drafter or head; the oracle lane replaces them all.
         enable_pld: (kind != LaneKind::Pld).then_some(false),
         enable_drafter: Some(matches!(kind, LaneKind::Dflash | LaneKind::Mtp)),
         spec_policy,
         cache_prompt: false,
+        oracle,
     };
     let started = Instant::now();
     engine.add(request, Box::new(probe.clone()));
@@ -347,6 +374,9 @@ mod tests {
         assert_eq!(lane_kind("plain").expect("plain"), (LaneKind::Plain, None));
         assert_eq!(lane_kind("mtp-fixed").expect("mtp"), (LaneKind::Mtp, Some(PolicyMode::Fixed)));
         assert_eq!(lane_kind("dflash-adaptive").expect("dflash"), (LaneKind::Dflash, Some(PolicyMode::Adaptive)));
+        assert_eq!(lane_kind("oracle4-fixed").expect("oracle"), (LaneKind::Oracle(4), Some(PolicyMode::Fixed)));
+        assert_eq!(lane_kind("oracle").expect("oracle"), (LaneKind::Oracle(8), None));
+        assert!(lane_kind("oracle1").is_err() && lane_kind("oraclex").is_err());
         assert!(lane_kind("plain-fixed").is_err());
         assert!(lane_kind("eagle").is_err());
     }

@@ -182,6 +182,7 @@ fn request(id: String, prompt: Vec<u32>, max_tokens: usize) -> Request {
         enable_drafter: Some(false),
         spec_policy: None,
         cache_prompt: false,
+        oracle: None,
     }
 }
 

@@ -1,0 +1,155 @@
+//! The oracle lane: a benchmark's stand-in drafter whose acceptance is set, not learned.
+//!
+//! It is given the target's own continuation of the request (plain decoding's tokens for the same request, which
+//! the keyed sampler makes the same for seeded sampled requests) and drafts it, wrong at draft position `j` with
+//! probability `1 − acceptance[j]`: the draft at `j` is the target's token when a keyed uniform draw falls below
+//! `acceptance[j]`, so given that the earlier drafts were accepted, the target accepts position `j` with exactly
+//! that probability. Sweeping the acceptances shows what the round policy does with a drafter of any quality on
+//! any target (a sparse MoE, a hybrid model) without training one; verification stays the exact rule, so the
+//! output is plain decoding's whatever the acceptances.
+//!
+//! The draws are a pure function of (seed, position, draft index), so a run repeats exactly, and lanes with other
+//! width policies see the same drafts at the same positions.
+
+use std::sync::Arc;
+
+use super::{Proposal, ProposeInput, Proposer};
+
+/// What the oracle lane of one request drafts from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OracleDraft {
+    /// The target's tokens after the prompt (from a plain run of the same request).
+    pub continuation: Arc<Vec<u32>>,
+    /// Per draft position, the probability that the draft is the target's token; the last value holds for later
+    /// positions. Values are clamped to [0, 1].
+    pub acceptance: Vec<f32>,
+    /// Drafts per round at most.
+    pub max_draft: usize,
+    pub seed: u64,
+    /// The vocabulary wrong drafts are drawn from.
+    pub vocab: usize,
+}
+
+/// The oracle lane of one sequence.
+pub struct OracleProposer {
+    draft: OracleDraft,
+    prompt_len: usize,
+}
+
+impl OracleProposer {
+    /// The lane of a request whose prompt is `prompt_len` tokens long.
+    pub fn new(draft: OracleDraft, prompt_len: usize) -> Self {
+        OracleProposer { draft, prompt_len }
+    }
+
+    /// The chance that the draft at index `j` is right.
+    fn acceptance(&self, j: usize) -> f32 {
+        let a = &self.draft.acceptance;
+        a.get(j).or(a.last()).copied().unwrap_or(0.0).clamp(0.0, 1.0)
+    }
+}
+
+impl Proposer for OracleProposer {
+    fn name(&self) -> &'static str {
+        "oracle"
+    }
+
+    fn propose(&mut self, input: &ProposeInput, max: usize) -> Proposal {
+        // The round's anchor is the last committed token; its drafts are the continuation's next tokens.
+        let Some(next) = input.tokens.len().checked_sub(self.prompt_len) else {
+            return Proposal::default();
+        };
+        let vocab = self.draft.vocab.max(2) as u64;
+        let position = input.tokens.len() as u64;
+        let tokens = self
+            .draft
+            .continuation
+            .iter()
+            .skip(next)
+            .take(max.min(self.draft.max_draft))
+            .enumerate()
+            .map(|(j, &right)| {
+                let h = mix(self.draft.seed, position, j as u64);
+                if unit(h) < self.acceptance(j) {
+                    right
+                } else {
+                    // Any other token: right + 1 + (h mod (vocab − 1)), wrapped.
+                    ((u64::from(right) + 1 + (h >> 24) % (vocab - 1)) % vocab) as u32
+                }
+            })
+            .collect();
+        Proposal { tokens, confidence: None }
+    }
+}
+
+/// splitmix64 of the three inputs: a keyed, reproducible 64-bit draw.
+fn mix(seed: u64, position: u64, j: u64) -> u64 {
+    let mut z = seed ^ position.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ j.wrapping_mul(0xD1B5_4A32_D192_ED03);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The top 24 bits of `h` as a uniform in [0, 1).
+fn unit(h: u64) -> f32 {
+    (h >> 40) as f32 / (1u64 << 24) as f32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampler::SamplingParams;
+
+    fn oracle(acceptance: Vec<f32>) -> OracleProposer {
+        let continuation: Vec<u32> = (100..400).collect();
+        let draft =
+            OracleDraft { continuation: Arc::new(continuation), acceptance, max_draft: 7, seed: 9, vocab: 1000 };
+        OracleProposer::new(draft, 3)
+    }
+
+    fn propose(o: &mut OracleProposer, committed: usize, max: usize) -> Vec<u32> {
+        let tokens: Vec<u32> = (0..committed as u32).collect();
+        o.propose(&ProposeInput { tokens: &tokens, sampling: &SamplingParams::greedy() }, max).tokens
+    }
+
+    #[test]
+    fn perfect_and_hopeless_oracles() {
+        let mut right = oracle(vec![1.0]);
+        assert_eq!(propose(&mut right, 3, 4), vec![100, 101, 102, 103], "the continuation from the first token");
+        assert_eq!(propose(&mut right, 10, 16), (107..114).collect::<Vec<_>>(), "at most max_draft");
+        assert_eq!(propose(&mut right, 299, 8), vec![396, 397, 398, 399], "up to the end of the continuation");
+        assert!(propose(&mut right, 303, 8).is_empty() && propose(&mut right, 2, 8).is_empty());
+        let mut wrong = oracle(vec![0.0]);
+        let drafts = propose(&mut wrong, 3, 7);
+        assert!(drafts.iter().zip(100..).all(|(&d, r)| d != r && d < 1000), "{drafts:?}");
+        assert_eq!(propose(&mut wrong, 3, 7), drafts, "the same draws at the same position");
+    }
+
+    /// Over many positions the first draft is right at about acceptance[0], the second (given the first) at about
+    /// acceptance[1].
+    #[test]
+    fn conditional_acceptance_follows_the_setting() {
+        let continuation: Vec<u32> = (0..4000).map(|i| 100 + i % 800).collect();
+        let draft = OracleDraft {
+            continuation: Arc::new(continuation.clone()),
+            acceptance: vec![0.8, 0.5, 0.2],
+            max_draft: 3,
+            seed: 5,
+            vocab: 1000,
+        };
+        let mut o = OracleProposer::new(draft, 3);
+        let (mut first, mut second) = (0usize, 0usize);
+        let n = 3900;
+        for g in 0..n {
+            let d = propose(&mut o, 3 + g, 3);
+            if d[0] == continuation[g] {
+                first += 1;
+                second += usize::from(d[1] == continuation[g + 1]);
+            }
+        }
+        let p0 = first as f64 / n as f64;
+        let p1 = second as f64 / first as f64;
+        assert!((p0 - 0.8).abs() < 0.03, "first position {p0}");
+        assert!((p1 - 0.5).abs() < 0.04, "second given the first {p1}");
+    }
+}
