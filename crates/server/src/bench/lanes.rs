@@ -12,7 +12,8 @@
 //! run's own tokens, right at each draft position with the probabilities `--oracle-acceptance` sets: what the
 //! round policy does with a drafter of a chosen quality on any target, e.g. a sparse or hybrid one without a
 //! trained drafter). A lane name may end in `-fixed` or `-adaptive` (`dflash-fixed`, `oracle4-fixed`) to set the
-//! request's width policy; bare names follow `--spec-policy`. The MTP lane runs on a second engine over a second
+//! request's width policy; bare names follow `--spec-policy`. `--context N` opens every prompt with a document of
+//! about `N` tokens, for the long-context rows of a table. The MTP lane runs on a second engine over a second
 //! copy of the target (a target captures the layers of one lane's drafter). Each engine's round-cost probe runs
 //! before the first request, so no lane pays for it, and the cost tables are printed at the end.
 
@@ -56,6 +57,13 @@ pub struct LanesArgs {
     /// Use at most this many prompts of each group (the first ones in the file); 0 = all.
     #[arg(long, default_value_t = 0)]
     pub per_group: usize,
+    /// Put each prompt after a document of about this many tokens (the long-context rows of a table: 1024, 8192,
+    /// 32768); 0 sends the prompts as they are. The document is `--context-text` repeated.
+    #[arg(long, default_value_t = 0)]
+    pub context: usize,
+    /// The document text the `--context` prompts open with.
+    #[arg(long, default_value = "bench/prompts/summarise-1000.txt")]
+    pub context_text: PathBuf,
     /// Tokens per request at most (requests stop at EOS too).
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
@@ -130,11 +138,20 @@ pub fn run(model: &ModelArgs, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
     if kinds.first() != Some(&LaneKind::Plain) {
         bail!("the first lane must be `plain`: the other lanes' tokens and speedups are checked against it");
     }
-    let (mut engines, tokenizer) = engines(model, spec, &kinds)?;
+    let window = context_window(args.context, args.max_tokens);
+    let (mut engines, tokenizer) = engines(model, spec, &kinds, window)?;
+    let document = match args.context {
+        0 => None,
+        n => Some(document(&tokenizer, &args.context_text, n)?),
+    };
     let lossy = spec.dflash_typical.is_some() || spec.mtp.mtp_typical.is_some();
     let mut results = Vec::new();
     for (i, entry) in entries.iter().enumerate() {
-        let prompt = chat_prompt(&tokenizer, &entry.prompt)?;
+        let text = match &document {
+            Some(doc) => format!("Read the notes below, then answer.\n\n{doc}\n\n{}", entry.prompt),
+            None => entry.prompt.clone(),
+        };
+        let prompt = chat_prompt(&tokenizer, &text)?;
         for &temperature in &args.temperatures {
             let sampling = sampling(temperature, SEED_BASE + i as u64);
             for _ in 0..args.repeat.max(1) {
@@ -187,7 +204,7 @@ pub fn run(model: &ModelArgs, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
 }
 
 /// Loads the target once per engine the lanes need and probes each engine's round costs.
-fn engines(model: &ModelArgs, spec: &SpecArgs, kinds: &[LaneKind]) -> Result<(Engines, Arc<Tokenizer>)> {
+fn engines(model: &ModelArgs, spec: &SpecArgs, kinds: &[LaneKind], window: usize) -> Result<(Engines, Arc<Tokenizer>)> {
     let mut main_spec = spec.clone();
     main_spec.mtp.mtp = None;
     main_spec.mtp.no_mtp = true;
@@ -196,12 +213,12 @@ fn engines(model: &ModelArgs, spec: &SpecArgs, kinds: &[LaneKind]) -> Result<(En
         bail!("the dflash lane needs a drafter: --drafter DIR (the default model has one shipped)");
     }
     let tokenizer = Arc::new(loaded.tokenizer);
-    let cfg = engine_config(&tokenizer, spec, drafter)?;
+    let cfg = engine_config(&tokenizer, spec, drafter, window)?;
     let mut main = crate::device::engine(model, loaded.model, Arc::clone(&tokenizer), cfg, metrics(), None)?;
     main.probe_round_costs()?;
     let mtp = if kinds.contains(&LaneKind::Mtp) {
         let (loaded, head) = load_mtp_target(model, spec)?;
-        let cfg = engine_config(&tokenizer, spec, None)?;
+        let cfg = engine_config(&tokenizer, spec, None, window)?;
         let mut e = crate::device::engine(model, loaded, Arc::clone(&tokenizer), cfg, metrics(), Some(head))?;
         e.probe_round_costs()?;
         Some(e)
@@ -227,10 +244,31 @@ fn load_mtp_target(model: &ModelArgs, spec: &SpecArgs) -> Result<(dflash_models:
     Ok((loaded.model, mtp.context("no MTP head was loaded")?))
 }
 
-fn engine_config(tokenizer: &Tokenizer, spec: &SpecArgs, drafter: Option<DrafterConfig>) -> Result<EngineConfig> {
+/// The engines' context window: 4,096 tokens, or room for a `--context` document, its prompt and the completion.
+fn context_window(context: usize, max_tokens: usize) -> usize {
+    (context + max_tokens + 512).max(4096).next_multiple_of(16)
+}
+
+/// About `tokens` tokens of `path`'s text repeated (cut at a token boundary and decoded back to text).
+fn document(tokenizer: &Tokenizer, path: &Path, tokens: usize) -> Result<String> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let once = tokenizer.encode(&text, false)?;
+    if once.is_empty() {
+        bail!("{} holds no text", path.display());
+    }
+    let ids: Vec<u32> = once.iter().copied().cycle().take(tokens).collect();
+    Ok(tokenizer.decode(&ids, true)?)
+}
+
+fn engine_config(
+    tokenizer: &Tokenizer,
+    spec: &SpecArgs,
+    drafter: Option<DrafterConfig>,
+    window: usize,
+) -> Result<EngineConfig> {
     Ok(EngineConfig {
-        context_window: 4096,
-        num_pages: 4096 / 16,
+        context_window: window,
+        num_pages: window / 16,
         page_size: 16,
         max_running: 1,
         max_batch_tokens: 512,
@@ -379,6 +417,13 @@ mod tests {
         assert!(lane_kind("oracle1").is_err() && lane_kind("oraclex").is_err());
         assert!(lane_kind("plain-fixed").is_err());
         assert!(lane_kind("eagle").is_err());
+    }
+
+    #[test]
+    fn long_context_runs_get_a_window_that_holds_them() {
+        assert_eq!(context_window(0, 128), 4096);
+        assert_eq!(context_window(8192, 128), 8832);
+        assert_eq!(context_window(32768, 100), 33392);
     }
 
     #[test]
