@@ -24,7 +24,7 @@ pub use request::{Event, EventSink, FinishReason, Request, TokenLogprob, TopLogp
 pub use sampler::SamplingParams;
 pub use service::{spawn, EngineClient, SubmitError};
 #[cfg(feature = "cuda")]
-pub use target::CudaTarget;
+pub use target::{CudaHybridTarget, CudaTarget};
 pub use target::{CpuTarget, HybridTarget, StepSeq, Target};
 
 /// Errors from the engine.

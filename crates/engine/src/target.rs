@@ -22,8 +22,12 @@ use dflash_models::{ForwardBatch, ForwardOut, KvCache, LlamaModel, ModelConfig, 
 
 use crate::EngineError;
 
+#[cfg(feature = "cuda")]
+mod cuda_hybrid;
 mod hybrid;
 
+#[cfg(feature = "cuda")]
+pub use cuda_hybrid::CudaHybridTarget;
 pub use hybrid::HybridTarget;
 
 /// One sequence of a step's batch, as targets with per-sequence state see it (`batch.seqs[i]` is `seqs[i]`).

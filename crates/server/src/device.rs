@@ -64,11 +64,12 @@ fn auto_device() -> DeviceChoice {
 
 /// The engine over `model` on the device `args` names, with the MTP lane when given. On CUDA the weights are
 /// uploaded from the model's file (the CPU copy stays for block drafters and MTP heads, which run on the host and
-/// read its embedding and LM head). Hybrid targets run on the CPU only for now (`auto` picks it for them).
+/// read its embedding and LM head). Hybrid targets run on CUDA when asked by name (`--device cuda[:N]`); `auto`
+/// keeps them on the CPU until their CUDA forward has been measured against it in the engine.
 ///
 /// # Errors
 /// A bad `--device`, a device that cannot be opened, weights the backend cannot take, a cache that does not fit,
-/// a hybrid target on CUDA, an MTP head that does not fit the target.
+/// an MTP head that does not fit the target.
 pub fn engine(
     args: &ModelArgs,
     model: TargetModel,
@@ -84,8 +85,9 @@ pub fn engine(
             tracing::info!("--device auto: hybrid targets run on the CPU");
             hybrid_cpu_engine(m, tokenizer, cfg, metrics)?
         }
-        (DeviceChoice::Cuda(ordinal), m @ TargetModel::Hybrid(_)) => {
-            bail!("--device cuda:{ordinal}: {} targets are not yet on CUDA; use --device cpu", m.kind_name())
+        (DeviceChoice::Cuda(ordinal), TargetModel::Hybrid(m)) => {
+            let host = cfg.drafter.is_some() || mtp.is_some();
+            cuda_hybrid_engine(ordinal, m, host, tokenizer, cfg, metrics)?
         }
         (DeviceChoice::Cuda(ordinal), TargetModel::Llama(m)) => {
             let host = cfg.drafter.is_some() || mtp.is_some();
@@ -153,6 +155,52 @@ fn cuda_engine(
         report.millis,
     );
     Ok(Engine::with_target(Box::new(target), tokenizer, cfg, metrics)?)
+}
+
+/// A hybrid target on CUDA device `ordinal`: the loaded weights uploaded, a state slot per running sequence.
+/// `keep_host`: keep the CPU copy for host-side drafters.
+#[cfg(feature = "cuda")]
+fn cuda_hybrid_engine(
+    ordinal: usize,
+    model: HybridModel,
+    keep_host: bool,
+    tokenizer: Arc<Tokenizer>,
+    cfg: EngineConfig,
+    metrics: Arc<EngineMetrics>,
+) -> Result<Engine> {
+    use anyhow::Context as _;
+    use dflash_engine::CudaHybridTarget;
+    use dflash_models::cuda::{CudaCacheConfig, CudaHybridModel};
+    use dflash_runtime::cuda::CudaDevice;
+
+    let t0 = std::time::Instant::now();
+    let dev = Arc::new(CudaDevice::new(ordinal).with_context(|| format!("opening CUDA device {ordinal}"))?);
+    let gpu = CudaHybridModel::from_host(Arc::clone(&dev), &model)
+        .with_context(|| format!("uploading the hybrid target to CUDA device {ordinal}"))?;
+    let cache_cfg =
+        CudaCacheConfig::new(cfg.num_pages, cfg.page_size, cfg.max_batch_tokens, cfg.max_running, cfg.context_window);
+    let active = gpu.active_weight_bytes();
+    let host = keep_host.then(|| Arc::new(model));
+    let target = CudaHybridTarget::new(gpu, cache_cfg, host)?;
+    tracing::info!(
+        "hybrid target on cuda:{ordinal} ({}), {} MiB of weights read per decode row, in {:.0} ms",
+        dev.info().name,
+        active >> 20,
+        t0.elapsed().as_secs_f64() * 1e3,
+    );
+    Ok(Engine::with_target(Box::new(target), tokenizer, cfg, metrics)?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_hybrid_engine(
+    ordinal: usize,
+    _model: HybridModel,
+    _keep_host: bool,
+    _tokenizer: Arc<Tokenizer>,
+    _cfg: EngineConfig,
+    _metrics: Arc<EngineMetrics>,
+) -> Result<Engine> {
+    bail!("--device cuda:{ordinal}: this build has no CUDA backend")
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -216,6 +216,21 @@ impl CudaDevice {
         self.stream.memcpy_htod(host, &mut view).map_err(CudaError::driver("cuMemcpyHtoDAsync"))
     }
 
+    /// Copies `host` into elements `offset .. offset + host.len()` of `dst` (queued on the stream).
+    ///
+    /// # Errors
+    /// The range past `dst`, or the copy failing.
+    pub fn upload_at<T: DeviceRepr>(&self, host: &[T], dst: &mut DeviceBuf<T>, offset: usize) -> Result<()> {
+        if offset + host.len() > dst.len() {
+            return Err(CudaError::Shape(format!("upload of {}..+{} into {}", offset, host.len(), dst.len())));
+        }
+        if host.is_empty() {
+            return Ok(());
+        }
+        let mut view = dst.slice.slice_mut(offset..offset + host.len());
+        self.stream.memcpy_htod(host, &mut view).map_err(CudaError::driver("cuMemcpyHtoDAsync"))
+    }
+
     /// Copies elements `offset .. offset + host.len()` of `src` into `host`, in stream order (after all
     /// queued work). Into pageable host memory the copy is complete when this returns; call
     /// [`CudaDevice::synchronize`] before relying on that elsewhere.

@@ -172,6 +172,26 @@ impl CudaHybridModel {
         Ok((conv, ssm))
     }
 
+    /// Installs a state slot's conv and recurrent state (as [`CudaHybridModel::read_state`] gives them).
+    ///
+    /// # Errors
+    /// A slot out of range, lengths other than one slot's, a device failure.
+    pub fn write_state(&self, cache: &mut CudaHybridCache, slot: usize, conv: &[f32], ssm: &[f32]) -> Result<()> {
+        let g = cache.gdn;
+        let (nc, ns) = (g.layers * g.conv_state, g.layers * g.ssm);
+        if slot >= cache.slots || conv.len() != nc || ssm.len() != ns {
+            return Err(CudaModelError::Batch(format!(
+                "state for slot {slot} of {}: {} + {} floats, want {nc} + {ns}",
+                cache.slots,
+                conv.len(),
+                ssm.len()
+            )));
+        }
+        self.dev.upload_at(conv, &mut cache.hy.conv_state, slot * nc)?;
+        self.dev.upload_at(ssm, &mut cache.hy.ssm, slot * ns)?;
+        Ok(())
+    }
+
     fn gdn_dims(&self) -> Result<crate::hybrid::GdnDims> {
         self.cfg.gdn.ok_or_else(|| CudaModelError::Unsupported("GDN layers without GDN dims".into()))
     }

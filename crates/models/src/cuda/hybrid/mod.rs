@@ -178,6 +178,12 @@ impl CudaHybridModel {
         self.cfg.gdn.map_or(0, |d| 4 * layers * (d.ssm_len() + d.conv_state_rows() * d.conv_dim()))
     }
 
+    /// Floats of one state slot's conv state over every GDN layer (the head of a [`Self::read_state`] pair).
+    pub fn conv_state_floats_per_slot(&self) -> usize {
+        let layers = self.cfg.gdn_layers().len();
+        self.cfg.gdn.map_or(0, |d| layers * d.conv_state_rows() * d.conv_dim())
+    }
+
     pub(super) fn lm_head(&self) -> &DevMatrix {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }
