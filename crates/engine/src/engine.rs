@@ -194,6 +194,13 @@ impl Engine {
         Ok(self)
     }
 
+    /// Makes the round-cost table cover rounds of up to `rows` verify rows (for lanes the configuration does not
+    /// show, such as a benchmark's oracle lanes); call it before the cost probe.
+    pub fn widen_rounds(&mut self, rows: usize) {
+        let widest = self.round_costs.lock().max_rows().max(rows);
+        self.round_costs = SharedCosts::new(CostTable::new(widest));
+    }
+
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
         &self.tokenizer
     }

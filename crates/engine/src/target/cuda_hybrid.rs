@@ -56,7 +56,8 @@ impl CudaHybridTarget {
         cfg: CudaCacheConfig,
         host: Option<Arc<HybridModel>>,
     ) -> Result<Self, EngineError> {
-        let slots = cfg.max_seqs;
+        // One slot past the running sequences, so a scratch forward (the cost probe) always finds one free.
+        let slots = cfg.max_seqs + 1;
         let cache = model.new_cache(cfg, slots).map_err(target_err)?;
         let free = (0..slots).rev().collect();
         Ok(CudaHybridTarget {
@@ -74,13 +75,20 @@ impl CudaHybridTarget {
         self.model.state_bytes_per_slot() > 0
     }
 
-    /// Resolves the last forward's verifies: a sequence that never reported keeps all its rows.
+    /// Resolves the last forward's verifies: a sequence that never reported keeps all its rows. On failure the
+    /// verifying sequences' states are lost (their next forward fails, unless it starts over at position 0).
     fn resolve_verifies(&mut self) -> Result<(), EngineError> {
         if self.pending.is_empty() {
             return Ok(());
         }
+        let keys: Vec<u64> = self.pending.iter().map(|p| p.key).collect();
         let kept: Vec<usize> = self.pending.drain(..).map(|p| p.kept.unwrap_or(p.rows)).collect();
-        self.model.rollback(&mut self.cache, &kept).map_err(target_err)
+        self.model.rollback(&mut self.cache, &kept).map_err(|e| {
+            for key in keys {
+                self.lost.insert(key, format!("rollback failed: {e}"));
+            }
+            target_err(e)
+        })
     }
 
     /// The slot of each batch sequence (taken from the free list for new keys, zeroed at position 0).
@@ -90,6 +98,10 @@ impl CudaHybridTarget {
         }
         let mut out = Vec::with_capacity(seqs.len());
         for (s, rows) in seqs.iter().zip(batch.seqs) {
+            if rows.context_len == 0 {
+                // Starting over: whatever was lost is recomputed from a zeroed slot.
+                self.lost.remove(&s.key);
+            }
             if let Some(why) = self.lost.get(&s.key) {
                 return Err(EngineError::Target(format!("the recurrent state of sequence {} was lost: {why}", s.key)));
             }
@@ -182,9 +194,6 @@ impl Target for CudaHybridTarget {
         if self.pending.iter().all(|p| p.kept.is_some()) {
             if let Err(e) = self.resolve_verifies() {
                 tracing::error!("rolling the recurrent states back: {e}");
-                for key in self.slots.keys() {
-                    self.lost.insert(*key, e.to_string());
-                }
             }
         }
     }

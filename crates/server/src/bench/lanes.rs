@@ -35,6 +35,8 @@ use crate::target::{assets_dir, default_mtp_head, load_target, Target};
 
 /// Nucleus cut of the sampled runs (as common chat defaults).
 const SAMPLED_TOP_P: f32 = 0.95;
+/// The widest oracle block: the verify rows one sequence may hold in a step (the CUDA caches' limit).
+const MAX_ORACLE_BLOCK: usize = 16;
 /// The sampled runs' seed for prompt `i` is this plus `i`.
 const SEED_BASE: u64 = 0x5eed_0000;
 
@@ -104,9 +106,9 @@ fn lane_kind(lane: &str) -> Result<(LaneKind, Option<PolicyMode>)> {
         "dflash" => LaneKind::Dflash,
         "mtp" => LaneKind::Mtp,
         oracle if oracle.starts_with("oracle") => match oracle["oracle".len()..].parse::<usize>() {
-            Ok(block) if block >= 2 => LaneKind::Oracle(block),
+            Ok(block) if (2..=MAX_ORACLE_BLOCK).contains(&block) => LaneKind::Oracle(block),
             Err(_) if oracle == "oracle" => LaneKind::Oracle(8),
-            _ => bail!("lane `{lane}`: oracleN takes a block N of at least 2"),
+            _ => bail!("lane `{lane}`: oracleN takes a block N from 2 to {MAX_ORACLE_BLOCK}"),
         },
         _ => bail!(
             "unknown lane `{lane}` (known: plain, pld, dflash, mtp, oracleN; all but plain take -fixed or -adaptive)"
@@ -215,6 +217,8 @@ fn engines(model: &ModelArgs, spec: &SpecArgs, kinds: &[LaneKind], window: usize
     let tokenizer = Arc::new(loaded.tokenizer);
     let cfg = engine_config(&tokenizer, spec, drafter, window)?;
     let mut main = crate::device::engine(model, loaded.model, Arc::clone(&tokenizer), cfg, metrics(), None)?;
+    let oracle_rows = kinds.iter().map(|k| if let LaneKind::Oracle(block) = k { *block } else { 1 }).max();
+    main.widen_rounds(oracle_rows.unwrap_or(1));
     main.probe_round_costs()?;
     let mtp = if kinds.contains(&LaneKind::Mtp) {
         let (loaded, head) = load_mtp_target(model, spec)?;
@@ -414,7 +418,7 @@ mod tests {
         assert_eq!(lane_kind("dflash-adaptive").expect("dflash"), (LaneKind::Dflash, Some(PolicyMode::Adaptive)));
         assert_eq!(lane_kind("oracle4-fixed").expect("oracle"), (LaneKind::Oracle(4), Some(PolicyMode::Fixed)));
         assert_eq!(lane_kind("oracle").expect("oracle"), (LaneKind::Oracle(8), None));
-        assert!(lane_kind("oracle1").is_err() && lane_kind("oraclex").is_err());
+        assert!(lane_kind("oracle1").is_err() && lane_kind("oraclex").is_err() && lane_kind("oracle17").is_err());
         assert!(lane_kind("plain-fixed").is_err());
         assert!(lane_kind("eagle").is_err());
     }

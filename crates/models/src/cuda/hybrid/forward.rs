@@ -34,9 +34,22 @@ impl CudaHybridModel {
     /// awaiting [`CudaHybridModel::rollback`], a cache made for another model, a device failure.
     pub fn forward(&self, batch: &ForwardBatch, cache: &mut CudaHybridCache, seqs: &[GdnSeq]) -> Result<ForwardOut> {
         let (rows, captured) = self.run(batch, cache, seqs, false)?;
+        let out = self.collect(batch, cache, &rows, captured)?;
+        set_pending(batch, cache, seqs);
+        Ok(out)
+    }
+
+    /// Brings a step's logits (and captured states) back to the host.
+    fn collect(
+        &self,
+        batch: &ForwardBatch,
+        cache: &CudaHybridCache,
+        rows: &[usize],
+        captured: bool,
+    ) -> Result<ForwardOut> {
         let (v, h) = (self.cfg.base.vocab_size, self.cfg.base.hidden_size);
         let mut logits = vec![0f32; batch.logit_rows.len() * v];
-        download_rows(&self.dev, &cache.base.ws.logits, v, &rows, &mut logits)?;
+        download_rows(&self.dev, &cache.base.ws.logits, v, rows, &mut logits)?;
         let width = self.capture_layers.len() * h;
         let mut hidden = vec![0f32; if captured { batch.num_tokens() * width } else { 0 }];
         if captured {
@@ -63,6 +76,7 @@ impl CudaHybridModel {
             self.dev.download_into(&cache.base.ws.ids, r, std::slice::from_mut(dst))?;
         }
         self.dev.synchronize()?;
+        set_pending(batch, cache, seqs);
         Ok(ids)
     }
 
@@ -238,14 +252,6 @@ impl CudaHybridModel {
                 }
             }
             None => self.record_step(cache, &step, greedy)?,
-        }
-        let mut start = 0u32;
-        cache.pending.clear();
-        for (s, g) in batch.seqs.iter().zip(seqs) {
-            if g.verify {
-                cache.pending.push([start, s.num_rows as u32, g.slot as u32]);
-            }
-            start += s.num_rows as u32;
         }
         let rows = match key {
             Some(_) => batch.logit_rows.iter().map(|&r| r as usize).collect(),
@@ -522,4 +528,17 @@ impl CudaHybridModel {
 fn layer_state(buf: DevSlice<'_, f32>, g: usize, per: usize, layers: usize, slots: usize) -> Result<GdnStateView<'_>> {
     let state = buf.sub(g * per, buf.len() - g * per)?;
     Ok(GdnStateView { state, layer_stride: 0, slot_stride: layers * per, slots })
+}
+
+/// Records the step's verifying sequences (row range and slot) for [`CudaHybridModel::rollback`], once the step's
+/// results are safely back: a step that failed leaves no verify pending (its sequences kept their state).
+fn set_pending(batch: &ForwardBatch, cache: &mut CudaHybridCache, seqs: &[GdnSeq]) {
+    let mut start = 0u32;
+    cache.pending.clear();
+    for (s, g) in batch.seqs.iter().zip(seqs) {
+        if g.verify {
+            cache.pending.push([start, s.num_rows as u32, g.slot as u32]);
+        }
+        start += s.num_rows as u32;
+    }
 }
