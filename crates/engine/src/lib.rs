@@ -23,9 +23,9 @@ pub use prefix_cache::PrefixCache;
 pub use request::{Event, EventSink, FinishReason, Request, TokenLogprob, TopLogprob, Usage};
 pub use sampler::SamplingParams;
 pub use service::{spawn, EngineClient, SubmitError};
+pub use target::{CpuTarget, HybridTarget, StepSeq, Target};
 #[cfg(feature = "cuda")]
 pub use target::{CudaHybridTarget, CudaTarget};
-pub use target::{CpuTarget, HybridTarget, StepSeq, Target};
 
 /// Errors from the engine.
 #[derive(Debug, thiserror::Error)]
