@@ -129,10 +129,17 @@ impl Scheduler {
         items
     }
 
+    /// Every decoding sequence's decode row, and its drafts as far as the step's row budget allows after a row for
+    /// each later decoding sequence (a device cache is planned for `max_batch_tokens` rows, so a wider step would be
+    /// refused; drafts past the budget are dropped, which only narrows the round).
     fn plan_decodes(&mut self, items: &mut Vec<StepItem>, budget: &mut usize) {
+        let mut decoding_left = self.running.iter().filter(|s| s.is_decoding()).count();
         let mut i = 0;
         while i < self.running.len() {
             if self.running[i].is_decoding() {
+                let room = budget.saturating_sub(decoding_left);
+                self.running[i].drafts.truncate(room);
+                decoding_left -= 1;
                 if !self.reserve_or_preempt(i) {
                     break; // `i` itself was preempted; every later sequence already was.
                 }

@@ -495,3 +495,37 @@ fn a_preempted_sequence_drops_its_pending_restore_and_snapshots() {
     assert!(q.prefix.restore.is_none() && q.prefix.snapshots.is_empty() && q.computed() == 0);
     assert_eq!(q.prefix.checkpoints, [8, 16], "planned from the prompt alone: kept");
 }
+
+/// Drafts never make a step wider than the row budget: each decoding sequence keeps its decode row, and drafts
+/// take what is left in order.
+#[test]
+fn drafts_are_cut_to_the_step_budget_and_every_decode_row_stays() {
+    let mut s = scheduler(4, 6, 64);
+    for id in ["a", "b", "c"] {
+        s.waiting.push_back(seq(id, 2));
+    }
+    let items = s.plan();
+    apply(&mut s, &items);
+    assert_eq!(s.running.len(), 3);
+    assert!(s.running.iter().all(|q| q.is_decoding()), "all three prompts fit the first step");
+    for q in &mut s.running {
+        q.drafts = vec![1, 2, 3];
+    }
+    let items = s.plan();
+    let rows: Vec<usize> = items.iter().map(|it| it.rows).collect();
+    assert_eq!(rows, vec![4, 1, 1], "6 rows: a's decode row and 3 drafts, then one row each for b and c");
+    assert_eq!(items.iter().map(|it| it.drafts).collect::<Vec<_>>(), vec![3, 0, 0]);
+    assert!(s.running[1].drafts.is_empty() && s.running[2].drafts.is_empty());
+    let mut tight = scheduler(4, 4, 64);
+    for id in ["a", "b", "c"] {
+        tight.waiting.push_back(seq(id, 1));
+    }
+    let items = tight.plan();
+    apply(&mut tight, &items);
+    assert_eq!(tight.running.len(), 3);
+    for q in &mut tight.running {
+        q.drafts = vec![1, 2, 3];
+    }
+    let rows: Vec<usize> = tight.plan().iter().map(|it| it.rows).collect();
+    assert_eq!(rows, vec![2, 1, 1]);
+}
