@@ -6,16 +6,17 @@ use dflash_runtime::cuda::ops::{
     self as gpu, copy_columns, embedding_quant, gather_rms_norm, paged_attention, rope_kv_write, AttentionArgs,
     KeySplit, RopeKvArgs,
 };
-use dflash_runtime::cuda::{CudaDevice, DeviceBuf};
+use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DevSlice, DeviceBuf};
 use dflash_runtime::Tensor;
 
-use super::cache::CudaCache;
+use super::cache::{CudaCache, Workspace};
 use super::error::{CudaModelError, Result};
 use super::linear::{Linear, MatIn, MatOut};
 use super::model::{CudaLayer, CudaLlamaModel};
 use super::plan::{self, StepPlan, SPLIT_KEYS};
 use super::weights::DevWeight;
 use crate::batch::{ForwardBatch, ForwardOut};
+use crate::config::ModelConfig;
 
 /// What a forward brings back to the host.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -34,17 +35,8 @@ impl CudaLlamaModel {
     /// a device failure.
     pub fn forward(&self, batch: &ForwardBatch, cache: &mut CudaCache) -> Result<ForwardOut> {
         let (rows, captured) = self.run(batch, cache, Want::Logits)?;
-        let v = self.cfg.vocab_size;
-        let mut logits = vec![0f32; batch.logit_rows.len() * v];
-        self.download_logits(cache, &rows, &mut logits)?;
-        let width = self.capture_layers.len() * self.cfg.hidden_size;
-        let mut hidden = vec![0f32; if captured { batch.num_tokens() * width } else { 0 }];
-        if captured {
-            self.dev.download_into(&cache.ws.captured, 0, &mut hidden)?;
-        }
-        self.dev.synchronize()?;
-        let captured = captured.then(|| Tensor::from_f32(&hidden, &[batch.num_tokens(), width])).transpose()?;
-        Ok(ForwardOut { logits: Tensor::from_f32(&logits, &[batch.logit_rows.len(), v])?, captured })
+        let width = if captured { self.capture_layers.len() * self.cfg.hidden_size } else { 0 };
+        collect_out(&self.dev, &cache.ws, self.cfg.vocab_size, width, batch, &rows)
     }
 
     /// As [`CudaLlamaModel::forward`], but returns only the argmax token of each logit row (computed on
@@ -54,21 +46,7 @@ impl CudaLlamaModel {
     /// As [`CudaLlamaModel::forward`].
     pub fn forward_greedy(&self, batch: &ForwardBatch, cache: &mut CudaCache) -> Result<Vec<u32>> {
         let (rows, _) = self.run(batch, cache, Want::Greedy)?;
-        let mut ids = vec![0u32; rows.len()];
-        let ws = &cache.ws;
-        // Logit rows are contiguous on the device in both paths (eager: in order; graph: all rows).
-        if let Some(&first) = rows.first() {
-            let contiguous = rows.windows(2).all(|w| w[1] == w[0] + 1);
-            if contiguous {
-                self.dev.download_into(&ws.ids, first, &mut ids)?;
-            } else {
-                for (dst, &r) in ids.iter_mut().zip(&rows) {
-                    self.dev.download_into(&ws.ids, r, std::slice::from_mut(dst))?;
-                }
-            }
-        }
-        self.dev.synchronize()?;
-        Ok(ids)
+        collect_ids(&self.dev, &cache.ws, &rows)
     }
 
     /// Validates, plans, uploads the inputs and runs the step (graph or eager). Returns, for each
@@ -103,10 +81,6 @@ impl CudaLlamaModel {
             None => (0..batch.logit_rows.len()).collect(),
         };
         Ok((rows, !self.capture_layers.is_empty()))
-    }
-
-    fn download_logits(&self, cache: &CudaCache, rows: &[usize], out: &mut [f32]) -> Result<()> {
-        download_rows(&self.dev, &cache.ws.logits, self.cfg.vocab_size, rows, out)
     }
 
     /// Queues one step's kernels (for eager runs and for graph capture alike): embedding, the layers, the
@@ -152,70 +126,14 @@ impl CudaLlamaModel {
     fn layer(&self, cache: &CudaCache, p: &StepPlan, i: usize, layer: &CudaLayer) -> Result<()> {
         let (cfg, ws, lay) = (&self.cfg, &cache.ws, &p.layout);
         let (t, h) = (lay.t, cfg.hidden_size);
-        let (qd, f) = (cfg.num_heads * cfg.head_dim, cfg.intermediate_size);
-        let inputs = ws.inputs.view();
-        let input = |r: std::ops::Range<usize>| inputs.sub(r.start, r.len());
+        let f = cfg.intermediate_size;
         let residual = ws.residual.view().prefix(t * h)?;
         let qkv_w = cfg.qkv_width();
         let qkv = ws.qkv.view().prefix(t * qkv_w)?;
         let normed_in = MatIn::Normed { x: residual, w: layer.attn_norm.view() };
         self.linear().project(ws, t, normed_in, &layer.qkv, MatOut::Store { y: qkv, ld: qkv_w, col: 0 })?;
-        let (k_cache, v_cache) = (
-            cache.k.view().sub(i * cache.layer_len, cache.layer_len)?,
-            cache.v.view().sub(i * cache.layer_len, cache.layer_len)?,
-        );
-        let q = ws.q.view().prefix(t * qd)?;
-        rope_kv_write(
-            &self.dev,
-            RopeKvArgs {
-                qkv,
-                qkv_ld: qkv_w,
-                q_out: q,
-                k_cache,
-                v_cache,
-                positions: input(lay.positions())?,
-                slots: input(lay.slots())?,
-                rope: &self.rope,
-                q_norm: layer.q_norm.as_ref().map(|n| n.view()),
-                k_norm: layer.k_norm.as_ref().map(|n| n.view()),
-                eps: cfg.rms_norm_eps,
-                num_heads: cfg.num_heads,
-                kv_heads: cfg.num_kv_heads,
-                head_dim: cfg.head_dim,
-            },
-        )?;
-        let attn = ws.attn.view().prefix(t * qd)?;
-        let (row_keys, tables) = (input(lay.row_keys())?, input(lay.tables())?);
-        let args = |tiles, max_tile_rows, split| AttentionArgs {
-            q,
-            k_cache,
-            v_cache,
-            row_keys,
-            tiles,
-            max_tile_rows,
-            tables,
-            table_stride: lay.stride,
-            page_size: cache.cfg.page_size,
-            out: attn,
-            num_heads: cfg.num_heads,
-            kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
-            scale: 1.0 / (cfg.head_dim as f32).sqrt(),
-            split,
-        };
-        if lay.prompt_tiles > 0 {
-            let a = args(input(lay.prompt_tiles())?, p.max_prompt_tile_rows, KeySplit::Whole);
-            paged_attention(&self.dev, a, &ws.attn_parts)?;
-        }
-        if lay.decode_tiles > 0 {
-            let split =
-                KeySplit::Fixed { keys: SPLIT_KEYS, max_splits: p.decode_splits, partial_rows: lay.decode_rows };
-            paged_attention(
-                &self.dev,
-                args(input(lay.decode_tiles())?, p.max_decode_tile_rows, split),
-                &ws.attn_parts,
-            )?;
-        }
+        let norms = (layer.q_norm.as_ref().map(|n| n.view()), layer.k_norm.as_ref().map(|n| n.view()));
+        let attn = attend(&self.dev, cache, p, i, (qkv, qkv_w), &self.rope, norms, cfg)?;
         self.linear().matmul(ws, t, MatIn::Plain(attn), &layer.o_proj, MatOut::Add(residual))?;
         let act = ws.act.view().prefix(t * f)?;
         let ffn_in = MatIn::Normed { x: residual, w: layer.ffn_norm.view() };
@@ -229,7 +147,7 @@ impl CudaLlamaModel {
 }
 
 /// Rows `rows` of `src` (`[*, row_len]`) into `out`, copying runs of consecutive rows at once.
-pub(super) fn download_rows(
+fn download_rows(
     dev: &CudaDevice,
     src: &DeviceBuf<f32>,
     row_len: usize,
@@ -246,4 +164,114 @@ pub(super) fn download_rows(
         j = end;
     }
     Ok(())
+}
+
+/// One attention layer's core over the step's rows, shared by every CUDA forward: the q/k head norms, RoPE and
+/// the K/V write into KV layer `kv_layer`, then attention (prompt tiles whole, decode and verify tiles in fixed
+/// key splits). q, k and v are the leading columns of `qkv` (`[T, qkv_ld]`: q heads, k heads, v heads; more
+/// columns may follow). Returns the attention output `[T, heads · head_dim]` (the workspace's `attn`).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attend<'a>(
+    dev: &CudaDevice,
+    cache: &'a CudaCache,
+    p: &StepPlan,
+    kv_layer: usize,
+    (qkv, qkv_ld): (DevSlice<'a, f32>, usize),
+    rope: &'a CudaRopeTable,
+    (q_norm, k_norm): (Option<DevSlice<'a, f32>>, Option<DevSlice<'a, f32>>),
+    cfg: &ModelConfig,
+) -> Result<DevSlice<'a, f32>> {
+    let (ws, lay) = (&cache.ws, &p.layout);
+    let (t, hd) = (lay.t, cfg.head_dim);
+    let qd = cfg.num_heads * hd;
+    let inputs = ws.inputs.view();
+    let input = |r: std::ops::Range<usize>| inputs.sub(r.start, r.len());
+    let len = cache.layer_len;
+    let (k_cache, v_cache) = (cache.k.view().sub(kv_layer * len, len)?, cache.v.view().sub(kv_layer * len, len)?);
+    let q = ws.q.view().prefix(t * qd)?;
+    let (num_heads, kv_heads) = (cfg.num_heads, cfg.num_kv_heads);
+    rope_kv_write(
+        dev,
+        RopeKvArgs {
+            qkv,
+            qkv_ld,
+            q_out: q,
+            k_cache,
+            v_cache,
+            positions: input(lay.positions())?,
+            slots: input(lay.slots())?,
+            rope,
+            q_norm,
+            k_norm,
+            eps: cfg.rms_norm_eps,
+            num_heads,
+            kv_heads,
+            head_dim: hd,
+        },
+    )?;
+    let attn = ws.attn.view().prefix(t * qd)?;
+    let (row_keys, tables) = (input(lay.row_keys())?, input(lay.tables())?);
+    let args = |tiles, max_tile_rows, split| AttentionArgs {
+        q,
+        k_cache,
+        v_cache,
+        row_keys,
+        tiles,
+        max_tile_rows,
+        tables,
+        table_stride: lay.stride,
+        page_size: cache.cfg.page_size,
+        out: attn,
+        num_heads,
+        kv_heads,
+        head_dim: hd,
+        scale: 1.0 / (hd as f32).sqrt(),
+        split,
+    };
+    if lay.prompt_tiles > 0 {
+        let a = args(input(lay.prompt_tiles())?, p.max_prompt_tile_rows, KeySplit::Whole);
+        paged_attention(dev, a, &ws.attn_parts)?;
+    }
+    if lay.decode_tiles > 0 {
+        let split = KeySplit::Fixed { keys: SPLIT_KEYS, max_splits: p.decode_splits, partial_rows: lay.decode_rows };
+        paged_attention(dev, args(input(lay.decode_tiles())?, p.max_decode_tile_rows, split), &ws.attn_parts)?;
+    }
+    Ok(attn)
+}
+
+/// A step's results on the host after one synchronisation: the logits of the device rows `rows` (one per
+/// requested logit row) and, when `capture_width` > 0, every row's captured states `[T, capture_width]`.
+pub(super) fn collect_out(
+    dev: &CudaDevice,
+    ws: &Workspace,
+    vocab: usize,
+    capture_width: usize,
+    batch: &ForwardBatch,
+    rows: &[usize],
+) -> Result<ForwardOut> {
+    let mut logits = vec![0f32; rows.len() * vocab];
+    download_rows(dev, &ws.logits, vocab, rows, &mut logits)?;
+    let mut hidden = vec![0f32; batch.num_tokens() * capture_width];
+    dev.download_into(&ws.captured, 0, &mut hidden)?;
+    dev.synchronize()?;
+    let captured =
+        (capture_width > 0).then(|| Tensor::from_f32(&hidden, &[batch.num_tokens(), capture_width])).transpose()?;
+    Ok(ForwardOut { logits: Tensor::from_f32(&logits, &[rows.len(), vocab])?, captured })
+}
+
+/// The greedy ids of the device rows `rows` after one synchronisation: one copy when the rows are contiguous
+/// (always, for eager steps and graph replays alike), else one per row.
+pub(super) fn collect_ids(dev: &CudaDevice, ws: &Workspace, rows: &[usize]) -> Result<Vec<u32>> {
+    let mut ids = vec![0u32; rows.len()];
+    if let Some(&first) = rows.first() {
+        if rows.windows(2).all(|w| w[1] == w[0] + 1) {
+            dev.download_into(&ws.ids, first, &mut ids)?;
+        } else {
+            for (dst, &r) in ids.iter_mut().zip(rows) {
+                dev.download_into(&ws.ids, r, std::slice::from_mut(dst))?;
+            }
+        }
+    }
+    dev.synchronize()?;
+    Ok(ids)
 }

@@ -3,19 +3,17 @@
 
 use dflash_runtime::cuda::ops::{
     self as gpu, copy_columns, embedding_quant, gather_rms_norm, gdn_conv, gdn_gated_norm, gdn_prep, gdn_rule,
-    moe_forward, paged_attention, rope_kv_write, sigmoid_gate_mul, AttentionArgs, GdnConvArgs, GdnPrepArgs,
-    GdnRuleArgs, GdnRuns, GdnStateView, KeySplit, MoeArgs, RopeKvArgs,
+    moe_forward, sigmoid_gate_mul, GdnConvArgs, GdnPrepArgs, GdnRuleArgs, GdnRuns, GdnStateView, MoeArgs,
 };
 use dflash_runtime::cuda::DevSlice;
-use dflash_runtime::Tensor;
 
 use super::cache::CudaHybridCache;
 use super::{CudaHybridModel, DevAttention, DevFfn, DevGdn, DevMixer, DevMoe, GdnSeq};
 use crate::batch::{ForwardBatch, ForwardOut};
 use crate::cuda::error::{CudaModelError, Result};
-use crate::cuda::forward::download_rows;
+use crate::cuda::forward::{attend, collect_ids, collect_out};
 use crate::cuda::linear::{Linear, MatIn, MatOut};
-use crate::cuda::plan::{self, StepPlan, SPLIT_KEYS};
+use crate::cuda::plan::{self, StepPlan};
 use crate::cuda::weights::DevWeight;
 
 /// A planned step: the dense plan and where the GDN runs sit in the input buffer.
@@ -34,30 +32,10 @@ impl CudaHybridModel {
     /// awaiting [`CudaHybridModel::rollback`], a cache made for another model, a device failure.
     pub fn forward(&self, batch: &ForwardBatch, cache: &mut CudaHybridCache, seqs: &[GdnSeq]) -> Result<ForwardOut> {
         let (rows, captured) = self.run(batch, cache, seqs, false)?;
-        let out = self.collect(batch, cache, &rows, captured)?;
+        let width = if captured { self.capture_layers.len() * self.cfg.base.hidden_size } else { 0 };
+        let out = collect_out(&self.dev, &cache.base.ws, self.cfg.base.vocab_size, width, batch, &rows)?;
         set_pending(batch, cache, seqs);
         Ok(out)
-    }
-
-    /// Brings a step's logits (and captured states) back to the host.
-    fn collect(
-        &self,
-        batch: &ForwardBatch,
-        cache: &CudaHybridCache,
-        rows: &[usize],
-        captured: bool,
-    ) -> Result<ForwardOut> {
-        let (v, h) = (self.cfg.base.vocab_size, self.cfg.base.hidden_size);
-        let mut logits = vec![0f32; batch.logit_rows.len() * v];
-        download_rows(&self.dev, &cache.base.ws.logits, v, rows, &mut logits)?;
-        let width = self.capture_layers.len() * h;
-        let mut hidden = vec![0f32; if captured { batch.num_tokens() * width } else { 0 }];
-        if captured {
-            self.dev.download_into(&cache.base.ws.captured, 0, &mut hidden)?;
-        }
-        self.dev.synchronize()?;
-        let captured = captured.then(|| Tensor::from_f32(&hidden, &[batch.num_tokens(), width])).transpose()?;
-        Ok(ForwardOut { logits: Tensor::from_f32(&logits, &[batch.logit_rows.len(), v])?, captured })
     }
 
     /// As [`CudaHybridModel::forward`], returning only the argmax of each logit row (on the device).
@@ -71,11 +49,7 @@ impl CudaHybridModel {
         seqs: &[GdnSeq],
     ) -> Result<Vec<u32>> {
         let (rows, _) = self.run(batch, cache, seqs, true)?;
-        let mut ids = vec![0u32; rows.len()];
-        for (dst, &r) in ids.iter_mut().zip(&rows) {
-            self.dev.download_into(&cache.base.ws.ids, r, std::slice::from_mut(dst))?;
-        }
-        self.dev.synchronize()?;
+        let ids = collect_ids(&self.dev, &cache.base.ws, &rows)?;
         set_pending(batch, cache, seqs);
         Ok(ids)
     }
@@ -341,73 +315,14 @@ impl CudaHybridModel {
         a: &DevAttention,
         normed: MatIn,
     ) -> Result<()> {
-        let (b, ws, lay) = (&self.cfg.base, &cache.base.ws, &p.layout);
-        let (t, h, hd) = (lay.t, b.hidden_size, b.head_dim);
+        let (b, ws, t) = (&self.cfg.base, &cache.base.ws, p.layout.t);
+        let (h, hd) = (b.hidden_size, b.head_dim);
         let (qd, kd) = (b.num_heads * hd, b.num_kv_heads * hd);
-        let inputs = ws.inputs.view();
-        let input = |r: std::ops::Range<usize>| inputs.sub(r.start, r.len());
         let w = a.qkv.n;
         let qkv = ws.qkv.view().prefix(t * w)?;
         self.linear().matmul(ws, t, normed, &a.qkv, MatOut::Store { y: qkv, ld: w, col: 0 })?;
-        let len = cache.base.layer_len;
-        let (k_cache, v_cache) = (cache.base.k.view().sub(slot * len, len)?, cache.base.v.view().sub(slot * len, len)?);
-        let q = ws.q.view().prefix(t * qd)?;
-        let (positions, slots) = (input(lay.positions())?, input(lay.slots())?);
-        let rope = &self.rope;
-        let (q_norm, k_norm) = (a.q_norm.as_ref().map(|n| n.view()), a.k_norm.as_ref().map(|n| n.view()));
-        let (num_heads, kv_heads, eps) = (b.num_heads, b.num_kv_heads, b.rms_norm_eps);
-        let args = RopeKvArgs {
-            qkv,
-            qkv_ld: w,
-            q_out: q,
-            k_cache,
-            v_cache,
-            positions,
-            slots,
-            rope,
-            q_norm,
-            k_norm,
-            eps,
-            num_heads,
-            kv_heads,
-            head_dim: hd,
-        };
-        rope_kv_write(&self.dev, args)?;
-        let attn = ws.attn.view().prefix(t * qd)?;
-        let (row_keys, tables) = (input(lay.row_keys())?, input(lay.tables())?);
-        let args = |tiles, max_tile_rows, split| AttentionArgs {
-            q,
-            k_cache,
-            v_cache,
-            row_keys,
-            tiles,
-            max_tile_rows,
-            tables,
-            table_stride: lay.stride,
-            page_size: cache.base.cfg.page_size,
-            out: attn,
-            num_heads,
-            kv_heads,
-            head_dim: hd,
-            scale: 1.0 / (hd as f32).sqrt(),
-            split,
-        };
-        if lay.prompt_tiles > 0 {
-            paged_attention(
-                &self.dev,
-                args(input(lay.prompt_tiles())?, p.max_prompt_tile_rows, KeySplit::Whole),
-                &ws.attn_parts,
-            )?;
-        }
-        if lay.decode_tiles > 0 {
-            let split =
-                KeySplit::Fixed { keys: SPLIT_KEYS, max_splits: p.decode_splits, partial_rows: lay.decode_rows };
-            paged_attention(
-                &self.dev,
-                args(input(lay.decode_tiles())?, p.max_decode_tile_rows, split),
-                &ws.attn_parts,
-            )?;
-        }
+        let norms = (a.q_norm.as_ref().map(|n| n.view()), a.k_norm.as_ref().map(|n| n.view()));
+        let attn = attend(&self.dev, &cache.base, p, slot, (qkv, w), &self.rope, norms, b)?;
         if a.gated {
             sigmoid_gate_mul(&self.dev, attn, qd, qkv.sub(qd + 2 * kd, t * w - qd - 2 * kd)?, w)?;
         }
