@@ -11,35 +11,13 @@
 //! reduce their sums of squares in another order: `1e-5`.
 #![cfg(feature = "cuda")]
 
-use std::io::Write;
+mod common;
+
+use common::{say, Rng};
 use std::sync::OnceLock;
 
 use dflash_runtime::cuda::ops::{self as gpu, GdnConvArgs, GdnPrepArgs, GdnRuleArgs, GdnRuns, GdnStateView};
 use dflash_runtime::cuda::{CudaDevice, DeviceBuf};
-
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    fn uniform(&mut self) -> f32 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        let u = self.0.wrapping_mul(0x2545_F491_4F6C_DD1D);
-        ((u >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.uniform() * scale).collect()
-    }
-}
-
-fn say(line: &str) {
-    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
-}
 
 fn device() -> Option<&'static CudaDevice> {
     static DEVICE: OnceLock<Option<CudaDevice>> = OnceLock::new();

@@ -18,7 +18,9 @@
 //!   SwiGLU epilogues add the 2e-5 of the SwiGLU kernel; norms `1e-5 · max(1, |cpu|)`.
 #![cfg(feature = "cuda")]
 
-use std::io::Write;
+mod common;
+
+use common::{say, Rng};
 use std::sync::OnceLock;
 
 use dflash_runtime::cuda::ops::{self as gpu, AttentionArgs, AttentionScratch, Epilogue, KeySplit, MmvqArgs};
@@ -26,37 +28,6 @@ use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DeviceBuf};
 use dflash_runtime::ops::{self as cpu, RopeScaling, RopeStyle, RopeTable};
 use dflash_runtime::{quant, DType, Tensor};
 use half::bf16;
-
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn uniform(&mut self) -> f32 {
-        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.uniform() * scale).collect()
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-}
-
-fn say(line: &str) {
-    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
-}
 
 fn device() -> Option<&'static CudaDevice> {
     static DEVICE: OnceLock<Option<CudaDevice>> = OnceLock::new();

@@ -22,7 +22,9 @@
 //! checked bit for bit.
 #![cfg(feature = "cuda")]
 
-use std::io::Write;
+mod common;
+
+use common::{say, Rng};
 use std::sync::OnceLock;
 
 use dflash_runtime::cuda::ops::{self as gpu, ExpertWeights, MoeArgs, MoeScratch};
@@ -30,33 +32,6 @@ use dflash_runtime::cuda::{CudaDevice, CudaError, DevSlice, DeviceBuf};
 use dflash_runtime::ops as cpu;
 use dflash_runtime::Tensor;
 use half::bf16;
-
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn uniform(&mut self) -> f32 {
-        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.uniform() * scale).collect()
-    }
-}
-
-fn say(line: &str) {
-    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
-}
 
 fn device() -> Option<&'static CudaDevice> {
     static DEVICE: OnceLock<Option<CudaDevice>> = OnceLock::new();

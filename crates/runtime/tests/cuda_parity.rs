@@ -17,48 +17,15 @@
 //! * `1e-4 · Σ|w·x|`: cuBLAS, with x rounded to bf16 on both sides; the tensor cores accumulate in f32
 //!   in blocked / split-k order, allowed ten times the GEMV's margin.
 
-use std::io::Write;
+mod common;
+
+use common::{say, Rng};
 use std::sync::OnceLock;
 
 use dflash_runtime::cuda::{self, ops as gpu, CudaDevice, CudaError, CudaRopeTable, DeviceBuf};
 use dflash_runtime::ops::{self as cpu, RopeScaling, RopeStyle, RopeTable};
 use dflash_runtime::{convert, DType, Tensor};
 use half::bf16;
-
-/// xorshift64*: reproducible inputs without a dependency; each test seeds its own.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    /// Uniform in [-1, 1).
-    fn uniform(&mut self) -> f32 {
-        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.uniform() * scale).collect()
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-}
-
-/// Writes one line straight to stderr, past the test harness's capture, so the table and SKIP notices
-/// show without `--nocapture`.
-fn say(line: &str) {
-    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
-}
 
 /// The shared device, or `None` (after one notice) when this machine has no usable CUDA device.
 fn device() -> Option<&'static CudaDevice> {
