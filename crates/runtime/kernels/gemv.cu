@@ -139,3 +139,188 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
     }
     if ((threadIdx.x & 31u) == 0) y[col] = epi == EPI_ADD ? __fadd_rn(y[col], acc) : acc;
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// Batch-invariant small-batch bf16 matmul on tensor cores (the decode and verify rows of bf16 targets).
+//
+// y[m, n_out] (epilogue) = x[m, k] . W[rows, k]^T for m <= 8 * T activation rows, x f32 rounded to bf16 as
+// it is loaded, f32 accumulation with mma.m16n8k16. A row's result does not depend on m, on which tile slot
+// it takes or on the other rows: every output element sums the same products in the same order (per warp,
+// its k-blocks in turn; then the block's 8 warps in order), which no cuBLAS call promises. So a decode row
+// and the same row inside a verify of 16 give the same bits, and speculation stays lossless on bf16 weights.
+//
+// Block: 8 warps on 16 output columns (with SwiGLU, also their 16 up rows at col + n_out). Warp w takes the
+// 64-wide k-blocks w, w + 8, w + 16, ...; lane (g = lane / 4, t = lane % 4) loads weight rows g and g + 8 at
+// [kb + 8t, +8) and [kb + 32 + 8t, +8) (two 16-byte loads per row, full 32-byte sectors per instruction), and
+// the activation row g of each tile at the same columns. Each mma step s = 0..3 takes words 2s and 2s + 1 of
+// those 16 values as its k-pairs (2t, 2t + 1) and (2t + 8, 2t + 9): a fixed permutation of k, the same for
+// the weights and the activations. Needs k % 8 == 0 (16-byte aligned rows); columns past k are zero.
+// Memory floor: the weights, rows * k * 2 bytes, for any m <= 8 * T.
+
+#define TC_WARPS 8
+#define TC_KB 64
+
+__device__ __forceinline__ void mma_bf16_16816(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Two f32 rounded to nearest-even bf16 in one instruction, `lo` in the low half (for finite values the bits of
+// f32_to_bf16).
+__device__ __forceinline__ u32 bf16x2_rn(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// The lane's 16 values of weight row `row` (null: a row past the matrix) at k-block kb, as 8 words.
+__device__ __forceinline__ void tc_load_w(const bf16_t* __restrict__ row, u32 k, u32 kb, u32 t, u32* wd) {
+    const u32 c[2] = {kb + 8u * t, kb + 32u + 8u * t};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        uint4 q = make_uint4(0u, 0u, 0u, 0u);
+        if (row != nullptr && c[h] < k) q = __ldg(reinterpret_cast<const uint4*>(row + c[h]));
+        wd[4 * h] = q.x;
+        wd[4 * h + 1] = q.y;
+        wd[4 * h + 2] = q.z;
+        wd[4 * h + 3] = q.w;
+    }
+}
+
+// The same 16 values of an f32 activation row (null: a padding row), rounded to bf16 pairs.
+__device__ __forceinline__ void tc_load_x(const float* __restrict__ row, u32 k, u32 kb, u32 t, u32* xd) {
+    const u32 c[2] = {kb + 8u * t, kb + 32u + 8u * t};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
+        if (row != nullptr && c[h] < k) {
+            a = __ldg(reinterpret_cast<const float4*>(row + c[h]));
+            b = __ldg(reinterpret_cast<const float4*>(row + c[h]) + 1);
+        }
+        xd[4 * h] = bf16x2_rn(a.x, a.y);
+        xd[4 * h + 1] = bf16x2_rn(a.z, a.w);
+        xd[4 * h + 2] = bf16x2_rn(b.x, b.y);
+        xd[4 * h + 3] = bf16x2_rn(b.z, b.w);
+    }
+}
+
+// acc[p][tile][4]: p = 0 the weight rows col0.., p = 1 the up rows (SwiGLU only).
+template <int T, bool SWIGLU>
+__device__ __forceinline__ void tc_block_mma(const bf16_t* __restrict__ w, const float* __restrict__ x, u32 n_out,
+                                             u32 k, u32 m, u32 col0, float (*acc)[T][4]) {
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3u;
+    const bf16_t* rows[2][2];
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u32 col = col0 + g + 8u * h;
+            const bool live = col < n_out && (p == 0 || SWIGLU);
+            rows[p][h] = live ? w + ((u64)col + (p ? n_out : 0u)) * k : nullptr;
+        }
+    }
+    const float* xrows[T];
+#pragma unroll
+    for (int i = 0; i < T; ++i) xrows[i] = (8u * i + g < m) ? x + (u64)(8u * i + g) * k : nullptr;
+    // Two of the warp's k-blocks per pass, all loads issued before the first mma (the second may lie past k:
+    // its loads are predicated off and its zeros add nothing), so each lane keeps 64 bytes per weight row in
+    // flight. The accumulation order is the warp's k-blocks in turn either way.
+    for (u32 kb = warp * TC_KB; kb < k; kb += 2u * TC_WARPS * TC_KB) {
+        u32 wd[2][2][2][8];
+        u32 xd[2][T][8];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const u32 kbu = kb + u * TC_WARPS * TC_KB;
+#pragma unroll
+            for (int p = 0; p < (SWIGLU ? 2 : 1); ++p) {
+                tc_load_w(rows[p][0], k, kbu, t, wd[u][p][0]);
+                tc_load_w(rows[p][1], k, kbu, t, wd[u][p][1]);
+            }
+#pragma unroll
+            for (int i = 0; i < T; ++i) tc_load_x(xrows[i], k, kbu, t, xd[u][i]);
+        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+#pragma unroll
+                for (int p = 0; p < (SWIGLU ? 2 : 1); ++p) {
+#pragma unroll
+                    for (int i = 0; i < T; ++i) {
+                        mma_bf16_16816(acc[p][i], wd[u][p][0][2 * s], wd[u][p][1][2 * s], wd[u][p][0][2 * s + 1],
+                                       wd[u][p][1][2 * s + 1], xd[u][i][2 * s], xd[u][i][2 * s + 1]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+template <int T, bool SWIGLU>
+__device__ __forceinline__ void gemm_bf16_small(const bf16_t* __restrict__ w, const float* __restrict__ x,
+                                                float* __restrict__ y, u32 n_out, u32 k, u32 m, u32 y_ld,
+                                                u32 epi) {
+    constexpr int P = SWIGLU ? 2 : 1;
+    __shared__ float part[TC_WARPS - 1][P * T * 4][32];
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3u;
+    const u32 col0 = blockIdx.x * 16u;
+    float acc[2][T][4];
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+#pragma unroll
+        for (int i = 0; i < T; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[p][i][e] = 0.0f;
+    tc_block_mma<T, SWIGLU>(w, x, n_out, k, m, col0, acc);
+    // The warps' partial sums, added in warp order by warp 0.
+    if (warp > 0) {
+#pragma unroll
+        for (int p = 0; p < P; ++p)
+#pragma unroll
+            for (int i = 0; i < T; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) part[warp - 1][(p * T + i) * 4 + e][lane] = acc[p][i][e];
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    for (int v = 0; v < TC_WARPS - 1; ++v) {
+#pragma unroll
+        for (int p = 0; p < P; ++p)
+#pragma unroll
+            for (int i = 0; i < T; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[p][i][e] = __fadd_rn(acc[p][i][e], part[v][(p * T + i) * 4 + e][lane]);
+    }
+    // Accumulator e of tile i: output column col0 + g (+ 8 for e >= 2), activation row 8i + 2t (+ 1 for odd e).
+#pragma unroll
+    for (int i = 0; i < T; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const u32 col = col0 + g + 8u * (e >> 1);
+            const u32 r = 8u * i + 2u * t + (e & 1);
+            if (col >= n_out || r >= m) continue;
+            float v = acc[0][i][e];
+            if (SWIGLU) v = swiglu_value(v, acc[1][i][e]);
+            float* dst = y + (u64)r * y_ld + col;
+            *dst = epi == EPI_ADD ? __fadd_rn(*dst, v) : v;
+        }
+    }
+}
+
+#define DF_GEMM_SMALL(T)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2)                                              \
+        gemm_bf16_small_t##T(const bf16_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, \
+                             u32 n_out, u32 k, u32 m, u32 y_ld, u32 epi) {                                      \
+        if (epi == EPI_SWIGLU) {                                                                                \
+            gemm_bf16_small<T, true>(w, x, y, n_out, k, m, y_ld, epi);                                          \
+        } else {                                                                                                \
+            gemm_bf16_small<T, false>(w, x, y, n_out, k, m, y_ld, epi);                                         \
+        }                                                                                                       \
+    }
+
+DF_GEMM_SMALL(1)
+DF_GEMM_SMALL(2)
+DF_GEMM_SMALL(4)

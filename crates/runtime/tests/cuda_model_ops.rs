@@ -1,8 +1,9 @@
 //! The fused kernels of the CUDA model forward against their CPU twins, on fresh random inputs with odd
 //! sizes and outputs poisoned with NaN: the quantized matmul (every format, row count, prologue and
 //! epilogue), the quantized embedding, RoPE + KV write, paged attention (prompt and split-key modes,
-//! GQA, shuffled pages, head_dim up to 256), the bf16 GEMV with epilogues, cuBLAS with strides and accumulation, the gathered
-//! final norm, the capture copy, and a CUDA graph replayed with new inputs.
+//! GQA, shuffled pages, head_dim up to 256), the bf16 GEMV with epilogues, the small tensor-core bf16
+//! matmul (each row's bits the same in any batch), cuBLAS with strides and accumulation, the gathered final
+//! norm, the capture copy, and a CUDA graph replayed with new inputs.
 //!
 //! Without a CUDA device every test prints a SKIP notice and passes. Tolerances (`err` = |gpu − cpu|):
 //! * exact: the quantized embedding (same dequantization arithmetic), q and K/V from RoPE + KV write
@@ -14,7 +15,8 @@
 //!   (one quant step of one element is about 1/127 of its block's largest value);
 //! * attention `2e-5` absolute against an f64 reference (outputs are averages of values in [-1, 1]);
 //!   split-key rows bit-identical however they are batched;
-//! * bf16 GEMV `1e-5 · Σ|w·x|`, cuBLAS `1e-4 · Σ|w·x|` (bf16-rounded x on both sides), as in cuda_parity;
+//! * bf16 GEMV `1e-5 · Σ|w·x|`, the small tensor-core matmul `2e-5 · Σ|w·x|` against bf16-rounded x, cuBLAS
+//!   `1e-4 · Σ|w·x|` (bf16-rounded x on both sides), as in cuda_parity;
 //!   SwiGLU epilogues add the 2e-5 of the SwiGLU kernel; norms `1e-5 · max(1, |cpu|)`.
 #![cfg(feature = "cuda")]
 
@@ -546,6 +548,69 @@ fn bf16_gemv_epilogues_match_cpu() {
                 let tol = if epi == Epilogue::Swiglu || normed { 3e-5 } else { 1e-5 };
                 let what = format!("gemv_bf16_ep {epi:?}{}", if normed { " +norm" } else { "" });
                 check(&what, &format!("1x{k} . {n}x{k}"), max_err_over(&got, &want, &scale), tol);
+            }
+        }
+    }
+}
+
+/// The small tensor-core matmul on `m` rows: output `[m, y_ld]` with `y_init` below it.
+fn small_gemm_on_device(
+    dev: &CudaDevice,
+    w: &DeviceBuf<bf16>,
+    n_out: usize,
+    x: &[f32],
+    y_init: &[f32],
+    y_ld: usize,
+    epi: Epilogue,
+) -> Vec<f32> {
+    let m = y_init.len() / y_ld;
+    let (xd, y) = (dev.upload(x).expect("x"), dev.upload(y_init).expect("y"));
+    gpu::gemm_bf16_small(dev, w, n_out, &xd, m, &y, y_ld, epi).expect("gemm_bf16_small");
+    dev.download(&y).expect("download")
+}
+
+#[test]
+fn small_bf16_matmul_matches_cpu_and_gives_each_row_the_same_bits_in_any_batch() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(26);
+    // k = 104, 2056 and 136 end inside a 64-wide k-block (136 gives most warps nothing to do); n_out = 37, 5
+    // and 8500 end inside a 16-column tile.
+    for (n_out, k) in [(37, 576), (1000, 4096), (16, 104), (5, 2056), (8500, 136)] {
+        for epi in [Epilogue::Store, Epilogue::Add, Epilogue::Swiglu] {
+            let n = epi.weight_rows(n_out);
+            let w: Vec<bf16> = rng.vec(n * k, 1.0).into_iter().map(bf16::from_f32).collect();
+            let wf: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+            let bytes: Vec<u8> = w.iter().flat_map(|b| b.to_le_bytes()).collect();
+            let w_t = Tensor::from_bytes(DType::BF16, &[n, k], &bytes).expect("w");
+            let wd = dev.upload(&w).expect("w");
+            // Stored outputs go to a wider row, as the fused q/k/v columns do.
+            let y_ld = if epi == Epilogue::Store { n_out + 3 } else { n_out };
+            let base = |r: usize, c: usize| ((r + c) % 5) as f32;
+            for m in [1, 3, 8, 13, 32] {
+                let x = rng.vec(m * k, 2.0);
+                // The kernel rounds the activations to bf16; the CPU reference gets them rounded.
+                let xr: Vec<f32> = x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+                let mut prod = f32_tensor(&vec![0.0; m * n], &[m, n]);
+                cpu::matmul(&f32_tensor(&xr, &[m, k]), &w_t, &mut prod).expect("cpu matmul");
+                let scale = abs_dot(&wf, &xr, n, k);
+                let (want, scale) = expected(epi, prod.as_f32().expect("f32"), &scale, m, n_out, base);
+                let init = |rows: std::ops::Range<usize>| -> Vec<f32> {
+                    rows.flat_map(|r| (0..y_ld).map(move |c| if epi == Epilogue::Add { base(r, c) } else { f32::NAN }))
+                        .collect()
+                };
+                let got = small_gemm_on_device(dev, &wd, n_out, &x, &init(0..m), y_ld, epi);
+                let cols: Vec<f32> = got.chunks_exact(y_ld).flat_map(|row| row[..n_out].to_vec()).collect();
+                let tol = if epi == Epilogue::Swiglu { 3e-5 } else { 2e-5 };
+                let shape = format!("{m}x{k} . {n}x{k}");
+                check(&format!("gemm_bf16_small {epi:?}"), &shape, max_err_over(&cols, &want, &scale), tol);
+                // Each row alone gives the bits it got inside the batch.
+                let mut mismatches = 0.0;
+                for r in 0..m {
+                    let solo =
+                        small_gemm_on_device(dev, &wd, n_out, &x[r * k..(r + 1) * k], &init(r..r + 1), y_ld, epi);
+                    mismatches += bit_mismatches(&solo[..n_out], &got[r * y_ld..r * y_ld + n_out]);
+                }
+                check(&format!("gemm_bf16_small {epi:?} solo vs batch"), &shape, mismatches, 0.0);
             }
         }
     }

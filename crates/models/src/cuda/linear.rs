@@ -1,8 +1,10 @@
 //! The matmul dispatch shared by the CUDA forwards: a projection or matrix by storage (the fused quantized
-//! kernel with the pre-norm in its prologue; the bf16 GEMV for one row; cuBLAS beyond), with its output
-//! stored, added to the residual stream, or passed through SwiGLU.
+//! kernel with the pre-norm in its prologue; for bf16, the batch-invariant small matmul up to 32 rows and cuBLAS
+//! beyond), with its output stored, added to the residual stream, or passed through SwiGLU.
 
-use dflash_runtime::cuda::ops::{self as gpu, gemm, gemv_bf16_ep, mmvq, Epilogue, GemmArgs, MmvqArgs};
+use dflash_runtime::cuda::ops::{
+    self as gpu, gemm, gemm_bf16_small, gemv_bf16_ep, mmvq, small_gemm_fits, Epilogue, GemmArgs, MmvqArgs,
+};
 use dflash_runtime::cuda::{CudaDevice, DevSlice};
 
 use super::cache::Workspace;
@@ -70,7 +72,8 @@ impl Linear<'_> {
     }
 
     /// One matrix: the fused quantized kernel (prologue norm, epilogue); otherwise a separate norm kernel,
-    /// then the bf16 GEMV with its epilogue for one row, cuBLAS (after a bf16 cast) for more.
+    /// then for bf16 weights the small tensor-core matmul with its epilogue up to 32 rows, cuBLAS (after a bf16
+    /// cast) for more; f32 weights always take cuBLAS.
     pub(super) fn matmul(&self, ws: &Workspace, m: usize, input: MatIn, w: &DevMatrix, out: MatOut) -> Result<()> {
         let dev = self.dev;
         let (epi, y, y_ld) = match out {
@@ -95,8 +98,13 @@ impl Linear<'_> {
             }
         };
         match &w.w {
-            // One row: the GEMV (measured faster after a separate norm kernel than with the norm in every
-            // block's prologue: 5.9 against 7.0 ms per Qwen3-8B-shape step).
+            // Decode and verify rows: the batch-invariant tensor-core kernel, so a row's bits do not depend on
+            // how many rows the step holds (speculation stays lossless).
+            DevWeight::Bf16(wb) if small_gemm_fits(m, w.k) => {
+                Ok(gemm_bf16_small(dev, wb, n_out, x.prefix(m * w.k)?, m, y, y_ld, epi)?)
+            }
+            // One row of an odd width: the GEMV (measured faster after a separate norm kernel than with the
+            // norm in every block's prologue: 5.9 against 7.0 ms per Qwen3-8B-shape step).
             DevWeight::Bf16(wb) if m == 1 => {
                 Ok(gemv_bf16_ep(dev, wb, n_out, x.prefix(w.k)?, None, y.prefix(n_out)?, epi)?)
             }

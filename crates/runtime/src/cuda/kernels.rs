@@ -40,6 +40,16 @@ pub const GEMV_MAX_ROWS: usize = 8;
 /// weight load.
 pub const GEMV_DISPATCH_MAX_ROWS: usize = 1;
 
+/// Tiles of 8 activation rows the small bf16 matmul is compiled for (`gemm_bf16_small_t{T}` in gemv.cu); it
+/// takes up to `8 * 4` rows.
+pub const SMALL_GEMM_TILES: [usize; 3] = [1, 2, 4];
+
+/// The most rows [`crate::cuda::ops::gemm_bf16_small`] takes.
+pub const SMALL_GEMM_MAX_ROWS: usize = 32;
+
+/// Output columns per block of the small bf16 matmul (one 16-row mma tile, its k split over 8 warps).
+pub(crate) const SMALL_GEMM_COLS_PER_BLOCK: u32 = 16;
+
 /// Weight rows per GEMV block (one warp each): `GEMV_WARPS` in gemv.cu.
 pub(crate) const GEMV_ROWS_PER_BLOCK: u32 = 8;
 
@@ -76,6 +86,8 @@ pub(crate) struct Kernels {
     /// `gemv[r - 1]` takes `r` input rows.
     pub gemv: Vec<CudaFunction>,
     pub gemv_bf16_ep: CudaFunction,
+    /// `gemm_bf16_small_t{T}` for the tile counts of [`SMALL_GEMM_TILES`].
+    pub gemm_bf16_small: Vec<CudaFunction>,
     /// `mmvq[format][i]`: format 0 = Q4_0, 1 = Q4_1, 2 = Q8_0; `MMVQ_ROWS[i]` activation rows per block.
     pub mmvq: Vec<Vec<CudaFunction>>,
     pub embedding_quant: CudaFunction,
@@ -159,6 +171,10 @@ impl Kernels {
             argmax_finish: get("argmax_finish")?,
             gemv,
             gemv_bf16_ep: big_smem("gemv_bf16_ep")?,
+            gemm_bf16_small: SMALL_GEMM_TILES
+                .iter()
+                .map(|t| get(&format!("gemm_bf16_small_t{t}")))
+                .collect::<Result<_, _>>()?,
             mmvq,
             embedding_quant: get("embedding_quant")?,
             rope_kv_write: get("rope_kv_write")?,

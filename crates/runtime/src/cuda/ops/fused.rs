@@ -10,7 +10,9 @@ use half::bf16;
 
 use super::{dim, launch_cfg, launch_err, shape_err, ROW_BLOCK};
 use crate::cuda::device::CudaDevice;
-use crate::cuda::kernels::{GEMV_ROWS_PER_BLOCK, MAX_DYNAMIC_SMEM};
+use crate::cuda::kernels::{
+    GEMV_ROWS_PER_BLOCK, MAX_DYNAMIC_SMEM, SMALL_GEMM_COLS_PER_BLOCK, SMALL_GEMM_MAX_ROWS, SMALL_GEMM_TILES,
+};
 use crate::cuda::view::{DevArg, DevSlice};
 use crate::cuda::{CudaError, Result};
 
@@ -208,6 +210,55 @@ pub fn gemv_bf16_ep<'a>(
     // used only when k is a multiple of 8 (then every row start is 16-byte aligned, given an aligned base);
     // the shared memory holds the k normalised inputs.
     unsafe { launch.launch(cfg) }.map_err(launch_err("gemv_bf16_ep"))?;
+    Ok(())
+}
+
+/// Whether [`gemm_bf16_small`] takes `m` rows of width `k`.
+pub fn small_gemm_fits(m: usize, k: usize) -> bool {
+    (1..=SMALL_GEMM_MAX_ROWS).contains(&m) && k > 0 && k.is_multiple_of(8)
+}
+
+/// The batch-invariant small-batch bf16 matmul on tensor cores: `m` (1..=32) f32 activation rows, rounded to
+/// bf16, through a bf16 weight, f32 accumulation, with `epi` into `y` (row stride `y_ld`). A row's result is the
+/// same bits whatever `m` and the other rows, so decode and verify rows agree (gemv.cu says how).
+///
+/// `w`: `[epi.weight_rows(n_out), k]`; `x`: `[m, k]`; `y`: `[m, y_ld]`, columns `0..n_out` written.
+///
+/// # Errors
+/// Shapes that do not fit (see [`small_gemm_fits`]); a launch failure.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_bf16_small<'a>(
+    dev: &CudaDevice,
+    w: impl DevArg<'a, bf16>,
+    n_out: usize,
+    x: impl DevArg<'a, f32>,
+    m: usize,
+    y: impl DevArg<'a, f32>,
+    y_ld: usize,
+    epi: Epilogue,
+) -> Result<()> {
+    let (w, x, y) = (w.dev(), x.dev(), y.dev());
+    let rows = epi.weight_rows(n_out);
+    let k = w.len().checked_div(rows).unwrap_or(0);
+    let y_short = y.len() < (m.max(1) - 1) * y_ld + n_out;
+    if !small_gemm_fits(m, k) || w.len() != rows * k || x.len() != m * k || y_ld < n_out || y_short {
+        return Err(shape_err(format!(
+            "gemm_bf16_small: w {} for {rows} rows, x {} for {m} rows, y {} (ld {y_ld}) for {n_out} outputs",
+            w.len(),
+            x.len(),
+            y.len()
+        )));
+    }
+    let tile = SMALL_GEMM_TILES.iter().position(|&t| 8 * t >= m).unwrap_or(SMALL_GEMM_TILES.len() - 1);
+    let grid = dim(n_out.div_ceil(SMALL_GEMM_COLS_PER_BLOCK as usize), "blocks")?;
+    let (n, k32, m32, ld, code) = (dim(n_out, "n")?, dim(k, "k")?, dim(m, "m")?, dim(y_ld, "ld")?, epi.code());
+    let mut launch = dev.stream().launch_builder(&dev.kernels.gemm_bf16_small[tile]);
+    launch.arg(w.arg()).arg(x.arg()).arg(y.arg()).arg(&n).arg(&k32).arg(&m32).arg(&ld).arg(&code);
+    let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (8 * 32, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match the kernel's signature and the shapes were checked: k % 8 == 0 keeps every
+    // 16-byte row load aligned (given aligned bases), rows and columns past m and n_out are neither read nor
+    // written, and the tile count covers m.
+    unsafe { launch.launch(cfg) }.map_err(launch_err("gemm_bf16_small"))?;
     Ok(())
 }
 

@@ -23,7 +23,7 @@ pub use attention::{
 };
 pub use fused::{
     copy_columns, fill_random_bf16, fill_random_f16, fill_random_f32, fill_random_u32, gather_rms_norm, gemm,
-    gemv_bf16_ep, Epilogue, GemmArgs,
+    gemm_bf16_small, gemv_bf16_ep, small_gemm_fits, Epilogue, GemmArgs,
 };
 pub use gdn::{
     gdn_conv, gdn_gated_norm, gdn_prep, gdn_rule, sigmoid_gate_mul, GdnConvArgs, GdnPrepArgs, GdnRuleArgs, GdnRuns,
