@@ -5,6 +5,7 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 use dflash_engine::spec::MtpLaneConfig;
 use dflash_engine::{Engine, EngineConfig, EngineMetrics, HybridTarget};
+use dflash_models::hybrid::HybridConfig;
 use dflash_models::tokenizer::Tokenizer;
 use dflash_models::{HybridModel, LlamaModel, TargetModel};
 
@@ -86,8 +87,8 @@ pub fn engine(
             hybrid_cpu_engine(m, tokenizer, cfg, metrics)?
         }
         (DeviceChoice::Cuda(ordinal), TargetModel::Hybrid(m)) => {
-            let host = cfg.drafter.is_some() || mtp.is_some();
-            cuda_hybrid_engine(ordinal, m, host, tokenizer, cfg, metrics)?
+            let keep_host = cfg.drafter.is_some() || mtp.is_some();
+            cuda_hybrid_engine(ordinal, HybridWeights::Host { model: Box::new(m), keep_host }, tokenizer, cfg, metrics)?
         }
         (DeviceChoice::Cuda(ordinal), TargetModel::Llama(m)) => {
             let host = cfg.drafter.is_some() || mtp.is_some();
@@ -123,7 +124,7 @@ fn cuda_engine(
 ) -> Result<Engine> {
     use anyhow::Context as _;
     use dflash_engine::CudaTarget;
-    use dflash_models::cuda::{CudaCacheConfig, CudaLlamaModel};
+    use dflash_models::cuda::CudaLlamaModel;
     use dflash_models::LoadOptions;
     use dflash_runtime::cuda::CudaDevice;
 
@@ -137,8 +138,7 @@ fn cuda_engine(
     };
     let gpu = CudaLlamaModel::from_source(Arc::clone(&dev), &source, &opts)
         .with_context(|| format!("uploading {source:?} to CUDA device {ordinal}"))?;
-    let cache_cfg =
-        CudaCacheConfig::new(cfg.num_pages, cfg.page_size, cfg.max_batch_tokens, cfg.max_running, cfg.context_window);
+    let cache_cfg = cache_config(&cfg);
     let weight_bytes = gpu.weight_bytes();
     let report = dev.compile_report().clone();
     let host = keep_host.then(|| Arc::new(model));
@@ -157,31 +157,82 @@ fn cuda_engine(
     Ok(Engine::with_target(Box::new(target), tokenizer, cfg, metrics)?)
 }
 
-/// A hybrid target on CUDA device `ordinal`: the loaded weights uploaded, a state slot per running sequence.
-/// `keep_host`: keep the CPU copy for host-side drafters.
+/// Where a GPU hybrid target's weights come from.
+// A build without CUDA refuses GPU targets before reading either variant.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+enum HybridWeights {
+    /// A loaded model, uploaded; `keep_host` keeps the CPU copy for host-side drafters.
+    Host { model: Box<HybridModel>, keep_host: bool },
+    /// Random bf16 weights of these shapes made on the device (benchmarks of shapes no checkpoint here has).
+    Random { config: Box<HybridConfig>, seed: u64 },
+}
+
+/// The engine over a Qwen3-Next-style target with random weights made on the GPU `device` names (`cuda[:N]`
+/// or `auto` with a GPU): `dflash bench lanes --random-hybrid`. No drafter reads it (it has no host copy).
+///
+/// # Errors
+/// A CPU device, a build without CUDA, no usable GPU, a model or cache that does not fit.
+pub fn random_hybrid_engine(
+    device: &str,
+    config: HybridConfig,
+    tokenizer: Arc<Tokenizer>,
+    cfg: EngineConfig,
+    metrics: Arc<EngineMetrics>,
+) -> Result<Engine> {
+    match DeviceChoice::parse(device)? {
+        DeviceChoice::Cpu => bail!("random-weight targets are made on the GPU: pass --device cuda[:N]"),
+        DeviceChoice::Cuda(ordinal) => cuda_hybrid_engine(
+            ordinal,
+            HybridWeights::Random { config: Box::new(config), seed: 7 },
+            tokenizer,
+            cfg,
+            metrics,
+        ),
+    }
+}
+
+/// The CUDA cache an engine configuration asks for.
+#[cfg(feature = "cuda")]
+fn cache_config(cfg: &EngineConfig) -> dflash_models::cuda::CudaCacheConfig {
+    dflash_models::cuda::CudaCacheConfig::new(
+        cfg.num_pages,
+        cfg.page_size,
+        cfg.max_batch_tokens,
+        cfg.max_running,
+        cfg.context_window,
+    )
+}
+
+/// A hybrid target on CUDA device `ordinal`, a state slot per running sequence.
 #[cfg(feature = "cuda")]
 fn cuda_hybrid_engine(
     ordinal: usize,
-    model: HybridModel,
-    keep_host: bool,
+    weights: HybridWeights,
     tokenizer: Arc<Tokenizer>,
     cfg: EngineConfig,
     metrics: Arc<EngineMetrics>,
 ) -> Result<Engine> {
     use anyhow::Context as _;
     use dflash_engine::CudaHybridTarget;
-    use dflash_models::cuda::{CudaCacheConfig, CudaHybridModel};
+    use dflash_models::cuda::CudaHybridModel;
     use dflash_runtime::cuda::CudaDevice;
 
     let t0 = std::time::Instant::now();
     let dev = Arc::new(CudaDevice::new(ordinal).with_context(|| format!("opening CUDA device {ordinal}"))?);
-    let gpu = CudaHybridModel::from_host(Arc::clone(&dev), &model)
-        .with_context(|| format!("uploading the hybrid target to CUDA device {ordinal}"))?;
-    let cache_cfg =
-        CudaCacheConfig::new(cfg.num_pages, cfg.page_size, cfg.max_batch_tokens, cfg.max_running, cfg.context_window);
+    let (gpu, host) = match weights {
+        HybridWeights::Host { model, keep_host } => {
+            let gpu = CudaHybridModel::from_host(Arc::clone(&dev), &model)
+                .with_context(|| format!("uploading the hybrid target to CUDA device {ordinal}"))?;
+            (gpu, keep_host.then(|| Arc::new(*model)))
+        }
+        HybridWeights::Random { config, seed } => {
+            let gpu = CudaHybridModel::random(Arc::clone(&dev), *config, seed)
+                .with_context(|| format!("making random hybrid weights on CUDA device {ordinal}"))?;
+            (gpu, None)
+        }
+    };
     let active = gpu.active_weight_bytes();
-    let host = keep_host.then(|| Arc::new(model));
-    let target = CudaHybridTarget::new(gpu, cache_cfg, host)?;
+    let target = CudaHybridTarget::new(gpu, cache_config(&cfg), host)?;
     tracing::info!(
         "hybrid target on cuda:{ordinal} ({}), {} MiB of weights read per decode row, in {:.0} ms",
         dev.info().name,
@@ -194,8 +245,7 @@ fn cuda_hybrid_engine(
 #[cfg(not(feature = "cuda"))]
 fn cuda_hybrid_engine(
     ordinal: usize,
-    _model: HybridModel,
-    _keep_host: bool,
+    _weights: HybridWeights,
     _tokenizer: Arc<Tokenizer>,
     _cfg: EngineConfig,
     _metrics: Arc<EngineMetrics>,

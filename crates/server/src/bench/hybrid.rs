@@ -8,8 +8,9 @@
 //! random routing, `w` rows of top-`k` picks out of `E` experts touch `E·(1 − (1 − k/E)^w)` distinct
 //! experts on average, so the floor grows with `w` (the sparse target pays for every extra row).
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::Args;
+use dflash_models::hybrid::HybridConfig;
 
 /// `dflash bench hybrid` flags.
 #[derive(Args, Debug)]
@@ -28,6 +29,30 @@ pub struct HybridArgs {
     pub device: usize,
 }
 
+/// Qwen3-Next-80B-A3B's shapes (its config.json), `layers` deep: the target of `bench hybrid` and of
+/// `bench lanes --random-hybrid`.
+///
+/// # Errors
+/// A layer count that is not a positive multiple of 4.
+pub fn qwen3_next_80b_config(layers: usize) -> Result<HybridConfig> {
+    if layers == 0 || !layers.is_multiple_of(4) {
+        bail!("--layers must be a positive multiple of 4, got {layers}");
+    }
+    let types: Vec<&str> =
+        (0..layers).map(|i| if i % 4 == 3 { "full_attention" } else { "linear_attention" }).collect();
+    let v = serde_json::json!({
+        "model_type": "qwen3_next", "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": layers,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25,
+        "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 10000000.0, "max_position_embeddings": 262144,
+        "tie_word_embeddings": false, "layer_types": types, "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "linear_value_head_dim": 128, "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "norm_topk_prob": true, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "hidden_act": "silu", "attention_bias": false,
+    });
+    Ok(HybridConfig::from_hf(&v)?)
+}
+
 /// Runs the benchmark on the GPU.
 ///
 /// # Errors
@@ -38,7 +63,7 @@ pub fn run(args: &HybridArgs) -> Result<()> {
     #[cfg(not(feature = "cuda"))]
     {
         let _ = args;
-        anyhow::bail!("dflash bench hybrid runs on the GPU: build with --features cuda")
+        bail!("dflash bench hybrid runs on the GPU: build with --features cuda")
     }
 }
 
@@ -47,11 +72,10 @@ mod gpu {
     use std::sync::Arc;
     use std::time::Instant;
 
-    use anyhow::{bail, Result};
+    use anyhow::Result;
 
     use super::HybridArgs;
     use dflash_models::cuda::{CudaCacheConfig, CudaHybridCache, CudaHybridModel, GdnSeq};
-    use dflash_models::hybrid::HybridConfig;
     use dflash_models::{ForwardBatch, SeqRows};
     use dflash_runtime::cuda::CudaDevice;
 
@@ -62,30 +86,10 @@ mod gpu {
     const LADDER: [usize; 8] = [1, 2, 3, 4, 6, 8, 12, 16];
     const ROUNDS: usize = 24;
 
-    /// Qwen3-Next-80B-A3B's shapes (its config.json), `layers` deep.
-    fn config(layers: usize) -> Result<HybridConfig> {
-        if layers == 0 || !layers.is_multiple_of(4) {
-            bail!("--layers must be a positive multiple of 4, got {layers}");
-        }
-        let types: Vec<&str> =
-            (0..layers).map(|i| if i % 4 == 3 { "full_attention" } else { "linear_attention" }).collect();
-        let v = serde_json::json!({
-            "model_type": "qwen3_next", "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": layers,
-            "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25,
-            "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 10000000.0, "max_position_embeddings": 32768,
-            "tie_word_embeddings": false, "layer_types": types, "linear_conv_kernel_dim": 4,
-            "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-            "linear_value_head_dim": 128, "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
-            "shared_expert_intermediate_size": 512, "norm_topk_prob": true, "decoder_sparse_step": 1,
-            "mlp_only_layers": [], "hidden_act": "silu", "attention_bias": false,
-        });
-        Ok(HybridConfig::from_hf(&v)?)
-    }
-
     pub fn run(a: &HybridArgs) -> Result<()> {
         let dev = Arc::new(CudaDevice::new(a.device)?);
         println!("device {} ({} SMs)", dev.info().name, dev.info().multiprocessors);
-        let cfg = config(a.layers)?;
+        let cfg = super::qwen3_next_80b_config(a.layers)?;
         let t = Instant::now();
         let model = CudaHybridModel::random(dev.clone(), cfg, 7)?;
         let max_len = a.context + a.steps + 64;
@@ -214,5 +218,22 @@ mod gpu {
     fn median(v: &mut [f64]) -> f64 {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_qwen3_next_shape_keeps_three_gdn_layers_per_attention_layer() {
+        let cfg = qwen3_next_80b_config(16).expect("16 layers");
+        assert_eq!(cfg.num_layers(), 16);
+        assert_eq!(cfg.attention_layers(), vec![3, 7, 11, 15]);
+        assert_eq!(cfg.gdn_layers().len(), 12);
+        assert_eq!((cfg.base.vocab_size, cfg.base.hidden_size), (151_936, 2048));
+        let moe = cfg.moe.expect("routed experts");
+        assert_eq!((moe.num_experts, moe.top_k, moe.expert_intermediate), (512, 10, 512));
+        assert!(qwen3_next_80b_config(6).is_err() && qwen3_next_80b_config(0).is_err());
     }
 }

@@ -75,6 +75,14 @@ pub struct LanesArgs {
     /// Where the JSON goes.
     #[arg(long, default_value = "bench/out")]
     pub out_dir: PathBuf,
+    /// Instead of `--model`: a Qwen3-Next-80B-A3B-shaped target with random bf16 weights made on the GPU, this
+    /// many layers deep (a multiple of 4; see `bench hybrid`), for the oracle lanes on a sparse hybrid target.
+    /// Needs `--tokenizer`.
+    #[arg(long, value_name = "LAYERS", requires = "tokenizer")]
+    pub random_hybrid: Option<usize>,
+    /// The tokenizer (an HF directory with tokenizer.json) that encodes the prompts of a `--random-hybrid` run.
+    #[arg(long, value_name = "DIR")]
+    pub tokenizer: Option<PathBuf>,
 }
 
 #[derive(Deserialize)]
@@ -141,7 +149,11 @@ pub fn run(model: &ModelArgs, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
         bail!("the first lane must be `plain`: the other lanes' tokens and speedups are checked against it");
     }
     let window = context_window(args.context, args.max_tokens);
-    let (mut engines, tokenizer) = engines(model, spec, &kinds, window)?;
+    let (mut engines, tokenizer) = match (args.random_hybrid, &args.tokenizer) {
+        (Some(layers), Some(dir)) => random_engine(model, spec, &kinds, window, layers, dir)?,
+        (Some(_), None) => bail!("--random-hybrid needs --tokenizer DIR"),
+        (None, _) => engines(model, spec, &kinds, window)?,
+    };
     let document = match args.context {
         0 => None,
         n => Some(document(&tokenizer, &args.context_text, n)?),
@@ -217,8 +229,7 @@ fn engines(model: &ModelArgs, spec: &SpecArgs, kinds: &[LaneKind], window: usize
     let tokenizer = Arc::new(loaded.tokenizer);
     let cfg = engine_config(&tokenizer, spec, drafter, window)?;
     let mut main = crate::device::engine(model, loaded.model, Arc::clone(&tokenizer), cfg, metrics(), None)?;
-    let oracle_rows = kinds.iter().map(|k| if let LaneKind::Oracle(block) = k { *block } else { 1 }).max();
-    main.widen_rounds(oracle_rows.unwrap_or(1));
+    main.widen_rounds(oracle_rows(kinds));
     main.probe_round_costs()?;
     let mtp = if kinds.contains(&LaneKind::Mtp) {
         let (loaded, head) = load_mtp_target(model, spec)?;
@@ -230,6 +241,36 @@ fn engines(model: &ModelArgs, spec: &SpecArgs, kinds: &[LaneKind], window: usize
         None
     };
     Ok((Engines { main, mtp }, tokenizer))
+}
+
+/// The random-weight Qwen3-Next-shaped target on the GPU (`--random-hybrid`), for lanes that need no drafter
+/// reading the target (plain, pld, oracle).
+fn random_engine(
+    model: &ModelArgs,
+    spec: &SpecArgs,
+    kinds: &[LaneKind],
+    window: usize,
+    layers: usize,
+    tokenizer_dir: &Path,
+) -> Result<(Engines, Arc<Tokenizer>)> {
+    if let Some(k) = kinds.iter().find(|k| matches!(k, LaneKind::Dflash | LaneKind::Mtp)) {
+        bail!("--random-hybrid: the {k:?} lane needs a drafter trained for the target; use plain, pld and oracleN");
+    }
+    let tokenizer = Arc::new(
+        Tokenizer::from_hf_dir(tokenizer_dir)
+            .with_context(|| format!("reading the tokenizer in {}", tokenizer_dir.display()))?,
+    );
+    let config = super::hybrid::qwen3_next_80b_config(layers)?;
+    let cfg = engine_config(&tokenizer, spec, None, window)?;
+    let mut main = crate::device::random_hybrid_engine(&model.device, config, Arc::clone(&tokenizer), cfg, metrics())?;
+    main.widen_rounds(oracle_rows(kinds));
+    main.probe_round_costs()?;
+    Ok((Engines { main, mtp: None }, tokenizer))
+}
+
+/// The widest verify an oracle lane asks for (1 without oracle lanes).
+fn oracle_rows(kinds: &[LaneKind]) -> usize {
+    kinds.iter().map(|k| if let LaneKind::Oracle(block) = k { *block } else { 1 }).max().unwrap_or(1)
 }
 
 /// The target capturing its last layer, with the MTP head `--mtp` names (the default model's shipped head when
