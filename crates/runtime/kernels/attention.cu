@@ -92,9 +92,10 @@ extern "C" __global__ void __launch_bounds__(ROPE_KV_WARPS * 32)
 // * split_keys > 0, a multiple of ATTN_KT (decode / verify rows): split s takes keys
 //   [s * split_keys, (s + 1) * split_keys) and writes its unnormalised state (acc, max, sum) to
 //   part_acc [P, num_heads, gridDim.z, head_dim] and part_ml [P, num_heads, gridDim.z, 2] at partial row
-//   (first partial row + r); the last split block of a (tile, kv head) to finish (counted in
-//   counters[tile * kv_heads + kv head], which it resets) merges each row's splits in order
+//   (first partial row + r); attn_merge_splits, launched next, merges each row's splits in order
 //   (flash-decoding: a decode step has too few (row, kv head) items to fill the GPU without splitting).
+//   (It had been done by the last split block of each (tile, kv head), one block looping over 1,024 splits
+//   at a 32K context: the H200's 32K decode step took 6.55 ms where the rest of it takes about 2.5.)
 //
 // head_dim: a multiple of 4, at most 32 * DPL, DPL (dims per lane) being the body's template bound, so
 // that the accumulators stay in registers: paged_attention (DPL 4) takes head_dim <= 128,
@@ -107,46 +108,57 @@ extern "C" __global__ void __launch_bounds__(ROPE_KV_WARPS * 32)
 #define ATTN_VPW 2
 #define ATTN_NO_SLOT 0xffffffffu
 
-// The split-key epilogue of paged_attention: counts this block in; the last of the (tile, kv head)'s
-// active splits resets the counter and merges every query vector's splits in order:
-// out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. Other blocks' partials are read past L1.
-__device__ __forceinline__ void merge_splits(float* __restrict__ out, const float* part_acc, const float* part_ml,
-                                             u32* counters, const u32* __restrict__ row_keys, u32 row0, u32 part0,
-                                             u32 nq, u32 group, u32 num_heads, u32 kv_heads, u32 kvh, u32 D,
-                                             u32 split_keys, u32 kmax) {
-    __shared__ u32 is_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u32* counter = counters + (u64)blockIdx.x * kv_heads + kvh;
-        const u32 active = (kmax + split_keys - 1) / split_keys;
-        is_last = atomicAdd(counter, 1u) + 1 == active;
-        if (is_last) *counter = 0;  // ready for the next launch: graphs replay without a reset
-    }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    for (u32 i = warp; i < nq; i += ATTN_WARPS) {
-        const u32 r = i / group, head = kvh * group + (i - r * group);
-        const u64 item0 = ((u64)(part0 + r) * num_heads + head) * gridDim.z;
-        const u32 splits = min(gridDim.z, (row_keys[row0 + r] + split_keys - 1) / split_keys);
+// The merge of split-key attention (a launch after paged_attention's split mode): block (tile, head) merges,
+// for each row r of the tile, that head's splits in order: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M)
+// l_s, M the largest m_s. Thread d owns output dim d; the splits' weights go through shared memory in chunks
+// of the block's width. A row's result depends only on its own splits, in split order. Memory: the partial
+// states once (splits x head_dim x 4 bytes per row and head), spread over tiles x heads blocks.
+#define MERGE_THREADS 256
+extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
+    attn_merge_splits(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+                      const u32* __restrict__ row_keys, const u32* __restrict__ tiles, float* __restrict__ out,
+                      u32 num_heads, u32 head_dim, u32 split_keys, u32 max_splits, u32 num_seqs, u32 num_rows) {
+    __shared__ float w_s[MERGE_THREADS], l_s[MERGE_THREADS], scratch[32];
+    const u32* tile = tiles + 4 * blockIdx.x;
+    const u32 seq = tile[0], row0 = tile[1], nrows = tile[2], part0 = tile[3];
+    if (nrows == 0 || seq >= num_seqs || row0 >= num_rows || nrows > num_rows - row0) return;  // as paged_attention
+    const u32 head = blockIdx.y, D = head_dim, t = threadIdx.x;
+    for (u32 r = 0; r < nrows; ++r) {
+        const u64 item0 = ((u64)(part0 + r) * num_heads + head) * max_splits;
+        const u32 splits = min(max_splits, (row_keys[row0 + r] + split_keys - 1) / split_keys);
         float mx = DF_NEG_INF;
-#pragma unroll 4
-        for (u32 s = 0; s < splits; ++s) mx = fmaxf(mx, __ldcg(part_ml + 2 * (item0 + s)));
-        for (u32 d = lane; d < D; d += 32) {
-            float sum = 0.0f, acc = 0.0f;
-            if (mx != DF_NEG_INF) {
-#pragma unroll 4
-                for (u32 s = 0; s < splits; ++s) {
-                    const float ms = __ldcg(part_ml + 2 * (item0 + s));
-                    const float w = ms == DF_NEG_INF ? 0.0f : expf(ms - mx);
-                    sum += w * __ldcg(part_ml + 2 * (item0 + s) + 1);
-                    acc += w * __ldcg(part_acc + (item0 + s) * D + d);
+        for (u32 s = t; s < splits; s += MERGE_THREADS) mx = fmaxf(mx, part_ml[2 * (item0 + s)]);
+        // Block max (exact in any order); scratch is reused by the next row only after the chunk barriers.
+        mx = warp_max(mx);
+        if ((t & 31u) == 0) scratch[t >> 5] = mx;
+        __syncthreads();
+        mx = DF_NEG_INF;
+        for (u32 i = 0; i < MERGE_THREADS / 32; ++i) mx = fmaxf(mx, scratch[i]);
+        float sum = 0.0f, acc = 0.0f;
+        for (u32 c = 0; c < splits; c += MERGE_THREADS) {
+            __syncthreads();  // the previous chunk's weights (and the max's scratch) are read
+            const u32 s = c + t;
+            float w = 0.0f, l = 0.0f;
+            if (s < splits) {
+                const float ms = part_ml[2 * (item0 + s)];
+                w = (ms == DF_NEG_INF || mx == DF_NEG_INF) ? 0.0f : expf(ms - mx);
+                l = part_ml[2 * (item0 + s) + 1];
+            }
+            w_s[t] = w;
+            l_s[t] = l;
+            __syncthreads();
+            const u32 n = min(MERGE_THREADS, splits - c);
+            if (t < D) {
+                const float* a = part_acc + (item0 + c) * D + t;
+#pragma unroll 8
+                for (u32 j = 0; j < n; ++j) {
+                    sum = fmaf(w_s[j], l_s[j], sum);
+                    acc = fmaf(w_s[j], a[(u64)j * D], acc);
                 }
             }
-            out[(u64)(row0 + r) * num_heads * D + (u64)head * D + d] = sum > 0.0f ? acc / sum : 0.0f;
         }
+        if (t < D) out[(u64)(row0 + r) * num_heads * D + (u64)head * D + t] = sum > 0.0f ? acc / sum : 0.0f;
+        __syncthreads();  // scratch and the weights are free for the next row
     }
 }
 
@@ -155,9 +167,9 @@ template <u32 DPL>
 __device__ __forceinline__ void paged_attention_body(
     const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
     const u32* __restrict__ row_keys, const u32* __restrict__ tiles, const u32* __restrict__ tables,
-    float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml, u32* __restrict__ counters,
-    u32 num_heads, u32 kv_heads, u32 head_dim, u32 page_size, u32 table_stride, float scale, u32 split_keys,
-    u32 num_pages, u32 num_seqs, u32 num_rows) {
+    float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml, u32 num_heads, u32 kv_heads,
+    u32 head_dim, u32 page_size, u32 table_stride, float scale, u32 split_keys, u32 num_pages, u32 num_seqs,
+    u32 num_rows) {
     // float4 loads of K (and of V) per thread per chunk: ATTN_KT keys of up to 32 * DPL floats.
     constexpr u32 LOADS = ATTN_KT * 32 * DPL / 4 / (ATTN_WARPS * 32);
     static_assert(LOADS * 4 * ATTN_WARPS * 32 == ATTN_KT * 32 * DPL, "a chunk is whole float4 loads per thread");
@@ -303,18 +315,16 @@ __device__ __forceinline__ void paged_attention_body(
             }
         }
     }
-    if (split_keys != 0) merge_splits(out, part_acc, part_ml, counters, row_keys, row0, part0, nq, group, num_heads,
-                                      kv_heads, kvh, D, split_keys, kmax);
 }
 
 #define PAGED_ATTENTION_KERNEL(NAME, DPL)                                                                          \
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                                                  \
         NAME(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,     \
              const u32* __restrict__ row_keys, const u32* __restrict__ tiles, const u32* __restrict__ tables,      \
-             float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml,                   \
-             u32* __restrict__ counters, u32 num_heads, u32 kv_heads, u32 head_dim, u32 page_size,                 \
-             u32 table_stride, float scale, u32 split_keys, u32 num_pages, u32 num_seqs, u32 num_rows) {           \
-        paged_attention_body<DPL>(q, k_cache, v_cache, row_keys, tiles, tables, out, part_acc, part_ml, counters,  \
+             float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml, u32 num_heads,     \
+             u32 kv_heads, u32 head_dim, u32 page_size, u32 table_stride, float scale, u32 split_keys,             \
+             u32 num_pages, u32 num_seqs, u32 num_rows) {                                                          \
+        paged_attention_body<DPL>(q, k_cache, v_cache, row_keys, tiles, tables, out, part_acc, part_ml,            \
                                   num_heads, kv_heads, head_dim, page_size, table_stride, scale, split_keys,       \
                                   num_pages, num_seqs, num_rows);                                                  \
     }

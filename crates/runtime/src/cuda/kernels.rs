@@ -95,6 +95,7 @@ pub(crate) struct Kernels {
     pub paged_attention: CudaFunction,
     /// `paged_attention` for 128 < head_dim <= 256.
     pub paged_attention_d256: CudaFunction,
+    pub attn_merge_splits: CudaFunction,
     pub gather_rms_norm: CudaFunction,
     pub copy_columns: CudaFunction,
     pub fill_random_bf16: CudaFunction,
@@ -180,6 +181,7 @@ impl Kernels {
             rope_kv_write: get("rope_kv_write")?,
             paged_attention: big_smem("paged_attention")?,
             paged_attention_d256: big_smem("paged_attention_d256")?,
+            attn_merge_splits: get("attn_merge_splits")?,
             gather_rms_norm: get("gather_rms_norm")?,
             copy_columns: get("copy_columns")?,
             fill_random_bf16: get("fill_random_bf16")?,

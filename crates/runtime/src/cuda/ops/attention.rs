@@ -127,8 +127,6 @@ pub struct AttentionScratch {
     part_acc: DeviceBuf<f32>,
     /// `[rows, num_heads, splits, 2]`.
     part_ml: DeviceBuf<f32>,
-    /// Finished split blocks per (tile, kv head); the last one resets its counter to 0.
-    counters: DeviceBuf<u32>,
 }
 
 impl AttentionScratch {
@@ -138,12 +136,7 @@ impl AttentionScratch {
     /// Out of device memory.
     pub fn new(dev: &CudaDevice, rows: usize, num_heads: usize, head_dim: usize, splits: usize) -> Result<Self> {
         let items = (rows * num_heads * splits).max(1);
-        Ok(AttentionScratch {
-            part_acc: dev.alloc_zeros(items * head_dim)?,
-            part_ml: dev.alloc_zeros(2 * items)?,
-            // Tiles have at least one row and kv heads are at most the heads: rows · heads counters suffice.
-            counters: dev.alloc_zeros((rows * num_heads).max(1))?,
-        })
+        Ok(AttentionScratch { part_acc: dev.alloc_zeros(items * head_dim)?, part_ml: dev.alloc_zeros(2 * items)? })
     }
 
     /// Partial states it holds.
@@ -158,9 +151,8 @@ pub enum KeySplit {
     /// One block takes all of a tile's keys and writes the normalised output (prompt rows).
     Whole,
     /// Keys in fixed ranges of `keys` (a multiple of [`ATTN_KEY_CHUNK`]; decode and verify rows),
-    /// `max_splits` blocks per tile, merged per
-    /// row by the last block of each (tile, kv head). Tiles name their first partial row; `partial_rows`
-    /// bounds them (the scratch must hold that many).
+    /// `max_splits` blocks per tile, merged per row and head in split order by a second launch. Tiles name
+    /// their first partial row; `partial_rows` bounds them (the scratch must hold that many).
     Fixed { keys: usize, max_splits: usize, partial_rows: usize },
 }
 
@@ -228,7 +220,6 @@ impl AttentionArgs<'_> {
                 || !keys.is_multiple_of(ATTN_KEY_CHUNK)
                 || max_splits == 0
                 || scratch.items() < partial_rows * nh * max_splits
-                || scratch.counters.len() < tiles * kvh
             {
                 return fail(&format!(
                     "{max_splits} splits of {keys} keys for {partial_rows} partial rows in {tiles} tiles; scratch holds {} states",
@@ -240,8 +231,8 @@ impl AttentionArgs<'_> {
     }
 }
 
-/// Runs [`AttentionArgs`]: grid (tiles, kv heads, splits); with [`KeySplit::Fixed`] the last split block
-/// of each (tile, kv head) merges the splits.
+/// Runs [`AttentionArgs`]: grid (tiles, kv heads, splits); with [`KeySplit::Fixed`] then the merge, grid
+/// (tiles, heads).
 ///
 /// # Errors
 /// Lengths that do not form the shapes, unsupported head sizes, too small a scratch; a launch failure.
@@ -257,7 +248,7 @@ pub fn paged_attention(dev: &CudaDevice, a: AttentionArgs, scratch: &AttentionSc
     let nq = (a.max_tile_rows.max(1) * group).min(ATTN_MAX_QUERIES);
     // At most 16 · 256 + 32 · 260 + 32 · 256 floats (82,432 bytes) for head_dim 256: within MAX_DYNAMIC_SMEM.
     let smem = 4 * (nq * d + ATTN_KEY_CHUNK * (d + 4) + ATTN_KEY_CHUNK * d);
-    let (pa, pm, counters) = (scratch.part_acc.view(), scratch.part_ml.view(), scratch.counters.view());
+    let (pa, pm) = (scratch.part_acc.view(), scratch.part_ml.view());
     let slots = a.k_cache.len() / (a.kv_heads * d);
     let num_pages = dim(slots / a.page_size, "pages")?;
     // Slots are u32 in the kernel, the two largest values being markers.
@@ -286,7 +277,6 @@ pub fn paged_attention(dev: &CudaDevice, a: AttentionArgs, scratch: &AttentionSc
         .arg(a.out.arg())
         .arg(pa.arg())
         .arg(pm.arg())
-        .arg(counters.arg())
         .arg(&nh)
         .arg(&kvh)
         .arg(&hd)
@@ -306,5 +296,26 @@ pub fn paged_attention(dev: &CudaDevice, a: AttentionArgs, scratch: &AttentionSc
     // (tiles, pages, key counts) are checked in the kernel, partial rows against the scratch's size by
     // the caller's tiles (first partial row + rows <= partial_rows).
     unsafe { launch.launch(cfg) }.map_err(launch_err("paged_attention"))?;
+    if split_keys == 0 {
+        return Ok(());
+    }
+    let mut merge = dev.stream().launch_builder(&dev.kernels.attn_merge_splits);
+    merge
+        .arg(pa.arg())
+        .arg(pm.arg())
+        .arg(a.row_keys.arg())
+        .arg(a.tiles.arg())
+        .arg(a.out.arg())
+        .arg(&nh)
+        .arg(&hd)
+        .arg(&split_keys)
+        .arg(&grid_z)
+        .arg(&num_seqs)
+        .arg(&rows);
+    let cfg = LaunchConfig { grid_dim: (dim(tiles, "tiles")?, nh, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match attn_merge_splits' signature; it reads the partial states the launch above
+    // wrote for the same tiles (same stream), each row's first ceil(keys / split_keys) splits, capped at
+    // max_splits, and skips tiles paged_attention skips; head_dim <= 256 = the block's threads.
+    unsafe { merge.launch(cfg) }.map_err(launch_err("attn_merge_splits"))?;
     Ok(())
 }
