@@ -397,7 +397,8 @@ mod tests {
             plain += usize::from(drafts.is_empty());
             lane.stepped(1 + drafts.len(), Some(10.0 + drafts.len() as f64));
         }
-        assert!(plain >= 30, "plain rounds: {plain} of 40");
+        // Drafted: the gate's warm-up rounds, then one probe after each doubling pause (2, 4, 8, 16).
+        assert!(plain >= 28, "plain rounds: {plain} of 40");
         assert_eq!(lane.stats.plain_steps, plain as u64);
         assert!(lane.stats.gated_steps > 0 && lane.stats.gate_pauses + lane.stats.gated_steps > 0);
     }
