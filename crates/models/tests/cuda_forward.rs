@@ -17,10 +17,9 @@
 
 mod common;
 
-use std::io::Write;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
-use common::{fixtures, read_golden};
+use common::{fixtures, read_golden, say};
 use dflash_models::cuda::{CudaCache, CudaCacheConfig, CudaLlamaModel};
 use dflash_models::loader::{load_gguf_weights, load_hf_weights, LoadOptions};
 use dflash_models::resolve::{default_model_path, ModelSource};
@@ -33,21 +32,8 @@ const PAGE: usize = 4;
 /// One forward: the logits of its logit rows and the captured hidden states, both flattened.
 type RunStep<'a> = dyn FnMut(&ForwardBatch) -> (Vec<f32>, Vec<f32>) + 'a;
 
-fn say(line: &str) {
-    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
-}
-
 fn device() -> Option<Arc<CudaDevice>> {
-    static DEVICE: OnceLock<Option<Arc<CudaDevice>>> = OnceLock::new();
-    DEVICE
-        .get_or_init(|| match CudaDevice::new(0) {
-            Ok(dev) => Some(Arc::new(dev)),
-            Err(e) => {
-                say(&format!("SKIP cuda forward tests: no usable CUDA device ({e})"));
-                None
-            }
-        })
-        .clone()
+    common::cuda_device("cuda forward tests")
 }
 
 /// The CPU and CUDA models of one checkpoint.

@@ -24,10 +24,9 @@
 
 mod common;
 
-use std::io::Write;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
-use common::fixtures;
+use common::{fixtures, say};
 use dflash_models::cuda::{CudaCacheConfig, CudaHybridCache, CudaHybridModel, GdnSeq};
 use dflash_models::hybrid::{load_hybrid_weights, HybridModel, HybridState};
 use dflash_models::loader::LoadOptions;
@@ -36,21 +35,8 @@ use dflash_runtime::cuda::CudaDevice;
 
 const PAGE: usize = 4;
 
-fn say(line: &str) {
-    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
-}
-
 fn device() -> Option<Arc<CudaDevice>> {
-    static DEVICE: OnceLock<Option<Arc<CudaDevice>>> = OnceLock::new();
-    DEVICE
-        .get_or_init(|| match CudaDevice::new(0) {
-            Ok(dev) => Some(Arc::new(dev)),
-            Err(e) => {
-                say(&format!("SKIP cuda hybrid tests: no usable CUDA device ({e})"));
-                None
-            }
-        })
-        .clone()
+    common::cuda_device("cuda hybrid tests")
 }
 
 fn max_rel_err(got: &[f32], want: &[f32]) -> f32 {

@@ -7,6 +7,29 @@ use std::path::{Path, PathBuf};
 use dflash_models::{ForwardBatch, ForwardOut, KvCache, LlamaModel, SeqRows};
 use safetensors::{Dtype, SafeTensors};
 
+/// Writes one line straight to stderr, past the harness's capture (tables and SKIP notices show without
+/// `--nocapture`).
+pub fn say(line: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
+
+/// CUDA device 0, opened once per test binary; without one, `None` after a SKIP notice naming `tests`.
+#[cfg(feature = "cuda")]
+pub fn cuda_device(tests: &str) -> Option<std::sync::Arc<dflash_runtime::cuda::CudaDevice>> {
+    use std::sync::{Arc, OnceLock};
+    static DEVICE: OnceLock<Option<Arc<dflash_runtime::cuda::CudaDevice>>> = OnceLock::new();
+    DEVICE
+        .get_or_init(|| match dflash_runtime::cuda::CudaDevice::new(0) {
+            Ok(dev) => Some(Arc::new(dev)),
+            Err(e) => {
+                say(&format!("SKIP {tests}: no usable CUDA device ({e})"));
+                None
+            }
+        })
+        .clone()
+}
+
 pub fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
 }
