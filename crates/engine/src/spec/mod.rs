@@ -294,7 +294,7 @@ impl SpecLane {
     pub fn verified(&mut self, drafted: usize, accepted: usize) {
         self.stats.record_round(drafted, accepted);
         let confidence = self.round.confidence.take();
-        self.policy.record_verified(drafted, accepted, confidence.as_deref());
+        self.policy.record_verified(&mut self.costs.lock(), drafted, accepted, confidence.as_deref());
         self.proposer.on_verified(drafted, accepted);
         self.round.committed = Some(accepted + 1);
     }

@@ -5,21 +5,37 @@
 //! A verified round that drafted `d` and accepted `a` tested positions `0..=a` (those before `a` passed, `a`
 //! failed, when `a < d`); positions after the first rejection were never tested and teach nothing.
 //!
+//! Positions are kept twice. Each sequence's lane keeps its own, forgetting quickly so it follows its text; the
+//! engine keeps what each lane kind typically achieves on this target over every sequence, forgetting slowly
+//! ([`PositionAcceptance::typical`]). A lane's first position is shrunk toward the typical one, and each deeper
+//! position toward the lane's own estimate of the one before it, falling off as the typical ones do. So a new
+//! request starts from what this drafter achieves on this target instead of a constant, and the handful of rounds
+//! a lane remembers moves its widths less at random: a request of 128 tokens lasts 30-40 rounds, and without the
+//! typical values the H200 round-policy table's high-acceptance cells lost 3-4% to fixed blocks in simulation
+//! (`tests.rs`), the first rounds too narrow, later widths following a few draws. The prior holds a fixed
+//! number of pseudo-counts against about five rounds of the lane's own, so a sequence whose text differs from the
+//! typical one (prose after code) still narrows within a few rounds.
+//!
 //! Positions forget per round, tested or not: evidence about a deep position that narrow rounds no longer test
-//! fades back toward its prior (the position before it), so a round wide enough to test it again comes up once
-//! the shallower positions say it might pay. Without that, one early miss at a deep position would keep every
-//! later round too narrow to ever learn otherwise.
+//! fades back toward its prior, so a round wide enough to test it again comes up once the shallower positions say
+//! it might pay. Without that, one early miss at a deep position would keep every later round too narrow to ever
+//! learn otherwise.
 
-/// Prior chance that the first draft is accepted (optimistic, so a new lane drafts and learns instead of never
-/// trying). Each deeper position is shrunk toward the estimate of the one before it: an untested position is
-/// assumed to behave like its predecessor, so rounds widen into positions nobody has tried yet while the ones
-/// before them hold, and learn what they are worth.
+/// Prior chance that a draft is accepted, where nothing else is known (optimistic, so a new lane kind drafts and
+/// learns instead of never trying). A lane's position `j` is shrunk toward its own estimate of position `j - 1`
+/// times the typical ratio of `j` to `j - 1`: an untested position is assumed to fall off from its predecessor as
+/// it does typically (or, with no typical values, to behave like its predecessor), so rounds widen into positions
+/// this sequence has not tried while the ones before them hold, and learn what they are worth.
 const POSITION_PRIOR: f64 = 0.7;
-/// Pseudo-counts of a position's prior.
-const POSITION_PRIOR_WEIGHT: f64 = 1.0;
-/// Decay of every position's counts per verified round: about the last 5 rounds count, so a switch from copying
-/// to prose shows within a few rounds.
+/// Pseudo-counts of a lane's prior.
+const POSITION_PRIOR_WEIGHT: f64 = 1.5;
+/// Decay of a lane's counts per verified round: about the last 5 rounds count, so a switch from copying to prose
+/// shows within a few rounds.
 const POSITION_KEEP: f64 = 0.8;
+/// Decay of a lane kind's typical counts per verified round (any sequence's): about the last 100 rounds count.
+const TYPICAL_KEEP: f64 = 0.99;
+/// Pseudo-counts of the typical estimates' own prior (a chain from [`POSITION_PRIOR`]).
+const TYPICAL_PRIOR_WEIGHT: f64 = 1.0;
 /// Confidence bins: the axis is -log10(1 - confidence), capped at 3 (confidence 0.999), 4 bins per decade.
 const BINS: usize = 12;
 const BINS_PER_DECADE: f64 = 4.0;
@@ -52,6 +68,9 @@ impl DecayedRate {
     }
 
     fn estimate(&self, prior: f64, weight: f64) -> f64 {
+        if self.trials == 0.0 {
+            return prior;
+        }
         (self.hits + prior * weight) / (self.trials + weight)
     }
 }
@@ -65,18 +84,30 @@ fn tested(drafted: usize, accepted: usize) -> impl Iterator<Item = (usize, bool)
 #[derive(Clone, Debug, PartialEq)]
 pub struct PositionAcceptance {
     slots: Vec<DecayedRate>,
+    /// Decay per verified round, and the pseudo-counts of the prior.
+    keep: f64,
+    prior_weight: f64,
 }
 
 impl PositionAcceptance {
-    /// Tracks positions `0..max_drafts`; deeper ones keep the prior.
+    /// One sequence's lane: tracks positions `0..max_drafts` (deeper ones keep the prior), forgetting quickly.
     pub fn new(max_drafts: usize) -> Self {
-        PositionAcceptance { slots: vec![DecayedRate::default(); max_drafts] }
+        PositionAcceptance {
+            slots: vec![DecayedRate::default(); max_drafts],
+            keep: POSITION_KEEP,
+            prior_weight: POSITION_PRIOR_WEIGHT,
+        }
+    }
+
+    /// A lane kind over every sequence of an engine, forgetting slowly.
+    pub fn typical(max_drafts: usize) -> Self {
+        PositionAcceptance { keep: TYPICAL_KEEP, prior_weight: TYPICAL_PRIOR_WEIGHT, ..Self::new(max_drafts) }
     }
 
     /// Feeds a verified round.
     pub fn record(&mut self, drafted: usize, accepted: usize) {
         for slot in &mut self.slots {
-            slot.decay(POSITION_KEEP);
+            slot.decay(self.keep);
         }
         for (j, hit) in tested(drafted, accepted) {
             if let Some(slot) = self.slots.get_mut(j) {
@@ -85,18 +116,42 @@ impl PositionAcceptance {
         }
     }
 
-    /// P(draft `j` accepted | drafts before it accepted).
-    pub fn conditional(&self, j: usize) -> f64 {
-        self.conditionals(j + 1)[j]
+    /// Positions tracked.
+    pub fn len(&self) -> usize {
+        self.slots.len()
     }
 
-    /// The conditionals of the first `n` positions.
-    pub fn conditionals(&self, n: usize) -> Vec<f64> {
-        let mut prior = POSITION_PRIOR;
+    /// Whether no position is tracked.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// Whether any round was recorded.
+    pub fn is_observed(&self) -> bool {
+        self.slots.first().is_some_and(|s| s.trials > 0.0)
+    }
+
+    /// P(draft `j` accepted | drafts before it accepted), with no typical values to lean on.
+    pub fn conditional(&self, j: usize) -> f64 {
+        self.conditionals(j + 1, None)[j]
+    }
+
+    /// The conditionals of the first `n` positions, each shrunk toward its prior: the estimate of the position
+    /// before it, scaled by how `typical` (a lane kind's conditionals, when known) falls off there.
+    pub fn conditionals(&self, n: usize, typical: Option<&[f64]>) -> Vec<f64> {
+        let typical_at = |j: usize| typical.and_then(|t| t.get(j).copied()).filter(|t| t.is_finite() && *t > 0.0);
+        let mut previous: Option<f64> = None;
         (0..n)
             .map(|j| {
-                prior = self.slots.get(j).map_or(prior, |s| s.estimate(prior, POSITION_PRIOR_WEIGHT));
-                prior
+                let prior = match (previous, typical_at(j)) {
+                    (None, Some(t)) => t,
+                    (None, None) => POSITION_PRIOR,
+                    (Some(p), Some(t)) => typical_at(j - 1).map_or(p, |before| (p * t / before).min(1.0)),
+                    (Some(p), None) => p,
+                };
+                let estimate = self.slots.get(j).map_or(prior, |s| s.estimate(prior, self.prior_weight));
+                previous = Some(estimate);
+                estimate
             })
             .collect()
     }
@@ -154,13 +209,35 @@ mod tests {
     #[test]
     fn positions_start_at_the_prior_and_learn_conditionally() {
         let mut p = PositionAcceptance::new(4);
-        assert_eq!(p.conditionals(5), vec![POSITION_PRIOR; 5]);
+        assert_eq!(p.conditionals(5, None), vec![POSITION_PRIOR; 5]);
         for _ in 0..30 {
             p.record(4, 1); // position 0 always passes, position 1 always fails, 2 and 3 untested
         }
-        let c = p.conditionals(5);
-        assert!(c[0] > 0.9 && c[1] < 0.2, "{c:?}");
+        let c = p.conditionals(5, None);
+        // About five rounds of evidence against 1.5 pseudo-counts of the prior (position 0's estimate, for 1).
+        assert!(c[0] > 0.9 && c[1] < 0.25, "{c:?}");
         assert_eq!((c[2], c[3], c[4]), (c[1], c[1], c[1]), "untested positions follow the last tested one");
+    }
+
+    #[test]
+    fn deeper_positions_fall_off_as_the_typical_ones_do() {
+        let mut typical = PositionAcceptance::typical(3);
+        for _ in 0..200 {
+            typical.record(3, 1); // typically: position 0 passes, position 1 fails, 2 untested
+        }
+        let t = typical.conditionals(3, None);
+        assert!(t[0] > 0.95 && t[1] < 0.05, "{t:?}");
+        let fresh = PositionAcceptance::new(3);
+        let c = fresh.conditionals(3, Some(&t));
+        assert_eq!(c[0], t[0], "a new lane starts from the typical first position");
+        assert!((c[1] - t[1]).abs() < 1e-12, "and falls off as typically: {c:?}");
+        let mut copying = PositionAcceptance::new(3);
+        for _ in 0..20 {
+            copying.record(1, 1); // this sequence: only position 0 tested, always right
+        }
+        let c = copying.conditionals(3, Some(&t));
+        assert!(c[0] > t[0] - 0.01 && c[1] < 0.1, "its own first position, the typical fall-off after it: {c:?}");
+        assert_eq!(copying.conditionals(3, None)[1], copying.conditionals(3, None)[0], "without typical values");
     }
 
     #[test]

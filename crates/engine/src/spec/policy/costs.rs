@@ -6,10 +6,13 @@
 //! short context). Every measured step then moves the level quickly and its own width's shape cell slowly, both
 //! with clamped moving averages: a shared machine that slows down for a while slows every width alike, and one
 //! stalled step must not rewrite the table. A bucket nobody has measured yet borrows the nearest measured one
-//! below it. The table also keeps what drafting costs, per lane kind (`pld`, `dflash2`, ...): a property of the
-//! drafter on this device like the verify costs, so a new sequence's lane knows it from its first round.
+//! below it. The table also keeps, per lane kind (`pld`, `dflash2`, ...), what drafting costs and how often its
+//! drafts are typically accepted by position: properties of the drafter on this target and device like the verify
+//! costs, so a new sequence's lane knows them from its first round.
 
 use std::fmt::Write;
+
+use super::acceptance::PositionAcceptance;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 /// Upper bounds (exclusive, in tokens of context) of the context buckets; the last one is open.
@@ -39,7 +42,18 @@ pub struct CostTable {
     /// Per context bucket; `None` until measured.
     buckets: Vec<Option<Bucket>>,
     /// Per lane kind: ms of a drafting call (moving average) and how many were measured.
-    drafts: Vec<(&'static str, f64, u64)>,
+    lanes: Vec<LaneKind>,
+}
+
+/// What the engine knows of one lane kind across its sequences.
+#[derive(Clone, Debug, PartialEq)]
+struct LaneKind {
+    name: &'static str,
+    /// Moving average of a drafting call (ms), and how many were measured.
+    draft_ms: f64,
+    draft_samples: u64,
+    /// Conditional acceptance by draft position over every sequence's verified rounds.
+    acceptance: PositionAcceptance,
 }
 
 /// One context bucket: a step of `r` rows costs `level * shape[r - 1]` ms.
@@ -103,7 +117,7 @@ impl CostTable {
         let prior: Vec<f64> =
             (0..max_rows.max(1)).map(|r| PRIOR_PLAIN_MS * (1.0 + PRIOR_ROW_SLOPE * r as f64)).collect();
         let buckets = vec![None; CONTEXT_BUCKETS.len()];
-        CostTable { start: Bucket::from_curve(&prior), probed: false, buckets, drafts: Vec::new() }
+        CostTable { start: Bucket::from_curve(&prior), probed: false, buckets, lanes: Vec::new() }
     }
 
     /// Widest round the table covers.
@@ -159,24 +173,50 @@ impl CostTable {
         if !(ms.is_finite() && ms >= 0.0) {
             return;
         }
-        match self.drafts.iter_mut().find(|d| d.0 == lane) {
+        let kind = self.lane_mut(lane);
+        kind.draft_ms = match kind.draft_samples {
+            0 => ms,
             // Drafting times of microseconds (prompt lookup) jump by large factors: no clamp below a microsecond.
-            Some((_, avg, n)) => {
-                *avg = blend(avg.max(1e-3), ms, *n, LEVEL_WEIGHT);
-                *n += 1;
-            }
-            None => self.drafts.push((lane, ms, 1)),
-        }
+            n => blend(kind.draft_ms.max(1e-3), ms, n, LEVEL_WEIGHT),
+        };
+        kind.draft_samples += 1;
     }
 
     /// Expected ms of a drafting call of lane kind `lane` (0 until one was measured).
     pub fn draft_cost(&self, lane: &str) -> f64 {
-        self.drafts.iter().find(|d| d.0 == lane).map_or(0.0, |d| d.1)
+        self.lane(lane).map_or(0.0, |k| k.draft_ms)
     }
 
-    /// Drafting costs by lane kind (ms).
+    /// Drafting costs by lane kind (ms), of the kinds that drafted.
     pub fn draft_costs(&self) -> Vec<(&'static str, f64)> {
-        self.drafts.iter().map(|&(lane, ms, _)| (lane, ms)).collect()
+        self.lanes.iter().filter(|k| k.draft_samples > 0).map(|k| (k.name, k.draft_ms)).collect()
+    }
+
+    /// Feeds a verified round of lane kind `lane` (any sequence's) that drafted `drafted` and accepted `accepted`.
+    pub fn observe_acceptance(&mut self, lane: &'static str, drafted: usize, accepted: usize) {
+        self.lane_mut(lane).acceptance.record(drafted, accepted);
+    }
+
+    /// The typical conditional acceptance of lane kind `lane`'s first `n` draft positions on this engine; `None`
+    /// before any of its rounds was verified.
+    pub fn typical_acceptance(&self, lane: &str, n: usize) -> Option<Vec<f64>> {
+        self.lane(lane).filter(|k| k.acceptance.is_observed()).map(|k| k.acceptance.conditionals(n, None))
+    }
+
+    fn lane(&self, lane: &str) -> Option<&LaneKind> {
+        self.lanes.iter().find(|k| k.name == lane)
+    }
+
+    fn lane_mut(&mut self, lane: &'static str) -> &mut LaneKind {
+        let index = match self.lanes.iter().position(|k| k.name == lane) {
+            Some(index) => index,
+            None => {
+                let acceptance = PositionAcceptance::typical(self.max_rows().saturating_sub(1));
+                self.lanes.push(LaneKind { name: lane, draft_ms: 0.0, draft_samples: 0, acceptance });
+                self.lanes.len() - 1
+            }
+        };
+        &mut self.lanes[index]
     }
 
     /// Whether the costs at `context` come from this target: measured in that bucket, or probed (the probe runs at
@@ -216,6 +256,11 @@ impl CostTable {
         }
         for (lane, ms) in self.draft_costs() {
             let _ = write!(out, " draft[{lane}]={ms:.2}");
+        }
+        for kind in self.lanes.iter().filter(|k| k.acceptance.is_observed()) {
+            let typical = kind.acceptance.conditionals(kind.acceptance.len(), None);
+            let shown: Vec<String> = typical.iter().map(|p| format!("{p:.2}")).collect();
+            let _ = write!(out, " accept[{}]={}", kind.name, shown.join(","));
         }
         out
     }
@@ -330,6 +375,28 @@ mod tests {
         t.observe_draft("dflash2", 600.0);
         assert!(t.draft_cost("dflash2") < 6.5, "clamped: {}", t.draft_cost("dflash2"));
         assert!((t.draft_cost("pld") - 0.01).abs() < 1e-9);
+    }
+
+    #[test]
+    fn typical_acceptance_is_kept_per_lane_kind() {
+        let mut t = CostTable::new(4);
+        assert_eq!(t.typical_acceptance("pld", 3), None, "unknown before a verified round");
+        t.observe_draft("pld", 0.01);
+        assert_eq!(t.typical_acceptance("pld", 3), None, "drafting alone says nothing of acceptance");
+        for _ in 0..100 {
+            t.observe_acceptance("pld", 3, 3);
+            t.observe_acceptance("dflash2", 3, 0);
+        }
+        let pld = t.typical_acceptance("pld", 3).expect("observed");
+        let dflash = t.typical_acceptance("dflash2", 3).expect("observed");
+        assert!(pld.iter().all(|&p| p > 0.95), "{pld:?}");
+        assert!(dflash[0] < 0.05, "{dflash:?}");
+        assert_eq!(t.draft_costs(), vec![("pld", 0.01)], "kinds that never drafted have no drafting cost");
+        assert!(
+            t.summary().ends_with("draft[pld]=0.01 accept[pld]=1.00,1.00,1.00 accept[dflash2]=0.01,0.01,0.01"),
+            "{}",
+            t.summary()
+        );
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //!
 //! * [`costs`]: the engine's table of milliseconds per step by verify rows and context length (probed at
 //!   start-up, kept current by measured steps) and per drafting call by lane kind, shared by every lane.
-//! * [`acceptance`]: per lane, conditional acceptance by draft position and by the drafter's confidence.
+//! * [`acceptance`]: per lane, conditional acceptance by draft position (shrunk toward what the lane kind
+//!   typically achieves on this engine, which the cost table keeps) and by the drafter's confidence.
 //! * [`choice`]: the rows R maximising E(R) / cost(R), the cheapest within a small tie margin.
 //! * [`backoff`]: the gate that stops drafting while drafted rounds lose to plain ones, and probes again later.
 //!
@@ -96,7 +97,7 @@ pub struct RoundPolicy {
     /// nothing. Estimates that lag behind the text (after a long plain stretch they hold the prose they last saw)
     /// catch up while the drafts keep landing, and a trial on text where drafts miss ends at the first miss.
     trial: bool,
-    /// The lane kind, whose drafting cost the engine's table keeps.
+    /// The lane kind, whose drafting cost and typical acceptance the engine's table keeps.
     lane: &'static str,
 }
 
@@ -136,11 +137,11 @@ impl RoundPolicy {
         if self.backoff.probing() || self.trial {
             return RoundPlan::Draft { probe: self.backoff.probing() };
         }
-        let accept = self.positions.conditionals(max_drafts);
+        let accept = self.acceptance(costs, max_drafts, None);
         let draft_ms = costs.draft_cost(self.lane);
         let cost = |rows: usize| costs.cost(context, rows) + if rows > 1 { draft_ms } else { 0.0 };
         if choose_rows(&accept, max_drafts + 1, cost) == 1 {
-            self.backoff.wait(self.probe_spacing(costs, context).cap);
+            self.backoff.defer(self.probe_spacing(costs, context));
             return RoundPlan::Plain;
         }
         RoundPlan::Draft { probe: false }
@@ -149,8 +150,7 @@ impl RoundPolicy {
     /// After drafting `drafted` tokens (in `draft_ms`, spent whatever is verified; with the drafter's `confidence`
     /// per draft when it reports one): how many of them to verify. A probe verifies one (the cheapest test that
     /// drafting pays again), a trial round at least one. A drafted round whose drafts turn out not worth a row
-    /// backs the lane off ([`Backoff::defer`]); a round predicted plain before drafting waits the whole cap
-    /// ([`Backoff::wait`]).
+    /// backs the lane off ([`Backoff::defer`]), as does a round predicted plain before drafting.
     pub fn choose(
         &mut self,
         costs: &CostTable,
@@ -165,7 +165,7 @@ impl RoundPolicy {
         if self.backoff.probing() {
             return 1;
         }
-        let accept = self.acceptance(drafted, confidence);
+        let accept = self.acceptance(costs, drafted, confidence);
         // The drafting time is spent whatever is verified: it is part of every width's round.
         let sunk = if draft_ms.is_finite() { draft_ms.max(0.0) } else { 0.0 };
         let keep = choose_rows(&accept, drafted + 1, |rows| sunk + costs.cost(context, rows)) - 1;
@@ -178,12 +178,20 @@ impl RoundPolicy {
         keep
     }
 
-    /// Feeds what a verified round accepted (`confidence`: of the verified drafts, when the lane reports it).
-    pub fn record_verified(&mut self, drafted: usize, accepted: usize, confidence: Option<&[f32]>) {
+    /// Feeds what a verified round accepted (`confidence`: of the verified drafts, when the lane reports it), to
+    /// this lane and to what the engine's `costs` table keeps of its lane kind.
+    pub fn record_verified(
+        &mut self,
+        costs: &mut CostTable,
+        drafted: usize,
+        accepted: usize,
+        confidence: Option<&[f32]>,
+    ) {
         if drafted == 0 {
             return;
         }
         self.positions.record(drafted, accepted);
+        costs.observe_acceptance(self.lane, drafted, accepted);
         if let Some(c) = confidence {
             self.calibration.record(c, drafted, accepted);
         }
@@ -219,11 +227,11 @@ impl RoundPolicy {
     }
 
     /// Conditional acceptance of the first `n` drafts: calibrated from their confidences when given, else by
-    /// position.
-    fn acceptance(&self, n: usize, confidence: Option<&[f32]>) -> Vec<f64> {
+    /// position (this lane's, shrunk toward its kind's typical values on this engine).
+    fn acceptance(&self, costs: &CostTable, n: usize, confidence: Option<&[f32]>) -> Vec<f64> {
         match confidence.filter(|c| c.len() >= n) {
             Some(c) => c[..n].iter().map(|&x| self.calibration.accept_probability(x)).collect(),
-            None => self.positions.conditionals(n),
+            None => self.positions.conditionals(n, costs.typical_acceptance(self.lane, n).as_deref()),
         }
     }
 }
