@@ -265,12 +265,13 @@ impl Engine {
                 return Err(e);
             }
         };
-        // The target's share of the round; lanes add their own drafting (and observing is per committed token,
-        // the same for drafted and plain rounds).
-        let forward_ms = started.elapsed().as_secs_f64() * 1e3;
         let finished = self.sample_and_stream(&items, &out);
-        self.record_round_times(&items, forward_ms);
         self.keep_state_checkpoints(&items);
+        // The target's share of the round: the forward, reading and verifying its rows, rolling state back to what
+        // was accepted and keeping checkpoints. Lanes add their own drafting. All of it is paid per round, so a
+        // table of forwards alone would price every round too low, and a few wide rounds too low against narrow.
+        let round_ms = started.elapsed().as_secs_f64() * 1e3;
+        self.record_round_times(&items, round_ms);
         self.sched.publish_prompt_pages();
         self.retire(finished);
         #[cfg(debug_assertions)]

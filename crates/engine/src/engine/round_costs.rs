@@ -114,10 +114,9 @@ impl Engine {
         self.target.forward(&batch).map(|_| ())
     }
 
-    /// After a step whose forward took `step_ms`: feeds the cost table when the step ran decode and verify rows
-    /// only, and tells each decoding lane its round's width and, for such steps, its cost. The forward alone is
-    /// timed: what lanes do around it (drafting, a drafter reading the target's hidden states) is theirs, and
-    /// sampling the rows costs microseconds.
+    /// After a step that took `step_ms` (its forward, verification and rollback): feeds the cost table when the
+    /// step ran decode and verify rows only, and tells each decoding lane its round's width and, for such steps,
+    /// its cost. Drafting is not in it: that is the lane's, timed on its own.
     ///
     /// A batched step's time is attributed to its widest round: every sequence in it waits for the whole step, so
     /// that is what the widest round cost, and it is what a lane choosing that width would pay again. Steps with
