@@ -170,21 +170,9 @@ impl CostTable {
     }
 
     /// Expected ms of a step of `rows` rows (clamped to 1..=max_rows) at `context` tokens.
-    ///
-    /// A width measured fewer than a few times gets the benefit of the doubt: the lower of what its measurements
-    /// say and what the level and the start curve predict. A width priced too high is never chosen, so never
-    /// measured again: one slow early round (a stall, a first use) would price it out for good, and a lane whose
-    /// estimates dip would fall from 4 rows to 2 instead of 3. Priced low, it is tried until it is measured.
     pub fn cost(&self, context: usize, rows: usize) -> f64 {
         let b = bucket_of(context);
-        let r = rows.clamp(1, self.max_rows()) - 1;
-        let bucket = self.buckets[b].as_ref().unwrap_or_else(|| self.fallback(b));
-        let measured = bucket.cost(r);
-        if bucket.samples[r] < YOUNG_SAMPLES {
-            measured.min(bucket.level * self.start.shape[r]).max(MIN_MS)
-        } else {
-            measured
-        }
+        self.buckets[b].as_ref().unwrap_or_else(|| self.fallback(b)).cost(rows.clamp(1, self.max_rows()) - 1)
     }
 
     /// Feeds a drafting call of lane kind `lane` that took `ms`.
@@ -398,23 +386,6 @@ mod tests {
             let cost = t.cost(32768, rows);
             assert!((cost / ms - 1.0).abs() < 0.02, "{rows} rows: {cost} ms, measured {ms}");
         }
-    }
-
-    #[test]
-    fn a_slow_first_round_does_not_price_a_width_out() {
-        let mut t = CostTable::new(4);
-        t.seed(&[2.0, 2.7, 3.3, 3.8]);
-        for _ in 0..20 {
-            t.observe(2000, 1, 2.0);
-            t.observe(2000, 2, 2.7);
-            t.observe(2000, 4, 3.8);
-        }
-        t.observe(2000, 3, 6.6); // a stall
-        assert!(t.cost(2000, 3) <= 3.3 + 1e-9, "3 rows until measured again: {}", t.cost(2000, 3));
-        for _ in 0..4 {
-            t.observe(2000, 3, 4.5);
-        }
-        assert!(t.cost(2000, 3) > 4.0, "once measured, a width that costs more is priced so: {}", t.cost(2000, 3));
     }
 
     #[test]
