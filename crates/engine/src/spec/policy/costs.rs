@@ -6,10 +6,10 @@
 //! short context). Every measured step then moves the level quickly and its own width's shape cell slowly, both
 //! with clamped moving averages: a shared machine that slows down for a while slows every width alike, and one
 //! stalled step must not rewrite the table. A width seen for the first few times next to settled ones learns only
-//! its own shape: the level is what the settled widths say. A bucket nobody has measured yet borrows the nearest measured one
-//! below it. The table also keeps, per lane kind (`pld`, `dflash2`, ...), what drafting costs and how often its
-//! drafts are typically accepted by position: properties of the drafter on this target and device like the verify
-//! costs, so a new sequence's lane knows them from its first round.
+//! its own shape: the level is what the settled widths say. A bucket nobody has measured yet borrows the nearest
+//! measured one below it. The table also keeps, per lane kind (`pld`, `dflash2`, ...), what drafting costs and
+//! how often its drafts are typically accepted by position: properties of the drafter on this target and device
+//! like the verify costs, so a new sequence's lane knows them from its first round.
 
 use std::fmt::Write;
 

@@ -251,8 +251,9 @@ fn serve_requests(
             hist[sim.round_with(&drafted)] += 1;
         }
     }
-    *costs = sim.costs.clone();
-    (sim.rate(), hist)
+    let rate = sim.rate();
+    *costs = sim.costs;
+    (rate, hist)
 }
 
 #[test]
@@ -268,7 +269,7 @@ fn on_the_h200_hybrid_table_adaptive_keeps_up_with_the_best_fixed_block() {
                 costs.observe(context, 1, ladder[0] * (0.95 + 0.1 * rng.uniform()));
             }
             let mut rate = |mode, drafts| serve_requests(mode, drafts, ladder, context, accept, &mut costs);
-            let ((_, _), (fixed4, _), (fixed8, _), (adaptive, widths)) = (
+            let (_, (fixed4, _), (fixed8, _), (adaptive, widths)) = (
                 rate(PolicyMode::Fixed, 1),
                 rate(PolicyMode::Fixed, 3),
                 rate(PolicyMode::Fixed, 7),
