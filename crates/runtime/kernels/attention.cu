@@ -21,6 +21,7 @@ extern "C" __global__ void __launch_bounds__(ROPE_KV_WARPS * 32)
                   const float* __restrict__ cos_tab, const float* __restrict__ sin_tab, u32 half, u32 max_pos,
                   u32 interleaved, const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,
                   u32 num_heads, u32 kv_heads, u32 head_dim, u32 num_slots) {
+    DF_GRID_DEPENDENCY();
     __shared__ float heads[ROPE_KV_WARPS][ROPE_KV_MAX_DIM];
     const u64 row = blockIdx.x;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
@@ -118,6 +119,7 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
     attn_merge_splits(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                       const u32* __restrict__ row_keys, const u32* __restrict__ tiles, float* __restrict__ out,
                       u32 num_heads, u32 head_dim, u32 split_keys, u32 max_splits, u32 num_seqs, u32 num_rows) {
+    DF_GRID_DEPENDENCY();
     __shared__ float w_s[MERGE_THREADS], l_s[MERGE_THREADS], scratch[32];
     const u32* tile = tiles + 4 * blockIdx.x;
     const u32 seq = tile[0], row0 = tile[1], nrows = tile[2], part0 = tile[3];
@@ -324,6 +326,7 @@ __device__ __forceinline__ void paged_attention_body(
              float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml, u32 num_heads,     \
              u32 kv_heads, u32 head_dim, u32 page_size, u32 table_stride, float scale, u32 split_keys,             \
              u32 num_pages, u32 num_seqs, u32 num_rows) {                                                          \
+        DF_GRID_DEPENDENCY();                                                                                      \
         paged_attention_body<DPL>(q, k_cache, v_cache, row_keys, tiles, tables, out, part_acc, part_ml,            \
                                   num_heads, kv_heads, head_dim, page_size, table_stride, scale, split_keys,       \
                                   num_pages, num_seqs, num_rows);                                                  \

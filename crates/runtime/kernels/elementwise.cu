@@ -8,6 +8,7 @@
 // Grid: one block per id. Memory floor: read + write hidden * 4 bytes per id.
 extern "C" __global__ void embedding_f32(const float* __restrict__ table, const u32* __restrict__ ids,
                                          float* __restrict__ out, u32 vocab, u32 hidden) {
+    DF_GRID_DEPENDENCY();
     const u64 t = blockIdx.x;
     const u32 id = ids[t];
     float* dst = out + t * hidden;
@@ -23,6 +24,7 @@ extern "C" __global__ void embedding_f32(const float* __restrict__ table, const 
 // Memory floor: read hidden * 2 + write hidden * 4 bytes per id.
 extern "C" __global__ void embedding_bf16(const bf16_t* __restrict__ table, const u32* __restrict__ ids,
                                           float* __restrict__ out, u32 vocab, u32 hidden) {
+    DF_GRID_DEPENDENCY();
     const u64 t = blockIdx.x;
     const u32 id = ids[t];
     float* dst = out + t * hidden;
@@ -39,6 +41,7 @@ extern "C" __global__ void embedding_bf16(const bf16_t* __restrict__ table, cons
 // Memory floor: read 8 + write 4 bytes per output element.
 extern "C" __global__ void swiglu_fused(const float* __restrict__ gate_up, float* __restrict__ out, u32 rows,
                                         u32 inter) {
+    DF_GRID_DEPENDENCY();
     const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= inter) return;
     for (u64 r = blockIdx.y; r < rows; r += gridDim.y) {
@@ -51,6 +54,7 @@ extern "C" __global__ void swiglu_fused(const float* __restrict__ gate_up, float
 // out[i] = bf16(x[i]), round to nearest even (the activation operand of the cuBLAS GEMM).
 // Memory floor: read 4 + write 2 bytes per element.
 extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, bf16_t* __restrict__ out, u64 n) {
+    DF_GRID_DEPENDENCY();
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         out[i] = f32_to_bf16(x[i]);
     }

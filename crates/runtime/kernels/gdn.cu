@@ -28,6 +28,7 @@ extern "C" __global__ void __launch_bounds__(GDN_CONV_BLOCK)
     gdn_conv(const float* __restrict__ x, u32 x_ld, u64 x_layer, const float* __restrict__ w,
              float* __restrict__ state, u64 state_layer, u64 slot_stride, const u32* __restrict__ runs, u32 seqs,
              u32 C, u32 K, float* __restrict__ out) {
+    DF_GRID_DEPENDENCY();
     const u32 c = blockIdx.x * GDN_CONV_BLOCK + threadIdx.x;
     const u32 s = blockIdx.y % seqs;
     const u32 layer = blockIdx.y / seqs;
@@ -75,6 +76,7 @@ extern "C" __global__ void __launch_bounds__(GDN_CONV_BLOCK)
 extern "C" __global__ void __launch_bounds__(128)
     gdn_prep(float* __restrict__ qkv, u32 C, u32 kd, u32 dk, const float* __restrict__ ba, u32 ba_ld,
              const float* __restrict__ neg_a, const float* __restrict__ dt_bias, u32 hv, float* __restrict__ gb) {
+    DF_GRID_DEPENDENCY();
     __shared__ float scratch[32];
     const u32 t = blockIdx.x, h = blockIdx.y;
     float* q = qkv + (u64)t * C + h * dk;
@@ -113,6 +115,7 @@ extern "C" __global__ void __launch_bounds__(32)
     gdn_rule(const float* __restrict__ qkv, u32 C, u64 qkv_layer, const float* __restrict__ gb, u64 gb_layer,
              float* __restrict__ state, u64 state_layer, u64 slot_stride, const u32* __restrict__ runs, u32 seqs,
              u32 hk, u32 hv, u32 dk, u32 dv, float* __restrict__ out) {
+    DF_GRID_DEPENDENCY();
     __shared__ float ks[GDN_DK_MAX], qs[GDN_DK_MAX];
     const u32 h = blockIdx.x, lane = threadIdx.x;
     const u32 j = blockIdx.y * 32 + lane;
@@ -170,6 +173,7 @@ extern "C" __global__ void __launch_bounds__(32)
 extern "C" __global__ void __launch_bounds__(128)
     gdn_gated_norm(float* __restrict__ core, const float* __restrict__ z, u32 z_ld, const float* __restrict__ w,
                    u32 hv, u32 dv, float eps) {
+    DF_GRID_DEPENDENCY();
     __shared__ float scratch[32];
     const u32 t = blockIdx.x, h = blockIdx.y;
     float* x = core + (u64)t * hv * dv + h * dv;
@@ -186,6 +190,7 @@ extern "C" __global__ void __launch_bounds__(128)
 // The attention output gate: x[t, i] *= sigmoid(gate[t * gate_ld + i]); x: [T, n].
 extern "C" __global__ void sigmoid_gate_mul(float* __restrict__ x, const float* __restrict__ gate, u32 gate_ld,
                                             u32 n, u32 rows) {
+    DF_GRID_DEPENDENCY();
     const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (u64)n * rows) return;
     const u32 t = (u32)(idx / n), i = (u32)(idx % n);

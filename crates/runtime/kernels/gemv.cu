@@ -67,6 +67,7 @@ __device__ __forceinline__ void gemv_bf16_rows(const bf16_t* __restrict__ w, con
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                          \
         gemv_bf16_r##R(const bf16_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, u32 n, \
                        u32 k) {                                                                           \
+        DF_GRID_DEPENDENCY();                                                                             \
         gemv_bf16_rows<R>(w, x, y, n, k);                                                                 \
     }
 
@@ -114,6 +115,7 @@ __device__ __forceinline__ float bf16_row_dot(const bf16_t* __restrict__ wr, con
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
     gemv_bf16_ep(const bf16_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, u32 n_out, u32 k,
                  u32 epi, const float* __restrict__ norm_w, float eps) {
+    DF_GRID_DEPENDENCY();
     extern __shared__ float4 gemv_smem[];
     const float* xs = x;
     if (norm_w != nullptr) {
@@ -310,10 +312,32 @@ __device__ __forceinline__ void gemm_bf16_small(const bf16_t* __restrict__ w, co
     }
 }
 
+// Before the grid dependency wait: start pulling this block's first pass of weights (k-blocks 0..15 of its 16
+// rows, 32 with SwiGLU) into L2. No kernel writes weights, so they may be read while the kernel before this one
+// (launched with PDL) is still finishing; the first loads after the wait then hit L2 instead of waiting on DRAM.
+template <bool SWIGLU>
+__device__ __forceinline__ void tc_prefetch_first_pass(const bf16_t* __restrict__ w, u32 n_out, u32 k) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr u32 P = SWIGLU ? 2u : 1u;
+    if (threadIdx.x >= P * 16u) return;
+    const u32 p = threadIdx.x / 16u, col = blockIdx.x * 16u + threadIdx.x % 16u;
+    if (col >= n_out) return;
+    const u32 bytes = min(k, 2u * TC_WARPS * TC_KB) * 2u;  // k % 8 == 0: a multiple of 16 bytes
+    const bf16_t* row = w + ((u64)col + (p ? n_out : 0u)) * k;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row), "r"(bytes) : "memory");
+#endif
+}
+
 #define DF_GEMM_SMALL(T)                                                                                        \
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2)                                              \
         gemm_bf16_small_t##T(const bf16_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, \
                              u32 n_out, u32 k, u32 m, u32 y_ld, u32 epi) {                                      \
+        if (epi == EPI_SWIGLU) {                                                                                \
+            tc_prefetch_first_pass<true>(w, n_out, k);                                                          \
+        } else {                                                                                                \
+            tc_prefetch_first_pass<false>(w, n_out, k);                                                         \
+        }                                                                                                       \
+        DF_GRID_DEPENDENCY();                                                                                   \
         if (epi == EPI_SWIGLU) {                                                                                \
             gemm_bf16_small<T, true>(w, x, y, n_out, k, m, y_ld, epi);                                          \
         } else {                                                                                                \

@@ -6,6 +6,7 @@
 extern "C" __global__ void gather_rms_norm(const float* __restrict__ x, u32 x_rows, const u32* __restrict__ rows,
                                            const float* __restrict__ w, float* __restrict__ out, u32 hidden,
                                            float eps) {
+    DF_GRID_DEPENDENCY();
     __shared__ float scratch[32];
     const u32 src = rows[blockIdx.x];
     float* orow = out + (u64)blockIdx.x * hidden;
@@ -25,6 +26,7 @@ extern "C" __global__ void gather_rms_norm(const float* __restrict__ x, u32 x_ro
 // dst[r, col + i] = src[r, i] for src [rows, width] and dst [rows, dst_ld]. Grid-stride.
 extern "C" __global__ void copy_columns(const float* __restrict__ src, float* __restrict__ dst, u32 rows, u32 width,
                                         u32 dst_ld, u32 col) {
+    DF_GRID_DEPENDENCY();
     const u64 n = (u64)rows * width;
     for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (u64)gridDim.x * blockDim.x) {
         const u64 r = e / width, i = e - r * width;
@@ -46,6 +48,7 @@ __device__ __forceinline__ float uniform_pm1(u64 seed, u64 i) {
 
 // out[i] = bf16(offset + scale * u_i), u uniform in [-1, 1). Grid-stride.
 extern "C" __global__ void fill_random_bf16(bf16_t* __restrict__ out, u64 n, u64 seed, float scale, float offset) {
+    DF_GRID_DEPENDENCY();
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         out[i] = f32_to_bf16(offset + scale * uniform_pm1(seed, i));
     }
@@ -53,6 +56,7 @@ extern "C" __global__ void fill_random_bf16(bf16_t* __restrict__ out, u64 n, u64
 
 // out[i] = offset + scale * u_i. Grid-stride.
 extern "C" __global__ void fill_random_f32(float* __restrict__ out, u64 n, u64 seed, float scale, float offset) {
+    DF_GRID_DEPENDENCY();
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         out[i] = offset + scale * uniform_pm1(seed, i);
     }
@@ -60,6 +64,7 @@ extern "C" __global__ void fill_random_f32(float* __restrict__ out, u64 n, u64 s
 
 // Random bytes (the quants of a random quantized matrix). Grid-stride over 32-bit words.
 extern "C" __global__ void fill_random_u32(u32* __restrict__ out, u64 n, u64 seed) {
+    DF_GRID_DEPENDENCY();
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         out[i] = (u32)mix64(seed * 0x9E3779B97F4A7C15ull + i);
     }
@@ -68,6 +73,7 @@ extern "C" __global__ void fill_random_u32(u32* __restrict__ out, u64 n, u64 see
 // f16 bits of offset + scale * u_i (block scales of a random quantized matrix). Grid-stride.
 extern "C" __global__ void fill_random_f16(unsigned short* __restrict__ out, u64 n, u64 seed, float scale,
                                           float offset) {
+    DF_GRID_DEPENDENCY();
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         unsigned short h;
         const float f = offset + scale * uniform_pm1(seed, i);

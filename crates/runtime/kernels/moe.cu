@@ -272,6 +272,7 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_WARPS * 32)
               u32* pick_ids, float* pick_w, u32* done, u32* __restrict__ n_active, u32* __restrict__ active_ids,
               u32* __restrict__ active_off, u32* __restrict__ pick_slot, u32* __restrict__ slot_row,
               u32* __restrict__ slot_expert, float* __restrict__ slot_w) {
+    DF_GRID_DEPENDENCY();
     extern __shared__ float4 moe_route_smem[];
     __shared__ bool is_last;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
@@ -529,6 +530,7 @@ __device__ __forceinline__ void moe_down(const W* __restrict__ down, const float
                              const u32* __restrict__ n_active, const u32* __restrict__ active_ids,          \
                              const u32* __restrict__ active_off, const u32* __restrict__ slot_row,          \
                              float* __restrict__ act, u32 h, u32 inter, u32 vec) {                          \
+        DF_GRID_DEPENDENCY();                                                                               \
         moe_gate_up<W, MAXR>(gate_up, x, n_active, active_ids, active_off, slot_row, act, h, inter, vec);   \
     }
 
@@ -543,6 +545,7 @@ MOE_GATE_UP_KERNEL(f32_r1, float, 1, 3)
                           const u32* __restrict__ n_active, const u32* __restrict__ active_ids,             \
                           const u32* __restrict__ active_off, float* __restrict__ y, u32 h, u32 inter,      \
                           u32 vec) {                                                                        \
+        DF_GRID_DEPENDENCY();                                                                               \
         moe_down<W, 4>(down, act, n_active, active_ids, active_off, y, h, inter, vec);                      \
     }
 
@@ -648,6 +651,7 @@ __device__ __forceinline__ void moe_down_combine(const W* __restrict__ down, con
                                   const float* __restrict__ slot_w, u32 slots, const float* __restrict__ shared, \
                                   const float* __restrict__ logits, u32 ld, u32 gate_col,                   \
                                   float* __restrict__ residual, u32 rows, u32 h, u32 inter, u32 vec) {      \
+        DF_GRID_DEPENDENCY();                                                                               \
         moe_down_combine<W>(down, act, slot_expert, slot_row, slot_w, slots, shared, logits, ld, gate_col,  \
                             residual, rows, h, inter, vec);                                                 \
     }
@@ -665,6 +669,7 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const u32* _
                                        const float* __restrict__ pick_w, u32 top_k,
                                        const float* __restrict__ shared, const float* __restrict__ logits, u32 ld,
                                        u32 gate_col, float* __restrict__ residual, u32 h) {
+    DF_GRID_DEPENDENCY();
     __shared__ u32 slots[MOE_MAX_TOPK];
     __shared__ float w[MOE_MAX_TOPK];
     const u64 row = blockIdx.x;

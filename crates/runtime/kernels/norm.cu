@@ -7,6 +7,7 @@
 // Memory floor: read + write hidden * 4 bytes per row (w is shared by all rows and stays in cache).
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w,
                                     float* __restrict__ out, u32 hidden, float eps) {
+    DF_GRID_DEPENDENCY();
     __shared__ float scratch[32];
     const u64 row = blockIdx.x;
     const float* xr = x + row * hidden;
@@ -31,6 +32,7 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
 extern "C" __global__ void add_rms_norm(float* __restrict__ residual, const float* __restrict__ delta,
                                         const float* __restrict__ w, float* __restrict__ out, u32 hidden,
                                         float eps) {
+    DF_GRID_DEPENDENCY();
     __shared__ float scratch[32];
     const u64 row = blockIdx.x;
     float* rr = residual + row * hidden;

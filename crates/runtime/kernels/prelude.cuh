@@ -11,6 +11,23 @@ typedef unsigned long long u64;
 #define DF_NEG_INF __int_as_float(0xff800000)
 #define DF_FULL_MASK 0xffffffffu
 
+// Programmatic dependent launch (src/cuda/launch.rs): on sm_90 and up a kernel may be launched while the one
+// before it on the stream is still running. The first statement of every kernel waits until that kernel has
+// completed and its writes are visible, then lets the next kernel launch (its blocks park at this same wait).
+// Nothing a kernel writes may be read before it (weights may: gemv.cu prefetches them). Launched without PDL, both
+// instructions return at once.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define DF_GRID_DEPENDENCY()                                          \
+    do {                                                              \
+        asm volatile("griddepcontrol.wait;" ::: "memory");            \
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); \
+    } while (0)
+#else
+#define DF_GRID_DEPENDENCY() \
+    do {                     \
+    } while (0)
+#endif
+
 // bf16 -> f32 is exact: the bf16 bits are the top half of the f32.
 __device__ __forceinline__ float bf16_to_f32(bf16_t b) { return __uint_as_float(((u32)b) << 16); }
 

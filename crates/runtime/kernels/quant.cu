@@ -280,6 +280,7 @@ __device__ __forceinline__ void mmvq(const unsigned char* __restrict__ qs, const
         NAME##_r##R(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc,                \
                     const float* __restrict__ x, u32 x_ld, u32 m, const float* __restrict__ norm_w, float eps,  \
                     float* __restrict__ y, u32 y_ld, u32 n_out, u32 k, u32 epi) {                               \
+        DF_GRID_DEPENDENCY();                                                                                   \
         mmvq<FMT, R>(qs, sc, x, x_ld, m, norm_w, eps, y, y_ld, n_out, k, epi);                                  \
     }
 
@@ -298,6 +299,7 @@ DF_MMVQ_ALL_R(mmvq_q8_0, QF_Q8_0)
 extern "C" __global__ void embedding_quant(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc,
                                            const u32* __restrict__ ids, float* __restrict__ out, u32 vocab,
                                            u32 hidden, u32 fmt) {
+    DF_GRID_DEPENDENCY();
     const u64 t = blockIdx.x;
     const u32 id = ids[t];
     float* dst = out + t * hidden;

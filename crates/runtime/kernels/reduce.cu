@@ -53,6 +53,7 @@ __device__ __forceinline__ void block_argmax(float& best, u32& idx) {
 // writes its (value, index) to part_vals / part_idxs[r * chunks + c] (index DF_NO_INDEX if all NaN).
 extern "C" __global__ void argmax_partial(const float* __restrict__ logits, float* __restrict__ part_vals,
                                           u32* __restrict__ part_idxs, u32 row_len, u32 chunk_len) {
+    DF_GRID_DEPENDENCY();
     const u64 row = blockIdx.y;
     const u32 begin = blockIdx.x * chunk_len;
     const u32 end = min(begin + chunk_len, row_len);
@@ -78,6 +79,7 @@ extern "C" __global__ void argmax_partial(const float* __restrict__ logits, floa
 // empty or all-NaN row).
 extern "C" __global__ void argmax_finish(const float* __restrict__ part_vals, const u32* __restrict__ part_idxs,
                                          u32* __restrict__ out, u32 chunks) {
+    DF_GRID_DEPENDENCY();
     const u64 base = (u64)blockIdx.x * chunks;
     float best = DF_NEG_INF;
     u32 idx = DF_NO_INDEX;

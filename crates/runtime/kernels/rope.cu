@@ -9,6 +9,7 @@
 extern "C" __global__ void rope(float* __restrict__ x, const u32* __restrict__ positions,
                                 const float* __restrict__ cos_tab, const float* __restrict__ sin_tab, u32 row_len,
                                 u32 head_dim, u32 half, u32 max_pos, u32 interleaved) {
+    DF_GRID_DEPENDENCY();
     const u64 row = blockIdx.x;
     const u32 pos = positions[row];
     float* xr = x + row * row_len;

@@ -7,10 +7,11 @@ use std::ffi::c_void;
 
 use cudarc::cublas::sys::cublasSetWorkspace_v2;
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 
 use super::compile::{self, CompileReport};
 use super::kernels::Kernels;
+use super::launch::{self, KernelLaunch};
 use super::loader::{self, ALL_LIBS};
 use super::{CudaError, Result};
 
@@ -41,6 +42,8 @@ pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     pub(crate) kernels: Kernels,
+    /// Whether our kernels are launched with programmatic dependent launch (see [`super::launch`]).
+    pdl: bool,
     blas: OnceLock<Mutex<CudaBlas>>,
     /// cuBLAS's workspace, fixed so that GEMMs can be captured into CUDA graphs (no allocation inside).
     blas_workspace: OnceLock<DeviceBuf<u8>>,
@@ -98,10 +101,12 @@ impl CudaDevice {
                 .map_err(CudaError::driver("cuDeviceGetAttribute"))?,
             nvrtc_version: compile::nvrtc_version()?,
         };
+        let pdl = launch::pdl_enabled(info.compute_capability);
         Ok(CudaDevice {
             ctx,
             stream,
             kernels,
+            pdl,
             blas: OnceLock::new(),
             blas_workspace: OnceLock::new(),
             info,
@@ -126,6 +131,17 @@ impl CudaDevice {
     /// The stream all of this device's work goes to.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// A launch of our kernel `func` on the device's stream (with PDL where the device has it).
+    pub(crate) fn launch_builder<'a>(&'a self, func: &'a CudaFunction) -> KernelLaunch<'a> {
+        KernelLaunch::new(func, &self.stream, self.pdl)
+    }
+
+    /// Whether kernels are launched with programmatic dependent launch (compute capability 9.0 and up, unless
+    /// `DFLASH_PDL=0`).
+    pub fn uses_pdl(&self) -> bool {
+        self.pdl
     }
 
     /// Waits until all work queued on the stream has finished, surfacing errors of earlier launches.

@@ -20,6 +20,7 @@ pub mod compile;
 mod device;
 mod graph;
 mod kernels;
+mod launch;
 pub mod loader;
 pub mod ops;
 mod rope_table;

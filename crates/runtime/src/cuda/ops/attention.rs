@@ -4,7 +4,7 @@
 //! Everything that changes from step to step (positions, slots, per-row key counts, tiles, block tables)
 //! is read from device memory, so a step is capturable into a CUDA graph.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 use super::{dim, launch_err, shape_err};
 use crate::cuda::device::{CudaDevice, DeviceBuf};
@@ -90,7 +90,7 @@ pub fn rope_kv_write(dev: &CudaDevice, a: RopeKvArgs) -> Result<()> {
     let interleaved = u32::from(a.rope.style == RopeStyle::Interleaved);
     let (nh, kvh, hd) = (dim(a.num_heads, "heads")?, dim(a.kv_heads, "kv_heads")?, dim(d, "head_dim")?);
     let num_slots = dim(a.k_cache.len() / kw, "slots")?;
-    let mut launch = dev.stream().launch_builder(&dev.kernels.rope_kv_write);
+    let mut launch = dev.launch_builder(&dev.kernels.rope_kv_write);
     launch
         .arg(a.qkv.arg())
         .arg(&qkv_ld)
@@ -266,7 +266,7 @@ pub fn paged_attention(dev: &CudaDevice, a: AttentionArgs, scratch: &AttentionSc
     // other 8 (more registers, so only where needed).
     let kernel =
         if d <= ATTN_SMALL_HEAD_DIM { &dev.kernels.paged_attention } else { &dev.kernels.paged_attention_d256 };
-    let mut launch = dev.stream().launch_builder(kernel);
+    let mut launch = dev.launch_builder(kernel);
     launch
         .arg(a.q.arg())
         .arg(a.k_cache.arg())
@@ -299,7 +299,7 @@ pub fn paged_attention(dev: &CudaDevice, a: AttentionArgs, scratch: &AttentionSc
     if split_keys == 0 {
         return Ok(());
     }
-    let mut merge = dev.stream().launch_builder(&dev.kernels.attn_merge_splits);
+    let mut merge = dev.launch_builder(&dev.kernels.attn_merge_splits);
     merge
         .arg(pa.arg())
         .arg(pm.arg())

@@ -5,7 +5,7 @@ use std::ffi::c_void;
 
 use cudarc::cublas::result::gemm_ex;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use half::bf16;
 
 use super::{dim, launch_cfg, launch_err, shape_err, ROW_BLOCK};
@@ -201,7 +201,7 @@ pub fn gemv_bf16_ep<'a>(
     let grid = dim(n_out.div_ceil(GEMV_ROWS_PER_BLOCK as usize), "blocks")?;
     let (n, k32, code) = (dim(n_out, "n")?, dim(k, "k")?, epi.code());
     let (norm_ptr, eps) = norm.map(|(nw, eps)| (nw.device_ptr(), eps)).unwrap_or((0, 0.0));
-    let mut launch = dev.stream().launch_builder(&dev.kernels.gemv_bf16_ep);
+    let mut launch = dev.launch_builder(&dev.kernels.gemv_bf16_ep);
     launch.arg(w.arg()).arg(x.arg()).arg(y.arg()).arg(&n).arg(&k32).arg(&code).arg(&norm_ptr).arg(&eps);
     let smem = if norm.is_some() { dim(4 * k, "shared memory")? } else { 0 };
     let cfg =
@@ -252,7 +252,7 @@ pub fn gemm_bf16_small<'a>(
     let tile = SMALL_GEMM_TILES.iter().position(|&t| 8 * t >= m).unwrap_or(SMALL_GEMM_TILES.len() - 1);
     let grid = dim(n_out.div_ceil(SMALL_GEMM_COLS_PER_BLOCK as usize), "blocks")?;
     let (n, k32, m32, ld, code) = (dim(n_out, "n")?, dim(k, "k")?, dim(m, "m")?, dim(y_ld, "ld")?, epi.code());
-    let mut launch = dev.stream().launch_builder(&dev.kernels.gemm_bf16_small[tile]);
+    let mut launch = dev.launch_builder(&dev.kernels.gemm_bf16_small[tile]);
     launch.arg(w.arg()).arg(x.arg()).arg(y.arg()).arg(&n).arg(&k32).arg(&m32).arg(&ld).arg(&code);
     let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (8 * 32, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: the arguments match the kernel's signature and the shapes were checked: k % 8 == 0 keeps every
@@ -291,7 +291,7 @@ pub fn gather_rms_norm<'a>(
         return Ok(());
     }
     let (grid, x_rows, hidden) = (dim(rows.len(), "rows")?, dim(x.len() / h, "x rows")?, dim(h, "hidden")?);
-    let mut launch = dev.stream().launch_builder(&dev.kernels.gather_rms_norm);
+    let mut launch = dev.launch_builder(&dev.kernels.gather_rms_norm);
     launch.arg(x.arg()).arg(&x_rows).arg(rows.arg()).arg(w.arg()).arg(out.arg()).arg(&hidden).arg(&eps);
     // SAFETY: the arguments match the kernel's signature; the shapes were checked and the kernel checks
     // each row index against x_rows.
@@ -330,7 +330,7 @@ pub fn copy_columns<'a>(
     let grid = dim(src.len().div_ceil(ROW_BLOCK as usize).min(1 << 14), "blocks")?;
     let (rows, width, dst_ld, col) =
         (dim(rows, "rows")?, dim(width, "width")?, dim(dst_ld, "dst_ld")?, dim(col, "col")?);
-    let mut launch = dev.stream().launch_builder(&dev.kernels.copy_columns);
+    let mut launch = dev.launch_builder(&dev.kernels.copy_columns);
     launch.arg(src.arg()).arg(dst.arg()).arg(&rows).arg(&width).arg(&dst_ld).arg(&col);
     // SAFETY: the arguments match the kernel's signature; the shapes were checked.
     unsafe { launch.launch(launch_cfg((grid, 1, 1), ROW_BLOCK)) }.map_err(launch_err("copy_columns"))?;
@@ -356,7 +356,7 @@ pub fn fill_random_bf16<'a>(
 ) -> Result<()> {
     let out = out.dev();
     let n = out.len() as u64;
-    let mut launch = dev.stream().launch_builder(&dev.kernels.fill_random_bf16);
+    let mut launch = dev.launch_builder(&dev.kernels.fill_random_bf16);
     launch.arg(out.arg()).arg(&n).arg(&seed).arg(&scale).arg(&offset);
     // SAFETY: the kernel writes the `n` elements of `out`.
     unsafe { launch.launch(launch_cfg((fill_grid(out.len())?, 1, 1), ROW_BLOCK)) }
@@ -377,7 +377,7 @@ pub fn fill_random_f32<'a>(
 ) -> Result<()> {
     let out = out.dev();
     let n = out.len() as u64;
-    let mut launch = dev.stream().launch_builder(&dev.kernels.fill_random_f32);
+    let mut launch = dev.launch_builder(&dev.kernels.fill_random_f32);
     launch.arg(out.arg()).arg(&n).arg(&seed).arg(&scale).arg(&offset);
     // SAFETY: the kernel writes the `n` elements of `out`.
     unsafe { launch.launch(launch_cfg((fill_grid(out.len())?, 1, 1), ROW_BLOCK)) }
@@ -392,7 +392,7 @@ pub fn fill_random_f32<'a>(
 pub fn fill_random_u32<'a>(dev: &CudaDevice, out: impl DevArg<'a, u32>, seed: u64) -> Result<()> {
     let out = out.dev();
     let n = out.len() as u64;
-    let mut launch = dev.stream().launch_builder(&dev.kernels.fill_random_u32);
+    let mut launch = dev.launch_builder(&dev.kernels.fill_random_u32);
     launch.arg(out.arg()).arg(&n).arg(&seed);
     // SAFETY: the kernel writes the `n` elements of `out`.
     unsafe { launch.launch(launch_cfg((fill_grid(out.len())?, 1, 1), ROW_BLOCK)) }
@@ -413,7 +413,7 @@ pub fn fill_random_f16<'a>(
 ) -> Result<()> {
     let out = out.dev();
     let n = out.len() as u64;
-    let mut launch = dev.stream().launch_builder(&dev.kernels.fill_random_f16);
+    let mut launch = dev.launch_builder(&dev.kernels.fill_random_f16);
     launch.arg(out.arg()).arg(&n).arg(&seed).arg(&scale).arg(&offset);
     // SAFETY: the kernel writes the `n` elements of `out`.
     unsafe { launch.launch(launch_cfg((fill_grid(out.len())?, 1, 1), ROW_BLOCK)) }

@@ -8,7 +8,7 @@
 //! layer (grid z = layers × seqs). The caller guarantees what the device cannot check: every run's rows lie
 //! within `rows`, its slot within the state buffer.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 use super::{dim, launch_err, rows_of, shape_err};
 use crate::cuda::device::CudaDevice;
@@ -105,7 +105,7 @@ pub fn gdn_conv(dev: &CudaDevice, a: GdnConvArgs) -> Result<()> {
     let (seqs32, c32, k32) = (dim(seqs, "seqs")?, dim(c, "channels")?, dim(k, "kernel")?);
     let w_ptr = a.w.map(|w| w.device_ptr()).unwrap_or(0);
     let out_ptr = a.out.map(|o| o.device_ptr()).unwrap_or(0);
-    let mut launch = dev.stream().launch_builder(&dev.kernels.gdn_conv);
+    let mut launch = dev.launch_builder(&dev.kernels.gdn_conv);
     launch.arg(a.x.arg()).arg(&x_ld).arg(&x_layer).arg(&w_ptr).arg(a.state.state.arg()).arg(&state_layer);
     launch.arg(&slot_stride).arg(a.runs.runs.arg()).arg(&seqs32).arg(&c32).arg(&k32).arg(&out_ptr);
     let cfg = LaunchConfig { grid_dim: grid, block_dim: (CONV_BLOCK, 1, 1), shared_mem_bytes: 0 };
@@ -157,7 +157,7 @@ pub fn gdn_prep(dev: &CudaDevice, a: GdnPrepArgs) -> Result<()> {
     }
     let (c32, kd, dk32, ba_ld, hv32) =
         (dim(c, "c")?, dim(hk * dk, "kd")?, dim(dk, "dk")?, dim(a.ba_ld, "ba")?, dim(hv, "hv")?);
-    let mut launch = dev.stream().launch_builder(&dev.kernels.gdn_prep);
+    let mut launch = dev.launch_builder(&dev.kernels.gdn_prep);
     launch.arg(a.qkv.arg()).arg(&c32).arg(&kd).arg(&dk32).arg(a.ba.arg()).arg(&ba_ld);
     launch.arg(a.neg_a.arg()).arg(a.dt_bias.arg()).arg(&hv32).arg(a.gb.arg());
     let cfg = LaunchConfig {
@@ -225,7 +225,7 @@ pub fn gdn_rule(dev: &CudaDevice, a: GdnRuleArgs) -> Result<()> {
         (a.state.layer_stride as u64, a.state.slot_stride as u64, dim(seqs, "seqs")?);
     let (hk32, hv32, dk32, dv32) = (dim(hk, "hk")?, dim(hv, "hv")?, dim(dk, "dk")?, dim(dv, "dv")?);
     let out_ptr = a.out.map(|o| o.device_ptr()).unwrap_or(0);
-    let mut launch = dev.stream().launch_builder(&dev.kernels.gdn_rule);
+    let mut launch = dev.launch_builder(&dev.kernels.gdn_rule);
     launch.arg(a.qkv.arg()).arg(&c32).arg(&qkv_layer).arg(a.gb.arg()).arg(&gb_layer).arg(a.state.state.arg());
     launch.arg(&state_layer).arg(&slot_stride).arg(a.runs.runs.arg()).arg(&seqs32);
     launch.arg(&hk32).arg(&hv32).arg(&dk32).arg(&dv32).arg(&out_ptr);
@@ -258,7 +258,7 @@ pub fn gdn_gated_norm<'a>(
         return Err(shape_err(format!("gdn_gated_norm: {rows} rows, z {} at ld {z_ld}", z.len())));
     }
     let (z_ld32, hv32, dv32) = (dim(z_ld, "z_ld")?, dim(v_heads, "hv")?, dim(dv, "dv")?);
-    let mut launch = dev.stream().launch_builder(&dev.kernels.gdn_gated_norm);
+    let mut launch = dev.launch_builder(&dev.kernels.gdn_gated_norm);
     launch.arg(core.arg()).arg(z.arg()).arg(&z_ld32).arg(w.arg()).arg(&hv32).arg(&dv32).arg(&eps);
     let cfg = LaunchConfig { grid_dim: (dim(rows, "rows")?, hv32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: the arguments match the kernel's signature; the shapes were checked above.
@@ -285,7 +285,7 @@ pub fn sigmoid_gate_mul<'a>(
         return Err(shape_err(format!("sigmoid_gate_mul: {rows} rows of {n}, gate {} at ld {gate_ld}", gate.len())));
     }
     let (ld, n32, rows32) = (dim(gate_ld, "gate_ld")?, dim(n, "n")?, dim(rows, "rows")?);
-    let mut launch = dev.stream().launch_builder(&dev.kernels.sigmoid_gate_mul);
+    let mut launch = dev.launch_builder(&dev.kernels.sigmoid_gate_mul);
     launch.arg(x.arg()).arg(gate.arg()).arg(&ld).arg(&n32).arg(&rows32);
     let cfg = LaunchConfig {
         grid_dim: (dim(x.len().div_ceil(256), "blocks")?, 1, 1),

@@ -1,7 +1,6 @@
 //! `y = x · Wᵀ` with bf16 weights and f32 activations: our GEMV for a few rows, cuBLAS for more. Twin of
 //! [`crate::ops::matmul`] for bf16 weights.
 
-use cudarc::driver::PushKernelArg;
 use half::bf16;
 
 use super::fused::{gemm, GemmArgs};
@@ -45,7 +44,7 @@ pub fn gemv_bf16<'a>(
     let grid = dim(n.div_ceil(GEMV_ROWS_PER_BLOCK as usize), "blocks")?;
     let (n, k) = (dim(n, "n")?, dim(k, "k")?);
     let kernel = &dev.kernels.gemv[m - 1];
-    let mut launch = dev.stream().launch_builder(kernel);
+    let mut launch = dev.launch_builder(kernel);
     launch.arg(w.arg()).arg(x.arg()).arg(y.arg()).arg(&n).arg(&k);
     // SAFETY: the arguments match the kernel's signature and the shapes were checked; the kernel uses
     // 16-byte loads only when k is a multiple of 8, where rows of both operands are 16-byte aligned
@@ -118,7 +117,7 @@ pub(crate) fn launch_f32_to_bf16(dev: &CudaDevice, x: DevSlice<f32>, out: DevSli
     // Enough blocks to fill the GPU; the kernel loops over the rest.
     let grid = dim(n.div_ceil(ROW_BLOCK as usize).min(1 << 16), "blocks")?;
     let n = n as u64;
-    let mut launch = dev.stream().launch_builder(&dev.kernels.f32_to_bf16);
+    let mut launch = dev.launch_builder(&dev.kernels.f32_to_bf16);
     launch.arg(x.arg()).arg(out.arg()).arg(&n);
     // SAFETY: the arguments match the kernel's signature; both buffers hold at least `n` elements.
     unsafe { launch.launch(launch_cfg((grid, 1, 1), ROW_BLOCK)) }.map_err(launch_err("f32_to_bf16"))?;

@@ -33,7 +33,7 @@ pub use matmul::{gemm_bf16, gemv_bf16, matmul_bf16};
 pub use moe::{moe_forward, ExpertWeights, MoeArgs, MoeScratch, MOE_SMALL_BATCH};
 pub use quant::{embedding_quant, mmvq, mmvq_smem_bytes, MmvqArgs, QuantFormat, QuantMatrix};
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use half::bf16;
 
 use super::device::CudaDevice;
@@ -93,7 +93,7 @@ pub fn embedding_f32<'a>(
         return Ok(());
     }
     let (grid, vocab, hidden) = (dim(ids.len(), "ids")?, dim(vocab, "vocab")?, dim(hidden, "hidden")?);
-    let mut launch = dev.stream().launch_builder(&dev.kernels.embedding_f32);
+    let mut launch = dev.launch_builder(&dev.kernels.embedding_f32);
     launch.arg(table.arg()).arg(ids.arg()).arg(out.arg()).arg(&vocab).arg(&hidden);
     // SAFETY: the arguments match the kernel's signature; the shapes were checked above.
     unsafe { launch.launch(launch_cfg((grid, 1, 1), ROW_BLOCK)) }.map_err(launch_err("embedding_f32"))?;
@@ -116,7 +116,7 @@ pub fn embedding_bf16<'a>(
         return Ok(());
     }
     let (grid, vocab, hidden) = (dim(ids.len(), "ids")?, dim(vocab, "vocab")?, dim(hidden, "hidden")?);
-    let mut launch = dev.stream().launch_builder(&dev.kernels.embedding_bf16);
+    let mut launch = dev.launch_builder(&dev.kernels.embedding_bf16);
     launch.arg(table.arg()).arg(ids.arg()).arg(out.arg()).arg(&vocab).arg(&hidden);
     // SAFETY: as in `embedding_f32`.
     unsafe { launch.launch(launch_cfg((grid, 1, 1), ROW_BLOCK)) }.map_err(launch_err("embedding_bf16"))?;
@@ -161,7 +161,7 @@ pub fn rms_norm<'a>(
         return Ok(());
     }
     let (grid, hidden) = (dim(rows, "rows")?, dim(w.len(), "hidden")?);
-    let mut launch = dev.stream().launch_builder(&dev.kernels.rms_norm);
+    let mut launch = dev.launch_builder(&dev.kernels.rms_norm);
     launch.arg(x.arg()).arg(w.arg()).arg(out.arg()).arg(&hidden).arg(&eps);
     // SAFETY: the arguments match the kernel's signature; the shapes were checked above.
     unsafe { launch.launch(launch_cfg((grid, 1, 1), NORM_BLOCK)) }.map_err(launch_err("rms_norm"))?;
@@ -196,7 +196,7 @@ pub fn add_rms_norm<'a>(
         return Ok(());
     }
     let (grid, hidden) = (dim(rows, "rows")?, dim(w.len(), "hidden")?);
-    let mut launch = dev.stream().launch_builder(&dev.kernels.add_rms_norm);
+    let mut launch = dev.launch_builder(&dev.kernels.add_rms_norm);
     launch.arg(residual.arg()).arg(delta.arg()).arg(w.arg()).arg(out.arg()).arg(&hidden).arg(&eps);
     // SAFETY: the arguments match the kernel's signature; the shapes were checked above.
     unsafe { launch.launch(launch_cfg((grid, 1, 1), ROW_BLOCK)) }.map_err(launch_err("add_rms_norm"))?;
@@ -235,7 +235,7 @@ pub fn rope<'a>(
     let (row_len, head_dim) = (dim(row_len, "row_len")?, dim(head_dim, "head_dim")?);
     let (half, max_pos) = (dim(table.pairs, "pairs")?, dim(table.max_positions, "max_positions")?);
     let interleaved = u32::from(table.style == RopeStyle::Interleaved);
-    let mut launch = dev.stream().launch_builder(&dev.kernels.rope);
+    let mut launch = dev.launch_builder(&dev.kernels.rope);
     let (cos, sin) = (table.cos.view(), table.sin.view());
     launch
         .arg(x.arg())
@@ -277,7 +277,7 @@ pub fn swiglu_fused<'a>(
     }
     let grid = (dim(inter.div_ceil(ROW_BLOCK as usize), "inter")?, dim(rows, "rows")?.min(MAX_GRID_Y), 1);
     let (rows, inter) = (dim(rows, "rows")?, dim(inter, "inter")?);
-    let mut launch = dev.stream().launch_builder(&dev.kernels.swiglu_fused);
+    let mut launch = dev.launch_builder(&dev.kernels.swiglu_fused);
     launch.arg(gate_up.arg()).arg(out.arg()).arg(&rows).arg(&inter);
     // SAFETY: the arguments match the kernel's signature; the shapes were checked above.
     unsafe { launch.launch(launch_cfg(grid, ROW_BLOCK)) }.map_err(launch_err("swiglu_fused"))?;
@@ -349,11 +349,11 @@ pub fn argmax_rows<'a>(
     let grid = (dim(chunks, "chunks")?, dim(rows, "rows")?, 1);
     let (row_len, chunk_len, chunks) = (dim(row_len, "row_len")?, ARGMAX_CHUNK as u32, dim(chunks, "chunks")?);
     let (vals, idxs) = (scratch.vals.view(), scratch.idxs.view());
-    let mut partial = dev.stream().launch_builder(&dev.kernels.argmax_partial);
+    let mut partial = dev.launch_builder(&dev.kernels.argmax_partial);
     partial.arg(logits.arg()).arg(vals.arg()).arg(idxs.arg()).arg(&row_len).arg(&chunk_len);
     // SAFETY: the arguments match the kernel's signature; the shapes and the scratch size were checked.
     unsafe { partial.launch(launch_cfg(grid, ROW_BLOCK)) }.map_err(launch_err("argmax_partial"))?;
-    let mut finish = dev.stream().launch_builder(&dev.kernels.argmax_finish);
+    let mut finish = dev.launch_builder(&dev.kernels.argmax_finish);
     finish.arg(vals.arg()).arg(idxs.arg()).arg(out.arg()).arg(&chunks);
     // SAFETY: as above; the first pass wrote `rows * chunks` partials.
     unsafe { finish.launch(launch_cfg((grid.1, 1, 1), ROW_BLOCK)) }.map_err(launch_err("argmax_finish"))?;

@@ -6,7 +6,7 @@
 //! capacities (rows, `rows · top_k` (row, expert) pairs), never from the routing, which stays on the device:
 //! a step is capturable into a CUDA graph and nothing is read back to the host.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use half::bf16;
 
 use super::{dim, launch_cfg, launch_err, shape_err, ROW_BLOCK};
@@ -236,7 +236,7 @@ pub fn moe_forward(dev: &CudaDevice, a: MoeArgs, scratch: &MoeScratch) -> Result
     let route_grid = dim(t.div_ceil(route_warps), "route blocks")?;
     let norm = u32::from(a.norm_topk);
     let done = scratch.done.view();
-    let mut launch = dev.stream().launch_builder(&dev.kernels.moe_route);
+    let mut launch = dev.launch_builder(&dev.kernels.moe_route);
     launch
         .arg(a.logits.arg())
         .arg(&rows)
@@ -276,7 +276,7 @@ pub fn moe_forward(dev: &CudaDevice, a: MoeArgs, scratch: &MoeScratch) -> Result
     // Small batches take the one-row-per-load variant (fewer registers, more resident blocks); a row's
     // arithmetic, and so its bits, are the same in both.
     let gate_up_fn = &dev.kernels.moe_gate_up[2 * usize::from(f32_weights) + usize::from(small)];
-    let mut launch = dev.stream().launch_builder(gate_up_fn);
+    let mut launch = dev.launch_builder(gate_up_fn);
     launch
         .arg(&gu_ptr)
         .arg(a.x.arg())
@@ -295,7 +295,7 @@ pub fn moe_forward(dev: &CudaDevice, a: MoeArgs, scratch: &MoeScratch) -> Result
 
     if small {
         // 3. down + combine, a warp per output column over every slot.
-        let mut launch = dev.stream().launch_builder(&dev.kernels.moe_down_combine[usize::from(f32_weights)]);
+        let mut launch = dev.launch_builder(&dev.kernels.moe_down_combine[usize::from(f32_weights)]);
         launch
             .arg(&down_ptr)
             .arg(act.arg())
@@ -321,7 +321,7 @@ pub fn moe_forward(dev: &CudaDevice, a: MoeArgs, scratch: &MoeScratch) -> Result
     }
 
     // 3. down over (column tile, active expert) into y.
-    let mut launch = dev.stream().launch_builder(&dev.kernels.moe_down[usize::from(f32_weights)]);
+    let mut launch = dev.launch_builder(&dev.kernels.moe_down[usize::from(f32_weights)]);
     launch
         .arg(&down_ptr)
         .arg(act.arg())
@@ -338,7 +338,7 @@ pub fn moe_forward(dev: &CudaDevice, a: MoeArgs, scratch: &MoeScratch) -> Result
 
     // 4. Combine: thread per output column, the weighted sum in expert order, the shared expert, the residual
     // add.
-    let mut launch = dev.stream().launch_builder(&dev.kernels.moe_combine);
+    let mut launch = dev.launch_builder(&dev.kernels.moe_combine);
     launch
         .arg(y.arg())
         .arg(pick_slot.arg())

@@ -4,8 +4,6 @@
 //! Blocks are kept quantized, repacked at upload into two arrays so that every load in the kernel is
 //! aligned (quant.cu describes the layout): the same bytes as the file, minus nothing, plus nothing.
 
-use cudarc::driver::PushKernelArg;
-
 use super::fused::{fill_random_f16, fill_random_u32, Epilogue};
 use super::{dim, launch_err, shape_err, ROW_BLOCK};
 use crate::cuda::device::{CudaDevice, DeviceBuf};
@@ -214,7 +212,7 @@ pub fn mmvq(dev: &CudaDevice, w: &QuantMatrix, a: MmvqArgs) -> Result<()> {
     let (x_ld, m, y_ld, n_out32, k32) =
         (dim(a.x_ld, "x_ld")?, dim(a.m, "m")?, dim(a.y_ld, "y_ld")?, dim(n_out, "n")?, dim(k, "k")?);
     let epi = a.epi.code();
-    let mut launch = dev.stream().launch_builder(kernel);
+    let mut launch = dev.launch_builder(kernel);
     launch
         .arg(qs.arg())
         .arg(sc.arg())
@@ -262,7 +260,7 @@ pub fn embedding_quant<'a>(
     let (qs, sc) = (table.qs.view(), table.scales.view());
     let (grid, vocab, hidden) = (dim(ids.len(), "ids")?, dim(table.n, "vocab")?, dim(table.k, "hidden")?);
     let fmt = table.format.code() as u32;
-    let mut launch = dev.stream().launch_builder(&dev.kernels.embedding_quant);
+    let mut launch = dev.launch_builder(&dev.kernels.embedding_quant);
     launch.arg(qs.arg()).arg(sc.arg()).arg(ids.arg()).arg(out.arg()).arg(&vocab).arg(&hidden).arg(&fmt);
     // SAFETY: the arguments match the kernel's signature; the shapes were checked; ids are checked in the
     // kernel against vocab.
