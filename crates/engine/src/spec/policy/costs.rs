@@ -3,13 +3,14 @@
 //! One table per engine (one target on one device), shared by every lane. Each context bucket models a step as
 //! `level x shape[rows]`: the level is how fast the machine runs right now (ms of a one-row step), the shape how
 //! much each extra verify row adds relative to it. A start-up probe gives the first shape (ms for 1..B rows at a
-//! short context). Every measured step then moves the level quickly and its own width's shape cell slowly, both
-//! with clamped moving averages: a shared machine that slows down for a while slows every width alike, and one
-//! stalled step must not rewrite the table. A width seen for the first few times next to settled ones learns only
-//! its own shape: the level is what the settled widths say. A bucket nobody has measured yet borrows the nearest
-//! measured one below it. The table also keeps, per lane kind (`pld`, `dflash2`, ...), what drafting costs and
-//! how often its drafts are typically accepted by position: properties of the drafter on this target and device
-//! like the verify costs, so a new sequence's lane knows them from its first round.
+//! short context). The bucket's most measured width (its anchor) moves the level quickly; every other width
+//! learns its own shape cell slowly against that level. Both are clamped moving averages: a shared machine that
+//! slows down for a while slows every width alike, and one stalled step must not rewrite the table. A width's
+//! first few rounds price it by their middle one, so one slow round among them does not price it out. A bucket
+//! nobody has measured yet borrows the nearest measured one below it. The table also keeps, per lane kind (`pld`,
+//! `dflash2`, ...), what drafting costs and how often its drafts are typically accepted by position: properties
+//! of the drafter on this target and device like the verify costs, so a new sequence's lane knows them from its
+//! first round.
 
 use std::fmt::Write;
 
@@ -21,9 +22,9 @@ pub const CONTEXT_BUCKETS: [usize; 5] = [1024, 4096, 16384, 65536, usize::MAX];
 /// Weight of a new measurement in the level, and in a width's shape, once settled.
 const LEVEL_WEIGHT: f64 = 0.2;
 const SHAPE_WEIGHT: f64 = 0.05;
-/// Measurements a bucket's level (and a width's shape) take as a running mean, with a wide clamp, before the
-/// moving averages take over.
-const YOUNG_SAMPLES: u64 = 4;
+/// Measurements the level takes as a running mean (a width's shape: the middle of them), with a wide clamp,
+/// before the moving averages take over.
+const YOUNG_SAMPLES: usize = 4;
 /// A measurement is clamped to these factors of what the table expected (young, settled).
 const YOUNG_CLAMP: (f64, f64) = (0.5, 2.0);
 const SETTLED_CLAMP: (f64, f64) = (0.8, 1.25);
@@ -65,13 +66,17 @@ struct Bucket {
     shape: Vec<f64>,
     /// Measured steps by rows.
     samples: Vec<u64>,
+    /// The first measurements of each width, relative to the level (those below `samples[r]` are set).
+    young: Vec<[f64; YOUNG_SAMPLES]>,
 }
 
 impl Bucket {
     /// A bucket following the curve `ms_by_rows` (at least one positive entry).
     fn from_curve(ms_by_rows: &[f64]) -> Self {
         let level = ms_by_rows[0].max(MIN_MS);
-        Bucket { level, shape: ms_by_rows.iter().map(|m| m / level).collect(), samples: vec![0; ms_by_rows.len()] }
+        let rows = ms_by_rows.len();
+        let shape = ms_by_rows.iter().map(|m| m / level).collect();
+        Bucket { level, shape, samples: vec![0; rows], young: vec![[0.0; YOUNG_SAMPLES]; rows] }
     }
 
     fn cost(&self, r: usize) -> f64 {
@@ -80,17 +85,32 @@ impl Bucket {
 
     fn observe(&mut self, r: usize, ms: f64) {
         let n = self.samples[r];
-        // A width still young next to settled ones learns its shape against the level they keep. Moving the level
-        // too would spread its error (the start curve's guess for it, off at long contexts) over every width: a
-        // lane settling on 3 rows would price 4 rows by 3's error and never try them.
-        let settled = |samples: u64| samples >= YOUNG_SAMPLES;
-        if settled(n) || !self.samples.iter().copied().any(settled) {
-            let total: u64 = self.samples.iter().sum();
-            let implied = ms / self.shape[r].max(MIN_MS);
-            self.level = blend(self.level, implied, total, LEVEL_WEIGHT);
-        }
-        self.shape[r] = blend(self.shape[r], ms / self.level, n, SHAPE_WEIGHT);
         self.samples[r] = n + 1;
+        // The bucket's most measured width (the anchor) moves the level and keeps its shape; every other width
+        // learns its shape against that level. Were a width's shape error, while it learns, let into the level,
+        // it would reach every width's price: a lane running 3 rows priced 5% low would see 4 rows 5% dear and
+        // keep choosing 3.
+        let young = usize::try_from(n).ok().filter(|&i| i < YOUNG_SAMPLES);
+        if self.samples.iter().all(|&s| s <= n + 1) {
+            self.level = blend(self.level, ms / self.shape[r].max(MIN_MS), n, LEVEL_WEIGHT);
+            if let Some(i) = young {
+                self.young[r][i] = self.shape[r];
+            }
+            return;
+        }
+        let relative = ms / self.level;
+        self.shape[r] = match young {
+            // A young width is priced by the middle of its first rounds (the lower one of an even count): one
+            // slow round among them (a stall) would lift a mean for good, and a lane would stop trying the width.
+            Some(i) => {
+                let (lo, hi) = YOUNG_CLAMP;
+                self.young[r][i] = relative.clamp(self.shape[r] * lo, self.shape[r] * hi);
+                let mut first = self.young[r];
+                first[..=i].sort_by(f64::total_cmp);
+                first[i / 2]
+            }
+            None => blend(self.shape[r], relative, n, SHAPE_WEIGHT),
+        };
     }
 }
 
@@ -98,7 +118,7 @@ impl Bucket {
 /// moving average of weight `settled`.
 fn blend(current: f64, x: f64, n: u64, settled: f64) -> f64 {
     let ((lo, hi), weight) =
-        if n < YOUNG_SAMPLES { (YOUNG_CLAMP, 1.0 / (n + 1) as f64) } else { (SETTLED_CLAMP, settled) };
+        if n < YOUNG_SAMPLES as u64 { (YOUNG_CLAMP, 1.0 / (n + 1) as f64) } else { (SETTLED_CLAMP, settled) };
     current + weight * (x.clamp(current * lo, current * hi) - current)
 }
 
@@ -386,6 +406,46 @@ mod tests {
             let cost = t.cost(32768, rows);
             assert!((cost / ms - 1.0).abs() < 0.02, "{rows} rows: {cost} ms, measured {ms}");
         }
+    }
+
+    #[test]
+    fn a_young_width_is_priced_by_the_middle_of_its_first_rounds() {
+        // Widths 1 and 4 settled; 3 rows then run a stalled round and three ordinary ones.
+        let mut t = CostTable::new(4);
+        t.seed(&[2.0, 2.8, 3.4, 4.0]);
+        for _ in 0..20 {
+            t.observe(0, 1, 2.0);
+            t.observe(0, 4, 4.1);
+        }
+        for ms in [6.0, 3.5, 3.4, 3.6] {
+            t.observe(0, 3, ms);
+        }
+        let three = t.cost(0, 3);
+        assert!((three - 3.5).abs() < 0.02, "3 rows priced {three} ms, their middle round 3.5");
+        // Settled, it follows the spread of its rounds again.
+        for _ in 0..100 {
+            t.observe(0, 3, 3.8);
+        }
+        assert!((t.cost(0, 3) - 3.8).abs() < 0.05, "{}", t.cost(0, 3));
+    }
+
+    #[test]
+    fn a_width_in_use_leaves_the_price_of_the_others_alone() {
+        // The probe guessed 3 rows low and their first rounds ran fast; a lane then runs nothing but 3 rows.
+        let mut t = CostTable::new(4);
+        t.seed(&[2.0, 2.8, 3.0, 4.0]);
+        for _ in 0..100 {
+            t.observe(0, 1, 2.0);
+        }
+        for _ in 0..40 {
+            t.observe(0, 4, 4.1);
+        }
+        for ms in [3.2, 3.3, 3.3, 3.4].into_iter().chain([3.5; 60]) {
+            t.observe(0, 3, ms);
+        }
+        let (three, four) = (t.cost(0, 3), t.cost(0, 4));
+        assert!((three / 3.5 - 1.0).abs() < 0.02, "3 rows priced {three} ms, measured 3.5");
+        assert!((four / 4.1 - 1.0).abs() < 0.01, "4 rows priced {four} ms, measured 4.1 before");
     }
 
     #[test]
