@@ -315,11 +315,10 @@ __device__ __forceinline__ void gemm_bf16_small(const bf16_t* __restrict__ w, co
 // Before the grid dependency wait: start pulling this block's first pass of weights (k-blocks 0..15 of its 16
 // rows, 32 with SwiGLU) into L2. No kernel writes weights, so they may be read while the kernel before this one
 // (launched with PDL) is still finishing; the first loads after the wait then hit L2 instead of waiting on DRAM.
-template <bool SWIGLU>
-__device__ __forceinline__ void tc_prefetch_first_pass(const bf16_t* __restrict__ w, u32 n_out, u32 k) {
+__device__ __forceinline__ void tc_prefetch_first_pass(const bf16_t* __restrict__ w, u32 n_out, u32 k, u32 epi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    constexpr u32 P = SWIGLU ? 2u : 1u;
-    if (threadIdx.x >= P * 16u) return;
+    const u32 parts = epi == EPI_SWIGLU ? 2u : 1u;
+    if (threadIdx.x >= parts * 16u) return;
     const u32 p = threadIdx.x / 16u, col = blockIdx.x * 16u + threadIdx.x % 16u;
     if (col >= n_out) return;
     const u32 bytes = min(k, 2u * TC_WARPS * TC_KB) * 2u;  // k % 8 == 0: a multiple of 16 bytes
@@ -332,11 +331,7 @@ __device__ __forceinline__ void tc_prefetch_first_pass(const bf16_t* __restrict_
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2)                                              \
         gemm_bf16_small_t##T(const bf16_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, \
                              u32 n_out, u32 k, u32 m, u32 y_ld, u32 epi) {                                      \
-        if (epi == EPI_SWIGLU) {                                                                                \
-            tc_prefetch_first_pass<true>(w, n_out, k);                                                          \
-        } else {                                                                                                \
-            tc_prefetch_first_pass<false>(w, n_out, k);                                                         \
-        }                                                                                                       \
+        tc_prefetch_first_pass(w, n_out, k, epi);                                                               \
         DF_GRID_DEPENDENCY();                                                                                   \
         if (epi == EPI_SWIGLU) {                                                                                \
             gemm_bf16_small<T, true>(w, x, y, n_out, k, m, y_ld, epi);                                          \

@@ -127,8 +127,14 @@ impl Engine {
         if decode_only && !items.is_empty() {
             let rows = items.iter().map(|i| i.rows).max().unwrap_or(1);
             let context = items.iter().map(|i| self.sched.running[i.seq].len()).max().unwrap_or(0);
-            let generated = items.iter().map(|i| self.sched.running[i.seq].generated()).max().unwrap_or(0);
-            tracing::debug!(target: "dflash::rounds", rows, context, generated, step_ms, "round timed");
+            tracing::debug!(
+                target: "dflash::rounds",
+                rows,
+                context,
+                generated = items.iter().map(|i| self.sched.running[i.seq].generated()).max().unwrap_or(0),
+                step_ms,
+                "round timed"
+            );
             let mut costs = self.round_costs.lock();
             costs.observe(context, rows, step_ms);
             self.metrics.publish_round_costs(&costs);

@@ -13,7 +13,6 @@
 //! `DFLASH_PDL=0` launches everything the ordinary way, for side-by-side measurements.
 
 use std::ffi::c_void;
-use std::marker::PhantomData;
 use std::ptr;
 
 use cudarc::driver::{sys, CudaFunction, CudaStream, DeviceRepr, DriverError, LaunchConfig};
@@ -31,12 +30,11 @@ pub struct KernelLaunch<'a> {
     stream: &'a CudaStream,
     pdl: bool,
     args: Vec<*mut c_void>,
-    _args: PhantomData<&'a ()>,
 }
 
 impl<'a> KernelLaunch<'a> {
     pub(crate) fn new(func: &'a CudaFunction, stream: &'a CudaStream, pdl: bool) -> Self {
-        KernelLaunch { func, stream, pdl, args: Vec::with_capacity(16), _args: PhantomData }
+        KernelLaunch { func, stream, pdl, args: Vec::with_capacity(16) }
     }
 
     /// Appends the next kernel argument; the value must match the kernel's parameter type.

@@ -104,9 +104,10 @@ mod gpu {
         let dev = Arc::new(CudaDevice::new(a.device)?);
         let info = dev.info().clone();
         println!(
-            "device {} ({} SMs), opened in {:.0} ms",
+            "device {} ({} SMs, programmatic dependent launch {}), opened in {:.0} ms",
             info.name,
             info.multiprocessors,
+            if dev.uses_pdl() { "on" } else { "off" },
             t0.elapsed().as_secs_f64() * 1e3
         );
         for shape in &a.shapes {
