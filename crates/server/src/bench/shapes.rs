@@ -3,10 +3,11 @@
 //! tied Q8_0 embedding, as the default GGUF; Qwen3-0.6B, Qwen3-8B and Llama-3-8B shapes in bf16), plus a GGUF
 //! file if given.
 //!
-//! Per model: one sequence with a 128-token prompt (prefill timed), then `--steps` greedy decode steps (each one
-//! forward: inputs in, graph replay, ids out, one synchronisation), then steps of 1..16 sequences and verify steps
-//! of 1..16 rows. Every step is timed on the host clock (it ends with a synchronisation); medians are printed with
-//! the bytes a step must read (weights + KV) and the ratio of the floor (those bytes at 4.3 TB/s) to the time.
+//! Per model: one sequence with a 128-token prompt (`--prompt`; prefill timed), then `--steps` greedy decode steps
+//! (each one forward: inputs in, graph replay, ids out, one synchronisation), then steps of 1..16 sequences and
+//! verify steps of 1..16 rows. Every step is timed on the host clock (it ends with a synchronisation); medians are
+//! printed with the bytes a step must read (weights + KV) and the ratio of the floor (those bytes at 4.3 TB/s) to
+//! the time.
 
 use anyhow::Result;
 use clap::Args;
@@ -23,6 +24,10 @@ pub struct ShapesArgs {
     /// Greedy decode steps of the single sequence.
     #[arg(long, default_value_t = 256)]
     pub steps: usize,
+    /// Prompt tokens of the single sequence (its decode runs at contexts from here to here + steps); the batch
+    /// and verify steps keep 128.
+    #[arg(long, default_value_t = 128)]
+    pub prompt: usize,
     /// Only the single-sequence decode (for profiling a few steps).
     #[arg(long)]
     pub quick: bool,
@@ -120,14 +125,14 @@ mod gpu {
             let t = Instant::now();
             let model = CudaLlamaModel::random(dev.clone(), cfg, weights, 7)?;
             println!("\n== {shape}, random weights {weights:?}, made in {:.0} ms", t.elapsed().as_secs_f64() * 1e3);
-            run_model(&model, a.steps, a.quick)?;
+            run_model(&model, a)?;
         }
         if let Some(path) = &a.gguf {
             let t = Instant::now();
             let model =
                 CudaLlamaModel::from_source(dev.clone(), &ModelSource::GgufFile(path.into()), &LoadOptions::default())?;
             println!("\n== {path}, loaded in {:.0} ms", t.elapsed().as_secs_f64() * 1e3);
-            run_model(&model, a.steps, a.quick)?;
+            run_model(&model, a)?;
         }
         Ok(())
     }
@@ -140,11 +145,12 @@ mod gpu {
         model.weight_bytes() as f64 + seqs as f64 * kv
     }
 
-    fn run_model(model: &CudaLlamaModel, steps: usize, quick: bool) -> Result<()> {
+    fn run_model(model: &CudaLlamaModel, a: &ShapesArgs) -> Result<()> {
+        let (steps, n) = (a.steps, a.prompt.max(1));
         let c = model.config();
-        let max_len = PROMPT + steps + 64;
+        let max_len = n.max(PROMPT) + steps + 64;
         let pages_per_seq = max_len.div_ceil(PAGE);
-        let mut cfg = CudaCacheConfig::new(16 * pages_per_seq + 1, PAGE, 256, 16, max_len);
+        let mut cfg = CudaCacheConfig::new(16 * pages_per_seq + 1, PAGE, n.max(256), 16, max_len);
         cfg.max_logit_rows = 256;
         let mut cache = model.new_cache(cfg)?;
         let floor_ms = model.weight_bytes() as f64 / FLOOR_BYTES_PER_S * 1e3;
@@ -159,32 +165,32 @@ mod gpu {
         );
         // One sequence: prefill, then greedy decode.
         let table: Vec<u32> = (0..pages_per_seq as u32).collect();
-        let prompt: Vec<u32> = (0..PROMPT as u32).map(|i| (i * 7919 + 13) % c.vocab_size as u32).collect();
+        let prompt: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % c.vocab_size as u32).collect();
         let t = Instant::now();
-        let first = step(model, &mut cache, &[&prompt], &[0], &[&table], PROMPT)?[0];
+        let first = step(model, &mut cache, &[&prompt], &[0], &[&table], n)?[0];
         let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
         println!(
-            "prefill {PROMPT} tokens (eager, first call): {prefill_ms:.2} ms = {:.0} tok/s",
-            PROMPT as f64 / prefill_ms * 1e3
+            "prefill {n} tokens (eager, first call): {prefill_ms:.2} ms = {:.0} tok/s",
+            n as f64 / prefill_ms * 1e3
         );
         let t = Instant::now();
-        let again = step(model, &mut cache, &[&prompt], &[0], &[&table], PROMPT)?[0];
+        let again = step(model, &mut cache, &[&prompt], &[0], &[&table], n)?[0];
         let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
-        println!("prefill {PROMPT} tokens (again): {prefill_ms:.2} ms = {:.0} tok/s", PROMPT as f64 / prefill_ms * 1e3);
+        println!("prefill {n} tokens (again): {prefill_ms:.2} ms = {:.0} tok/s", n as f64 / prefill_ms * 1e3);
         assert_eq!(first, again, "the same prefill gives the same token");
         let mut token = first;
         let mut times = Vec::with_capacity(steps);
         let t_all = Instant::now();
         for i in 0..steps {
             let t = Instant::now();
-            token = step(model, &mut cache, &[&[token]], &[PROMPT + i], &[&table], PROMPT)?[0];
+            token = step(model, &mut cache, &[&[token]], &[n + i], &[&table], n)?[0];
             times.push(t.elapsed().as_secs_f64() * 1e3);
         }
         let total = t_all.elapsed().as_secs_f64();
         let med = median(&mut times[1..].to_vec());
-        let bytes = step_bytes(model, 1, PROMPT + steps / 2);
+        let bytes = step_bytes(model, 1, n + steps / 2);
         println!(
-            "decode 1 sequence, {steps} steps: {:.1} tok/s ({:.4} ms/step median, first step {:.2} ms with the graph capture); \
+            "decode 1 sequence, {steps} steps from context {n}: {:.1} tok/s ({:.4} ms/step median, first step {:.2} ms with the graph capture); \
              {:.1} MB/step, floor {:.4} ms, floor/time {:.2}",
             steps as f64 / total,
             med,
@@ -193,7 +199,7 @@ mod gpu {
             bytes / FLOOR_BYTES_PER_S * 1e3,
             bytes / FLOOR_BYTES_PER_S * 1e3 / med
         );
-        if !quick {
+        if !a.quick {
             batch_steps(model, &mut cache, pages_per_seq)?;
             verify_steps(model, &mut cache, &table)?;
         }
