@@ -1,7 +1,7 @@
 //! The fused kernels of the CUDA model forward against their CPU twins, on fresh random inputs with odd
 //! sizes and outputs poisoned with NaN: the quantized matmul (every format, row count, prologue and
 //! epilogue), the quantized embedding, RoPE + KV write, paged attention (prompt and split-key modes,
-//! GQA, shuffled pages, head_dim up to 256), the bf16 GEMV with epilogues, the small tensor-core bf16
+//! GQA, shuffled pages, head_dim up to 256; the tensor-core prompt kernel within bf16 rounding), the bf16 GEMV with epilogues, the small tensor-core bf16
 //! matmul (each row's bits the same in any batch), cuBLAS with strides and accumulation, the gathered final
 //! norm, the capture copy, and a CUDA graph replayed with new inputs.
 //!
@@ -514,6 +514,74 @@ fn paged_attention_matches_reference_and_is_batch_invariant() {
                 .sum();
             check("paged_attention decode rows alone", &format!("seq {s} of {shape}"), diff, 0.0);
         }
+    }
+}
+
+#[test]
+fn tensor_core_prompt_attention_matches_reference_within_bf16_rounding() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(25);
+    let cases = [
+        // Qwen3-8B's grouping: a 200-row prompt (tiles of 64 and a short one), a chunk of 70 rows after 37 keys.
+        AttnCase { seqs: vec![(0, 200, 200), (37, 70, 70)], nh: 8, kvh: 2, d: 128, ps: 16 },
+        // SmolLM2's heads, odd pages, a chunk shorter than a warp's 16 rows.
+        AttnCase { seqs: vec![(0, 130, 130), (10, 5, 5)], nh: 9, kvh: 3, d: 64, ps: 5 },
+    ];
+    for case in cases {
+        let (nh, kvh, d, ps) = (case.nh, case.kvh, case.d, case.ps);
+        let mut pages: Vec<u32> = Vec::new();
+        let mut tables: Vec<Vec<u32>> = Vec::new();
+        for &(ctx, rows, _) in &case.seqs {
+            let n = (ctx + rows).div_ceil(ps);
+            tables.push((pages.len() as u32..(pages.len() + n) as u32).rev().collect());
+            pages.extend(0..n as u32);
+        }
+        let (num_pages, stride) = (pages.len(), tables.iter().map(Vec::len).max().unwrap_or(1));
+        let flat: Vec<u32> = tables
+            .iter()
+            .flat_map(|t| t.iter().copied().chain(std::iter::repeat_n(num_pages as u32, stride - t.len())))
+            .collect();
+        let (mut row_keys, mut tiles) = (Vec::new(), Vec::new());
+        for (s, &(ctx, rows, _)) in case.seqs.iter().enumerate() {
+            for start in (0..rows).step_by(gpu::TC_ATTN_TILE_ROWS) {
+                let n = gpu::TC_ATTN_TILE_ROWS.min(rows - start);
+                tiles.extend([s as u32, (row_keys.len() + start) as u32, n as u32, 0]);
+            }
+            row_keys.extend((0..rows).map(|j| (ctx + j + 1) as u32));
+        }
+        let t = row_keys.len();
+        let cache_len = num_pages * ps * kvh * d;
+        let (q, kc, vc) = (rng.vec(t * nh * d, 1.0), rng.vec(cache_len, 1.0), rng.vec(cache_len, 1.0));
+        let want = attention_reference(&case, &q, &kc, &vc, &tables);
+        let up = |v: &[f32]| dev.upload(v).expect("upload");
+        let (q_dev, k_dev, v_dev, out) = (up(&q), up(&kc), up(&vc), poisoned(dev, t * nh * d));
+        let (keys_dev, tiles_dev, tables_dev) =
+            (dev.upload(&row_keys).expect("keys"), dev.upload(&tiles).expect("tiles"), dev.upload(&flat).expect("t"));
+        let scratch = AttentionScratch::new(dev, 1, nh, d, 1).expect("scratch");
+        let args = AttentionArgs {
+            q: q_dev.view(),
+            k_cache: k_dev.view(),
+            v_cache: v_dev.view(),
+            row_keys: keys_dev.view(),
+            tiles: tiles_dev.view(),
+            max_tile_rows: gpu::TC_ATTN_TILE_ROWS,
+            tables: tables_dev.view(),
+            table_stride: stride,
+            page_size: ps,
+            out: out.view(),
+            num_heads: nh,
+            kv_heads: kvh,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            split: KeySplit::Whole,
+        };
+        gpu::prompt_attention_tc(dev, args, &scratch).expect("prompt_attention_tc");
+        let got = dev.download(&out).expect("download");
+        let shape = format!("{t} rows, {nh}/{kvh} heads of {d}");
+        // q, k, v and the softmax weights rounded to bf16: a few 1e-3 on outputs of size 1.
+        check("prompt_attention_tc", &shape, max_err_over(&got, &want, &vec![1.0; want.len()]), 1e-2);
+        let mean = got.iter().zip(&want).map(|(g, w)| (g - w).abs() as f64).sum::<f64>() / want.len() as f64;
+        check("prompt_attention_tc mean", &shape, mean, 1e-3);
     }
 }
 

@@ -3,8 +3,8 @@
 //! one synchronisation.
 
 use dflash_runtime::cuda::ops::{
-    self as gpu, copy_columns, embedding_quant, gather_rms_norm, paged_attention, rope_kv_write, AttentionArgs,
-    KeySplit, RopeKvArgs,
+    self as gpu, copy_columns, embedding_quant, gather_rms_norm, paged_attention, prompt_attention_tc, rope_kv_write,
+    AttentionArgs, KeySplit, RopeKvArgs,
 };
 use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DevSlice, DeviceBuf};
 use dflash_runtime::Tensor;
@@ -230,7 +230,11 @@ pub(super) fn attend<'a>(
     };
     if lay.prompt_tiles > 0 {
         let a = args(input(lay.prompt_tiles())?, p.max_prompt_tile_rows, KeySplit::Whole);
-        paged_attention(dev, a, &ws.attn_parts)?;
+        if p.tensor_core_prompt {
+            prompt_attention_tc(dev, a, &ws.attn_parts)?;
+        } else {
+            paged_attention(dev, a, &ws.attn_parts)?;
+        }
     }
     if lay.decode_tiles > 0 {
         let split = KeySplit::Fixed { keys: SPLIT_KEYS, max_splits: p.decode_splits, partial_rows: lay.decode_rows };

@@ -9,7 +9,8 @@ use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DeviceBuf};
 use dflash_runtime::ops::RopeTable;
 
 use super::error::{CudaModelError, Result};
-use super::weights::{upload_norm, DevMatrix, DevProjection, MatrixKind};
+use super::plan::TileRows;
+use super::weights::{upload_norm, DevMatrix, DevProjection, DevWeight, MatrixKind};
 use crate::config::{merge_json, Architecture, ModelConfig};
 use crate::gguf::GgufFile;
 use crate::loader::LoadOptions;
@@ -200,11 +201,12 @@ impl CudaLlamaModel {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 
-    /// Rows per attention tile, as (prompt rows, decode / verify rows): the most rows whose query vectors
-    /// (rows times the query heads per kv head) fit one block, [`ATTN_MAX_QUERIES`].
-    pub(super) fn tile_rows(&self) -> (usize, usize) {
-        let rows = (ATTN_MAX_QUERIES / (self.cfg.num_heads / self.cfg.num_kv_heads)).max(1);
-        (rows, rows)
+    /// Rows per attention tile (see [`TileRows`]): prompt rows on the tensor cores unless the weights are f32
+    /// (f32 models are the exact reference the parity tests hold to 5e-6; bf16 and quantized ones already round
+    /// their activations).
+    pub(super) fn tile_rows(&self) -> TileRows {
+        let exact = matches!(self.embed.w, DevWeight::F32(_));
+        TileRows::new(self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, !exact)
     }
 }
 

@@ -4,6 +4,8 @@
 
 use std::ops::Range;
 
+use dflash_runtime::cuda::ops::{tc_prompt_attention_fits, ATTN_MAX_QUERIES, TC_ATTN_TILE_ROWS};
+
 use super::cache::{CudaCacheConfig, GraphKey};
 use super::error::{CudaModelError, Result};
 use crate::batch::ForwardBatch;
@@ -13,6 +15,26 @@ use crate::config::ModelConfig;
 /// make one pass): a row's keys are always cut at the same places, so its result does not depend on what
 /// else is in the batch.
 pub(super) const SPLIT_KEYS: usize = dflash_runtime::cuda::ops::ATTN_KEY_CHUNK;
+
+/// Rows per attention tile (prompt tiles, decode / verify tiles) and the prompt kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct TileRows {
+    pub prompt: usize,
+    pub decode: usize,
+    /// Prompt rows on the tensor-core kernel (tiles of [`TC_ATTN_TILE_ROWS`] rows), else the f32 one.
+    pub tensor_core_prompt: bool,
+}
+
+impl TileRows {
+    /// Tiles for `num_heads` query heads over `kv_heads` of `head_dim`: decode tiles (and f32 prompt tiles) of
+    /// the most rows whose query vectors fit one attention block; with `tensor_core_prompt` (and a head_dim the
+    /// kernel takes) prompt tiles of [`TC_ATTN_TILE_ROWS`].
+    pub fn new(num_heads: usize, kv_heads: usize, head_dim: usize, tensor_core_prompt: bool) -> Self {
+        let rows = (ATTN_MAX_QUERIES / (num_heads / kv_heads.max(1)).max(1)).max(1);
+        let tensor_core_prompt = tensor_core_prompt && tc_prompt_attention_fits(head_dim);
+        TileRows { prompt: if tensor_core_prompt { TC_ATTN_TILE_ROWS } else { rows }, decode: rows, tensor_core_prompt }
+    }
+}
 
 /// Split blocks per tile for sequences of up to `max_seq_len` tokens.
 pub(super) fn max_splits(max_seq_len: usize) -> usize {
@@ -80,9 +102,9 @@ impl Layout {
     }
 
     /// The largest input buffer any step within `cfg` needs.
-    pub fn capacity(cfg: &CudaCacheConfig, tile_rows: (usize, usize)) -> usize {
+    pub fn capacity(cfg: &CudaCacheConfig, tile_rows: TileRows) -> usize {
         let (t, s) = (cfg.max_tokens.max(cfg.max_decode_rows), cfg.max_seqs);
-        let tiles = s + t.div_ceil(tile_rows.0.min(tile_rows.1).max(1));
+        let tiles = s + t.div_ceil(tile_rows.prompt.min(tile_rows.decode).max(1));
         Layout {
             t,
             l: cfg.max_logit_rows.max(t),
@@ -104,6 +126,8 @@ pub(super) struct StepPlan {
     pub max_decode_tile_rows: usize,
     /// Split blocks per decode tile (the attention grid's z).
     pub decode_splits: usize,
+    /// Prompt tiles go to the tensor-core kernel.
+    pub tensor_core_prompt: bool,
 }
 
 /// Checks a batch against itself, the model and the cache's capacities (the device cannot report bad
@@ -181,8 +205,7 @@ pub(super) fn graph_key(batch: &ForwardBatch, cfg: &CudaCacheConfig) -> Option<G
     Some(GraphKey { seqs, rows })
 }
 
-/// Writes the inputs of `batch` into `host` and returns the plan; `tile_rows` is (prompt, decode) rows per
-/// attention tile. With `graph`, sequences are padded to
+/// Writes the inputs of `batch` into `host` and returns the plan. With `graph`, sequences are padded to
 /// `graph.seqs` (rows that write the cache's spare page and attend only it), every row's logits are
 /// computed, and the split count covers the cache's longest sequence, so the counts depend on the key
 /// alone.
@@ -190,7 +213,7 @@ pub(super) fn plan(
     batch: &ForwardBatch,
     graph: Option<GraphKey>,
     cfg: &CudaCacheConfig,
-    tile_rows: (usize, usize),
+    tile_rows: TileRows,
     host: &mut Vec<u32>,
 ) -> StepPlan {
     let stride = cfg.table_stride();
@@ -201,8 +224,8 @@ pub(super) fn plan(
         let first = b.row_keys.len();
         b.row_keys.extend((0..s.num_rows).map(|j| (s.context_len + j + 1) as u32));
         let prompt = prompt_rows(s.prompt_len, s.context_len, s.num_rows);
-        b.tiles(i, first, prompt, tile_rows.0, false);
-        b.tiles(i, first + prompt, s.num_rows - prompt, tile_rows.1, true);
+        b.tiles(i, first, prompt, tile_rows.prompt, false);
+        b.tiles(i, first + prompt, s.num_rows - prompt, tile_rows.decode, true);
         let used = s.block_table.len().min(stride);
         b.tables.extend_from_slice(&s.block_table[..used]);
         b.tables.extend(std::iter::repeat_n(trash, stride - used));
@@ -213,7 +236,7 @@ pub(super) fn plan(
         for i in batch.seqs.len()..key.seqs {
             let first = b.row_keys.len();
             b.row_keys.extend((1..=key.rows).map(|j| j as u32));
-            b.tiles(i, first, key.rows, tile_rows.1, true);
+            b.tiles(i, first, key.rows, tile_rows.decode, true);
             b.tables.extend(std::iter::repeat_n(trash, stride));
             tokens.extend(std::iter::repeat_n(0, key.rows));
             positions.extend(std::iter::repeat_n(0, key.rows));
@@ -244,6 +267,7 @@ pub(super) fn plan(
         max_prompt_tile_rows: b.max_prompt_tile_rows,
         max_decode_tile_rows: b.max_decode_tile_rows,
         decode_splits,
+        tensor_core_prompt: tile_rows.tensor_core_prompt,
     }
 }
 
@@ -306,7 +330,7 @@ mod tests {
             ForwardBatch { tokens: &tokens, positions: &positions, seqs: &seqs, slots: &slots, logit_rows: &[3, 4] };
         validate(&batch, &cfg(), &tiny_model()).expect("valid");
         let mut host = Vec::new();
-        let p = plan(&batch, None, &cfg(), (2, 2), &mut host);
+        let p = plan(&batch, None, &cfg(), TileRows { prompt: 2, decode: 2, tensor_core_prompt: false }, &mut host);
         let l = p.layout;
         assert_eq!((l.t, l.l, l.prompt_tiles, l.decode_tiles, l.decode_rows, l.seqs, l.stride), (5, 2, 1, 2, 3, 2, 4));
         assert_eq!(&host[l.row_keys()], &[6, 7, 8, 9, 3]);
@@ -329,7 +353,8 @@ mod tests {
         let key = graph_key(&batch, &cfg()).expect("uniform decode batch");
         assert_eq!(key, GraphKey { seqs: 4, rows: 2 });
         let mut host = Vec::new();
-        let p = plan(&batch, Some(key), &cfg(), (16, 4), &mut host);
+        let p =
+            plan(&batch, Some(key), &cfg(), TileRows { prompt: 16, decode: 4, tensor_core_prompt: false }, &mut host);
         assert_eq!((p.layout.t, p.layout.l, p.layout.seqs), (8, 8, 4));
         assert_eq!(p.decode_splits, max_splits(16));
         assert_eq!(&host[p.layout.slots()][6..], &[32, 33], "padded rows write the spare page");
@@ -337,7 +362,13 @@ mod tests {
         // A later step with other contexts has the same layout (the graph's addresses stay valid).
         let seqs2 = [mk(9), mk(5), mk(4)];
         let batch2 = ForwardBatch { seqs: &seqs2, ..batch };
-        let p2 = plan(&batch2, graph_key(&batch2, &cfg()), &cfg(), (16, 4), &mut host);
+        let p2 = plan(
+            &batch2,
+            graph_key(&batch2, &cfg()),
+            &cfg(),
+            TileRows { prompt: 16, decode: 4, tensor_core_prompt: false },
+            &mut host,
+        );
         assert_eq!(p2.layout, p.layout);
         // A prompt row anywhere, or rows of different counts, take the eager path.
         let seqs3 = [mk(3), SeqRows { context_len: 1, ..mk(1) }, mk(4)];

@@ -13,7 +13,7 @@ use super::compile::{self, CompileReport};
 use super::CudaError;
 
 /// The kernel sources in the order they are compiled.
-const SOURCES: [(&str, &str); 11] = [
+const SOURCES: [(&str, &str); 12] = [
     ("prelude.cuh", include_str!("../../kernels/prelude.cuh")),
     ("elementwise.cu", include_str!("../../kernels/elementwise.cu")),
     ("norm.cu", include_str!("../../kernels/norm.cu")),
@@ -22,6 +22,7 @@ const SOURCES: [(&str, &str); 11] = [
     ("gemv.cu", include_str!("../../kernels/gemv.cu")),
     ("quant.cu", include_str!("../../kernels/quant.cu")),
     ("attention.cu", include_str!("../../kernels/attention.cu")),
+    ("attention_tc.cu", include_str!("../../kernels/attention_tc.cu")),
     ("misc.cu", include_str!("../../kernels/misc.cu")),
     ("gdn.cu", include_str!("../../kernels/gdn.cu")),
     ("moe.cu", include_str!("../../kernels/moe.cu")),
@@ -96,6 +97,9 @@ pub(crate) struct Kernels {
     /// `paged_attention` for 128 < head_dim <= 256.
     pub paged_attention_d256: CudaFunction,
     pub attn_merge_splits: CudaFunction,
+    /// Prompt attention on the tensor cores, head_dim 64 and 128.
+    pub prompt_attention_tc_d64: CudaFunction,
+    pub prompt_attention_tc_d128: CudaFunction,
     pub gather_rms_norm: CudaFunction,
     pub copy_columns: CudaFunction,
     pub fill_random_bf16: CudaFunction,
@@ -182,6 +186,8 @@ impl Kernels {
             paged_attention: big_smem("paged_attention")?,
             paged_attention_d256: big_smem("paged_attention_d256")?,
             attn_merge_splits: get("attn_merge_splits")?,
+            prompt_attention_tc_d64: get("prompt_attention_tc_d64")?,
+            prompt_attention_tc_d128: get("prompt_attention_tc_d128")?,
             gather_rms_norm: get("gather_rms_norm")?,
             copy_columns: get("copy_columns")?,
             fill_random_bf16: get("fill_random_bf16")?,

@@ -10,7 +10,7 @@ use dflash_runtime::cuda::DeviceBuf;
 use super::CudaHybridModel;
 use crate::cuda::cache::{CudaCache, CudaCacheConfig, Workspace};
 use crate::cuda::error::{CudaModelError, Result};
-use crate::cuda::plan::{max_splits, Layout};
+use crate::cuda::plan::{max_splits, Layout, TileRows};
 
 /// The GDN and MoE buffers beside the dense workspace.
 #[derive(Debug)]
@@ -173,10 +173,10 @@ impl CudaHybridModel {
         }
     }
 
-    /// Rows per attention tile (prompt, decode), as the dense model.
-    pub(super) fn tile_rows(&self) -> (usize, usize) {
+    /// Rows per attention tile; prompt rows on the exact f32 kernel (the hybrid forward is checked against the CPU
+    /// at f32 tolerances).
+    pub(super) fn tile_rows(&self) -> TileRows {
         let b = &self.cfg.base;
-        let rows = (dflash_runtime::cuda::ops::ATTN_MAX_QUERIES / (b.num_heads / b.num_kv_heads.max(1))).max(1);
-        (rows, rows)
+        TileRows::new(b.num_heads, b.num_kv_heads, b.head_dim, false)
     }
 }

@@ -184,7 +184,8 @@ pub struct AttentionArgs<'a> {
 }
 
 impl AttentionArgs<'_> {
-    fn check(&self, scratch: &AttentionScratch) -> Result<()> {
+    /// Checks the shapes; a tile may hold `max_queries` query vectors (rows x query heads per kv head).
+    fn check(&self, scratch: &AttentionScratch, max_queries: usize) -> Result<()> {
         let t = self.row_keys.len();
         let (d, nh, kvh) = (self.head_dim, self.num_heads, self.kv_heads);
         let slot_len = kvh * d;
@@ -193,7 +194,7 @@ impl AttentionArgs<'_> {
         if d == 0 || d > ATTN_MAX_HEAD_DIM || !d.is_multiple_of(4) {
             return fail(&format!("head_dim {d} must be a multiple of 4 up to {ATTN_MAX_HEAD_DIM}"));
         }
-        if kvh == 0 || !nh.is_multiple_of(kvh) || self.max_tile_rows * group > ATTN_MAX_QUERIES {
+        if kvh == 0 || !nh.is_multiple_of(kvh) || self.max_tile_rows * group > max_queries {
             return fail(&format!("{nh} heads, {kvh} kv heads, tiles of {} rows", self.max_tile_rows));
         }
         if self.q.len() != t * nh * d || self.out.len() != self.q.len() {
@@ -237,7 +238,7 @@ impl AttentionArgs<'_> {
 /// # Errors
 /// Lengths that do not form the shapes, unsupported head sizes, too small a scratch; a launch failure.
 pub fn paged_attention(dev: &CudaDevice, a: AttentionArgs, scratch: &AttentionScratch) -> Result<()> {
-    a.check(scratch)?;
+    a.check(scratch, ATTN_MAX_QUERIES)?;
     let (t, tiles) = (a.row_keys.len(), a.tiles.len() / 4);
     if t == 0 || tiles == 0 {
         return Ok(());
@@ -317,5 +318,63 @@ pub fn paged_attention(dev: &CudaDevice, a: AttentionArgs, scratch: &AttentionSc
     // wrote for the same tiles (same stream), each row's first ceil(keys / split_keys) splits, capped at
     // max_splits, and skips tiles paged_attention skips; head_dim <= 256 = the block's threads.
     unsafe { merge.launch(cfg) }.map_err(launch_err("attn_merge_splits"))?;
+    Ok(())
+}
+
+/// Rows per tile of [`prompt_attention_tc`] (`TC_ATT_ROWS`: 16 per warp).
+pub const TC_ATTN_TILE_ROWS: usize = 64;
+
+/// Whether [`prompt_attention_tc`] takes heads of `head_dim`.
+pub fn tc_prompt_attention_fits(head_dim: usize) -> bool {
+    head_dim == 64 || head_dim == 128
+}
+
+/// Prompt-row attention ([`KeySplit::Whole`]) on the tensor cores: q, k and v rounded to bf16, f32
+/// accumulation (attention_tc.cu); grid (tiles, heads), tiles of up to [`TC_ATTN_TILE_ROWS`] rows. Within a few
+/// 1e-3 of the f32 kernel on outputs of size 1: for models whose weights are bf16 or quantized.
+///
+/// # Errors
+/// As [`paged_attention`]; a head_dim other than 64 or 128, a split other than `Whole`, tiles of more rows.
+pub fn prompt_attention_tc(dev: &CudaDevice, a: AttentionArgs, scratch: &AttentionScratch) -> Result<()> {
+    let group = a.num_heads.checked_div(a.kv_heads).unwrap_or(0);
+    a.check(scratch, TC_ATTN_TILE_ROWS * group)?;
+    let d = a.head_dim;
+    if !tc_prompt_attention_fits(d) || !matches!(a.split, KeySplit::Whole) {
+        return Err(shape_err(format!("prompt_attention_tc: head_dim {d} (64 or 128), {:?}", a.split)));
+    }
+    let (t, tiles) = (a.row_keys.len(), a.tiles.len() / 4);
+    if t == 0 || tiles == 0 {
+        return Ok(());
+    }
+    let slots = a.k_cache.len() / (a.kv_heads * d);
+    if slots >= (u32::MAX - 1) as usize {
+        return Err(shape_err(format!("prompt_attention_tc: {slots} slots exceed the kernel's u32 slots")));
+    }
+    let num_pages = dim(slots / a.page_size, "pages")?;
+    let num_seqs = dim(a.tables.len() / a.table_stride, "sequences")?;
+    let (nh, kvh) = (dim(a.num_heads, "heads")?, dim(a.kv_heads, "kv_heads")?);
+    let (ps, stride, rows) = (dim(a.page_size, "page_size")?, dim(a.table_stride, "stride")?, dim(t, "rows")?);
+    let kernel = if d == 64 { &dev.kernels.prompt_attention_tc_d64 } else { &dev.kernels.prompt_attention_tc_d128 };
+    let mut launch = dev.launch_builder(kernel);
+    launch
+        .arg(a.q.arg())
+        .arg(a.k_cache.arg())
+        .arg(a.v_cache.arg())
+        .arg(a.row_keys.arg())
+        .arg(a.tiles.arg())
+        .arg(a.tables.arg())
+        .arg(a.out.arg())
+        .arg(&nh)
+        .arg(&kvh)
+        .arg(&ps)
+        .arg(&stride)
+        .arg(&a.scale)
+        .arg(&num_pages)
+        .arg(&num_seqs)
+        .arg(&rows);
+    let cfg = LaunchConfig { grid_dim: (dim(tiles, "tiles")?, nh, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match the kernel's signature; shapes were checked above; device-side indices
+    // (tiles, pages, key counts) are checked in the kernel, which writes only the rows its tiles name.
+    unsafe { launch.launch(cfg) }.map_err(launch_err("prompt_attention_tc"))?;
     Ok(())
 }
