@@ -6,9 +6,14 @@
 //! cargo run --release -p dflash-runtime --example quant_bench            # RAYON_NUM_THREADS, default 2
 //! cargo run --release -p dflash-runtime --example quant_bench -- --cpu-time
 //! cargo run --release -p dflash-runtime --example quant_bench -- --decode     # decode part, 3 times
+//! cargo run --release -p dflash-runtime --example quant_bench -- --levels avx2,avx512 --rounds 3
 //! ```
 //! `--cpu-time` times single-thread kernels in on-CPU time (Linux `schedstat`), which stays meaningful on a
 //! machine shared with other jobs; wall-clock figures there swing with the neighbours' load.
+//!
+//! The kernels' SIMD level is the best the CPU has, or the one `DFLASH_SIMD` (`scalar`, `avx2`, `avx512`)
+//! asks for. `--levels` compares levels in one sitting: it runs the decode part in a child process per level,
+//! alternating (A B A B ...) for `--rounds` rounds, and prints each shape's median per level.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -27,12 +32,22 @@ fn main() {
     if std::env::args().any(|a| a == "--cpu-time") {
         return cpu_time_kernels();
     }
+    if let Some(levels) = arg_value("--levels") {
+        let rounds = arg_value("--rounds").and_then(|r| r.parse().ok()).unwrap_or(3);
+        return compare_levels(&levels, rounds);
+    }
     let threads = std::env::var("RAYON_NUM_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("thread pool");
     println!("simd: {}, threads: {threads}", quant::simd_level());
     let decode_only = std::env::args().any(|a| a == "--decode");
+    let once = std::env::args().any(|a| a == "--decode-once");
     pool.install(|| {
         let model = Model::new();
+        if once {
+            let figures = decode(&model, bandwidth());
+            println!("{SUMMARY} {}", figures.iter().map(|f| f.to_string()).collect::<Vec<_>>().join(" "));
+            return;
+        }
         for _ in 0..if decode_only { 3 } else { 1 } {
             let bw = bandwidth();
             decode(&model, bw);
@@ -44,7 +59,7 @@ fn main() {
         println!("\nper-call overhead, called from a pool thread (calls back to back):");
         overhead();
     });
-    if decode_only {
+    if decode_only || once {
         return;
     }
     println!("\nper-call overhead, called from the main thread (global pool of {threads}):");
@@ -144,7 +159,74 @@ fn random_values(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-fn decode(model: &Model, bw: f64) {
+/// The value after `flag` on the command line.
+fn arg_value(flag: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter().position(|a| a == flag).and_then(|p| args.get(p + 1).cloned())
+}
+
+/// Marks the line in which a `--decode-once` child reports its figures to `compare_levels`.
+const SUMMARY: &str = "decode-figures:";
+
+/// Runs the decode part once per level per round in child processes (`DFLASH_SIMD=<level>`), alternating the
+/// levels, and prints the median of each figure per level.
+fn compare_levels(levels: &str, rounds: usize) {
+    let levels: Vec<&str> = levels.split(',').map(str::trim).filter(|l| !l.is_empty()).collect();
+    let exe = std::env::current_exe().expect("path of this executable");
+    // `[level][figure]`: every round's value.
+    let mut figures: Vec<Vec<Vec<f64>>> = vec![Vec::new(); levels.len()];
+    let mut names = vec![String::new(); levels.len()];
+    for round in 0..rounds {
+        for (l, level) in levels.iter().enumerate() {
+            let out = std::process::Command::new(&exe)
+                .arg("--decode-once")
+                .env("DFLASH_SIMD", level)
+                .output()
+                .expect("running the decode child");
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(out.status.success(), "DFLASH_SIMD={level} child failed: {}", String::from_utf8_lossy(&out.stderr));
+            let simd = text.lines().find_map(|l| l.strip_prefix("simd: ")).unwrap_or("?");
+            names[l] = simd.split(',').next().unwrap_or(simd).to_string();
+            let values: Vec<f64> = text
+                .lines()
+                .find_map(|l| l.strip_prefix(SUMMARY))
+                .map(|v| v.split_whitespace().filter_map(|f| f.parse().ok()).collect())
+                .unwrap_or_default();
+            println!("round {} DFLASH_SIMD={level} ({}): {values:.1?}", round + 1, names[l]);
+            for (i, v) in values.into_iter().enumerate() {
+                if figures[l].len() <= i {
+                    figures[l].push(Vec::new());
+                }
+                figures[l][i].push(v);
+            }
+        }
+    }
+    let labels: Vec<String> = LAYER_SHAPES
+        .iter()
+        .map(|(name, n, k)| format!("{name} {n}x{k} q4_1, us"))
+        .chain([format!("lm_head {}x{} q8_0, us", LM_HEAD.0, LM_HEAD.1), "per token, ms".into(), "read GB/s".into()])
+        .collect();
+    println!("\nmedians of {rounds} rounds (decode, m = 1):");
+    println!("  {:32} {}", "", names.iter().map(|n| format!("{n:>12}")).collect::<String>());
+    for (i, label) in labels.iter().enumerate() {
+        let cells: String = figures
+            .iter()
+            .map(|f| f.get(i).map(|v| format!("{:>12.2}", median(v))).unwrap_or_else(|| format!("{:>12}", "-")))
+            .collect();
+        println!("  {label:32} {cells}");
+    }
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Prints the decode figures and returns them: per layer shape and for the LM head the median microseconds
+/// per call, then the median milliseconds per token and the read bandwidth (GB/s).
+fn decode(model: &Model, bw: f64) -> Vec<f64> {
+    let mut figures = Vec::new();
     println!("\ndecode (m = 1), each shape cycled through its {LAYERS} copies; median:");
     let x = random_values(1536, 1);
     let mut y = vec![0f32; LM_HEAD.0];
@@ -153,10 +235,12 @@ fn decode(model: &Model, bw: f64) {
         let t = t.as_secs_f64() / LAYERS as f64;
         let gbs = model.layers[0][i].bytes.len() as f64 / t / 1e9;
         println!("  {name:8} {n:5}x{k:<5} q4_1 {:8.1} us  {gbs:6.1} GB/s", t * 1e6);
+        figures.push(t * 1e6);
     }
     let (t, _) = timings(9, || model.lm_head.matmul(&x, 1, &mut y));
     let gbs = model.lm_head.bytes.len() as f64 / t.as_secs_f64() / 1e9;
     println!("  lm_head  {}x{} q8_0 {:8.1} us  {gbs:6.1} GB/s", LM_HEAD.0, LM_HEAD.1, t.as_secs_f64() * 1e6);
+    figures.push(t.as_secs_f64() * 1e6);
     let (median, best) = timings(9, || {
         model.layers.iter().flatten().for_each(|mat| mat.matmul(&x, 1, &mut y));
         model.lm_head.matmul(&x, 1, &mut y);
@@ -172,6 +256,8 @@ fn decode(model: &Model, bw: f64) {
             100.0 * gbs / bw
         );
     }
+    figures.extend([median.as_secs_f64() * 1e3, bw]);
+    figures
 }
 
 fn prefill(model: &Model) {

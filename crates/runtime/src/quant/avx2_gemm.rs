@@ -144,7 +144,7 @@ fn cvt_f16x8(h: [i16; 8]) -> __m256 {
 
 /// `out[g]` lane `r` = `rows[r]` lane `g` (32-bit lanes).
 #[target_feature(enable = "avx2")]
-fn transpose_8x8_epi32(r: [__m256i; 8]) -> [__m256i; 8] {
+pub(super) fn transpose_8x8_epi32(r: [__m256i; 8]) -> [__m256i; 8] {
     let t0 = _mm256_unpacklo_epi32(r[0], r[1]);
     let t1 = _mm256_unpackhi_epi32(r[0], r[1]);
     let t2 = _mm256_unpacklo_epi32(r[2], r[3]);

@@ -16,8 +16,9 @@ use crate::DType;
 const SERIAL_MACS: usize = 1 << 17;
 /// Output-column (weight-row) chunks per pool thread: more than one evens out uneven thread start times.
 const CHUNKS_PER_THREAD: usize = 2;
-/// Weight rows are handed out in multiples of this (the widest SIMD tile).
-const COL_GRAIN: usize = 8;
+/// Weight rows are handed out in multiples of this (the widest SIMD tile: AVX-512's 16-row strips; a job's
+/// columns past its last whole strip run on narrower kernels).
+const COL_GRAIN: usize = 16;
 /// Activation rows are split in multiples of this when a matrix has too few rows to feed every thread.
 const ROW_GRAIN: usize = 4;
 
@@ -119,6 +120,9 @@ fn run_chunk(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Level::Avx2` is only produced when the CPU has AVX2, FMA and F16C.
         Level::Avx2 => unsafe { super::avx2::chunk(dtype, w, row_bytes, acts, rows, cols, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Level::Avx512` is only produced when the CPU has AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C.
+        Level::Avx512 => unsafe { super::avx512::chunk(dtype, w, row_bytes, acts, rows, cols, out) },
     }
 }
 

@@ -6,9 +6,10 @@
 //!   per call to 8-bit blocks (32 elements with scale and sum for Q4_0/Q4_1/Q8_0; 256 elements with 16-element
 //!   sums for the K-quants) and the kernels run integer dot products, scaling per block in f32.
 //!
-//! The SIMD path is picked once per process ([`simd_level`]) and dispatched in one place
-//! (`matmul::run_chunk`): a new path (e.g. AVX-512 VNNI) is a module with the same `chunk` signature plus
-//! a `Level` variant. The scalar path is the fallback and the reference the others are tested against.
+//! The SIMD path is picked once per process ([`simd_level`]; `DFLASH_SIMD=scalar|avx2|avx512` asks for a
+//! lower one, for A/B measurements) and dispatched in one place (`matmul::run_chunk`): a path is a module
+//! with the same `chunk` signature plus a `Level` variant. The scalar path is the fallback and the reference
+//! the others are tested against; the AVX2 and AVX-512 paths give bit-identical outputs.
 
 mod act;
 #[cfg(target_arch = "x86_64")]
@@ -17,6 +18,10 @@ mod avx2;
 mod avx2_gemm;
 #[cfg(target_arch = "x86_64")]
 mod avx2_k;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod avx512_gemm;
 pub mod blocks;
 mod dequant;
 mod matmul;
@@ -34,19 +39,89 @@ pub(crate) enum Level {
     /// AVX2 + FMA + F16C.
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// AVX-512 F/BW/VL/VNNI on top of AVX2 + FMA + F16C: `vpdpbusd` kernels for the 32-element block types
+    /// (16-row decode strips and a repacking gemm), the AVX2 kernels for the K-quants.
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
 }
 
+/// The environment variable that asks for a SIMD level other than the best one.
+const SIMD_ENV: &str = "DFLASH_SIMD";
+
 impl Level {
-    /// The best level this CPU supports (detected once).
+    /// The level the kernels use (chosen once): the best this CPU supports, or the one `DFLASH_SIMD` asks
+    /// for if the CPU supports it.
     pub(crate) fn detect() -> Level {
         static LEVEL: OnceLock<Level> = OnceLock::new();
         *LEVEL.get_or_init(|| {
-            #[cfg(target_arch = "x86_64")]
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
-                return Level::Avx2;
+            let request = std::env::var(SIMD_ENV).ok();
+            let (level, warning) = Level::choose(request.as_deref(), Level::is_supported);
+            if let Some(warning) = warning {
+                // Once per process; the runtime has no logger of its own.
+                eprintln!("warning: {warning}");
             }
-            Level::Scalar
+            level
         })
+    }
+
+    /// Every level, best first.
+    fn all() -> &'static [Level] {
+        #[cfg(target_arch = "x86_64")]
+        return &[Level::Avx512, Level::Avx2, Level::Scalar];
+        #[cfg(not(target_arch = "x86_64"))]
+        return &[Level::Scalar];
+    }
+
+    /// Whether this CPU can run the level's kernels.
+    pub(crate) fn is_supported(self) -> bool {
+        match self {
+            Level::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Level::Avx2 => {
+                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Level::Avx512 => {
+                Level::Avx2.is_supported()
+                    && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512vnni")
+            }
+        }
+    }
+
+    /// The level for a `DFLASH_SIMD` value (`None`: unset) on a CPU where `supported` holds, and a warning
+    /// when the request cannot be honoured: an unknown name or a level the CPU lacks gives the best
+    /// supported level, never an unsupported one.
+    fn choose(request: Option<&str>, supported: impl Fn(Level) -> bool) -> (Level, Option<String>) {
+        let best = Level::all().iter().copied().find(|&l| supported(l)).unwrap_or(Level::Scalar);
+        let Some(request) = request.map(str::trim).filter(|r| !r.is_empty()) else {
+            return (best, None);
+        };
+        let wanted = Level::all()
+            .iter()
+            .copied()
+            .find(|l| request.eq_ignore_ascii_case(l.short_name()) || request.eq_ignore_ascii_case(l.name()));
+        match wanted {
+            Some(level) if supported(level) => (level, None),
+            Some(level) => {
+                (best, Some(format!("{SIMD_ENV}={request}: this CPU lacks {}; using {}", level.name(), best.name())))
+            }
+            None => {
+                let known = Level::all().iter().map(|l| l.short_name()).collect::<Vec<_>>().join(", ");
+                (best, Some(format!("{SIMD_ENV}={request} is not one of {known}; using {}", best.name())))
+            }
+        }
+    }
+
+    /// The name `DFLASH_SIMD` takes (the full [`Level::name`] is accepted too).
+    fn short_name(self) -> &'static str {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Level::Avx512 => "avx512",
+            _ => self.name(),
+        }
     }
 
     fn name(self) -> &'static str {
@@ -54,11 +129,13 @@ impl Level {
             Level::Scalar => "scalar",
             #[cfg(target_arch = "x86_64")]
             Level::Avx2 => "avx2",
+            #[cfg(target_arch = "x86_64")]
+            Level::Avx512 => "avx512-vnni",
         }
     }
 }
 
-/// Which SIMD path the kernels use (`"avx2"` or `"scalar"`), for logs.
+/// Which SIMD path the kernels use (`"avx512-vnni"`, `"avx2"` or `"scalar"`), for logs.
 pub fn simd_level() -> &'static str {
     Level::detect().name()
 }
@@ -113,7 +190,8 @@ pub fn quantize_row(dtype: DType, src: &[f32], dst: &mut [u8]) {
 ///
 /// Batch invariant: row `i` of `y` is bit-for-bit the same whatever else is in the call (the number of
 /// rows, the other rows, the pool size and how the work is split), so batched or speculative forwards
-/// reproduce one-row results exactly. Different SIMD levels may differ in the last bits.
+/// reproduce one-row results exactly. The AVX2 and AVX-512 levels agree bit for bit; the scalar path may
+/// differ from them in the last bits.
 ///
 /// Call it from a pool thread (inside `ThreadPool::install` / `rayon::scope`) in hot loops: from any other
 /// thread every split call is injected into the pool and waited for, which measured ~15-25 µs per call here

@@ -169,8 +169,7 @@ fn check_all_levels(dtype: DType, n: usize, k: usize, m: usize, seed: u64) {
             bound[idx]
         );
     }
-    let level = Level::detect();
-    if level != Level::Scalar {
+    for &level in simd_levels() {
         let fast = run(level, dtype, &w, n, k, &x, m);
         for (idx, (&got, &s)) in fast.iter().zip(&scalar).enumerate() {
             // Same integer sums; only the f32 accumulation order differs.
@@ -235,9 +234,42 @@ fn matmul_on_quantized_real_values() {
     }
 }
 
+/// The SIMD levels this CPU supports (scalar excluded), best first.
+fn simd_levels() -> &'static [Level] {
+    static LEVELS: std::sync::OnceLock<Vec<Level>> = std::sync::OnceLock::new();
+    LEVELS.get_or_init(|| Level::all().iter().copied().filter(|l| *l != Level::Scalar && l.is_supported()).collect())
+}
+
 #[test]
 fn simd_level_is_named() {
-    assert!(["avx2", "scalar"].contains(&simd_level()));
+    assert!(["avx512-vnni", "avx2", "scalar"].contains(&simd_level()));
+}
+
+#[test]
+fn simd_env_never_picks_an_unsupported_level() {
+    let every = |_: Level| true;
+    let scalar_only = |l: Level| l == Level::Scalar;
+    let best = Level::all()[0];
+    assert_eq!(Level::choose(None, every), (best, None));
+    assert_eq!(Level::choose(Some(" "), every), (best, None), "empty means unset");
+    assert_eq!(Level::choose(Some("scalar"), every), (Level::Scalar, None));
+    let (level, warning) = Level::choose(Some("sse9"), every);
+    assert_eq!(level, best);
+    assert!(warning.is_some_and(|w| w.contains("sse9")), "an unknown name is reported");
+    #[cfg(target_arch = "x86_64")]
+    {
+        let no_avx512 = |l: Level| l != Level::Avx512;
+        assert_eq!(Level::choose(Some("avx2"), every), (Level::Avx2, None));
+        assert_eq!(Level::choose(Some("AVX512"), every), (Level::Avx512, None));
+        assert_eq!(Level::choose(Some("avx512-vnni"), every), (Level::Avx512, None));
+        let (level, warning) = Level::choose(Some("avx512"), no_avx512);
+        assert_eq!(level, Level::Avx2, "falls back to the best supported level");
+        assert!(warning.is_some_and(|w| w.contains("lacks avx512-vnni")));
+        let (level, warning) = Level::choose(Some("avx2"), scalar_only);
+        assert_eq!(level, Level::Scalar);
+        assert!(warning.is_some());
+    }
+    let _ = scalar_only;
 }
 
 /// Activation rows the batch-invariance test draws its batches from.
@@ -299,8 +331,7 @@ fn matmul_rows_are_batch_invariant() {
     // output may not depend on the other rows in the call, its position, the batch size or the thread split.
     let pools: Vec<rayon::ThreadPool> =
         [1, 2, 3].map(|t| rayon::ThreadPoolBuilder::new().num_threads(t).build().expect("pool")).into();
-    let levels =
-        if Level::detect() == Level::Scalar { vec![Level::Scalar] } else { vec![Level::Scalar, Level::detect()] };
+    let levels: Vec<Level> = [Level::Scalar].into_iter().chain(simd_levels().iter().copied()).collect();
     let mut failures = Vec::new();
     for (t, dtype) in TYPES.into_iter().enumerate() {
         for &level in &levels {
@@ -314,4 +345,60 @@ fn matmul_rows_are_batch_invariant() {
         }
     }
     assert!(failures.is_empty(), "{} combinations not batch-invariant:\n{}", failures.len(), failures.join("\n"));
+}
+
+/// Activations whose blocks quantize to ±127 (and 0), the extremes of the integer products.
+fn extreme_values(n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = Rng::new(seed);
+    (0..n)
+        .map(|_| match rng.next_u64() % 3 {
+            0 => 1.0,
+            1 => -1.0,
+            _ => 0.0,
+        })
+        .collect()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx512_matches_avx2_bit_for_bit() {
+    // The AVX-512 kernels must reproduce the AVX2 level exactly (the batch-invariance recipe), for every
+    // shape: whole 16-row strips, strips with a tail the AVX2 kernels finish, fewer rows than a strip, block
+    // counts that leave 1-3 blocks after steps of 4, and jobs on either side of the strip / gemm crossover.
+    if !Level::Avx512.is_supported() || !Level::Avx2.is_supported() {
+        eprintln!("avx512_matches_avx2_bit_for_bit: skipped, this CPU lacks AVX-512 VNNI");
+        return;
+    }
+    let pools: Vec<rayon::ThreadPool> =
+        [1, 3].map(|t| rayon::ThreadPoolBuilder::new().num_threads(t).build().expect("pool")).into();
+    let mut failures = Vec::new();
+    let mut compared = 0;
+    for (t, dtype) in TYPES.into_iter().enumerate() {
+        let block_counts: &[usize] = if dtype.block_len() == 32 { &[1, 2, 3, 5, 18, 48] } else { &[1, 2, 3] };
+        for (s, &blocks) in block_counts.iter().enumerate() {
+            let k = blocks * dtype.block_len();
+            for n in [1, 5, 15, 16, 17, 24, 37, 64, 100] {
+                let seed = 500 + 100 * t as u64 + 10 * s as u64 + n as u64;
+                let w = random_blocks(dtype, n, k, seed);
+                for m in [1, 2, 3, 4, 5, 6, 17] {
+                    for (v, x) in [random_values(m * k, seed + 1), extreme_values(m * k, seed + 2)].iter().enumerate() {
+                        for pool in &pools {
+                            let want = run_on_pool(pool, Level::Avx2, dtype, &w, n, k, x, m);
+                            let got = run_on_pool(pool, Level::Avx512, dtype, &w, n, k, x, m);
+                            let differing = want.iter().zip(&got).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                            compared += want.len();
+                            if differing > 0 {
+                                let threads = pool.current_num_threads();
+                                failures.push(format!(
+                                    "{dtype} n={n} k={k} m={m} values={v} threads={threads}: {differing} outputs"
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} cases differ from AVX2:\n{}", failures.len(), failures.join("\n"));
+    assert!(compared > 100_000, "compared {compared} outputs");
 }
