@@ -15,7 +15,7 @@
 // (row g + 8, same), (row g, cols 8 + 2t..), (row g + 8, cols 8 + 2t..); B regs (k 2t..2t+1, col g),
 // (k 8 + 2t.., col g); C (row g, cols 2t, 2t + 1), (row g + 8, same). The score C fragments of two
 // adjacent 8-key tiles are exactly the A fragment of P for one 16-key step.
-#define TC_ATT_WARPS 4
+#define TC_ATT_WARPS 8
 #define TC_ATT_ROWS (16 * TC_ATT_WARPS)
 #define TC_ATT_KB 64
 #define TC_ATT_KPAD 8  // bf16 padding per shared row: 16-byte shift between rows spreads the banks

@@ -322,7 +322,7 @@ pub fn paged_attention(dev: &CudaDevice, a: AttentionArgs, scratch: &AttentionSc
 }
 
 /// Rows per tile of [`prompt_attention_tc`] (`TC_ATT_ROWS`: 16 per warp).
-pub const TC_ATTN_TILE_ROWS: usize = 64;
+pub const TC_ATTN_TILE_ROWS: usize = 128;
 
 /// Whether [`prompt_attention_tc`] takes heads of `head_dim`.
 pub fn tc_prompt_attention_fits(head_dim: usize) -> bool {
@@ -372,7 +372,7 @@ pub fn prompt_attention_tc(dev: &CudaDevice, a: AttentionArgs, scratch: &Attenti
         .arg(&num_pages)
         .arg(&num_seqs)
         .arg(&rows);
-    let cfg = LaunchConfig { grid_dim: (dim(tiles, "tiles")?, nh, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+    let cfg = LaunchConfig { grid_dim: (dim(tiles, "tiles")?, nh, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: the arguments match the kernel's signature; shapes were checked above; device-side indices
     // (tiles, pages, key counts) are checked in the kernel, which writes only the rows its tiles name.
     unsafe { launch.launch(cfg) }.map_err(launch_err("prompt_attention_tc"))?;
