@@ -7,8 +7,9 @@
 // Grid: (tiles, heads); TC_ATT_WARPS warps, warp w owning the tile's rows 16 w .. 16 w + 15 (up to
 // TC_ATT_ROWS rows per tile, the tile format of paged_attention: sequence, first row, rows, unused). Row t
 // attends keys 0 .. row_keys[t] - 1 of its sequence. Keys go through shared memory in blocks of TC_ATT_KB:
-// the block's slots are looked up, its K (as [key][dim]) and V (transposed, [dim][key]) converted to bf16,
-// then each warp runs S = Q K^T (8 key columns per mma), masks, rescales its running output, and adds P V.
+// the block's slots are looked up and its K and V rows copied (cp.async, f32) while the block before it is
+// computed on, then converted to bf16, K as [key][dim] and V transposed ([dim][key]); each warp runs
+// S = Q K^T (8 key columns per mma), masks, rescales its running output, and adds P V.
 // A page past the cache or past the block table reads as NaN, as in paged_attention.
 //
 // Fragments (PTX mma.m16n8k16 .row.col, g = lane / 4, t = lane % 4): A regs (row g, cols 2t..2t+1),
@@ -19,6 +20,12 @@
 #define TC_ATT_ROWS (16 * TC_ATT_WARPS)
 #define TC_ATT_KB 64
 #define TC_ATT_KPAD 8  // bf16 padding per shared row: 16-byte shift between rows spreads the banks
+
+// cp.async of 16 bytes, global to shared, through L2 only.
+__device__ __forceinline__ void tc_cp_async16(float* smem, const float* gmem) {
+    const u32 dst = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
+}
 
 template <u32 D>
 __device__ __forceinline__ void tc_attention_body(const float* __restrict__ q, const float* __restrict__ k_cache,
@@ -31,9 +38,14 @@ __device__ __forceinline__ void tc_attention_body(const float* __restrict__ q, c
     constexpr u32 DTILES = D / 8;   // 8-dim output tiles of P V
     constexpr u32 KS_LD = D + TC_ATT_KPAD;
     constexpr u32 VT_LD = TC_ATT_KB + TC_ATT_KPAD;
-    __shared__ __align__(16) bf16_t ks[TC_ATT_KB * KS_LD];
-    __shared__ __align__(16) bf16_t vt[D * VT_LD];
-    __shared__ u32 slots[TC_ATT_KB];
+    // Dynamic shared memory: the f32 staging of the next block's K and V (cp.async), then the bf16 K and V^T the
+    // mma reads.
+    extern __shared__ float4 tc_smem[];
+    float* stage_k = reinterpret_cast<float*>(tc_smem);
+    float* stage_v = stage_k + TC_ATT_KB * D;
+    bf16_t* ks = reinterpret_cast<bf16_t*>(stage_v + TC_ATT_KB * D);
+    bf16_t* vt = ks + TC_ATT_KB * KS_LD;
+    __shared__ u32 slots[2][TC_ATT_KB];
     const u32* tile = tiles + 4 * blockIdx.x;
     const u32 seq = tile[0], row0 = tile[1], nrows = tile[2];
     if (nrows == 0 || seq >= num_seqs || row0 >= num_rows || nrows > num_rows - row0) return;
@@ -70,39 +82,61 @@ __device__ __forceinline__ void tc_attention_body(const float* __restrict__ q, c
     float m_a = DF_NEG_INF, m_b = DF_NEG_INF, l_a = 0.0f, l_b = 0.0f;
     const u32* table = tables + (u64)seq * table_stride;
 
-    for (u32 base = 0; base < kmax; base += TC_ATT_KB) {
-        __syncthreads();  // the previous block's K and V are done with
+    // The slots of key block `blk` into slots[blk & 1] (threads 0 .. 63).
+    auto lookup = [&](u32 blk) {
         if (threadIdx.x < TC_ATT_KB) {
-            const u32 key = base + threadIdx.x;
+            const u32 key = blk * TC_ATT_KB + threadIdx.x;
             u32 slot = ATTN_NO_SLOT;
             if (key < kmax) {
                 const u32 page = key / page_size < table_stride ? table[key / page_size] : num_pages;
                 slot = page < num_pages ? page * page_size + key % page_size : ATTN_NO_SLOT - 1;
             }
-            slots[threadIdx.x] = slot;
+            slots[blk & 1u][threadIdx.x] = slot;
         }
-        __syncthreads();
+    };
+    // Queues the copies of key block `blk`'s K and V rows into the staging (slots already looked up).
+    auto fetch = [&](u32 blk) {
         for (u32 e = threadIdx.x; e < TC_ATT_KB * (D / 4); e += blockDim.x) {
             const u32 c = e / (D / 4), d = 4 * (e - c * (D / 4));
-            const u32 slot = slots[c];
-            float4 kv = make_float4(0.0f, 0.0f, 0.0f, 0.0f), vv = kv;
+            const u32 slot = slots[blk & 1u][c];
             if (slot < ATTN_NO_SLOT - 1) {
                 const u64 off = ((u64)slot * kv_heads + kvh) * D + d;
-                kv = *reinterpret_cast<const float4*>(k_cache + off);
-                vv = *reinterpret_cast<const float4*>(v_cache + off);
+                tc_cp_async16(stage_k + c * D + d, k_cache + off);
+                tc_cp_async16(stage_v + c * D + d, v_cache + off);
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+    };
+    const u32 blocks = (kmax + TC_ATT_KB - 1) / TC_ATT_KB;
+    if (blocks > 0) {
+        lookup(0);
+        __syncthreads();
+        fetch(0);
+    }
+    for (u32 blk = 0; blk < blocks; ++blk) {
+        const u32 base = blk * TC_ATT_KB;
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        __syncthreads();  // block blk is staged; every warp is done with the previous K and V^T
+        if (blk + 1 < blocks) lookup(blk + 1);
+        for (u32 e = threadIdx.x; e < TC_ATT_KB * (D / 4); e += blockDim.x) {
+            const u32 c = e / (D / 4), d = 4 * (e - c * (D / 4));
+            const u32 slot = slots[blk & 1u][c];
+            float4 kv = make_float4(0.0f, 0.0f, 0.0f, 0.0f), vv = kv;
+            if (slot < ATTN_NO_SLOT - 1) {
+                kv = *reinterpret_cast<const float4*>(stage_k + c * D + d);
+                vv = *reinterpret_cast<const float4*>(stage_v + c * D + d);
             } else if (slot == ATTN_NO_SLOT - 1) {
                 kv = make_float4(DF_NAN, DF_NAN, DF_NAN, DF_NAN);
                 vv = kv;
             }
-            u32* kdst = reinterpret_cast<u32*>(ks + c * KS_LD + d);
-            kdst[0] = bf16x2_rn(kv.x, kv.y);
-            kdst[1] = bf16x2_rn(kv.z, kv.w);
+            *reinterpret_cast<uint2*>(ks + c * KS_LD + d) = make_uint2(bf16x2_rn(kv.x, kv.y), bf16x2_rn(kv.z, kv.w));
             vt[(d + 0) * VT_LD + c] = f32_to_bf16(vv.x);
             vt[(d + 1) * VT_LD + c] = f32_to_bf16(vv.y);
             vt[(d + 2) * VT_LD + c] = f32_to_bf16(vv.z);
             vt[(d + 3) * VT_LD + c] = f32_to_bf16(vv.w);
         }
-        __syncthreads();
+        __syncthreads();  // K and V^T are ready, the staging is free and the next slots are in
+        if (blk + 1 < blocks) fetch(blk + 1);  // lands while the mma below run
         if (base >= warp_lim) continue;
         // The warp's 16 x 64 scores.
         float s[TC_ATT_KB / 8][4];

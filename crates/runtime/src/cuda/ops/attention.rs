@@ -372,7 +372,13 @@ pub fn prompt_attention_tc(dev: &CudaDevice, a: AttentionArgs, scratch: &Attenti
         .arg(&num_pages)
         .arg(&num_seqs)
         .arg(&rows);
-    let cfg = LaunchConfig { grid_dim: (dim(tiles, "tiles")?, nh, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    // f32 staging of a 64-key block's K and V, then its bf16 K (rows padded by 8) and V^T (rows of 64 + 8 keys).
+    let smem = 2 * 64 * d * 4 + 64 * (d + 8) * 2 + d * (64 + 8) * 2;
+    let cfg = LaunchConfig {
+        grid_dim: (dim(tiles, "tiles")?, nh, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: dim(smem, "shared memory")?,
+    };
     // SAFETY: the arguments match the kernel's signature; shapes were checked above; device-side indices
     // (tiles, pages, key counts) are checked in the kernel, which writes only the rows its tiles name.
     unsafe { launch.launch(cfg) }.map_err(launch_err("prompt_attention_tc"))?;
