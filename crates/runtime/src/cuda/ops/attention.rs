@@ -183,7 +183,36 @@ pub struct AttentionArgs<'a> {
     pub split: KeySplit,
 }
 
+/// The u32 sizes every attention kernel takes.
+struct LaunchDims {
+    num_pages: u32,
+    num_seqs: u32,
+    nh: u32,
+    kvh: u32,
+    ps: u32,
+    stride: u32,
+    rows: u32,
+}
+
 impl AttentionArgs<'_> {
+    /// The kernels' sizes, after [`AttentionArgs::check`]; `kernel` names the caller in errors.
+    fn launch_dims(&self, kernel: &str) -> Result<LaunchDims> {
+        let slots = self.k_cache.len() / (self.kv_heads * self.head_dim);
+        // Slots are u32 in the kernels, the two largest values being markers.
+        if slots >= (u32::MAX - 1) as usize {
+            return Err(shape_err(format!("{kernel}: {slots} slots exceed the kernel's u32 slots")));
+        }
+        Ok(LaunchDims {
+            num_pages: dim(slots / self.page_size, "pages")?,
+            num_seqs: dim(self.tables.len() / self.table_stride, "sequences")?,
+            nh: dim(self.num_heads, "heads")?,
+            kvh: dim(self.kv_heads, "kv_heads")?,
+            ps: dim(self.page_size, "page_size")?,
+            stride: dim(self.table_stride, "stride")?,
+            rows: dim(self.row_keys.len(), "rows")?,
+        })
+    }
+
     /// Checks the shapes; a tile may hold `max_queries` query vectors (rows x query heads per kv head).
     fn check(&self, scratch: &AttentionScratch, max_queries: usize) -> Result<()> {
         let t = self.row_keys.len();
@@ -250,15 +279,8 @@ pub fn paged_attention(dev: &CudaDevice, a: AttentionArgs, scratch: &AttentionSc
     // At most 16 · 256 + 32 · 260 + 32 · 256 floats (82,432 bytes) for head_dim 256: within MAX_DYNAMIC_SMEM.
     let smem = 4 * (nq * d + ATTN_KEY_CHUNK * (d + 4) + ATTN_KEY_CHUNK * d);
     let (pa, pm) = (scratch.part_acc.view(), scratch.part_ml.view());
-    let slots = a.k_cache.len() / (a.kv_heads * d);
-    let num_pages = dim(slots / a.page_size, "pages")?;
-    // Slots are u32 in the kernel, the two largest values being markers.
-    if slots >= (u32::MAX - 1) as usize {
-        return Err(shape_err(format!("paged_attention: {slots} slots exceed the kernel's u32 slots")));
-    }
-    let num_seqs = dim(a.tables.len() / a.table_stride, "sequences")?;
-    let (nh, kvh, hd) = (dim(a.num_heads, "heads")?, dim(a.kv_heads, "kv_heads")?, dim(d, "head_dim")?);
-    let (ps, stride, rows) = (dim(a.page_size, "page_size")?, dim(a.table_stride, "stride")?, dim(t, "rows")?);
+    let LaunchDims { num_pages, num_seqs, nh, kvh, ps, stride, rows } = a.launch_dims("paged_attention")?;
+    let hd = dim(d, "head_dim")?;
     let (split_keys, grid_z) = match a.split {
         KeySplit::Whole => (0, 1),
         KeySplit::Fixed { keys, max_splits, .. } => (dim(keys, "split keys")?, dim(max_splits, "splits")?),
@@ -346,14 +368,7 @@ pub fn prompt_attention_tc(dev: &CudaDevice, a: AttentionArgs, scratch: &Attenti
     if t == 0 || tiles == 0 {
         return Ok(());
     }
-    let slots = a.k_cache.len() / (a.kv_heads * d);
-    if slots >= (u32::MAX - 1) as usize {
-        return Err(shape_err(format!("prompt_attention_tc: {slots} slots exceed the kernel's u32 slots")));
-    }
-    let num_pages = dim(slots / a.page_size, "pages")?;
-    let num_seqs = dim(a.tables.len() / a.table_stride, "sequences")?;
-    let (nh, kvh) = (dim(a.num_heads, "heads")?, dim(a.kv_heads, "kv_heads")?);
-    let (ps, stride, rows) = (dim(a.page_size, "page_size")?, dim(a.table_stride, "stride")?, dim(t, "rows")?);
+    let LaunchDims { num_pages, num_seqs, nh, kvh, ps, stride, rows } = a.launch_dims("prompt_attention_tc")?;
     let kernel = if d == 64 { &dev.kernels.prompt_attention_tc_d64 } else { &dev.kernels.prompt_attention_tc_d128 };
     let mut launch = dev.launch_builder(kernel);
     launch
