@@ -227,14 +227,17 @@ __device__ __forceinline__ void tc_block_mma(const bf16_t* __restrict__ w, const
     const float* xrows[T];
 #pragma unroll
     for (int i = 0; i < T; ++i) xrows[i] = (8u * i + g < m) ? x + (u64)(8u * i + g) * k : nullptr;
-    // Two of the warp's k-blocks per pass, all loads issued before the first mma (the second may lie past k:
-    // its loads are predicated off and its zeros add nothing), so each lane keeps 64 bytes per weight row in
-    // flight. The accumulation order is the warp's k-blocks in turn either way.
-    for (u32 kb = warp * TC_KB; kb < k; kb += 2u * TC_WARPS * TC_KB) {
-        u32 wd[2][2][2][8];
-        u32 xd[2][T][8];
+    // U of the warp's k-blocks per pass, all loads issued before the first mma (the second may lie past k: its
+    // loads are predicated off and its zeros add nothing), so each lane keeps 64 bytes per weight row in flight
+    // with U = 2. More than one tile of activations would not fit the registers beside two passes (ptxas spilled
+    // at two tiles), so those take one k-block per pass. The accumulation order is the warp's k-blocks in turn
+    // either way: a row's bits do not depend on T.
+    constexpr int U = T == 1 ? 2 : 1;
+    for (u32 kb = warp * TC_KB; kb < k; kb += U * TC_WARPS * TC_KB) {
+        u32 wd[U][2][2][8];
+        u32 xd[U][T][8];
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
+        for (int u = 0; u < U; ++u) {
             const u32 kbu = kb + u * TC_WARPS * TC_KB;
 #pragma unroll
             for (int p = 0; p < (SWIGLU ? 2 : 1); ++p) {
@@ -245,7 +248,7 @@ __device__ __forceinline__ void tc_block_mma(const bf16_t* __restrict__ w, const
             for (int i = 0; i < T; ++i) tc_load_x(xrows[i], k, kbu, t, xd[u][i]);
         }
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
+        for (int u = 0; u < U; ++u) {
 #pragma unroll
             for (int s = 0; s < 4; ++s) {
 #pragma unroll
