@@ -231,7 +231,7 @@ pub(super) fn attend<'a>(
     if lay.prompt_tiles > 0 {
         let a = args(input(lay.prompt_tiles())?, p.max_prompt_tile_rows, KeySplit::Whole);
         if p.tensor_core_prompt {
-            prompt_attention_tc(dev, a, &ws.attn_parts)?;
+            prompt_attention_tc(dev, a)?;
         } else {
             paged_attention(dev, a, &ws.attn_parts)?;
         }

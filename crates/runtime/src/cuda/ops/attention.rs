@@ -213,13 +213,14 @@ impl AttentionArgs<'_> {
         })
     }
 
-    /// Checks the shapes; a tile may hold `max_queries` query vectors (rows x query heads per kv head).
-    fn check(&self, scratch: &AttentionScratch, max_queries: usize) -> Result<()> {
+    /// Checks the shapes for `kernel` (named in errors); a tile may hold `max_queries` query vectors (rows x query
+    /// heads per kv head).
+    fn check(&self, kernel: &str, max_queries: usize) -> Result<()> {
         let t = self.row_keys.len();
         let (d, nh, kvh) = (self.head_dim, self.num_heads, self.kv_heads);
         let slot_len = kvh * d;
         let group = nh.checked_div(kvh).unwrap_or(0);
-        let fail = |what: &str| Err(shape_err(format!("paged_attention: {what}")));
+        let fail = |what: &str| Err(shape_err(format!("{kernel}: {what}")));
         if d == 0 || d > ATTN_MAX_HEAD_DIM || !d.is_multiple_of(4) {
             return fail(&format!("head_dim {d} must be a multiple of 4 up to {ATTN_MAX_HEAD_DIM}"));
         }
@@ -244,17 +245,22 @@ impl AttentionArgs<'_> {
                 self.tiles.len()
             ));
         }
+        Ok(())
+    }
+
+    /// Checks fixed key splits against the scratch that takes their partial states.
+    fn check_splits(&self, scratch: &AttentionScratch) -> Result<()> {
         if let KeySplit::Fixed { keys, max_splits, partial_rows } = self.split {
             let tiles = self.tiles.len() / 4;
             if keys == 0
                 || !keys.is_multiple_of(ATTN_KEY_CHUNK)
                 || max_splits == 0
-                || scratch.items() < partial_rows * nh * max_splits
+                || scratch.items() < partial_rows * self.num_heads * max_splits
             {
-                return fail(&format!(
-                    "{max_splits} splits of {keys} keys for {partial_rows} partial rows in {tiles} tiles; scratch holds {} states",
+                return Err(shape_err(format!(
+                    "paged_attention: {max_splits} splits of {keys} keys for {partial_rows} partial rows in {tiles} tiles; scratch holds {} states",
                     scratch.items()
-                ));
+                )));
             }
         }
         Ok(())
@@ -267,7 +273,8 @@ impl AttentionArgs<'_> {
 /// # Errors
 /// Lengths that do not form the shapes, unsupported head sizes, too small a scratch; a launch failure.
 pub fn paged_attention(dev: &CudaDevice, a: AttentionArgs, scratch: &AttentionScratch) -> Result<()> {
-    a.check(scratch, ATTN_MAX_QUERIES)?;
+    a.check("paged_attention", ATTN_MAX_QUERIES)?;
+    a.check_splits(scratch)?;
     let (t, tiles) = (a.row_keys.len(), a.tiles.len() / 4);
     if t == 0 || tiles == 0 {
         return Ok(());
@@ -345,6 +352,8 @@ pub fn paged_attention(dev: &CudaDevice, a: AttentionArgs, scratch: &AttentionSc
 
 /// Rows per tile of [`prompt_attention_tc`] (`TC_ATT_ROWS`: 16 per warp).
 pub const TC_ATTN_TILE_ROWS: usize = 128;
+/// Keys per shared-memory block of [`prompt_attention_tc`] (`TC_ATT_KB`).
+const TC_ATTN_KEY_BLOCK: usize = 64;
 
 /// Whether [`prompt_attention_tc`] takes heads of `head_dim`.
 pub fn tc_prompt_attention_fits(head_dim: usize) -> bool {
@@ -357,13 +366,13 @@ pub fn tc_prompt_attention_fits(head_dim: usize) -> bool {
 ///
 /// # Errors
 /// As [`paged_attention`]; a head_dim other than 64 or 128, a split other than `Whole`, tiles of more rows.
-pub fn prompt_attention_tc(dev: &CudaDevice, a: AttentionArgs, scratch: &AttentionScratch) -> Result<()> {
-    let group = a.num_heads.checked_div(a.kv_heads).unwrap_or(0);
-    a.check(scratch, TC_ATTN_TILE_ROWS * group)?;
+pub fn prompt_attention_tc(dev: &CudaDevice, a: AttentionArgs) -> Result<()> {
     let d = a.head_dim;
     if !tc_prompt_attention_fits(d) || !matches!(a.split, KeySplit::Whole) {
         return Err(shape_err(format!("prompt_attention_tc: head_dim {d} (64 or 128), {:?}", a.split)));
     }
+    let group = a.num_heads.checked_div(a.kv_heads).unwrap_or(0);
+    a.check("prompt_attention_tc", TC_ATTN_TILE_ROWS * group)?;
     let (t, tiles) = (a.row_keys.len(), a.tiles.len() / 4);
     if t == 0 || tiles == 0 {
         return Ok(());
@@ -387,11 +396,12 @@ pub fn prompt_attention_tc(dev: &CudaDevice, a: AttentionArgs, scratch: &Attenti
         .arg(&num_pages)
         .arg(&num_seqs)
         .arg(&rows);
-    // f32 staging of a 64-key block's K and V, then its bf16 K (rows padded by 8) and V^T (rows of 64 + 8 keys).
-    let smem = 2 * 64 * d * 4 + 64 * (d + 8) * 2 + d * (64 + 8) * 2;
+    // f32 staging of a key block's K and V, then its bf16 K (rows padded by 8) and V^T (rows of the block + 8 keys).
+    let kb = TC_ATTN_KEY_BLOCK;
+    let smem = 2 * kb * d * 4 + kb * (d + 8) * 2 + d * (kb + 8) * 2;
     let cfg = LaunchConfig {
         grid_dim: (dim(tiles, "tiles")?, nh, 1),
-        block_dim: (256, 1, 1),
+        block_dim: (dim(TC_ATTN_TILE_ROWS / 16 * 32, "threads")?, 1, 1),
         shared_mem_bytes: dim(smem, "shared memory")?,
     };
     // SAFETY: the arguments match the kernel's signature; shapes were checked above; device-side indices
