@@ -2,12 +2,12 @@
 //! file (weights dequantized to f32; fixture from tools/golden/smollm2.py).
 //!
 //! With f32 weights our forward is the reference's maths (top-5 logits within 2e-3). On the quantized path our
-//! matmuls quantize activations to 8-bit blocks, as llama.cpp does, which moves logits by 0.13 at the median
-//! (p99 0.8). The contract checked here: every teacher-forced argmax disagreement is a near-tie in the reference
-//! (our pick's reference logit within `NEAR_TIE_TF` of the reference top), agreement stays >= `MIN_AGREEMENT`,
-//! and the 32 greedy tokens match unless they diverge where the reference's top-2 gap is below `NEAR_TIE`.
-//! The foundation issue's goal is 99% agreement; 8-bit activations reach about 98%: closing that gap needs
-//! higher-precision activations (see docs/PERFORMANCE.md).
+//! matmuls quantize activations in two 8-bit passes (the value and its rounding error, `ActPrecision::Int8x2`),
+//! which moves top-5 logits by 0.001 at the median (max 0.007); one pass, as llama.cpp, moved them by 0.13 (p99
+//! 0.8) and agreed on 98.2-99.2% of argmaxes. The contract checked here: top-5 logits within `MAX_DEVIATION`,
+//! teacher-forced argmax agreement >= `MIN_AGREEMENT` (the foundation issue's 99%) with every disagreement a
+//! near-tie in the reference (our pick's reference logit within `NEAR_TIE` of the top), and the 32 greedy
+//! tokens match unless they diverge where the reference's top-2 gap is below `NEAR_TIE`.
 
 mod common;
 
@@ -17,14 +17,13 @@ use dflash_models::{load_model, ForwardBatch, LlamaModel, LoadOptions, SeqRows};
 use dflash_runtime::ops::argmax;
 use serde_json::Value;
 
-/// A divergence where the reference's top-2 logits are closer than this is a near-tie, not an error. The 8-bit
-/// activation rounding moves top-5 logits by 0.05 at the median (the test prints the distribution); the two
-/// divergences seen sit at gaps of 0.08 and 0.07.
-const NEAR_TIE: f32 = 0.25;
-/// A teacher-forced disagreement is accepted only where the reference itself ranks our pick this close to its top.
-const NEAR_TIE_TF: f32 = 1.0;
-/// Measured 0.982 to 0.992 across kernel versions; this guards against regressions.
-const MIN_AGREEMENT: f64 = 0.975;
+/// A divergence where the reference's top-2 logits are closer than this is a near-tie, not an error: several
+/// times the largest top-5 logit deviation measured (0.007).
+const NEAR_TIE: f32 = 0.05;
+/// The largest top-5 logit deviation accepted (measured 0.007).
+const MAX_DEVIATION: f32 = 0.03;
+/// Measured 1.0 (390 of 390 positions); the foundation issue's goal.
+const MIN_AGREEMENT: f64 = 0.99;
 const CHUNK: usize = 64;
 
 fn golden() -> Value {
@@ -91,7 +90,7 @@ fn default_model_matches_transformers() {
                     k.unwrap_or_else(|| panic!("{name} pos {pos}: our argmax {ours} is not in the reference top 5"));
                 let top = tf["top5_logits"][pos][0].as_f64().expect("logit") as f32;
                 let mine = tf["top5_logits"][pos][k].as_f64().expect("logit") as f32;
-                assert!(top - mine < NEAR_TIE_TF, "{name} pos {pos}: reference gap {} is no near-tie", top - mine);
+                assert!(top - mine < NEAR_TIE, "{name} pos {pos}: reference gap {} is no near-tie", top - mine);
             }
             for (k, &id) in top_ids.iter().enumerate() {
                 let want_logit = tf["top5_logits"][pos][k].as_f64().expect("logit") as f32;
@@ -120,6 +119,7 @@ fn default_model_matches_transformers() {
         q(1.0)
     );
     assert!(rate >= MIN_AGREEMENT, "teacher-forced argmax agreement {rate:.4} < {MIN_AGREEMENT}");
+    assert!(q(1.0) <= MAX_DEVIATION, "largest top-5 logit deviation {} > {MAX_DEVIATION}", q(1.0));
 }
 
 /// With every weight dequantized to f32 our forward is the reference's maths: the top-5 logits agree tightly.

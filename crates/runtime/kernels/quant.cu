@@ -11,7 +11,9 @@
 // As on the CPU (and in llama.cpp), the activations are first quantized to 8-bit blocks of 32 with an
 // f32 scale d = amax / 127 and s = d * sum(q); the dot product of a block is an integer sum (dp4a),
 // scaled per block in f32 with the CPU's formula and rounding. Only the order in which the blocks'
-// terms are summed differs from the CPU.
+// terms are summed differs from the CPU. With P = 2 passes (the CPU's ActPrecision::Int8x2) each row's
+// rounding error x - d q is quantized into a second row (see quantize_block_lane), the pair's dot products
+// are computed like two rows and added: the same quantized bytes as the CPU's.
 //
 // The kernels fuse what surrounds a matmul in a decoder layer:
 //   prologue: the activation rows are RMS-normalised (when `norm_w` is not null) and quantized into
@@ -26,10 +28,67 @@
 
 #define MMVQ_WARPS 8
 
-// Quantizes up to R rows of x (row stride x_ld) into shared memory: xq [R][k] int8, xd / xs [R][k/32].
-// Rows past `rows` are zeros (their outputs are never written). With `norm_w`, each row is first
-// RMS-normalised as the CPU's rms_norm does: (x * inv) * w, inv = 1 / sqrt(mean(x^2) + eps).
-template <int R>
+// Reductions over the 8 lanes that share a block (lane groups 0-7, 8-15, ...: xor offsets below 8).
+__device__ __forceinline__ float group8_max(float v) {
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(DF_FULL_MASK, v, o));
+    return v;
+}
+
+__device__ __forceinline__ int group8_sum(int v) {
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) v += __shfl_xor_sync(DF_FULL_MASK, v, o);
+    return v;
+}
+
+// One lane's 4 elements v (elements 4 e..4 e + 3 of block b, e = lane & 7) of a 32-element block quantized by
+// 8 lanes into row `qr` of xq / xd / xs: q = rn(v * 127 / amax), d = amax / 127, s = d * sum(q). With P = 2
+// the rounding error err = v - d q (|err| <= d / 2) also goes into row qr + 1 with the fixed scale d / 254
+// (q_err = rn(err * (254 / d)), clamped to +-127), as the CPU's second pass; both rows' sums come back from
+// one reduction (|sum(q)| <= 4064 fits the low 16 bits). Every lane takes part in the shuffles; only `live`
+// ones write. Max and integer sums are exact, so the bytes are the CPU's whatever the reduction order.
+template <int P>
+__device__ __forceinline__ void quantize_block_quarter(const float v[4], bool live, u32 qr, u32 b, u32 k,
+                                                       signed char* xq, float* xd, float* xs) {
+    const u32 e = threadIdx.x & 7u, nb = k >> 5;
+    const float amax = group8_max(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
+    const float id = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+    const float d = __fdiv_rn(amax, 127.0f);
+    const float id_err = d > 0.0f ? __fdiv_rn(254.0f, d) : 0.0f;
+    int q[4], q_err[4] = {0, 0, 0, 0}, packed = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        q[i] = __float2int_rn(__fmul_rn(v[i], id));
+        if (P == 2) {
+            const float err = __fsub_rn(v[i], __fmul_rn((float)q[i], d));
+            q_err[i] = max(-127, min(127, __float2int_rn(__fmul_rn(err, id_err))));
+        }
+        packed += q[i] + q_err[i] * 65536;
+    }
+    const int sums = group8_sum(packed);
+    if (!live) return;
+    const auto pack4 = [](const int* t) {
+        return (u32)(t[0] & 0xff) | ((u32)(t[1] & 0xff) << 8) | ((u32)(t[2] & 0xff) << 16) | ((u32)t[3] << 24);
+    };
+    *reinterpret_cast<u32*>(xq + (u64)qr * k + b * 32 + 4 * e) = pack4(q);
+    if (P == 2) *reinterpret_cast<u32*>(xq + (u64)(qr + 1) * k + b * 32 + 4 * e) = pack4(q_err);
+    if (e == 0) {
+        const int sum = P == 2 ? ((sums + 32768) & 0xffff) - 32768 : sums;
+        xd[qr * nb + b] = d;
+        xs[qr * nb + b] = __fmul_rn(d, (float)sum);
+        if (P == 2) {
+            const float d_err = __fdiv_rn(d, 254.0f);
+            xd[(qr + 1) * nb + b] = d_err;
+            xs[(qr + 1) * nb + b] = __fmul_rn(d_err, (float)((sums - sum) / 65536));
+        }
+    }
+}
+
+// Quantizes up to R rows of x (row stride x_ld) into shared memory, P quantized rows per row (the row, then
+// its rounding error): xq [R P][k] int8, xd / xs [R P][k/32]. Rows past `rows` are zeros (their outputs
+// are never written). With `norm_w`, each row is first RMS-normalised as the CPU's rms_norm does:
+// (x * inv) * w, inv = 1 / sqrt(mean(x^2) + eps).
+template <int R, int P>
 __device__ __forceinline__ void quantize_rows_smem(const float* __restrict__ x, u32 x_ld, u32 rows, u32 k,
                                                    const float* __restrict__ norm_w, float eps, signed char* xq,
                                                    float* xd, float* xs) {
@@ -50,23 +109,22 @@ __device__ __forceinline__ void quantize_rows_smem(const float* __restrict__ x, 
         }
         __syncthreads();
     }
-    for (u32 blk = warp; blk < R * nb; blk += warps) {
-        const u32 r = blk / nb, b = blk - r * nb;
-        float v = 0.0f;
-        if (r < rows) {
-            v = x[(u64)r * x_ld + b * 32 + lane];
-            if (norm_w != nullptr) v = __fmul_rn(__fmul_rn(v, inv_rms[r]), norm_w[b * 32 + lane]);
+    // Four blocks per warp and pass, eight lanes each: the prologue's latency is what a decode step's matmuls
+    // wait on, and 3-deep reductions take a quarter of the passes that 5-deep ones did.
+    for (u32 blk0 = 4 * warp; blk0 < R * nb; blk0 += 4 * warps) {
+        const u32 blk = blk0 + (lane >> 3), e = lane & 7u;
+        const bool live = blk < R * nb;
+        const u32 r = live ? blk / nb : 0, b = live ? blk - r * nb : 0;
+        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (live && r < rows) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const u32 c = b * 32 + 4 * e + i;
+                v[i] = x[(u64)r * x_ld + c];
+                if (norm_w != nullptr) v[i] = __fmul_rn(__fmul_rn(v[i], inv_rms[r]), norm_w[c]);
+            }
         }
-        const float amax = warp_max(fabsf(v));
-        const float id = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
-        const int q = __float2int_rn(__fmul_rn(v, id));
-        const int sum = warp_sum_int(q);
-        xq[(u64)r * k + b * 32 + lane] = (signed char)q;
-        if (lane == 0) {
-            const float d = __fdiv_rn(amax, 127.0f);
-            xd[r * nb + b] = d;
-            xs[r * nb + b] = __fmul_rn(d, (float)sum);
-        }
+        quantize_block_quarter<P>(v, live, r * P, b, k, xq, xd, xs);
     }
     __syncthreads();
 }
@@ -166,31 +224,41 @@ __device__ __forceinline__ void mmvq_row(const unsigned char* __restrict__ qs, c
     }
 }
 
-// One activation row (R = 1) against two weight rows at once, so twice the loads are in flight (a decode
-// step's matmuls are bound by memory latency, not bandwidth). `b_row` < 0 means no second row.
-template <int FMT>
+// Adds the warp's P per-lane partial sums of one output (its P quantized rows) into one value.
+template <int P>
+__device__ __forceinline__ float sum_passes(const float* acc) {
+    float v = warp_sum(acc[0]);
+    if (P == 2) v = __fadd_rn(v, warp_sum(acc[1]));
+    return v;
+}
+
+// One activation row (R = 1, as P quantized rows) against two weight rows at once, so twice the loads are in
+// flight (a decode step's matmuls are bound by memory latency, not bandwidth). `b_row` < 0: no second row.
+template <int FMT, int P>
 __device__ __forceinline__ void mmvq_two_rows_r1(const unsigned char* __restrict__ qs,
                                                  const unsigned short* __restrict__ sc, u32 a_row, long long b_row,
                                                  u32 k, const signed char* xq, const float* xd, const float* xs,
                                                  float& a_acc, float& b_acc, bool use_first, const WBlock a_first,
                                                  const WBlock b_first) {
     const u32 lane = threadIdx.x & 31u, nb = k >> 5;
-    float a[1] = {0.0f}, b[1] = {0.0f};
+    float a[P], b[P];
+#pragma unroll
+    for (int p = 0; p < P; ++p) a[p] = b[p] = 0.0f;
     for (u32 blk = lane; blk < nb; blk += 32) {
         const bool first = use_first && blk == lane;
         const WBlock wa = first ? a_first : load_wblock<FMT>(qs, sc, (u64)a_row * nb + blk);
         WBlock wb = b_first;
         if (b_row >= 0 && !first) wb = load_wblock<FMT>(qs, sc, (u64)b_row * nb + blk);
-        mmvq_block<FMT, 1>(wa, blk, k, xq, xd, xs, a);
-        if (b_row >= 0) mmvq_block<FMT, 1>(wb, blk, k, xq, xd, xs, b);
+        mmvq_block<FMT, P>(wa, blk, k, xq, xd, xs, a);
+        if (b_row >= 0) mmvq_block<FMT, P>(wb, blk, k, xq, xd, xs, b);
     }
-    a_acc = warp_sum(a[0]);
-    b_acc = warp_sum(b[0]);
+    a_acc = sum_passes<P>(a);
+    b_acc = sum_passes<P>(b);
 }
 
 // The R = 1 matmul: each warp takes two weight rows per pass (for SwiGLU its column's gate and up rows,
 // otherwise two columns).
-template <int FMT>
+template <int FMT, int P>
 __device__ __forceinline__ void mmvq_r1(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc,
                                         const signed char* xq, const float* xd, const float* xs, float* __restrict__ y,
                                         u32 n_out, u32 k, u32 epi, u32 col0, bool prefetched, const WBlock first,
@@ -200,7 +268,7 @@ __device__ __forceinline__ void mmvq_r1(const unsigned char* __restrict__ qs, co
     for (u32 col = col0; col < n_out; col += swiglu ? step : 2 * step) {
         const long long b_row = swiglu ? (long long)(col + n_out) : (col + step < n_out ? (long long)(col + step) : -1);
         float a, b;
-        mmvq_two_rows_r1<FMT>(qs, sc, col, b_row, k, xq, xd, xs, a, b, prefetched && col == col0, first, first_b);
+        mmvq_two_rows_r1<FMT, P>(qs, sc, col, b_row, k, xq, xd, xs, a, b, prefetched && col == col0, first, first_b);
         if (lane != 0) continue;
         if (swiglu) {
             y[col] = swiglu_value(a, b);
@@ -214,18 +282,18 @@ __device__ __forceinline__ void mmvq_r1(const unsigned char* __restrict__ qs, co
     }
 }
 
-// y = epilogue(quantize(prologue(x)) . W^T) for rows [blockIdx.y * R, +R) of x.
+// y = epilogue(quantize(prologue(x)) . W^T) for rows [blockIdx.y * R, +R) of x, each quantized in P passes.
 //   x [m, x_ld] f32; y [m, y_ld] f32 (columns 0..n_out written); W [n, k] (n = n_out, or 2 n_out for
-//   EPI_SWIGLU). Dynamic shared memory: R * k * 1.25 bytes.
-template <int FMT, int R>
+//   EPI_SWIGLU). Dynamic shared memory: R * P * k * 1.25 bytes.
+template <int FMT, int R, int P>
 __device__ __forceinline__ void mmvq(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc,
                                      const float* __restrict__ x, u32 x_ld, u32 m, const float* __restrict__ norm_w,
                                      float eps, float* __restrict__ y, u32 y_ld, u32 n_out, u32 k, u32 epi) {
     extern __shared__ int4 mmvq_smem[];
     const u32 nb = k >> 5;
     signed char* xq = reinterpret_cast<signed char*>(mmvq_smem);
-    float* xd = reinterpret_cast<float*>(xq + (u64)R * k);
-    float* xs = xd + R * nb;
+    float* xd = reinterpret_cast<float*>(xq + (u64)R * P * k);
+    float* xs = xd + R * P * nb;
     const u32 row0 = blockIdx.y * R;
     const u32 rows = min((u32)R, m - row0);
     const u32 lane = threadIdx.x & 31u;
@@ -243,20 +311,20 @@ __device__ __forceinline__ void mmvq(const unsigned char* __restrict__ qs, const
             first_up = load_wblock<FMT>(qs, sc, (u64)(R == 1 ? second : col0 + n_out) * nb + lane);
         }
     }
-    quantize_rows_smem<R>(x + (u64)row0 * x_ld, x_ld, rows, k, norm_w, eps, xq, xd, xs);
+    quantize_rows_smem<R, P>(x + (u64)row0 * x_ld, x_ld, rows, k, norm_w, eps, xq, xd, xs);
     if (R == 1) {
-        mmvq_r1<FMT>(qs, sc, xq, xd, xs, y + (u64)row0 * y_ld, n_out, k, epi, col0, prefetch, first, first_up);
+        mmvq_r1<FMT, P>(qs, sc, xq, xd, xs, y + (u64)row0 * y_ld, n_out, k, epi, col0, prefetch, first, first_up);
         return;
     }
     for (u32 col = col0; col < n_out; col += gridDim.x * MMVQ_WARPS) {
-        float acc[R], up[R];
+        float acc_p[R * P], up_p[R * P], acc[R], up[R];
         const bool use_first = prefetch && col == col0;
-        mmvq_row<FMT, R>(qs, sc, col, k, xq, xd, xs, acc, use_first, first);
-        if (epi == EPI_SWIGLU) mmvq_row<FMT, R>(qs, sc, col + n_out, k, xq, xd, xs, up, use_first, first_up);
+        mmvq_row<FMT, R * P>(qs, sc, col, k, xq, xd, xs, acc_p, use_first, first);
+        if (epi == EPI_SWIGLU) mmvq_row<FMT, R * P>(qs, sc, col + n_out, k, xq, xd, xs, up_p, use_first, first_up);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            acc[r] = warp_sum(acc[r]);
-            if (epi == EPI_SWIGLU) up[r] = warp_sum(up[r]);
+            acc[r] = sum_passes<P>(acc_p + r * P);
+            if (epi == EPI_SWIGLU) up[r] = sum_passes<P>(up_p + r * P);
         }
         // Lane r writes row r, so the R stores go out in parallel.
 #pragma unroll
@@ -275,20 +343,25 @@ __device__ __forceinline__ void mmvq(const unsigned char* __restrict__ qs, const
     }
 }
 
-#define DF_MMVQ(NAME, FMT, R)                                                                                  \
+// NAME_rR: one pass (Int8); NAME_rR_x2: two (Int8x2).
+#define DF_MMVQ(NAME, FMT, R, P, SUFFIX)                                                                       \
     extern "C" __global__ void __launch_bounds__(MMVQ_WARPS * 32, 4)                                            \
-        NAME##_r##R(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc,                \
-                    const float* __restrict__ x, u32 x_ld, u32 m, const float* __restrict__ norm_w, float eps,  \
-                    float* __restrict__ y, u32 y_ld, u32 n_out, u32 k, u32 epi) {                               \
+        NAME##_r##R##SUFFIX(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc,        \
+                            const float* __restrict__ x, u32 x_ld, u32 m, const float* __restrict__ norm_w,     \
+                            float eps, float* __restrict__ y, u32 y_ld, u32 n_out, u32 k, u32 epi) {            \
         DF_GRID_DEPENDENCY();                                                                                   \
-        mmvq<FMT, R>(qs, sc, x, x_ld, m, norm_w, eps, y, y_ld, n_out, k, epi);                                  \
+        mmvq<FMT, R, P>(qs, sc, x, x_ld, m, norm_w, eps, y, y_ld, n_out, k, epi);                               \
     }
 
-#define DF_MMVQ_ALL_R(NAME, FMT) \
-    DF_MMVQ(NAME, FMT, 1)        \
-    DF_MMVQ(NAME, FMT, 2)        \
-    DF_MMVQ(NAME, FMT, 4)        \
-    DF_MMVQ(NAME, FMT, 8)
+#define DF_MMVQ_ALL_R(NAME, FMT)   \
+    DF_MMVQ(NAME, FMT, 1, 1, )     \
+    DF_MMVQ(NAME, FMT, 2, 1, )     \
+    DF_MMVQ(NAME, FMT, 4, 1, )     \
+    DF_MMVQ(NAME, FMT, 8, 1, )     \
+    DF_MMVQ(NAME, FMT, 1, 2, _x2)  \
+    DF_MMVQ(NAME, FMT, 2, 2, _x2)  \
+    DF_MMVQ(NAME, FMT, 4, 2, _x2)  \
+    DF_MMVQ(NAME, FMT, 8, 2, _x2)
 
 DF_MMVQ_ALL_R(mmvq_q4_0, QF_Q4_0)
 DF_MMVQ_ALL_R(mmvq_q4_1, QF_Q4_1)

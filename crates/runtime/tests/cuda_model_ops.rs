@@ -28,7 +28,8 @@ use std::sync::OnceLock;
 use dflash_runtime::cuda::ops::{self as gpu, AttentionArgs, AttentionScratch, Epilogue, KeySplit, MmvqArgs};
 use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DeviceBuf};
 use dflash_runtime::ops::{self as cpu, RopeScaling, RopeStyle, RopeTable};
-use dflash_runtime::{quant, DType, Tensor};
+use dflash_runtime::quant::{self, ActPrecision};
+use dflash_runtime::{DType, Tensor};
 use half::bf16;
 
 fn device() -> Option<&'static CudaDevice> {
@@ -115,14 +116,18 @@ fn quantized_matmul_matches_cpu_for_every_format_rows_prologue_and_epilogue() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(21);
     let eps = 1e-5;
-    for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+    let cases = [DType::Q4_0, DType::Q4_1, DType::Q8_0]
+        .into_iter()
+        .flat_map(|dtype| [ActPrecision::Int8, ActPrecision::Int8x2].map(|act| (dtype, act)));
+    for (dtype, act) in cases {
         // (m, n_out, k): one row (decode), 3 (padded to 4), 8, 13 (two chunks of 8), odd output counts.
-        for (m, n_out, k) in [(1, 37, 576), (3, 200, 96), (8, 64, 1536), (13, 129, 320)] {
+        for (m, n_out, k) in [(1, 37, 576), (3, 200, 96), (8, 64, 1536), (13, 129, 320), (8, 64, 64), (8, 64, 128)] {
             for epi in [Epilogue::Store, Epilogue::Add, Epilogue::Swiglu] {
                 for normed in [false, true] {
                     let n = epi.weight_rows(n_out);
                     let (bytes, deq) = quant_matrix(&mut rng, dtype, n, k);
-                    let w = gpu::QuantMatrix::upload(dev, dtype, &bytes, n, k).expect("upload");
+                    let mut w = gpu::QuantMatrix::upload(dev, dtype, &bytes, n, k).expect("upload");
+                    w.act = act;
                     // x rows of stride k + 32 (a wider buffer), as the forward's residual is not.
                     let x_ld = k + 32;
                     let x = rng.vec(m * x_ld, 2.0);
@@ -130,7 +135,7 @@ fn quantized_matmul_matches_cpu_for_every_format_rows_prologue_and_epilogue() {
                     let xs: Vec<f32> = x.chunks_exact(x_ld).flat_map(|r| r[..k].to_vec()).collect();
                     let x_in = if normed { cpu_rms_norm(&xs, &norm_w, eps) } else { xs };
                     let mut prod = vec![0f32; m * n];
-                    quant::matmul(dtype, &bytes, n, k, &x_in, m, &mut prod);
+                    quant::matmul_at(act, dtype, &bytes, n, k, &x_in, m, &mut prod);
                     let scale = abs_dot(&deq, &x_in, n, k);
                     let base = |r: usize, c: usize| ((r * n_out + c) % 7) as f32;
                     let (want, scale) = expected(epi, &prod, &scale, m, n_out, base);
@@ -156,17 +161,19 @@ fn quantized_matmul_matches_cpu_for_every_format_rows_prologue_and_epilogue() {
                         "wrote past n_out"
                     );
                     let tol = if normed { 2e-4 } else { 2e-5 };
-                    let what = format!("mmvq {dtype} {epi:?}{}", if normed { " +norm" } else { "" });
+                    let what = format!("mmvq {dtype} {act:?} {epi:?}{}", if normed { " +norm" } else { "" });
                     check(&what, &format!("{m}x{k} . {n}x{k}"), max_err_over(&got, &want, &scale), tol);
-                    // Batch invariance: the last row alone (one-row kernel) gives the same bits.
-                    let last = m - 1;
-                    let y1 = dev.upload(&y_host[last * y_ld..]).expect("y1");
-                    let x1 = x_dev.view().sub(last * x_ld, x_ld).expect("row");
-                    let args = MmvqArgs { x: x1, x_ld, m: 1, norm, y: y1.view(), y_ld, epi };
-                    gpu::mmvq(dev, &w, args).expect("mmvq one row");
-                    let alone = dev.download(&y1).expect("download");
-                    let diff = bit_mismatches(&alone[..n_out], &got[last * n_out..(last + 1) * n_out]);
-                    check(&format!("{what} row alone"), &format!("row {last} of {m}"), diff, 0.0);
+                    // Batch invariance: each row alone (the one-row kernel) gives the same bits.
+                    let mut diff = 0.0;
+                    for row in 0..m {
+                        let y1 = dev.upload(&y_host[row * y_ld..]).expect("y1");
+                        let x1 = x_dev.view().sub(row * x_ld, x_ld).expect("row");
+                        let args = MmvqArgs { x: x1, x_ld, m: 1, norm, y: y1.view(), y_ld, epi };
+                        gpu::mmvq(dev, &w, args).expect("mmvq one row");
+                        let alone = dev.download(&y1).expect("download");
+                        diff += bit_mismatches(&alone[..n_out], &got[row * n_out..(row + 1) * n_out]);
+                    }
+                    check(&format!("{what} rows alone"), &format!("{m} rows"), diff, 0.0);
                 }
             }
         }

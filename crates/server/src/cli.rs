@@ -55,9 +55,15 @@ pub struct ModelArgs {
     #[arg(long)]
     pub config_overrides: Option<String>,
     /// Dequantize every weight to f32 at load and run the reference-precision path (f32 activations; slower,
-    /// 4 bytes per weight). Quantized weights otherwise meet 8-bit quantized activations, as in llama.cpp.
+    /// 4 bytes per weight). Quantized weights otherwise meet activations quantized at --act-precision.
     #[arg(long)]
     pub f32_weights: bool,
+    /// Activation precision of the quantized (GGUF) matmuls, CPU and CUDA: `int8x2` rounds each 32-element
+    /// block to 8 bits and adds a second 8-bit pass over the rounding error (about 15 bits, so outputs follow
+    /// the weights' exact product); `int8` is one pass, as llama.cpp (faster prefill, and the model's
+    /// near-ties may flip).
+    #[arg(long, value_enum, default_value_t = ActPrecisionArg::Int8x2)]
+    pub act_precision: ActPrecisionArg,
     /// Hybrid targets (Qwen3-Next): tokens between the recurrent-state checkpoints a prompt leaves in the prefix
     /// cache (rounded up to a multiple of the page size and of the recurrence's 64-token chunk). A later request
     /// sharing the prefix resumes from the deepest checkpoint within the match and recomputes the rest; each
@@ -65,6 +71,22 @@ pub struct ModelArgs {
     /// checkpoints, and hybrid targets run with the prefix cache off. Other targets ignore it.
     #[arg(long, value_name = "N", default_value_t = dflash_engine::engine::DEFAULT_STATE_CHECKPOINT_STRIDE)]
     pub state_checkpoint_stride: usize,
+}
+
+/// `--act-precision` values.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActPrecisionArg {
+    Int8,
+    Int8x2,
+}
+
+impl From<ActPrecisionArg> for dflash_runtime::quant::ActPrecision {
+    fn from(arg: ActPrecisionArg) -> Self {
+        match arg {
+            ActPrecisionArg::Int8 => Self::Int8,
+            ActPrecisionArg::Int8x2 => Self::Int8x2,
+        }
+    }
 }
 
 impl ModelArgs {

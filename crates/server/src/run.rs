@@ -23,6 +23,8 @@ const PREFILL_CHUNK: usize = 512;
 pub fn load(args: &ModelArgs, capture_layers: &[usize]) -> Result<LoadedTarget> {
     crate::device::DeviceChoice::parse(&args.device)?;
     let threads = dflash_runtime::threads::init(args.threads);
+    // Before any weights are uploaded: the CUDA backend reads it when it loads a model.
+    dflash_runtime::quant::set_act_precision(args.act_precision.into());
     let source = dflash_models::resolve::resolve_model(args.model.as_deref())?;
     let t0 = Instant::now();
     let opts = LoadOptions {
@@ -33,7 +35,7 @@ pub fn load(args: &ModelArgs, capture_layers: &[usize]) -> Result<LoadedTarget> 
     let loaded = dflash_models::load_target(&source, &opts).with_context(|| format!("loading {source:?}"))?;
     let cfg = loaded.model.config();
     tracing::info!(
-        "loaded {} ({}, {} layers, hidden {}, vocab {}) in {:.0} ms; {threads} threads, {}",
+        "loaded {} ({}, {} layers, hidden {}, vocab {}) in {:.0} ms; {threads} threads, {}, {:?} activations",
         loaded.name,
         loaded.model.kind_name(),
         cfg.num_layers,
@@ -41,6 +43,7 @@ pub fn load(args: &ModelArgs, capture_layers: &[usize]) -> Result<LoadedTarget> 
         cfg.vocab_size,
         t0.elapsed().as_secs_f64() * 1e3,
         dflash_runtime::quant::simd_level(),
+        dflash_runtime::quant::act_precision(),
     );
     Ok(loaded)
 }

@@ -89,8 +89,9 @@ pub(crate) struct Kernels {
     pub gemv_bf16_ep: CudaFunction,
     /// `gemm_bf16_small_t{T}` for the tile counts of [`SMALL_GEMM_TILES`].
     pub gemm_bf16_small: Vec<CudaFunction>,
-    /// `mmvq[format][i]`: format 0 = Q4_0, 1 = Q4_1, 2 = Q8_0; `MMVQ_ROWS[i]` activation rows per block.
-    pub mmvq: Vec<Vec<CudaFunction>>,
+    /// `mmvq[format][passes - 1][i]`: format 0 = Q4_0, 1 = Q4_1, 2 = Q8_0; one or two activation passes
+    /// (`ActPrecision`); `MMVQ_ROWS[i]` activation rows per block.
+    pub mmvq: Vec<[Vec<CudaFunction>; 2]>,
     pub embedding_quant: CudaFunction,
     pub rope_kv_write: CudaFunction,
     pub paged_attention: CudaFunction,
@@ -160,10 +161,13 @@ impl Kernels {
                 .map_err(|e| CudaError::Driver { what: format!("cuFuncSetAttribute {name}"), source: e })?;
             Ok(f)
         };
+        let mmvq_rows = |fmt: &str, suffix: &str| -> Result<Vec<CudaFunction>, CudaError> {
+            MMVQ_ROWS.iter().map(|r| big_smem(&format!("mmvq_{fmt}_r{r}{suffix}"))).collect()
+        };
         let mmvq = ["q4_0", "q4_1", "q8_0"]
             .iter()
-            .map(|fmt| MMVQ_ROWS.iter().map(|r| big_smem(&format!("mmvq_{fmt}_r{r}"))).collect())
-            .collect::<Result<Vec<Vec<_>>, _>>()?;
+            .map(|fmt| Ok([mmvq_rows(fmt, "")?, mmvq_rows(fmt, "_x2")?]))
+            .collect::<Result<Vec<_>, CudaError>>()?;
         Ok(Kernels {
             embedding_f32: get("embedding_f32")?,
             embedding_bf16: get("embedding_bf16")?,

@@ -7,11 +7,17 @@
 //!
 //! Values are `q = round_half_even(x * 127 / amax)`, `d = amax / 127`; the scalar and AVX2 versions give
 //! identical bytes, so the kernel paths can be compared on the same input.
+//!
+//! At [`ActPrecision::Int8x2`] every input row becomes two quantized rows, `2 i` (the row) and `2 i + 1` (its
+//! rounding error `e = x - d q`), so the kernels run unchanged and the driver adds the pair: the activations
+//! then carry about 15 bits instead of 7. As `|e| <= d / 2`, the error needs no search for its largest
+//! magnitude: its scale is fixed at `d / 254` (`q_e = round_half_even(e * 254 / d)`, within ±127), which the
+//! GPU kernels mirror without a second reduction.
 
 use rayon::prelude::*;
 
 use super::blocks::{QK, QK_K};
-use super::Level;
+use super::{ActPrecision, Level};
 
 /// 32 quantized activations, aligned for 256-bit loads.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -80,47 +86,98 @@ impl Acts {
 const ROWS_PER_TASK: usize = 16;
 
 /// Quantizes `x` (`[rows, k]`) into `acts` with `block_len`-element scales (32 or 256), in parallel tasks
-/// of `ROWS_PER_TASK` rows for prefill-sized inputs.
-pub fn quantize(level: Level, x: &[f32], rows: usize, k: usize, block_len: usize, acts: &mut Acts) {
+/// of `ROWS_PER_TASK` rows for prefill-sized inputs. At [`ActPrecision::Int8x2`] `acts` gets `2 rows` rows:
+/// each input row followed by its quantized rounding error.
+pub fn quantize(
+    level: Level,
+    precision: ActPrecision,
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    block_len: usize,
+    acts: &mut Acts,
+) {
     debug_assert_eq!(x.len(), rows * k);
     debug_assert_eq!(k % block_len, 0);
     debug_assert!(block_len == QK || block_len == QK_K);
-    acts.reset(rows, k, block_len);
+    let passes = precision.passes();
+    acts.reset(rows * passes, k, block_len);
     if rows == 0 || k == 0 {
         return;
     }
-    let parallel = rows >= 2 * ROWS_PER_TASK && rayon::current_num_threads() > 1;
-    let g = if parallel { ROWS_PER_TASK } else { rows };
-    let (cpr, nb) = (k / QK, k / block_len);
     let Acts { qs, d, s, bsums, .. } = acts;
-    // Tasks of `g` rows: `((x, qs), d)` plus `s` or `bsums`, whichever the granularity uses.
-    type Task<'a> = ((&'a [f32], &'a mut [Q8x32]), &'a mut [f32]);
     if block_len == QK {
-        let task = |((x, qs), d): Task, s: &mut [f32]| {
-            for (i, x) in x.chunks_exact(k).enumerate() {
-                let span = i * cpr..(i + 1) * cpr;
-                quantize_row_32(level, x, &mut qs[span.clone()], &mut d[span.clone()], &mut s[span]);
+        let row = |x: &[f32], qs: &mut [Q8x32], d: &mut [f32], s: &mut [f32]| {
+            let ((qs_hi, qs_lo), (d_hi, d_lo)) = (qs.split_at_mut(k / QK), d.split_at_mut(k / QK));
+            let (s_hi, s_lo) = s.split_at_mut(k / QK);
+            quantize_row_32(level, x, qs_hi, d_hi, s_hi);
+            if passes == 2 {
+                quantize_error(x, qs_hi, d_hi, QK, qs_lo, d_lo);
+                for ((s, q), &d) in s_lo.iter_mut().zip(qs_lo.iter()).zip(d_lo.iter()) {
+                    *s = d * q.0.iter().map(|&v| i32::from(v)).sum::<i32>() as f32;
+                }
             }
         };
-        if parallel {
-            let tasks = x.par_chunks(g * k).zip(qs.par_chunks_mut(g * cpr)).zip(d.par_chunks_mut(g * nb));
-            tasks.zip(s.par_chunks_mut(g * cpr)).for_each(|(t, s)| task(t, s));
-        } else {
-            task(((x, qs), d), s);
-        }
+        by_rows(x, k, qs, d, s, row);
     } else {
-        let task = |((x, qs), d): Task, bsums: &mut [i16]| {
-            for (i, x) in x.chunks_exact(k).enumerate() {
-                let (q, dd) = (&mut qs[i * cpr..(i + 1) * cpr], &mut d[i * nb..(i + 1) * nb]);
-                quantize_row_256(x, q, dd, &mut bsums[i * k / 16..(i + 1) * k / 16]);
+        let row = |x: &[f32], qs: &mut [Q8x32], d: &mut [f32], sums: &mut [i16]| {
+            let ((qs_hi, qs_lo), (d_hi, d_lo)) = (qs.split_at_mut(k / QK), d.split_at_mut(k / QK_K));
+            let (sums_hi, sums_lo) = sums.split_at_mut(k / 16);
+            quantize_row_256(x, qs_hi, d_hi, sums_hi);
+            if passes == 2 {
+                quantize_error(x, qs_hi, d_hi, QK_K, qs_lo, d_lo);
+                for (sum, q) in sums_lo.iter_mut().zip(qs_lo.iter().flat_map(|c| c.0.chunks_exact(16))) {
+                    *sum = q.iter().map(|&v| i16::from(v)).sum();
+                }
             }
         };
-        if parallel {
-            let tasks = x.par_chunks(g * k).zip(qs.par_chunks_mut(g * cpr)).zip(d.par_chunks_mut(g * nb));
-            tasks.zip(bsums.par_chunks_mut(g * k / 16)).for_each(|(t, b)| task(t, b));
-        } else {
-            task(((x, qs), d), bsums);
+        by_rows(x, k, qs, d, bsums, row);
+    }
+}
+
+/// Runs `row(x_i, qs, d, side)` for every input row `x_i` of `k` elements on its share of `qs`, `d`
+/// and `side` (which hold the same number of entries per input row), in tasks of `ROWS_PER_TASK` rows when
+/// there are enough rows and threads.
+fn by_rows<T: Send>(
+    x: &[f32],
+    k: usize,
+    qs: &mut [Q8x32],
+    d: &mut [f32],
+    side: &mut [T],
+    row: impl Fn(&[f32], &mut [Q8x32], &mut [f32], &mut [T]) + Sync,
+) {
+    let rows = x.len() / k;
+    // Every slice holds the same number of entries for each input row.
+    let (qs_len, d_len, side_len) = (qs.len() / rows, d.len() / rows, side.len() / rows);
+    let task = |x: &[f32], qs: &mut [Q8x32], d: &mut [f32], side: &mut [T]| {
+        let parts = qs.chunks_exact_mut(qs_len).zip(d.chunks_exact_mut(d_len)).zip(side.chunks_exact_mut(side_len));
+        for (x, ((qs, d), side)) in x.chunks_exact(k).zip(parts) {
+            row(x, qs, d, side);
         }
+    };
+    if rows >= 2 * ROWS_PER_TASK && rayon::current_num_threads() > 1 {
+        let g = ROWS_PER_TASK;
+        let tasks = x.par_chunks(g * k).zip(qs.par_chunks_mut(g * qs_len)).zip(d.par_chunks_mut(g * d_len));
+        tasks.zip(side.par_chunks_mut(g * side_len)).for_each(|(((x, qs), d), side)| task(x, qs, d, side));
+    } else {
+        task(x, qs, d, side);
+    }
+}
+
+/// The second pass: each element's rounding error `e = x - d q` (at most `d / 2` in magnitude) quantized with
+/// the fixed scale `d / 254` into `qs_err` and `d_err` (one scale per `block_len` elements).
+fn quantize_error(x: &[f32], qs: &[Q8x32], d: &[f32], block_len: usize, qs_err: &mut [Q8x32], d_err: &mut [f32]) {
+    let chunks_per_block = block_len / QK;
+    for (c, ((xs, q), out)) in x.chunks_exact(QK).zip(qs).zip(qs_err.iter_mut()).enumerate() {
+        let d = d[c / chunks_per_block];
+        let id = if d > 0.0 { 254.0 / d } else { 0.0 };
+        for ((o, &v), &q) in out.0.iter_mut().zip(xs).zip(&q.0) {
+            let err = v - f32::from(q) * d;
+            *o = round_half_even(err * id).clamp(-127.0, 127.0) as i8;
+        }
+    }
+    for (e, &d) in d_err.iter_mut().zip(d) {
+        *e = d / 254.0;
     }
 }
 
@@ -256,7 +313,7 @@ mod tests {
         let (rows, k) = (3, 96);
         let x = random_values(rows * k, 11);
         let mut acts = Acts::default();
-        quantize(Level::Scalar, &x, rows, k, QK, &mut acts);
+        quantize(Level::Scalar, ActPrecision::Int8, &x, rows, k, QK, &mut acts);
         check_round_trip(&acts, &x, rows, k);
         for i in 0..rows {
             for b in 0..k / QK {
@@ -271,12 +328,43 @@ mod tests {
         let (rows, k) = (2, 512);
         let x = random_values(rows * k, 12);
         let mut acts = Acts::default();
-        quantize(Level::Scalar, &x, rows, k, QK_K, &mut acts);
+        quantize(Level::Scalar, ActPrecision::Int8, &x, rows, k, QK_K, &mut acts);
         check_round_trip(&acts, &x, rows, k);
         for i in 0..rows {
             let qs: Vec<i8> = acts.row_qs(i).iter().flat_map(|c| c.0).collect();
             for (g, &sum) in acts.row_bsums(i).iter().enumerate() {
                 assert_eq!(sum as i32, qs[16 * g..16 * g + 16].iter().map(|&v| v as i32).sum::<i32>());
+            }
+        }
+    }
+
+    #[test]
+    fn second_pass_carries_the_rounding_error() {
+        // Row pairs (2 i, 2 i + 1) dequantize to x within half a step of the second pass, which is at most
+        // 1/254 of the first's: about 15 bits where one pass gives 7.
+        for block_len in [QK, QK_K] {
+            let (rows, k) = (5, 512);
+            let mut x = random_values(rows * k, 14);
+            x[7] = 0.0;
+            x[k..k + block_len].fill(0.0); // an all-zero block: both passes give zeros
+            let mut acts = Acts::default();
+            quantize(Level::detect(), ActPrecision::Int8x2, &x, rows, k, block_len, &mut acts);
+            assert_eq!(acts.rows, 2 * rows);
+            let value = |r: usize, j: usize| {
+                let q = acts.row_qs(r)[j / QK].0[j % QK];
+                f32::from(q) * acts.row_d(r)[j / block_len]
+            };
+            for i in 0..rows {
+                for (b, xs) in x[i * k..(i + 1) * k].chunks(block_len).enumerate() {
+                    let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    for (e, &v) in xs.iter().enumerate() {
+                        let j = b * block_len + e;
+                        let (hi, lo) = (value(2 * i, j), value(2 * i + 1, j));
+                        assert!((hi - v).abs() <= 0.5001 * amax / 127.0, "first pass: {v} vs {hi}");
+                        let err = (hi + lo - v).abs();
+                        assert!(err <= 0.5001 * amax / (127.0 * 254.0) + 1e-7 * amax, "row {i} elem {j}: {err}");
+                    }
+                }
             }
         }
     }
@@ -291,11 +379,13 @@ mod tests {
         let mut x = random_values(rows * k, 13);
         x[5] = 0.0;
         x[64..128].fill(0.0); // an all-zero block
-        let (mut a, mut b) = (Acts::default(), Acts::default());
-        quantize(Level::Scalar, &x, rows, k, QK, &mut a);
-        quantize(Level::detect(), &x, rows, k, QK, &mut b);
-        assert_eq!(a.qs, b.qs);
-        assert_eq!(a.d, b.d);
-        assert_eq!(a.s, b.s);
+        for precision in [ActPrecision::Int8, ActPrecision::Int8x2] {
+            let (mut a, mut b) = (Acts::default(), Acts::default());
+            quantize(Level::Scalar, precision, &x, rows, k, QK, &mut a);
+            quantize(Level::detect(), precision, &x, rows, k, QK, &mut b);
+            assert_eq!(a.qs, b.qs);
+            assert_eq!(a.d, b.d);
+            assert_eq!(a.s, b.s);
+        }
     }
 }

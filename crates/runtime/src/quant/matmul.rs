@@ -1,5 +1,6 @@
 //! The quantized matmul driver: quantizes the activations once, splits the output into rectangles and runs
-//! the selected SIMD level's chunk kernel on each, in parallel on rayon's current pool.
+//! the selected SIMD level's chunk kernel on each, in parallel on rayon's current pool. At
+//! [`ActPrecision::Int8x2`] the kernels see two quantized rows per input row and [`Out`] adds each pair.
 
 use std::cell::Cell;
 use std::marker::PhantomData;
@@ -9,7 +10,7 @@ use rayon::prelude::*;
 
 use super::act::{self, Acts};
 use super::blocks::{QK, QK_K};
-use super::{scalar, Level};
+use super::{scalar, ActPrecision, Level};
 use crate::DType;
 
 /// Below this many multiply-adds a call runs on the calling thread: a pool round trip costs more.
@@ -23,10 +24,16 @@ const COL_GRAIN: usize = 16;
 const ROW_GRAIN: usize = 4;
 
 /// The output matrix `y` (`[rows, ld]`), written concurrently by workers that own disjoint elements.
+///
+/// The kernels address it by quantized activation row `i`; with two passes per input row (`passes == 2`)
+/// rows `2 r` and `2 r + 1` both add into `y[r]`, which starts at zero. The two land in the same job (jobs
+/// split rows in multiples of `ROW_GRAIN`, an even number) and `0 + a + b` has the same bits in either
+/// order, so the sum is deterministic.
 pub struct Out<'a> {
     ptr: *mut f32,
     ld: usize,
     len: usize,
+    passes: usize,
     _y: PhantomData<&'a mut [f32]>,
 }
 
@@ -35,32 +42,50 @@ unsafe impl Send for Out<'_> {}
 unsafe impl Sync for Out<'_> {}
 
 impl<'a> Out<'a> {
-    fn new(y: &'a mut [f32], ld: usize) -> Self {
-        Out { ptr: y.as_mut_ptr(), ld, len: y.len(), _y: PhantomData }
+    /// `y` for `passes` quantized rows per output row; zeroes it when the passes add up.
+    fn new(y: &'a mut [f32], ld: usize, passes: usize) -> Self {
+        if passes > 1 {
+            y.fill(0.0);
+        }
+        Out { ptr: y.as_mut_ptr(), ld, len: y.len(), passes, _y: PhantomData }
     }
 
-    /// Writes `y[i, j]`.
+    /// Writes (one pass) or adds (two passes) the value for quantized row `i`, column `j`.
     ///
     /// # Safety
-    /// No other thread may access `y[i, j]` during the matmul call (each job owns its rectangle).
+    /// No other thread may access the output row of `i` at column `j` during the matmul call (each job owns
+    /// its rectangle, and both rows of a pair).
     #[inline]
     pub unsafe fn set(&self, i: usize, j: usize, v: f32) {
-        let at = i * self.ld + j;
+        let at = (i / self.passes) * self.ld + j;
         debug_assert!(j < self.ld && at < self.len);
         // SAFETY: in bounds (the job rectangles lie inside `[rows, ld]`) and exclusively owned by the caller.
-        unsafe { *self.ptr.add(at) = v };
+        unsafe {
+            if self.passes == 1 {
+                *self.ptr.add(at) = v;
+            } else {
+                *self.ptr.add(at) += v;
+            }
+        }
     }
 
-    /// Writes `y[i, j..j + vals.len()]`.
+    /// [`Out::set`] for columns `j..j + vals.len()`.
     ///
     /// # Safety
     /// As [`Out::set`], for every element written.
     #[inline]
     pub unsafe fn set_run(&self, i: usize, j: usize, vals: &[f32]) {
-        let at = i * self.ld + j;
+        let at = (i / self.passes) * self.ld + j;
         debug_assert!(j + vals.len() <= self.ld && at + vals.len() <= self.len);
         // SAFETY: as in `set`.
-        unsafe { std::ptr::copy_nonoverlapping(vals.as_ptr(), self.ptr.add(at), vals.len()) };
+        unsafe {
+            if self.passes == 1 {
+                std::ptr::copy_nonoverlapping(vals.as_ptr(), self.ptr.add(at), vals.len());
+            } else {
+                let dst = std::slice::from_raw_parts_mut(self.ptr.add(at), vals.len());
+                dst.iter_mut().zip(vals).for_each(|(d, v)| *d += v);
+            }
+        }
     }
 }
 
@@ -77,9 +102,19 @@ thread_local! {
     static ACTS: Cell<Acts> = Cell::new(Acts::default());
 }
 
-/// `y[m, n] = x[m, k] · W[n, k]ᵀ` on `level`'s kernels.
+/// `y[m, n] = x[m, k] · W[n, k]ᵀ` on `level`'s kernels with activations at `precision`.
 #[allow(clippy::too_many_arguments)]
-pub fn matmul_on(level: Level, dtype: DType, w: &[u8], n: usize, k: usize, x: &[f32], m: usize, y: &mut [f32]) {
+pub fn matmul_on(
+    level: Level,
+    precision: ActPrecision,
+    dtype: DType,
+    w: &[u8],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+) {
     assert!(dtype.is_quantized(), "quant::matmul needs a block-quantized weight dtype, got {dtype}");
     let row_bytes = dtype.bytes_for(k).unwrap_or_else(|| panic!("k = {k} is not a whole number of {dtype} blocks"));
     // Hard checks: the kernels read through raw pointers sized from these.
@@ -89,13 +124,17 @@ pub fn matmul_on(level: Level, dtype: DType, w: &[u8], n: usize, k: usize, x: &[
     if m == 0 || n == 0 {
         return;
     }
+    if k == 0 {
+        y.fill(0.0);
+        return;
+    }
     let mut acts = ACTS.with(Cell::take);
-    act::quantize(level, x, m, k, act_block_len(dtype), &mut acts);
-    let out = Out::new(y, n);
+    act::quantize(level, precision, x, m, k, act_block_len(dtype), &mut acts);
+    let out = Out::new(y, n, precision.passes());
     let run = |(rows, cols): &(Range<usize>, Range<usize>)| {
         run_chunk(level, dtype, w, row_bytes, &acts, rows.clone(), cols.clone(), &out)
     };
-    let jobs = split(m, n, k, rayon::current_num_threads());
+    let jobs = split(acts.rows, n, k, rayon::current_num_threads());
     if jobs.len() == 1 {
         run(&jobs[0]);
     } else {

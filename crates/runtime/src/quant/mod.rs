@@ -4,7 +4,9 @@
 //!   (layouts in [`blocks`], bit-exact with ggml).
 //! * [`matmul`]: `y = x · Wᵀ` for a block-quantized `W`. As in llama.cpp, the activations are quantized once
 //!   per call to 8-bit blocks (32 elements with scale and sum for Q4_0/Q4_1/Q8_0; 256 elements with 16-element
-//!   sums for the K-quants) and the kernels run integer dot products, scaling per block in f32.
+//!   sums for the K-quants) and the kernels run integer dot products, scaling per block in f32. Unlike
+//!   llama.cpp, by default a second 8-bit pass carries each block's rounding error ([`ActPrecision`]), so the
+//!   result follows the weights' exact f32 product closely enough not to flip the model's near-ties.
 //!
 //! The SIMD path is picked once per process ([`simd_level`]; `DFLASH_SIMD=scalar|avx2|avx512` asks for a
 //! lower one, for A/B measurements) and dispatched in one place (`matmul::run_chunk`): a path is a module
@@ -28,6 +30,7 @@ mod matmul;
 mod quantize;
 mod scalar;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 use crate::DType;
@@ -135,6 +138,47 @@ impl Level {
     }
 }
 
+/// How the quantized matmul rounds its f32 activations before the integer dot products.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ActPrecision {
+    /// One 8-bit pass per 32- or 256-element block (llama.cpp's `Q8_1` / `Q8_K`): an element's error is up to
+    /// 1/254 of its block's largest magnitude. Fastest.
+    Int8,
+    /// An 8-bit pass plus an 8-bit pass over its rounding error (about 15 bits): the kernels run on twice the
+    /// activation rows, which costs little in decode (the weights are read once) and about twice the integer
+    /// work in prefill. Every output stays batch invariant.
+    #[default]
+    Int8x2,
+}
+
+impl ActPrecision {
+    /// Quantized activation rows per input row.
+    pub fn passes(self) -> usize {
+        match self {
+            ActPrecision::Int8 => 1,
+            ActPrecision::Int8x2 => 2,
+        }
+    }
+}
+
+/// Whether the process runs at [`ActPrecision::Int8`] (the default is [`ActPrecision::Int8x2`]).
+static INT8_ACTIVATIONS: AtomicBool = AtomicBool::new(false);
+
+/// Sets the activation precision of [`matmul`] (and of the CUDA backend's quantized matmul, which reads it
+/// when it loads a model) for the whole process: a numeric mode chosen once at start-up, like the SIMD level.
+pub fn set_act_precision(precision: ActPrecision) {
+    INT8_ACTIVATIONS.store(precision == ActPrecision::Int8, Ordering::Relaxed);
+}
+
+/// The activation precision [`matmul`] uses.
+pub fn act_precision() -> ActPrecision {
+    if INT8_ACTIVATIONS.load(Ordering::Relaxed) {
+        ActPrecision::Int8
+    } else {
+        ActPrecision::Int8x2
+    }
+}
+
 /// Which SIMD path the kernels use (`"avx512-vnni"`, `"avx2"` or `"scalar"`), for logs.
 pub fn simd_level() -> &'static str {
     Level::detect().name()
@@ -185,8 +229,8 @@ pub fn quantize_row(dtype: DType, src: &[f32], dst: &mut [u8]) {
 }
 
 /// `y[m, n] = x[m, k] · W[n, k]ᵀ` for a block-quantized `W` stored row-major (`n` rows of `k / block_len`
-/// blocks). `x` and `y` are f32 row-major. Runs on rayon's current pool, splitting the output across its
-/// threads; small calls stay on the calling thread.
+/// blocks). `x` and `y` are f32 row-major; `x` is rounded at the process's [`act_precision`]. Runs on rayon's
+/// current pool, splitting the output across its threads; small calls stay on the calling thread.
 ///
 /// Batch invariant: row `i` of `y` is bit-for-bit the same whatever else is in the call (the number of
 /// rows, the other rows, the pool size and how the work is split), so batched or speculative forwards
@@ -201,7 +245,25 @@ pub fn quantize_row(dtype: DType, src: &[f32], dst: &mut [u8]) {
 /// When `dtype` is not a block type, `k` is not a whole number of blocks, or a slice length does not match
 /// the shapes (caller bugs).
 pub fn matmul(dtype: DType, w: &[u8], n: usize, k: usize, x: &[f32], m: usize, y: &mut [f32]) {
-    matmul::matmul_on(Level::detect(), dtype, w, n, k, x, m, y);
+    matmul_at(act_precision(), dtype, w, n, k, x, m, y);
+}
+
+/// [`matmul`] with activations at `precision` rather than the process's.
+///
+/// # Panics
+/// As [`matmul`].
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_at(
+    precision: ActPrecision,
+    dtype: DType,
+    w: &[u8],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+) {
+    matmul::matmul_on(Level::detect(), precision, dtype, w, n, k, x, m, y);
 }
 
 #[cfg(test)]

@@ -127,16 +127,26 @@ fn zero_rows_quantize_to_zero() {
     }
 }
 
-/// `y = x · Wᵀ` on dequantized weights in f64, and per output the bound on the error that 8-bit activation
-/// quantization may add: Σ|w| · (half a step of the activation block).
-fn reference(dtype: DType, w: &[u8], n: usize, k: usize, x: &[f32], m: usize) -> (Vec<f32>, Vec<f32>) {
+/// `y = x · Wᵀ` on dequantized weights in f64, and per output the bound on the error that activation
+/// quantization at `precision` may add: Σ|w| · (half a step of the activation block), where a second pass
+/// divides the step by another 254 (it quantizes an error of at most half the first step).
+fn reference(
+    dtype: DType,
+    precision: ActPrecision,
+    w: &[u8],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+) -> (Vec<f32>, Vec<f32>) {
     let wf = dequantize(dtype, w, n, k);
     let act_block = if dtype.block_len() == 256 { 256 } else { 32 };
+    let steps = if precision == ActPrecision::Int8x2 { 254.0 * 254.0 } else { 254.0 };
     let half_step: Vec<f32> = x
         .chunks(act_block)
         .flat_map(|b| {
             let amax = b.iter().fold(0f32, |a, v| a.max(v.abs()));
-            std::iter::repeat_n(amax / 254.0, b.len())
+            std::iter::repeat_n(amax / steps, b.len())
         })
         .collect();
     let (mut y, mut bound) = (vec![0f32; m * n], vec![0f32; m * n]);
@@ -151,30 +161,49 @@ fn reference(dtype: DType, w: &[u8], n: usize, k: usize, x: &[f32], m: usize) ->
     (y, bound)
 }
 
-fn run(level: Level, dtype: DType, w: &[u8], n: usize, k: usize, x: &[f32], m: usize) -> Vec<f32> {
+#[allow(clippy::too_many_arguments)]
+fn run(
+    level: Level,
+    precision: ActPrecision,
+    dtype: DType,
+    w: &[u8],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+) -> Vec<f32> {
     let mut y = vec![f32::NAN; m * n];
-    matmul_on(level, dtype, w, n, k, x, m, &mut y);
+    matmul_on(level, precision, dtype, w, n, k, x, m, &mut y);
     y
 }
+
+const PRECISIONS: [ActPrecision; 2] = [ActPrecision::Int8, ActPrecision::Int8x2];
 
 fn check_all_levels(dtype: DType, n: usize, k: usize, m: usize, seed: u64) {
     let w = random_blocks(dtype, n, k, seed);
     let x = random_values(m * k, seed + 1);
-    let (want, bound) = reference(dtype, &w, n, k, &x, m);
-    let scalar = run(Level::Scalar, dtype, &w, n, k, &x, m);
-    for (idx, (&got, &want)) in scalar.iter().zip(&want).enumerate() {
-        assert!(
-            (got - want).abs() <= bound[idx],
-            "{dtype} scalar m={m} n={n} k={k} at {idx}: {got} vs {want} (bound {})",
-            bound[idx]
-        );
-    }
-    for &level in simd_levels() {
-        let fast = run(level, dtype, &w, n, k, &x, m);
-        for (idx, (&got, &s)) in fast.iter().zip(&scalar).enumerate() {
-            // Same integer sums; only the f32 accumulation order differs.
-            let tol = 1e-5 * (1.0 + want[idx].abs() + bound[idx] * 254.0);
-            assert!((got - s).abs() <= tol, "{dtype} {level:?} m={m} n={n} at {idx}: {got} vs scalar {s}");
+    // The one-pass bound also scales the tolerance between levels (it tracks the terms' magnitudes).
+    let (_, scale) = reference(dtype, ActPrecision::Int8, &w, n, k, &x, m);
+    for precision in PRECISIONS {
+        let (want, bound) = reference(dtype, precision, &w, n, k, &x, m);
+        let scalar = run(Level::Scalar, precision, dtype, &w, n, k, &x, m);
+        for (idx, (&got, &want)) in scalar.iter().zip(&want).enumerate() {
+            assert!(
+                (got - want).abs() <= bound[idx],
+                "{dtype} {precision:?} scalar m={m} n={n} k={k} at {idx}: {got} vs {want} (bound {})",
+                bound[idx]
+            );
+        }
+        for &level in simd_levels() {
+            let fast = run(level, precision, dtype, &w, n, k, &x, m);
+            for (idx, (&got, &s)) in fast.iter().zip(&scalar).enumerate() {
+                // Same integer sums; only the f32 accumulation order differs.
+                let tol = 1e-5 * (1.0 + want[idx].abs() + scale[idx] * 254.0);
+                assert!(
+                    (got - s).abs() <= tol,
+                    "{dtype} {precision:?} {level:?} m={m} n={n} at {idx}: {got} vs scalar {s}"
+                );
+            }
         }
     }
 }
@@ -226,10 +255,13 @@ fn matmul_on_quantized_real_values() {
             quantize_row(dtype, src, dst);
         }
         let x = random_values(m * k, 22);
-        let (want, bound) = reference(dtype, &w, n, k, &x, m);
-        let got = run(Level::detect(), dtype, &w, n, k, &x, m);
-        for i in 0..got.len() {
-            assert!((got[i] - want[i]).abs() <= bound[i], "{dtype} at {i}: {} vs {}", got[i], want[i]);
+        for precision in PRECISIONS {
+            let (want, bound) = reference(dtype, precision, &w, n, k, &x, m);
+            let got = run(Level::detect(), precision, dtype, &w, n, k, &x, m);
+            for i in 0..got.len() {
+                let (got, want) = (got[i], want[i]);
+                assert!((got - want).abs() <= bound[i], "{dtype} {precision:?} at {i}: {got} vs {want}");
+            }
         }
     }
 }
@@ -280,6 +312,7 @@ const POOL_ROWS: usize = 80;
 fn run_on_pool(
     pool: &rayon::ThreadPool,
     level: Level,
+    precision: ActPrecision,
     dtype: DType,
     w: &[u8],
     n: usize,
@@ -287,13 +320,14 @@ fn run_on_pool(
     x: &[f32],
     m: usize,
 ) -> Vec<f32> {
-    pool.install(|| run(level, dtype, w, n, k, x, m))
+    pool.install(|| run(level, precision, dtype, w, n, k, x, m))
 }
 
 /// The batch-invariance failures of one weight matrix on `level`: for every batch size and pool, each output
 /// row must be bit-identical to that activation row's output from a call with it alone on one thread.
 fn batch_variance(
     level: Level,
+    precision: ActPrecision,
     dtype: DType,
     n: usize,
     k: usize,
@@ -302,14 +336,15 @@ fn batch_variance(
 ) -> Vec<String> {
     let w = random_blocks(dtype, n, k, seed);
     let x = random_values(POOL_ROWS * k, seed + 1);
-    let alone: Vec<Vec<f32>> =
-        (0..POOL_ROWS).map(|r| run_on_pool(&pools[0], level, dtype, &w, n, k, &x[r * k..(r + 1) * k], 1)).collect();
+    let alone: Vec<Vec<f32>> = (0..POOL_ROWS)
+        .map(|r| run_on_pool(&pools[0], level, precision, dtype, &w, n, k, &x[r * k..(r + 1) * k], 1))
+        .collect();
     let mut failures = Vec::new();
     for m in [1, 2, 3, 4, 5, 8, 17, 64] {
         // Batches start at varying rows, so a row lands in different positions (tiles, lanes, jobs).
         let first = m % 16;
         for pool in pools {
-            let y = run_on_pool(pool, level, dtype, &w, n, k, &x[first * k..(first + m) * k], m);
+            let y = run_on_pool(pool, level, precision, dtype, &w, n, k, &x[first * k..(first + m) * k], m);
             let differing = (0..m)
                 .filter(|&i| {
                     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
@@ -318,7 +353,9 @@ fn batch_variance(
                 .count();
             if differing > 0 {
                 let threads = pool.current_num_threads();
-                failures.push(format!("{dtype} {level:?} n={n} k={k} m={m} threads={threads}: {differing} rows"));
+                failures.push(format!(
+                    "{dtype} {precision:?} {level:?} n={n} k={k} m={m} threads={threads}: {differing} rows"
+                ));
             }
         }
     }
@@ -340,7 +377,10 @@ fn matmul_rows_are_batch_invariant() {
                 if k % dtype.block_len() != 0 {
                     continue;
                 }
-                failures.extend(batch_variance(level, dtype, n, k, 300 + 10 * t as u64 + s as u64, &pools));
+                for precision in PRECISIONS {
+                    let seed = 300 + 10 * t as u64 + s as u64;
+                    failures.extend(batch_variance(level, precision, dtype, n, k, seed, &pools));
+                }
             }
         }
     }
@@ -382,15 +422,16 @@ fn avx512_matches_avx2_bit_for_bit() {
                 let w = random_blocks(dtype, n, k, seed);
                 for m in [1, 2, 3, 4, 5, 6, 17] {
                     for (v, x) in [random_values(m * k, seed + 1), extreme_values(m * k, seed + 2)].iter().enumerate() {
-                        for pool in &pools {
-                            let want = run_on_pool(pool, Level::Avx2, dtype, &w, n, k, x, m);
-                            let got = run_on_pool(pool, Level::Avx512, dtype, &w, n, k, x, m);
+                        for (pool, precision) in pools.iter().zip(PRECISIONS) {
+                            let want = run_on_pool(pool, Level::Avx2, precision, dtype, &w, n, k, x, m);
+                            let got = run_on_pool(pool, Level::Avx512, precision, dtype, &w, n, k, x, m);
                             let differing = want.iter().zip(&got).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
                             compared += want.len();
                             if differing > 0 {
                                 let threads = pool.current_num_threads();
                                 failures.push(format!(
-                                    "{dtype} n={n} k={k} m={m} values={v} threads={threads}: {differing} outputs"
+                                    "{dtype} {precision:?} n={n} k={k} m={m} values={v} threads={threads}: {differing} \
+                                     outputs"
                                 ));
                             }
                         }

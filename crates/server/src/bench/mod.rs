@@ -116,6 +116,8 @@ impl Probe {
 }
 
 pub fn bench(args: &BenchArgs) -> Result<()> {
+    // The random-weight scenarios load no model through `run::load`, which sets it for the others.
+    dflash_runtime::quant::set_act_precision(args.model.act_precision.into());
     match &args.scenario {
         Scenario::Shapes(shapes_args) => return shapes::run(shapes_args),
         Scenario::Hybrid(hybrid_args) => return hybrid::run(hybrid_args),

@@ -10,6 +10,7 @@ use crate::cuda::device::{CudaDevice, DeviceBuf};
 use crate::cuda::kernels::{MAX_DYNAMIC_SMEM, MMVQ_ROWS};
 use crate::cuda::view::{DevArg, DevSlice};
 use crate::cuda::Result;
+use crate::quant::{act_precision, ActPrecision};
 use crate::DType;
 
 /// The block types the CUDA kernels take.
@@ -74,6 +75,9 @@ pub struct QuantMatrix {
     qs: DeviceBuf<u8>,
     /// `[n, k / 32, scales per block]` f16 bits.
     scales: DeviceBuf<u16>,
+    /// How [`mmvq`] quantizes the activations it multiplies this matrix by: the process's
+    /// [`act_precision`] when the matrix was made, as the CPU's matmul.
+    pub act: ActPrecision,
 }
 
 impl QuantMatrix {
@@ -102,7 +106,7 @@ impl QuantMatrix {
             }
             qs.extend_from_slice(&blk[2 * sb..]);
         }
-        Ok(QuantMatrix { format, n, k, qs: dev.upload(&qs)?, scales: dev.upload(&scales)? })
+        Ok(QuantMatrix { format, n, k, qs: dev.upload(&qs)?, scales: dev.upload(&scales)?, act: act_precision() })
     }
 
     /// A matrix of random quants and random f16 scales in `±scale` (random-weight models for benchmarks).
@@ -115,7 +119,7 @@ impl QuantMatrix {
         let scales: DeviceBuf<u16> = dev.alloc_zeros(blocks * format.scales_per_block())?;
         fill_random_u32(dev, qs.view().cast::<u32>()?, seed)?;
         fill_random_f16(dev, &scales, seed ^ 0x5eed, scale, 0.0)?;
-        Ok(QuantMatrix { format, n, k, qs, scales })
+        Ok(QuantMatrix { format, n, k, qs, scales, act: act_precision() })
     }
 
     fn check_dims(n: usize, k: usize) -> Result<usize> {
@@ -131,10 +135,10 @@ impl QuantMatrix {
     }
 }
 
-/// Activation rows per block for `m` rows of length `k`: the smallest compiled count that covers `m`,
-/// limited by the shared memory the quantized rows take.
-fn rows_per_block(m: usize, k: usize) -> usize {
-    let fit = |r: usize| mmvq_smem_bytes(k, r) <= MAX_DYNAMIC_SMEM as usize;
+/// Activation rows per block for `m` rows of length `k` quantized in `passes`: the smallest compiled count
+/// that covers `m`, limited by the shared memory the quantized rows take.
+fn rows_per_block(m: usize, k: usize, passes: usize) -> usize {
+    let fit = |r: usize| mmvq_smem_bytes(k, r * passes) <= MAX_DYNAMIC_SMEM as usize;
     let mut best = MMVQ_ROWS[0];
     for &r in &MMVQ_ROWS {
         if fit(r) {
@@ -147,8 +151,8 @@ fn rows_per_block(m: usize, k: usize) -> usize {
     best
 }
 
-/// Dynamic shared memory of one quantized-matmul block: `r` rows of `k` int8 quants plus two f32 per
-/// 32-element block.
+/// Dynamic shared memory of one quantized-matmul block: `r` quantized rows (activation rows times passes) of
+/// `k` int8 quants plus two f32 per 32-element block.
 pub fn mmvq_smem_bytes(k: usize, r: usize) -> usize {
     r * k + 2 * 4 * r * (k / 32)
 }
@@ -198,7 +202,8 @@ pub fn mmvq(dev: &CudaDevice, w: &QuantMatrix, a: MmvqArgs) -> Result<()> {
     if a.m == 0 {
         return Ok(());
     }
-    let r = rows_per_block(a.m, k);
+    let passes = w.act.passes();
+    let r = rows_per_block(a.m, k, passes);
     let chunks = a.m.div_ceil(r);
     let target_blocks = (4 * dev.info().multiprocessors.max(1) as usize).div_ceil(chunks);
     // One-row launches take two columns per warp and pass (the kernel's R = 1 path), except SwiGLU,
@@ -206,7 +211,7 @@ pub fn mmvq(dev: &CudaDevice, w: &QuantMatrix, a: MmvqArgs) -> Result<()> {
     let cols_per_block = if r == 1 && a.epi != Epilogue::Swiglu { 16 } else { 8 };
     let grid_x = n_out.div_ceil(cols_per_block).min(target_blocks.max(1));
     let ri = MMVQ_ROWS.iter().position(|&v| v == r).unwrap_or(0);
-    let kernel = &dev.kernels.mmvq[w.format.code()][ri];
+    let kernel = &dev.kernels.mmvq[w.format.code()][passes - 1][ri];
     let (qs, sc) = (w.qs.view(), w.scales.view());
     let (norm_ptr, eps) = a.norm.map(|(nw, eps)| (nw.device_ptr(), eps)).unwrap_or((0, 0.0));
     let (x_ld, m, y_ld, n_out32, k32) =
@@ -229,7 +234,7 @@ pub fn mmvq(dev: &CudaDevice, w: &QuantMatrix, a: MmvqArgs) -> Result<()> {
     let cfg = cudarc::driver::LaunchConfig {
         grid_dim: (dim(grid_x, "blocks")?, dim(chunks, "row chunks")?, 1),
         block_dim: (256, 1, 1),
-        shared_mem_bytes: dim(mmvq_smem_bytes(k, r), "shared memory")?,
+        shared_mem_bytes: dim(mmvq_smem_bytes(k, r * passes), "shared memory")?,
     };
     // SAFETY: the arguments match the kernel's signature; the shapes were checked above and the shared
     // memory asked for is what the kernel carves (within the attribute set at load).
@@ -274,11 +279,15 @@ mod tests {
 
     #[test]
     fn rows_per_block_covers_m_within_shared_memory() {
-        assert_eq!(rows_per_block(1, 576), 1);
-        assert_eq!(rows_per_block(3, 576), 4);
-        assert_eq!(rows_per_block(16, 1536), 8);
+        assert_eq!(rows_per_block(1, 576, 1), 1);
+        assert_eq!(rows_per_block(3, 576, 1), 4);
+        assert_eq!(rows_per_block(16, 1536, 1), 8);
+        assert_eq!(rows_per_block(16, 1536, 2), 8);
         // 14336 columns: 8 rows would take 143 KiB, within the 160 KiB limit; 32K columns only fit 4.
-        assert_eq!(rows_per_block(8, 14336), 8);
-        assert_eq!(rows_per_block(8, 32768), 4);
+        assert_eq!(rows_per_block(8, 14336, 1), 8);
+        assert_eq!(rows_per_block(8, 32768, 1), 4);
+        // Two passes double the quantized rows: 14336 columns fit 4 activation rows, 32K fit 2.
+        assert_eq!(rows_per_block(8, 14336, 2), 4);
+        assert_eq!(rows_per_block(8, 32768, 2), 2);
     }
 }
