@@ -142,6 +142,34 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
     if ((threadIdx.x & 31u) == 0) y[col] = epi == EPI_ADD ? __fadd_rn(y[col], acc) : acc;
 }
 
+// m activation rows (x [m, x_ld]) through an f32 matrix: one warp per (row, output column), lane-strided FMAs
+// and the warp sum, so a row's bits are the same whatever m and the other rows (cuBLAS picks its kernel by
+// shape, which made f32 and f16 checkpoints' decode and verify rows differ). For the few-row steps of small
+// reference models; the weights are read once per row. Epilogue as gemv_bf16_ep; y [m, y_ld].
+// Grid: (ceil(n_out / GEMV_WARPS), m).
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemm_f32_rows(const float* __restrict__ w, const float* __restrict__ x, u32 x_ld, float* __restrict__ y,
+                  u32 y_ld, u32 n_out, u32 k, u32 epi) {
+    DF_GRID_DEPENDENCY();
+    const u32 lane = threadIdx.x & 31u, col = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), row = blockIdx.y;
+    if (col >= n_out) return;
+    const float* xr = x + (u64)row * x_ld;
+    const float* gate = w + (u64)col * k;
+    const float* up = w + (u64)(col + n_out) * k;
+    float acc = 0.0f, acc_up = 0.0f;
+    for (u32 i = lane; i < k; i += 32) {
+        const float v = xr[i];
+        acc = fmaf(gate[i], v, acc);
+        if (epi == EPI_SWIGLU) acc_up = fmaf(up[i], v, acc_up);
+    }
+    acc = warp_sum(acc);
+    if (epi == EPI_SWIGLU) acc = swiglu_value(acc, warp_sum(acc_up));
+    if (lane == 0) {
+        float* dst = y + (u64)row * y_ld + col;
+        *dst = epi == EPI_ADD ? __fadd_rn(*dst, acc) : acc;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Batch-invariant small-batch bf16 matmul on tensor cores (the decode and verify rows of bf16 targets).
 //

@@ -214,6 +214,49 @@ fn expected(
 }
 
 #[test]
+fn f32_rows_matmul_matches_cpu_and_is_batch_invariant() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(23);
+    // (m, n_out, k): odd widths, up to the 32 rows the kernel serves.
+    for (m, n_out, k) in [(1, 37, 100), (3, 64, 128), (8, 129, 576), (32, 20, 33)] {
+        for epi in [Epilogue::Store, Epilogue::Add, Epilogue::Swiglu] {
+            let n = epi.weight_rows(n_out);
+            let (w, x) = (rng.vec(n * k, 1.0), rng.vec(m * k, 2.0));
+            let prod: Vec<f32> = (0..m * n)
+                .map(|i| (0..k).map(|l| w[(i % n) * k + l] as f64 * x[(i / n) * k + l] as f64).sum::<f64>() as f32)
+                .collect();
+            let base = |r: usize, c: usize| ((r * n_out + c) % 5) as f32;
+            let (want, scale) = expected(epi, &prod, &abs_dot(&w, &x, n, k), m, n_out, base);
+            let y_ld = n_out + 3;
+            let mut y_host = vec![f32::NAN; m * y_ld];
+            if epi == Epilogue::Add {
+                for r in 0..m {
+                    for c in 0..n_out {
+                        y_host[r * y_ld + c] = base(r, c);
+                    }
+                }
+            }
+            let (w_dev, x_dev, y) =
+                (dev.upload(&w).expect("w"), dev.upload(&x).expect("x"), dev.upload(&y_host).expect("y"));
+            gpu::gemm_f32_rows(dev, &w_dev, n_out, &x_dev, m, &y, y_ld, epi).expect("gemm_f32_rows");
+            let got_all = dev.download(&y).expect("download");
+            assert!(got_all.chunks_exact(y_ld).all(|r| r[n_out..].iter().all(|v| v.is_nan())), "wrote past n_out");
+            let got: Vec<f32> = got_all.chunks_exact(y_ld).flat_map(|r| r[..n_out].to_vec()).collect();
+            let what = format!("gemm_f32_rows {epi:?}");
+            check(&what, &format!("{m}x{k} . {n}x{k}"), max_err_over(&got, &want, &scale), 1e-6);
+            let mut diff = 0.0;
+            for row in 0..m {
+                let y1 = dev.upload(&y_host[row * y_ld..row * y_ld + n_out]).expect("y1");
+                let x1 = x_dev.view().sub(row * k, k).expect("row");
+                gpu::gemm_f32_rows(dev, &w_dev, n_out, x1, 1, &y1, n_out, epi).expect("one row");
+                diff += bit_mismatches(&dev.download(&y1).expect("download"), &got[row * n_out..(row + 1) * n_out]);
+            }
+            check(&format!("{what} rows alone"), &format!("{m} rows"), diff, 0.0);
+        }
+    }
+}
+
+#[test]
 fn quantized_embedding_dequantizes_exactly() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(22);

@@ -1,9 +1,10 @@
 //! The matmul dispatch shared by the CUDA forwards: a projection or matrix by storage (the fused quantized
-//! kernel with the pre-norm in its prologue; for bf16, the batch-invariant small matmul up to 32 rows and cuBLAS
+//! kernel with the pre-norm in its prologue; for bf16 and f32, batch-invariant kernels up to 32 rows and cuBLAS
 //! beyond), with its output stored, added to the residual stream, or passed through SwiGLU.
 
 use dflash_runtime::cuda::ops::{
-    self as gpu, gemm, gemm_bf16_small, gemv_bf16_ep, mmvq, small_gemm_fits, Epilogue, GemmArgs, MmvqArgs,
+    self as gpu, f32_rows_fit, gemm, gemm_bf16_small, gemm_f32_rows, gemv_bf16_ep, mmvq, small_gemm_fits, Epilogue,
+    GemmArgs, MmvqArgs,
 };
 use dflash_runtime::cuda::{CudaDevice, DevSlice};
 
@@ -73,7 +74,7 @@ impl Linear<'_> {
 
     /// One matrix: the fused quantized kernel (prologue norm, epilogue); otherwise a separate norm kernel,
     /// then for bf16 weights the small tensor-core matmul with its epilogue up to 32 rows, cuBLAS (after a bf16
-    /// cast) for more; f32 weights always take cuBLAS.
+    /// cast) for more; f32 weights the warp-per-output kernel up to 32 rows, cuBLAS for more.
     pub(super) fn matmul(&self, ws: &Workspace, m: usize, input: MatIn, w: &DevMatrix, out: MatOut) -> Result<()> {
         let dev = self.dev;
         let (epi, y, y_ld) = match out {
@@ -112,6 +113,10 @@ impl Linear<'_> {
                 let xb = ws.x_bf16.view().prefix(m * w.k)?;
                 gpu::f32_to_bf16(dev, x, xb)?;
                 self.gemm_out(ws, m, w, out, |y, ld, acc| GemmArgs::bf16(wb.view(), w.n, w.k, xb, m, y, ld, acc))
+            }
+            // Decode and verify rows of f32 / f16 checkpoints: batch-invariant, as for bf16 above.
+            DevWeight::F32(wf) if f32_rows_fit(m) => {
+                Ok(gemm_f32_rows(dev, wf, n_out, x.prefix(m * w.k)?, m, y, y_ld, epi)?)
             }
             DevWeight::F32(wf) => {
                 self.gemm_out(ws, m, w, out, |y, ld, acc| GemmArgs::f32(wf.view(), w.n, w.k, x, m, y, ld, acc))

@@ -87,6 +87,7 @@ pub(crate) struct Kernels {
     /// `gemv[r - 1]` takes `r` input rows.
     pub gemv: Vec<CudaFunction>,
     pub gemv_bf16_ep: CudaFunction,
+    pub gemm_f32_rows: CudaFunction,
     /// `gemm_bf16_small_t{T}` for the tile counts of [`SMALL_GEMM_TILES`].
     pub gemm_bf16_small: Vec<CudaFunction>,
     /// `mmvq[format][passes - 1][i]`: format 0 = Q4_0, 1 = Q4_1, 2 = Q8_0; one or two activation passes
@@ -180,6 +181,7 @@ impl Kernels {
             argmax_finish: get("argmax_finish")?,
             gemv,
             gemv_bf16_ep: big_smem("gemv_bf16_ep")?,
+            gemm_f32_rows: get("gemm_f32_rows")?,
             gemm_bf16_small: SMALL_GEMM_TILES
                 .iter()
                 .map(|t| get(&format!("gemm_bf16_small_t{t}")))

@@ -213,6 +213,51 @@ pub fn gemv_bf16_ep<'a>(
     Ok(())
 }
 
+/// `m` activation rows through an f32 matrix with an epilogue, batch-invariant: a row's result has the same
+/// bits whatever `m` and the other rows (one warp per row and output column, in a fixed order), unlike
+/// cuBLAS, which picks its kernel by shape. For the few-row decode and verify steps of f32 and f16
+/// checkpoints; it reads the weights once per row.
+///
+/// `w`: `[epi.weight_rows(n_out), k]` f32; `x`: `[m, k]` f32; `y`: `[m, y_ld]`, columns `0..n_out` written.
+///
+/// # Errors
+/// Lengths that do not form these shapes; a launch failure.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_f32_rows<'a>(
+    dev: &CudaDevice,
+    w: impl DevArg<'a, f32>,
+    n_out: usize,
+    x: impl DevArg<'a, f32>,
+    m: usize,
+    y: impl DevArg<'a, f32>,
+    y_ld: usize,
+    epi: Epilogue,
+) -> Result<()> {
+    let (w, x, y) = (w.dev(), x.dev(), y.dev());
+    let k = x.len().checked_div(m).unwrap_or(0);
+    let y_span = if m == 0 { 0 } else { (m - 1) * y_ld + n_out };
+    if m == 0 || n_out == 0 || k == 0 || x.len() != m * k || w.len() != epi.weight_rows(n_out) * k || y_ld < n_out {
+        return Err(shape_err(format!("gemm_f32_rows: w {}, x {} in {m} rows, {n_out} outputs", w.len(), x.len())));
+    }
+    if y.len() < y_span {
+        return Err(shape_err(format!("gemm_f32_rows: y {} for {m} rows of stride {y_ld}", y.len())));
+    }
+    let grid = (dim(n_out.div_ceil(GEMV_ROWS_PER_BLOCK as usize), "blocks")?, dim(m, "rows")?, 1);
+    let (x_ld, y_ld32, n, k32, code) = (dim(k, "k")?, dim(y_ld, "y_ld")?, dim(n_out, "n")?, dim(k, "k")?, epi.code());
+    let mut launch = dev.launch_builder(&dev.kernels.gemm_f32_rows);
+    launch.arg(w.arg()).arg(x.arg()).arg(&x_ld).arg(y.arg()).arg(&y_ld32).arg(&n).arg(&k32).arg(&code);
+    let cfg = LaunchConfig { grid_dim: grid, block_dim: (GEMV_ROWS_PER_BLOCK * 32, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match the kernel's signature and the shapes were checked above.
+    unsafe { launch.launch(cfg) }.map_err(launch_err("gemm_f32_rows"))?;
+    Ok(())
+}
+
+/// Whether [`gemm_f32_rows`] serves `m` rows: the few-row steps (decode, verify) whose rows must not depend
+/// on the batch.
+pub fn f32_rows_fit(m: usize) -> bool {
+    (1..=SMALL_GEMM_MAX_ROWS).contains(&m)
+}
+
 /// Whether [`gemm_bf16_small`] takes `m` rows of width `k`.
 pub fn small_gemm_fits(m: usize, k: usize) -> bool {
     (1..=SMALL_GEMM_MAX_ROWS).contains(&m) && k > 0 && k.is_multiple_of(8)

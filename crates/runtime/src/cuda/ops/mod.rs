@@ -22,8 +22,8 @@ pub use attention::{
     KeySplit, RopeKvArgs, ATTN_KEY_CHUNK, ATTN_MAX_QUERIES, TC_ATTN_TILE_ROWS,
 };
 pub use fused::{
-    copy_columns, fill_random_bf16, fill_random_f16, fill_random_f32, fill_random_u32, gather_rms_norm, gemm,
-    gemm_bf16_small, gemv_bf16_ep, small_gemm_fits, Epilogue, GemmArgs,
+    copy_columns, f32_rows_fit, fill_random_bf16, fill_random_f16, fill_random_f32, fill_random_u32, gather_rms_norm,
+    gemm, gemm_bf16_small, gemm_f32_rows, gemv_bf16_ep, small_gemm_fits, Epilogue, GemmArgs,
 };
 pub use gdn::{
     gdn_conv, gdn_gated_norm, gdn_prep, gdn_rule, sigmoid_gate_mul, GdnConvArgs, GdnPrepArgs, GdnRuleArgs, GdnRuns,
