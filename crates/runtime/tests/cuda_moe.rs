@@ -13,7 +13,7 @@
 //!      + |g · shared[h]| + |residual[h]|`:
 //! the reference sums its dot products in f64, the kernels in f32 in another order (each dot's error is a
 //! few ulp of its Σ|terms|); that error passes through SwiGLU scaled by the other operand plus one (as in
-//! cuda_model_ops' SwiGLU epilogue), the CPU's polynomial `exp` and CUDA's `expf` differ by about 1e-6
+//! cuda_matmul_ops' SwiGLU epilogue), the CPU's polynomial `exp` and CUDA's `expf` differ by about 1e-6
 //! relative (the `+ 1`, and the routing weights, whose softmax sum also runs in another order), and the
 //! final residual add rounds once. A wrong expert, weight or slot moves an output by one term `w · y`,
 //! about 1e-3 · S at these sizes (50 times the tolerance); the errors seen on the H200 are below 1e-8 · S.

@@ -5,7 +5,8 @@
 //! * [`DeviceBuf`]: a typed device buffer; [`CudaDevice::upload`] / [`CudaDevice::download`] move data.
 //! * [`DevSlice`]: a borrowed range of a buffer, what the launchers take (with [`DevArg`]).
 //! * [`ops`]: the kernels, each the twin of a CPU op in [`crate::ops`] and checked against it by
-//!   `tests/cuda_parity.rs` (and `tests/cuda_model_ops.rs` for the fused kernels of the model forward).
+//!   `tests/cuda_parity.rs` (and, for the kernels of the model forward, `tests/cuda_matmul_ops.rs` for the
+//!   matmuls and `tests/cuda_model_ops.rs` for the fused rest).
 //! * [`StepGraph`]: launches captured into a CUDA graph ([`CudaDevice::capture`]) and replayed.
 //!
 //! Nothing CUDA is linked: the driver, NVRTC and cuBLAS are opened at run time ([`loader`]), so a binary

@@ -1,8 +1,12 @@
 //! Helpers the CUDA test binaries share: reproducible random inputs and lines written past the harness's
-//! capture (so tables and SKIP notices show without `--nocapture`). Each binary uses a part of them.
+//! capture (so tables and SKIP notices show without `--nocapture`); [`gpu`]: the device, the error table and the
+//! CPU references of the model-op binaries. Each binary uses a part of them.
 #![allow(dead_code)]
 
 use std::io::Write;
+
+#[cfg(feature = "cuda")]
+pub mod gpu;
 
 /// xorshift64*: reproducible inputs without a dependency; each test seeds its own.
 pub struct Rng(u64);
