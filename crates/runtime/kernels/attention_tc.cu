@@ -8,8 +8,9 @@
 // TC_ATT_ROWS rows per tile, the tile format of paged_attention: sequence, first row, rows, unused). Row t
 // attends keys 0 .. row_keys[t] - 1 of its sequence. Keys go through shared memory in blocks of TC_ATT_KB:
 // the block's slots are looked up and its K and V rows copied (cp.async, f32) while the block before it is
-// computed on, then converted to bf16, K as [key][dim] and V transposed ([dim][key]); each warp runs
-// S = Q K^T (8 key columns per mma), masks, rescales its running output, and adds P V.
+// computed on, then converted to bf16, both as [key][dim] rows; each warp runs S = Q K^T (8 key columns per
+// mma), masks, rescales its running output, and adds P V, whose B fragments (two consecutive keys of one dim)
+// `ldmatrix.trans` reads from the row-major V (a transposing scatter of V cost more than the mma).
 // A page past the cache or past the block table reads as NaN, as in paged_attention.
 //
 // Fragments (PTX mma.m16n8k16 .row.col, g = lane / 4, t = lane % 4): A regs (row g, cols 2t..2t+1),
@@ -20,6 +21,15 @@
 #define TC_ATT_ROWS (16 * TC_ATT_WARPS)
 #define TC_ATT_KB 64
 #define TC_ATT_KPAD 8  // bf16 padding per shared row: 16-byte shift between rows spreads the banks
+
+// Four 8x8 bf16 matrices from shared memory, transposed: lanes 8j..8j+7 give the row addresses of matrix j,
+// and each lane gets, per matrix, the two elements (rows 2t, 2t + 1; column g) of it.
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const bf16_t* row) {
+    const u32 addr = (u32)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
 
 // cp.async of 16 bytes, global to shared, through L2 only.
 __device__ __forceinline__ void tc_cp_async16(float* smem, const float* gmem) {
@@ -36,15 +46,14 @@ __device__ __forceinline__ void tc_attention_body(const float* __restrict__ q, c
                                                   float scale, u32 num_pages, u32 num_seqs, u32 num_rows) {
     constexpr u32 KSTEPS = D / 16;  // 16-dim steps of Q K^T
     constexpr u32 DTILES = D / 8;   // 8-dim output tiles of P V
-    constexpr u32 KS_LD = D + TC_ATT_KPAD;
-    constexpr u32 VT_LD = TC_ATT_KB + TC_ATT_KPAD;
-    // Dynamic shared memory: the f32 staging of the next block's K and V (cp.async), then the bf16 K and V^T the
-    // mma reads.
+    constexpr u32 KS_LD = D + TC_ATT_KPAD;  // 16-byte aligned rows, 16 bytes apart in the banks (ldmatrix)
+    // Dynamic shared memory: the f32 staging of the next block's K and V (cp.async), then the bf16 K and V the
+    // mma reads, both [key][KS_LD].
     extern __shared__ float4 tc_smem[];
     float* stage_k = reinterpret_cast<float*>(tc_smem);
     float* stage_v = stage_k + TC_ATT_KB * D;
     bf16_t* ks = reinterpret_cast<bf16_t*>(stage_v + TC_ATT_KB * D);
-    bf16_t* vt = ks + TC_ATT_KB * KS_LD;
+    bf16_t* vs = ks + TC_ATT_KB * KS_LD;
     __shared__ u32 slots[2][TC_ATT_KB];
     const u32* tile = tiles + 4 * blockIdx.x;
     const u32 seq = tile[0], row0 = tile[1], nrows = tile[2];
@@ -130,12 +139,9 @@ __device__ __forceinline__ void tc_attention_body(const float* __restrict__ q, c
                 vv = kv;
             }
             *reinterpret_cast<uint2*>(ks + c * KS_LD + d) = make_uint2(bf16x2_rn(kv.x, kv.y), bf16x2_rn(kv.z, kv.w));
-            vt[(d + 0) * VT_LD + c] = f32_to_bf16(vv.x);
-            vt[(d + 1) * VT_LD + c] = f32_to_bf16(vv.y);
-            vt[(d + 2) * VT_LD + c] = f32_to_bf16(vv.z);
-            vt[(d + 3) * VT_LD + c] = f32_to_bf16(vv.w);
+            *reinterpret_cast<uint2*>(vs + c * KS_LD + d) = make_uint2(bf16x2_rn(vv.x, vv.y), bf16x2_rn(vv.z, vv.w));
         }
-        __syncthreads();  // K and V^T are ready, the staging is free and the next slots are in
+        __syncthreads();  // K and V are ready, the staging is free and the next slots are in
         if (blk + 1 < blocks) fetch(blk + 1);  // lands while the mma below run
         if (base >= warp_lim) continue;
         // The warp's 16 x 64 scores.
@@ -195,15 +201,17 @@ __device__ __forceinline__ void tc_attention_body(const float* __restrict__ q, c
             o[n][2] *= alpha_b;
             o[n][3] *= alpha_b;
         }
-        // O += P V: B fragments from the transposed V (two consecutive keys of one dim per word).
+        // O += P V. Per 16-key step and pair of 8-dim tiles, one ldmatrix.trans: matrices (keys 0-7, tile n),
+        // (keys 8-15, tile n), (keys 0-7, tile n + 1), (keys 8-15, tile n + 1) give b0 / b1 of both tiles.
 #pragma unroll
-        for (u32 n = 0; n < DTILES; ++n) {
-            const bf16_t* vrow = vt + (n * 8 + g) * VT_LD;
+        for (u32 kk = 0; kk < TC_ATT_KB / 16; ++kk) {
+            const bf16_t* vrow = vs + (16 * kk + 8 * ((lane >> 3) & 1u) + (lane & 7u)) * KS_LD + 8 * (lane >> 4);
 #pragma unroll
-            for (u32 kk = 0; kk < TC_ATT_KB / 16; ++kk) {
-                const u32 b0 = *reinterpret_cast<const u32*>(vrow + 16 * kk + 2 * t);
-                const u32 b1 = *reinterpret_cast<const u32*>(vrow + 16 * kk + 8 + 2 * t);
-                mma_bf16_16816(o[n], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b0, b1);
+            for (u32 n = 0; n < DTILES; n += 2) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, vrow + 8 * n);
+                mma_bf16_16816(o[n], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b[0], b[1]);
+                mma_bf16_16816(o[n + 1], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b[2], b[3]);
             }
         }
     }

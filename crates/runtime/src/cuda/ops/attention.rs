@@ -396,9 +396,9 @@ pub fn prompt_attention_tc(dev: &CudaDevice, a: AttentionArgs) -> Result<()> {
         .arg(&num_pages)
         .arg(&num_seqs)
         .arg(&rows);
-    // f32 staging of a key block's K and V, then its bf16 K (rows padded by 8) and V^T (rows of the block + 8 keys).
+    // f32 staging of a key block's K and V, then its bf16 K and V (rows padded by 8).
     let kb = TC_ATTN_KEY_BLOCK;
-    let smem = 2 * kb * d * 4 + kb * (d + 8) * 2 + d * (kb + 8) * 2;
+    let smem = 2 * kb * d * 4 + 2 * kb * (d + 8) * 2;
     let cfg = LaunchConfig {
         grid_dim: (dim(tiles, "tiles")?, nh, 1),
         block_dim: (dim(TC_ATTN_TILE_ROWS / 16 * 32, "threads")?, 1, 1),
