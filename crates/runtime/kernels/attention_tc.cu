@@ -31,6 +31,13 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const bf16_t* row) {
                  : "r"(addr));
 }
 
+// 2^x on the special-function unit (2 ulp; the probabilities are rounded to bf16 right after). 2^-inf = 0.
+__device__ __forceinline__ float tc_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // cp.async of 16 bytes, global to shared, through L2 only.
 __device__ __forceinline__ void tc_cp_async16(float* smem, const float* gmem) {
     const u32 dst = (u32)__cvta_generic_to_shared(smem);
@@ -116,6 +123,8 @@ __device__ __forceinline__ void tc_attention_body(const float* __restrict__ q, c
         }
         asm volatile("cp.async.commit_group;\n" ::: "memory");
     };
+    // Scores in the log2 domain: 2^(s log2(e) scale - m) is the softmax's e^(s scale - m'), one SFU op each.
+    const float scale2 = scale * 1.4426950408889634f;
     const u32 blocks = (kmax + TC_ATT_KB - 1) / TC_ATT_KB;
     if (blocks > 0) {
         lookup(0);
@@ -164,8 +173,8 @@ __device__ __forceinline__ void tc_attention_body(const float* __restrict__ q, c
             const u32 key = base + n * 8 + 2 * t;
 #pragma unroll
             for (u32 j = 0; j < 2; ++j) {
-                s[n][j] = key + j < lim_a ? s[n][j] * scale : DF_NEG_INF;
-                s[n][2 + j] = key + j < lim_b ? s[n][2 + j] * scale : DF_NEG_INF;
+                s[n][j] = key + j < lim_a ? s[n][j] * scale2 : DF_NEG_INF;
+                s[n][2 + j] = key + j < lim_b ? s[n][2 + j] * scale2 : DF_NEG_INF;
                 mx_a = fmaxf(mx_a, s[n][j]);
                 mx_b = fmaxf(mx_b, s[n][2 + j]);
             }
@@ -174,8 +183,8 @@ __device__ __forceinline__ void tc_attention_body(const float* __restrict__ q, c
         mx_a = fmaxf(mx_a, __shfl_xor_sync(DF_FULL_MASK, mx_a, 2));
         mx_b = fmaxf(mx_b, __shfl_xor_sync(DF_FULL_MASK, mx_b, 1));
         mx_b = fmaxf(mx_b, __shfl_xor_sync(DF_FULL_MASK, mx_b, 2));
-        const float alpha_a = mx_a == DF_NEG_INF ? 1.0f : expf(m_a - mx_a);
-        const float alpha_b = mx_b == DF_NEG_INF ? 1.0f : expf(m_b - mx_b);
+        const float alpha_a = mx_a == DF_NEG_INF ? 1.0f : tc_exp2(m_a - mx_a);
+        const float alpha_b = mx_b == DF_NEG_INF ? 1.0f : tc_exp2(m_b - mx_b);
         m_a = mx_a;
         m_b = mx_b;
         // P (bf16, as A fragments of 16-key steps) and the rows' partial sums.
@@ -183,10 +192,10 @@ __device__ __forceinline__ void tc_attention_body(const float* __restrict__ q, c
         float sum_a = 0.0f, sum_b = 0.0f;
 #pragma unroll
         for (u32 n = 0; n < TC_ATT_KB / 8; ++n) {
-            const float p0 = mx_a == DF_NEG_INF ? 0.0f : expf(s[n][0] - mx_a);
-            const float p1 = mx_a == DF_NEG_INF ? 0.0f : expf(s[n][1] - mx_a);
-            const float p2 = mx_b == DF_NEG_INF ? 0.0f : expf(s[n][2] - mx_b);
-            const float p3 = mx_b == DF_NEG_INF ? 0.0f : expf(s[n][3] - mx_b);
+            const float p0 = mx_a == DF_NEG_INF ? 0.0f : tc_exp2(s[n][0] - mx_a);
+            const float p1 = mx_a == DF_NEG_INF ? 0.0f : tc_exp2(s[n][1] - mx_a);
+            const float p2 = mx_b == DF_NEG_INF ? 0.0f : tc_exp2(s[n][2] - mx_b);
+            const float p3 = mx_b == DF_NEG_INF ? 0.0f : tc_exp2(s[n][3] - mx_b);
             sum_a += p0 + p1;
             sum_b += p2 + p3;
             pa[n / 2][(n & 1) * 2 + 0] = bf16x2_rn(p0, p1);
