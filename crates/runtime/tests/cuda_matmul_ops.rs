@@ -42,6 +42,20 @@ fn abs_dot(w: &[f32], x: &[f32], n: usize, k: usize) -> Vec<f64> {
     out
 }
 
+/// The output buffer before a matmul: `[m, y_ld]` of NaN (poisoned), except that an `Add` epilogue starts
+/// from `base(r, c)` in columns `0..n_out`.
+fn y_start(epi: Epilogue, m: usize, n_out: usize, y_ld: usize, base: impl Fn(usize, usize) -> f32) -> Vec<f32> {
+    let mut y = vec![f32::NAN; m * y_ld];
+    if epi == Epilogue::Add {
+        for r in 0..m {
+            for c in 0..n_out {
+                y[r * y_ld + c] = base(r, c);
+            }
+        }
+    }
+    y
+}
+
 #[test]
 fn quantized_matmul_matches_cpu_for_every_format_rows_prologue_and_epilogue() {
     let Some(dev) = device() else { return };
@@ -72,14 +86,7 @@ fn quantized_matmul_matches_cpu_for_every_format_rows_prologue_and_epilogue() {
                     let (want, scale) = expected(epi, &prod, &scale, m, n_out, base);
                     // y rows of stride n_out + 5 (the tail must stay untouched); Add starts from known values.
                     let y_ld = n_out + 5;
-                    let mut y_host = vec![f32::NAN; m * y_ld];
-                    if epi == Epilogue::Add {
-                        for r in 0..m {
-                            for c in 0..n_out {
-                                y_host[r * y_ld + c] = base(r, c);
-                            }
-                        }
-                    }
+                    let y_host = y_start(epi, m, n_out, y_ld, base);
                     let y = dev.upload(&y_host).expect("y");
                     let (x_dev, nw_dev) = (dev.upload(&x).expect("x"), dev.upload(&norm_w).expect("norm"));
                     let norm = normed.then(|| (nw_dev.view(), eps));
@@ -159,14 +166,7 @@ fn f32_rows_matmul_matches_cpu_and_is_batch_invariant() {
             let base = |r: usize, c: usize| ((r * n_out + c) % 5) as f32;
             let (want, scale) = expected(epi, &prod, &abs_dot(&w, &x, n, k), m, n_out, base);
             let y_ld = n_out + 3;
-            let mut y_host = vec![f32::NAN; m * y_ld];
-            if epi == Epilogue::Add {
-                for r in 0..m {
-                    for c in 0..n_out {
-                        y_host[r * y_ld + c] = base(r, c);
-                    }
-                }
-            }
+            let y_host = y_start(epi, m, n_out, y_ld, base);
             let (w_dev, x_dev, y) =
                 (dev.upload(&w).expect("w"), dev.upload(&x).expect("x"), dev.upload(&y_host).expect("y"));
             gpu::gemm_f32_rows(dev, &w_dev, n_out, &x_dev, m, &y, y_ld, epi).expect("gemm_f32_rows");
