@@ -7,6 +7,7 @@
 //! cargo run --release -p dflash-runtime --example quant_bench -- --cpu-time
 //! cargo run --release -p dflash-runtime --example quant_bench -- --decode     # decode part, 3 times
 //! cargo run --release -p dflash-runtime --example quant_bench -- --levels avx2,avx512 --rounds 3
+//! cargo run --release -p dflash-runtime --example quant_bench -- --act-precision int8   # one activation pass
 //! ```
 //! `--cpu-time` times single-thread kernels in on-CPU time (Linux `schedstat`), which stays meaningful on a
 //! machine shared with other jobs; wall-clock figures there swing with the neighbours' load.
@@ -29,6 +30,12 @@ const LM_HEAD: (usize, usize) = (49152, 576);
 const PREFILL_M: usize = 512;
 
 fn main() {
+    // The activations' precision (`quant::ActPrecision`): the library's default (two passes) unless asked.
+    match arg_value("--act-precision").as_deref() {
+        None | Some("int8x2") => quant::set_act_precision(quant::ActPrecision::Int8x2),
+        Some("int8") => quant::set_act_precision(quant::ActPrecision::Int8),
+        Some(other) => panic!("--act-precision {other}: expected int8 or int8x2"),
+    }
     if std::env::args().any(|a| a == "--cpu-time") {
         return cpu_time_kernels();
     }
@@ -38,7 +45,7 @@ fn main() {
     }
     let threads = std::env::var("RAYON_NUM_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("thread pool");
-    println!("simd: {}, threads: {threads}", quant::simd_level());
+    println!("simd: {}, threads: {threads}, activations {:?}", quant::simd_level(), quant::act_precision());
     let decode_only = std::env::args().any(|a| a == "--decode");
     let once = std::env::args().any(|a| a == "--decode-once");
     pool.install(|| {
@@ -178,8 +185,9 @@ fn compare_levels(levels: &str, rounds: usize) {
     let mut names = vec![String::new(); levels.len()];
     for round in 0..rounds {
         for (l, level) in levels.iter().enumerate() {
+            let precision = arg_value("--act-precision").unwrap_or_else(|| "int8x2".into());
             let out = std::process::Command::new(&exe)
-                .arg("--decode-once")
+                .args(["--decode-once", "--act-precision", &precision])
                 .env("DFLASH_SIMD", level)
                 .output()
                 .expect("running the decode child");
