@@ -142,33 +142,55 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
     if ((threadIdx.x & 31u) == 0) y[col] = epi == EPI_ADD ? __fadd_rn(y[col], acc) : acc;
 }
 
-// m activation rows (x [m, x_ld]) through an f32 matrix: one warp per (row, output column), lane-strided FMAs
-// and the warp sum, so a row's bits are the same whatever m and the other rows (cuBLAS picks its kernel by
-// shape, which made f32 and f16 checkpoints' decode and verify rows differ). For the few-row steps of small
-// reference models; the weights are read once per row. Epilogue as gemv_bf16_ep; y [m, y_ld].
-// Grid: (ceil(n_out / GEMV_WARPS), m).
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
-    gemm_f32_rows(const float* __restrict__ w, const float* __restrict__ x, u32 x_ld, float* __restrict__ y,
-                  u32 y_ld, u32 n_out, u32 k, u32 epi) {
-    DF_GRID_DEPENDENCY();
-    const u32 lane = threadIdx.x & 31u, col = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), row = blockIdx.y;
+// m activation rows (x [m, x_ld]) through an f32 matrix: one warp per output column and chunk of up to R rows;
+// each lane reads a weight once and adds it into every row's sum, lane-strided FMAs then the warp sum per row.
+// A row's sum has the same order whatever R, m and the other rows, so its bits do not depend on the batch
+// (cuBLAS picks its kernel by shape, which made f32 and f16 checkpoints' decode and verify rows differ).
+// Epilogue as gemv_bf16_ep; y [m, y_ld]. Grid: (ceil(n_out / GEMV_WARPS), ceil(m / R)).
+template <int R>
+__device__ __forceinline__ void gemm_f32_rows(const float* __restrict__ w, const float* __restrict__ x, u32 x_ld,
+                                              float* __restrict__ y, u32 y_ld, u32 n_out, u32 k, u32 m, u32 epi) {
+    const u32 lane = threadIdx.x & 31u, col = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    const u32 row0 = blockIdx.y * R, rows = min((u32)R, m - row0);
     if (col >= n_out) return;
-    const float* xr = x + (u64)row * x_ld;
     const float* gate = w + (u64)col * k;
     const float* up = w + (u64)(col + n_out) * k;
-    float acc = 0.0f, acc_up = 0.0f;
+    const float* xs = x + (u64)row0 * x_ld;
+    float acc[R], acc_up[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = acc_up[r] = 0.0f;
     for (u32 i = lane; i < k; i += 32) {
-        const float v = xr[i];
-        acc = fmaf(gate[i], v, acc);
-        if (epi == EPI_SWIGLU) acc_up = fmaf(up[i], v, acc_up);
+        const float g = gate[i], u = epi == EPI_SWIGLU ? up[i] : 0.0f;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if ((u32)r >= rows) break;
+            const float v = xs[(u64)r * x_ld + i];
+            acc[r] = fmaf(g, v, acc[r]);
+            if (epi == EPI_SWIGLU) acc_up[r] = fmaf(u, v, acc_up[r]);
+        }
     }
-    acc = warp_sum(acc);
-    if (epi == EPI_SWIGLU) acc = swiglu_value(acc, warp_sum(acc_up));
-    if (lane == 0) {
-        float* dst = y + (u64)row * y_ld + col;
-        *dst = epi == EPI_ADD ? __fadd_rn(*dst, acc) : acc;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        if ((u32)r >= rows) break;
+        float v = warp_sum(acc[r]);
+        if (epi == EPI_SWIGLU) v = swiglu_value(v, warp_sum(acc_up[r]));
+        if (lane == 0) {
+            float* dst = y + (u64)(row0 + r) * y_ld + col;
+            *dst = epi == EPI_ADD ? __fadd_rn(*dst, v) : v;
+        }
     }
 }
+
+#define DF_GEMM_F32_ROWS(R)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                                \
+        gemm_f32_rows_r##R(const float* __restrict__ w, const float* __restrict__ x, u32 x_ld, float* __restrict__ y, \
+                           u32 y_ld, u32 n_out, u32 k, u32 m, u32 epi) {                                          \
+        DF_GRID_DEPENDENCY();                                                                                    \
+        gemm_f32_rows<R>(w, x, x_ld, y, y_ld, n_out, k, m, epi);                                                 \
+    }
+DF_GEMM_F32_ROWS(1)
+DF_GEMM_F32_ROWS(8)
+DF_GEMM_F32_ROWS(32)
 
 // ---------------------------------------------------------------------------------------------------------
 // Batch-invariant small-batch bf16 matmul on tensor cores (the decode and verify rows of bf16 targets).

@@ -58,6 +58,9 @@ pub(crate) const GEMV_ROWS_PER_BLOCK: u32 = 8;
 /// matmul's activation rows, the attention's query tile and key chunk). Hopper allows 227 KiB per block.
 pub(crate) const MAX_DYNAMIC_SMEM: u32 = 160 * 1024;
 
+/// Row chunks the batch-invariant f32 matmul is compiled for (`gemm_f32_rows_r{R}` in gemv.cu).
+pub(crate) const F32_ROWS_CHUNKS: [usize; 3] = [1, 8, 32];
+
 /// Activation-row counts the quantized matmul kernels are compiled for (`mmvq_*_r{R}` in quant.cu).
 pub(crate) const MMVQ_ROWS: [usize; 4] = [1, 2, 4, 8];
 
@@ -87,7 +90,8 @@ pub(crate) struct Kernels {
     /// `gemv[r - 1]` takes `r` input rows.
     pub gemv: Vec<CudaFunction>,
     pub gemv_bf16_ep: CudaFunction,
-    pub gemm_f32_rows: CudaFunction,
+    /// `gemm_f32_rows_r{R}` for the row chunks of [`F32_ROWS_CHUNKS`].
+    pub gemm_f32_rows: Vec<CudaFunction>,
     /// `gemm_bf16_small_t{T}` for the tile counts of [`SMALL_GEMM_TILES`].
     pub gemm_bf16_small: Vec<CudaFunction>,
     /// `mmvq[format][passes - 1][i]`: format 0 = Q4_0, 1 = Q4_1, 2 = Q8_0; one or two activation passes
@@ -181,7 +185,10 @@ impl Kernels {
             argmax_finish: get("argmax_finish")?,
             gemv,
             gemv_bf16_ep: big_smem("gemv_bf16_ep")?,
-            gemm_f32_rows: get("gemm_f32_rows")?,
+            gemm_f32_rows: F32_ROWS_CHUNKS
+                .iter()
+                .map(|r| get(&format!("gemm_f32_rows_r{r}")))
+                .collect::<Result<_, _>>()?,
             gemm_bf16_small: SMALL_GEMM_TILES
                 .iter()
                 .map(|t| get(&format!("gemm_bf16_small_t{t}")))

@@ -11,7 +11,8 @@ use half::bf16;
 use super::{dim, launch_cfg, launch_err, shape_err, ROW_BLOCK};
 use crate::cuda::device::CudaDevice;
 use crate::cuda::kernels::{
-    GEMV_ROWS_PER_BLOCK, MAX_DYNAMIC_SMEM, SMALL_GEMM_COLS_PER_BLOCK, SMALL_GEMM_MAX_ROWS, SMALL_GEMM_TILES,
+    F32_ROWS_CHUNKS, GEMV_ROWS_PER_BLOCK, MAX_DYNAMIC_SMEM, SMALL_GEMM_COLS_PER_BLOCK, SMALL_GEMM_MAX_ROWS,
+    SMALL_GEMM_TILES,
 };
 use crate::cuda::view::{DevArg, DevSlice};
 use crate::cuda::{CudaError, Result};
@@ -214,9 +215,9 @@ pub fn gemv_bf16_ep<'a>(
 }
 
 /// `m` activation rows through an f32 matrix with an epilogue, batch-invariant: a row's result has the same
-/// bits whatever `m` and the other rows (one warp per row and output column, in a fixed order), unlike
-/// cuBLAS, which picks its kernel by shape. For the few-row decode and verify steps of f32 and f16
-/// checkpoints; it reads the weights once per row.
+/// bits whatever `m` and the other rows (a warp per output column takes a chunk of up to 32 rows, reading each
+/// weight once for all of them and summing each row in a fixed order), unlike cuBLAS, which picks its kernel by
+/// shape. For the few-row decode and verify steps of f32 and f16 checkpoints.
 ///
 /// `w`: `[epi.weight_rows(n_out), k]` f32; `x`: `[m, k]` f32; `y`: `[m, y_ld]`, columns `0..n_out` written.
 ///
@@ -234,18 +235,24 @@ pub fn gemm_f32_rows<'a>(
     epi: Epilogue,
 ) -> Result<()> {
     let (w, x, y) = (w.dev(), x.dev(), y.dev());
-    let k = x.len().checked_div(m).unwrap_or(0);
-    let y_span = if m == 0 { 0 } else { (m - 1) * y_ld + n_out };
-    if m == 0 || n_out == 0 || k == 0 || x.len() != m * k || w.len() != epi.weight_rows(n_out) * k || y_ld < n_out {
+    if m == 0 {
+        return Ok(());
+    }
+    let k = x.len() / m;
+    if n_out == 0 || k == 0 || x.len() != m * k || w.len() != epi.weight_rows(n_out) * k || y_ld < n_out {
         return Err(shape_err(format!("gemm_f32_rows: w {}, x {} in {m} rows, {n_out} outputs", w.len(), x.len())));
     }
-    if y.len() < y_span {
+    if y.len() < (m - 1) * y_ld + n_out {
         return Err(shape_err(format!("gemm_f32_rows: y {} for {m} rows of stride {y_ld}", y.len())));
     }
-    let grid = (dim(n_out.div_ceil(GEMV_ROWS_PER_BLOCK as usize), "blocks")?, dim(m, "rows")?, 1);
-    let (x_ld, y_ld32, n, k32, code) = (dim(k, "k")?, dim(y_ld, "y_ld")?, dim(n_out, "n")?, dim(k, "k")?, epi.code());
-    let mut launch = dev.launch_builder(&dev.kernels.gemm_f32_rows);
-    launch.arg(w.arg()).arg(x.arg()).arg(&x_ld).arg(y.arg()).arg(&y_ld32).arg(&n).arg(&k32).arg(&code);
+    // The smallest chunk that covers m (the largest beyond it).
+    let ci = F32_ROWS_CHUNKS.iter().position(|&r| r >= m).unwrap_or(F32_ROWS_CHUNKS.len() - 1);
+    let chunk = F32_ROWS_CHUNKS[ci];
+    let grid = (dim(n_out.div_ceil(GEMV_ROWS_PER_BLOCK as usize), "blocks")?, dim(m.div_ceil(chunk), "chunks")?, 1);
+    let (ld, y_ld32, n, k32, m32, code) =
+        (dim(k, "k")?, dim(y_ld, "y_ld")?, dim(n_out, "n")?, dim(k, "k")?, dim(m, "m")?, epi.code());
+    let mut launch = dev.launch_builder(&dev.kernels.gemm_f32_rows[ci]);
+    launch.arg(w.arg()).arg(x.arg()).arg(&ld).arg(y.arg()).arg(&y_ld32).arg(&n).arg(&k32).arg(&m32).arg(&code);
     let cfg = LaunchConfig { grid_dim: grid, block_dim: (GEMV_ROWS_PER_BLOCK * 32, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: the arguments match the kernel's signature and the shapes were checked above.
     unsafe { launch.launch(cfg) }.map_err(launch_err("gemm_f32_rows"))?;
