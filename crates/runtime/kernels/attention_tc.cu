@@ -134,7 +134,7 @@ __device__ __forceinline__ void tc_attention_body(const float* __restrict__ q, c
     for (u32 blk = 0; blk < blocks; ++blk) {
         const u32 base = blk * TC_ATT_KB;
         asm volatile("cp.async.wait_all;\n" ::: "memory");
-        __syncthreads();  // block blk is staged; every warp is done with the previous K and V^T
+        __syncthreads();  // block blk is staged; every warp is done with the previous K and V
         if (blk + 1 < blocks) lookup(blk + 1);
         for (u32 e = threadIdx.x; e < TC_ATT_KB * (D / 4); e += blockDim.x) {
             const u32 c = e / (D / 4), d = 4 * (e - c * (D / 4));

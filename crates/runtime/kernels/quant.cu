@@ -12,8 +12,9 @@
 // f32 scale d = amax / 127 and s = d * sum(q); the dot product of a block is an integer sum (dp4a),
 // scaled per block in f32 with the CPU's formula and rounding. Only the order in which the blocks'
 // terms are summed differs from the CPU. With P = 2 passes (the CPU's ActPrecision::Int8x2) each row's
-// rounding error x - d q is quantized into a second row (see quantize_block_lane), the pair's dot products
-// are computed like two rows and added: the same quantized bytes as the CPU's.
+// rounding error x - d q is quantized into a second row (see quantize_block_quarter), the pair's dot products
+// are computed like two rows and added. The quantization follows the CPU's formulas and rounding step by
+// step (with the RMSNorm prologue, the norm's own sum order differs).
 //
 // The kernels fuse what surrounds a matmul in a decoder layer:
 //   prologue: the activation rows are RMS-normalised (when `norm_w` is not null) and quantized into
@@ -52,9 +53,12 @@ __device__ __forceinline__ void quantize_block_quarter(const float v[4], bool li
                                                        signed char* xq, float* xd, float* xs) {
     const u32 e = threadIdx.x & 7u, nb = k >> 5;
     const float amax = group8_max(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
-    const float id = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+    // Inverses that overflow (amax below about 3.7e-37) give zero quants, as on the CPU.
+    float id = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+    id = isinf(id) ? 0.0f : id;
     const float d = __fdiv_rn(amax, 127.0f);
-    const float id_err = d > 0.0f ? __fdiv_rn(254.0f, d) : 0.0f;
+    float id_err = d > 0.0f ? __fdiv_rn(254.0f, d) : 0.0f;
+    id_err = isinf(id_err) ? 0.0f : id_err;
     int q[4], q_err[4] = {0, 0, 0, 0}, packed = 0;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {

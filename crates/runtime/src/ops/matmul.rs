@@ -111,7 +111,7 @@ mod tests {
             let x = Tensor::from_f32(&xv, &[m, k]).expect("x");
             let mut y = Tensor::zeros(DType::F32, &[m, n]).expect("y");
             matmul(&x, &w, &mut y).expect("matmul");
-            // quant::matmul rounds x to 8-bit blocks, hence the loose tolerance.
+            // quant::matmul rounds x to 8-bit blocks (one or two passes), hence the loose tolerance.
             let want = naive(&xv, dense.as_f32().expect("dense"), m, n, k);
             assert_close(y.as_f32().expect("y"), &want, 0.05, "q8_0 matmul");
         }

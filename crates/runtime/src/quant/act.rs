@@ -170,7 +170,7 @@ fn quantize_error(x: &[f32], qs: &[Q8x32], d: &[f32], block_len: usize, qs_err: 
     let chunks_per_block = block_len / QK;
     for (c, ((xs, q), out)) in x.chunks_exact(QK).zip(qs).zip(qs_err.iter_mut()).enumerate() {
         let d = d[c / chunks_per_block];
-        let id = if d > 0.0 { 254.0 / d } else { 0.0 };
+        let id = finite_or_zero(if d > 0.0 { 254.0 / d } else { 0.0 });
         for ((o, &v), &q) in out.0.iter_mut().zip(xs).zip(&q.0) {
             let err = v - f32::from(q) * d;
             *o = round_half_even(err * id).clamp(-127.0, 127.0) as i8;
@@ -227,11 +227,17 @@ fn quantize_scalar(x: &[f32], q: &mut [i8; 32]) -> (f32, i32) {
     (amax / 127.0, sum)
 }
 
-/// `127 / amax`, or 0 for an all-zero block.
+/// `127 / amax`, or 0 for an all-zero block and for one so small (below about 3.7e-37) that the inverse
+/// overflows: its quants are then zeros, on every path (the CUDA twin has the same guard).
 #[inline]
 fn inv_scale(amax: f32) -> f32 {
-    if amax > 0.0 {
-        127.0 / amax
+    finite_or_zero(if amax > 0.0 { 127.0 / amax } else { 0.0 })
+}
+
+#[inline]
+fn finite_or_zero(v: f32) -> f32 {
+    if v.is_finite() {
+        v
     } else {
         0.0
     }

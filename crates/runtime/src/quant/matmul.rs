@@ -20,8 +20,10 @@ const CHUNKS_PER_THREAD: usize = 2;
 /// Weight rows are handed out in multiples of this (the widest SIMD tile: AVX-512's 16-row strips; a job's
 /// columns past its last whole strip run on narrower kernels).
 const COL_GRAIN: usize = 16;
-/// Activation rows are split in multiples of this when a matrix has too few rows to feed every thread.
+/// Activation rows are split in multiples of this when a matrix has too few rows to feed every thread. Even, so
+/// that a two-pass row's pair of quantized rows stays in one job (see [`Out`]).
 const ROW_GRAIN: usize = 4;
+const _: () = assert!(ROW_GRAIN.is_multiple_of(2));
 
 /// The output matrix `y` (`[rows, ld]`), written concurrently by workers that own disjoint elements.
 ///

@@ -422,7 +422,7 @@ fn avx512_matches_avx2_bit_for_bit() {
                 let w = random_blocks(dtype, n, k, seed);
                 for m in [1, 2, 3, 4, 5, 6, 17] {
                     for (v, x) in [random_values(m * k, seed + 1), extreme_values(m * k, seed + 2)].iter().enumerate() {
-                        for (pool, precision) in pools.iter().zip(PRECISIONS) {
+                        for (pool, precision) in pools.iter().flat_map(|p| PRECISIONS.map(|a| (p, a))) {
                             let want = run_on_pool(pool, Level::Avx2, precision, dtype, &w, n, k, x, m);
                             let got = run_on_pool(pool, Level::Avx512, precision, dtype, &w, n, k, x, m);
                             let differing = want.iter().zip(&got).filter(|(a, b)| a.to_bits() != b.to_bits()).count();

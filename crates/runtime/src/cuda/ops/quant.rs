@@ -203,6 +203,9 @@ pub fn mmvq(dev: &CudaDevice, w: &QuantMatrix, a: MmvqArgs) -> Result<()> {
         return Ok(());
     }
     let passes = w.act.passes();
+    if mmvq_smem_bytes(k, passes) > MAX_DYNAMIC_SMEM as usize {
+        return Err(shape_err(format!("mmvq: k = {k} does not fit shared memory at {passes} activation pass(es)")));
+    }
     let r = rows_per_block(a.m, k, passes);
     let chunks = a.m.div_ceil(r);
     let target_blocks = (4 * dev.info().multiprocessors.max(1) as usize).div_ceil(chunks);
