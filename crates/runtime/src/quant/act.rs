@@ -375,6 +375,25 @@ mod tests {
         }
     }
 
+    #[test]
+    fn blocks_too_small_to_invert_quantize_to_zeros() {
+        // 127 / 1e-38 overflows f32: such a block must give zero quants (and sums) on every level.
+        let (rows, k) = (1, 64);
+        let mut x = random_values(rows * k, 15);
+        x[..QK].iter_mut().for_each(|v| *v *= 1e-38);
+        for level in [Level::Scalar, Level::detect()] {
+            for precision in [ActPrecision::Int8, ActPrecision::Int8x2] {
+                let mut acts = Acts::default();
+                quantize(level, precision, &x, rows, k, QK, &mut acts);
+                for r in 0..acts.rows {
+                    assert_eq!(acts.row_qs(r)[0].0, [0; 32], "{level:?} {precision:?} row {r}");
+                    assert_eq!(acts.row_s(r)[0], 0.0);
+                    assert!(acts.row_qs(r)[1].0.iter().any(|&q| q != 0) || r % 2 == 1, "the next block is normal");
+                }
+            }
+        }
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_matches_scalar_bytes() {
