@@ -347,7 +347,7 @@ __device__ __forceinline__ void mmvq(const unsigned char* __restrict__ qs, const
     }
 }
 
-// NAME_rR: one pass (Int8); NAME_rR_x2: two (Int8x2).
+// NAME_rR: one pass (Int8); NAME_rR_x2: two (Int8x2), up to 4 rows (8 would spill its 32 accumulators).
 #define DF_MMVQ(NAME, FMT, R, P, SUFFIX)                                                                       \
     extern "C" __global__ void __launch_bounds__(MMVQ_WARPS * 32, 4)                                            \
         NAME##_r##R##SUFFIX(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc,        \
@@ -364,8 +364,7 @@ __device__ __forceinline__ void mmvq(const unsigned char* __restrict__ qs, const
     DF_MMVQ(NAME, FMT, 8, 1, )     \
     DF_MMVQ(NAME, FMT, 1, 2, _x2)  \
     DF_MMVQ(NAME, FMT, 2, 2, _x2)  \
-    DF_MMVQ(NAME, FMT, 4, 2, _x2)  \
-    DF_MMVQ(NAME, FMT, 8, 2, _x2)
+    DF_MMVQ(NAME, FMT, 4, 2, _x2)
 
 DF_MMVQ_ALL_R(mmvq_q4_0, QF_Q4_0)
 DF_MMVQ_ALL_R(mmvq_q4_1, QF_Q4_1)

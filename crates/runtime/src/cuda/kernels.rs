@@ -64,6 +64,10 @@ pub(crate) const F32_ROWS_CHUNKS: [usize; 3] = [1, 8, 32];
 /// Activation-row counts the quantized matmul kernels are compiled for (`mmvq_*_r{R}` in quant.cu).
 pub(crate) const MMVQ_ROWS: [usize; 4] = [1, 2, 4, 8];
 
+/// The two-pass kernels (`mmvq_*_r{R}_x2`) stop at 4 activation rows: at 8 (16 quantized rows) their
+/// accumulators spilled, and 4-row blocks ran a 16-row verify 21% faster (PERFORMANCE.md entry 35).
+pub(crate) const MMVQ_X2_MAX_ROWS: usize = 4;
+
 /// The whole program: every source, each preceded by a `#line` so compiler errors name the file.
 pub fn program_source() -> String {
     let mut source = String::new();
@@ -95,7 +99,7 @@ pub(crate) struct Kernels {
     /// `gemm_bf16_small_t{T}` for the tile counts of [`SMALL_GEMM_TILES`].
     pub gemm_bf16_small: Vec<CudaFunction>,
     /// `mmvq[format][passes - 1][i]`: format 0 = Q4_0, 1 = Q4_1, 2 = Q8_0; one or two activation passes
-    /// (`ActPrecision`); `MMVQ_ROWS[i]` activation rows per block.
+    /// (`ActPrecision`); `MMVQ_ROWS[i]` activation rows per block (two passes: up to `MMVQ_X2_MAX_ROWS`).
     pub mmvq: Vec<[Vec<CudaFunction>; 2]>,
     pub embedding_quant: CudaFunction,
     pub rope_kv_write: CudaFunction,
@@ -166,12 +170,12 @@ impl Kernels {
                 .map_err(|e| CudaError::Driver { what: format!("cuFuncSetAttribute {name}"), source: e })?;
             Ok(f)
         };
-        let mmvq_rows = |fmt: &str, suffix: &str| -> Result<Vec<CudaFunction>, CudaError> {
-            MMVQ_ROWS.iter().map(|r| big_smem(&format!("mmvq_{fmt}_r{r}{suffix}"))).collect()
+        let mmvq_rows = |fmt: &str, suffix: &str, max: usize| -> Result<Vec<CudaFunction>, CudaError> {
+            MMVQ_ROWS.iter().filter(|&&r| r <= max).map(|r| big_smem(&format!("mmvq_{fmt}_r{r}{suffix}"))).collect()
         };
         let mmvq = ["q4_0", "q4_1", "q8_0"]
             .iter()
-            .map(|fmt| Ok([mmvq_rows(fmt, "")?, mmvq_rows(fmt, "_x2")?]))
+            .map(|fmt| Ok([mmvq_rows(fmt, "", usize::MAX)?, mmvq_rows(fmt, "_x2", MMVQ_X2_MAX_ROWS)?]))
             .collect::<Result<Vec<_>, CudaError>>()?;
         Ok(Kernels {
             embedding_f32: get("embedding_f32")?,

@@ -7,7 +7,7 @@
 use super::fused::{fill_random_f16, fill_random_u32, Epilogue};
 use super::{dim, launch_err, shape_err, ROW_BLOCK};
 use crate::cuda::device::{CudaDevice, DeviceBuf};
-use crate::cuda::kernels::{MAX_DYNAMIC_SMEM, MMVQ_ROWS};
+use crate::cuda::kernels::{MAX_DYNAMIC_SMEM, MMVQ_ROWS, MMVQ_X2_MAX_ROWS};
 use crate::cuda::view::{DevArg, DevSlice};
 use crate::cuda::Result;
 use crate::quant::{act_precision, ActPrecision};
@@ -136,11 +136,12 @@ impl QuantMatrix {
 }
 
 /// Activation rows per block for `m` rows of length `k` quantized in `passes`: the smallest compiled count
-/// that covers `m`, limited by the shared memory the quantized rows take.
+/// that covers `m`, limited by the shared memory the quantized rows take (and, for two passes, by the
+/// compiled counts).
 fn rows_per_block(m: usize, k: usize, passes: usize) -> usize {
     let fit = |r: usize| mmvq_smem_bytes(k, r * passes) <= MAX_DYNAMIC_SMEM as usize;
     let mut best = MMVQ_ROWS[0];
-    for &r in &MMVQ_ROWS {
+    for &r in MMVQ_ROWS.iter().filter(|&&r| passes == 1 || r <= MMVQ_X2_MAX_ROWS) {
         if fit(r) {
             best = r;
             if r >= m {
@@ -285,11 +286,11 @@ mod tests {
         assert_eq!(rows_per_block(1, 576, 1), 1);
         assert_eq!(rows_per_block(3, 576, 1), 4);
         assert_eq!(rows_per_block(16, 1536, 1), 8);
-        assert_eq!(rows_per_block(16, 1536, 2), 8);
+        assert_eq!(rows_per_block(16, 1536, 2), 4);
         // 14336 columns: 8 rows would take 143 KiB, within the 160 KiB limit; 32K columns only fit 4.
         assert_eq!(rows_per_block(8, 14336, 1), 8);
         assert_eq!(rows_per_block(8, 32768, 1), 4);
-        // Two passes double the quantized rows: 14336 columns fit 4 activation rows, 32K fit 2.
+        // Two passes double the quantized rows and stop at 4 activation rows; 32K columns fit 2.
         assert_eq!(rows_per_block(8, 14336, 2), 4);
         assert_eq!(rows_per_block(8, 32768, 2), 2);
     }
