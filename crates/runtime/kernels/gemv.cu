@@ -146,16 +146,16 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 // each lane reads a weight once and adds it into every row's sum, lane-strided FMAs then the warp sum per row.
 // A row's sum has the same order whatever R, m and the other rows, so its bits do not depend on the batch
 // (cuBLAS picks its kernel by shape, which made f32 and f16 checkpoints' decode and verify rows differ).
-// Epilogue as gemv_bf16_ep; y [m, y_ld]. Grid: (ceil(n_out / GEMV_WARPS), ceil(m / R)).
+// Epilogue as gemv_bf16_ep; x [m, k]; y [m, y_ld]. Grid: (ceil(n_out / GEMV_WARPS), ceil(m / R)).
 template <int R>
-__device__ __forceinline__ void gemm_f32_rows(const float* __restrict__ w, const float* __restrict__ x, u32 x_ld,
+__device__ __forceinline__ void gemm_f32_rows(const float* __restrict__ w, const float* __restrict__ x,
                                               float* __restrict__ y, u32 y_ld, u32 n_out, u32 k, u32 m, u32 epi) {
     const u32 lane = threadIdx.x & 31u, col = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     const u32 row0 = blockIdx.y * R, rows = min((u32)R, m - row0);
     if (col >= n_out) return;
     const float* gate = w + (u64)col * k;
     const float* up = w + (u64)(col + n_out) * k;
-    const float* xs = x + (u64)row0 * x_ld;
+    const float* xs = x + (u64)row0 * k;
     float acc[R], acc_up[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = acc_up[r] = 0.0f;
@@ -164,7 +164,7 @@ __device__ __forceinline__ void gemm_f32_rows(const float* __restrict__ w, const
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             if ((u32)r >= rows) break;
-            const float v = xs[(u64)r * x_ld + i];
+            const float v = xs[(u64)r * k + i];
             acc[r] = fmaf(g, v, acc[r]);
             if (epi == EPI_SWIGLU) acc_up[r] = fmaf(u, v, acc_up[r]);
         }
@@ -183,10 +183,10 @@ __device__ __forceinline__ void gemm_f32_rows(const float* __restrict__ w, const
 
 #define DF_GEMM_F32_ROWS(R)                                                                                      \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                                \
-        gemm_f32_rows_r##R(const float* __restrict__ w, const float* __restrict__ x, u32 x_ld, float* __restrict__ y, \
+        gemm_f32_rows_r##R(const float* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,     \
                            u32 y_ld, u32 n_out, u32 k, u32 m, u32 epi) {                                          \
         DF_GRID_DEPENDENCY();                                                                                    \
-        gemm_f32_rows<R>(w, x, x_ld, y, y_ld, n_out, k, m, epi);                                                 \
+        gemm_f32_rows<R>(w, x, y, y_ld, n_out, k, m, epi);                                                       \
     }
 DF_GEMM_F32_ROWS(1)
 DF_GEMM_F32_ROWS(8)

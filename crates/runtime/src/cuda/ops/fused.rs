@@ -249,10 +249,9 @@ pub fn gemm_f32_rows<'a>(
     let ci = F32_ROWS_CHUNKS.iter().position(|&r| r >= m).unwrap_or(F32_ROWS_CHUNKS.len() - 1);
     let chunk = F32_ROWS_CHUNKS[ci];
     let grid = (dim(n_out.div_ceil(GEMV_ROWS_PER_BLOCK as usize), "blocks")?, dim(m.div_ceil(chunk), "chunks")?, 1);
-    let (ld, y_ld32, n, k32, m32, code) =
-        (dim(k, "k")?, dim(y_ld, "y_ld")?, dim(n_out, "n")?, dim(k, "k")?, dim(m, "m")?, epi.code());
+    let (y_ld32, n, k32, m32, code) = (dim(y_ld, "y_ld")?, dim(n_out, "n")?, dim(k, "k")?, dim(m, "m")?, epi.code());
     let mut launch = dev.launch_builder(&dev.kernels.gemm_f32_rows[ci]);
-    launch.arg(w.arg()).arg(x.arg()).arg(&ld).arg(y.arg()).arg(&y_ld32).arg(&n).arg(&k32).arg(&m32).arg(&code);
+    launch.arg(w.arg()).arg(x.arg()).arg(y.arg()).arg(&y_ld32).arg(&n).arg(&k32).arg(&m32).arg(&code);
     let cfg = LaunchConfig { grid_dim: grid, block_dim: (GEMV_ROWS_PER_BLOCK * 32, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: the arguments match the kernel's signature and the shapes were checked above.
     unsafe { launch.launch(cfg) }.map_err(launch_err("gemm_f32_rows"))?;
