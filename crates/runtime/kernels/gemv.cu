@@ -208,6 +208,14 @@ DF_GEMM_F32_ROWS(32)
 // those 16 values as its k-pairs (2t, 2t + 1) and (2t + 8, 2t + 9): a fixed permutation of k, the same for
 // the weights and the activations. Needs k % 8 == 0 (16-byte aligned rows); columns past k are zero.
 // Memory floor: the weights, rows * k * 2 bytes, for any m <= 8 * T.
+//
+// The layer's pre-norm folds in (NORM, `norm_w` non-null): the activations load as bf16(x * norm_w) and each
+// output is scaled by its row's 1 / rms at the end, from the sum of squares the kernel that last wrote the
+// residual left in `ss_in` ([m, ceil(k / 16)]: one partial sum per 16 columns, summed here in slot order), so
+// no kernel of its own normalises the row and nothing waits on a sum before the weights stream. Scaling the
+// sum instead of each activation changes only which product the bf16 rounding sees (the relative error is
+// the same). With EPI_ADD, `ss_out` non-null takes those partial sums of the updated rows: [m, gridDim.x],
+// slot blockIdx.x. Both sums have a fixed order, so rows stay batch-invariant.
 
 #define TC_WARPS 8
 #define TC_KB 64
@@ -242,27 +250,51 @@ __device__ __forceinline__ void tc_load_w(const bf16_t* __restrict__ row, u32 k,
     }
 }
 
-// The same 16 values of an f32 activation row (null: a padding row), rounded to bf16 pairs.
-__device__ __forceinline__ void tc_load_x(const float* __restrict__ row, u32 k, u32 kb, u32 t, u32* xd) {
-    const u32 c[2] = {kb + 8u * t, kb + 32u + 8u * t};
+// The lane's 8 values at half h (columns kb + 32h + 8t, +8) of an f32 row; `fill` past k or for a null row.
+__device__ __forceinline__ void tc_load8(const float* __restrict__ row, u32 k, u32 kb, u32 t, int h, float fill,
+                                         float4* v) {
+    const u32 c = kb + 32u * h + 8u * t;
+    v[0] = v[1] = make_float4(fill, fill, fill, fill);
+    if (row != nullptr && c < k) {
+        v[0] = __ldg(reinterpret_cast<const float4*>(row + c));
+        v[1] = __ldg(reinterpret_cast<const float4*>(row + c) + 1);
+    }
+}
+
+__device__ __forceinline__ float4 mul4(float4 a, float4 b) {
+    return make_float4(__fmul_rn(a.x, b.x), __fmul_rn(a.y, b.y), __fmul_rn(a.z, b.z), __fmul_rn(a.w, b.w));
+}
+
+// The same 16 values of each of the T activation rows (null: a padding row), times the norm weight's with
+// NORM, rounded to bf16 pairs. Half by half, so only 8 of the norm weight's values are live at a time.
+template <int T, bool NORM>
+__device__ __forceinline__ void tc_load_x(const float* const* xrows, const float* __restrict__ nw, u32 k, u32 kb,
+                                          u32 t, u32 (*xd)[8]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
-        if (row != nullptr && c[h] < k) {
-            a = __ldg(reinterpret_cast<const float4*>(row + c[h]));
-            b = __ldg(reinterpret_cast<const float4*>(row + c[h]) + 1);
+        float4 n[2];
+        if (NORM) tc_load8(nw, k, kb, t, h, 1.0f, n);
+#pragma unroll
+        for (int i = 0; i < T; ++i) {
+            float4 v[2];
+            tc_load8(xrows[i], k, kb, t, h, 0.0f, v);
+            if (NORM) {
+                v[0] = mul4(v[0], n[0]);
+                v[1] = mul4(v[1], n[1]);
+            }
+            xd[i][4 * h] = bf16x2_rn(v[0].x, v[0].y);
+            xd[i][4 * h + 1] = bf16x2_rn(v[0].z, v[0].w);
+            xd[i][4 * h + 2] = bf16x2_rn(v[1].x, v[1].y);
+            xd[i][4 * h + 3] = bf16x2_rn(v[1].z, v[1].w);
         }
-        xd[4 * h] = bf16x2_rn(a.x, a.y);
-        xd[4 * h + 1] = bf16x2_rn(a.z, a.w);
-        xd[4 * h + 2] = bf16x2_rn(b.x, b.y);
-        xd[4 * h + 3] = bf16x2_rn(b.z, b.w);
     }
 }
 
 // acc[p][tile][4]: p = 0 the weight rows col0.., p = 1 the up rows (SwiGLU only).
-template <int T, bool SWIGLU>
-__device__ __forceinline__ void tc_block_mma(const bf16_t* __restrict__ w, const float* __restrict__ x, u32 n_out,
-                                             u32 k, u32 m, u32 col0, float (*acc)[T][4]) {
+template <int T, bool SWIGLU, bool NORM>
+__device__ __forceinline__ void tc_block_mma(const bf16_t* __restrict__ w, const float* __restrict__ x,
+                                             const float* __restrict__ nw, u32 n_out, u32 k, u32 m, u32 col0,
+                                             float (*acc)[T][4]) {
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3u;
     const bf16_t* rows[2][2];
 #pragma unroll
@@ -294,8 +326,7 @@ __device__ __forceinline__ void tc_block_mma(const bf16_t* __restrict__ w, const
                 tc_load_w(rows[p][0], k, kbu, t, wd[u][p][0]);
                 tc_load_w(rows[p][1], k, kbu, t, wd[u][p][1]);
             }
-#pragma unroll
-            for (int i = 0; i < T; ++i) tc_load_x(xrows[i], k, kbu, t, xd[u][i]);
+            tc_load_x<T, NORM>(xrows, nw, k, kbu, t, xd[u]);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -314,13 +345,66 @@ __device__ __forceinline__ void tc_block_mma(const bf16_t* __restrict__ w, const
     }
 }
 
-template <int T, bool SWIGLU>
+// Row r's 1 / rms from its sum-of-squares slots, into inv[r] (NORM); warp w takes rows w, w + 8, ...
+template <int T>
+__device__ __forceinline__ void tc_row_inv_rms(const float* __restrict__ ss_in, u32 k, u32 m, float eps,
+                                               float* inv) {
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, slots = (k + 15u) / 16u;
+    for (u32 r = warp; r < m && r < 8u * T; r += TC_WARPS) {
+        float s = 0.0f;
+        for (u32 j = lane; j < slots; j += 32u) s = __fadd_rn(s, ss_in[(u64)r * slots + j]);
+        s = warp_sum(s);
+        if (lane == 0) inv[r] = 1.0f / sqrtf(s / (float)k + eps);
+    }
+}
+
+// Warp 0's stores of tile i (accumulator e: output column col0 + g (+ 8 for e >= 2), activation row
+// 8i + 2t (+ 1 for odd e)), and with ss_out each row's sum of squares of its 16 new values: the lane's two
+// columns, then the 8 lanes of the row in a fixed butterfly.
+__device__ __forceinline__ void tc_store_tile(const float* v, u32 i, u32 col0, u32 n_out, u32 m,
+                                              float* __restrict__ y, u32 y_ld, u32 epi, float* __restrict__ ss_out) {
+    const u32 lane = threadIdx.x & 31u, g = lane >> 2, t = lane & 3u;
+    float nv[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const u32 col = col0 + g + 8u * (e >> 1);
+        const u32 r = 8u * i + 2u * t + (e & 1);
+        nv[e] = 0.0f;
+        if (col >= n_out || r >= m) continue;
+        float* dst = y + (u64)r * y_ld + col;
+        nv[e] = epi == EPI_ADD ? __fadd_rn(*dst, v[e]) : v[e];
+        *dst = nv[e];
+    }
+    if (ss_out == nullptr) return;  // uniform: a kernel argument
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+        float s = __fadd_rn(__fmul_rn(nv[q], nv[q]), __fmul_rn(nv[q + 2], nv[q + 2]));
+        s = __fadd_rn(s, __shfl_xor_sync(DF_FULL_MASK, s, 4));
+        s = __fadd_rn(s, __shfl_xor_sync(DF_FULL_MASK, s, 8));
+        s = __fadd_rn(s, __shfl_xor_sync(DF_FULL_MASK, s, 16));
+        const u32 r = 8u * i + 2u * t + q;
+        if (g == 0 && r < m) ss_out[(u64)r * gridDim.x + blockIdx.x] = s;
+    }
+}
+
+// The block's shared memory, one allocation for every variant of a kernel: the warps' partial sums (room for
+// SwiGLU's two) and the rows' 1 / rms.
+template <int T>
+struct TcSmem {
+    float part[(TC_WARPS - 1) * 2 * T * 4 * 32];
+    float inv[8 * T];
+};
+
+template <int T, bool SWIGLU, bool NORM>
 __device__ __forceinline__ void gemm_bf16_small(const bf16_t* __restrict__ w, const float* __restrict__ x,
                                                 float* __restrict__ y, u32 n_out, u32 k, u32 m, u32 y_ld,
-                                                u32 epi) {
+                                                u32 epi, const float* __restrict__ norm_w,
+                                                const float* __restrict__ ss_in, float* __restrict__ ss_out,
+                                                float eps, TcSmem<T>* smem) {
     constexpr int P = SWIGLU ? 2 : 1;
-    __shared__ float part[TC_WARPS - 1][P * T * 4][32];
-    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3u;
+    float(*part)[P * T * 4][32] = reinterpret_cast<float(*)[P * T * 4][32]>(smem->part);
+    float* inv = smem->inv;
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u32 col0 = blockIdx.x * 16u;
     float acc[2][T][4];
 #pragma unroll
@@ -329,7 +413,8 @@ __device__ __forceinline__ void gemm_bf16_small(const bf16_t* __restrict__ w, co
         for (int i = 0; i < T; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[p][i][e] = 0.0f;
-    tc_block_mma<T, SWIGLU>(w, x, n_out, k, m, col0, acc);
+    tc_block_mma<T, SWIGLU, NORM>(w, x, norm_w, n_out, k, m, col0, acc);
+    if (NORM) tc_row_inv_rms<T>(ss_in, k, m, eps, inv);
     // The warps' partial sums, added in warp order by warp 0.
     if (warp > 0) {
 #pragma unroll
@@ -349,19 +434,17 @@ __device__ __forceinline__ void gemm_bf16_small(const bf16_t* __restrict__ w, co
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc[p][i][e] = __fadd_rn(acc[p][i][e], part[v][(p * T + i) * 4 + e][lane]);
     }
-    // Accumulator e of tile i: output column col0 + g (+ 8 for e >= 2), activation row 8i + 2t (+ 1 for odd e).
 #pragma unroll
     for (int i = 0; i < T; ++i) {
+        float v[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const u32 col = col0 + g + 8u * (e >> 1);
-            const u32 r = 8u * i + 2u * t + (e & 1);
-            if (col >= n_out || r >= m) continue;
-            float v = acc[0][i][e];
-            if (SWIGLU) v = swiglu_value(v, acc[1][i][e]);
-            float* dst = y + (u64)r * y_ld + col;
-            *dst = epi == EPI_ADD ? __fadd_rn(*dst, v) : v;
+            const u32 r = 8u * i + 2u * (lane & 3u) + (e & 1);
+            const float s = NORM && r < m ? inv[r] : 1.0f;
+            v[e] = NORM ? __fmul_rn(acc[0][i][e], s) : acc[0][i][e];
+            if (SWIGLU) v[e] = swiglu_value(v[e], NORM ? __fmul_rn(acc[1][i][e], s) : acc[1][i][e]);
         }
+        tc_store_tile(v, i, col0, n_out, m, y, y_ld, epi, ss_out);
     }
 }
 
@@ -380,19 +463,26 @@ __device__ __forceinline__ void tc_prefetch_first_pass(const bf16_t* __restrict_
 #endif
 }
 
-#define DF_GEMM_SMALL(T)                                                                                        \
+// gemm_bf16_small_t{T} and, with the pre-norm folded in, gemm_bf16_small_norm_t{T} (kernels of their own: in
+// one kernel the four variants' registers spilled at T = 4).
+#define DF_GEMM_SMALL(T, NAME, NORM)                                                                            \
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2)                                              \
-        gemm_bf16_small_t##T(const bf16_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, \
-                             u32 n_out, u32 k, u32 m, u32 y_ld, u32 epi) {                                      \
+        NAME(const bf16_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, u32 n_out, u32 k, \
+             u32 m, u32 y_ld, u32 epi, const float* __restrict__ norm_w, const float* __restrict__ ss_in,        \
+             float* __restrict__ ss_out, float eps) {                                                           \
+        __shared__ TcSmem<T> smem;                                                                              \
         tc_prefetch_first_pass(w, n_out, k, epi);                                                               \
         DF_GRID_DEPENDENCY();                                                                                   \
         if (epi == EPI_SWIGLU) {                                                                                \
-            gemm_bf16_small<T, true>(w, x, y, n_out, k, m, y_ld, epi);                                          \
+            gemm_bf16_small<T, true, NORM>(w, x, y, n_out, k, m, y_ld, epi, norm_w, ss_in, ss_out, eps, &smem); \
         } else {                                                                                                \
-            gemm_bf16_small<T, false>(w, x, y, n_out, k, m, y_ld, epi);                                         \
+            gemm_bf16_small<T, false, NORM>(w, x, y, n_out, k, m, y_ld, epi, norm_w, ss_in, ss_out, eps, &smem);\
         }                                                                                                       \
     }
 
-DF_GEMM_SMALL(1)
-DF_GEMM_SMALL(2)
-DF_GEMM_SMALL(4)
+DF_GEMM_SMALL(1, gemm_bf16_small_t1, false)
+DF_GEMM_SMALL(2, gemm_bf16_small_t2, false)
+DF_GEMM_SMALL(4, gemm_bf16_small_t4, false)
+DF_GEMM_SMALL(1, gemm_bf16_small_norm_t1, true)
+DF_GEMM_SMALL(2, gemm_bf16_small_norm_t2, true)
+DF_GEMM_SMALL(4, gemm_bf16_small_norm_t4, true)

@@ -1,8 +1,9 @@
 //! The matmuls of the CUDA model forward against their CPU twins, on fresh random inputs with odd sizes, outputs
 //! set to NaN or (where they are added to) known values, and a write outside the output columns failing: the
 //! quantized matmul (every format, row count, prologue and epilogue), the f32 matmul for up to 32 rows, the bf16
-//! GEMV with epilogues, the small tensor-core bf16 matmul, and cuBLAS with strides and accumulation. The
-//! quantized, f32 and small bf16 matmuls give each row the same bits alone as in a batch.
+//! GEMV with epilogues, the small tensor-core bf16 matmul (with the pre-norm folded in from the sums of squares it
+//! leaves), and cuBLAS with strides and accumulation. The quantized, f32 and small bf16 matmuls give each row the
+//! same bits alone as in a batch.
 //!
 //! Without a CUDA device every test prints a SKIP notice and passes. Tolerances (`err` = |gpu − cpu|):
 //! * quantized matmul `err <= 2e-5 · Σ|w·x|` per output with plain input: activations quantize to the
@@ -14,7 +15,8 @@
 //! * bf16 GEMV `1e-5 · Σ|w·x|`, the small tensor-core matmul `2e-5 · Σ|w·x|` against bf16-rounded x, cuBLAS
 //!   `1e-4 · Σ|w·x|` (bf16-rounded x on both sides; `1e-5` with f32 operands), as in cuda_parity;
 //!   SwiGLU epilogues add the 2e-5 of the SwiGLU kernel, and the bf16 GEMV's norm prologue as much (its sum
-//!   of squares runs in another order).
+//!   of squares runs in another order); the folded norm's sums of squares `1e-5` of their value, its outputs
+//!   `3e-5 · Σ|w·x|` against the reference's own 1 / rms (summed in f64).
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -22,7 +24,7 @@ mod common;
 use common::gpu::{bit_mismatches, check, cpu_rms_norm, device, f32_tensor, max_err_over, quant_matrix};
 use common::Rng;
 
-use dflash_runtime::cuda::ops::{self as gpu, Epilogue, MmvqArgs};
+use dflash_runtime::cuda::ops::{self as gpu, Epilogue, FoldedNorm, MmvqArgs, SmallGemmNorm};
 use dflash_runtime::cuda::{CudaDevice, DeviceBuf};
 use dflash_runtime::ops as cpu;
 use dflash_runtime::quant::{self, ActPrecision};
@@ -235,7 +237,8 @@ fn small_gemm_on_device(
 ) -> Vec<f32> {
     let m = y_init.len() / y_ld;
     let (xd, y) = (dev.upload(x).expect("x"), dev.upload(y_init).expect("y"));
-    gpu::gemm_bf16_small(dev, w, n_out, &xd, m, &y, y_ld, epi).expect("gemm_bf16_small");
+    let none = SmallGemmNorm::default();
+    gpu::gemm_bf16_small(dev, w, n_out, &xd, m, &y, y_ld, epi, none).expect("gemm_bf16_small");
     dev.download(&y).expect("download")
 }
 
@@ -281,6 +284,91 @@ fn small_bf16_matmul_matches_cpu_and_gives_each_row_the_same_bits_in_any_batch()
                     mismatches += bit_mismatches(&solo[..n_out], &got[r * y_ld..r * y_ld + n_out]);
                 }
                 check(&format!("gemm_bf16_small {epi:?} solo vs batch"), &shape, mismatches, 0.0);
+            }
+        }
+    }
+}
+
+/// Device bf16 weights `[n, k]`, random in ±1, and their values.
+fn bf16_matrix(dev: &CudaDevice, rng: &mut Rng, n: usize, k: usize) -> (DeviceBuf<bf16>, Vec<f32>) {
+    let w: Vec<bf16> = rng.vec(n * k, 1.0).into_iter().map(bf16::from_f32).collect();
+    (dev.upload(&w).expect("w"), w.iter().map(|v| v.to_f32()).collect())
+}
+
+/// A residual update and the folded pre-norm after it, on `m` rows: `res [m, h] += a · Wpᵀ`, leaving its sums
+/// of squares, then `rms_norm(res) · nw` through `wc` with `epi`. Returns the residual, the sums of squares and
+/// the consumer's output `[m, n_out]`.
+#[allow(clippy::too_many_arguments)]
+fn residual_then_folded_norm(
+    dev: &CudaDevice,
+    (wp, a, res): (&DeviceBuf<bf16>, &[f32], &[f32]),
+    (wc, nw, n_out, epi): (&DeviceBuf<bf16>, &DeviceBuf<f32>, usize, Epilogue),
+    h: usize,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let m = res.len() / h;
+    let slots = gpu::sum_sq_slots(h);
+    let (ad, resd) = (dev.upload(a).expect("a"), dev.upload(res).expect("res"));
+    let (ss, y) =
+        (dev.upload(&vec![f32::NAN; m * slots]).expect("ss"), dev.upload(&vec![f32::NAN; m * n_out]).expect("y"));
+    let out = SmallGemmNorm { fold: None, sum_sq_out: Some(ss.view()) };
+    gpu::gemm_bf16_small(dev, wp, h, &ad, m, &resd, h, Epilogue::Add, out).expect("producer");
+    let fold =
+        SmallGemmNorm { fold: Some(FoldedNorm { w: nw.view(), sum_sq: ss.view(), eps: 1e-6 }), sum_sq_out: None };
+    gpu::gemm_bf16_small(dev, wc, n_out, &resd, m, &y, n_out, epi, fold).expect("consumer");
+    (dev.download(&resd).expect("res"), dev.download(&ss).expect("ss"), dev.download(&y).expect("y"))
+}
+
+#[test]
+fn small_bf16_matmul_folds_the_pre_norm_from_the_sums_of_squares_it_leaves() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(27);
+    // h = 1000 ends inside a 16-column slot and 136 inside a 64-wide k-block; 4096 is the Qwen3-8B shape's.
+    for (h, kp, n_out) in [(1000, 576, 37), (4096, 64, 300), (136, 200, 16)] {
+        let (wp, _) = bf16_matrix(dev, &mut rng, h, kp);
+        let nw_host: Vec<f32> = rng.vec(h, 0.5).iter().map(|v| v + 1.0).collect();
+        let nw = dev.upload(&nw_host).expect("nw");
+        for epi in [Epilogue::Store, Epilogue::Swiglu] {
+            let n = epi.weight_rows(n_out);
+            let (wc, wcf) = bf16_matrix(dev, &mut rng, n, h);
+            for m in [1, 5, 13, 32] {
+                let (a, res0) = (rng.vec(m * kp, 1.0), rng.vec(m * h, 2.0));
+                let (res, ss, got) = residual_then_folded_norm(dev, (&wp, &a, &res0), (&wc, &nw, n_out, epi), h);
+                let shape = format!("{m}x{h} . {n}x{h}");
+                // Each slot: the sum of squares of its 16 columns of the updated residual.
+                let slots = gpu::sum_sq_slots(h);
+                let mut ss_err = 0f64;
+                for r in 0..m {
+                    for j in 0..slots {
+                        let cols = 16 * j..(16 * j + 16).min(h);
+                        let want: f64 = cols.map(|c| (res[r * h + c] as f64).powi(2)).sum();
+                        ss_err = ss_err.max((ss[r * slots + j] as f64 - want).abs() / want.max(1e-30));
+                    }
+                }
+                check("gemm_bf16_small sums of squares", &shape, ss_err, 1e-5);
+                // The consumer: inv · Σ w · bf16(res · nw), against 1 / rms in f64.
+                let xr: Vec<f32> =
+                    res.iter().enumerate().map(|(i, &v)| bf16::from_f32(v * nw_host[i % h]).to_f32()).collect();
+                let mut prod = f32_tensor(&vec![0.0; m * n], &[m, n]);
+                cpu::matmul(&f32_tensor(&xr, &[m, h]), &f32_tensor(&wcf, &[n, h]), &mut prod).expect("cpu matmul");
+                let mut prod = prod.as_f32().expect("f32").to_vec();
+                let mut scale = abs_dot(&wcf, &xr, n, h);
+                for r in 0..m {
+                    let mean: f64 = res[r * h..(r + 1) * h].iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / h as f64;
+                    let inv = 1.0 / (mean + 1e-6).sqrt();
+                    prod[r * n..(r + 1) * n].iter_mut().for_each(|p| *p = (*p as f64 * inv) as f32);
+                    scale[r * n..(r + 1) * n].iter_mut().for_each(|s| *s *= inv);
+                }
+                let (want, scale) = expected(epi, &prod, &scale, m, n_out, |_, _| 0.0);
+                check(&format!("gemm_bf16_small folded norm {epi:?}"), &shape, max_err_over(&got, &want, &scale), 3e-5);
+                // Each row alone leaves and takes the bits it did inside the batch.
+                let mut mismatches = 0.0;
+                for r in 0..m {
+                    let (row_a, row_res) = (&a[r * kp..(r + 1) * kp], &res0[r * h..(r + 1) * h]);
+                    let (_, s1, y1) = residual_then_folded_norm(dev, (&wp, row_a, row_res), (&wc, &nw, n_out, epi), h);
+                    mismatches += bit_mismatches(&s1, &ss[r * slots..(r + 1) * slots]);
+                    mismatches += bit_mismatches(&y1, &got[r * n_out..(r + 1) * n_out]);
+                }
+                check(&format!("gemm_bf16_small folded norm {epi:?} solo vs batch"), &shape, mismatches, 0.0);
             }
         }
     }

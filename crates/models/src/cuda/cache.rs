@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use dflash_runtime::cuda::ops::{ArgmaxScratch, AttentionScratch};
+use dflash_runtime::cuda::ops::{sum_sq_slots, ArgmaxScratch, AttentionScratch};
 use dflash_runtime::cuda::{DeviceBuf, StepGraph};
 use half::bf16;
 
@@ -67,6 +67,7 @@ pub(super) struct Workspace {
     pub inputs: DeviceBuf<u32>,
     pub residual: DeviceBuf<f32>,  // [T, hidden]
     pub normed: DeviceBuf<f32>,    // [T, hidden] (dense matmuls; quantized ones normalise in their prologue)
+    pub sum_sq: DeviceBuf<f32>,    // [T, sum_sq_slots(hidden)] (norms folded into the small bf16 matmul)
     pub qkv: DeviceBuf<f32>,       // [T, qkv width]
     pub q: DeviceBuf<f32>,         // [T, heads * head_dim]
     pub attn: DeviceBuf<f32>,      // [T, heads * head_dim]
@@ -145,6 +146,7 @@ impl CudaLlamaModel {
             inputs: dev.alloc_zeros(inputs)?,
             residual: dev.alloc_zeros(t * h)?,
             normed: dev.alloc_zeros(t * h)?,
+            sum_sq: dev.alloc_zeros(t * sum_sq_slots(h))?,
             qkv: dev.alloc_zeros(t * c.qkv_width())?,
             q: dev.alloc_zeros(t * qd)?,
             attn: dev.alloc_zeros(t * qd)?,

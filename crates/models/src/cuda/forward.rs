@@ -2,9 +2,11 @@
 //! sequence) and replayed, with the inputs copied in by one host-to-device copy and the results out after
 //! one synchronisation.
 
+use std::sync::OnceLock;
+
 use dflash_runtime::cuda::ops::{
     self as gpu, copy_columns, embedding_quant, gather_rms_norm, paged_attention, prompt_attention_tc, rope_kv_write,
-    AttentionArgs, KeySplit, RopeKvArgs,
+    small_gemm_fits, sum_sq_slots, AttentionArgs, KeySplit, RopeKvArgs,
 };
 use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DevSlice, DeviceBuf};
 use dflash_runtime::Tensor;
@@ -14,7 +16,7 @@ use super::error::{CudaModelError, Result};
 use super::linear::{Linear, MatIn, MatOut};
 use super::model::{CudaLayer, CudaLlamaModel};
 use super::plan::{self, StepPlan, SPLIT_KEYS};
-use super::weights::DevWeight;
+use super::weights::{DevMatrix, DevProjection, DevWeight};
 use crate::batch::{ForwardBatch, ForwardOut};
 use crate::config::ModelConfig;
 
@@ -97,8 +99,9 @@ impl CudaLlamaModel {
             DevWeight::F32(table) => gpu::embedding_f32(&self.dev, table, tokens, residual)?,
             DevWeight::Quant(table) => embedding_quant(&self.dev, table, tokens, residual)?,
         }
+        let fold = self.folds_norms(t);
         for (i, layer) in self.layers.iter().enumerate() {
-            self.layer(cache, p, i, layer)?;
+            self.layer(cache, p, i, layer, fold)?;
             if let Some(tap) = self.capture_layers.iter().position(|&l| l == i) {
                 let width = self.capture_layers.len() * h;
                 copy_columns(&self.dev, residual, h, ws.captured.view().prefix(t * width)?, width, tap * h)?;
@@ -122,23 +125,51 @@ impl CudaLlamaModel {
         Ok(())
     }
 
-    /// One decoder layer on the step's rows.
-    fn layer(&self, cache: &CudaCache, p: &StepPlan, i: usize, layer: &CudaLayer) -> Result<()> {
+    /// One decoder layer on the step's rows. With `fold`, the pre-norms run inside the matmuls after them, from
+    /// the sums of squares the residual's last matmul left (the first layer's attention norm, after the
+    /// embedding, keeps its kernel).
+    fn layer<'a>(
+        &'a self,
+        cache: &'a CudaCache,
+        p: &StepPlan,
+        i: usize,
+        layer: &'a CudaLayer,
+        fold: bool,
+    ) -> Result<()> {
         let (cfg, ws, lay) = (&self.cfg, &cache.ws, &p.layout);
         let (t, h) = (lay.t, cfg.hidden_size);
         let f = cfg.intermediate_size;
         let residual = ws.residual.view().prefix(t * h)?;
+        let sum_sq = ws.sum_sq.view().prefix(t * sum_sq_slots(h))?;
+        let pre_norm = |norm: &'a DeviceBuf<f32>, after_matmul: bool| match fold && after_matmul {
+            true => MatIn::Folded { x: residual, w: norm.view(), sum_sq },
+            false => MatIn::Normed { x: residual, w: norm.view() },
+        };
+        let add = MatOut::Add { y: residual, sum_sq: fold.then_some(sum_sq) };
         let qkv_w = cfg.qkv_width();
         let qkv = ws.qkv.view().prefix(t * qkv_w)?;
-        let normed_in = MatIn::Normed { x: residual, w: layer.attn_norm.view() };
-        self.linear().project(ws, t, normed_in, &layer.qkv, MatOut::Store { y: qkv, ld: qkv_w, col: 0 })?;
+        let attn_in = pre_norm(&layer.attn_norm, i > 0);
+        self.linear().project(ws, t, attn_in, &layer.qkv, MatOut::Store { y: qkv, ld: qkv_w, col: 0 })?;
         let norms = (layer.q_norm.as_ref().map(|n| n.view()), layer.k_norm.as_ref().map(|n| n.view()));
         let attn = attend(&self.dev, cache, p, i, (qkv, qkv_w), &self.rope, norms, cfg)?;
-        self.linear().matmul(ws, t, MatIn::Plain(attn), &layer.o_proj, MatOut::Add(residual))?;
+        self.linear().matmul(ws, t, MatIn::Plain(attn), &layer.o_proj, add)?;
         let act = ws.act.view().prefix(t * f)?;
-        let ffn_in = MatIn::Normed { x: residual, w: layer.ffn_norm.view() };
-        self.linear().project(ws, t, ffn_in, &layer.gate_up, MatOut::Swiglu(act))?;
-        self.linear().matmul(ws, t, MatIn::Plain(act), &layer.down, MatOut::Add(residual))
+        self.linear().project(ws, t, pre_norm(&layer.ffn_norm, true), &layer.gate_up, MatOut::Swiglu(act))?;
+        self.linear().matmul(ws, t, MatIn::Plain(act), &layer.down, add)
+    }
+
+    /// Whether a step of `t` rows folds the pre-norms into its matmuls: every layer matrix bf16 and small enough
+    /// for the small bf16 matmul (the one kernel that leaves and takes the sums of squares), and not turned off
+    /// with `DFLASH_FOLD_NORM=0` (for side-by-side measurements).
+    fn folds_norms(&self, t: usize) -> bool {
+        static OFF: OnceLock<bool> = OnceLock::new();
+        let off = *OFF.get_or_init(|| std::env::var("DFLASH_FOLD_NORM").is_ok_and(|v| v.trim() == "0"));
+        let small = |m: &DevMatrix| matches!(m.w, DevWeight::Bf16(_)) && small_gemm_fits(t, m.k);
+        let proj = |p: &DevProjection| match p {
+            DevProjection::Fused(m) => small(m),
+            DevProjection::Split(parts) => parts.iter().all(small),
+        };
+        !off && self.layers.iter().all(|l| proj(&l.qkv) && proj(&l.gate_up) && small(&l.o_proj) && small(&l.down))
     }
 
     pub(super) fn linear(&self) -> Linear<'_> {

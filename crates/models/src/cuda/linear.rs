@@ -4,7 +4,7 @@
 
 use dflash_runtime::cuda::ops::{
     self as gpu, f32_rows_fit, gemm, gemm_bf16_small, gemm_f32_rows, gemv_bf16_ep, mmvq, small_gemm_fits, Epilogue,
-    GemmArgs, MmvqArgs,
+    FoldedNorm, GemmArgs, MmvqArgs, SmallGemmNorm,
 };
 use dflash_runtime::cuda::{CudaDevice, DevSlice};
 
@@ -17,6 +17,10 @@ use super::weights::{DevMatrix, DevProjection, DevWeight};
 pub(super) enum MatIn<'a> {
     /// `x` `[m, k]`, RMS-normalised with weight `w` first (the layer's pre-norm).
     Normed { x: DevSlice<'a, f32>, w: DevSlice<'a, f32> },
+    /// As `Normed`, with the norm folded into the small bf16 matmul: its 1 / rms from `sum_sq`
+    /// (`[m, sum_sq_slots(k)]`), which the matmul that last added to `x` left ([`MatOut::Add`]). Other paths
+    /// normalise `x` as `Normed` does.
+    Folded { x: DevSlice<'a, f32>, w: DevSlice<'a, f32>, sum_sq: DevSlice<'a, f32> },
     /// `x` `[m, k]` as it is.
     Plain(DevSlice<'a, f32>),
 }
@@ -26,8 +30,9 @@ pub(super) enum MatIn<'a> {
 pub(super) enum MatOut<'a> {
     /// Into columns `col ..` of `y` `[m, ld]`.
     Store { y: DevSlice<'a, f32>, ld: usize, col: usize },
-    /// Added to the residual stream `[m, n]`.
-    Add(DevSlice<'a, f32>),
+    /// Added to the residual stream `y` `[m, n]`; with `sum_sq`, the updated rows' partial sums of squares
+    /// written there for the next matmul's [`MatIn::Folded`] (the small bf16 matmul only).
+    Add { y: DevSlice<'a, f32>, sum_sq: Option<DevSlice<'a, f32>> },
     /// SwiGLU of the gate and up halves into `act` `[m, n / 2]`.
     Swiglu(DevSlice<'a, f32>),
 }
@@ -57,7 +62,7 @@ impl Linear<'_> {
         let (y, ld, col0, swiglu) = match out {
             MatOut::Store { y, ld, col } => (y, ld, col, None),
             MatOut::Swiglu(act) => (ws.gate_up.view().prefix(m * proj.rows())?, proj.rows(), 0, Some(act)),
-            MatOut::Add(_) => {
+            MatOut::Add { .. } => {
                 return Err(CudaModelError::Unsupported("a split projection added to the residual".into()))
             }
         };
@@ -77,32 +82,40 @@ impl Linear<'_> {
     /// cast) for more; f32 weights the warp-per-output kernel up to 32 rows, cuBLAS for more.
     pub(super) fn matmul(&self, ws: &Workspace, m: usize, input: MatIn, w: &DevMatrix, out: MatOut) -> Result<()> {
         let dev = self.dev;
-        let (epi, y, y_ld) = match out {
-            MatOut::Store { y, ld, col } => (Epilogue::Store, y.sub(col, y.len() - col)?, ld),
-            MatOut::Add(y) => (Epilogue::Add, y, w.n),
-            MatOut::Swiglu(act) => (Epilogue::Swiglu, act, w.n / 2),
+        let (epi, y, y_ld, sum_sq_out) = match out {
+            MatOut::Store { y, ld, col } => (Epilogue::Store, y.sub(col, y.len() - col)?, ld, None),
+            MatOut::Add { y, sum_sq } => (Epilogue::Add, y, w.n, sum_sq),
+            MatOut::Swiglu(act) => (Epilogue::Swiglu, act, w.n / 2, None),
         };
+        let small = matches!(w.w, DevWeight::Bf16(_)) && small_gemm_fits(m, w.k);
+        if sum_sq_out.is_some() && !small {
+            return Err(CudaModelError::Unsupported(
+                "sums of squares out of a matmul other than the small bf16".into(),
+            ));
+        }
         if let DevWeight::Quant(q) = &w.w {
             let (x, norm) = match input {
-                MatIn::Normed { x, w: nw } => (x, Some((nw, self.eps))),
+                MatIn::Normed { x, w: nw } | MatIn::Folded { x, w: nw, .. } => (x, Some((nw, self.eps))),
                 MatIn::Plain(x) => (x, None),
             };
             return Ok(mmvq(dev, q, MmvqArgs { x, x_ld: w.k, m, norm, y, y_ld, epi })?);
         }
         let n_out = if epi == Epilogue::Swiglu { w.n / 2 } else { w.n };
-        let x = match input {
-            MatIn::Plain(x) => x,
-            MatIn::Normed { x, w: nw } => {
+        let (x, fold) = match input {
+            MatIn::Plain(x) => (x, None),
+            MatIn::Folded { x, w: nw, sum_sq } if small => (x, Some(FoldedNorm { w: nw, sum_sq, eps: self.eps })),
+            MatIn::Normed { x, w: nw } | MatIn::Folded { x, w: nw, .. } => {
                 let normed = ws.normed.view().prefix(m * w.k)?;
                 gpu::rms_norm(dev, x, nw, self.eps, normed)?;
-                normed
+                (normed, None)
             }
         };
         match &w.w {
             // Decode and verify rows: the batch-invariant tensor-core kernel, so a row's bits do not depend on
             // how many rows the step holds (speculation stays lossless).
-            DevWeight::Bf16(wb) if small_gemm_fits(m, w.k) => {
-                Ok(gemm_bf16_small(dev, wb, n_out, x.prefix(m * w.k)?, m, y, y_ld, epi)?)
+            DevWeight::Bf16(wb) if small => {
+                let norm = SmallGemmNorm { fold, sum_sq_out };
+                Ok(gemm_bf16_small(dev, wb, n_out, x.prefix(m * w.k)?, m, y, y_ld, epi, norm)?)
             }
             // One row of an odd width: the GEMV (measured faster after a separate norm kernel than with the
             // norm in every block's prologue: 5.9 against 7.0 ms per Qwen3-8B-shape step).
@@ -138,7 +151,7 @@ impl Linear<'_> {
         let dev = self.dev;
         match out {
             MatOut::Store { y, ld, col } => Ok(gemm(dev, args(y.sub(col, y.len() - col)?, ld, false))?),
-            MatOut::Add(y) => Ok(gemm(dev, args(y, w.n, true))?),
+            MatOut::Add { y, .. } => Ok(gemm(dev, args(y, w.n, true))?),
             MatOut::Swiglu(act) => {
                 let gate_up = ws.gate_up.view().prefix(m * w.n)?;
                 gemm(dev, args(gate_up, w.n, false))?;

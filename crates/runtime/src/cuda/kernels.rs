@@ -98,6 +98,8 @@ pub(crate) struct Kernels {
     pub gemm_f32_rows: Vec<CudaFunction>,
     /// `gemm_bf16_small_t{T}` for the tile counts of [`SMALL_GEMM_TILES`].
     pub gemm_bf16_small: Vec<CudaFunction>,
+    /// `gemm_bf16_small_norm_t{T}`: the same with the pre-norm folded in.
+    pub gemm_bf16_small_norm: Vec<CudaFunction>,
     /// `mmvq[format][passes - 1][i]`: format 0 = Q4_0, 1 = Q4_1, 2 = Q8_0; one or two activation passes
     /// (`ActPrecision`); `MMVQ_ROWS[i]` activation rows per block (two passes: up to `MMVQ_X2_MAX_ROWS`).
     pub mmvq: Vec<[Vec<CudaFunction>; 2]>,
@@ -196,6 +198,10 @@ impl Kernels {
             gemm_bf16_small: SMALL_GEMM_TILES
                 .iter()
                 .map(|t| get(&format!("gemm_bf16_small_t{t}")))
+                .collect::<Result<_, _>>()?,
+            gemm_bf16_small_norm: SMALL_GEMM_TILES
+                .iter()
+                .map(|t| get(&format!("gemm_bf16_small_norm_t{t}")))
                 .collect::<Result<_, _>>()?,
             mmvq,
             embedding_quant: get("embedding_quant")?,

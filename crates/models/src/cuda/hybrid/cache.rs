@@ -110,6 +110,7 @@ impl CudaHybridModel {
             inputs: dev.alloc_zeros(inputs)?,
             residual: dev.alloc_zeros(t * h)?,
             normed: dev.alloc_zeros(t * h)?,
+            sum_sq: dev.alloc_zeros(1)?,
             qkv: dev.alloc_zeros(t * qkv_w)?,
             q: dev.alloc_zeros(t * qd)?,
             attn: dev.alloc_zeros(t * qd)?,

@@ -283,7 +283,7 @@ impl CudaHybridModel {
                 DevFfn::Dense { gate_up, down } => {
                     let act = ws.act.view().prefix(t * down.k)?;
                     self.linear().matmul(ws, t, normed, gate_up, MatOut::Swiglu(act))?;
-                    self.linear().matmul(ws, t, MatIn::Plain(act), down, MatOut::Add(residual))?;
+                    self.linear().matmul(ws, t, MatIn::Plain(act), down, MatOut::Add { y: residual, sum_sq: None })?;
                 }
                 DevFfn::Sparse(m) => self.moe(cache, t, m, layer.ffn_norm.view())?,
             }
@@ -327,7 +327,7 @@ impl CudaHybridModel {
             sigmoid_gate_mul(&self.dev, attn, qd, qkv.sub(qd + 2 * kd, t * w - qd - 2 * kd)?, w)?;
         }
         let residual = ws.residual.view().prefix(t * h)?;
-        self.linear().matmul(ws, t, MatIn::Plain(attn), &a.o_proj, MatOut::Add(residual))
+        self.linear().matmul(ws, t, MatIn::Plain(attn), &a.o_proj, MatOut::Add { y: residual, sum_sq: None })
     }
 
     /// A Gated DeltaNet layer (GDN layer `g`): projection into the layer's own buffer (kept for a
@@ -397,7 +397,7 @@ impl CudaHybridModel {
             self.cfg.base.rms_norm_eps,
         )?;
         let residual = ws.residual.view().prefix(t * self.cfg.base.hidden_size)?;
-        self.linear().matmul(ws, t, MatIn::Plain(core), &w.out_proj, MatOut::Add(residual))
+        self.linear().matmul(ws, t, MatIn::Plain(core), &w.out_proj, MatOut::Add { y: residual, sum_sq: None })
     }
 
     /// A sparse MoE block: the pre-norm once, the router (and shared gate) logits, the shared expert, then

@@ -269,14 +269,44 @@ pub fn small_gemm_fits(m: usize, k: usize) -> bool {
     (1..=SMALL_GEMM_MAX_ROWS).contains(&m) && k > 0 && k.is_multiple_of(8)
 }
 
+/// Sum-of-squares slots per row of a residual stream `width` wide: one per 16 columns, the column block of
+/// one [`gemm_bf16_small`] block.
+pub fn sum_sq_slots(width: usize) -> usize {
+    width.div_ceil(SMALL_GEMM_COLS_PER_BLOCK as usize)
+}
+
+/// The RMS pre-norm folded into [`gemm_bf16_small`]: the activation rows are `rms_norm(x) · w` without a
+/// kernel of their own, their 1 / rms found from the sum-of-squares slots an earlier
+/// [`SmallGemmNorm::sum_sq_out`] wrote.
+#[derive(Clone, Copy, Debug)]
+pub struct FoldedNorm<'a> {
+    /// The norm weight, `[k]`.
+    pub w: DevSlice<'a, f32>,
+    /// The rows' partial sums of squares, `[m, sum_sq_slots(k)]`.
+    pub sum_sq: DevSlice<'a, f32>,
+    pub eps: f32,
+}
+
+/// The norm work a [`gemm_bf16_small`] does besides its matmul; `Default` is none.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SmallGemmNorm<'a> {
+    /// Normalise the input rows first.
+    pub fold: Option<FoldedNorm<'a>>,
+    /// With [`Epilogue::Add`]: the updated rows' partial sums of squares, `[m, sum_sq_slots(n_out)]`, for the
+    /// next matmul's [`FoldedNorm`].
+    pub sum_sq_out: Option<DevSlice<'a, f32>>,
+}
+
 /// The batch-invariant small-batch bf16 matmul on tensor cores: `m` (1..=32) f32 activation rows, rounded to
 /// bf16, through a bf16 weight, f32 accumulation, with `epi` into `y` (row stride `y_ld`). A row's result is the
-/// same bits whatever `m` and the other rows, so decode and verify rows agree (gemv.cu says how).
+/// same bits whatever `m` and the other rows, so decode and verify rows agree (gemv.cu says how). `norm` folds
+/// the pre-norm in and leaves the sums of squares the next one needs.
 ///
 /// `w`: `[epi.weight_rows(n_out), k]`; `x`: `[m, k]`; `y`: `[m, y_ld]`, columns `0..n_out` written.
 ///
 /// # Errors
-/// Shapes that do not fit (see [`small_gemm_fits`]); a launch failure.
+/// Shapes that do not fit (see [`small_gemm_fits`]), sums of squares out of an epilogue other than
+/// [`Epilogue::Add`]; a launch failure.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_bf16_small<'a>(
     dev: &CudaDevice,
@@ -287,6 +317,7 @@ pub fn gemm_bf16_small<'a>(
     y: impl DevArg<'a, f32>,
     y_ld: usize,
     epi: Epilogue,
+    norm: SmallGemmNorm<'a>,
 ) -> Result<()> {
     let (w, x, y) = (w.dev(), x.dev(), y.dev());
     let rows = epi.weight_rows(n_out);
@@ -300,16 +331,47 @@ pub fn gemm_bf16_small<'a>(
             y.len()
         )));
     }
+    check_small_gemm_norm(&norm, m, k, n_out, epi)?;
+    let null = 0u64;
+    let (norm_w, ss_in, eps) = match &norm.fold {
+        Some(f) => (f.w.device_ptr(), f.sum_sq.device_ptr(), f.eps),
+        None => (null, null, 0.0),
+    };
+    let ss_out = norm.sum_sq_out.map_or(null, |s| s.device_ptr());
     let tile = SMALL_GEMM_TILES.iter().position(|&t| 8 * t >= m).unwrap_or(SMALL_GEMM_TILES.len() - 1);
     let grid = dim(n_out.div_ceil(SMALL_GEMM_COLS_PER_BLOCK as usize), "blocks")?;
     let (n, k32, m32, ld, code) = (dim(n_out, "n")?, dim(k, "k")?, dim(m, "m")?, dim(y_ld, "ld")?, epi.code());
-    let mut launch = dev.launch_builder(&dev.kernels.gemm_bf16_small[tile]);
+    let kernels = if norm.fold.is_some() { &dev.kernels.gemm_bf16_small_norm } else { &dev.kernels.gemm_bf16_small };
+    let mut launch = dev.launch_builder(&kernels[tile]);
     launch.arg(w.arg()).arg(x.arg()).arg(y.arg()).arg(&n).arg(&k32).arg(&m32).arg(&ld).arg(&code);
+    launch.arg(&norm_w).arg(&ss_in).arg(&ss_out).arg(&eps);
     let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (8 * 32, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: the arguments match the kernel's signature and the shapes were checked: k % 8 == 0 keeps every
     // 16-byte row load aligned (given aligned bases), rows and columns past m and n_out are neither read nor
-    // written, and the tile count covers m.
+    // written, the tile count covers m, and the norm's buffers hold m rows of their slots.
     unsafe { launch.launch(cfg) }.map_err(launch_err("gemm_bf16_small"))?;
+    Ok(())
+}
+
+/// The shapes of a [`SmallGemmNorm`] for `m` rows `k` wide in, `n_out` out.
+fn check_small_gemm_norm(norm: &SmallGemmNorm, m: usize, k: usize, n_out: usize, epi: Epilogue) -> Result<()> {
+    if let Some(f) = &norm.fold {
+        if f.w.len() != k || f.sum_sq.len() < m * sum_sq_slots(k) {
+            return Err(shape_err(format!(
+                "gemm_bf16_small: norm weight {} for k = {k}, sums of squares {} for {m} rows",
+                f.w.len(),
+                f.sum_sq.len()
+            )));
+        }
+    }
+    if let Some(s) = &norm.sum_sq_out {
+        if epi != Epilogue::Add || s.len() < m * sum_sq_slots(n_out) {
+            return Err(shape_err(format!(
+                "gemm_bf16_small: sums of squares out ({} for {m} rows) need the Add epilogue (got {epi:?})",
+                s.len()
+            )));
+        }
+    }
     Ok(())
 }
 
