@@ -22,10 +22,11 @@ pub fn cuda_device(tests: &str) -> Option<std::sync::Arc<dflash_runtime::cuda::C
     DEVICE
         .get_or_init(|| match dflash_runtime::cuda::CudaDevice::new(0) {
             Ok(dev) => Some(Arc::new(dev)),
-            Err(e) => {
+            Err(e) if e.is_no_device() => {
                 say(&format!("SKIP {tests}: no usable CUDA device ({e})"));
                 None
             }
+            Err(e) => panic!("the CUDA device failed to open: {e}"),
         })
         .clone()
 }

@@ -62,6 +62,13 @@ pub enum CudaError {
 }
 
 impl CudaError {
+    /// Whether this machine has no CUDA device to use at all (no libraries, no device, no such ordinal), as
+    /// against a device that failed: tests skip on the first and must fail on the second (a kernel that does not
+    /// compile or load is a failure, not a missing GPU).
+    pub fn is_no_device(&self) -> bool {
+        matches!(self, CudaError::LibraryMissing { .. } | CudaError::NoDevice(_) | CudaError::BadOrdinal { .. })
+    }
+
     /// A closure wrapping a driver error with the name of the call that failed.
     pub(crate) fn driver(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> CudaError {
         move |source| CudaError::Driver { what: what.to_string(), source }
