@@ -15,6 +15,44 @@
 #define ROPE_KV_WARPS 8
 #define ROPE_KV_MAX_DIM 256
 
+// One head of a q|k|v row by a whole warp: the head's D values from `src`, RMS-normalised with `norm` when it
+// is not null, then rotated at `pos`, into `dst`. `buf` (D floats of the warp's shared memory) holds the
+// normalised values; it may be `dst` (each lane reads and writes the same pairs, no other lane's).
+__device__ __forceinline__ void rope_head(const float* __restrict__ src, float* buf, float* dst,
+                                          const float* __restrict__ norm, float eps, u32 D, u32 pos,
+                                          const float* __restrict__ cos_tab, const float* __restrict__ sin_tab,
+                                          u32 half, u32 max_pos, u32 interleaved) {
+    const u32 lane = threadIdx.x & 31u;
+    float ss = 0.0f;
+#pragma unroll 4
+    for (u32 d = lane; d < D; d += 32) {
+        const float v = src[d];
+        buf[d] = v;
+        ss = fmaf(v, v, ss);
+    }
+    if (norm != nullptr) {
+        const float inv = 1.0f / sqrtf(warp_sum(ss) / (float)D + eps);
+        for (u32 d = lane; d < D; d += 32) buf[d] = __fmul_rn(__fmul_rn(buf[d], inv), norm[d]);
+    }
+    __syncwarp();
+    for (u32 p = lane; p < half; p += 32) {
+        const u32 a = interleaved ? 2 * p : p;
+        const u32 b = a + (interleaved ? 1 : half);
+        if (pos >= max_pos) {
+            dst[a] = DF_NAN;
+            dst[b] = DF_NAN;
+            continue;
+        }
+        const float c = cos_tab[(u64)pos * half + p];
+        const float s = sin_tab[(u64)pos * half + p];
+        const float x1 = buf[a], x2 = buf[b];
+        dst[a] = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+        dst[b] = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+    }
+    for (u32 d = 2 * half + lane; d < D; d += 32) dst[d] = buf[d];
+    __syncwarp();
+}
+
 extern "C" __global__ void __launch_bounds__(ROPE_KV_WARPS * 32)
     rope_kv_write(const float* __restrict__ qkv, u32 qkv_ld, float* __restrict__ q_out, float* __restrict__ k_cache,
                   float* __restrict__ v_cache, const u32* __restrict__ positions, const u32* __restrict__ slots,
@@ -29,7 +67,6 @@ extern "C" __global__ void __launch_bounds__(ROPE_KV_WARPS * 32)
     const u64 slot = slots[row];
     const u32 D = head_dim;
     const float* src_row = qkv + row * qkv_ld;
-    float* buf = heads[warp];
     const u32 heads_total = slot < num_slots ? num_heads + 2 * kv_heads : num_heads;
     for (u32 h = blockIdx.y * ROPE_KV_WARPS + warp; h < heads_total; h += gridDim.y * ROPE_KV_WARPS) {
         const float* src = src_row + (u64)h * D;
@@ -40,38 +77,27 @@ extern "C" __global__ void __launch_bounds__(ROPE_KV_WARPS * 32)
             continue;
         }
         const bool is_q = h < num_heads;
-        const float* norm = is_q ? q_norm : k_norm;
-        float ss = 0.0f;
-#pragma unroll 4
-        for (u32 d = lane; d < D; d += 32) {
-            const float v = src[d];
-            buf[d] = v;
-            ss = fmaf(v, v, ss);
-        }
-        if (norm != nullptr) {
-            const float inv = 1.0f / sqrtf(warp_sum(ss) / (float)D + eps);
-            for (u32 d = lane; d < D; d += 32) buf[d] = __fmul_rn(__fmul_rn(buf[d], inv), norm[d]);
-        }
-        __syncwarp();
         float* dst = is_q ? q_out + row * num_heads * D + (u64)h * D : k_cache + (slot * kv_heads + (h - num_heads)) * D;
-        for (u32 p = lane; p < half; p += 32) {
-            const u32 a = interleaved ? 2 * p : p;
-            const u32 b = a + (interleaved ? 1 : half);
-            if (pos >= max_pos) {
-                dst[a] = DF_NAN;
-                dst[b] = DF_NAN;
-                continue;
-            }
-            const float c = cos_tab[(u64)pos * half + p];
-            const float s = sin_tab[(u64)pos * half + p];
-            const float x1 = buf[a], x2 = buf[b];
-            dst[a] = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
-            dst[b] = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
-        }
-        for (u32 d = 2 * half + lane; d < D; d += 32) dst[d] = buf[d];
-        __syncwarp();
+        rope_head(src, heads[warp], dst, is_q ? q_norm : k_norm, eps, D, pos, cos_tab, sin_tab, half, max_pos,
+                  interleaved);
     }
 }
+
+// rope_kv_write folded into the split-key attention of decode and verify tiles (paged_attention_rope*): the
+// inputs of rope_kv_write that the attention does not take. Laid out as RopeFoldArg in ops/attention.rs.
+struct RopeFold {
+    const float* qkv;
+    const u32* positions;
+    const u32* slots;
+    const float* cos_tab;
+    const float* sin_tab;
+    const float* q_norm;  // null: no head norm
+    const float* k_norm;
+    float* k_out;  // the layer's K and V caches, written (the attention reads them through its own pointers)
+    float* v_out;
+    u32 qkv_ld, half, max_pos, interleaved, num_slots;
+    float eps;
+};
 
 // Attention of query rows over their sequence's paged K/V, flash style (online softmax, no score matrix).
 //
@@ -164,19 +190,58 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
     }
 }
 
-// The body of the paged_attention kernels; DPL: head dims per lane, head_dim <= 32 * DPL.
-template <u32 DPL>
+// The step's own rows under ROPE: their q vectors normalised and rotated from the raw q|k|v rows into qs, and
+// the rotated K and the V of those whose key lies in this block's split into new_k / new_v ([rows, D] of
+// shared memory, at the row's index in the tile) and into the cache (rf.k_out / rf.v_out). tkey[r]: row r's own
+// key. rope_head does what rope_kv_write does, so the bits are the same.
+__device__ __forceinline__ void attention_rope_rows(const RopeFold& rf, u32 row0, u32 nrows, u32 nq, u32 group,
+                                                    u32 kvh, u32 num_heads, u32 kv_heads, u32 D, u32 k_begin,
+                                                    u32 k_end, float* qs, float* new_k, float* new_v,
+                                                    const u32* tkey) {
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    for (u32 v = warp; v < nq; v += ATTN_WARPS) {
+        const u32 r = v / group, head = kvh * group + (v - r * group), row = row0 + r;
+        const float* src = rf.qkv + (u64)row * rf.qkv_ld + (u64)head * D;
+        rope_head(src, qs + v * D, qs + v * D, rf.q_norm, rf.eps, D, rf.positions[row], rf.cos_tab, rf.sin_tab,
+                  rf.half, rf.max_pos, rf.interleaved);
+    }
+    for (u32 r = warp; r < nrows; r += ATTN_WARPS) {
+        const u32 row = row0 + r, key = tkey[r];
+        if (key < k_begin || key >= k_end) continue;  // another split's key (uniform per warp)
+        const float* src = rf.qkv + (u64)row * rf.qkv_ld + (u64)(num_heads + kvh) * D;
+        float *nk = new_k + r * D, *nv = new_v + r * D;
+        rope_head(src, nk, nk, rf.k_norm, rf.eps, D, rf.positions[row], rf.cos_tab, rf.sin_tab, rf.half, rf.max_pos,
+                  rf.interleaved);
+        const float* vsrc = src + (u64)kv_heads * D;
+        for (u32 d = lane; d < D; d += 32) nv[d] = vsrc[d];
+        __syncwarp();
+        const u64 slot = rf.slots[row];
+        if (slot >= rf.num_slots) continue;  // as rope_kv_write: not written
+        const u64 off = (slot * kv_heads + kvh) * D;
+        for (u32 d = lane; d < D; d += 32) {
+            rf.k_out[off + d] = nk[d];
+            rf.v_out[off + d] = nv[d];
+        }
+    }
+}
+
+// The body of the paged_attention kernels; DPL: head dims per lane, head_dim <= 32 * DPL. With ROPE (decode and
+// verify tiles only, split_keys > 0), `q` is not read: the block rotates its rows' q itself and takes their new
+// keys from shared memory (attention_rope_rows), never from the cache it is writing them to.
+template <u32 DPL, bool ROPE>
 __device__ __forceinline__ void paged_attention_body(
     const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
     const u32* __restrict__ row_keys, const u32* __restrict__ tiles, const u32* __restrict__ tables,
     float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml, u32 num_heads, u32 kv_heads,
     u32 head_dim, u32 page_size, u32 table_stride, float scale, u32 split_keys, u32 num_pages, u32 num_seqs,
-    u32 num_rows) {
+    u32 num_rows, const RopeFold& rf) {
     // float4 loads of K (and of V) per thread per chunk: ATTN_KT keys of up to 32 * DPL floats.
     constexpr u32 LOADS = ATTN_KT * 32 * DPL / 4 / (ATTN_WARPS * 32);
     static_assert(LOADS * 4 * ATTN_WARPS * 32 == ATTN_KT * 32 * DPL, "a chunk is whole float4 loads per thread");
     extern __shared__ float4 attn_smem[];
     __shared__ u32 slots[ATTN_KT];
+    __shared__ int new_key[ATTN_KT];  // ROPE: the tile row whose new key chunk key c is, or -1
+    __shared__ u32 tkey[ATTN_MAXQ];
     const u32* tile = tiles + 4 * blockIdx.x;
     const u32 seq = tile[0], row0 = tile[1], nrows = tile[2], part0 = tile[3];
     if (nrows == 0 || seq >= num_seqs || row0 >= num_rows || nrows > num_rows - row0) return;
@@ -195,10 +260,18 @@ __device__ __forceinline__ void paged_attention_body(
     const u32 k_end = split_keys == 0 ? kmax : min(kmax, k_begin + split_keys);
     if (split_keys != 0 && k_begin >= kmax) return;  // no row of the tile has keys here; the merge skips it
 
-    for (u32 i = threadIdx.x; i < nq * D; i += blockDim.x) {
-        const u32 v = i / D, d = i - v * D;
-        const u32 r = v / group, head = kvh * group + (v - r * group);
-        qs[i] = q[(row0 + r) * q_ld + (u64)head * D + d];
+    // ROPE: the new keys' K and V after the V chunk, one row of each per tile row.
+    float* new_k = vs + ATTN_KT * D;
+    float* new_v = new_k + nrows * D;
+    if (ROPE) {
+        // A row's own key is its last (decode and verify rows are causal); 0 keys: none (0xffffffff).
+        if (threadIdx.x < nrows) tkey[threadIdx.x] = row_keys[row0 + threadIdx.x] - 1;
+    } else {
+        for (u32 i = threadIdx.x; i < nq * D; i += blockDim.x) {
+            const u32 v = i / D, d = i - v * D;
+            const u32 r = v / group, head = kvh * group + (v - r * group);
+            qs[i] = q[(row0 + r) * q_ld + (u64)head * D + d];
+        }
     }
     float m[ATTN_VPW], l[ATTN_VPW], acc[ATTN_VPW][DPL];
     u32 lim[ATTN_VPW];
@@ -222,6 +295,11 @@ __device__ __forceinline__ void paged_attention_body(
                 slot = page < num_pages ? page * page_size + key % page_size : ATTN_NO_SLOT - 1;
             }
             slots[threadIdx.x] = slot;
+            if (ROPE) {
+                int r_new = -1;
+                for (u32 r = 0; r < nrows; ++r) r_new = key < k_end && tkey[r] == key ? (int)r : r_new;
+                new_key[threadIdx.x] = r_new;
+            }
         }
         __syncthreads();
         float4 kv[LOADS], vv[LOADS];
@@ -233,7 +311,9 @@ __device__ __forceinline__ void paged_attention_body(
             vv[it] = kv[it];
             if (c < ATTN_KT) {
                 const u32 slot = slots[c];
-                if (slot < ATTN_NO_SLOT - 1) {
+                if (ROPE && new_key[c] >= 0) {
+                    // made below, from shared memory
+                } else if (slot < ATTN_NO_SLOT - 1) {
                     const u64 off = ((u64)slot * kv_heads + kvh) * D + 4 * d4;
                     kv[it] = *reinterpret_cast<const float4*>(k_cache + off);
                     vv[it] = *reinterpret_cast<const float4*>(v_cache + off);
@@ -243,10 +323,20 @@ __device__ __forceinline__ void paged_attention_body(
                 }
             }
         }
+        if (ROPE && base == k_begin) {
+            // While the chunk's cached K/V are in flight: the rows' q and their new keys, into shared memory.
+            attention_rope_rows(rf, row0, nrows, nq, group, kvh, num_heads, kv_heads, D, k_begin, k_end, qs, new_k,
+                                new_v, tkey);
+            __syncthreads();
+        }
 #pragma unroll
         for (u32 it = 0; it < LOADS; ++it) {
             const u32 e = threadIdx.x + it * blockDim.x;
             const u32 c = e / D4, d4 = e - c * D4;
+            if (ROPE && c < ATTN_KT && new_key[c] >= 0) {
+                kv[it] = *reinterpret_cast<const float4*>(new_k + new_key[c] * D + 4 * d4);
+                vv[it] = *reinterpret_cast<const float4*>(new_v + new_key[c] * D + 4 * d4);
+            }
             if (c < ATTN_KT) {
                 *reinterpret_cast<float4*>(ks + c * k_ld + 4 * d4) = kv[it];
                 *reinterpret_cast<float4*>(vs + c * D + 4 * d4) = vv[it];
@@ -327,10 +417,27 @@ __device__ __forceinline__ void paged_attention_body(
              u32 kv_heads, u32 head_dim, u32 page_size, u32 table_stride, float scale, u32 split_keys,             \
              u32 num_pages, u32 num_seqs, u32 num_rows) {                                                          \
         DF_GRID_DEPENDENCY();                                                                                      \
-        paged_attention_body<DPL>(q, k_cache, v_cache, row_keys, tiles, tables, out, part_acc, part_ml,            \
-                                  num_heads, kv_heads, head_dim, page_size, table_stride, scale, split_keys,       \
-                                  num_pages, num_seqs, num_rows);                                                  \
+        const RopeFold none = {};                                                                                  \
+        paged_attention_body<DPL, false>(q, k_cache, v_cache, row_keys, tiles, tables, out, part_acc, part_ml,     \
+                                         num_heads, kv_heads, head_dim, page_size, table_stride, scale,            \
+                                         split_keys, num_pages, num_seqs, num_rows, none);                         \
     }
 
+// paged_attention with rope_kv_write folded in (RopeFold): one launch fewer per layer of a decode or verify step.
+#define PAGED_ATTENTION_ROPE_KERNEL(NAME, DPL)                                                                     \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                                                  \
+        NAME(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,     \
+             const u32* __restrict__ row_keys, const u32* __restrict__ tiles, const u32* __restrict__ tables,      \
+             float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml, u32 num_heads,     \
+             u32 kv_heads, u32 head_dim, u32 page_size, u32 table_stride, float scale, u32 split_keys,             \
+             u32 num_pages, u32 num_seqs, u32 num_rows, RopeFold rf) {                                             \
+        DF_GRID_DEPENDENCY();                                                                                      \
+        paged_attention_body<DPL, true>(q, k_cache, v_cache, row_keys, tiles, tables, out, part_acc, part_ml,      \
+                                        num_heads, kv_heads, head_dim, page_size, table_stride, scale, split_keys, \
+                                        num_pages, num_seqs, num_rows, rf);                                        \
+    }
+
+PAGED_ATTENTION_ROPE_KERNEL(paged_attention_rope, 4)
+PAGED_ATTENTION_ROPE_KERNEL(paged_attention_rope_d256, 8)
 PAGED_ATTENTION_KERNEL(paged_attention, 4)       // head_dim <= 128
 PAGED_ATTENTION_KERNEL(paged_attention_d256, 8)  // 128 < head_dim <= 256

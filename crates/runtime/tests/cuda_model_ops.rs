@@ -1,7 +1,7 @@
 //! The fused kernels of the CUDA model forward other than the matmuls (those are in cuda_matmul_ops) against
 //! their CPU twins, on fresh random inputs with odd sizes and outputs poisoned with NaN: the quantized
 //! embedding, RoPE + KV write, paged attention (prompt and split-key modes, GQA, shuffled pages, head_dim up to
-//! 256), the tensor-core prompt attention, the gathered final norm, the capture copy, and a CUDA graph replayed
+//! 256; split-key mode with the RoPE + KV write folded in, bit for bit), the tensor-core prompt attention, the gathered final norm, the capture copy, and a CUDA graph replayed
 //! with new inputs.
 //!
 //! Without a CUDA device every test prints a SKIP notice and passes. Tolerances (`err` = |gpu − cpu|):
@@ -335,6 +335,110 @@ fn paged_attention_matches_reference_and_is_batch_invariant() {
                 .sum();
             check("paged_attention decode rows alone", &format!("seq {s} of {shape}"), diff, 0.0);
         }
+    }
+}
+
+/// Decode and verify rows' attention with RoPE + K/V write folded in, and rope_kv_write then paged_attention, on
+/// the same inputs: the same output bits and the same caches after.
+#[test]
+fn attention_with_rope_folded_in_equals_rope_kv_write_then_attention() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(28);
+    let eps = 1e-6;
+    let cases = [
+        // Qwen3-0.6B's heads, head norm: decode rows (one over 3 key splits) and an 8-row verify.
+        (AttnCase { seqs: vec![(70, 1, 0), (5, 1, 0), (121, 8, 0)], nh: 16, kvh: 8, d: 128, ps: 16 }, 128, true),
+        // Qwen3-8B's grouping (4 rows per tile), a verify across a split boundary, odd pages, no head norm.
+        (AttnCase { seqs: vec![(30, 4, 0), (0, 1, 0), (63, 2, 0)], nh: 32, kvh: 8, d: 128, ps: 5 }, 128, false),
+        // Qwen3-Next's attention heads (the head_dim 256 kernel), a quarter of the dims rotated.
+        (AttnCase { seqs: vec![(200, 1, 0), (93, 2, 0)], nh: 16, kvh: 2, d: 256, ps: 16 }, 64, true),
+    ];
+    for (case, rot, head_norm) in cases {
+        let (nh, kvh, d, ps) = (case.nh, case.kvh, case.d, case.ps);
+        let table = RopeTable::new(rot, 10_000.0, &RopeScaling::None, RopeStyle::Neox).expect("table");
+        let rope = CudaRopeTable::new(dev, &table, 512).expect("rope table");
+        let (qw, kw) = (nh * d, kvh * d);
+        let qkv_ld = qw + 2 * kw + 3;
+        // Shuffled pages; row j of a sequence at context c is key (and position) c + j, in its table's slot.
+        let need: Vec<usize> = case.seqs.iter().map(|&(c, r, _)| (c + r).div_ceil(ps)).collect();
+        let num_pages = need.iter().sum::<usize>() + 1;
+        let mut pages: Vec<u32> = (0..num_pages as u32).collect();
+        for i in (1..pages.len()).rev() {
+            pages.swap(i, rng.below(i + 1));
+        }
+        let stride = need.iter().max().copied().unwrap_or(1);
+        let (mut flat, mut positions, mut slots, mut next) = (Vec::new(), Vec::new(), Vec::new(), 0);
+        for (&n, &(ctx, rows, _)) in need.iter().zip(&case.seqs) {
+            let t = &pages[next..next + n];
+            flat.extend(t.iter().copied().chain(std::iter::repeat_n(num_pages as u32, stride - n)));
+            positions.extend((ctx..ctx + rows).map(|p| p as u32));
+            slots.extend((ctx..ctx + rows).map(|p| t[p / ps] * ps as u32 + (p % ps) as u32));
+            next += n;
+        }
+        let rows = positions.len();
+        let cache_len = num_pages * ps * kw;
+        let (qkv, kc, vc) = (rng.vec(rows * qkv_ld, 2.0), rng.vec(cache_len, 1.0), rng.vec(cache_len, 1.0));
+        let (qn, kn) = (rng.vec(d, 1.0), rng.vec(d, 1.0));
+        let inputs = attention_inputs(&case, None);
+        let up = |v: &[u32]| dev.upload(v).expect("upload");
+        let (row_keys, tiles, tables_dev) = (up(&inputs.row_keys), up(&inputs.decode_tiles), up(&flat));
+        let (pos_dev, slots_dev) = (up(&positions), up(&slots));
+        let (qkv_dev, qn_dev, kn_dev) =
+            (dev.upload(&qkv).expect("qkv"), dev.upload(&qn).expect("qn"), dev.upload(&kn).expect("kn"));
+        let max_splits = inputs.max_keys.div_ceil(32) + 1;
+        let scratch = AttentionScratch::new(dev, inputs.partial_rows.len(), nh, d, max_splits).expect("scratch");
+        let split = KeySplit::Fixed { keys: 32, max_splits, partial_rows: inputs.partial_rows.len() };
+        let run = |fold: bool| -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+            let (k_dev, v_dev) = (dev.upload(&kc).expect("k"), dev.upload(&vc).expect("v"));
+            let (q, out) = (poisoned(dev, rows * qw), poisoned(dev, rows * qw));
+            let rope_args = gpu::RopeKvArgs {
+                qkv: qkv_dev.view(),
+                qkv_ld,
+                q_out: q.view(),
+                k_cache: k_dev.view(),
+                v_cache: v_dev.view(),
+                positions: pos_dev.view(),
+                slots: slots_dev.view(),
+                rope: &rope,
+                q_norm: head_norm.then(|| qn_dev.view()),
+                k_norm: head_norm.then(|| kn_dev.view()),
+                eps,
+                num_heads: nh,
+                kv_heads: kvh,
+                head_dim: d,
+            };
+            let args = AttentionArgs {
+                q: q.view(),
+                k_cache: k_dev.view(),
+                v_cache: v_dev.view(),
+                row_keys: row_keys.view(),
+                tiles: tiles.view(),
+                max_tile_rows: inputs.max_decode_rows,
+                tables: tables_dev.view(),
+                table_stride: stride,
+                page_size: ps,
+                out: out.view(),
+                num_heads: nh,
+                kv_heads: kvh,
+                head_dim: d,
+                scale: 1.0 / (d as f32).sqrt(),
+                split,
+            };
+            if fold {
+                gpu::paged_attention_rope(dev, args, rope_args, &scratch).expect("paged_attention_rope");
+            } else {
+                gpu::rope_kv_write(dev, rope_args).expect("rope_kv_write");
+                gpu::paged_attention(dev, args, &scratch).expect("paged_attention");
+            }
+            let get = |b: &DeviceBuf<f32>| dev.download(b).expect("download");
+            (get(&out), get(&k_dev), get(&v_dev))
+        };
+        let ((out_a, k_a, v_a), (out_b, k_b, v_b)) = (run(false), run(true));
+        let shape = format!("{rows} rows, {nh}/{kvh} heads of {d}, rot {rot}, head norm {head_norm}");
+        assert!(out_a.iter().all(|x| x.is_finite()), "the reference path left rows unwritten");
+        check("paged_attention_rope out", &shape, bit_mismatches(&out_b, &out_a), 0.0);
+        check("paged_attention_rope K cache", &shape, bit_mismatches(&k_b, &k_a), 0.0);
+        check("paged_attention_rope V cache", &shape, bit_mismatches(&v_b, &v_a), 0.0);
     }
 }
 

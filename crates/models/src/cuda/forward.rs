@@ -5,8 +5,8 @@
 use std::sync::OnceLock;
 
 use dflash_runtime::cuda::ops::{
-    self as gpu, copy_columns, embedding_quant, gather_rms_norm, paged_attention, prompt_attention_tc, rope_kv_write,
-    small_gemm_fits, sum_sq_slots, AttentionArgs, KeySplit, RopeKvArgs,
+    self as gpu, copy_columns, embedding_quant, gather_rms_norm, paged_attention, paged_attention_rope,
+    prompt_attention_tc, rope_kv_write, small_gemm_fits, sum_sq_slots, AttentionArgs, KeySplit, RopeKvArgs,
 };
 use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DevSlice, DeviceBuf};
 use dflash_runtime::Tensor;
@@ -221,25 +221,28 @@ pub(super) fn attend<'a>(
     let (k_cache, v_cache) = (cache.k.view().sub(kv_layer * len, len)?, cache.v.view().sub(kv_layer * len, len)?);
     let q = ws.q.view().prefix(t * qd)?;
     let (num_heads, kv_heads) = (cfg.num_heads, cfg.num_kv_heads);
-    rope_kv_write(
-        dev,
-        RopeKvArgs {
-            qkv,
-            qkv_ld,
-            q_out: q,
-            k_cache,
-            v_cache,
-            positions: input(lay.positions())?,
-            slots: input(lay.slots())?,
-            rope,
-            q_norm,
-            k_norm,
-            eps: cfg.rms_norm_eps,
-            num_heads,
-            kv_heads,
-            head_dim: hd,
-        },
-    )?;
+    let rope_args = RopeKvArgs {
+        qkv,
+        qkv_ld,
+        q_out: q,
+        k_cache,
+        v_cache,
+        positions: input(lay.positions())?,
+        slots: input(lay.slots())?,
+        rope,
+        q_norm,
+        k_norm,
+        eps: cfg.rms_norm_eps,
+        num_heads,
+        kv_heads,
+        head_dim: hd,
+    };
+    // Decode and verify steps (no prompt rows) fold the RoPE and K/V write into the attention's blocks when each
+    // sequence's rows are one tile: a later tile's rows would read keys another tile's blocks are still writing.
+    let fold_rope = lay.prompt_tiles == 0 && lay.decode_tiles > 0 && p.decode_seqs_whole && !rope_fold_off();
+    if !fold_rope {
+        rope_kv_write(dev, rope_args)?;
+    }
     let attn = ws.attn.view().prefix(t * qd)?;
     let (row_keys, tables) = (input(lay.row_keys())?, input(lay.tables())?);
     let args = |tiles, max_tile_rows, split| AttentionArgs {
@@ -269,9 +272,20 @@ pub(super) fn attend<'a>(
     }
     if lay.decode_tiles > 0 {
         let split = KeySplit::Fixed { keys: SPLIT_KEYS, max_splits: p.decode_splits, partial_rows: lay.decode_rows };
-        paged_attention(dev, args(input(lay.decode_tiles())?, p.max_decode_tile_rows, split), &ws.attn_parts)?;
+        let a = args(input(lay.decode_tiles())?, p.max_decode_tile_rows, split);
+        match fold_rope {
+            true => paged_attention_rope(dev, a, rope_args, &ws.attn_parts)?,
+            false => paged_attention(dev, a, &ws.attn_parts)?,
+        }
     }
     Ok(attn)
+}
+
+/// `DFLASH_FOLD_ROPE=0` keeps the separate RoPE + K/V write kernel in decode and verify steps (for
+/// side-by-side measurements).
+fn rope_fold_off() -> bool {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    *OFF.get_or_init(|| std::env::var("DFLASH_FOLD_ROPE").is_ok_and(|v| v.trim() == "0"))
 }
 
 /// A step's results on the host after one synchronisation: the logits of the device rows `rows` (one per

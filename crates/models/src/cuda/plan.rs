@@ -128,6 +128,9 @@ pub(super) struct StepPlan {
     pub decode_splits: usize,
     /// Prompt tiles go to the tensor-core kernel.
     pub tensor_core_prompt: bool,
+    /// Every sequence's decode rows fit one tile, so the blocks of a tile hold all of its sequence's new keys
+    /// (what folding the RoPE and K/V write into the attention needs).
+    pub decode_seqs_whole: bool,
 }
 
 /// Checks a batch against itself, the model and the cache's capacities (the device cannot report bad
@@ -268,6 +271,7 @@ pub(super) fn plan(
         max_decode_tile_rows: b.max_decode_tile_rows,
         decode_splits,
         tensor_core_prompt: tile_rows.tensor_core_prompt,
+        decode_seqs_whole: !b.decode_seq_split,
     }
 }
 
@@ -283,11 +287,14 @@ struct Builder {
     max_prompt_tile_rows: usize,
     max_decode_tile_rows: usize,
     max_decode_keys: usize,
+    /// Some sequence's decode rows took more than one tile.
+    decode_seq_split: bool,
 }
 
 impl Builder {
     /// Tiles of at most `tile_rows` rows over rows `first .. first + rows` of sequence `seq`.
     fn tiles(&mut self, seq: usize, first: usize, rows: usize, tile_rows: usize, decode: bool) {
+        self.decode_seq_split |= decode && rows > tile_rows;
         let mut start = first;
         while start < first + rows {
             let n = tile_rows.min(first + rows - start);
@@ -339,6 +346,9 @@ mod tests {
         assert_eq!(&host[l.tables()], &[3, 1, 2, 8, 0, 8, 8, 8]);
         assert_eq!(p.decode_splits, 1);
         assert_eq!(host.len(), l.len());
+        assert!(p.decode_seqs_whole, "each sequence's 2 and 1 decode rows fit a tile of 2");
+        let narrow = TileRows { prompt: 2, decode: 1, tensor_core_prompt: false };
+        assert!(!plan(&batch, None, &cfg(), narrow, &mut host).decode_seqs_whole, "2 rows in tiles of 1");
     }
 
     #[test]
@@ -359,6 +369,7 @@ mod tests {
         assert_eq!(p.decode_splits, max_splits(16));
         assert_eq!(&host[p.layout.slots()][6..], &[32, 33], "padded rows write the spare page");
         assert_eq!(&host[p.layout.row_keys()][6..], &[1, 2]);
+        assert!(p.decode_seqs_whole, "padded sequences take tiles as the others do");
         // A later step with other contexts has the same layout (the graph's addresses stay valid).
         let seqs2 = [mk(9), mk(5), mk(4)];
         let batch2 = ForwardBatch { seqs: &seqs2, ..batch };

@@ -108,6 +108,9 @@ pub(crate) struct Kernels {
     pub paged_attention: CudaFunction,
     /// `paged_attention` for 128 < head_dim <= 256.
     pub paged_attention_d256: CudaFunction,
+    /// `paged_attention` (head_dim <= 128, 256) with RoPE + KV write folded in.
+    pub paged_attention_rope: CudaFunction,
+    pub paged_attention_rope_d256: CudaFunction,
     pub attn_merge_splits: CudaFunction,
     /// Prompt attention on the tensor cores, head_dim 64 and 128.
     pub prompt_attention_tc_d64: CudaFunction,
@@ -208,6 +211,8 @@ impl Kernels {
             rope_kv_write: get("rope_kv_write")?,
             paged_attention: big_smem("paged_attention")?,
             paged_attention_d256: big_smem("paged_attention_d256")?,
+            paged_attention_rope: big_smem("paged_attention_rope")?,
+            paged_attention_rope_d256: big_smem("paged_attention_rope_d256")?,
             attn_merge_splits: get("attn_merge_splits")?,
             prompt_attention_tc_d64: big_smem("prompt_attention_tc_d64")?,
             prompt_attention_tc_d128: big_smem("prompt_attention_tc_d128")?,

@@ -4,7 +4,7 @@
 //! Everything that changes from step to step (positions, slots, per-row key counts, tiles, block tables)
 //! is read from device memory, so a step is capturable into a CUDA graph.
 
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 use super::{dim, launch_err, shape_err};
 use crate::cuda::device::{CudaDevice, DeviceBuf};
@@ -48,40 +48,97 @@ pub struct RopeKvArgs<'a> {
     pub head_dim: usize,
 }
 
+impl RopeKvArgs<'_> {
+    /// Checks the shapes.
+    fn check(&self) -> Result<()> {
+        let rows = self.positions.len();
+        let (d, qw, kw) = (self.head_dim, self.num_heads * self.head_dim, self.kv_heads * self.head_dim);
+        let norm_ok = |n: Option<DevSlice<f32>>| n.is_none_or(|n| n.len() == d);
+        if d == 0
+            || d > ATTN_MAX_HEAD_DIM
+            || self.rope.rotary_dim > d
+            || self.slots.len() != rows
+            || self.qkv_ld < qw + 2 * kw
+            || self.qkv.len() < rows.saturating_sub(1) * self.qkv_ld + qw + 2 * kw
+            || self.q_out.len() != rows * qw
+            || kw == 0
+            || self.k_cache.len() != self.v_cache.len()
+            || !self.k_cache.len().is_multiple_of(kw)
+            || !norm_ok(self.q_norm)
+            || !norm_ok(self.k_norm)
+        {
+            return Err(shape_err(format!(
+                "rope_kv_write: {rows} rows, qkv {} (ld {}), q_out {}, cache {}, {} heads / {} kv heads of {d}",
+                self.qkv.len(),
+                self.qkv_ld,
+                self.q_out.len(),
+                self.k_cache.len(),
+                self.num_heads,
+                self.kv_heads
+            )));
+        }
+        Ok(())
+    }
+
+    /// The kernel argument of the attention that folds this in (`RopeFold` in attention.cu), after
+    /// [`RopeKvArgs::check`].
+    fn fold_arg(&self) -> Result<RopeFoldArg> {
+        let ptr = |n: Option<DevSlice<f32>>| n.map_or(0, |n| n.device_ptr());
+        Ok(RopeFoldArg {
+            qkv: self.qkv.device_ptr(),
+            positions: self.positions.device_ptr(),
+            slots: self.slots.device_ptr(),
+            cos_tab: self.rope.cos.view().device_ptr(),
+            sin_tab: self.rope.sin.view().device_ptr(),
+            q_norm: ptr(self.q_norm),
+            k_norm: ptr(self.k_norm),
+            k_out: self.k_cache.device_ptr(),
+            v_out: self.v_cache.device_ptr(),
+            qkv_ld: dim(self.qkv_ld, "qkv_ld")?,
+            half: dim(self.rope.pairs, "pairs")?,
+            max_pos: dim(self.rope.max_positions, "max_positions")?,
+            interleaved: u32::from(self.rope.style == RopeStyle::Interleaved),
+            num_slots: dim(self.k_cache.len() / (self.kv_heads * self.head_dim), "slots")?,
+            eps: self.eps,
+        })
+    }
+}
+
+/// `RopeFold` in attention.cu, field for field (device pointers as u64).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct RopeFoldArg {
+    qkv: u64,
+    positions: u64,
+    slots: u64,
+    cos_tab: u64,
+    sin_tab: u64,
+    q_norm: u64,
+    k_norm: u64,
+    k_out: u64,
+    v_out: u64,
+    qkv_ld: u32,
+    half: u32,
+    max_pos: u32,
+    interleaved: u32,
+    num_slots: u32,
+    eps: f32,
+}
+
+// SAFETY: plain old data laid out as the kernel's `RopeFold` (repr(C), the same field types and order).
+unsafe impl DeviceRepr for RopeFoldArg {}
+
 /// Runs [`RopeKvArgs`]: one block per row.
 ///
 /// # Errors
 /// Lengths that do not form the shapes, a head_dim over 256 or under the rotary dims; a launch failure.
 pub fn rope_kv_write(dev: &CudaDevice, a: RopeKvArgs) -> Result<()> {
+    a.check()?;
     let rows = a.positions.len();
-    let (d, qw, kw) = (a.head_dim, a.num_heads * a.head_dim, a.kv_heads * a.head_dim);
-    let norm_ok = |n: Option<DevSlice<f32>>| n.is_none_or(|n| n.len() == d);
-    if d == 0
-        || d > ATTN_MAX_HEAD_DIM
-        || a.rope.rotary_dim > d
-        || a.slots.len() != rows
-        || a.qkv_ld < qw + 2 * kw
-        || a.qkv.len() < rows.saturating_sub(1) * a.qkv_ld + qw + 2 * kw
-        || a.q_out.len() != rows * qw
-        || kw == 0
-        || a.k_cache.len() != a.v_cache.len()
-        || !a.k_cache.len().is_multiple_of(kw)
-        || !norm_ok(a.q_norm)
-        || !norm_ok(a.k_norm)
-    {
-        return Err(shape_err(format!(
-            "rope_kv_write: {rows} rows, qkv {} (ld {}), q_out {}, cache {}, {} heads / {} kv heads of {d}",
-            a.qkv.len(),
-            a.qkv_ld,
-            a.q_out.len(),
-            a.k_cache.len(),
-            a.num_heads,
-            a.kv_heads
-        )));
-    }
     if rows == 0 {
         return Ok(());
     }
+    let (d, kw) = (a.head_dim, a.kv_heads * a.head_dim);
     let (cos, sin) = (a.rope.cos.view(), a.rope.sin.view());
     let ptr = |n: Option<DevSlice<f32>>| n.map_or(0, |n| n.device_ptr());
     let (q_norm, k_norm) = (ptr(a.q_norm), ptr(a.k_norm));
@@ -273,6 +330,48 @@ impl AttentionArgs<'_> {
 /// # Errors
 /// Lengths that do not form the shapes, unsupported head sizes, too small a scratch; a launch failure.
 pub fn paged_attention(dev: &CudaDevice, a: AttentionArgs, scratch: &AttentionScratch) -> Result<()> {
+    launch_paged_attention(dev, a, scratch, None)
+}
+
+/// [`paged_attention`] of decode and verify tiles ([`KeySplit::Fixed`]) with [`rope_kv_write`] of their rows
+/// folded in, one launch fewer per layer: each block normalises and rotates its rows' q from `r.qkv` itself (`a.q`
+/// and `r.q_out` are not touched), and the block whose split holds a row's key writes that key's K and V into
+/// the cache (`r`'s, which must be `a`'s) and takes them from shared memory. Every row of `r` must lie in a tile
+/// of `a`. The bits are those of [`rope_kv_write`] followed by [`paged_attention`].
+///
+/// # Errors
+/// As [`rope_kv_write`] and [`paged_attention`], a split other than [`KeySplit::Fixed`], and arguments of `r`
+/// that do not match `a`'s (rows, heads, cache).
+pub fn paged_attention_rope(
+    dev: &CudaDevice,
+    a: AttentionArgs,
+    r: RopeKvArgs,
+    scratch: &AttentionScratch,
+) -> Result<()> {
+    r.check()?;
+    let same_cache = r.k_cache.device_ptr() == a.k_cache.device_ptr()
+        && r.v_cache.device_ptr() == a.v_cache.device_ptr()
+        && r.k_cache.len() == a.k_cache.len();
+    let same_heads = (r.num_heads, r.kv_heads, r.head_dim) == (a.num_heads, a.kv_heads, a.head_dim);
+    let fixed = matches!(a.split, KeySplit::Fixed { .. });
+    if !same_cache || !same_heads || !fixed || r.positions.len() != a.row_keys.len() {
+        return Err(shape_err(format!(
+            "paged_attention_rope: {} rows of RoPE for {} of attention, the same cache {same_cache}, heads \
+             {same_heads}, fixed splits {fixed}",
+            r.positions.len(),
+            a.row_keys.len()
+        )));
+    }
+    launch_paged_attention(dev, a, scratch, Some(r.fold_arg()?))
+}
+
+/// [`paged_attention`], with `rope` the fused kernel's extra argument.
+fn launch_paged_attention(
+    dev: &CudaDevice,
+    a: AttentionArgs,
+    scratch: &AttentionScratch,
+    rope: Option<RopeFoldArg>,
+) -> Result<()> {
     a.check("paged_attention", ATTN_MAX_QUERIES)?;
     a.check_splits(scratch)?;
     let (t, tiles) = (a.row_keys.len(), a.tiles.len() / 4);
@@ -283,8 +382,10 @@ pub fn paged_attention(dev: &CudaDevice, a: AttentionArgs, scratch: &AttentionSc
     let group = a.num_heads / a.kv_heads;
     // Queries, the K chunk (rows padded by 4), the V chunk (attention.cu).
     let nq = (a.max_tile_rows.max(1) * group).min(ATTN_MAX_QUERIES);
-    // At most 16 · 256 + 32 · 260 + 32 · 256 floats (82,432 bytes) for head_dim 256: within MAX_DYNAMIC_SMEM.
-    let smem = 4 * (nq * d + ATTN_KEY_CHUNK * (d + 4) + ATTN_KEY_CHUNK * d);
+    // At most 16 · 256 + 32 · 260 + 32 · 256 floats (82,432 bytes) for head_dim 256, and with RoPE folded in the
+    // tile rows' new K and V (at most 2 · 16 · 256 floats more, 115,200 bytes in all): within MAX_DYNAMIC_SMEM.
+    let new_keys = if rope.is_some() { 2 * a.max_tile_rows.max(1) * d } else { 0 };
+    let smem = 4 * (nq * d + ATTN_KEY_CHUNK * (d + 4) + ATTN_KEY_CHUNK * d + new_keys);
     let (pa, pm) = (scratch.part_acc.view(), scratch.part_ml.view());
     let LaunchDims { num_pages, num_seqs, nh, kvh, ps, stride, rows } = a.launch_dims("paged_attention")?;
     let hd = dim(d, "head_dim")?;
@@ -294,8 +395,13 @@ pub fn paged_attention(dev: &CudaDevice, a: AttentionArgs, scratch: &AttentionSc
     };
     // The accumulators are per lane in registers: the kernel for head_dim <= 128 keeps 4 dims per lane, the
     // other 8 (more registers, so only where needed).
-    let kernel =
-        if d <= ATTN_SMALL_HEAD_DIM { &dev.kernels.paged_attention } else { &dev.kernels.paged_attention_d256 };
+    let k = &dev.kernels;
+    let kernel = match (d <= ATTN_SMALL_HEAD_DIM, rope.is_some()) {
+        (true, false) => &k.paged_attention,
+        (false, false) => &k.paged_attention_d256,
+        (true, true) => &k.paged_attention_rope,
+        (false, true) => &k.paged_attention_rope_d256,
+    };
     let mut launch = dev.launch_builder(kernel);
     launch
         .arg(a.q.arg())
@@ -317,6 +423,9 @@ pub fn paged_attention(dev: &CudaDevice, a: AttentionArgs, scratch: &AttentionSc
         .arg(&num_pages)
         .arg(&num_seqs)
         .arg(&rows);
+    if let Some(rope) = &rope {
+        launch.arg(rope);
+    }
     let cfg = LaunchConfig {
         grid_dim: (dim(tiles, "tiles")?, kvh, grid_z),
         block_dim: (256, 1, 1),
@@ -324,7 +433,8 @@ pub fn paged_attention(dev: &CudaDevice, a: AttentionArgs, scratch: &AttentionSc
     };
     // SAFETY: the arguments match the kernel's signature; shapes were checked above; device-side indices
     // (tiles, pages, key counts) are checked in the kernel, partial rows against the scratch's size by
-    // the caller's tiles (first partial row + rows <= partial_rows).
+    // the caller's tiles (first partial row + rows <= partial_rows); with RoPE folded in, the raw rows and cache
+    // were checked as rope_kv_write's, and cache slots past the cache are not written (checked in the kernel).
     unsafe { launch.launch(cfg) }.map_err(launch_err("paged_attention"))?;
     if split_keys == 0 {
         return Ok(());
