@@ -97,6 +97,7 @@ struct RopeFold {
     float* v_out;
     u32 qkv_ld, half, max_pos, interleaved, num_slots;
     float eps;
+    u32 max_seq_rows;  // the most rows a sequence has in the step (<= ATTN_MAX_SEQ_ROWS; sizes shared memory)
 };
 
 // Attention of query rows over their sequence's paged K/V, flash style (online softmax, no score matrix).
@@ -134,6 +135,7 @@ struct RopeFold {
 #define ATTN_MAXQ 16
 #define ATTN_VPW 2
 #define ATTN_NO_SLOT 0xffffffffu
+#define ATTN_MAX_SEQ_ROWS 64
 
 // The merge of split-key attention (a launch after paged_attention's split mode): block (tile, head) merges,
 // for each row r of the tile, that head's splits in order: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M)
@@ -190,13 +192,14 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
     }
 }
 
-// The step's own rows under ROPE: their q vectors normalised and rotated from the raw q|k|v rows into qs, and
-// the rotated K and the V of those whose key lies in this block's split into new_k / new_v ([rows, D] of
-// shared memory, at the row's index in the tile) and into the cache (rf.k_out / rf.v_out). tkey[r]: row r's own
-// key. rope_head does what rope_kv_write does, so the bits are the same.
-__device__ __forceinline__ void attention_rope_rows(const RopeFold& rf, u32 row0, u32 nrows, u32 nq, u32 group,
-                                                    u32 kvh, u32 num_heads, u32 kv_heads, u32 D, u32 k_begin,
-                                                    u32 k_end, float* qs, float* new_k, float* new_v,
+// The step's rows under ROPE: the tile's q vectors normalised and rotated from the raw q|k|v rows into qs, and
+// for every row of the tile's sequence in this step (srows rows from batch row srow0: the sequence may span
+// several tiles) whose key lies in this block's split, its rotated K and its V into new_k / new_v ([srows, D]
+// of shared memory) and, by the blocks of the row's own tile, into the cache (rf.k_out / rf.v_out). tkey[r]:
+// the key of the sequence's row r. rope_head does what rope_kv_write does, so the bits are the same.
+__device__ __forceinline__ void attention_rope_rows(const RopeFold& rf, u32 row0, u32 nrows, u32 srow0, u32 srows,
+                                                    u32 nq, u32 group, u32 kvh, u32 num_heads, u32 kv_heads, u32 D,
+                                                    u32 k_begin, u32 k_end, float* qs, float* new_k, float* new_v,
                                                     const u32* tkey) {
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     for (u32 v = warp; v < nq; v += ATTN_WARPS) {
@@ -205,8 +208,8 @@ __device__ __forceinline__ void attention_rope_rows(const RopeFold& rf, u32 row0
         rope_head(src, qs + v * D, qs + v * D, rf.q_norm, rf.eps, D, rf.positions[row], rf.cos_tab, rf.sin_tab,
                   rf.half, rf.max_pos, rf.interleaved);
     }
-    for (u32 r = warp; r < nrows; r += ATTN_WARPS) {
-        const u32 row = row0 + r, key = tkey[r];
+    for (u32 r = warp; r < srows; r += ATTN_WARPS) {
+        const u32 row = srow0 + r, key = tkey[r];
         if (key < k_begin || key >= k_end) continue;  // another split's key (uniform per warp)
         const float* src = rf.qkv + (u64)row * rf.qkv_ld + (u64)(num_heads + kvh) * D;
         float *nk = new_k + r * D, *nv = new_v + r * D;
@@ -216,13 +219,41 @@ __device__ __forceinline__ void attention_rope_rows(const RopeFold& rf, u32 row0
         for (u32 d = lane; d < D; d += 32) nv[d] = vsrc[d];
         __syncwarp();
         const u64 slot = rf.slots[row];
-        if (slot >= rf.num_slots) continue;  // as rope_kv_write: not written
+        // Another tile's row is written by that tile's blocks; past the cache, as rope_kv_write, by none.
+        if (row < row0 || row >= row0 + nrows || slot >= rf.num_slots) continue;
         const u64 off = (slot * kv_heads + kvh) * D;
         for (u32 d = lane; d < D; d += 32) {
             rf.k_out[off + d] = nk[d];
             rf.v_out[off + d] = nv[d];
         }
     }
+}
+
+// The batch rows of the tile's sequence in this step, under ROPE: [srow0, srow0 + srows) spans every tile of the
+// sequence (its rows are consecutive in the batch), capped at rf.max_seq_rows (the shared memory's size), and
+// tkey[r] = the key of row srow0 + r (its last: decode and verify rows are causal; 0 keys: none, 0xffffffff).
+__device__ __forceinline__ void attention_rope_span(const RopeFold& rf, const u32* __restrict__ tiles,
+                                                    const u32* __restrict__ row_keys, u32 seq, u32 row0, u32 nrows,
+                                                    u32* span, u32* tkey) {
+    const u32 lane = threadIdx.x & 31u;
+    if (threadIdx.x < 32) {
+        u32 lo = row0, hi = row0 + nrows;
+        for (u32 t = lane; t < gridDim.x; t += 32) {
+            const u32* o = tiles + 4 * t;
+            if (o[0] == seq && o[2] > 0) {
+                lo = min(lo, o[1]);
+                hi = max(hi, o[1] + o[2]);
+            }
+        }
+        lo = __reduce_min_sync(DF_FULL_MASK, lo);
+        hi = __reduce_max_sync(DF_FULL_MASK, hi);
+        if (lane == 0) {
+            span[0] = lo;
+            span[1] = min(hi - lo, rf.max_seq_rows);
+        }
+    }
+    __syncthreads();
+    for (u32 r = threadIdx.x; r < span[1]; r += blockDim.x) tkey[r] = row_keys[span[0] + r] - 1;
 }
 
 // The body of the paged_attention kernels; DPL: head dims per lane, head_dim <= 32 * DPL. With ROPE (decode and
@@ -240,8 +271,8 @@ __device__ __forceinline__ void paged_attention_body(
     static_assert(LOADS * 4 * ATTN_WARPS * 32 == ATTN_KT * 32 * DPL, "a chunk is whole float4 loads per thread");
     extern __shared__ float4 attn_smem[];
     __shared__ u32 slots[ATTN_KT];
-    __shared__ int new_key[ATTN_KT];  // ROPE: the tile row whose new key chunk key c is, or -1
-    __shared__ u32 tkey[ATTN_MAXQ];
+    __shared__ int new_key[ATTN_KT];  // ROPE: the sequence row whose new key chunk key c is, or -1
+    __shared__ u32 tkey[ATTN_MAX_SEQ_ROWS], span[2];
     const u32* tile = tiles + 4 * blockIdx.x;
     const u32 seq = tile[0], row0 = tile[1], nrows = tile[2], part0 = tile[3];
     if (nrows == 0 || seq >= num_seqs || row0 >= num_rows || nrows > num_rows - row0) return;
@@ -260,12 +291,11 @@ __device__ __forceinline__ void paged_attention_body(
     const u32 k_end = split_keys == 0 ? kmax : min(kmax, k_begin + split_keys);
     if (split_keys != 0 && k_begin >= kmax) return;  // no row of the tile has keys here; the merge skips it
 
-    // ROPE: the new keys' K and V after the V chunk, one row of each per tile row.
+    // ROPE: the new keys' K and V after the V chunk, one row of each per row of the sequence.
     float* new_k = vs + ATTN_KT * D;
-    float* new_v = new_k + nrows * D;
+    float* new_v = new_k + rf.max_seq_rows * D;
     if (ROPE) {
-        // A row's own key is its last (decode and verify rows are causal); 0 keys: none (0xffffffff).
-        if (threadIdx.x < nrows) tkey[threadIdx.x] = row_keys[row0 + threadIdx.x] - 1;
+        attention_rope_span(rf, tiles, row_keys, seq, row0, nrows, span, tkey);
     } else {
         for (u32 i = threadIdx.x; i < nq * D; i += blockDim.x) {
             const u32 v = i / D, d = i - v * D;
@@ -297,7 +327,7 @@ __device__ __forceinline__ void paged_attention_body(
             slots[threadIdx.x] = slot;
             if (ROPE) {
                 int r_new = -1;
-                for (u32 r = 0; r < nrows; ++r) r_new = key < k_end && tkey[r] == key ? (int)r : r_new;
+                for (u32 r = 0; r < span[1]; ++r) r_new = key < k_end && tkey[r] == key ? (int)r : r_new;
                 new_key[threadIdx.x] = r_new;
             }
         }
@@ -325,8 +355,8 @@ __device__ __forceinline__ void paged_attention_body(
         }
         if (ROPE && base == k_begin) {
             // While the chunk's cached K/V are in flight: the rows' q and their new keys, into shared memory.
-            attention_rope_rows(rf, row0, nrows, nq, group, kvh, num_heads, kv_heads, D, k_begin, k_end, qs, new_k,
-                                new_v, tkey);
+            attention_rope_rows(rf, row0, nrows, span[0], span[1], nq, group, kvh, num_heads, kv_heads, D, k_begin,
+                                k_end, qs, new_k, new_v, tkey);
             __syncthreads();
         }
 #pragma unroll

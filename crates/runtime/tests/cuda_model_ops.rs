@@ -348,10 +348,16 @@ fn attention_with_rope_folded_in_equals_rope_kv_write_then_attention() {
     let cases = [
         // Qwen3-0.6B's heads, head norm: decode rows (one over 3 key splits) and an 8-row verify.
         (AttnCase { seqs: vec![(70, 1, 0), (5, 1, 0), (121, 8, 0)], nh: 16, kvh: 8, d: 128, ps: 16 }, 128, true),
-        // Qwen3-8B's grouping (4 rows per tile), a verify across a split boundary, odd pages, no head norm.
-        (AttnCase { seqs: vec![(30, 4, 0), (0, 1, 0), (63, 2, 0)], nh: 32, kvh: 8, d: 128, ps: 5 }, 128, false),
-        // Qwen3-Next's attention heads (the head_dim 256 kernel), a quarter of the dims rotated.
-        (AttnCase { seqs: vec![(200, 1, 0), (93, 2, 0)], nh: 16, kvh: 2, d: 256, ps: 16 }, 64, true),
+        // Qwen3-8B's grouping (4 rows per tile): verifies of 4, 8 and 16 rows (2 and 4 tiles, keys of one tile in
+        // another's split), one across a split boundary, odd pages, no head norm.
+        (
+            AttnCase { seqs: vec![(30, 4, 0), (0, 1, 0), (57, 8, 0), (100, 16, 0)], nh: 32, kvh: 8, d: 128, ps: 5 },
+            128,
+            false,
+        ),
+        // Qwen3-Next's attention heads (the head_dim 256 kernel, 2 rows per tile), a quarter of the dims rotated,
+        // a verify of 5 rows in 3 tiles.
+        (AttnCase { seqs: vec![(200, 1, 0), (93, 2, 0), (27, 5, 0)], nh: 16, kvh: 2, d: 256, ps: 16 }, 64, true),
     ];
     for (case, rot, head_norm) in cases {
         let (nh, kvh, d, ps) = (case.nh, case.kvh, case.d, case.ps);
@@ -386,6 +392,7 @@ fn attention_with_rope_folded_in_equals_rope_kv_write_then_attention() {
         let (qkv_dev, qn_dev, kn_dev) =
             (dev.upload(&qkv).expect("qkv"), dev.upload(&qn).expect("qn"), dev.upload(&kn).expect("kn"));
         let max_splits = inputs.max_keys.div_ceil(32) + 1;
+        let max_seq_rows = case.seqs.iter().map(|s| s.1).max().unwrap_or(1);
         let scratch = AttentionScratch::new(dev, inputs.partial_rows.len(), nh, d, max_splits).expect("scratch");
         let split = KeySplit::Fixed { keys: 32, max_splits, partial_rows: inputs.partial_rows.len() };
         let run = |fold: bool| -> (Vec<f32>, Vec<f32>, Vec<f32>) {
@@ -425,7 +432,7 @@ fn attention_with_rope_folded_in_equals_rope_kv_write_then_attention() {
                 split,
             };
             if fold {
-                gpu::paged_attention_rope(dev, args, rope_args, &scratch).expect("paged_attention_rope");
+                gpu::paged_attention_rope(dev, args, rope_args, max_seq_rows, &scratch).expect("paged_attention_rope");
             } else {
                 gpu::rope_kv_write(dev, rope_args).expect("rope_kv_write");
                 gpu::paged_attention(dev, args, &scratch).expect("paged_attention");

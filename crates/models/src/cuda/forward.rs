@@ -5,8 +5,9 @@
 use std::sync::OnceLock;
 
 use dflash_runtime::cuda::ops::{
-    self as gpu, copy_columns, embedding_quant, gather_rms_norm, paged_attention, paged_attention_rope,
-    prompt_attention_tc, rope_kv_write, small_gemm_fits, sum_sq_slots, AttentionArgs, KeySplit, RopeKvArgs,
+    self as gpu, attention_rope_fits, copy_columns, embedding_quant, gather_rms_norm, paged_attention,
+    paged_attention_rope, prompt_attention_tc, rope_kv_write, small_gemm_fits, sum_sq_slots, AttentionArgs, KeySplit,
+    RopeKvArgs,
 };
 use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DevSlice, DeviceBuf};
 use dflash_runtime::Tensor;
@@ -237,9 +238,9 @@ pub(super) fn attend<'a>(
         kv_heads,
         head_dim: hd,
     };
-    // Decode and verify steps (no prompt rows) fold the RoPE and K/V write into the attention's blocks when each
-    // sequence's rows are one tile: a later tile's rows would read keys another tile's blocks are still writing.
-    let fold_rope = lay.prompt_tiles == 0 && lay.decode_tiles > 0 && p.decode_seqs_whole && !rope_fold_off();
+    // Decode and verify steps (no prompt rows) fold the RoPE and K/V write into the attention's blocks.
+    let fits = attention_rope_fits(p.max_decode_seq_rows, p.max_decode_tile_rows, num_heads, kv_heads, hd);
+    let fold_rope = lay.prompt_tiles == 0 && lay.decode_tiles > 0 && fits && !rope_fold_off();
     if !fold_rope {
         rope_kv_write(dev, rope_args)?;
     }
@@ -274,7 +275,7 @@ pub(super) fn attend<'a>(
         let split = KeySplit::Fixed { keys: SPLIT_KEYS, max_splits: p.decode_splits, partial_rows: lay.decode_rows };
         let a = args(input(lay.decode_tiles())?, p.max_decode_tile_rows, split);
         match fold_rope {
-            true => paged_attention_rope(dev, a, rope_args, &ws.attn_parts)?,
+            true => paged_attention_rope(dev, a, rope_args, p.max_decode_seq_rows, &ws.attn_parts)?,
             false => paged_attention(dev, a, &ws.attn_parts)?,
         }
     }

@@ -128,9 +128,9 @@ pub(super) struct StepPlan {
     pub decode_splits: usize,
     /// Prompt tiles go to the tensor-core kernel.
     pub tensor_core_prompt: bool,
-    /// Every sequence's decode rows fit one tile, so the blocks of a tile hold all of its sequence's new keys
-    /// (what folding the RoPE and K/V write into the attention needs).
-    pub decode_seqs_whole: bool,
+    /// The most decode rows one sequence has (sizes the new keys' shared memory when the RoPE and K/V write are
+    /// folded into the attention).
+    pub max_decode_seq_rows: usize,
 }
 
 /// Checks a batch against itself, the model and the cache's capacities (the device cannot report bad
@@ -271,7 +271,7 @@ pub(super) fn plan(
         max_decode_tile_rows: b.max_decode_tile_rows,
         decode_splits,
         tensor_core_prompt: tile_rows.tensor_core_prompt,
-        decode_seqs_whole: !b.decode_seq_split,
+        max_decode_seq_rows: b.max_decode_seq_rows,
     }
 }
 
@@ -287,14 +287,15 @@ struct Builder {
     max_prompt_tile_rows: usize,
     max_decode_tile_rows: usize,
     max_decode_keys: usize,
-    /// Some sequence's decode rows took more than one tile.
-    decode_seq_split: bool,
+    max_decode_seq_rows: usize,
 }
 
 impl Builder {
     /// Tiles of at most `tile_rows` rows over rows `first .. first + rows` of sequence `seq`.
     fn tiles(&mut self, seq: usize, first: usize, rows: usize, tile_rows: usize, decode: bool) {
-        self.decode_seq_split |= decode && rows > tile_rows;
+        if decode {
+            self.max_decode_seq_rows = self.max_decode_seq_rows.max(rows);
+        }
         let mut start = first;
         while start < first + rows {
             let n = tile_rows.min(first + rows - start);
@@ -346,9 +347,7 @@ mod tests {
         assert_eq!(&host[l.tables()], &[3, 1, 2, 8, 0, 8, 8, 8]);
         assert_eq!(p.decode_splits, 1);
         assert_eq!(host.len(), l.len());
-        assert!(p.decode_seqs_whole, "each sequence's 2 and 1 decode rows fit a tile of 2");
-        let narrow = TileRows { prompt: 2, decode: 1, tensor_core_prompt: false };
-        assert!(!plan(&batch, None, &cfg(), narrow, &mut host).decode_seqs_whole, "2 rows in tiles of 1");
+        assert_eq!(p.max_decode_seq_rows, 2, "sequence a's decode rows");
     }
 
     #[test]
@@ -369,7 +368,7 @@ mod tests {
         assert_eq!(p.decode_splits, max_splits(16));
         assert_eq!(&host[p.layout.slots()][6..], &[32, 33], "padded rows write the spare page");
         assert_eq!(&host[p.layout.row_keys()][6..], &[1, 2]);
-        assert!(p.decode_seqs_whole, "padded sequences take tiles as the others do");
+        assert_eq!(p.max_decode_seq_rows, 2, "padded sequences have the bucket's rows too");
         // A later step with other contexts has the same layout (the graph's addresses stay valid).
         let seqs2 = [mk(9), mk(5), mk(4)];
         let batch2 = ForwardBatch { seqs: &seqs2, ..batch };

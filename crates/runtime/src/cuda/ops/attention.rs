@@ -8,6 +8,7 @@ use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 use super::{dim, launch_err, shape_err};
 use crate::cuda::device::{CudaDevice, DeviceBuf};
+use crate::cuda::kernels::MAX_DYNAMIC_SMEM;
 use crate::cuda::rope_table::CudaRopeTable;
 use crate::cuda::view::DevSlice;
 use crate::cuda::Result;
@@ -100,6 +101,7 @@ impl RopeKvArgs<'_> {
             interleaved: u32::from(self.rope.style == RopeStyle::Interleaved),
             num_slots: dim(self.k_cache.len() / (self.kv_heads * self.head_dim), "slots")?,
             eps: self.eps,
+            max_seq_rows: 0,
         })
     }
 }
@@ -123,6 +125,7 @@ struct RopeFoldArg {
     interleaved: u32,
     num_slots: u32,
     eps: f32,
+    max_seq_rows: u32,
 }
 
 // SAFETY: plain old data laid out as the kernel's `RopeFold` (repr(C), the same field types and order).
@@ -333,22 +336,52 @@ pub fn paged_attention(dev: &CudaDevice, a: AttentionArgs, scratch: &AttentionSc
     launch_paged_attention(dev, a, scratch, None)
 }
 
+/// The most rows one sequence may have in a step of [`paged_attention_rope`] (`ATTN_MAX_SEQ_ROWS` in
+/// attention.cu).
+pub const ATTN_ROPE_MAX_SEQ_ROWS: usize = 64;
+
+/// Whether [`paged_attention_rope`] takes steps whose sequences have up to `max_seq_rows` rows each, with heads of
+/// `head_dim` in tiles of `max_tile_rows` rows: the new keys' K and V fit its shared memory.
+pub fn attention_rope_fits(
+    max_seq_rows: usize,
+    max_tile_rows: usize,
+    num_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> bool {
+    let group = num_heads.checked_div(kv_heads).unwrap_or(0);
+    let nq = (max_tile_rows.max(1) * group).min(ATTN_MAX_QUERIES);
+    let smem =
+        4 * (nq * head_dim + ATTN_KEY_CHUNK * (head_dim + 4) + ATTN_KEY_CHUNK * head_dim + 2 * max_seq_rows * head_dim);
+    (1..=ATTN_ROPE_MAX_SEQ_ROWS).contains(&max_seq_rows) && smem <= MAX_DYNAMIC_SMEM as usize
+}
+
 /// [`paged_attention`] of decode and verify tiles ([`KeySplit::Fixed`]) with [`rope_kv_write`] of their rows
-/// folded in, one launch fewer per layer: each block normalises and rotates its rows' q from `r.qkv` itself (`a.q`
-/// and `r.q_out` are not touched), and the block whose split holds a row's key writes that key's K and V into
-/// the cache (`r`'s, which must be `a`'s) and takes them from shared memory. Every row of `r` must lie in a tile
-/// of `a`. The bits are those of [`rope_kv_write`] followed by [`paged_attention`].
+/// folded in, one launch fewer per layer: each block normalises and rotates its tile's q from `r.qkv` itself
+/// (`a.q` and `r.q_out` are not touched), makes the K and V of every row of its sequence whose key (the row's
+/// last) lies in its split, takes them from shared memory, and writes those of its own tile's rows into the
+/// cache (`r`'s, which must be `a`'s). Every row of `r` must lie in a tile of `a`, and a sequence's rows must be
+/// consecutive and number at most `max_seq_rows` (see [`attention_rope_fits`]). The bits are those of
+/// [`rope_kv_write`] followed by [`paged_attention`].
 ///
 /// # Errors
-/// As [`rope_kv_write`] and [`paged_attention`], a split other than [`KeySplit::Fixed`], and arguments of `r`
-/// that do not match `a`'s (rows, heads, cache).
+/// As [`rope_kv_write`] and [`paged_attention`], a split other than [`KeySplit::Fixed`], `max_seq_rows` that
+/// does not fit, and arguments of `r` that do not match `a`'s (rows, heads, cache).
 pub fn paged_attention_rope(
     dev: &CudaDevice,
     a: AttentionArgs,
     r: RopeKvArgs,
+    max_seq_rows: usize,
     scratch: &AttentionScratch,
 ) -> Result<()> {
     r.check()?;
+    let fits = attention_rope_fits(max_seq_rows, a.max_tile_rows, a.num_heads, a.kv_heads, a.head_dim);
+    if !fits || max_seq_rows < a.max_tile_rows {
+        return Err(shape_err(format!(
+            "paged_attention_rope: sequences of {max_seq_rows} rows in tiles of {} (head_dim {}) do not fit",
+            a.max_tile_rows, a.head_dim
+        )));
+    }
     let same_cache = r.k_cache.device_ptr() == a.k_cache.device_ptr()
         && r.v_cache.device_ptr() == a.v_cache.device_ptr()
         && r.k_cache.len() == a.k_cache.len();
@@ -362,7 +395,8 @@ pub fn paged_attention_rope(
             a.row_keys.len()
         )));
     }
-    launch_paged_attention(dev, a, scratch, Some(r.fold_arg()?))
+    let fold = RopeFoldArg { max_seq_rows: dim(max_seq_rows, "sequence rows")?, ..r.fold_arg()? };
+    launch_paged_attention(dev, a, scratch, Some(fold))
 }
 
 /// [`paged_attention`], with `rope` the fused kernel's extra argument.
@@ -383,8 +417,8 @@ fn launch_paged_attention(
     // Queries, the K chunk (rows padded by 4), the V chunk (attention.cu).
     let nq = (a.max_tile_rows.max(1) * group).min(ATTN_MAX_QUERIES);
     // At most 16 · 256 + 32 · 260 + 32 · 256 floats (82,432 bytes) for head_dim 256, and with RoPE folded in the
-    // tile rows' new K and V (at most 2 · 16 · 256 floats more, 115,200 bytes in all): within MAX_DYNAMIC_SMEM.
-    let new_keys = if rope.is_some() { 2 * a.max_tile_rows.max(1) * d } else { 0 };
+    // sequence rows' new K and V (attention_rope_fits keeps the sum within MAX_DYNAMIC_SMEM).
+    let new_keys = rope.map_or(0, |r| 2 * r.max_seq_rows as usize * d);
     let smem = 4 * (nq * d + ATTN_KEY_CHUNK * (d + 4) + ATTN_KEY_CHUNK * d + new_keys);
     let (pa, pm) = (scratch.part_acc.view(), scratch.part_ml.view());
     let LaunchDims { num_pages, num_seqs, nh, kvh, ps, stride, rows } = a.launch_dims("paged_attention")?;
