@@ -99,6 +99,7 @@ struct RopeFold {
     float eps;
     u32 max_seq_rows;  // the most rows a sequence has in the step (<= ATTN_MAX_SEQ_ROWS; sizes shared memory)
 };
+static_assert(sizeof(RopeFold) == 104, "RopeFoldArg in ops/attention.rs has this layout");
 
 // Attention of query rows over their sequence's paged K/V, flash style (online softmax, no score matrix).
 //
@@ -128,14 +129,15 @@ struct RopeFold {
 // head_dim: a multiple of 4, at most 32 * DPL, DPL (dims per lane) being the body's template bound, so
 // that the accumulators stay in registers: paged_attention (DPL 4) takes head_dim <= 128,
 // paged_attention_d256 (DPL 8) head_dim <= 256 (Qwen3-Next); the launcher picks by head_dim. Dynamic
-// shared memory (floats): nq * D + ATTN_KT * (D + 4) + ATTN_KT * D, plus ATTN_KT slots: at most
-// 41,472 bytes for head_dim 128, 82,432 for 256.
+// shared memory (floats): nq * D + ATTN_KT * (D + 4) + ATTN_KT * D: at most 41,472 bytes for head_dim 128,
+// 82,432 for 256; with RoPE folded in, 2 * max_seq_rows * D more for the new keys (attention_rope_fits in
+// ops/attention.rs keeps the total within the launch's limit).
 #define ATTN_WARPS 8
 #define ATTN_KT 32
 #define ATTN_MAXQ 16
 #define ATTN_VPW 2
 #define ATTN_NO_SLOT 0xffffffffu
-#define ATTN_MAX_SEQ_ROWS 64
+#define ATTN_MAX_SEQ_ROWS 64  // ATTN_ROPE_MAX_SEQ_ROWS in ops/attention.rs
 
 // The merge of split-key attention (a launch after paged_attention's split mode): block (tile, head) merges,
 // for each row r of the tile, that head's splits in order: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M)
@@ -230,17 +232,19 @@ __device__ __forceinline__ void attention_rope_rows(const RopeFold& rf, u32 row0
 }
 
 // The batch rows of the tile's sequence in this step, under ROPE: [srow0, srow0 + srows) spans every tile of the
-// sequence (its rows are consecutive in the batch), capped at rf.max_seq_rows (the shared memory's size), and
-// tkey[r] = the key of row srow0 + r (its last: decode and verify rows are causal; 0 keys: none, 0xffffffff).
-__device__ __forceinline__ void attention_rope_span(const RopeFold& rf, const u32* __restrict__ tiles,
+// sequence (its rows are consecutive in the batch; tiles that fail the checks the block's own passed are left
+// out), and tkey[r] = the key of row srow0 + r (its last: decode and verify rows are causal; 0 keys: none,
+// 0xffffffff). Returns false, with no span, when the sequence has more rows than rf.max_seq_rows (the shared
+// memory's size): the host plans it exactly, so that is a broken launch, and the caller poisons its rows.
+__device__ __forceinline__ bool attention_rope_span(const RopeFold& rf, const u32* __restrict__ tiles,
                                                     const u32* __restrict__ row_keys, u32 seq, u32 row0, u32 nrows,
-                                                    u32* span, u32* tkey) {
+                                                    u32 num_seqs, u32 num_rows, u32* span, u32* tkey) {
     const u32 lane = threadIdx.x & 31u;
     if (threadIdx.x < 32) {
         u32 lo = row0, hi = row0 + nrows;
         for (u32 t = lane; t < gridDim.x; t += 32) {
             const u32* o = tiles + 4 * t;
-            if (o[0] == seq && o[2] > 0) {
+            if (o[0] == seq && seq < num_seqs && o[2] > 0 && o[1] < num_rows && o[2] <= num_rows - o[1]) {
                 lo = min(lo, o[1]);
                 hi = max(hi, o[1] + o[2]);
             }
@@ -249,16 +253,22 @@ __device__ __forceinline__ void attention_rope_span(const RopeFold& rf, const u3
         hi = __reduce_max_sync(DF_FULL_MASK, hi);
         if (lane == 0) {
             span[0] = lo;
-            span[1] = min(hi - lo, rf.max_seq_rows);
+            span[1] = hi - lo;
         }
     }
     __syncthreads();
+    if (span[1] > rf.max_seq_rows) return false;  // uniform: read after the barrier
     for (u32 r = threadIdx.x; r < span[1]; r += blockDim.x) tkey[r] = row_keys[span[0] + r] - 1;
+    return true;
 }
 
 // The body of the paged_attention kernels; DPL: head dims per lane, head_dim <= 32 * DPL. With ROPE (decode and
 // verify tiles only, split_keys > 0), `q` is not read: the block rotates its rows' q itself and takes their new
-// keys from shared memory (attention_rope_rows), never from the cache it is writing them to.
+// keys from shared memory (attention_rope_rows). The cache is written in this launch (through rf.k_out / v_out)
+// while k_cache / v_cache are read as restrict pointers; that holds because no block reads through them an element
+// any block writes: every key a block's rows see that this step writes is a key of its own sequence's rows, all
+// of which attention_rope_span puts in shared memory (padded graph sequences included: their keys are all their
+// own rows'), and a span that does not fit aborts the block before any read.
 template <u32 DPL, bool ROPE>
 __device__ __forceinline__ void paged_attention_body(
     const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
@@ -295,7 +305,16 @@ __device__ __forceinline__ void paged_attention_body(
     float* new_k = vs + ATTN_KT * D;
     float* new_v = new_k + rf.max_seq_rows * D;
     if (ROPE) {
-        attention_rope_span(rf, tiles, row_keys, seq, row0, nrows, span, tkey);
+        if (!attention_rope_span(rf, tiles, row_keys, seq, row0, nrows, num_seqs, num_rows, span, tkey)) {
+            // A sequence longer than the launch planned for: this block's partial states become NaN (the merge
+            // then writes NaN rows) rather than reading keys another block may be writing.
+            for (u32 i = threadIdx.x; i < nq; i += blockDim.x) {
+                const u32 r = i / group, head = kvh * group + (i - r * group);
+                const u64 item = ((u64)(part0 + r) * num_heads + head) * gridDim.z + split;
+                part_ml[2 * item] = part_ml[2 * item + 1] = DF_NAN;
+            }
+            return;
+        }
     } else {
         for (u32 i = threadIdx.x; i < nq * D; i += blockDim.x) {
             const u32 v = i / D, d = i - v * D;

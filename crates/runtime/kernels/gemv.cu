@@ -211,10 +211,10 @@ DF_GEMM_F32_ROWS(32)
 //
 // The layer's pre-norm folds in (NORM, `norm_w` non-null): the activations load as bf16(x * norm_w) and each
 // output is scaled by its row's 1 / rms at the end, from the sum of squares the kernel that last wrote the
-// residual left in `ss_in` ([m, ceil(k / 16)]: one partial sum per 16 columns, summed here in slot order), so
-// no kernel of its own normalises the row and nothing waits on a sum before the weights stream. Scaling the
-// sum instead of each activation changes only which product the bf16 rounding sees (the relative error is
-// the same). With EPI_ADD, `ss_out` non-null takes those partial sums of the updated rows: [m, gridDim.x],
+// residual left in `ss_in` ([m, ceil(k / 16)]: one partial sum per 16 columns, summed here in a fixed order:
+// lane-strided, then the warp's butterfly), so no kernel of its own normalises the row and nothing waits on a
+// sum before the weights stream. Scaling each output instead of each activation changes only which product
+// the bf16 rounding sees (the relative error is the same). With EPI_ADD, `ss_out` non-null takes those partial sums of the updated rows: [m, gridDim.x],
 // slot blockIdx.x. Both sums have a fixed order, so rows stay batch-invariant.
 
 #define TC_WARPS 8

@@ -1,8 +1,8 @@
 //! The fused kernels of the CUDA model forward other than the matmuls (those are in cuda_matmul_ops) against
 //! their CPU twins, on fresh random inputs with odd sizes and outputs poisoned with NaN: the quantized
 //! embedding, RoPE + KV write, paged attention (prompt and split-key modes, GQA, shuffled pages, head_dim up to
-//! 256; split-key mode with the RoPE + KV write folded in, bit for bit), the tensor-core prompt attention, the gathered final norm, the capture copy, and a CUDA graph replayed
-//! with new inputs.
+//! 256; split-key mode with the RoPE + KV write folded in, bit for bit), the tensor-core prompt attention, the
+//! gathered final norm, the capture copy, and a CUDA graph replayed with new inputs.
 //!
 //! Without a CUDA device every test prints a SKIP notice and passes. Tolerances (`err` = |gpu − cpu|):
 //! * exact: the quantized embedding (same dequantization arithmetic), q and K/V from RoPE + KV write
@@ -345,43 +345,59 @@ fn attention_with_rope_folded_in_equals_rope_kv_write_then_attention() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(28);
     let eps = 1e-6;
+    // (case, rotary dims, head norm, padded sequences): padded sequences are a graph's (every row at position 0,
+    // keys 1..=rows, all writing the spare page); only the real rows and pages are compared.
     let cases = [
-        // Qwen3-0.6B's heads, head norm: decode rows (one over 3 key splits) and an 8-row verify.
-        (AttnCase { seqs: vec![(70, 1, 0), (5, 1, 0), (121, 8, 0)], nh: 16, kvh: 8, d: 128, ps: 16 }, 128, true),
+        // Qwen3-0.6B's heads, head norm: decode rows (one over 3 key splits), an 8-row verify, two padded
+        // sequences of 8 rows.
+        (AttnCase { seqs: vec![(70, 1, 0), (5, 1, 0), (121, 8, 0)], nh: 16, kvh: 8, d: 128, ps: 16 }, 128, true, 2),
         // Qwen3-8B's grouping (4 rows per tile): verifies of 4, 8 and 16 rows (2 and 4 tiles, keys of one tile in
-        // another's split), one across a split boundary, odd pages, no head norm.
+        // another's split), one across a split boundary, odd pages, no head norm, a padded sequence of 16 rows
+        // over 4 pages of 5.
         (
             AttnCase { seqs: vec![(30, 4, 0), (0, 1, 0), (57, 8, 0), (100, 16, 0)], nh: 32, kvh: 8, d: 128, ps: 5 },
             128,
             false,
+            1,
         ),
         // Qwen3-Next's attention heads (the head_dim 256 kernel, 2 rows per tile), a quarter of the dims rotated,
         // a verify of 5 rows in 3 tiles.
-        (AttnCase { seqs: vec![(200, 1, 0), (93, 2, 0), (27, 5, 0)], nh: 16, kvh: 2, d: 256, ps: 16 }, 64, true),
+        (AttnCase { seqs: vec![(200, 1, 0), (93, 2, 0), (27, 5, 0)], nh: 16, kvh: 2, d: 256, ps: 16 }, 64, true, 0),
     ];
-    for (case, rot, head_norm) in cases {
+    for (mut case, rot, head_norm, pads) in cases {
+        let real_seqs = case.seqs.len();
+        let pad_rows = case.seqs.iter().map(|s| s.1).max().unwrap_or(1);
+        case.seqs.extend(std::iter::repeat_n((0, pad_rows, 0), pads));
         let (nh, kvh, d, ps) = (case.nh, case.kvh, case.d, case.ps);
         let table = RopeTable::new(rot, 10_000.0, &RopeScaling::None, RopeStyle::Neox).expect("table");
         let rope = CudaRopeTable::new(dev, &table, 512).expect("rope table");
         let (qw, kw) = (nh * d, kvh * d);
         let qkv_ld = qw + 2 * kw + 3;
-        // Shuffled pages; row j of a sequence at context c is key (and position) c + j, in its table's slot.
+        // Shuffled pages, the last one spare; row j of a real sequence at context c is key (and position) c + j,
+        // in its table's slot; a padded sequence's every page is the spare one.
         let need: Vec<usize> = case.seqs.iter().map(|&(c, r, _)| (c + r).div_ceil(ps)).collect();
-        let num_pages = need.iter().sum::<usize>() + 1;
-        let mut pages: Vec<u32> = (0..num_pages as u32).collect();
+        let num_pages = need[..real_seqs].iter().sum::<usize>() + 1;
+        let spare = (num_pages - 1) as u32;
+        let mut pages: Vec<u32> = (0..spare).collect();
         for i in (1..pages.len()).rev() {
             pages.swap(i, rng.below(i + 1));
         }
         let stride = need.iter().max().copied().unwrap_or(1);
         let (mut flat, mut positions, mut slots, mut next) = (Vec::new(), Vec::new(), Vec::new(), 0);
-        for (&n, &(ctx, rows, _)) in need.iter().zip(&case.seqs) {
+        for (i, (&n, &(ctx, rows, _))) in need.iter().zip(&case.seqs).enumerate() {
+            if i >= real_seqs {
+                flat.extend(std::iter::repeat_n(spare, stride));
+                positions.extend(std::iter::repeat_n(0, rows));
+                slots.extend((0..rows).map(|j| spare * ps as u32 + (j % ps) as u32));
+                continue;
+            }
             let t = &pages[next..next + n];
             flat.extend(t.iter().copied().chain(std::iter::repeat_n(num_pages as u32, stride - n)));
             positions.extend((ctx..ctx + rows).map(|p| p as u32));
             slots.extend((ctx..ctx + rows).map(|p| t[p / ps] * ps as u32 + (p % ps) as u32));
             next += n;
         }
-        let rows = positions.len();
+        let (rows, real_rows) = (positions.len(), case.seqs[..real_seqs].iter().map(|s| s.1).sum::<usize>());
         let cache_len = num_pages * ps * kw;
         let (qkv, kc, vc) = (rng.vec(rows * qkv_ld, 2.0), rng.vec(cache_len, 1.0), rng.vec(cache_len, 1.0));
         let (qn, kn) = (rng.vec(d, 1.0), rng.vec(d, 1.0));
@@ -441,11 +457,16 @@ fn attention_with_rope_folded_in_equals_rope_kv_write_then_attention() {
             (get(&out), get(&k_dev), get(&v_dev))
         };
         let ((out_a, k_a, v_a), (out_b, k_b, v_b)) = (run(false), run(true));
-        let shape = format!("{rows} rows, {nh}/{kvh} heads of {d}, rot {rot}, head norm {head_norm}");
-        assert!(out_a.iter().all(|x| x.is_finite()), "the reference path left rows unwritten");
-        check("paged_attention_rope out", &shape, bit_mismatches(&out_b, &out_a), 0.0);
-        check("paged_attention_rope K cache", &shape, bit_mismatches(&k_b, &k_a), 0.0);
-        check("paged_attention_rope V cache", &shape, bit_mismatches(&v_b, &v_a), 0.0);
+        let shape = format!(
+            "{real_rows} + {} padded rows, {nh}/{kvh} heads of {d}, rot {rot}, norm {head_norm}",
+            rows - real_rows
+        );
+        let (real_out, real_cache) = (real_rows * qw, (num_pages - 1) * ps * kw);
+        assert!(out_a[..real_out].iter().all(|x| x.is_finite()), "the reference path left rows unwritten");
+        check("paged_attention_rope out", &shape, bit_mismatches(&out_b[..real_out], &out_a[..real_out]), 0.0);
+        check("paged_attention_rope K cache", &shape, bit_mismatches(&k_b[..real_cache], &k_a[..real_cache]), 0.0);
+        check("paged_attention_rope V cache", &shape, bit_mismatches(&v_b[..real_cache], &v_a[..real_cache]), 0.0);
+        assert!(out_b[real_out..].iter().all(|x| x.is_finite()), "padded rows attend their own keys");
     }
 }
 

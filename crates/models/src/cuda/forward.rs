@@ -200,7 +200,7 @@ fn download_rows(
 
 /// One attention layer's core over the step's rows, shared by every CUDA forward: the q/k head norms, RoPE and
 /// the K/V write into KV layer `kv_layer`, then attention (prompt tiles whole, decode and verify tiles in fixed
-/// key splits). q, k and v are the leading columns of `qkv` (`[T, qkv_ld]`: q heads, k heads, v heads; more
+/// key splits). Steps without prompt rows do the first three inside the split attention (`paged_attention_rope`). q, k and v are the leading columns of `qkv` (`[T, qkv_ld]`: q heads, k heads, v heads; more
 /// columns may follow). Returns the attention output `[T, heads · head_dim]` (the workspace's `attn`).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attend<'a>(

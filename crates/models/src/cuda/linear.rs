@@ -77,9 +77,14 @@ impl Linear<'_> {
         Ok(())
     }
 
-    /// One matrix: the fused quantized kernel (prologue norm, epilogue); otherwise a separate norm kernel,
-    /// then for bf16 weights the small tensor-core matmul with its epilogue up to 32 rows, cuBLAS (after a bf16
-    /// cast) for more; f32 weights the warp-per-output kernel up to 32 rows, cuBLAS for more.
+    /// One matrix: the fused quantized kernel (prologue norm, epilogue); bf16 weights of up to 32 rows the small
+    /// tensor-core matmul with its epilogue, a [`MatIn::Folded`] norm folded into it and the sums of squares of
+    /// [`MatOut::Add`] written by it; otherwise a separate norm kernel, then cuBLAS (after a bf16 cast) for more
+    /// bf16 rows, for f32 weights the warp-per-output kernel up to 32 rows and cuBLAS for more.
+    ///
+    /// # Errors
+    /// Sums of squares asked of a matmul other than the small bf16 one, shapes the kernels refuse, a launch
+    /// failure.
     pub(super) fn matmul(&self, ws: &Workspace, m: usize, input: MatIn, w: &DevMatrix, out: MatOut) -> Result<()> {
         let dev = self.dev;
         let (epi, y, y_ld, sum_sq_out) = match out {

@@ -40,7 +40,7 @@ const POSITION_KEEP: f64 = 0.8;
 /// a deep position's own draws outweigh its prior only where nearly every remembered round tested it. At 1.5 the
 /// H200 table's high-acceptance cells lost 2.2% (1K) and 2.8% (8K) to fixed blocks of 4 in simulation, at 5 1.3%
 /// and 1.8%, the mid and low cells unchanged.
-const DEEP_PRIOR_WEIGHT: f64 = 5.0;
+const DEEP_PRIOR_WEIGHT: f64 = 1.0 / (1.0 - POSITION_KEEP);
 /// Decay of a lane kind's typical counts per verified round (any sequence's): about the last 100 rounds count.
 const TYPICAL_KEEP: f64 = 0.99;
 /// Pseudo-counts of the typical estimates' own prior (a chain from [`POSITION_PRIOR`]).

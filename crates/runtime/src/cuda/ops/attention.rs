@@ -128,8 +128,10 @@ struct RopeFoldArg {
     max_seq_rows: u32,
 }
 
-// SAFETY: plain old data laid out as the kernel's `RopeFold` (repr(C), the same field types and order).
+// SAFETY: plain old data laid out as the kernel's `RopeFold` (repr(C), the same field types and order; both sides
+// assert the size).
 unsafe impl DeviceRepr for RopeFoldArg {}
+const _: () = assert!(std::mem::size_of::<RopeFoldArg>() == 104, "RopeFold in attention.cu has this layout");
 
 /// Runs [`RopeKvArgs`]: one block per row.
 ///
@@ -350,10 +352,16 @@ pub fn attention_rope_fits(
     head_dim: usize,
 ) -> bool {
     let group = num_heads.checked_div(kv_heads).unwrap_or(0);
-    let nq = (max_tile_rows.max(1) * group).min(ATTN_MAX_QUERIES);
-    let smem =
-        4 * (nq * head_dim + ATTN_KEY_CHUNK * (head_dim + 4) + ATTN_KEY_CHUNK * head_dim + 2 * max_seq_rows * head_dim);
+    let smem = attention_smem_bytes(max_tile_rows, group, head_dim, max_seq_rows);
     (1..=ATTN_ROPE_MAX_SEQ_ROWS).contains(&max_seq_rows) && smem <= MAX_DYNAMIC_SMEM as usize
+}
+
+/// Dynamic shared memory of a paged_attention launch (attention.cu's layout): the tile's query vectors, the K chunk
+/// (rows padded by 4), the V chunk, and with RoPE folded in the new K and V of `new_key_rows` sequence rows. At most
+/// 16 · 256 + 32 · 260 + 32 · 256 floats (82,432 bytes) for head_dim 256 without RoPE.
+fn attention_smem_bytes(max_tile_rows: usize, group: usize, head_dim: usize, new_key_rows: usize) -> usize {
+    let nq = (max_tile_rows.max(1) * group).min(ATTN_MAX_QUERIES);
+    4 * (nq * head_dim + ATTN_KEY_CHUNK * (head_dim + 4) + ATTN_KEY_CHUNK * head_dim + 2 * new_key_rows * head_dim)
 }
 
 /// [`paged_attention`] of decode and verify tiles ([`KeySplit::Fixed`]) with [`rope_kv_write`] of their rows
@@ -414,12 +422,8 @@ fn launch_paged_attention(
     }
     let d = a.head_dim;
     let group = a.num_heads / a.kv_heads;
-    // Queries, the K chunk (rows padded by 4), the V chunk (attention.cu).
-    let nq = (a.max_tile_rows.max(1) * group).min(ATTN_MAX_QUERIES);
-    // At most 16 · 256 + 32 · 260 + 32 · 256 floats (82,432 bytes) for head_dim 256, and with RoPE folded in the
-    // sequence rows' new K and V (attention_rope_fits keeps the sum within MAX_DYNAMIC_SMEM).
-    let new_keys = rope.map_or(0, |r| 2 * r.max_seq_rows as usize * d);
-    let smem = 4 * (nq * d + ATTN_KEY_CHUNK * (d + 4) + ATTN_KEY_CHUNK * d + new_keys);
+    // With RoPE folded in, attention_rope_fits kept this within MAX_DYNAMIC_SMEM.
+    let smem = attention_smem_bytes(a.max_tile_rows, group, d, rope.map_or(0, |r| r.max_seq_rows as usize));
     let (pa, pm) = (scratch.part_acc.view(), scratch.part_ml.view());
     let LaunchDims { num_pages, num_seqs, nh, kvh, ps, stride, rows } = a.launch_dims("paged_attention")?;
     let hd = dim(d, "head_dim")?;

@@ -306,7 +306,7 @@ pub struct SmallGemmNorm<'a> {
 ///
 /// # Errors
 /// Shapes that do not fit (see [`small_gemm_fits`]), sums of squares out of an epilogue other than
-/// [`Epilogue::Add`]; a launch failure.
+/// [`Epilogue::Add`] or beside a folded norm; a launch failure.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_bf16_small<'a>(
     dev: &CudaDevice,
@@ -353,8 +353,12 @@ pub fn gemm_bf16_small<'a>(
     Ok(())
 }
 
-/// The shapes of a [`SmallGemmNorm`] for `m` rows `k` wide in, `n_out` out.
+/// The shapes of a [`SmallGemmNorm`] for `m` rows `k` wide in, `n_out` out; not both at once (a matmul normalising
+/// the residual while adding to it would race its own blocks).
 fn check_small_gemm_norm(norm: &SmallGemmNorm, m: usize, k: usize, n_out: usize, epi: Epilogue) -> Result<()> {
+    if norm.fold.is_some() && norm.sum_sq_out.is_some() {
+        return Err(shape_err("gemm_bf16_small: a folded norm and sums of squares out in one matmul".into()));
+    }
     if let Some(f) = &norm.fold {
         if f.w.len() != k || f.sum_sq.len() < m * sum_sq_slots(k) {
             return Err(shape_err(format!(
