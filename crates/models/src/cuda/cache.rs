@@ -82,11 +82,13 @@ pub(super) struct Workspace {
     pub captured: DeviceBuf<f32>, // [T, taps * hidden]
 }
 
-/// Which graph a uniform decode / verify step replays: sequences (a bucket, padded) and rows per sequence.
+/// Which graph a uniform decode / verify step replays: sequences (a bucket, padded), rows per sequence, and whether
+/// some sequence's keys pass [`super::plan::ROPE_FOLD_MAX_KEYS`] (the graphs differ in where RoPE runs).
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub(super) struct GraphKey {
     pub seqs: usize,
     pub rows: usize,
+    pub long_keys: bool,
 }
 
 /// The device state of a [`CudaLlamaModel`]'s forwards: KV pages (`[layers][pages + 1, page_size,

@@ -238,9 +238,10 @@ pub(super) fn attend<'a>(
         kv_heads,
         head_dim: hd,
     };
-    // Decode and verify steps (no prompt rows) fold the RoPE and K/V write into the attention's blocks.
+    // Decode and verify steps (no prompt rows) over at most ROPE_FOLD_MAX_KEYS keys fold the RoPE and K/V write
+    // into the attention's blocks.
     let fits = attention_rope_fits(p.max_decode_seq_rows, p.max_decode_tile_rows, num_heads, kv_heads, hd);
-    let fold_rope = lay.prompt_tiles == 0 && lay.decode_tiles > 0 && fits && !rope_fold_off();
+    let fold_rope = lay.prompt_tiles == 0 && lay.decode_tiles > 0 && fits && !p.long_keys && !rope_fold_off();
     if !fold_rope {
         rope_kv_write(dev, rope_args)?;
     }

@@ -131,6 +131,8 @@ pub(super) struct StepPlan {
     /// The most decode rows one sequence has (sizes the new keys' shared memory when the RoPE and K/V write are
     /// folded into the attention).
     pub max_decode_seq_rows: usize,
+    /// Some sequence attends more than [`ROPE_FOLD_MAX_KEYS`] keys (a graph's: as its key says).
+    pub long_keys: bool,
 }
 
 /// Checks a batch against itself, the model and the cache's capacities (the device cannot report bad
@@ -191,6 +193,17 @@ fn prompt_rows(prompt_len: usize, context_len: usize, num_rows: usize) -> usize 
     prompt_len.saturating_sub(context_len).min(num_rows)
 }
 
+/// The most keys a step's sequences may attend for its decode and verify attention to do the RoPE and K/V write
+/// itself (`paged_attention_rope`): past it every split block's own rotation of q costs more than the launch it
+/// saves (PERFORMANCE.md entry 37: the fold is 7.5% faster per Qwen3-0.6B-shape step at 128-384 keys, 1.7% slower
+/// at 7,900-8,156).
+pub(super) const ROPE_FOLD_MAX_KEYS: usize = 4096;
+
+/// Whether some sequence of `batch` attends more than [`ROPE_FOLD_MAX_KEYS`] keys.
+fn long_keys(batch: &ForwardBatch) -> bool {
+    batch.seqs.iter().any(|s| s.context_len + s.num_rows > ROPE_FOLD_MAX_KEYS)
+}
+
 /// The graph a batch can replay: every sequence past its prompt with the same rows, padded to a
 /// power-of-two number of sequences within the cache's capacities.
 pub(super) fn graph_key(batch: &ForwardBatch, cfg: &CudaCacheConfig) -> Option<GraphKey> {
@@ -205,7 +218,7 @@ pub(super) fn graph_key(batch: &ForwardBatch, cfg: &CudaCacheConfig) -> Option<G
     };
     let n = batch.seqs.len();
     let seqs = [n.next_power_of_two(), n].into_iter().find(|&s| fits(s))?;
-    Some(GraphKey { seqs, rows })
+    Some(GraphKey { seqs, rows, long_keys: long_keys(batch) })
 }
 
 /// Writes the inputs of `batch` into `host` and returns the plan. With `graph`, sequences are padded to
@@ -272,6 +285,7 @@ pub(super) fn plan(
         decode_splits,
         tensor_core_prompt: tile_rows.tensor_core_prompt,
         max_decode_seq_rows: b.max_decode_seq_rows,
+        long_keys: graph.map_or_else(|| long_keys(batch), |key| key.long_keys),
     }
 }
 
@@ -360,7 +374,11 @@ mod tests {
         let batch =
             ForwardBatch { tokens: &tokens, positions: &positions, seqs: &seqs, slots: &positions, logit_rows: &[1] };
         let key = graph_key(&batch, &cfg()).expect("uniform decode batch");
-        assert_eq!(key, GraphKey { seqs: 4, rows: 2 });
+        assert_eq!(key, GraphKey { seqs: 4, rows: 2, long_keys: false });
+        // A sequence past the RoPE fold's key count replays another graph (the RoPE kernel of its own).
+        let long = [mk(3), mk(ROPE_FOLD_MAX_KEYS - 1), mk(4)];
+        let long_key = graph_key(&ForwardBatch { seqs: &long, ..batch }, &cfg()).expect("uniform");
+        assert_eq!(long_key, GraphKey { long_keys: true, ..key });
         let mut host = Vec::new();
         let p =
             plan(&batch, Some(key), &cfg(), TileRows { prompt: 16, decode: 4, tensor_core_prompt: false }, &mut host);
