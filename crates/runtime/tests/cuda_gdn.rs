@@ -13,6 +13,7 @@
 
 mod common;
 
+use common::gpu::open_device;
 use common::{say, Rng};
 use std::sync::OnceLock;
 
@@ -21,16 +22,7 @@ use dflash_runtime::cuda::{CudaDevice, DeviceBuf};
 
 fn device() -> Option<&'static CudaDevice> {
     static DEVICE: OnceLock<Option<CudaDevice>> = OnceLock::new();
-    DEVICE
-        .get_or_init(|| match CudaDevice::new(0) {
-            Ok(dev) => Some(dev),
-            Err(e) if e.is_no_device() => {
-                say(&format!("SKIP cuda GDN tests: no usable CUDA device ({e})"));
-                None
-            }
-            Err(e) => panic!("the CUDA device failed to open: {e}"),
-        })
-        .as_ref()
+    DEVICE.get_or_init(|| open_device("cuda GDN tests", |_| {})).as_ref()
 }
 
 fn check(kernel: &str, shape: &str, got: &[f32], want: &[f32], tol: f64) {

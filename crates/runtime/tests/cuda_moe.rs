@@ -24,6 +24,7 @@
 
 mod common;
 
+use common::gpu::open_device;
 use common::{say, Rng};
 use std::sync::OnceLock;
 
@@ -36,16 +37,10 @@ use half::bf16;
 fn device() -> Option<&'static CudaDevice> {
     static DEVICE: OnceLock<Option<CudaDevice>> = OnceLock::new();
     DEVICE
-        .get_or_init(|| match CudaDevice::new(0) {
-            Ok(dev) => {
+        .get_or_init(|| {
+            open_device("cuda MoE tests", |_| {
                 say(&format!("{:<34} {:<36} {:>11} {:>11}", "kernel", "shape", "max err", "tolerance"));
-                Some(dev)
-            }
-            Err(e) if e.is_no_device() => {
-                say(&format!("SKIP cuda MoE tests: no usable CUDA device ({e})"));
-                None
-            }
-            Err(e) => panic!("the CUDA device failed to open: {e}"),
+            })
         })
         .as_ref()
 }

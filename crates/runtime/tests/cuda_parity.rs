@@ -19,6 +19,7 @@
 
 mod common;
 
+use common::gpu::open_device;
 use common::{say, Rng};
 use std::sync::OnceLock;
 
@@ -31,8 +32,8 @@ use half::bf16;
 fn device() -> Option<&'static CudaDevice> {
     static DEVICE: OnceLock<Option<CudaDevice>> = OnceLock::new();
     DEVICE
-        .get_or_init(|| match CudaDevice::new(0) {
-            Ok(dev) => {
+        .get_or_init(|| {
+            open_device("cuda parity tests", |dev| {
                 let (info, report) = (dev.info(), dev.compile_report());
                 say(&format!(
                     "cuda parity on {} (sm_{}{}, {} SMs, NVRTC {}.{}); kernels {} in {:.0} ms",
@@ -46,13 +47,7 @@ fn device() -> Option<&'static CudaDevice> {
                     report.millis
                 ));
                 say(&format!("{:<34} {:<26} {:>11} {:>11}", "kernel", "shape", "max err", "tolerance"));
-                Some(dev)
-            }
-            Err(e) if e.is_no_device() => {
-                say(&format!("SKIP cuda parity tests: no usable CUDA device ({e})"));
-                None
-            }
-            Err(e) => panic!("the CUDA device failed to open: {e}"),
+            })
         })
         .as_ref()
 }

@@ -10,20 +10,31 @@ use dflash_runtime::{DType, Tensor};
 
 use super::{say, Rng};
 
+/// Device 0 for the binary `tests`, `header` printed once it is open; `None`, after a SKIP line, on a machine with no
+/// CUDA device. A device that is there but fails to open (a kernel that does not compile or load, a driver error)
+/// fails the binary instead of skipping it.
+pub fn open_device(tests: &str, header: impl FnOnce(&CudaDevice)) -> Option<CudaDevice> {
+    match CudaDevice::new(0) {
+        Ok(dev) => {
+            header(&dev);
+            Some(dev)
+        }
+        Err(e) if e.is_no_device() => {
+            say(&format!("SKIP {tests}: no usable CUDA device ({e})"));
+            None
+        }
+        Err(e) => panic!("the CUDA device failed to open: {e}"),
+    }
+}
+
 /// Device 0, opened once per binary (printing the table's header); `None`, after a SKIP line, without one.
 pub fn device() -> Option<&'static CudaDevice> {
     static DEVICE: OnceLock<Option<CudaDevice>> = OnceLock::new();
     DEVICE
-        .get_or_init(|| match CudaDevice::new(0) {
-            Ok(dev) => {
+        .get_or_init(|| {
+            open_device("cuda model-op tests", |_| {
                 say(&format!("{:<34} {:<30} {:>11} {:>11}", "kernel", "shape", "max err", "tolerance"));
-                Some(dev)
-            }
-            Err(e) if e.is_no_device() => {
-                say(&format!("SKIP cuda model-op tests: no usable CUDA device ({e})"));
-                None
-            }
-            Err(e) => panic!("the CUDA device failed to open: {e}"),
+            })
         })
         .as_ref()
 }
