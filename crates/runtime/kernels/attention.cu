@@ -149,10 +149,10 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
     attn_merge_splits(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                       const u32* __restrict__ row_keys, const u32* __restrict__ tiles, float* __restrict__ out,
                       u32 num_heads, u32 head_dim, u32 split_keys, u32 max_splits, u32 num_seqs, u32 num_rows) {
-    DF_GRID_DEPENDENCY();
     __shared__ float w_s[MERGE_THREADS], l_s[MERGE_THREADS], scratch[32];
-    const u32* tile = tiles + 4 * blockIdx.x;
+    const u32* tile = tiles + 4 * blockIdx.x;  // the step's inputs: read while the attention finishes
     const u32 seq = tile[0], row0 = tile[1], nrows = tile[2], part0 = tile[3];
+    DF_GRID_DEPENDENCY();
     if (nrows == 0 || seq >= num_seqs || row0 >= num_rows || nrows > num_rows - row0) return;  // as paged_attention
     const u32 head = blockIdx.y, D = head_dim, t = threadIdx.x;
     for (u32 r = 0; r < nrows; ++r) {
@@ -231,6 +231,20 @@ __device__ __forceinline__ void attention_rope_rows(const RopeFold& rf, u32 row0
     }
 }
 
+// Under ROPE, before the grid dependency wait: the cos / sin table lines of the sequence's rows in this step (the
+// rows' positions are step inputs) toward L1, so rope_head does not wait on them after it.
+__device__ __forceinline__ void rope_prefetch_tables(const RopeFold& rf, u32 srow0, u32 srows) {
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, lines = (rf.half + 31u) / 32u;
+    if (lane >= 2u * lines) return;
+    const float* table = lane < lines ? rf.cos_tab : rf.sin_tab;
+    const u32 line = lane < lines ? lane : lane - lines;
+    for (u32 r = warp; r < srows; r += ATTN_WARPS) {
+        const u32 pos = rf.positions[srow0 + r];
+        if (pos >= rf.max_pos) continue;
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(table + (u64)pos * rf.half + 32u * line));
+    }
+}
+
 // The batch rows of the tile's sequence in this step, under ROPE: [srow0, srow0 + srows) spans every tile of the
 // sequence (its rows are consecutive in the batch; tiles that fail the checks the block's own passed are left
 // out), and tkey[r] = the key of row srow0 + r (its last: decode and verify rows are causal; 0 keys: none,
@@ -269,6 +283,12 @@ __device__ __forceinline__ bool attention_rope_span(const RopeFold& rf, const u3
 // any block writes: every key a block's rows see that this step writes is a key of its own sequence's rows, all
 // of which attention_rope_span puts in shared memory (padded graph sequences included: their keys are all their
 // own rows'), and a span that does not fit aborts the block before any read.
+//
+// The grid dependency wait (prelude.cuh) comes late: the tile, key counts, block table, slots and positions are the
+// step's inputs, which the host wrote before the step, so the block reads them, and under ROPE the first chunk's
+// cached K/V (written by earlier steps; this step's keys come from shared memory), while the matmul before it is
+// still finishing. Only q|k|v (ROPE), or q and the new cache rows (rope_kv_write before it), wait. Every block
+// waits before it exits, so the launch never completes before the kernel it depends on.
 template <u32 DPL, bool ROPE>
 __device__ __forceinline__ void paged_attention_body(
     const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
@@ -285,7 +305,10 @@ __device__ __forceinline__ void paged_attention_body(
     __shared__ u32 tkey[ATTN_MAX_SEQ_ROWS], span[2];
     const u32* tile = tiles + 4 * blockIdx.x;
     const u32 seq = tile[0], row0 = tile[1], nrows = tile[2], part0 = tile[3];
-    if (nrows == 0 || seq >= num_seqs || row0 >= num_rows || nrows > num_rows - row0) return;
+    if (nrows == 0 || seq >= num_seqs || row0 >= num_rows || nrows > num_rows - row0) {
+        DF_GRID_DEPENDENCY();  // every block waits before it exits (see the wait below)
+        return;
+    }
     const u32 kvh = blockIdx.y, split = blockIdx.z;
     const u32 D = head_dim, D4 = head_dim >> 2, group = num_heads / kv_heads, nq = min(nrows * group, ATTN_MAXQ);
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
@@ -299,7 +322,10 @@ __device__ __forceinline__ void paged_attention_body(
     for (u32 r = 0; r < nrows; ++r) kmax = max(kmax, row_keys[row0 + r]);
     const u32 k_begin = split_keys == 0 ? 0 : split * split_keys;
     const u32 k_end = split_keys == 0 ? kmax : min(kmax, k_begin + split_keys);
-    if (split_keys != 0 && k_begin >= kmax) return;  // no row of the tile has keys here; the merge skips it
+    if (split_keys != 0 && k_begin >= kmax) {  // no row of the tile has keys here; the merge skips it
+        DF_GRID_DEPENDENCY();
+        return;
+    }
 
     // ROPE: the new keys' K and V after the V chunk, one row of each per row of the sequence.
     float* new_k = vs + ATTN_KT * D;
@@ -308,6 +334,7 @@ __device__ __forceinline__ void paged_attention_body(
         if (!attention_rope_span(rf, tiles, row_keys, seq, row0, nrows, num_seqs, num_rows, span, tkey)) {
             // A sequence longer than the launch planned for: this block's partial states become NaN (the merge
             // then writes NaN rows) rather than reading keys another block may be writing.
+            DF_GRID_DEPENDENCY();
             for (u32 i = threadIdx.x; i < nq; i += blockDim.x) {
                 const u32 r = i / group, head = kvh * group + (i - r * group);
                 const u64 item = ((u64)(part0 + r) * num_heads + head) * gridDim.z + split;
@@ -315,7 +342,9 @@ __device__ __forceinline__ void paged_attention_body(
             }
             return;
         }
+        rope_prefetch_tables(rf, span[0], span[1]);
     } else {
+        DF_GRID_DEPENDENCY();  // q and the cache's new rows come from the kernel before (rope_kv_write)
         for (u32 i = threadIdx.x; i < nq * D; i += blockDim.x) {
             const u32 v = i / D, d = i - v * D;
             const u32 r = v / group, head = kvh * group + (v - r * group);
@@ -373,7 +402,9 @@ __device__ __forceinline__ void paged_attention_body(
             }
         }
         if (ROPE && base == k_begin) {
-            // While the chunk's cached K/V are in flight: the rows' q and their new keys, into shared memory.
+            // While the chunk's cached K/V are in flight: wait for the q|k|v rows of the matmul before, then the
+            // rows' q and their new keys, into shared memory.
+            DF_GRID_DEPENDENCY();
             attention_rope_rows(rf, row0, nrows, span[0], span[1], nq, group, kvh, num_heads, kv_heads, D, k_begin,
                                 k_end, qs, new_k, new_v, tkey);
             __syncthreads();
@@ -465,7 +496,6 @@ __device__ __forceinline__ void paged_attention_body(
              float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml, u32 num_heads,     \
              u32 kv_heads, u32 head_dim, u32 page_size, u32 table_stride, float scale, u32 split_keys,             \
              u32 num_pages, u32 num_seqs, u32 num_rows) {                                                          \
-        DF_GRID_DEPENDENCY();                                                                                      \
         const RopeFold none = {};                                                                                  \
         paged_attention_body<DPL, false>(q, k_cache, v_cache, row_keys, tiles, tables, out, part_acc, part_ml,     \
                                          num_heads, kv_heads, head_dim, page_size, table_stride, scale,            \
@@ -480,7 +510,6 @@ __device__ __forceinline__ void paged_attention_body(
              float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml, u32 num_heads,     \
              u32 kv_heads, u32 head_dim, u32 page_size, u32 table_stride, float scale, u32 split_keys,             \
              u32 num_pages, u32 num_seqs, u32 num_rows, RopeFold rf) {                                             \
-        DF_GRID_DEPENDENCY();                                                                                      \
         paged_attention_body<DPL, true>(q, k_cache, v_cache, row_keys, tiles, tables, out, part_acc, part_ml,      \
                                         num_heads, kv_heads, head_dim, page_size, table_stride, scale, split_keys, \
                                         num_pages, num_seqs, num_rows, rf);                                        \

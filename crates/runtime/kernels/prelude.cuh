@@ -12,10 +12,13 @@ typedef unsigned long long u64;
 #define DF_FULL_MASK 0xffffffffu
 
 // Programmatic dependent launch (src/cuda/launch.rs): on sm_90 and up a kernel may be launched while the one
-// before it on the stream is still running. The first statement of every kernel waits until that kernel has
-// completed and its writes are visible, then lets the next kernel launch (its blocks park at this same wait).
-// Nothing a kernel writes may be read before it (weights may: gemv.cu prefetches them). Launched without PDL, both
-// instructions return at once.
+// before it on the stream is still running. DF_GRID_DEPENDENCY waits until that kernel has completed and its
+// writes are visible, then lets the next kernel launch (its blocks park at this same wait). Most kernels make it
+// their first statement. Before it a kernel may read only what the kernel right before it does not write: weights
+// (gemv.cu prefetches them), the step's inputs the host uploaded, and what kernels before that one wrote (they
+// completed before it passed its own wait); attention.cu reads its tiles and cached keys there. Every block must
+// pass the wait before it exits, or the launch could complete before the kernel it depends on. Launched without
+// PDL, both instructions return at once.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define DF_GRID_DEPENDENCY()                                          \
     do {                                                              \
