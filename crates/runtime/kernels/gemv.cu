@@ -448,16 +448,17 @@ __device__ __forceinline__ void gemm_bf16_small(const bf16_t* __restrict__ w, co
     }
 }
 
-// Before the grid dependency wait: start pulling this block's first pass of weights (k-blocks 0..15 of its 16
-// rows, 32 with SwiGLU) into L2. No kernel writes weights, so they may be read while the kernel before this one
+// Before the grid dependency wait: start pulling the first pf_k columns of this block's weights (the host passes
+// its first pass, k-blocks 0..15 of its 16 rows, 32 with SwiGLU) into L2. No kernel writes weights, so they may be read while the kernel before this one
 // (launched with PDL) is still finishing; the first loads after the wait then hit L2 instead of waiting on DRAM.
-__device__ __forceinline__ void tc_prefetch_first_pass(const bf16_t* __restrict__ w, u32 n_out, u32 k, u32 epi) {
+__device__ __forceinline__ void tc_prefetch_first_pass(const bf16_t* __restrict__ w, u32 n_out, u32 k, u32 epi,
+                                                       u32 pf_k) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     const u32 parts = epi == EPI_SWIGLU ? 2u : 1u;
     if (threadIdx.x >= parts * 16u) return;
     const u32 p = threadIdx.x / 16u, col = blockIdx.x * 16u + threadIdx.x % 16u;
-    if (col >= n_out) return;
-    const u32 bytes = min(k, 2u * TC_WARPS * TC_KB) * 2u;  // k % 8 == 0: a multiple of 16 bytes
+    if (col >= n_out || pf_k == 0) return;
+    const u32 bytes = min(k, pf_k) * 2u;  // k % 8 == 0 and pf_k % 8 == 0: a multiple of 16 bytes
     const bf16_t* row = w + ((u64)col + (p ? n_out : 0u)) * k;
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row), "r"(bytes) : "memory");
 #endif
@@ -469,9 +470,9 @@ __device__ __forceinline__ void tc_prefetch_first_pass(const bf16_t* __restrict_
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2)                                              \
         NAME(const bf16_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, u32 n_out, u32 k, \
              u32 m, u32 y_ld, u32 epi, const float* __restrict__ norm_w, const float* __restrict__ ss_in,        \
-             float* __restrict__ ss_out, float eps) {                                                           \
+             float* __restrict__ ss_out, float eps, u32 pf_k) {                                                 \
         __shared__ TcSmem<T> smem;                                                                              \
-        tc_prefetch_first_pass(w, n_out, k, epi);                                                               \
+        tc_prefetch_first_pass(w, n_out, k, epi, pf_k);                                                         \
         DF_GRID_DEPENDENCY();                                                                                   \
         if (epi == EPI_SWIGLU) {                                                                                \
             gemm_bf16_small<T, true, NORM>(w, x, y, n_out, k, m, y_ld, epi, norm_w, ss_in, ss_out, eps, &smem); \

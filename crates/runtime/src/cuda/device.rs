@@ -28,6 +28,8 @@ pub struct DeviceInfo {
     /// Device memory in bytes.
     pub total_memory: usize,
     pub multiprocessors: i32,
+    /// L2 cache in bytes.
+    pub l2_bytes: usize,
     /// The NVRTC version kernels are compiled with.
     pub nvrtc_version: (i32, i32),
 }
@@ -99,6 +101,10 @@ impl CudaDevice {
             multiprocessors: ctx
                 .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
                 .map_err(CudaError::driver("cuDeviceGetAttribute"))?,
+            l2_bytes: ctx
+                .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+                .map_err(CudaError::driver("cuDeviceGetAttribute"))?
+                .max(0) as usize,
             nvrtc_version: compile::nvrtc_version()?,
         };
         let pdl = launch::pdl_enabled(info.compute_capability);

@@ -109,9 +109,10 @@ mod gpu {
         let dev = Arc::new(CudaDevice::new(a.device)?);
         let info = dev.info().clone();
         println!(
-            "device {} ({} SMs, programmatic dependent launch {}), opened in {:.0} ms",
+            "device {} ({} SMs, {:.0} MB of L2, programmatic dependent launch {}), opened in {:.0} ms",
             info.name,
             info.multiprocessors,
+            info.l2_bytes as f64 / 1e6,
             if dev.uses_pdl() { "on" } else { "off" },
             t0.elapsed().as_secs_f64() * 1e3
         );

@@ -3,6 +3,8 @@
 
 use std::ffi::c_void;
 
+use std::sync::OnceLock;
+
 use cudarc::cublas::result::gemm_ex;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t};
 use cudarc::driver::LaunchConfig;
@@ -344,13 +346,34 @@ pub fn gemm_bf16_small<'a>(
     let kernels = if norm.fold.is_some() { &dev.kernels.gemm_bf16_small_norm } else { &dev.kernels.gemm_bf16_small };
     let mut launch = dev.launch_builder(&kernels[tile]);
     launch.arg(w.arg()).arg(x.arg()).arg(y.arg()).arg(&n).arg(&k32).arg(&m32).arg(&ld).arg(&code);
-    launch.arg(&norm_w).arg(&ss_in).arg(&ss_out).arg(&eps);
+    let rows_per_block = SMALL_GEMM_COLS_PER_BLOCK as usize * if epi == Epilogue::Swiglu { 2 } else { 1 };
+    let pf_k = dim(prefetch_columns(dev, k, grid as usize, rows_per_block), "prefetch columns")?;
+    launch.arg(&norm_w).arg(&ss_in).arg(&ss_out).arg(&eps).arg(&pf_k);
     let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (8 * 32, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: the arguments match the kernel's signature and the shapes were checked: k % 8 == 0 keeps every
     // 16-byte row load aligned (given aligned bases), rows and columns past m and n_out are neither read nor
     // written, the tile count covers m, and the norm's buffers hold m rows of their slots.
     unsafe { launch.launch(cfg) }.map_err(launch_err("gemm_bf16_small"))?;
     Ok(())
+}
+
+/// Weight columns each [`gemm_bf16_small`] block pulls into L2 before the kernel ahead of it has finished (with
+/// programmatic dependent launch its blocks are resident early, while that kernel drains). All of them when the
+/// blocks that can be resident at once (two per SM) name at most half the L2 in all: a small matrix then streams
+/// from L2 (Qwen3-0.6B shape: one launch's weights are 4-13 MB). Otherwise only the first pass (two k-blocks of
+/// 64 per warp): a larger prefetch would evict itself before it is read (Qwen3-8B shape: 17% slower).
+/// `DFLASH_GEMM_PREFETCH=first` keeps the first pass everywhere (for side-by-side measurements).
+fn prefetch_columns(dev: &CudaDevice, k: usize, blocks: usize, rows_per_block: usize) -> usize {
+    static FIRST: OnceLock<bool> = OnceLock::new();
+    let first_only = *FIRST.get_or_init(|| std::env::var("DFLASH_GEMM_PREFETCH").is_ok_and(|v| v.trim() == "first"));
+    let info = dev.info();
+    let resident = blocks.min(2 * info.multiprocessors.max(1) as usize);
+    let slice_bytes = rows_per_block * k * std::mem::size_of::<bf16>();
+    if !first_only && resident * slice_bytes <= info.l2_bytes / 2 {
+        k
+    } else {
+        k.min(2 * 8 * 64)
+    }
 }
 
 /// The shapes of a [`SmallGemmNorm`] for `m` rows `k` wide in, `n_out` out; not both at once (a matmul normalising
