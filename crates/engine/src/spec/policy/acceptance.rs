@@ -17,7 +17,7 @@
 //! typical one (prose after code) still narrows within a few rounds. Deeper positions lean harder on their prior
 //! (as many pseudo-counts as the lane remembers rounds): they are tested only by the rounds that reach them, a miss
 //! there narrows the next rounds so they stop being tested, and it is their few draws that pick between widths a
-//! few percent apart (the H200 table's high-acceptance cells, simulated in `tests.rs`, spread over 2-6 rows where 4
+//! few percent apart (the H200 table's high-acceptance cells, simulated in `bench_sim.rs`, spread over 2-6 rows where 4
 //! or 5 are best). Their prior follows the lane's own first position, so a change of text still moves them at once.
 //!
 //! Positions forget per round, tested or not: evidence about a deep position that narrow rounds no longer test

@@ -16,6 +16,8 @@
 
 pub mod acceptance;
 pub mod backoff;
+#[cfg(test)]
+mod bench_sim;
 pub mod choice;
 pub mod costs;
 #[cfg(test)]
