@@ -96,10 +96,11 @@ pub(crate) struct Kernels {
     pub gemv_bf16_ep: CudaFunction,
     /// `gemm_f32_rows_r{R}` for the row chunks of [`F32_ROWS_CHUNKS`].
     pub gemm_f32_rows: Vec<CudaFunction>,
-    /// `gemm_bf16_small_t{T}` for the tile counts of [`SMALL_GEMM_TILES`].
-    pub gemm_bf16_small: Vec<CudaFunction>,
-    /// `gemm_bf16_small_norm_t{T}`: the same with the pre-norm folded in.
-    pub gemm_bf16_small_norm: Vec<CudaFunction>,
+    /// `gemm_bf16_small_t{T}` for the tile counts of [`SMALL_GEMM_TILES`]; `[1]`: `gemm_bf16_small_stream_t{T}`,
+    /// the weight loads hinted for a stream from DRAM.
+    pub gemm_bf16_small: [Vec<CudaFunction>; 2],
+    /// `gemm_bf16_small_norm_t{T}` / `gemm_bf16_small_norm_stream_t{T}`: the same with the pre-norm folded in.
+    pub gemm_bf16_small_norm: [Vec<CudaFunction>; 2],
     /// `mmvq[format][passes - 1][i]`: format 0 = Q4_0, 1 = Q4_1, 2 = Q8_0; one or two activation passes
     /// (`ActPrecision`); `MMVQ_ROWS[i]` activation rows per block (two passes: up to `MMVQ_X2_MAX_ROWS`).
     pub mmvq: Vec<[Vec<CudaFunction>; 2]>,
@@ -175,6 +176,9 @@ impl Kernels {
                 .map_err(|e| CudaError::Driver { what: format!("cuFuncSetAttribute {name}"), source: e })?;
             Ok(f)
         };
+        let small_gemm = |name: &str, variant: &str| -> Result<Vec<CudaFunction>, CudaError> {
+            SMALL_GEMM_TILES.iter().map(|t| get(&format!("{name}{variant}_t{t}"))).collect()
+        };
         let mmvq_rows = |fmt: &str, suffix: &str, max: usize| -> Result<Vec<CudaFunction>, CudaError> {
             MMVQ_ROWS.iter().filter(|&&r| r <= max).map(|r| big_smem(&format!("mmvq_{fmt}_r{r}{suffix}"))).collect()
         };
@@ -198,14 +202,11 @@ impl Kernels {
                 .iter()
                 .map(|r| get(&format!("gemm_f32_rows_r{r}")))
                 .collect::<Result<_, _>>()?,
-            gemm_bf16_small: SMALL_GEMM_TILES
-                .iter()
-                .map(|t| get(&format!("gemm_bf16_small_t{t}")))
-                .collect::<Result<_, _>>()?,
-            gemm_bf16_small_norm: SMALL_GEMM_TILES
-                .iter()
-                .map(|t| get(&format!("gemm_bf16_small_norm_t{t}")))
-                .collect::<Result<_, _>>()?,
+            gemm_bf16_small: [small_gemm("gemm_bf16_small", "")?, small_gemm("gemm_bf16_small", "_stream")?],
+            gemm_bf16_small_norm: [
+                small_gemm("gemm_bf16_small_norm", "")?,
+                small_gemm("gemm_bf16_small_norm", "_stream")?,
+            ],
             mmvq,
             embedding_quant: get("embedding_quant")?,
             rope_kv_write: get("rope_kv_write")?,

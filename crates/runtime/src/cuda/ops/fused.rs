@@ -343,11 +343,14 @@ pub fn gemm_bf16_small<'a>(
     let tile = SMALL_GEMM_TILES.iter().position(|&t| 8 * t >= m).unwrap_or(SMALL_GEMM_TILES.len() - 1);
     let grid = dim(n_out.div_ceil(SMALL_GEMM_COLS_PER_BLOCK as usize), "blocks")?;
     let (n, k32, m32, ld, code) = (dim(n_out, "n")?, dim(k, "k")?, dim(m, "m")?, dim(y_ld, "ld")?, epi.code());
-    let kernels = if norm.fold.is_some() { &dev.kernels.gemm_bf16_small_norm } else { &dev.kernels.gemm_bf16_small };
-    let mut launch = dev.launch_builder(&kernels[tile]);
-    launch.arg(w.arg()).arg(x.arg()).arg(y.arg()).arg(&n).arg(&k32).arg(&m32).arg(&ld).arg(&code);
     let rows_per_block = SMALL_GEMM_COLS_PER_BLOCK as usize * if epi == Epilogue::Swiglu { 2 } else { 1 };
-    let pf_k = dim(prefetch_columns(dev, k, grid as usize, rows_per_block), "prefetch columns")?;
+    let pf = prefetch_columns(dev, k, grid as usize, rows_per_block);
+    // A matrix prefetched into L2 whole loads plainly; one streamed from DRAM takes the `_stream` kernels.
+    let stream = usize::from(pf < k);
+    let kernels = if norm.fold.is_some() { &dev.kernels.gemm_bf16_small_norm } else { &dev.kernels.gemm_bf16_small };
+    let mut launch = dev.launch_builder(&kernels[stream][tile]);
+    launch.arg(w.arg()).arg(x.arg()).arg(y.arg()).arg(&n).arg(&k32).arg(&m32).arg(&ld).arg(&code);
+    let pf_k = dim(pf, "prefetch columns")?;
     launch.arg(&norm_w).arg(&ss_in).arg(&ss_out).arg(&eps).arg(&pf_k);
     let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (8 * 32, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: the arguments match the kernel's signature and the shapes were checked: k % 8 == 0 keeps every
