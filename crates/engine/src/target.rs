@@ -73,6 +73,13 @@ pub trait Target: Send {
     /// The CPU model whose embedding and LM head block drafters read, when the target has one.
     fn host_model(&self) -> Option<Arc<LlamaModel>>;
 
+    /// Contexts (keys one sequence attends) past which the target's steps take other recorded forms (CUDA graphs
+    /// keyed by context): the engine's start-up probe steps every verify width past each once, so no request pays
+    /// for the recording. None by default.
+    fn graph_contexts(&self) -> &[usize] {
+        &[]
+    }
+
     /// The host copies of the embedding and LM head that drafters (block drafters, MTP heads) read, when the
     /// target has them. Default: those of [`Target::host_model`].
     fn host_heads(&self) -> Option<Arc<dyn TargetHeads>> {
@@ -242,6 +249,10 @@ mod cuda {
 
         fn host_model(&self) -> Option<Arc<LlamaModel>> {
             self.host.clone()
+        }
+
+        fn graph_contexts(&self) -> &[usize] {
+            &dflash_models::cuda::GRAPH_CONTEXTS
         }
     }
 }

@@ -165,6 +165,10 @@ impl Target for CudaHybridTarget {
         None
     }
 
+    fn graph_contexts(&self) -> &[usize] {
+        &dflash_models::cuda::GRAPH_CONTEXTS
+    }
+
     fn host_heads(&self) -> Option<Arc<dyn TargetHeads>> {
         self.host.as_ref().map(|h| Arc::clone(h) as Arc<dyn TargetHeads>)
     }

@@ -31,3 +31,4 @@ pub use cache::{CudaCache, CudaCacheConfig};
 pub use error::CudaModelError;
 pub use hybrid::{CudaHybridCache, CudaHybridModel, GdnSeq};
 pub use model::{CudaLlamaModel, RandomWeights};
+pub use plan::GRAPH_CONTEXTS;

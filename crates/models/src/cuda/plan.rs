@@ -199,6 +199,10 @@ fn prompt_rows(prompt_len: usize, context_len: usize, num_rows: usize) -> usize 
 /// at 7,900-8,156).
 pub(super) const ROPE_FOLD_MAX_KEYS: usize = 4096;
 
+/// Contexts past which a decode or verify step replays other graphs: a graph's key says whether some sequence
+/// attends more than [`ROPE_FOLD_MAX_KEYS`] keys.
+pub const GRAPH_CONTEXTS: [usize; 1] = [ROPE_FOLD_MAX_KEYS];
+
 /// Whether some sequence of `batch` attends more than [`ROPE_FOLD_MAX_KEYS`] keys.
 fn long_keys(batch: &ForwardBatch) -> bool {
     batch.seqs.iter().any(|s| s.context_len + s.num_rows > ROPE_FOLD_MAX_KEYS)
