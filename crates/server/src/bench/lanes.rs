@@ -53,6 +53,10 @@ pub struct LanesArgs {
     /// last value holds for later positions.
     #[arg(long, value_delimiter = ',', default_value = "0.8,0.6,0.5,0.4")]
     pub oracle_acceptance: Vec<f32>,
+    /// Which set of draws the oracle lanes read: their drafts are keyed by prompt, position and draft index, so
+    /// every run of a table reads the same ones; another value gives other draws (more of them across runs).
+    #[arg(long, default_value_t = 0)]
+    pub oracle_seed: u64,
     /// Sampling temperatures; 0 is greedy. Sampled requests use top-p 0.95 and a seed fixed per prompt.
     #[arg(long, value_delimiter = ',', default_value = "0")]
     pub temperatures: Vec<f32>,
@@ -176,7 +180,7 @@ pub fn run(model: &ModelArgs, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
                             continuation: Arc::new(plain_ids.clone()),
                             acceptance: args.oracle_acceptance.clone(),
                             max_draft: block - 1,
-                            seed: SEED_BASE + i as u64,
+                            seed: (SEED_BASE + i as u64) ^ args.oracle_seed.rotate_left(32),
                             vocab: tokenizer.vocab_size(),
                         }),
                         _ => None,
