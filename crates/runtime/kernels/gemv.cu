@@ -214,8 +214,9 @@ DF_GEMM_F32_ROWS(32)
 // residual left in `ss_in` ([m, ceil(k / 16)]: one partial sum per 16 columns, summed here in a fixed order:
 // lane-strided, then the warp's butterfly), so no kernel of its own normalises the row and nothing waits on a
 // sum before the weights stream. Scaling each output instead of each activation changes only which product
-// the bf16 rounding sees (the relative error is the same). With EPI_ADD, `ss_out` non-null takes those partial sums of the updated rows: [m, gridDim.x],
-// slot blockIdx.x. Both sums have a fixed order, so rows stay batch-invariant.
+// the bf16 rounding sees (the relative error is the same). With EPI_ADD, `ss_out` non-null takes those partial
+// sums of the updated rows: [m, gridDim.x], slot blockIdx.x. Both sums have a fixed order, so rows stay
+// batch-invariant.
 
 #define TC_WARPS 8
 #define TC_KB 64
@@ -464,11 +465,12 @@ __device__ __forceinline__ void gemm_bf16_small(const bf16_t* __restrict__ w, co
     }
 }
 
-// Before the grid dependency wait: start pulling the first pf_k columns of this block's weights (the host passes
-// its first pass, k-blocks 0..15 of its 16 rows, 32 with SwiGLU) into L2. No kernel writes weights, so they may be read while the kernel before this one
-// (launched with PDL) is still finishing; the first loads after the wait then hit L2 instead of waiting on DRAM.
-__device__ __forceinline__ void tc_prefetch_first_pass(const bf16_t* __restrict__ w, u32 n_out, u32 k, u32 epi,
-                                                       u32 pf_k) {
+// Before the grid dependency wait: start pulling the first pf_k columns of this block's 16 weight rows (32 with
+// SwiGLU) into L2: the host passes its first pass (k-blocks 0..15), or all of k for a matrix whose resident blocks
+// fit the L2. No kernel writes weights, so they may be read while the kernel before this one (launched with PDL) is
+// still finishing; the loads after the wait then hit L2 instead of waiting on DRAM.
+__device__ __forceinline__ void tc_prefetch_weights(const bf16_t* __restrict__ w, u32 n_out, u32 k, u32 epi,
+                                                    u32 pf_k) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     const u32 parts = epi == EPI_SWIGLU ? 2u : 1u;
     if (threadIdx.x >= parts * 16u) return;
@@ -488,7 +490,7 @@ __device__ __forceinline__ void tc_prefetch_first_pass(const bf16_t* __restrict_
              u32 m, u32 y_ld, u32 epi, const float* __restrict__ norm_w, const float* __restrict__ ss_in,        \
              float* __restrict__ ss_out, float eps, u32 pf_k) {                                                 \
         __shared__ TcSmem<T> smem;                                                                              \
-        tc_prefetch_first_pass(w, n_out, k, epi, pf_k);                                                         \
+        tc_prefetch_weights(w, n_out, k, epi, pf_k);                                                            \
         DF_GRID_DEPENDENCY();                                                                                   \
         if (epi == EPI_SWIGLU) {                                                                                \
             gemm_bf16_small<T, true, NORM, STREAM>(w, x, y, n_out, k, m, y_ld, epi, norm_w, ss_in, ss_out, eps,   \

@@ -2,7 +2,6 @@
 //! bf16 GEMV with a fused epilogue, the final norm of gathered rows, the capture copy, and random fills.
 
 use std::ffi::c_void;
-
 use std::sync::OnceLock;
 
 use cudarc::cublas::result::gemm_ex;
@@ -344,13 +343,12 @@ pub fn gemm_bf16_small<'a>(
     let grid = dim(n_out.div_ceil(SMALL_GEMM_COLS_PER_BLOCK as usize), "blocks")?;
     let (n, k32, m32, ld, code) = (dim(n_out, "n")?, dim(k, "k")?, dim(m, "m")?, dim(y_ld, "ld")?, epi.code());
     let rows_per_block = SMALL_GEMM_COLS_PER_BLOCK as usize * if epi == Epilogue::Swiglu { 2 } else { 1 };
-    let pf = prefetch_columns(dev, k, grid as usize, rows_per_block);
-    // A matrix prefetched into L2 whole loads plainly; one streamed from DRAM takes the `_stream` kernels.
-    let stream = usize::from(pf < k);
+    let fits = fits_l2(dev, k, grid as usize, rows_per_block);
+    // A matrix whose resident blocks fit the L2 loads plainly; one streamed from DRAM takes the `_stream` kernels.
     let kernels = if norm.fold.is_some() { &dev.kernels.gemm_bf16_small_norm } else { &dev.kernels.gemm_bf16_small };
-    let mut launch = dev.launch_builder(&kernels[stream][tile]);
+    let mut launch = dev.launch_builder(&kernels[usize::from(!fits)][tile]);
     launch.arg(w.arg()).arg(x.arg()).arg(y.arg()).arg(&n).arg(&k32).arg(&m32).arg(&ld).arg(&code);
-    let pf_k = dim(pf, "prefetch columns")?;
+    let pf_k = dim(prefetch_columns(k, fits), "prefetch columns")?;
     launch.arg(&norm_w).arg(&ss_in).arg(&ss_out).arg(&eps).arg(&pf_k);
     let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (8 * 32, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: the arguments match the kernel's signature and the shapes were checked: k % 8 == 0 keeps every
@@ -360,19 +358,24 @@ pub fn gemm_bf16_small<'a>(
     Ok(())
 }
 
-/// Weight columns each [`gemm_bf16_small`] block pulls into L2 before the kernel ahead of it has finished (with
-/// programmatic dependent launch its blocks are resident early, while that kernel drains). All of them when the
-/// blocks that can be resident at once (two per SM) name at most half the L2 in all: a small matrix then streams
-/// from L2 (Qwen3-0.6B shape: one launch's weights are 4-13 MB). Otherwise only the first pass (two k-blocks of
-/// 64 per warp): a larger prefetch would evict itself before it is read (Qwen3-8B shape: 17% slower).
-/// `DFLASH_GEMM_PREFETCH=first` keeps the first pass everywhere (for side-by-side measurements).
-fn prefetch_columns(dev: &CudaDevice, k: usize, blocks: usize, rows_per_block: usize) -> usize {
-    static FIRST: OnceLock<bool> = OnceLock::new();
-    let first_only = *FIRST.get_or_init(|| std::env::var("DFLASH_GEMM_PREFETCH").is_ok_and(|v| v.trim() == "first"));
+/// Whether the weight slices of the [`gemm_bf16_small`] blocks that can be resident at once (two per SM) take at
+/// most half the L2 in all: such a matrix (Qwen3-0.6B shape: one launch's weights are 4-13 MB) is prefetched whole
+/// and read from L2; a larger one streams from DRAM.
+fn fits_l2(dev: &CudaDevice, k: usize, blocks: usize, rows_per_block: usize) -> bool {
     let info = dev.info();
     let resident = blocks.min(2 * info.multiprocessors.max(1) as usize);
-    let slice_bytes = rows_per_block * k * std::mem::size_of::<bf16>();
-    if !first_only && resident * slice_bytes <= info.l2_bytes / 2 {
+    resident * rows_per_block * k * std::mem::size_of::<bf16>() <= info.l2_bytes / 2
+}
+
+/// Weight columns each [`gemm_bf16_small`] block pulls into L2 before the kernel ahead of it has finished (with
+/// programmatic dependent launch its blocks are resident early, while that kernel drains): all of them for a matrix
+/// that [`fits_l2`], else the first pass (two k-blocks of 64 per warp; a whole larger slice would evict itself
+/// before it is read: the Qwen3-8B shape went 17% slower). `DFLASH_GEMM_PREFETCH=first` keeps the first pass
+/// everywhere (for side-by-side measurements; the loads stay as [`fits_l2`] says).
+fn prefetch_columns(k: usize, fits_l2: bool) -> usize {
+    static FIRST: OnceLock<bool> = OnceLock::new();
+    let first_only = *FIRST.get_or_init(|| std::env::var("DFLASH_GEMM_PREFETCH").is_ok_and(|v| v.trim() == "first"));
+    if fits_l2 && !first_only {
         k
     } else {
         k.min(2 * 8 * 64)
