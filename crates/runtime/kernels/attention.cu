@@ -145,6 +145,7 @@ static_assert(sizeof(RopeFold) == 104, "RopeFoldArg in ops/attention.rs has this
 // of the block's width. A row's result depends only on its own splits, in split order. Memory: the partial
 // states once (splits x head_dim x 4 bytes per row and head), spread over tiles x heads blocks.
 #define MERGE_THREADS 256
+#define MERGE_PRELOAD 16 // partial accumulators of the first splits loaded beside the maxima (one round trip)
 extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
     attn_merge_splits(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                       const u32* __restrict__ row_keys, const u32* __restrict__ tiles, float* __restrict__ out,
@@ -152,14 +153,25 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
     __shared__ float w_s[MERGE_THREADS], l_s[MERGE_THREADS], scratch[32];
     const u32* tile = tiles + 4 * blockIdx.x;  // the step's inputs: read while the attention finishes
     const u32 seq = tile[0], row0 = tile[1], nrows = tile[2], part0 = tile[3];
+    // Tiles paged_attention skips are skipped; the first row's key count is a step input too.
+    const bool skip = nrows == 0 || seq >= num_seqs || row0 >= num_rows || nrows > num_rows - row0;
+    const u32 first_keys = skip ? 0u : row_keys[row0];
     DF_GRID_DEPENDENCY();
-    if (nrows == 0 || seq >= num_seqs || row0 >= num_rows || nrows > num_rows - row0) return;  // as paged_attention
+    if (skip) return;
     const u32 head = blockIdx.y, D = head_dim, t = threadIdx.x;
     for (u32 r = 0; r < nrows; ++r) {
         const u64 item0 = ((u64)(part0 + r) * num_heads + head) * max_splits;
-        const u32 splits = min(max_splits, (row_keys[row0 + r] + split_keys - 1) / split_keys);
-        float mx = DF_NEG_INF;
-        for (u32 s = t; s < splits; s += MERGE_THREADS) mx = fmaxf(mx, part_ml[2 * (item0 + s)]);
+        const u32 splits = min(max_splits, ((r == 0 ? first_keys : row_keys[row0 + r]) + split_keys - 1) / split_keys);
+        // One round trip for what the first chunk needs: thread t's split state (m, l) and, for its dim, the first
+        // splits' accumulators; the rest of a long row's states are read as before.
+        float2 ml = make_float2(DF_NEG_INF, 0.0f);
+        if (t < splits) ml = *reinterpret_cast<const float2*>(part_ml + 2 * (item0 + t));
+        const u32 n0 = min(MERGE_THREADS, splits);
+        float a_pre[MERGE_PRELOAD];
+#pragma unroll
+        for (u32 j = 0; j < MERGE_PRELOAD; ++j) a_pre[j] = t < D && j < n0 ? part_acc[(item0 + j) * D + t] : 0.0f;
+        float mx = ml.x;
+        for (u32 s = t + MERGE_THREADS; s < splits; s += MERGE_THREADS) mx = fmaxf(mx, part_ml[2 * (item0 + s)]);
         // Block max (exact in any order); scratch is reused by the next row only after the chunk barriers.
         mx = warp_max(mx);
         if ((t & 31u) == 0) scratch[t >> 5] = mx;
@@ -172,18 +184,29 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
             const u32 s = c + t;
             float w = 0.0f, l = 0.0f;
             if (s < splits) {
-                const float ms = part_ml[2 * (item0 + s)];
-                w = (ms == DF_NEG_INF || mx == DF_NEG_INF) ? 0.0f : expf(ms - mx);
-                l = part_ml[2 * (item0 + s) + 1];
+                const float2 v = c == 0 ? ml : *reinterpret_cast<const float2*>(part_ml + 2 * (item0 + s));
+                w = (v.x == DF_NEG_INF || mx == DF_NEG_INF) ? 0.0f : expf(v.x - mx);
+                l = v.y;
             }
             w_s[t] = w;
             l_s[t] = l;
             __syncthreads();
             const u32 n = min(MERGE_THREADS, splits - c);
             if (t < D) {
+                u32 j = 0;
+                if (c == 0) {
+#pragma unroll
+                    for (u32 q = 0; q < MERGE_PRELOAD; ++q) {
+                        if (q < n) {
+                            sum = fmaf(w_s[q], l_s[q], sum);
+                            acc = fmaf(w_s[q], a_pre[q], acc);
+                        }
+                    }
+                    j = min(n, (u32)MERGE_PRELOAD);
+                }
                 const float* a = part_acc + (item0 + c) * D + t;
 #pragma unroll 8
-                for (u32 j = 0; j < n; ++j) {
+                for (; j < n; ++j) {
                     sum = fmaf(w_s[j], l_s[j], sum);
                     acc = fmaf(w_s[j], a[(u64)j * D], acc);
                 }
@@ -210,15 +233,23 @@ __device__ __forceinline__ void attention_rope_rows(const RopeFold& rf, u32 row0
         rope_head(src, qs + v * D, qs + v * D, rf.q_norm, rf.eps, D, rf.positions[row], rf.cos_tab, rf.sin_tab,
                   rf.half, rf.max_pos, rf.interleaved);
     }
-    for (u32 r = warp; r < srows; r += ATTN_WARPS) {
+    // New keys from the last warp down, so that a decode tile's q heads (the first warps) and its key are made at
+    // once; the V row is loaded beside the K row, not after its rotation.
+    for (u32 r = ATTN_WARPS - 1u - warp; r < srows; r += ATTN_WARPS) {
         const u32 row = srow0 + r, key = tkey[r];
         if (key < k_begin || key >= k_end) continue;  // another split's key (uniform per warp)
         const float* src = rf.qkv + (u64)row * rf.qkv_ld + (u64)(num_heads + kvh) * D;
         float *nk = new_k + r * D, *nv = new_v + r * D;
+        const float* vsrc = src + (u64)kv_heads * D;
+        float vr[ROPE_KV_MAX_DIM / 32];
+#pragma unroll
+        for (u32 j = 0; j < ROPE_KV_MAX_DIM / 32; ++j) vr[j] = lane + 32u * j < D ? vsrc[lane + 32u * j] : 0.0f;
         rope_head(src, nk, nk, rf.k_norm, rf.eps, D, rf.positions[row], rf.cos_tab, rf.sin_tab, rf.half, rf.max_pos,
                   rf.interleaved);
-        const float* vsrc = src + (u64)kv_heads * D;
-        for (u32 d = lane; d < D; d += 32) nv[d] = vsrc[d];
+#pragma unroll
+        for (u32 j = 0; j < ROPE_KV_MAX_DIM / 32; ++j) {
+            if (lane + 32u * j < D) nv[lane + 32u * j] = vr[j];
+        }
         __syncwarp();
         const u64 slot = rf.slots[row];
         // Another tile's row is written by that tile's blocks; past the cache, as rope_kv_write, by none.

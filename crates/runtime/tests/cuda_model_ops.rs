@@ -352,10 +352,16 @@ fn attention_with_rope_folded_in_equals_rope_kv_write_then_attention() {
         // sequences of 8 rows.
         (AttnCase { seqs: vec![(70, 1, 0), (5, 1, 0), (121, 8, 0)], nh: 16, kvh: 8, d: 128, ps: 16 }, 128, true, 2),
         // Qwen3-8B's grouping (4 rows per tile): verifies of 4, 8 and 16 rows (2 and 4 tiles, keys of one tile in
-        // another's split), one across a split boundary, odd pages, no head norm, a padded sequence of 16 rows
-        // over 4 pages of 5.
+        // another's split), one across a split boundary, a verify of 2 rows over 35 splits, odd pages, no head
+        // norm, a padded sequence of 16 rows over 4 pages of 5.
         (
-            AttnCase { seqs: vec![(30, 4, 0), (0, 1, 0), (57, 8, 0), (100, 16, 0)], nh: 32, kvh: 8, d: 128, ps: 5 },
+            AttnCase {
+                seqs: vec![(30, 4, 0), (0, 1, 0), (57, 8, 0), (100, 16, 0), (1100, 2, 0)],
+                nh: 32,
+                kvh: 8,
+                d: 128,
+                ps: 5,
+            },
             128,
             false,
             1,
@@ -370,7 +376,7 @@ fn attention_with_rope_folded_in_equals_rope_kv_write_then_attention() {
         case.seqs.extend(std::iter::repeat_n((0, pad_rows, 0), pads));
         let (nh, kvh, d, ps) = (case.nh, case.kvh, case.d, case.ps);
         let table = RopeTable::new(rot, 10_000.0, &RopeScaling::None, RopeStyle::Neox).expect("table");
-        let rope = CudaRopeTable::new(dev, &table, 512).expect("rope table");
+        let rope = CudaRopeTable::new(dev, &table, 2048).expect("rope table");
         let (qw, kw) = (nh * d, kvh * d);
         let qkv_ld = qw + 2 * kw + 3;
         // Shuffled pages, the last one spare; row j of a real sequence at context c is key (and position) c + j,
