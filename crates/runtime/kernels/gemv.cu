@@ -201,7 +201,14 @@ DF_GEMM_F32_ROWS(32)
 // its k-blocks in turn; then the block's 8 warps in order), which no cuBLAS call promises. So a decode row
 // and the same row inside a verify of 16 give the same bits, and speculation stays lossless on bf16 weights.
 //
-// Block: 8 warps on 16 output columns (with SwiGLU, also their 16 up rows at col + n_out). Warp w takes the
+// Block: 8 warps on 16 output columns (with SwiGLU, also their 16 up rows at col + n_out). HALF (SwiGLU, one row
+// tile, a matrix streamed from DRAM): 8 output columns, their gate rows as the mma's rows 0..7 and their up rows as
+// rows 8..15, so a lane holds the gate and up sums of one output: 16 weight rows per block, as without SwiGLU (the
+// Qwen3-8B shape's gate/up streamed at 3.4 TB/s in blocks of 32 rows where blocks of 16 reach 3.8-4.3). Each output
+// sums the same products in the same k-order through the same mma either way, only its row in the mma differs, and
+// the tensor core's sum of an element does not depend on its row: a decode row (HALF) and the same row in a verify
+// (two tiles or more: 16 columns, half the blocks, so the activations are read half as often) agree bit for bit
+// (the solo-vs-batch test checks it on the device). Warp w takes the
 // 64-wide k-blocks w, w + 8, w + 16, ...; lane (g = lane / 4, t = lane % 4) loads weight rows g and g + 8 at
 // [kb + 8t, +8) and [kb + 32 + 8t, +8) (two 16-byte loads per row, full 32-byte sectors per instruction), and
 // the activation row g of each tile at the same columns. Each mma step s = 0..3 takes words 2s and 2s + 1 of
@@ -307,20 +314,22 @@ __device__ __forceinline__ void tc_load_x(const float* const* xrows, const float
     }
 }
 
-// acc[p][tile][4]: p = 0 the weight rows col0.., p = 1 the up rows (SwiGLU only).
-template <int T, bool SWIGLU, bool NORM, bool STREAM>
+// acc[p][tile][4]: p = 0 the weight rows col0.., p = 1 the up rows (SwiGLU only); HALF: p = 0 only, the gate rows
+// col0.. and then their up rows.
+template <int T, bool SWIGLU, bool NORM, bool STREAM, bool HALF>
 __device__ __forceinline__ void tc_block_mma(const bf16_t* __restrict__ w, const float* __restrict__ x,
                                              const float* __restrict__ nw, u32 n_out, u32 k, u32 m, u32 col0,
                                              float (*acc)[T][4]) {
+    constexpr int P = SWIGLU && !HALF ? 2 : 1;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3u;
     const bf16_t* rows[2][2];
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const u32 col = col0 + g + 8u * h;
-            const bool live = col < n_out && (p == 0 || SWIGLU);
-            rows[p][h] = live ? w + ((u64)col + (p ? n_out : 0u)) * k : nullptr;
+            const u32 col = HALF ? col0 + g : col0 + g + 8u * h;
+            const bool live = col < n_out && p < P;
+            rows[p][h] = live ? w + ((u64)col + ((HALF ? h : p) ? n_out : 0u)) * k : nullptr;
         }
     }
     const float* xrows[T];
@@ -339,7 +348,7 @@ __device__ __forceinline__ void tc_block_mma(const bf16_t* __restrict__ w, const
         for (int u = 0; u < U; ++u) {
             const u32 kbu = kb + u * TC_WARPS * TC_KB;
 #pragma unroll
-            for (int p = 0; p < (SWIGLU ? 2 : 1); ++p) {
+            for (int p = 0; p < P; ++p) {
                 tc_load_w<STREAM>(rows[p][0], k, kbu, t, wd[u][p][0]);
                 tc_load_w<STREAM>(rows[p][1], k, kbu, t, wd[u][p][1]);
             }
@@ -350,7 +359,7 @@ __device__ __forceinline__ void tc_block_mma(const bf16_t* __restrict__ w, const
 #pragma unroll
             for (int s = 0; s < 4; ++s) {
 #pragma unroll
-                for (int p = 0; p < (SWIGLU ? 2 : 1); ++p) {
+                for (int p = 0; p < P; ++p) {
 #pragma unroll
                     for (int i = 0; i < T; ++i) {
                         mma_bf16_16816(acc[p][i], wd[u][p][0][2 * s], wd[u][p][1][2 * s], wd[u][p][0][2 * s + 1],
@@ -375,11 +384,12 @@ __device__ __forceinline__ void tc_row_inv_rms(const float* __restrict__ ss_in, 
     }
 }
 
-// Warp 0's stores of tile i (accumulator e: output column col0 + g (+ 8 for e >= 2), activation row
+// Warp 0's stores of tile i (accumulator e: output column col0 + g (+ 8 for e >= 2; `half`: none), activation row
 // 8i + 2t (+ 1 for odd e)), and with ss_out each row's sum of squares of its 16 new values: the lane's two
 // columns, then the 8 lanes of the row in a fixed butterfly.
 __device__ __forceinline__ void tc_store_tile(const float* v, u32 i, u32 col0, u32 n_out, u32 m,
-                                              float* __restrict__ y, u32 y_ld, u32 epi, float* __restrict__ ss_out) {
+                                              float* __restrict__ y, u32 y_ld, u32 epi, float* __restrict__ ss_out,
+                                              bool half) {
     const u32 lane = threadIdx.x & 31u, g = lane >> 2, t = lane & 3u;
     float nv[4];
 #pragma unroll
@@ -387,7 +397,7 @@ __device__ __forceinline__ void tc_store_tile(const float* v, u32 i, u32 col0, u
         const u32 col = col0 + g + 8u * (e >> 1);
         const u32 r = 8u * i + 2u * t + (e & 1);
         nv[e] = 0.0f;
-        if (col >= n_out || r >= m) continue;
+        if (col >= n_out || r >= m || (half && e >= 2)) continue;  // HALF: 8 columns, in v[0..1]
         float* dst = y + (u64)r * y_ld + col;
         nv[e] = epi == EPI_ADD ? __fadd_rn(*dst, v[e]) : v[e];
         *dst = nv[e];
@@ -412,17 +422,17 @@ struct TcSmem {
     float inv[8 * T];
 };
 
-template <int T, bool SWIGLU, bool NORM, bool STREAM>
+template <int T, bool SWIGLU, bool NORM, bool STREAM, bool HALF>
 __device__ __forceinline__ void gemm_bf16_small(const bf16_t* __restrict__ w, const float* __restrict__ x,
                                                 float* __restrict__ y, u32 n_out, u32 k, u32 m, u32 y_ld,
                                                 u32 epi, const float* __restrict__ norm_w,
                                                 const float* __restrict__ ss_in, float* __restrict__ ss_out,
                                                 float eps, TcSmem<T>* smem) {
-    constexpr int P = SWIGLU ? 2 : 1;
+    constexpr int P = SWIGLU && !HALF ? 2 : 1;
     float(*part)[P * T * 4][32] = reinterpret_cast<float(*)[P * T * 4][32]>(smem->part);
     float* inv = smem->inv;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    const u32 col0 = blockIdx.x * 16u;
+    const u32 col0 = blockIdx.x * (HALF ? 8u : 16u);
     float acc[2][T][4];
 #pragma unroll
     for (int p = 0; p < 2; ++p)
@@ -430,7 +440,7 @@ __device__ __forceinline__ void gemm_bf16_small(const bf16_t* __restrict__ w, co
         for (int i = 0; i < T; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[p][i][e] = 0.0f;
-    tc_block_mma<T, SWIGLU, NORM, STREAM>(w, x, norm_w, n_out, k, m, col0, acc);
+    tc_block_mma<T, SWIGLU, NORM, STREAM, HALF>(w, x, norm_w, n_out, k, m, col0, acc);
     if (NORM) tc_row_inv_rms<T>(ss_in, k, m, eps, inv);
     // The warps' partial sums, added in warp order by warp 0.
     if (warp > 0) {
@@ -459,22 +469,26 @@ __device__ __forceinline__ void gemm_bf16_small(const bf16_t* __restrict__ w, co
             const u32 r = 8u * i + 2u * (lane & 3u) + (e & 1);
             const float s = NORM && r < m ? inv[r] : 1.0f;
             v[e] = NORM ? __fmul_rn(acc[0][i][e], s) : acc[0][i][e];
-            if (SWIGLU) v[e] = swiglu_value(v[e], NORM ? __fmul_rn(acc[1][i][e], s) : acc[1][i][e]);
+            if (SWIGLU && !HALF) v[e] = swiglu_value(v[e], NORM ? __fmul_rn(acc[1][i][e], s) : acc[1][i][e]);
         }
-        tc_store_tile(v, i, col0, n_out, m, y, y_ld, epi, ss_out);
+        if (HALF) {  // the gate sums (mma rows g) with the up sums of the same outputs (rows g + 8)
+            v[0] = swiglu_value(v[0], v[2]);
+            v[1] = swiglu_value(v[1], v[3]);
+        }
+        tc_store_tile(v, i, col0, n_out, m, y, y_ld, epi, ss_out, HALF);
     }
 }
 
 // Before the grid dependency wait: start pulling the first pf_k columns of this block's 16 weight rows (32 with
-// SwiGLU) into L2: the host passes its first pass (k-blocks 0..15), or all of k for a matrix whose resident blocks
-// fit the L2. No kernel writes weights, so they may be read while the kernel before this one (launched with PDL) is
-// still finishing; the loads after the wait then hit L2 instead of waiting on DRAM.
+// SwiGLU unless `half`) into L2: the host passes its first pass (k-blocks 0..15), or all of k for a matrix whose
+// resident blocks fit the L2. No kernel writes weights, so they may be read while the kernel before this one
+// (launched with PDL) is still finishing; the loads after the wait then hit L2 instead of waiting on DRAM.
 __device__ __forceinline__ void tc_prefetch_weights(const bf16_t* __restrict__ w, u32 n_out, u32 k, u32 epi,
-                                                    u32 pf_k) {
+                                                    u32 pf_k, bool half) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const u32 parts = epi == EPI_SWIGLU ? 2u : 1u;
+    const u32 parts = epi == EPI_SWIGLU && !half ? 2u : 1u, cols = half ? 8u : 16u;  // HALF: 8 gate + 8 up rows
     if (threadIdx.x >= parts * 16u) return;
-    const u32 p = threadIdx.x / 16u, col = blockIdx.x * 16u + threadIdx.x % 16u;
+    const u32 p = threadIdx.x / cols, col = blockIdx.x * cols + threadIdx.x % cols;
     if (col >= n_out || pf_k == 0) return;
     const u32 bytes = min(k, pf_k) * 2u;  // k % 8 == 0 and pf_k % 8 == 0: a multiple of 16 bytes
     const bf16_t* row = w + ((u64)col + (p ? n_out : 0u)) * k;
@@ -490,14 +504,15 @@ __device__ __forceinline__ void tc_prefetch_weights(const bf16_t* __restrict__ w
              u32 m, u32 y_ld, u32 epi, const float* __restrict__ norm_w, const float* __restrict__ ss_in,        \
              float* __restrict__ ss_out, float eps, u32 pf_k) {                                                 \
         __shared__ TcSmem<T> smem;                                                                              \
-        tc_prefetch_weights(w, n_out, k, epi, pf_k);                                                            \
+        constexpr bool HALF = STREAM && T == 1; /* with SwiGLU: 8 columns per block (see ops/fused.rs) */     \
+        tc_prefetch_weights(w, n_out, k, epi, pf_k, HALF && epi == EPI_SWIGLU);                                 \
         DF_GRID_DEPENDENCY();                                                                                   \
         if (epi == EPI_SWIGLU) {                                                                                \
-            gemm_bf16_small<T, true, NORM, STREAM>(w, x, y, n_out, k, m, y_ld, epi, norm_w, ss_in, ss_out, eps,   \
-                                                   &smem);                                                      \
+            gemm_bf16_small<T, true, NORM, STREAM, HALF>(w, x, y, n_out, k, m, y_ld, epi, norm_w, ss_in, ss_out,  \
+                                                         eps, &smem);                                           \
         } else {                                                                                                \
-            gemm_bf16_small<T, false, NORM, STREAM>(w, x, y, n_out, k, m, y_ld, epi, norm_w, ss_in, ss_out, eps,  \
-                                                    &smem);                                                     \
+            gemm_bf16_small<T, false, NORM, STREAM, false>(w, x, y, n_out, k, m, y_ld, epi, norm_w, ss_in,        \
+                                                           ss_out, eps, &smem);                                 \
         }                                                                                                       \
     }
 

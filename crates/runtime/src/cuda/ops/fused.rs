@@ -340,10 +340,14 @@ pub fn gemm_bf16_small<'a>(
     };
     let ss_out = norm.sum_sq_out.map_or(null, |s| s.device_ptr());
     let tile = SMALL_GEMM_TILES.iter().position(|&t| 8 * t >= m).unwrap_or(SMALL_GEMM_TILES.len() - 1);
-    let grid = dim(n_out.div_ceil(SMALL_GEMM_COLS_PER_BLOCK as usize), "blocks")?;
+    let cols = SMALL_GEMM_COLS_PER_BLOCK as usize;
     let (n, k32, m32, ld, code) = (dim(n_out, "n")?, dim(k, "k")?, dim(m, "m")?, dim(y_ld, "ld")?, epi.code());
-    let rows_per_block = SMALL_GEMM_COLS_PER_BLOCK as usize * if epi == Epilogue::Swiglu { 2 } else { 1 };
-    let fits = fits_l2(dev, k, grid as usize, rows_per_block);
+    let rows_per_block = cols * if epi == Epilogue::Swiglu { 2 } else { 1 };
+    let fits = fits_l2(dev, k, n_out.div_ceil(cols), rows_per_block);
+    // One row tile through a matrix streamed from DRAM with SwiGLU: blocks of 8 columns (their 8 gate and 8 up rows,
+    // gemv.cu's HALF), as the `_stream` one-tile kernels do.
+    let half = epi == Epilogue::Swiglu && !fits && tile == 0;
+    let grid = dim(n_out.div_ceil(if half { cols / 2 } else { cols }), "blocks")?;
     // A matrix whose resident blocks fit the L2 loads plainly; one streamed from DRAM takes the `_stream` kernels.
     let kernels = if norm.fold.is_some() { &dev.kernels.gemm_bf16_small_norm } else { &dev.kernels.gemm_bf16_small };
     let mut launch = dev.launch_builder(&kernels[usize::from(!fits)][tile]);
