@@ -7,7 +7,7 @@ use std::time::Instant;
 use dflash_models::tokenizer::Tokenizer;
 use dflash_models::{KvCache, LlamaModel};
 
-mod round_costs;
+pub(crate) mod round_costs;
 mod step;
 
 use crate::metrics::{EngineMetrics, Gauges};

@@ -178,7 +178,7 @@ impl Engine {
 }
 
 /// The median of `xs` (sorted in place); 0 when empty.
-fn median(xs: &mut [f64]) -> f64 {
+pub(crate) fn median(xs: &mut [f64]) -> f64 {
     xs.sort_by(f64::total_cmp);
     match xs.len() {
         0 => 0.0,

@@ -83,7 +83,7 @@ impl Proposer for OracleProposer {
 }
 
 /// splitmix64 of the three inputs: a keyed, reproducible 64-bit draw.
-fn mix(seed: u64, position: u64, j: u64) -> u64 {
+pub(crate) fn mix(seed: u64, position: u64, j: u64) -> u64 {
     let mut z = seed ^ position.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ j.wrapping_mul(0xD1B5_4A32_D192_ED03);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -91,7 +91,7 @@ fn mix(seed: u64, position: u64, j: u64) -> u64 {
 }
 
 /// The top 24 bits of `h` as a uniform in [0, 1).
-fn unit(h: u64) -> f32 {
+pub(crate) fn unit(h: u64) -> f32 {
     (h >> 40) as f32 / (1u64 << 24) as f32
 }
 

@@ -38,12 +38,7 @@ fn pooled_decode_tok_s(runs: &[&RunResult]) -> f64 {
 
 impl RunResult {
     fn decode_tok_s(&self) -> f64 {
-        let tokens = self.usage.completion_tokens.saturating_sub(1) as f64;
-        if self.usage.decode_ms > 0.0 {
-            tokens / self.usage.decode_ms * 1e3
-        } else {
-            0.0
-        }
+        pooled_decode_tok_s(&[self])
     }
 
     fn prefill_tok_s(&self) -> f64 {

@@ -16,6 +16,8 @@
 
 use super::tests::Rng;
 use super::*;
+use crate::engine::round_costs::median;
+use crate::spec::oracle;
 
 /// The table's cells: context (a document of 1K, 8K or 32K tokens and the prompt), prompts per cell (one at 32K,
 /// whose prefill takes 14 s), and the round ladder the engine measured there (PERFORMANCE.md entry 21's build).
@@ -43,26 +45,10 @@ const MAX_TOKENS: usize = 128;
 const DRAFT_MS: f64 = 0.02;
 const MAX_PROMPTS: usize = 4;
 
-/// Whether the oracle's draft `j` of the round at `position` is right, for a prompt keyed `key`: splitmix64 of the
-/// three (as the oracle lane keys its draws) against the acceptance.
+/// Whether the oracle's draft `j` of the round at `position` is right, for a prompt keyed `key`: the oracle lane's
+/// own draw.
 fn draft_right(key: u64, position: usize, j: usize, acceptance: f64) -> bool {
-    let mut z =
-        key ^ (position as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (j as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    let unit = ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64;
-    unit < acceptance
-}
-
-/// The median of `xs` (the mean of the middle two of an even count), as the benchmark's report takes it.
-fn median(xs: &mut [f64]) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    let n = xs.len();
-    if n % 2 == 1 {
-        xs[n / 2]
-    } else {
-        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
-    }
+    oracle::unit(oracle::mix(key, position as u64, j as u64)) < acceptance as f32
 }
 
 /// One engine of a cell: its shared cost table, the real ladder, the timing noise, and what its lanes did.
