@@ -485,6 +485,8 @@ fn tensor_core_prompt_attention_matches_reference_within_bf16_rounding() {
         AttnCase { seqs: vec![(0, 200, 200), (37, 70, 70)], nh: 8, kvh: 2, d: 128, ps: 16 },
         // SmolLM2's heads, odd pages, a chunk shorter than a warp's 16 rows.
         AttnCase { seqs: vec![(0, 130, 130), (10, 5, 5)], nh: 9, kvh: 3, d: 64, ps: 5 },
+        // Three tiles of a chunk after 300 keys (the first copies them all), a warp's rows cut mid-tile.
+        AttnCase { seqs: vec![(300, 333, 333), (0, 40, 40)], nh: 4, kvh: 1, d: 128, ps: 16 },
     ];
     for case in cases {
         let (nh, kvh, d, ps) = (case.nh, case.kvh, case.d, case.ps);
@@ -502,9 +504,11 @@ fn tensor_core_prompt_attention_matches_reference_within_bf16_rounding() {
             .collect();
         let (mut row_keys, mut tiles) = (Vec::new(), Vec::new());
         for (s, &(ctx, rows, _)) in case.seqs.iter().enumerate() {
+            // Each tile copies its keys to bf16 from where the tile before it ended (the plan's tiles).
             for start in (0..rows).step_by(gpu::TC_ATTN_TILE_ROWS) {
                 let n = gpu::TC_ATTN_TILE_ROWS.min(rows - start);
-                tiles.extend([s as u32, (row_keys.len() + start) as u32, n as u32, 0]);
+                let key_lo = if start == 0 { 0 } else { ctx + start };
+                tiles.extend([s as u32, (row_keys.len() + start) as u32, n as u32, key_lo as u32]);
             }
             row_keys.extend((0..rows).map(|j| (ctx + j + 1) as u32));
         }
@@ -533,7 +537,9 @@ fn tensor_core_prompt_attention_matches_reference_within_bf16_rounding() {
             scale: 1.0 / (d as f32).sqrt(),
             split: KeySplit::Whole,
         };
-        gpu::prompt_attention_tc(dev, args).expect("prompt_attention_tc");
+        // The bf16 copy of the keys starts as NaN: a key the tiles fail to copy poisons its rows.
+        let kv_bf16 = dev.upload(&vec![half::bf16::NAN; 2 * cache_len]).expect("bf16 keys");
+        gpu::prompt_attention_tc(dev, args, kv_bf16.view()).expect("prompt_attention_tc");
         let got = dev.download(&out).expect("download");
         let shape = format!("{t} rows, {nh}/{kvh} heads of {d}");
         // q, k, v and the softmax weights rounded to bf16: a few 1e-3 on outputs of size 1.

@@ -79,6 +79,9 @@ pub(super) struct Workspace {
     pub ids: DeviceBuf<u32>,       // [L]
     pub argmax: ArgmaxScratch,
     pub attn_parts: AttentionScratch,
+    /// `[2, slots, kv_heads, head_dim]`: one layer's K and V in bf16 for the tensor-core prompt attention (the
+    /// keys its tiles attend, rewritten every layer); one element when prompts take the f32 kernel.
+    pub kv_bf16: DeviceBuf<bf16>,
     pub captured: DeviceBuf<f32>, // [T, taps * hidden]
 }
 
@@ -160,6 +163,7 @@ impl CudaLlamaModel {
             ids: dev.alloc_zeros(l)?,
             argmax: ArgmaxScratch::new(dev, l, c.vocab_size)?,
             attn_parts: AttentionScratch::new(dev, cfg.max_decode_rows.max(1), c.num_heads, c.head_dim, splits)?,
+            kv_bf16: dev.alloc_zeros(if self.tile_rows().tensor_core_prompt { 2 * layer_len } else { 1 })?,
             captured: dev.alloc_zeros((t * taps * h).max(1))?,
         };
         if dense {

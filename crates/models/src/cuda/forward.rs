@@ -267,7 +267,7 @@ pub(super) fn attend<'a>(
     if lay.prompt_tiles > 0 {
         let a = args(input(lay.prompt_tiles())?, p.max_prompt_tile_rows, KeySplit::Whole);
         if p.tensor_core_prompt {
-            prompt_attention_tc(dev, a)?;
+            prompt_attention_tc(dev, a, ws.kv_bf16.view())?;
         } else {
             paged_attention(dev, a, &ws.attn_parts)?;
         }

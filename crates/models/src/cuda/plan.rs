@@ -309,7 +309,8 @@ struct Builder {
 }
 
 impl Builder {
-    /// Tiles of at most `tile_rows` rows over rows `first .. first + rows` of sequence `seq`.
+    /// Tiles of at most `tile_rows` rows over rows `first .. first + rows` of sequence `seq` (prompt rows come first in
+    /// a sequence: its first prompt tile starts at key 0).
     fn tiles(&mut self, seq: usize, first: usize, rows: usize, tile_rows: usize, decode: bool) {
         if decode {
             self.max_decode_seq_rows = self.max_decode_seq_rows.max(rows);
@@ -323,7 +324,10 @@ impl Builder {
                 self.max_decode_tile_rows = self.max_decode_tile_rows.max(n);
                 self.max_decode_keys = self.max_decode_keys.max(self.row_keys[start + n - 1] as usize);
             } else {
-                self.prompt_tiles.extend([seq as u32, start as u32, n as u32, 0]);
+                // The first key the tile copies to bf16 for the tensor-core attention: where the tile before
+                // it ends (its rows attend the keys before too, copied by the tiles before).
+                let key_lo = if start == first { 0 } else { self.row_keys[start - 1] };
+                self.prompt_tiles.extend([seq as u32, start as u32, n as u32, key_lo]);
                 self.max_prompt_tile_rows = self.max_prompt_tile_rows.max(n);
             }
             start += n;
@@ -366,6 +370,13 @@ mod tests {
         assert_eq!(p.decode_splits, 1);
         assert_eq!(host.len(), l.len());
         assert_eq!(p.max_decode_seq_rows, 2, "sequence a's decode rows");
+        // A 5-row prompt chunk after 5 keys in tiles of 2: each tile copies the keys from where the one before
+        // ended, the first from key 0.
+        let seqs = [SeqRows { num_rows: 5, context_len: 5, block_table: &table_a, prompt_len: 10 }];
+        let batch =
+            ForwardBatch { tokens: &tokens, positions: &positions, seqs: &seqs, slots: &slots, logit_rows: &[4] };
+        let p = plan(&batch, None, &cfg(), TileRows { prompt: 2, decode: 2, tensor_core_prompt: true }, &mut host);
+        assert_eq!(&host[p.layout.prompt_tiles()], &[0, 0, 2, 0, 0, 2, 2, 7, 0, 4, 1, 9]);
     }
 
     #[test]

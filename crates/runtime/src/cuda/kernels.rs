@@ -113,7 +113,8 @@ pub(crate) struct Kernels {
     pub paged_attention_rope: CudaFunction,
     pub paged_attention_rope_d256: CudaFunction,
     pub attn_merge_splits: CudaFunction,
-    /// Prompt attention on the tensor cores, head_dim 64 and 128.
+    /// Prompt attention on the tensor cores, head_dim 64 and 128, and the bf16 copy of the keys it reads.
+    pub kv_to_bf16: CudaFunction,
     pub prompt_attention_tc_d64: CudaFunction,
     pub prompt_attention_tc_d128: CudaFunction,
     pub gather_rms_norm: CudaFunction,
@@ -215,6 +216,7 @@ impl Kernels {
             paged_attention_rope: big_smem("paged_attention_rope")?,
             paged_attention_rope_d256: big_smem("paged_attention_rope_d256")?,
             attn_merge_splits: get("attn_merge_splits")?,
+            kv_to_bf16: get("kv_to_bf16")?,
             prompt_attention_tc_d64: big_smem("prompt_attention_tc_d64")?,
             prompt_attention_tc_d128: big_smem("prompt_attention_tc_d128")?,
             gather_rms_norm: get("gather_rms_norm")?,

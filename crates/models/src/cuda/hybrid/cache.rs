@@ -128,6 +128,7 @@ impl CudaHybridModel {
                 b.head_dim,
                 max_splits(cfg.max_seq_len),
             )?,
+            kv_bf16: dev.alloc_zeros(1)?, // prompts take the f32 kernel (tile_rows)
             captured: dev.alloc_zeros((t * self.capture_layers.len() * h).max(1))?,
         };
         let alloc = |n: usize| dev.alloc_zeros::<f32>(n.max(1));

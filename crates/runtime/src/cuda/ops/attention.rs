@@ -5,6 +5,7 @@
 //! is read from device memory, so a step is capturable into a CUDA graph.
 
 use cudarc::driver::{DeviceRepr, LaunchConfig};
+use half::bf16;
 
 use super::{dim, launch_err, shape_err};
 use crate::cuda::device::{CudaDevice, DeviceBuf};
@@ -498,10 +499,12 @@ fn launch_paged_attention(
     Ok(())
 }
 
-/// Rows per tile of [`prompt_attention_tc`] (`TC_ATT_ROWS`: 16 per warp).
+/// Rows per tile of [`prompt_attention_tc`] (`TC_ATT_ROWS`: 4 warps of 32 rows).
 pub const TC_ATTN_TILE_ROWS: usize = 128;
 /// Keys per shared-memory block of [`prompt_attention_tc`] (`TC_ATT_KB`).
 const TC_ATTN_KEY_BLOCK: usize = 64;
+/// Blocks per tile of the bf16 key copy (`kv_to_bf16`'s grid y): a prompt's tiles alone would leave most SMs idle.
+const TC_KV_COPY_SPLIT: usize = 8;
 
 /// Whether [`prompt_attention_tc`] takes heads of `head_dim`.
 pub fn tc_prompt_attention_fits(head_dim: usize) -> bool {
@@ -509,33 +512,74 @@ pub fn tc_prompt_attention_fits(head_dim: usize) -> bool {
 }
 
 /// Prompt-row attention ([`KeySplit::Whole`]) on the tensor cores: q, k and v rounded to bf16, f32
-/// accumulation (attention_tc.cu); grid (tiles, heads), tiles of up to [`TC_ATTN_TILE_ROWS`] rows. Within a few
-/// 1e-3 of the f32 kernel on outputs of size 1: for models whose weights are bf16 or quantized.
+/// accumulation (attention_tc.cu); tiles of up to [`TC_ATTN_TILE_ROWS`] rows. Within a few 1e-3 of the f32 kernel
+/// on outputs of size 1: for models whose weights are bf16 or quantized.
+///
+/// Two launches: the keys the tiles attend are copied to bf16 into `kv_bf16` (`[2, slots, kv_heads, head_dim]`:
+/// K then V, at the cache's slots), then the attention reads them there. A prompt tile's fourth field is the
+/// first key it copies: the tiles of a sequence, in order, each start where the one before ended (0 for the
+/// first; 0 everywhere is correct too, only slower).
 ///
 /// # Errors
-/// As [`paged_attention`]; a head_dim other than 64 or 128, a split other than `Whole`, tiles of more rows.
-pub fn prompt_attention_tc(dev: &CudaDevice, a: AttentionArgs) -> Result<()> {
+/// As [`paged_attention`]; a head_dim other than 64 or 128, a split other than `Whole`, tiles of more rows, a
+/// `kv_bf16` smaller than both caches.
+pub fn prompt_attention_tc(dev: &CudaDevice, a: AttentionArgs, kv_bf16: DevSlice<bf16>) -> Result<()> {
     let d = a.head_dim;
     if !tc_prompt_attention_fits(d) || !matches!(a.split, KeySplit::Whole) {
         return Err(shape_err(format!("prompt_attention_tc: head_dim {d} (64 or 128), {:?}", a.split)));
     }
     let group = a.num_heads.checked_div(a.kv_heads).unwrap_or(0);
     a.check("prompt_attention_tc", TC_ATTN_TILE_ROWS * group)?;
+    let cache_len = a.k_cache.len();
+    if kv_bf16.len() < 2 * cache_len {
+        return Err(shape_err(format!("prompt_attention_tc: bf16 keys {} < 2 x {cache_len}", kv_bf16.len())));
+    }
+    // The kernel keeps a key's element offset in 32 bits, the two largest values being markers.
+    if cache_len >= u32::MAX as usize - 1 {
+        return Err(shape_err(format!(
+            "prompt_attention_tc: {cache_len} cached elements per layer need 64-bit offsets"
+        )));
+    }
     let (t, tiles) = (a.row_keys.len(), a.tiles.len() / 4);
     if t == 0 || tiles == 0 {
         return Ok(());
     }
     let LaunchDims { num_pages, num_seqs, nh, kvh, ps, stride, rows } = a.launch_dims("prompt_attention_tc")?;
-    let kernel = if d == 64 { &dev.kernels.prompt_attention_tc_d64 } else { &dev.kernels.prompt_attention_tc_d128 };
-    let mut launch = dev.launch_builder(kernel);
-    launch
-        .arg(a.q.arg())
-        .arg(a.k_cache.arg())
+    let (k_bf, v_bf) = (kv_bf16.sub(0, cache_len)?, kv_bf16.sub(cache_len, cache_len)?);
+    let hd = dim(d, "head_dim")?;
+    let mut copy = dev.launch_builder(&dev.kernels.kv_to_bf16);
+    copy.arg(a.k_cache.arg())
         .arg(a.v_cache.arg())
         .arg(a.row_keys.arg())
         .arg(a.tiles.arg())
         .arg(a.tables.arg())
+        .arg(k_bf.arg())
+        .arg(v_bf.arg())
+        .arg(&kvh)
+        .arg(&hd)
+        .arg(&ps)
+        .arg(&stride)
+        .arg(&num_pages)
+        .arg(&num_seqs)
+        .arg(&rows);
+    let split = dim(TC_KV_COPY_SPLIT, "split")?;
+    let cfg = LaunchConfig { grid_dim: (dim(tiles, "tiles")?, split, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match kv_to_bf16's signature; k_bf and v_bf have the caches' lengths, so every slot
+    // the kernel takes from the checked tables lies in both; head_dim is a multiple of 4 (float4 reads).
+    unsafe { copy.launch(cfg) }.map_err(launch_err("kv_to_bf16"))?;
+
+    let kernel = if d == 64 { &dev.kernels.prompt_attention_tc_d64 } else { &dev.kernels.prompt_attention_tc_d128 };
+    let num_tiles = dim(tiles, "tiles")?;
+    let mut launch = dev.launch_builder(kernel);
+    launch
+        .arg(a.q.arg())
+        .arg(k_bf.arg())
+        .arg(v_bf.arg())
+        .arg(a.row_keys.arg())
+        .arg(a.tiles.arg())
+        .arg(a.tables.arg())
         .arg(a.out.arg())
+        .arg(&num_tiles)
         .arg(&nh)
         .arg(&kvh)
         .arg(&ps)
@@ -544,16 +588,16 @@ pub fn prompt_attention_tc(dev: &CudaDevice, a: AttentionArgs) -> Result<()> {
         .arg(&num_pages)
         .arg(&num_seqs)
         .arg(&rows);
-    // f32 staging of a key block's K and V, then its bf16 K and V (rows padded by 8).
-    let kb = TC_ATTN_KEY_BLOCK;
-    let smem = 2 * kb * d * 4 + 2 * kb * (d + 8) * 2;
+    // bf16 Q of the tile, then two stages of a key block's K and V, rows padded by 8.
+    let smem = (TC_ATTN_TILE_ROWS + 4 * TC_ATTN_KEY_BLOCK) * (d + 8) * 2;
     let cfg = LaunchConfig {
-        grid_dim: (dim(tiles, "tiles")?, nh, 1),
-        block_dim: (dim(TC_ATTN_TILE_ROWS / 16 * 32, "threads")?, 1, 1),
+        grid_dim: (dim(tiles * a.num_heads, "tiles x heads")?, 1, 1),
+        block_dim: (128, 1, 1),
         shared_mem_bytes: dim(smem, "shared memory")?,
     };
     // SAFETY: the arguments match the kernel's signature; shapes were checked above; device-side indices
-    // (tiles, pages, key counts) are checked in the kernel, which writes only the rows its tiles name.
+    // (tiles, pages, key counts) are checked in the kernel, which writes only the rows its tiles name and reads
+    // the bf16 keys the launch above wrote for them (same stream).
     unsafe { launch.launch(cfg) }.map_err(launch_err("prompt_attention_tc"))?;
     Ok(())
 }
