@@ -44,6 +44,31 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
     return (bf16_t)(u >> 16);
 }
 
+// A result stored as f32, or rounded to bf16.
+template <typename T>
+__device__ __forceinline__ T from_f32(float v);
+template <>
+__device__ __forceinline__ float from_f32<float>(float v) {
+    return v;
+}
+template <>
+__device__ __forceinline__ bf16_t from_f32<bf16_t>(float v) {
+    return f32_to_bf16(v);
+}
+
+// Four consecutive results at `p` (16-byte aligned for f32, 8-byte for bf16).
+__device__ __forceinline__ void store4(float* p, float a, float b, float c, float d) {
+    *reinterpret_cast<float4*>(p) = make_float4(a, b, c, d);
+}
+__device__ __forceinline__ void store4(bf16_t* p, float a, float b, float c, float d) {
+    const u32 lo = (u32)f32_to_bf16(a) | ((u32)f32_to_bf16(b) << 16);
+    const u32 hi = (u32)f32_to_bf16(c) | ((u32)f32_to_bf16(d) << 16);
+    *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
+}
+
+// Whether `p` may be read or written as 16 bytes at once.
+__device__ __forceinline__ bool aligned16(const void* p) { return ((u64)p & 15u) == 0; }
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {

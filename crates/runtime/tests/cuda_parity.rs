@@ -5,8 +5,9 @@
 //! GPU. On a GPU machine run the test binary with `--test-threads=1` for a tidy table (docs/CUDA.md).
 //!
 //! Tolerances (`err` is |gpu − cpu|):
-//! * exact (0): gathers, bf16 rounding, RoPE (the cos/sin table holds the CPU's values and the kernel
-//!   rounds each product like the CPU), the residual update, argmax indices;
+//! * exact (0): gathers, bf16 rounding (the bf16 outputs of RMSNorm and SwiGLU against their f32 outputs
+//!   rounded, too), RoPE (the cos/sin table holds the CPU's values and the kernel rounds each product like
+//!   the CPU), the residual update, argmax indices;
 //! * `err <= 1e-5 · max(1, |cpu|)`: RMSNorm, where only the order of the sum of squares differs (the CPU
 //!   op's own test allows 1e-5 against f64);
 //! * `2e-5 · max(1, |cpu|)`: SwiGLU, whose CPU `exp` is a polynomial within 1e-5 of f64 and whose CUDA
@@ -82,6 +83,13 @@ fn bit_mismatches(got: &[f32], want: &[f32]) -> f64 {
     got.iter().zip(want).filter(|(g, w)| g.to_bits() != w.to_bits()).count() as f64
 }
 
+/// Elements of a kernel's bf16 output that differ from its f32 output `f32_out` rounded to bf16 (the bf16 variants
+/// of the norm and SwiGLU store that rounding, the cuBLAS operand).
+fn bf16_cast_mismatches(dev: &CudaDevice, got: &DeviceBuf<bf16>, f32_out: &[f32]) -> f64 {
+    let got = dev.download(got).expect("download bf16");
+    got.iter().zip(f32_out).filter(|(g, &w)| g.to_bits() != bf16::from_f32(w).to_bits()).count() as f64
+}
+
 fn bf16_vec(v: &[f32]) -> Vec<bf16> {
     v.iter().map(|&x| bf16::from_f32(x)).collect()
 }
@@ -142,6 +150,9 @@ fn rms_norm_matches_cpu() {
         gpu::rms_norm(dev, &x_dev, &w_dev, 1e-6, &mut out).expect("rms_norm");
         let got = dev.download(&out).expect("download");
         check("rms_norm", &format!("{rows}x{h}"), max_scaled_err(&got, want.as_f32().expect("want")), 1e-5);
+        let mut out_bf16 = dev.upload(&vec![bf16::NAN; rows * h]).expect("out bf16");
+        gpu::rms_norm(dev, &x_dev, &w_dev, 1e-6, &mut out_bf16).expect("rms_norm bf16");
+        check("rms_norm bf16", &format!("{rows}x{h}"), bf16_cast_mismatches(dev, &out_bf16, &got), 0.0);
     }
 }
 
@@ -219,9 +230,13 @@ fn swiglu_matches_cpu() {
         let mut want = f32_tensor(&vec![0.0; rows * inter], &[rows, inter]);
         cpu::swiglu_fused(&f32_tensor(&gate_up, &[rows, 2 * inter]), &mut want).expect("cpu");
         let mut out = poisoned(dev, rows * inter);
-        gpu::swiglu_fused(dev, &dev.upload(&gate_up).expect("gate_up"), &mut out, rows).expect("swiglu");
+        let gate_up_dev = dev.upload(&gate_up).expect("gate_up");
+        gpu::swiglu_fused(dev, &gate_up_dev, &mut out, rows).expect("swiglu");
         let got = dev.download(&out).expect("download");
         check("swiglu_fused", &format!("{rows}x{inter}"), max_scaled_err(&got, want.as_f32().expect("want")), 2e-5);
+        let mut out_bf16 = dev.upload(&vec![bf16::NAN; rows * inter]).expect("out bf16");
+        gpu::swiglu_fused(dev, &gate_up_dev, &mut out_bf16, rows).expect("swiglu bf16");
+        check("swiglu_fused bf16", &format!("{rows}x{inter}"), bf16_cast_mismatches(dev, &out_bf16, &got), 0.0);
     }
 }
 

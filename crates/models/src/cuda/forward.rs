@@ -155,8 +155,8 @@ impl CudaLlamaModel {
         let attn = attend(&self.dev, cache, p, i, (qkv, qkv_w), &self.rope, norms, cfg)?;
         self.linear().matmul(ws, t, MatIn::Plain(attn), &layer.o_proj, add)?;
         let act = ws.act.view().prefix(t * f)?;
-        self.linear().project(ws, t, pre_norm(&layer.ffn_norm, true), &layer.gate_up, MatOut::Swiglu(act))?;
-        self.linear().matmul(ws, t, MatIn::Plain(act), &layer.down, add)
+        let mlp = (&layer.gate_up, &layer.down);
+        self.linear().mlp(ws, t, pre_norm(&layer.ffn_norm, true), mlp, act, add)
     }
 
     /// Whether a step of `t` rows folds the pre-norms into its matmuls: every layer matrix bf16 and small enough

@@ -79,8 +79,9 @@ impl Linear<'_> {
 
     /// One matrix: the fused quantized kernel (prologue norm, epilogue); bf16 weights of up to 32 rows the small
     /// tensor-core matmul with its epilogue, a [`MatIn::Folded`] norm folded into it and the sums of squares of
-    /// [`MatOut::Add`] written by it; otherwise a separate norm kernel, then cuBLAS (after a bf16 cast) for more
-    /// bf16 rows, for f32 weights the warp-per-output kernel up to 32 rows and cuBLAS for more.
+    /// [`MatOut::Add`] written by it; more bf16 rows cuBLAS, its bf16 operand written by the norm kernel (or a
+    /// cast); one row the GEMV after a separate norm; for f32 weights the warp-per-output kernel up to 32 rows and
+    /// cuBLAS for more.
     ///
     /// # Errors
     /// Sums of squares asked of a matmul other than the small bf16 one, shapes the kernels refuse, a launch
@@ -105,6 +106,20 @@ impl Linear<'_> {
             };
             return Ok(mmvq(dev, q, MmvqArgs { x, x_ld: w.k, m, norm, y, y_ld, epi })?);
         }
+        if let DevWeight::Bf16(wb) = &w.w {
+            if cublas_bf16(w, m) {
+                // cuBLAS takes bf16 activations: the norm (or a plain cast) writes them straight into the operand.
+                let xb = ws.x_bf16.view().prefix(m * w.k)?;
+                match input {
+                    MatIn::Plain(x) => gpu::f32_to_bf16(dev, x, xb)?,
+                    MatIn::Normed { x, w: nw } | MatIn::Folded { x, w: nw, .. } => {
+                        gpu::rms_norm(dev, x, nw, self.eps, xb)?
+                    }
+                }
+                return self
+                    .gemm_out(ws, m, w, out, |y, ld, acc| GemmArgs::bf16(wb.view(), w.n, w.k, xb, m, y, ld, acc));
+            }
+        }
         let n_out = if epi == Epilogue::Swiglu { w.n / 2 } else { w.n };
         let (x, fold) = match input {
             MatIn::Plain(x) => (x, None),
@@ -122,16 +137,9 @@ impl Linear<'_> {
                 let norm = SmallGemmNorm { fold, sum_sq_out };
                 Ok(gemm_bf16_small(dev, wb, n_out, x.prefix(m * w.k)?, m, y, y_ld, epi, norm)?)
             }
-            // One row of an odd width: the GEMV (measured faster after a separate norm kernel than with the
-            // norm in every block's prologue: 5.9 against 7.0 ms per Qwen3-8B-shape step).
-            DevWeight::Bf16(wb) if m == 1 => {
-                Ok(gemv_bf16_ep(dev, wb, n_out, x.prefix(w.k)?, None, y.prefix(n_out)?, epi)?)
-            }
-            DevWeight::Bf16(wb) => {
-                let xb = ws.x_bf16.view().prefix(m * w.k)?;
-                gpu::f32_to_bf16(dev, x, xb)?;
-                self.gemm_out(ws, m, w, out, |y, ld, acc| GemmArgs::bf16(wb.view(), w.n, w.k, xb, m, y, ld, acc))
-            }
+            // One row of an odd width (more rows went to cuBLAS above): the GEMV (measured faster after a separate
+            // norm kernel than with the norm in every block's prologue: 5.9 against 7.0 ms per Qwen3-8B-shape step).
+            DevWeight::Bf16(wb) => Ok(gemv_bf16_ep(dev, wb, n_out, x.prefix(w.k)?, None, y.prefix(n_out)?, epi)?),
             // Decode and verify rows of f32 / f16 checkpoints: batch-invariant, as for bf16 above.
             DevWeight::F32(wf) if f32_rows_fit(m) => {
                 Ok(gemm_f32_rows(dev, wf, n_out, x.prefix(m * w.k)?, m, y, y_ld, epi)?)
@@ -141,6 +149,38 @@ impl Linear<'_> {
             }
             DevWeight::Quant(_) => Err(CudaModelError::Unsupported("quantized matrix past the quantized path".into())),
         }
+    }
+
+    /// The MLP: SwiGLU of `gate_up` on `input` into `act` (`[m, gate_up rows / 2]`), then `down` on it into `out`.
+    /// When both matrices go through cuBLAS in bf16, SwiGLU writes the down matmul's bf16 operand itself and `act`
+    /// is left alone (the f32 activations never go to memory).
+    ///
+    /// # Errors
+    /// As [`Linear::project`] and [`Linear::matmul`].
+    pub(super) fn mlp(
+        &self,
+        ws: &Workspace,
+        m: usize,
+        input: MatIn,
+        (gate_up, down): (&DevProjection, &DevMatrix),
+        act: DevSlice<f32>,
+        out: MatOut,
+    ) -> Result<()> {
+        let staged = match (gate_up, &down.w) {
+            (DevProjection::Fused(gu), DevWeight::Bf16(dw)) if cublas_bf16(gu, m) && cublas_bf16(down, m) => {
+                Some((gu, dw))
+            }
+            _ => None,
+        };
+        let Some((gu, down_w)) = staged else {
+            self.project(ws, m, input, gate_up, MatOut::Swiglu(act))?;
+            return self.matmul(ws, m, MatIn::Plain(act), down, out);
+        };
+        let gate_up_out = ws.gate_up.view().prefix(m * gu.n)?;
+        self.matmul(ws, m, input, gu, MatOut::Store { y: gate_up_out, ld: gu.n, col: 0 })?;
+        let xb = ws.x_bf16.view().prefix(m * down.k)?;
+        gpu::swiglu_fused(self.dev, gate_up_out, xb, m)?;
+        self.gemm_out(ws, m, down, out, |y, ld, acc| GemmArgs::bf16(down_w.view(), down.n, down.k, xb, m, y, ld, acc))
     }
 
     /// A cuBLAS matmul into `out`: stored at its columns, accumulated into the residual (beta = 1), or
@@ -164,4 +204,10 @@ impl Linear<'_> {
             }
         }
     }
+}
+
+/// Whether `w`'s matmul of `m` rows goes through cuBLAS in bf16 (bf16 weights, more rows than the batch-invariant
+/// small matmul takes, and not the one-row GEMV).
+fn cublas_bf16(w: &DevMatrix, m: usize) -> bool {
+    matches!(w.w, DevWeight::Bf16(_)) && !small_gemm_fits(m, w.k) && m > 1
 }

@@ -114,8 +114,8 @@ pub(crate) fn launch_f32_to_bf16(dev: &CudaDevice, x: DevSlice<f32>, out: DevSli
     if n == 0 {
         return Ok(());
     }
-    // Enough blocks to fill the GPU; the kernel loops over the rest.
-    let grid = dim(n.div_ceil(ROW_BLOCK as usize).min(1 << 16), "blocks")?;
+    // Four elements per thread, enough blocks to fill the GPU; the kernel loops over the rest.
+    let grid = dim(n.div_ceil(4 * ROW_BLOCK as usize).min(1 << 16), "blocks")?;
     let n = n as u64;
     let mut launch = dev.launch_builder(&dev.kernels.f32_to_bf16);
     launch.arg(x.arg()).arg(out.arg()).arg(&n);

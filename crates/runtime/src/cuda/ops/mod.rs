@@ -35,7 +35,7 @@ pub use matmul::{gemm_bf16, gemv_bf16, matmul_bf16};
 pub use moe::{moe_forward, ExpertWeights, MoeArgs, MoeScratch, MOE_SMALL_BATCH};
 pub use quant::{embedding_quant, mmvq, mmvq_smem_bytes, MmvqArgs, QuantFormat, QuantMatrix};
 
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{DeviceRepr, LaunchConfig};
 use half::bf16;
 
 use super::device::CudaDevice;
@@ -46,8 +46,9 @@ use crate::ops::RopeStyle;
 
 /// Threads per block of the row kernels (a multiple of 32, as the block reductions need).
 const ROW_BLOCK: u32 = 256;
-/// Threads per block of the row norms: a whole 4096-wide row in flight at once (one row is a decode step).
-const NORM_BLOCK: u32 = 1024;
+/// Threads per block of the row norms: a whole 4096-wide row in flight at once as float4 reads (one row is a
+/// decode step), and several rows per SM in a prompt's launch.
+const NORM_BLOCK: u32 = 256;
 /// The most blocks along grid y (a CUDA limit); the kernels that take rows along y loop beyond it.
 const MAX_GRID_Y: u32 = 65_535;
 
@@ -141,18 +142,30 @@ fn embedding_dims(table_len: usize, ids: usize, out_len: usize) -> Result<(usize
     Ok((table_len / hidden, hidden))
 }
 
+/// What the norm and SwiGLU kernels store: f32, or the f32 result rounded to bf16 (the operand of a cuBLAS GEMM,
+/// written without an f32 round trip through memory; bit-identical to [`f32_to_bf16`] of the f32 result).
+pub trait ActElem: DeviceRepr {
+    const BF16: bool;
+}
+impl ActElem for f32 {
+    const BF16: bool = false;
+}
+impl ActElem for bf16 {
+    const BF16: bool = true;
+}
+
 /// `out = x / sqrt(mean(x²) + eps) · w` for every row; twin of [`crate::ops::rms_norm`].
 ///
 /// `x`, `out`: `[T, H]`; `w`: `[H]`.
 ///
 /// # Errors
 /// Lengths that do not form these shapes; a launch failure.
-pub fn rms_norm<'a>(
+pub fn rms_norm<'a, T: ActElem + 'a>(
     dev: &CudaDevice,
     x: impl DevArg<'a, f32>,
     w: impl DevArg<'a, f32>,
     eps: f32,
-    out: impl DevArg<'a, f32>,
+    out: impl DevArg<'a, T>,
 ) -> Result<()> {
     let (x, w, out) = (x.dev(), w.dev(), out.dev());
     let rows = rows_of(x.len(), w.len(), "rms_norm x")?;
@@ -163,9 +176,10 @@ pub fn rms_norm<'a>(
         return Ok(());
     }
     let (grid, hidden) = (dim(rows, "rows")?, dim(w.len(), "hidden")?);
-    let mut launch = dev.launch_builder(&dev.kernels.rms_norm);
+    let kernel = if T::BF16 { &dev.kernels.rms_norm_bf16 } else { &dev.kernels.rms_norm };
+    let mut launch = dev.launch_builder(kernel);
     launch.arg(x.arg()).arg(w.arg()).arg(out.arg()).arg(&hidden).arg(&eps);
-    // SAFETY: the arguments match the kernel's signature; the shapes were checked above.
+    // SAFETY: the arguments match the kernel's signature (its output type is T's); the shapes were checked above.
     unsafe { launch.launch(launch_cfg((grid, 1, 1), NORM_BLOCK)) }.map_err(launch_err("rms_norm"))?;
     Ok(())
 }
@@ -260,10 +274,10 @@ pub fn rope<'a>(
 ///
 /// # Errors
 /// Lengths that do not form these shapes; a launch failure.
-pub fn swiglu_fused<'a>(
+pub fn swiglu_fused<'a, T: ActElem + 'a>(
     dev: &CudaDevice,
     gate_up: impl DevArg<'a, f32>,
-    out: impl DevArg<'a, f32>,
+    out: impl DevArg<'a, T>,
     rows: usize,
 ) -> Result<()> {
     let (gate_up, out) = (gate_up.dev(), out.dev());
@@ -277,11 +291,13 @@ pub fn swiglu_fused<'a>(
     if inter == 0 {
         return Ok(());
     }
-    let grid = (dim(inter.div_ceil(ROW_BLOCK as usize), "inter")?, dim(rows, "rows")?.min(MAX_GRID_Y), 1);
+    // Four columns per thread.
+    let grid = (dim(inter.div_ceil(4 * ROW_BLOCK as usize), "inter")?, dim(rows, "rows")?.min(MAX_GRID_Y), 1);
     let (rows, inter) = (dim(rows, "rows")?, dim(inter, "inter")?);
-    let mut launch = dev.launch_builder(&dev.kernels.swiglu_fused);
+    let kernel = if T::BF16 { &dev.kernels.swiglu_fused_bf16 } else { &dev.kernels.swiglu_fused };
+    let mut launch = dev.launch_builder(kernel);
     launch.arg(gate_up.arg()).arg(out.arg()).arg(&rows).arg(&inter);
-    // SAFETY: the arguments match the kernel's signature; the shapes were checked above.
+    // SAFETY: the arguments match the kernel's signature (its output type is T's); the shapes were checked above.
     unsafe { launch.launch(launch_cfg(grid, ROW_BLOCK)) }.map_err(launch_err("swiglu_fused"))?;
     Ok(())
 }
