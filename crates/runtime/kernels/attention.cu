@@ -125,6 +125,10 @@ static_assert(sizeof(RopeFold) == 104, "RopeFoldArg in ops/attention.rs has this
 //   (flash-decoding: a decode step has too few (row, kv head) items to fill the GPU without splitting).
 //   (It had been done by the last split block of each (tile, kv head), one block looping over 1,024 splits
 //   at a 32K context: the H200's 32K decode step took 6.55 ms where the rest of it takes about 2.5.)
+//   split_keys == ATTN_SPLIT_SCALED: the split grows with the row's keys (attn_split_keys of the tile's first
+//   row: the planner keeps rows of one tile in one size class), C / 2 to C splits a row once its keys pass C
+//   chunks, so long contexts neither launch thousands of tiny blocks nor merge thousands of states. A row's
+//   cut points still depend only on its own key count (and the model's KV heads).
 //
 // head_dim: a multiple of 4, at most 32 * DPL, DPL (dims per lane) being the body's template bound, so
 // that the accumulators stay in registers: paged_attention (DPL 4) takes head_dim <= 128,
@@ -138,6 +142,20 @@ static_assert(sizeof(RopeFold) == 104, "RopeFoldArg in ops/attention.rs has this
 #define ATTN_VPW 2
 #define ATTN_NO_SLOT 0xffffffffu
 #define ATTN_MAX_SEQ_ROWS 64  // ATTN_ROPE_MAX_SEQ_ROWS in ops/attention.rs
+#define ATTN_SPLIT_SCALED 0xffffffffu  // ATTN_SPLIT_SCALED in ops/attention.rs
+#define ATTN_SPLIT_MAX 512             // ATTN_SPLIT_MAX_KEYS in ops/attention.rs
+
+// Keys per split of a row of `keys` keys under ATTN_SPLIT_SCALED, for a model of `kv_heads` KV heads: ATTN_KT
+// while the row has at most C splits, doubling with every doubling of the keys, at most ATTN_SPLIT_MAX; C = 32
+// for 8 or more KV heads, doubled while C * kv_heads < 256 (the row's split blocks fill the GPU). Twin:
+// attn_split_keys in ops/attention.rs.
+__device__ __forceinline__ u32 attn_split_keys(u32 keys, u32 kv_heads) {
+    u32 most = 32u;
+    for (u32 k = max(kv_heads, 1u); k < 8u; k *= 2u) most *= 2u;
+    u32 split = ATTN_KT;
+    while (split < ATTN_SPLIT_MAX && keys > most * split) split *= 2u;
+    return split;
+}
 
 // The merge of split-key attention (a launch after paged_attention's split mode): block (tile, head) merges,
 // for each row r of the tile, that head's splits in order: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M)
@@ -149,19 +167,21 @@ static_assert(sizeof(RopeFold) == 104, "RopeFoldArg in ops/attention.rs has this
 extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
     attn_merge_splits(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                       const u32* __restrict__ row_keys, const u32* __restrict__ tiles, float* __restrict__ out,
-                      u32 num_heads, u32 head_dim, u32 split_keys, u32 max_splits, u32 num_seqs, u32 num_rows) {
+                      u32 num_heads, u32 kv_heads, u32 head_dim, u32 split_keys, u32 max_splits, u32 num_seqs,
+                      u32 num_rows) {
     __shared__ float w_s[MERGE_THREADS], l_s[MERGE_THREADS], scratch[32];
     const u32* tile = tiles + 4 * blockIdx.x;  // the step's inputs: read while the attention finishes
     const u32 seq = tile[0], row0 = tile[1], nrows = tile[2], part0 = tile[3];
     // Tiles paged_attention skips are skipped; the first row's key count is a step input too.
     const bool skip = nrows == 0 || seq >= num_seqs || row0 >= num_rows || nrows > num_rows - row0;
     const u32 first_keys = skip ? 0u : row_keys[row0];
+    const u32 sk = split_keys == ATTN_SPLIT_SCALED ? attn_split_keys(first_keys, kv_heads) : split_keys;
     DF_GRID_DEPENDENCY();
     if (skip) return;
     const u32 head = blockIdx.y, D = head_dim, t = threadIdx.x;
     for (u32 r = 0; r < nrows; ++r) {
         const u64 item0 = ((u64)(part0 + r) * num_heads + head) * max_splits;
-        const u32 splits = min(max_splits, ((r == 0 ? first_keys : row_keys[row0 + r]) + split_keys - 1) / split_keys);
+        const u32 splits = min(max_splits, ((r == 0 ? first_keys : row_keys[row0 + r]) + sk - 1) / sk);
         // One round trip for what the first chunk needs: thread t's split state (m, l) and, for its dim, the first
         // splits' accumulators; the rest of a long row's states are read as before.
         float2 ml = make_float2(DF_NEG_INF, 0.0f);
@@ -351,8 +371,10 @@ __device__ __forceinline__ void paged_attention_body(
 
     u32 kmax = 0;
     for (u32 r = 0; r < nrows; ++r) kmax = max(kmax, row_keys[row0 + r]);
-    const u32 k_begin = split_keys == 0 ? 0 : split * split_keys;
-    const u32 k_end = split_keys == 0 ? kmax : min(kmax, k_begin + split_keys);
+    // The tile's keys per split (its rows share one size class under ATTN_SPLIT_SCALED).
+    const u32 sk = split_keys == ATTN_SPLIT_SCALED ? attn_split_keys(row_keys[row0], kv_heads) : split_keys;
+    const u32 k_begin = split_keys == 0 ? 0 : split * sk;
+    const u32 k_end = split_keys == 0 ? kmax : min(kmax, k_begin + sk);
     if (split_keys != 0 && k_begin >= kmax) {  // no row of the tile has keys here; the merge skips it
         DF_GRID_DEPENDENCY();
         return;

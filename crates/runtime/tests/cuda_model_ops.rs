@@ -186,7 +186,16 @@ struct AttnInputs {
     max_keys: usize,
 }
 
-fn attention_inputs(case: &AttnCase, only_seq: Option<usize>) -> AttnInputs {
+/// How decode rows are tiled: as many rows per tile as fit (fixed splits), also cut where the split size class
+/// changes (scaled splits, as the model's planner), or one row per tile.
+#[derive(Clone, Copy, PartialEq)]
+enum Tiling {
+    Fixed,
+    Scaled,
+    RowByRow,
+}
+
+fn attention_inputs(case: &AttnCase, only_seq: Option<usize>, tiling: Tiling) -> AttnInputs {
     let tile_rows = gpu::ATTN_MAX_QUERIES / (case.nh / case.kvh);
     let mut a = AttnInputs {
         row_keys: Vec::new(),
@@ -206,8 +215,14 @@ fn attention_inputs(case: &AttnCase, only_seq: Option<usize>) -> AttnInputs {
         for (start, n, decode) in [(first, prompt, false), (first + prompt, rows - prompt, true)] {
             let mut r = start;
             while r < start + n {
-                let m = tile_rows.min(start + n - r);
+                let mut m = tile_rows.min(start + n - r);
                 if decode {
+                    let class = |row: usize| gpu::attn_split_keys(a.row_keys[row] as usize, case.kvh);
+                    m = match tiling {
+                        Tiling::Fixed => m,
+                        Tiling::Scaled => (1..m).find(|&i| class(r + i) != class(r)).unwrap_or(m),
+                        Tiling::RowByRow => 1,
+                    };
                     a.decode_tiles.extend([s as u32, r as u32, m as u32, a.partial_rows.len() as u32]);
                     a.partial_rows.extend((r..r + m).map(|x| x as u32));
                     a.max_decode_rows = a.max_decode_rows.max(m);
@@ -233,12 +248,15 @@ fn attention_on_device(
     caches: (&DeviceBuf<f32>, &DeviceBuf<f32>),
     tables: (&DeviceBuf<u32>, usize),
     out: &DeviceBuf<f32>,
-    max_splits: usize,
+    split: KeySplit,
 ) {
     let up = |v: &[u32]| dev.upload(if v.is_empty() { &[0u32][..] } else { v }).expect("upload");
     let (row_keys, pt, dt) = (up(&inputs.row_keys), up(&inputs.prompt_tiles), up(&inputs.decode_tiles));
-    let partial_rows = inputs.partial_rows.len();
-    let scratch = AttentionScratch::new(dev, partial_rows, case.nh, case.d, max_splits).expect("scratch");
+    let max_splits = match split {
+        KeySplit::Fixed { max_splits, .. } | KeySplit::Scaled { max_splits, .. } => max_splits,
+        KeySplit::Whole => 1,
+    };
+    let scratch = AttentionScratch::new(dev, inputs.partial_rows.len(), case.nh, case.d, max_splits).expect("scratch");
     let args = |tiles, rows, split| AttentionArgs {
         q: q.view(),
         k_cache: caches.0.view(),
@@ -260,7 +278,6 @@ fn attention_on_device(
         gpu::paged_attention(dev, args(pt.view(), inputs.max_prompt_rows, KeySplit::Whole), &scratch).expect("prompt");
     }
     if !inputs.decode_tiles.is_empty() {
-        let split = KeySplit::Fixed { keys: 64, max_splits, partial_rows };
         gpu::paged_attention(dev, args(dt.view(), inputs.max_decode_rows, split), &scratch).expect("decode");
     }
 }
@@ -282,6 +299,9 @@ fn paged_attention_matches_reference_and_is_batch_invariant() {
         AttnCase { seqs: vec![(0, 13, 13), (200, 1, 0), (93, 3, 0), (45, 9, 4)], nh: 16, kvh: 2, d: 256, ps: 16 },
         // Just over 128 (the head_dim 256 kernel with dims left over in each lane's last slot), odd pages.
         AttnCase { seqs: vec![(0, 5, 5), (70, 3, 0), (17, 4, 2)], nh: 6, kvh: 3, d: 132, ps: 5 },
+        // Qwen3-8B's grouping past 1,024 keys, where scaled splits grow: verifies across the 1,024 and 2,048 key
+        // size classes, a decode row at 3,000 keys (128-key splits).
+        AttnCase { seqs: vec![(1015, 16, 0), (2040, 12, 0), (3000, 1, 0)], nh: 8, kvh: 2, d: 128, ps: 16 },
     ];
     for case in cases {
         let (nh, kvh, d, ps) = (case.nh, case.kvh, case.d, case.ps);
@@ -309,31 +329,49 @@ fn paged_attention_matches_reference_and_is_batch_invariant() {
         let (q_dev, k_dev, v_dev) =
             (dev.upload(&q).expect("q"), dev.upload(&kc).expect("k"), dev.upload(&vc).expect("v"));
         let tables_dev = dev.upload(&flat).expect("tables");
-        let inputs = attention_inputs(&case, None);
-        let splits = inputs.max_keys.div_ceil(64).max(1);
-        let out = poisoned(dev, t * nh * d);
-        attention_on_device(dev, &case, &inputs, &q_dev, (&k_dev, &v_dev), (&tables_dev, stride), &out, splits);
-        let got = dev.download(&out).expect("download");
         let shape = format!("{t} rows, {nh}/{kvh} heads of {d}, pages of {ps}");
-        check("paged_attention", &shape, max_err_over(&got, &want, &vec![1.0; want.len()]), 2e-5);
-        // Each sequence's decode rows alone, with more split blocks than needed: the same bits.
-        for s in 0..case.seqs.len() {
-            let alone = attention_inputs(&case, Some(s));
-            if alone.decode_tiles.is_empty() {
-                continue;
+        let row_len = nh * d;
+        let run = |inputs: &AttnInputs, split: KeySplit| {
+            let out = poisoned(dev, t * nh * d);
+            attention_on_device(dev, &case, inputs, &q_dev, (&k_dev, &v_dev), (&tables_dev, stride), &out, split);
+            dev.download(&out).expect("download")
+        };
+        // Bits of `got` and `want` that differ in the decode rows `inputs` names.
+        let decode_mismatches = |inputs: &AttnInputs, got: &[f32], want: &[f32]| -> f64 {
+            let row = |v: &[f32], r: u32| v[r as usize * row_len..][..row_len].to_vec();
+            inputs.partial_rows.iter().map(|&r| bit_mismatches(&row(got, r), &row(want, r))).sum()
+        };
+        // Fixed 64-key splits, then splits scaled to each row's keys.
+        for tiling in [Tiling::Fixed, Tiling::Scaled] {
+            let inputs = attention_inputs(&case, None, tiling);
+            let (name, splits) = match tiling {
+                Tiling::Fixed => ("fixed", inputs.max_keys.div_ceil(64).max(1)),
+                _ => ("scaled", gpu::attn_max_splits(inputs.max_keys, kvh)),
+            };
+            let split = |max_splits, partial_rows| match tiling {
+                Tiling::Fixed => KeySplit::Fixed { keys: 64, max_splits, partial_rows },
+                _ => KeySplit::Scaled { max_splits, partial_rows },
+            };
+            let got = run(&inputs, split(splits, inputs.partial_rows.len()));
+            let err = max_err_over(&got, &want, &vec![1.0; want.len()]);
+            check(&format!("paged_attention, {name} splits"), &shape, err, 2e-5);
+            // Each sequence's decode rows alone, with more split blocks than needed: the same bits.
+            for s in 0..case.seqs.len() {
+                let alone = attention_inputs(&case, Some(s), tiling);
+                if alone.decode_tiles.is_empty() {
+                    continue;
+                }
+                let got2 = run(&alone, split(splits + 3, alone.partial_rows.len()));
+                let diff = decode_mismatches(&alone, &got2, &got);
+                check(&format!("{name} splits: decode rows alone"), &format!("seq {s} of {shape}"), diff, 0.0);
             }
-            let out2 = poisoned(dev, t * nh * d);
-            attention_on_device(dev, &case, &alone, &q_dev, (&k_dev, &v_dev), (&tables_dev, stride), &out2, splits + 3);
-            let got2 = dev.download(&out2).expect("download");
-            let row_len = nh * d;
-            let diff: f64 = alone
-                .partial_rows
-                .iter()
-                .map(|&r| {
-                    bit_mismatches(&got2[r as usize * row_len..][..row_len], &got[r as usize * row_len..][..row_len])
-                })
-                .sum();
-            check("paged_attention decode rows alone", &format!("seq {s} of {shape}"), diff, 0.0);
+            // Scaled: a row's cut points depend only on its own keys, so every decode row alone in a tile of its
+            // own gives the same bits as in its verify tile.
+            if tiling == Tiling::Scaled {
+                let rows = attention_inputs(&case, None, Tiling::RowByRow);
+                let got3 = run(&rows, split(splits, rows.partial_rows.len()));
+                check("scaled splits: one row per tile", &shape, decode_mismatches(&rows, &got3, &got), 0.0);
+            }
         }
     }
 }
@@ -352,11 +390,12 @@ fn attention_with_rope_folded_in_equals_rope_kv_write_then_attention() {
         // sequences of 8 rows.
         (AttnCase { seqs: vec![(70, 1, 0), (5, 1, 0), (121, 8, 0)], nh: 16, kvh: 8, d: 128, ps: 16 }, 128, true, 2),
         // Qwen3-8B's grouping (4 rows per tile): verifies of 4, 8 and 16 rows (2 and 4 tiles, keys of one tile in
-        // another's split), one across a split boundary, a verify of 2 rows over 35 splits, odd pages, no head
-        // norm, a padded sequence of 16 rows over 4 pages of 5.
+        // another's split), one across a split boundary, a verify of 2 rows over 18 splits of 64 keys, one of 8
+        // rows across the 1,024-key size class, odd pages, no head norm, a padded sequence of 16 rows over 4
+        // pages of 5.
         (
             AttnCase {
-                seqs: vec![(30, 4, 0), (0, 1, 0), (57, 8, 0), (100, 16, 0), (1100, 2, 0)],
+                seqs: vec![(30, 4, 0), (0, 1, 0), (57, 8, 0), (100, 16, 0), (1100, 2, 0), (1020, 8, 0)],
                 nh: 32,
                 kvh: 8,
                 d: 128,
@@ -407,16 +446,16 @@ fn attention_with_rope_folded_in_equals_rope_kv_write_then_attention() {
         let cache_len = num_pages * ps * kw;
         let (qkv, kc, vc) = (rng.vec(rows * qkv_ld, 2.0), rng.vec(cache_len, 1.0), rng.vec(cache_len, 1.0));
         let (qn, kn) = (rng.vec(d, 1.0), rng.vec(d, 1.0));
-        let inputs = attention_inputs(&case, None);
+        let inputs = attention_inputs(&case, None, Tiling::Scaled);
         let up = |v: &[u32]| dev.upload(v).expect("upload");
         let (row_keys, tiles, tables_dev) = (up(&inputs.row_keys), up(&inputs.decode_tiles), up(&flat));
         let (pos_dev, slots_dev) = (up(&positions), up(&slots));
         let (qkv_dev, qn_dev, kn_dev) =
             (dev.upload(&qkv).expect("qkv"), dev.upload(&qn).expect("qn"), dev.upload(&kn).expect("kn"));
-        let max_splits = inputs.max_keys.div_ceil(32) + 1;
+        let max_splits = gpu::attn_max_splits(inputs.max_keys, kvh) + 1;
         let max_seq_rows = case.seqs.iter().map(|s| s.1).max().unwrap_or(1);
         let scratch = AttentionScratch::new(dev, inputs.partial_rows.len(), nh, d, max_splits).expect("scratch");
-        let split = KeySplit::Fixed { keys: 32, max_splits, partial_rows: inputs.partial_rows.len() };
+        let split = KeySplit::Scaled { max_splits, partial_rows: inputs.partial_rows.len() };
         let run = |fold: bool| -> (Vec<f32>, Vec<f32>, Vec<f32>) {
             let (k_dev, v_dev) = (dev.upload(&kc).expect("k"), dev.upload(&vc).expect("v"));
             let (q, out) = (poisoned(dev, rows * qw), poisoned(dev, rows * qw));

@@ -92,6 +92,9 @@ pub(super) struct GraphKey {
     pub seqs: usize,
     pub rows: usize,
     pub long_keys: bool,
+    /// Some sequence's rows span two split size classes (their decode tiles are cut there; the graph holds room
+    /// for those tiles).
+    pub class_cut: bool,
 }
 
 /// The device state of a [`CudaLlamaModel`]'s forwards: KV pages (`[layers][pages + 1, page_size,
@@ -144,7 +147,7 @@ impl CudaLlamaModel {
         let layer_len = (cfg.num_pages + 1) * cfg.page_size * c.num_kv_heads * c.head_dim;
         let taps = self.capture_layers.len();
         let max_k = h.max(f).max(qd);
-        let splits = max_splits(cfg.max_seq_len);
+        let splits = max_splits(cfg.max_seq_len, c.num_kv_heads);
         let inputs = Layout::capacity(&cfg, self.tile_rows());
         let dense = self.has_dense_weights();
         let ws = Workspace {

@@ -16,7 +16,7 @@ use super::cache::{CudaCache, Workspace};
 use super::error::{CudaModelError, Result};
 use super::linear::{Linear, MatIn, MatOut};
 use super::model::{CudaLayer, CudaLlamaModel};
-use super::plan::{self, StepPlan, SPLIT_KEYS};
+use super::plan::{self, StepPlan};
 use super::weights::{DevMatrix, DevProjection, DevWeight};
 use crate::batch::{ForwardBatch, ForwardOut};
 use crate::config::ModelConfig;
@@ -60,7 +60,7 @@ impl CudaLlamaModel {
             return Err(CudaModelError::Batch("this cache was made for another model".into()));
         }
         plan::validate(batch, &cache.cfg, &self.cfg)?;
-        let key = plan::graph_key(batch, &cache.cfg);
+        let key = plan::graph_key(batch, &cache.cfg, self.cfg.num_kv_heads);
         let mut host = std::mem::take(&mut cache.host_inputs);
         let plan = plan::plan(batch, key, &cache.cfg, self.tile_rows(), &mut host);
         let uploaded = self.dev.upload_prefix(&host, &mut cache.ws.inputs);
@@ -273,7 +273,7 @@ pub(super) fn attend<'a>(
         }
     }
     if lay.decode_tiles > 0 {
-        let split = KeySplit::Fixed { keys: SPLIT_KEYS, max_splits: p.decode_splits, partial_rows: lay.decode_rows };
+        let split = KeySplit::Scaled { max_splits: p.decode_splits, partial_rows: lay.decode_rows };
         let a = args(input(lay.decode_tiles())?, p.max_decode_tile_rows, split);
         match fold_rope {
             true => paged_attention_rope(dev, a, rope_args, p.max_decode_seq_rows, &ws.attn_parts)?,

@@ -4,23 +4,23 @@
 
 use std::ops::Range;
 
-use dflash_runtime::cuda::ops::{tc_prompt_attention_fits, ATTN_MAX_QUERIES, TC_ATTN_TILE_ROWS};
+use dflash_runtime::cuda::ops::{
+    attn_max_splits, attn_split_keys, tc_prompt_attention_fits, ATTN_KEY_CHUNK, ATTN_MAX_QUERIES, ATTN_SPLIT_MAX_KEYS,
+    TC_ATTN_TILE_ROWS,
+};
 
 use super::cache::{CudaCacheConfig, GraphKey};
 use super::error::{CudaModelError, Result};
 use crate::batch::ForwardBatch;
 use crate::config::ModelConfig;
 
-/// Keys per split of decode / verify attention (one chunk of the kernel, so a decode step's blocks each
-/// make one pass): a row's keys are always cut at the same places, so its result does not depend on what
-/// else is in the batch.
-pub(super) const SPLIT_KEYS: usize = dflash_runtime::cuda::ops::ATTN_KEY_CHUNK;
-
 /// Rows per attention tile (prompt tiles, decode / verify tiles) and the prompt kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct TileRows {
     pub prompt: usize,
     pub decode: usize,
+    /// The model's KV heads (decode tiles keep one split size class, which depends on them).
+    pub kv_heads: usize,
     /// Prompt rows on the tensor-core kernel (tiles of [`TC_ATTN_TILE_ROWS`] rows), else the f32 one.
     pub tensor_core_prompt: bool,
 }
@@ -32,13 +32,27 @@ impl TileRows {
     pub fn new(num_heads: usize, kv_heads: usize, head_dim: usize, tensor_core_prompt: bool) -> Self {
         let rows = (ATTN_MAX_QUERIES / (num_heads / kv_heads.max(1)).max(1)).max(1);
         let tensor_core_prompt = tensor_core_prompt && tc_prompt_attention_fits(head_dim);
-        TileRows { prompt: if tensor_core_prompt { TC_ATTN_TILE_ROWS } else { rows }, decode: rows, tensor_core_prompt }
+        let prompt = if tensor_core_prompt { TC_ATTN_TILE_ROWS } else { rows };
+        TileRows { prompt, decode: rows, kv_heads, tensor_core_prompt }
     }
 }
 
-/// Split blocks per tile for sequences of up to `max_seq_len` tokens.
-pub(super) fn max_splits(max_seq_len: usize) -> usize {
-    max_seq_len.div_ceil(SPLIT_KEYS).max(1)
+/// The most places a sequence's decode tiles are cut besides every `tile_rows` rows: where the split size class
+/// changes (at 1,024, 2,048, 4,096 and 8,192 keys; `attn_split_keys`).
+const MAX_CLASS_CUTS: usize = (ATTN_SPLIT_MAX_KEYS / ATTN_KEY_CHUNK).ilog2() as usize;
+
+/// Decode tiles of a graph step (padded with empty tiles to this count, so the layout depends on the key alone):
+/// with a class cut, `rows` consecutive key counts cross at most one size-class boundary per 1,024.
+fn graph_decode_tiles(key: GraphKey, tile_rows: usize) -> usize {
+    let cuts = if key.class_cut { (1 + key.rows / 1024).min(MAX_CLASS_CUTS) } else { 0 };
+    key.seqs * (key.rows.div_ceil(tile_rows.max(1)) + cuts)
+}
+
+/// Split blocks per tile for sequences of up to `max_seq_len` tokens of a model with `kv_heads` KV heads. Decode and verify attention cuts a row's keys
+/// at places that depend only on its own key count (`KeySplit::Scaled`: 32-key splits to 1,024 keys, longer ones
+/// past it), so its result does not depend on what else is in the batch.
+pub(super) fn max_splits(max_seq_len: usize, kv_heads: usize) -> usize {
+    attn_max_splits(max_seq_len, kv_heads)
 }
 
 /// Counts that fix where each input lies in the input buffer.
@@ -104,7 +118,7 @@ impl Layout {
     /// The largest input buffer any step within `cfg` needs.
     pub fn capacity(cfg: &CudaCacheConfig, tile_rows: TileRows) -> usize {
         let (t, s) = (cfg.max_tokens.max(cfg.max_decode_rows), cfg.max_seqs);
-        let tiles = s + t.div_ceil(tile_rows.prompt.min(tile_rows.decode).max(1));
+        let tiles = s * (1 + MAX_CLASS_CUTS) + t.div_ceil(tile_rows.prompt.min(tile_rows.decode).max(1));
         Layout {
             t,
             l: cfg.max_logit_rows.max(t),
@@ -210,7 +224,7 @@ fn long_keys(batch: &ForwardBatch) -> bool {
 
 /// The graph a batch can replay: every sequence past its prompt with the same rows, padded to a
 /// power-of-two number of sequences within the cache's capacities.
-pub(super) fn graph_key(batch: &ForwardBatch, cfg: &CudaCacheConfig) -> Option<GraphKey> {
+pub(super) fn graph_key(batch: &ForwardBatch, cfg: &CudaCacheConfig, kv_heads: usize) -> Option<GraphKey> {
     let first = batch.seqs.first()?;
     let rows = first.num_rows;
     let uniform = batch.seqs.iter().all(|s| s.num_rows == rows && s.context_len >= s.prompt_len);
@@ -222,7 +236,11 @@ pub(super) fn graph_key(batch: &ForwardBatch, cfg: &CudaCacheConfig) -> Option<G
     };
     let n = batch.seqs.len();
     let seqs = [n.next_power_of_two(), n].into_iter().find(|&s| fits(s))?;
-    Some(GraphKey { seqs, rows, long_keys: long_keys(batch) })
+    let class = |keys: usize| attn_split_keys(keys, kv_heads);
+    // The padded sequences' rows attend keys 1 ..= rows.
+    let class_cut = class(1) != class(rows)
+        || batch.seqs.iter().any(|s| class(s.context_len + 1) != class(s.context_len + s.num_rows));
+    Some(GraphKey { seqs, rows, long_keys: long_keys(batch), class_cut })
 }
 
 /// Writes the inputs of `batch` into `host` and returns the plan. With `graph`, sequences are padded to
@@ -239,7 +257,7 @@ pub(super) fn plan(
     let stride = cfg.table_stride();
     let trash = cfg.trash_page() as u32;
     let ps = cfg.page_size as u32;
-    let mut b = Builder::default();
+    let mut b = Builder { kv_heads: tile_rows.kv_heads, ..Builder::default() };
     for (i, s) in batch.seqs.iter().enumerate() {
         let first = b.row_keys.len();
         b.row_keys.extend((0..s.num_rows).map(|j| (s.context_len + j + 1) as u32));
@@ -262,12 +280,18 @@ pub(super) fn plan(
             positions.extend(std::iter::repeat_n(0, key.rows));
             slots.extend((0..key.rows as u32).map(|j| trash * ps + j % ps));
         }
+        // Empty tiles (no rows: the kernels skip them) up to the key's count; full tiles' shared memory. (Padding
+        // costs: a graph's empty tiles still launch their blocks, so keys without a class cut have none.)
+        let tiles = graph_decode_tiles(key, tile_rows.decode);
+        debug_assert!(b.decode_tiles.len() / 4 <= tiles, "a graph step's tiles exceed its key's count");
+        b.decode_tiles.resize(4 * tiles, 0);
+        b.max_decode_tile_rows = key.rows.min(tile_rows.decode);
     }
     let t = tokens.len();
     let logit_rows: Vec<u32> = if graph.is_some() { (0..t as u32).collect() } else { batch.logit_rows.to_vec() };
     let decode_splits = match graph {
-        Some(_) => max_splits(cfg.max_seq_len),
-        None => b.max_decode_keys.div_ceil(SPLIT_KEYS).max(1),
+        Some(_) => max_splits(cfg.max_seq_len, tile_rows.kv_heads),
+        None => max_splits(b.max_decode_keys, tile_rows.kv_heads),
     };
     let layout = Layout {
         t,
@@ -296,6 +320,8 @@ pub(super) fn plan(
 /// The per-row and per-tile inputs as they are built.
 #[derive(Default)]
 struct Builder {
+    /// The model's KV heads (the split size classes).
+    kv_heads: usize,
     row_keys: Vec<u32>,
     prompt_tiles: Vec<u32>,
     decode_tiles: Vec<u32>,
@@ -317,8 +343,11 @@ impl Builder {
         }
         let mut start = first;
         while start < first + rows {
-            let n = tile_rows.min(first + rows - start);
+            let mut n = tile_rows.min(first + rows - start);
             if decode {
+                // A decode tile's rows share one split size class (the kernels cut a tile's keys as its first row's).
+                let class = |row: usize| attn_split_keys(self.row_keys[row] as usize, self.kv_heads);
+                n = (1..n).find(|&i| class(start + i) != class(start)).unwrap_or(n);
                 self.decode_tiles.extend([seq as u32, start as u32, n as u32, self.decode_rows as u32]);
                 self.decode_rows += n;
                 self.max_decode_tile_rows = self.max_decode_tile_rows.max(n);
@@ -360,7 +389,13 @@ mod tests {
             ForwardBatch { tokens: &tokens, positions: &positions, seqs: &seqs, slots: &slots, logit_rows: &[3, 4] };
         validate(&batch, &cfg(), &tiny_model()).expect("valid");
         let mut host = Vec::new();
-        let p = plan(&batch, None, &cfg(), TileRows { prompt: 2, decode: 2, tensor_core_prompt: false }, &mut host);
+        let p = plan(
+            &batch,
+            None,
+            &cfg(),
+            TileRows { prompt: 2, decode: 2, kv_heads: 8, tensor_core_prompt: false },
+            &mut host,
+        );
         let l = p.layout;
         assert_eq!((l.t, l.l, l.prompt_tiles, l.decode_tiles, l.decode_rows, l.seqs, l.stride), (5, 2, 1, 2, 3, 2, 4));
         assert_eq!(&host[l.row_keys()], &[6, 7, 8, 9, 3]);
@@ -375,8 +410,43 @@ mod tests {
         let seqs = [SeqRows { num_rows: 5, context_len: 5, block_table: &table_a, prompt_len: 10 }];
         let batch =
             ForwardBatch { tokens: &tokens, positions: &positions, seqs: &seqs, slots: &slots, logit_rows: &[4] };
-        let p = plan(&batch, None, &cfg(), TileRows { prompt: 2, decode: 2, tensor_core_prompt: true }, &mut host);
+        let p = plan(
+            &batch,
+            None,
+            &cfg(),
+            TileRows { prompt: 2, decode: 2, kv_heads: 8, tensor_core_prompt: true },
+            &mut host,
+        );
         assert_eq!(&host[p.layout.prompt_tiles()], &[0, 0, 2, 0, 0, 2, 2, 7, 0, 4, 1, 9]);
+    }
+
+    #[test]
+    fn decode_tiles_keep_one_split_size_class_and_graphs_a_fixed_count() {
+        // A verify of 6 rows over keys 1,022..=1,027 in tiles of 4: cut where the split grows past 1,024 keys.
+        let table: Vec<u32> = (0..70).collect();
+        let seqs = [SeqRows { num_rows: 6, context_len: 1021, block_table: &table, prompt_len: 10 }];
+        let positions: Vec<u32> = (1021..1027).collect();
+        let tokens = [1u32; 6];
+        let batch =
+            ForwardBatch { tokens: &tokens, positions: &positions, seqs: &seqs, slots: &positions, logit_rows: &[] };
+        let mut cfg = CudaCacheConfig::new(80, 16, 64, 4, 1200);
+        let rows = TileRows { prompt: 16, decode: 4, kv_heads: 8, tensor_core_prompt: false };
+        let mut host = Vec::new();
+        let p = plan(&batch, None, &cfg, rows, &mut host);
+        assert_eq!(&host[p.layout.decode_tiles()], &[0, 0, 3, 0, 0, 3, 3, 3]);
+        assert_eq!(p.decode_splits, 32, "1,024 keys in 32-key splits");
+        // As a graph step: padded with empty tiles to the key's count, full tiles' shared memory.
+        let key = graph_key(&batch, &cfg, 8).expect("uniform");
+        assert!(key.class_cut, "keys 1,022..=1,027 span two size classes");
+        let p = plan(&batch, Some(key), &cfg, rows, &mut host);
+        assert_eq!(p.layout.decode_tiles, graph_decode_tiles(key, 4));
+        assert_eq!(p.layout.decode_tiles, 3, "two tiles and one of room for the cut");
+        assert_eq!(&host[p.layout.decode_tiles()][..8], &[0, 0, 3, 0, 0, 3, 3, 3]);
+        assert!(host[p.layout.decode_tiles()][8..].chunks(4).all(|t| t[2] == 0), "the rest are empty");
+        assert_eq!(p.max_decode_tile_rows, 4);
+        // The capacity holds a graph step of the most sequences, each cut at a class boundary.
+        cfg.max_decode_rows = 64;
+        assert!(Layout::capacity(&cfg, rows) >= p.layout.len());
     }
 
     #[test]
@@ -388,17 +458,23 @@ mod tests {
         let positions = [3u32, 4, 5, 6, 4, 5];
         let batch =
             ForwardBatch { tokens: &tokens, positions: &positions, seqs: &seqs, slots: &positions, logit_rows: &[1] };
-        let key = graph_key(&batch, &cfg()).expect("uniform decode batch");
-        assert_eq!(key, GraphKey { seqs: 4, rows: 2, long_keys: false });
+        let key = graph_key(&batch, &cfg(), 8).expect("uniform decode batch");
+        assert_eq!(key, GraphKey { seqs: 4, rows: 2, long_keys: false, class_cut: false });
         // A sequence past the RoPE fold's key count replays another graph (the RoPE kernel of its own).
         let long = [mk(3), mk(ROPE_FOLD_MAX_KEYS - 1), mk(4)];
-        let long_key = graph_key(&ForwardBatch { seqs: &long, ..batch }, &cfg()).expect("uniform");
-        assert_eq!(long_key, GraphKey { long_keys: true, ..key });
+        let long_key = graph_key(&ForwardBatch { seqs: &long, ..batch }, &cfg(), 8).expect("uniform");
+        // (Its rows' keys, 4,096 and 4,097, also span two split size classes.)
+        assert_eq!(long_key, GraphKey { long_keys: true, class_cut: true, ..key });
         let mut host = Vec::new();
-        let p =
-            plan(&batch, Some(key), &cfg(), TileRows { prompt: 16, decode: 4, tensor_core_prompt: false }, &mut host);
+        let p = plan(
+            &batch,
+            Some(key),
+            &cfg(),
+            TileRows { prompt: 16, decode: 4, kv_heads: 8, tensor_core_prompt: false },
+            &mut host,
+        );
         assert_eq!((p.layout.t, p.layout.l, p.layout.seqs), (8, 8, 4));
-        assert_eq!(p.decode_splits, max_splits(16));
+        assert_eq!(p.decode_splits, max_splits(16, 8));
         assert_eq!(&host[p.layout.slots()][6..], &[32, 33], "padded rows write the spare page");
         assert_eq!(&host[p.layout.row_keys()][6..], &[1, 2]);
         assert_eq!(p.max_decode_seq_rows, 2, "padded sequences have the bucket's rows too");
@@ -407,15 +483,15 @@ mod tests {
         let batch2 = ForwardBatch { seqs: &seqs2, ..batch };
         let p2 = plan(
             &batch2,
-            graph_key(&batch2, &cfg()),
+            graph_key(&batch2, &cfg(), 8),
             &cfg(),
-            TileRows { prompt: 16, decode: 4, tensor_core_prompt: false },
+            TileRows { prompt: 16, decode: 4, kv_heads: 8, tensor_core_prompt: false },
             &mut host,
         );
         assert_eq!(p2.layout, p.layout);
         // A prompt row anywhere, or rows of different counts, take the eager path.
         let seqs3 = [mk(3), SeqRows { context_len: 1, ..mk(1) }, mk(4)];
-        assert!(graph_key(&ForwardBatch { seqs: &seqs3, ..batch }, &cfg()).is_none());
+        assert!(graph_key(&ForwardBatch { seqs: &seqs3, ..batch }, &cfg(), 8).is_none());
     }
 
     #[test]

@@ -126,7 +126,7 @@ impl CudaHybridModel {
                 cfg.max_decode_rows.max(1),
                 b.num_heads,
                 b.head_dim,
-                max_splits(cfg.max_seq_len),
+                max_splits(cfg.max_seq_len, b.num_kv_heads),
             )?,
             kv_bf16: dev.alloc_zeros(1)?, // prompts take the f32 kernel (tile_rows)
             captured: dev.alloc_zeros((t * self.capture_layers.len() * h).max(1))?,

@@ -196,7 +196,7 @@ impl CudaHybridModel {
         self.check(batch, cache, seqs)?;
         let cfg = cache.base.cfg;
         plan::validate(batch, &cfg, &self.cfg.base)?;
-        let key = plan::graph_key(batch, &cfg);
+        let key = plan::graph_key(batch, &cfg, self.cfg.base.num_kv_heads);
         let mut host = std::mem::take(&mut cache.base.host_inputs);
         let plan = plan::plan(batch, key, &cfg, self.tile_rows(), &mut host);
         let runs_at = host.len();

@@ -20,6 +20,37 @@ use crate::ops::RopeStyle;
 pub const ATTN_MAX_QUERIES: usize = 16;
 /// Keys per shared-memory chunk of the attention kernel (`ATTN_KT`); split-key ranges are multiples of it.
 pub const ATTN_KEY_CHUNK: usize = 32;
+/// The kernels' split-size sentinel for [`KeySplit::Scaled`] (`ATTN_SPLIT_SCALED` in attention.cu).
+const ATTN_SPLIT_SCALED: u32 = u32::MAX;
+/// Largest split of [`KeySplit::Scaled`] (`ATTN_SPLIT_MAX` in attention.cu).
+pub const ATTN_SPLIT_MAX_KEYS: usize = 512;
+
+/// Splits a row of a model with `kv_heads` KV heads may have under [`KeySplit::Scaled`] before its split size
+/// doubles: 32 for 8 or more KV heads, doubled while `splits · kv_heads < 256` (a row's split blocks fill the GPU).
+fn split_class(kv_heads: usize) -> usize {
+    32 * 8usize.div_ceil(kv_heads.max(1)).next_power_of_two()
+}
+
+/// Keys per split of a row of `keys` keys under [`KeySplit::Scaled`]: [`ATTN_KEY_CHUNK`] while the row has at most
+/// C splits (C = 32 for 8 or more KV heads, more for fewer), doubling with every doubling of the keys, at most
+/// [`ATTN_SPLIT_MAX_KEYS`]. Twin of `attn_split_keys` in attention.cu.
+pub fn attn_split_keys(keys: usize, kv_heads: usize) -> usize {
+    let most = split_class(kv_heads);
+    let mut split = ATTN_KEY_CHUNK;
+    while split < ATTN_SPLIT_MAX_KEYS && keys > most * split {
+        split *= 2;
+    }
+    split
+}
+
+/// The most splits a row of at most `max_keys` keys has under [`KeySplit::Scaled`] (a launch's grid depth and
+/// its scratch): within a size class the count grows with the keys, and each full class ends at C splits.
+pub fn attn_max_splits(max_keys: usize, kv_heads: usize) -> usize {
+    let most = split_class(kv_heads);
+    let full_class = if max_keys >= most * ATTN_KEY_CHUNK { most } else { 0 };
+    max_keys.div_ceil(attn_split_keys(max_keys, kv_heads)).max(full_class).max(1)
+}
+
 /// Largest head_dim of `paged_attention` (`32 · 4` dims per lane); larger ones take `paged_attention_d256`.
 const ATTN_SMALL_HEAD_DIM: usize = 128;
 /// Largest head_dim of the attention kernels (`paged_attention_d256`: `32 · 8` dims per lane) and of
@@ -217,6 +248,10 @@ pub enum KeySplit {
     /// `max_splits` blocks per tile, merged per row and head in split order by a second launch. Tiles name
     /// their first partial row; `partial_rows` bounds them (the scratch must hold that many).
     Fixed { keys: usize, max_splits: usize, partial_rows: usize },
+    /// As `Fixed`, with each tile's keys per split [`attn_split_keys`] of its first row's keys (decode and verify
+    /// rows: long contexts take longer splits). Tiles keep rows of one size class: a tile's later rows are cut as
+    /// its first, correct but no longer independent of how rows were tiled.
+    Scaled { max_splits: usize, partial_rows: usize },
 }
 
 /// One layer's attention over the paged cache.
@@ -313,7 +348,12 @@ impl AttentionArgs<'_> {
 
     /// Checks fixed key splits against the scratch that takes their partial states.
     fn check_splits(&self, scratch: &AttentionScratch) -> Result<()> {
-        if let KeySplit::Fixed { keys, max_splits, partial_rows } = self.split {
+        let fixed = match self.split {
+            KeySplit::Whole => None,
+            KeySplit::Fixed { keys, max_splits, partial_rows } => Some((keys, max_splits, partial_rows)),
+            KeySplit::Scaled { max_splits, partial_rows } => Some((ATTN_KEY_CHUNK, max_splits, partial_rows)),
+        };
+        if let Some((keys, max_splits, partial_rows)) = fixed {
             let tiles = self.tiles.len() / 4;
             if keys == 0
                 || !keys.is_multiple_of(ATTN_KEY_CHUNK)
@@ -330,7 +370,7 @@ impl AttentionArgs<'_> {
     }
 }
 
-/// Runs [`AttentionArgs`]: grid (tiles, kv heads, splits); with [`KeySplit::Fixed`] then the merge, grid
+/// Runs [`AttentionArgs`]: grid (tiles, kv heads, splits); with split keys then the merge, grid
 /// (tiles, heads).
 ///
 /// # Errors
@@ -365,7 +405,7 @@ fn attention_smem_bytes(max_tile_rows: usize, group: usize, head_dim: usize, new
     4 * (nq * head_dim + ATTN_KEY_CHUNK * (head_dim + 4) + ATTN_KEY_CHUNK * head_dim + 2 * new_key_rows * head_dim)
 }
 
-/// [`paged_attention`] of decode and verify tiles ([`KeySplit::Fixed`]) with [`rope_kv_write`] of their rows
+/// [`paged_attention`] of decode and verify tiles (split keys) with [`rope_kv_write`] of their rows
 /// folded in, one launch fewer per layer: each block normalises and rotates its tile's q from `r.qkv` itself
 /// (`a.q` and `r.q_out` are not touched), makes the K and V of every row of its sequence whose key (the row's
 /// last) lies in its split, takes them from shared memory, and writes those of its own tile's rows into the
@@ -374,7 +414,7 @@ fn attention_smem_bytes(max_tile_rows: usize, group: usize, head_dim: usize, new
 /// [`rope_kv_write`] followed by [`paged_attention`].
 ///
 /// # Errors
-/// As [`rope_kv_write`] and [`paged_attention`], a split other than [`KeySplit::Fixed`], `max_seq_rows` that
+/// As [`rope_kv_write`] and [`paged_attention`], [`KeySplit::Whole`], `max_seq_rows` that
 /// does not fit, and arguments of `r` that do not match `a`'s (rows, heads, cache).
 pub fn paged_attention_rope(
     dev: &CudaDevice,
@@ -395,7 +435,7 @@ pub fn paged_attention_rope(
         && r.v_cache.device_ptr() == a.v_cache.device_ptr()
         && r.k_cache.len() == a.k_cache.len();
     let same_heads = (r.num_heads, r.kv_heads, r.head_dim) == (a.num_heads, a.kv_heads, a.head_dim);
-    let fixed = matches!(a.split, KeySplit::Fixed { .. });
+    let fixed = !matches!(a.split, KeySplit::Whole);
     if !same_cache || !same_heads || !fixed || r.positions.len() != a.row_keys.len() {
         return Err(shape_err(format!(
             "paged_attention_rope: {} rows of RoPE for {} of attention, the same cache {same_cache}, heads \
@@ -431,6 +471,7 @@ fn launch_paged_attention(
     let (split_keys, grid_z) = match a.split {
         KeySplit::Whole => (0, 1),
         KeySplit::Fixed { keys, max_splits, .. } => (dim(keys, "split keys")?, dim(max_splits, "splits")?),
+        KeySplit::Scaled { max_splits, .. } => (ATTN_SPLIT_SCALED, dim(max_splits, "splits")?),
     };
     // The accumulators are per lane in registers: the kernel for head_dim <= 128 keeps 4 dims per lane, the
     // other 8 (more registers, so only where needed).
@@ -486,6 +527,7 @@ fn launch_paged_attention(
         .arg(a.tiles.arg())
         .arg(a.out.arg())
         .arg(&nh)
+        .arg(&kvh)
         .arg(&hd)
         .arg(&split_keys)
         .arg(&grid_z)

@@ -18,9 +18,9 @@ mod moe;
 mod quant;
 
 pub use attention::{
-    attention_rope_fits, paged_attention, paged_attention_rope, prompt_attention_tc, rope_kv_write,
-    tc_prompt_attention_fits, AttentionArgs, AttentionScratch, KeySplit, RopeKvArgs, ATTN_KEY_CHUNK, ATTN_MAX_QUERIES,
-    ATTN_ROPE_MAX_SEQ_ROWS, TC_ATTN_TILE_ROWS,
+    attention_rope_fits, attn_max_splits, attn_split_keys, paged_attention, paged_attention_rope, prompt_attention_tc,
+    rope_kv_write, tc_prompt_attention_fits, AttentionArgs, AttentionScratch, KeySplit, RopeKvArgs, ATTN_KEY_CHUNK,
+    ATTN_MAX_QUERIES, ATTN_ROPE_MAX_SEQ_ROWS, ATTN_SPLIT_MAX_KEYS, TC_ATTN_TILE_ROWS,
 };
 pub use fused::{
     copy_columns, f32_rows_fit, fill_random_bf16, fill_random_f16, fill_random_f32, fill_random_u32, gather_rms_norm,
