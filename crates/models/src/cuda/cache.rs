@@ -80,7 +80,8 @@ pub(super) struct Workspace {
     pub argmax: ArgmaxScratch,
     pub attn_parts: AttentionScratch,
     /// `[2, slots, kv_heads, head_dim]`: one layer's K and V in bf16 for the tensor-core prompt attention (the
-    /// keys its tiles attend, rewritten every layer); one element when prompts take the f32 kernel.
+    /// keys its tiles attend, rewritten every layer); one element when prompts take the f32 kernel. A workspace
+    /// like the others, outside the KV budget: 1 / (2 · layers) of the pages' bytes.
     pub kv_bf16: DeviceBuf<bf16>,
     pub captured: DeviceBuf<f32>, // [T, taps * hidden]
 }

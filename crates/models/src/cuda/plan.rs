@@ -41,10 +41,16 @@ impl TileRows {
 /// changes (at 1,024, 2,048, 4,096 and 8,192 keys; `attn_split_keys`).
 const MAX_CLASS_CUTS: usize = (ATTN_SPLIT_MAX_KEYS / ATTN_KEY_CHUNK).ilog2() as usize;
 
+/// Size-class cuts a graph step's sequence may have (`graph_key` refuses batches with more): `rows` consecutive key
+/// counts cross at most one size-class boundary per 1,024 (the boundaries are 1,024 or more keys apart).
+fn graph_class_cuts(rows: usize) -> usize {
+    (1 + rows / 1024).min(MAX_CLASS_CUTS)
+}
+
 /// Decode tiles of a graph step (padded with empty tiles to this count, so the layout depends on the key alone):
-/// with a class cut, `rows` consecutive key counts cross at most one size-class boundary per 1,024.
+/// room for the class cuts only when the key has one, and none with one-row tiles (a cut adds no tile there).
 fn graph_decode_tiles(key: GraphKey, tile_rows: usize) -> usize {
-    let cuts = if key.class_cut { (1 + key.rows / 1024).min(MAX_CLASS_CUTS) } else { 0 };
+    let cuts = if key.class_cut && tile_rows > 1 { graph_class_cuts(key.rows) } else { 0 };
     key.seqs * (key.rows.div_ceil(tile_rows.max(1)) + cuts)
 }
 
@@ -236,10 +242,15 @@ pub(super) fn graph_key(batch: &ForwardBatch, cfg: &CudaCacheConfig, kv_heads: u
     };
     let n = batch.seqs.len();
     let seqs = [n.next_power_of_two(), n].into_iter().find(|&s| fits(s))?;
+    // Size-class changes between consecutive rows of a sequence whose rows attend keys first ..= first + rows - 1
+    // (the padded sequences': 1 ..= rows).
     let class = |keys: usize| attn_split_keys(keys, kv_heads);
-    // The padded sequences' rows attend keys 1 ..= rows.
-    let class_cut = class(1) != class(rows)
-        || batch.seqs.iter().any(|s| class(s.context_len + 1) != class(s.context_len + s.num_rows));
+    let cuts = |first: usize| (first + 1..first + rows).filter(|&k| class(k) != class(k - 1)).count();
+    let most = batch.seqs.iter().map(|s| cuts(s.context_len + 1)).chain([cuts(1)]).max().unwrap_or(0);
+    if most > graph_class_cuts(rows) {
+        return None;
+    }
+    let class_cut = most > 0;
     Some(GraphKey { seqs, rows, long_keys: long_keys(batch), class_cut })
 }
 

@@ -249,8 +249,9 @@ pub enum KeySplit {
     /// their first partial row; `partial_rows` bounds them (the scratch must hold that many).
     Fixed { keys: usize, max_splits: usize, partial_rows: usize },
     /// As `Fixed`, with each tile's keys per split [`attn_split_keys`] of its first row's keys (decode and verify
-    /// rows: long contexts take longer splits). Tiles keep rows of one size class: a tile's later rows are cut as
-    /// its first, correct but no longer independent of how rows were tiled.
+    /// rows: long contexts take longer splits). Precondition: a tile's rows share one size class (the planner cuts
+    /// tiles where it changes). A later row of a larger class would be cut at the first row's size, into more
+    /// splits than `max_splits` may hold, and lose the keys past them.
     Scaled { max_splits: usize, partial_rows: usize },
 }
 
