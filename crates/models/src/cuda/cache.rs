@@ -3,13 +3,13 @@
 
 use std::collections::HashMap;
 
-use dflash_runtime::cuda::ops::{sum_sq_slots, ArgmaxScratch, AttentionScratch};
+use dflash_runtime::cuda::ops::{attn_max_splits, sum_sq_slots, ArgmaxScratch, AttentionScratch};
 use dflash_runtime::cuda::{DeviceBuf, StepGraph};
 use half::bf16;
 
 use super::error::{CudaModelError, Result};
 use super::model::CudaLlamaModel;
-use super::plan::{max_splits, Layout};
+use super::plan::Layout;
 use super::weights::{DevProjection, DevWeight};
 
 /// Capacities of a [`CudaCache`], fixed when it is made.
@@ -148,7 +148,7 @@ impl CudaLlamaModel {
         let layer_len = (cfg.num_pages + 1) * cfg.page_size * c.num_kv_heads * c.head_dim;
         let taps = self.capture_layers.len();
         let max_k = h.max(f).max(qd);
-        let splits = max_splits(cfg.max_seq_len, c.num_kv_heads);
+        let splits = attn_max_splits(cfg.max_seq_len, c.num_kv_heads);
         let inputs = Layout::capacity(&cfg, self.tile_rows());
         let dense = self.has_dense_weights();
         let ws = Workspace {

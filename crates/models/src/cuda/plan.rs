@@ -54,13 +54,6 @@ fn graph_decode_tiles(key: GraphKey, tile_rows: usize) -> usize {
     key.seqs * (key.rows.div_ceil(tile_rows.max(1)) + cuts)
 }
 
-/// Split blocks per tile for sequences of up to `max_seq_len` tokens of a model with `kv_heads` KV heads. Decode and verify attention cuts a row's keys
-/// at places that depend only on its own key count (`KeySplit::Scaled`: 32-key splits to 1,024 keys, longer ones
-/// past it), so its result does not depend on what else is in the batch.
-pub(super) fn max_splits(max_seq_len: usize, kv_heads: usize) -> usize {
-    attn_max_splits(max_seq_len, kv_heads)
-}
-
 /// Counts that fix where each input lies in the input buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Layout {
@@ -242,10 +235,10 @@ pub(super) fn graph_key(batch: &ForwardBatch, cfg: &CudaCacheConfig, kv_heads: u
     };
     let n = batch.seqs.len();
     let seqs = [n.next_power_of_two(), n].into_iter().find(|&s| fits(s))?;
-    // Size-class changes between consecutive rows of a sequence whose rows attend keys first ..= first + rows - 1
-    // (the padded sequences': 1 ..= rows).
+    // Size-class changes within a sequence whose rows attend keys first ..= first + rows - 1 (the padded
+    // sequences': 1 ..= rows): the split size only grows with the keys, by doubling.
     let class = |keys: usize| attn_split_keys(keys, kv_heads);
-    let cuts = |first: usize| (first + 1..first + rows).filter(|&k| class(k) != class(k - 1)).count();
+    let cuts = |first: usize| (class(first + rows - 1) / class(first)).ilog2() as usize;
     let most = batch.seqs.iter().map(|s| cuts(s.context_len + 1)).chain([cuts(1)]).max().unwrap_or(0);
     if most > graph_class_cuts(rows) {
         return None;
@@ -301,8 +294,8 @@ pub(super) fn plan(
     let t = tokens.len();
     let logit_rows: Vec<u32> = if graph.is_some() { (0..t as u32).collect() } else { batch.logit_rows.to_vec() };
     let decode_splits = match graph {
-        Some(_) => max_splits(cfg.max_seq_len, tile_rows.kv_heads),
-        None => max_splits(b.max_decode_keys, tile_rows.kv_heads),
+        Some(_) => attn_max_splits(cfg.max_seq_len, tile_rows.kv_heads),
+        None => attn_max_splits(b.max_decode_keys, tile_rows.kv_heads),
     };
     let layout = Layout {
         t,
@@ -485,7 +478,7 @@ mod tests {
             &mut host,
         );
         assert_eq!((p.layout.t, p.layout.l, p.layout.seqs), (8, 8, 4));
-        assert_eq!(p.decode_splits, max_splits(16, 8));
+        assert_eq!(p.decode_splits, attn_max_splits(16, 8));
         assert_eq!(&host[p.layout.slots()][6..], &[32, 33], "padded rows write the spare page");
         assert_eq!(&host[p.layout.row_keys()][6..], &[1, 2]);
         assert_eq!(p.max_decode_seq_rows, 2, "padded sequences have the bucket's rows too");

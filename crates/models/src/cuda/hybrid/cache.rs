@@ -4,13 +4,13 @@
 
 use std::collections::HashMap;
 
-use dflash_runtime::cuda::ops::{ArgmaxScratch, AttentionScratch, MoeScratch};
+use dflash_runtime::cuda::ops::{attn_max_splits, ArgmaxScratch, AttentionScratch, MoeScratch};
 use dflash_runtime::cuda::DeviceBuf;
 
 use super::CudaHybridModel;
 use crate::cuda::cache::{CudaCache, CudaCacheConfig, Workspace};
 use crate::cuda::error::{CudaModelError, Result};
-use crate::cuda::plan::{max_splits, Layout, TileRows};
+use crate::cuda::plan::{Layout, TileRows};
 
 /// The GDN and MoE buffers beside the dense workspace.
 #[derive(Debug)]
@@ -126,7 +126,7 @@ impl CudaHybridModel {
                 cfg.max_decode_rows.max(1),
                 b.num_heads,
                 b.head_dim,
-                max_splits(cfg.max_seq_len, b.num_kv_heads),
+                attn_max_splits(cfg.max_seq_len, b.num_kv_heads),
             )?,
             kv_bf16: dev.alloc_zeros(1)?, // prompts take the f32 kernel (tile_rows)
             captured: dev.alloc_zeros((t * self.capture_layers.len() * h).max(1))?,
