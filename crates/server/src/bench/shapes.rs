@@ -31,6 +31,9 @@ pub struct ShapesArgs {
     /// Only the single-sequence decode (for profiling a few steps).
     #[arg(long)]
     pub quick: bool,
+    /// With `--quick`: then 24 verify steps of this many rows of the single sequence (for profiling one width).
+    #[arg(long, requires = "quick", value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub verify_rows: Option<u64>,
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
@@ -202,7 +205,9 @@ mod gpu {
         );
         if !a.quick {
             batch_steps(model, &mut cache, pages_per_seq)?;
-            verify_steps(model, &mut cache, &table)?;
+            verify_steps(model, &mut cache, &table, &[1, 2, 3, 4, 6, 8, 12, 16])?;
+        } else if let Some(rows) = a.verify_rows {
+            verify_steps(model, &mut cache, &table, &[rows as usize])?;
         }
         Ok(())
     }
@@ -265,11 +270,12 @@ mod gpu {
         Ok(())
     }
 
-    /// Verify steps of one sequence: 1, 2, 3, 4, 6, 8, 12, 16 rows at once (the rows overwrite the same slots).
-    fn verify_steps(model: &CudaLlamaModel, cache: &mut CudaCache, table: &[u32]) -> Result<()> {
-        println!("{:>6} {:>12} {:>16}", "rows", "ms/step", "x 1-row step");
+    /// Verify steps of one sequence with each of `widths` rows at once (the rows overwrite the same slots); the
+    /// ratio column is against the first width.
+    fn verify_steps(model: &CudaLlamaModel, cache: &mut CudaCache, table: &[u32], widths: &[usize]) -> Result<()> {
+        println!("{:>6} {:>12} {:>16}", "rows", "ms/step", "x first width");
         let mut one = 0.0;
-        for r in [1usize, 2, 3, 4, 6, 8, 12, 16] {
+        for (w, &r) in widths.iter().enumerate() {
             let tokens: Vec<u32> = (0..r as u32).map(|i| 5 + i).collect();
             let mut times = Vec::new();
             for _ in 0..24 {
@@ -278,7 +284,7 @@ mod gpu {
                 times.push(t.elapsed().as_secs_f64() * 1e3);
             }
             let med = median(&mut times[2..].to_vec());
-            if r == 1 {
+            if w == 0 {
                 one = med;
             }
             println!("{r:>6} {med:>12.4} {:>16.2}", med / one);
