@@ -157,8 +157,9 @@ __device__ __forceinline__ u32 attn_split_keys(u32 keys, u32 kv_heads) {
     return split;
 }
 
-// The merge of split-key attention (a launch after paged_attention's split mode): block (tile, head) merges,
-// for each row r of the tile, that head's splits in order: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M)
+// The merge of split-key attention (a launch after paged_attention's split mode): block (tile, head, z) merges
+// rows z, z + gridDim.z, ... of the tile (the host launches a z per row of its largest tile, so a verify's rows
+// merge side by side), each over that head's splits in order: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M)
 // l_s, M the largest m_s. Thread d owns output dim d; the splits' weights go through shared memory in chunks
 // of the block's width. A row's result depends only on its own splits, in split order. Memory: the partial
 // states once (splits x head_dim x 4 bytes per row and head), spread over tiles x heads blocks.
@@ -174,14 +175,16 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
     const u32 seq = tile[0], row0 = tile[1], nrows = tile[2], part0 = tile[3];
     // Tiles paged_attention skips are skipped; the first row's key count is a step input too.
     const bool skip = nrows == 0 || seq >= num_seqs || row0 >= num_rows || nrows > num_rows - row0;
-    const u32 first_keys = skip ? 0u : row_keys[row0];
+    const u32 z = blockIdx.z;
+    const u32 first_keys = skip || z >= nrows ? 0u : row_keys[row0];
+    const u32 z_keys = skip || z >= nrows ? 0u : row_keys[row0 + z];
     const u32 sk = split_keys == ATTN_SPLIT_SCALED ? attn_split_keys(first_keys, kv_heads) : split_keys;
     DF_GRID_DEPENDENCY();
     if (skip) return;
     const u32 head = blockIdx.y, D = head_dim, t = threadIdx.x;
-    for (u32 r = 0; r < nrows; ++r) {
+    for (u32 r = z; r < nrows; r += gridDim.z) {
         const u64 item0 = ((u64)(part0 + r) * num_heads + head) * max_splits;
-        const u32 splits = min(max_splits, ((r == 0 ? first_keys : row_keys[row0 + r]) + sk - 1) / sk);
+        const u32 splits = min(max_splits, ((r == z ? z_keys : row_keys[row0 + r]) + sk - 1) / sk);
         // One round trip for what the first chunk needs: thread t's split state (m, l) and, for its dim, the first
         // splits' accumulators; the rest of a long row's states are read as before.
         float2 ml = make_float2(DF_NEG_INF, 0.0f);
@@ -233,7 +236,7 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
             }
         }
         if (t < D) out[(u64)(row0 + r) * num_heads * D + (u64)head * D + t] = sum > 0.0f ? acc / sum : 0.0f;
-        __syncthreads();  // scratch and the weights are free for the next row
+        __syncthreads();  // scratch and the weights are free for the block's next row
     }
 }
 

@@ -534,10 +534,13 @@ fn launch_paged_attention(
         .arg(&grid_z)
         .arg(&num_seqs)
         .arg(&rows);
-    let cfg = LaunchConfig { grid_dim: (dim(tiles, "tiles")?, nh, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let tile_rows = dim(a.max_tile_rows.max(1), "tile rows")?;
+    let cfg =
+        LaunchConfig { grid_dim: (dim(tiles, "tiles")?, nh, tile_rows), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: the arguments match attn_merge_splits' signature; it reads the partial states the launch above
     // wrote for the same tiles (same stream), each row's first ceil(keys / split_keys) splits, capped at
-    // max_splits, and skips tiles paged_attention skips; head_dim <= 256 = the block's threads.
+    // max_splits, and skips tiles paged_attention skips and rows past a tile's; head_dim <= 256 = the block's
+    // threads.
     unsafe { merge.launch(cfg) }.map_err(launch_err("attn_merge_splits"))?;
     Ok(())
 }
