@@ -408,6 +408,9 @@ fn attention_with_rope_folded_in_equals_rope_kv_write_then_attention() {
         // Qwen3-Next's attention heads (the head_dim 256 kernel, 2 rows per tile), a quarter of the dims rotated,
         // a verify of 5 rows in 3 tiles.
         (AttnCase { seqs: vec![(200, 1, 0), (93, 2, 0), (27, 5, 0)], nh: 16, kvh: 2, d: 256, ps: 16 }, 64, true, 0),
+        // SmolLM2's heads (64 dims, 3 query heads per kv head: tiles of 5 rows; the general RoPE path), verifies
+        // of 7 rows in 2 tiles.
+        (AttnCase { seqs: vec![(45, 1, 0), (90, 7, 0), (1300, 7, 0)], nh: 9, kvh: 3, d: 64, ps: 16 }, 64, true, 1),
     ];
     for (mut case, rot, head_norm, pads) in cases {
         let real_seqs = case.seqs.len();
