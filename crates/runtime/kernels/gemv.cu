@@ -316,7 +316,7 @@ __device__ __forceinline__ void tc_load_x(const float* const* xrows, const float
 
 // acc[p][tile][4]: p = 0 the weight rows col0.., p = 1 the up rows (SwiGLU only); HALF: p = 0 only, the gate rows
 // col0.. and then their up rows.
-template <int T, bool SWIGLU, bool NORM, bool STREAM, bool HALF>
+template <int T, bool SWIGLU, bool NORM, bool STREAM, bool HALF, int BPS>
 __device__ __forceinline__ void tc_block_mma(const bf16_t* __restrict__ w, const float* __restrict__ x,
                                              const float* __restrict__ nw, u32 n_out, u32 k, u32 m, u32 col0,
                                              float (*acc)[T][4]) {
@@ -340,7 +340,7 @@ __device__ __forceinline__ void tc_block_mma(const bf16_t* __restrict__ w, const
     // with U = 2. Two tiles of activations fit the registers beside two passes only without SwiGLU's second
     // weight and the norm's (ptxas spilled otherwise), four tiles never: those take one k-block per pass. The
     // accumulation order is the warp's k-blocks in turn either way: a row's bits do not depend on T or U.
-    constexpr int U = T == 1 || (T == 2 && !SWIGLU && !NORM) ? 2 : 1;
+    constexpr int U = BPS == 3 ? 1 : T == 1 || (T == 2 && !SWIGLU && !NORM) ? 2 : 1;
     for (u32 kb = warp * TC_KB; kb < k; kb += U * TC_WARPS * TC_KB) {
         u32 wd[U][2][2][8];
         u32 xd[U][T][8];
@@ -422,7 +422,7 @@ struct TcSmem {
     float inv[8 * T];
 };
 
-template <int T, bool SWIGLU, bool NORM, bool STREAM, bool HALF>
+template <int T, bool SWIGLU, bool NORM, bool STREAM, bool HALF, int BPS = 2>
 __device__ __forceinline__ void gemm_bf16_small(const bf16_t* __restrict__ w, const float* __restrict__ x,
                                                 float* __restrict__ y, u32 n_out, u32 k, u32 m, u32 y_ld,
                                                 u32 epi, const float* __restrict__ norm_w,
@@ -440,7 +440,7 @@ __device__ __forceinline__ void gemm_bf16_small(const bf16_t* __restrict__ w, co
         for (int i = 0; i < T; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[p][i][e] = 0.0f;
-    tc_block_mma<T, SWIGLU, NORM, STREAM, HALF>(w, x, norm_w, n_out, k, m, col0, acc);
+    tc_block_mma<T, SWIGLU, NORM, STREAM, HALF, BPS>(w, x, norm_w, n_out, k, m, col0, acc);
     if (NORM) tc_row_inv_rms<T>(ss_in, k, m, eps, inv);
     // The warps' partial sums, added in warp order by warp 0.
     if (warp > 0) {
@@ -528,3 +528,28 @@ DF_GEMM_SMALL(4, gemm_bf16_small_stream_t4, false, true)
 DF_GEMM_SMALL(1, gemm_bf16_small_norm_stream_t1, true, true)
 DF_GEMM_SMALL(2, gemm_bf16_small_norm_stream_t2, true, true)
 DF_GEMM_SMALL(4, gemm_bf16_small_norm_stream_t4, true, true)
+
+// The one-tile streamed kernels at three blocks per SM (one k-block per pass: 80 registers), for matrices of two to
+// three waves at two per SM (the Qwen3-8B shape's q/k/v, 384 blocks on 132 SMs), which then run in one. The same
+// products in the same order as gemm_bf16_small_*stream_t1 (U only changes which loads are in flight), so the bits
+// are theirs. Measured (PERFORMANCE.md entry 58): q/k/v 18.6 -> 16.4 us, the 8B step 0.4-1.0% shorter; on every
+// streamed matrix the gate/up lost 1.5 us, so only those of 2-3 waves take it.
+#define DF_GEMM_SMALL3(NAME, NORM)                                                                              \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 3)                                              \
+        NAME(const bf16_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, u32 n_out, u32 k, \
+             u32 m, u32 y_ld, u32 epi, const float* __restrict__ norm_w, const float* __restrict__ ss_in,        \
+             float* __restrict__ ss_out, float eps, u32 pf_k) {                                                 \
+        __shared__ TcSmem<1> smem;                                                                              \
+        tc_prefetch_weights(w, n_out, k, epi, pf_k, epi == EPI_SWIGLU);                                         \
+        DF_GRID_DEPENDENCY();                                                                                   \
+        if (epi == EPI_SWIGLU) {                                                                                \
+            gemm_bf16_small<1, true, NORM, true, true, 3>(w, x, y, n_out, k, m, y_ld, epi, norm_w, ss_in, ss_out, \
+                                                          eps, &smem);                                          \
+        } else {                                                                                                \
+            gemm_bf16_small<1, false, NORM, true, false, 3>(w, x, y, n_out, k, m, y_ld, epi, norm_w, ss_in,       \
+                                                            ss_out, eps, &smem);                                \
+        }                                                                                                       \
+    }
+
+DF_GEMM_SMALL3(gemm_bf16_small_stream3_t1, false)
+DF_GEMM_SMALL3(gemm_bf16_small_norm_stream3_t1, true)

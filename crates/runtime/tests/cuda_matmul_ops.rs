@@ -248,8 +248,10 @@ fn small_bf16_matmul_matches_cpu_and_gives_each_row_the_same_bits_in_any_batch()
     let mut rng = Rng::new(26);
     // k = 104, 2056 and 136 end inside a 64-wide k-block (136 gives most warps nothing to do); n_out = 37, 5
     // and 8500 end inside a 16-column tile. 4096 x 4096 is too large to prefetch into the H200's L2 whole, so it
-    // takes the kernels whose weight loads are hinted for a stream from DRAM.
-    for (n_out, k) in [(37, 576), (1000, 4096), (16, 104), (5, 2056), (8500, 136), (4096, 4096)] {
+    // takes the kernels whose weight loads are hinted for a stream from DRAM; 5004 x 4096 (313 blocks: two to
+    // three waves at two per SM on 132 SMs) the three-per-SM kernel for up to 8 rows, so its rows alone must give
+    // the bits the 13- and 32-row kernels give.
+    for (n_out, k) in [(37, 576), (1000, 4096), (16, 104), (5, 2056), (8500, 136), (4096, 4096), (5004, 4096)] {
         for epi in [Epilogue::Store, Epilogue::Add, Epilogue::Swiglu] {
             let n = epi.weight_rows(n_out);
             let w: Vec<bf16> = rng.vec(n * k, 1.0).into_iter().map(bf16::from_f32).collect();
@@ -323,8 +325,9 @@ fn residual_then_folded_norm(
 fn small_bf16_matmul_folds_the_pre_norm_from_the_sums_of_squares_it_leaves() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(27);
-    // h = 1000 ends inside a 16-column slot and 136 inside a 64-wide k-block; 4096 is the Qwen3-8B shape's.
-    for (h, kp, n_out) in [(1000, 576, 37), (4096, 64, 300), (136, 200, 16)] {
+    // h = 1000 ends inside a 16-column slot and 136 inside a 64-wide k-block; 4096 is the Qwen3-8B shape's, and
+    // 5004 outputs from it take the three-per-SM kernel for up to 8 rows (see the test above).
+    for (h, kp, n_out) in [(1000, 576, 37), (4096, 64, 300), (136, 200, 16), (4096, 64, 5004)] {
         let (wp, _) = bf16_matrix(dev, &mut rng, h, kp);
         let nw_host: Vec<f32> = rng.vec(h, 0.5).iter().map(|v| v + 1.0).collect();
         let nw = dev.upload(&nw_host).expect("nw");

@@ -350,7 +350,16 @@ pub fn gemm_bf16_small<'a>(
     let grid = dim(n_out.div_ceil(if half { cols / 2 } else { cols }), "blocks")?;
     // A matrix whose resident blocks fit the L2 loads plainly; one streamed from DRAM takes the `_stream` kernels.
     let kernels = if norm.fold.is_some() { &dev.kernels.gemm_bf16_small_norm } else { &dev.kernels.gemm_bf16_small };
-    let mut launch = dev.launch_builder(&kernels[usize::from(!fits)][tile]);
+    // One row tile of a streamed matrix that takes two to three waves of two blocks per SM runs in one wave of three.
+    let sms = dev.info().multiprocessors.max(1) as usize;
+    let one_wave_of_three = (2 * sms + 1..=3 * sms).contains(&(grid as usize));
+    let three = one_wave_of_three && !fits && tile == 0 && !three_per_sm_off();
+    let kernel = if three {
+        &dev.kernels.gemm_bf16_small_stream3[usize::from(norm.fold.is_some())]
+    } else {
+        &kernels[usize::from(!fits)][tile]
+    };
+    let mut launch = dev.launch_builder(kernel);
     launch.arg(w.arg()).arg(x.arg()).arg(y.arg()).arg(&n).arg(&k32).arg(&m32).arg(&ld).arg(&code);
     let pf_k = dim(prefetch_columns(k, fits), "prefetch columns")?;
     launch.arg(&norm_w).arg(&ss_in).arg(&ss_out).arg(&eps).arg(&pf_k);
@@ -360,6 +369,12 @@ pub fn gemm_bf16_small<'a>(
     // written, the tile count covers m, and the norm's buffers hold m rows of their slots.
     unsafe { launch.launch(cfg) }.map_err(launch_err("gemm_bf16_small"))?;
     Ok(())
+}
+
+/// `DFLASH_GEMM_3=0` keeps matrices of two to three waves on the two-per-SM kernels (for side-by-side runs).
+fn three_per_sm_off() -> bool {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    *OFF.get_or_init(|| std::env::var("DFLASH_GEMM_3").is_ok_and(|v| v.trim() == "0"))
 }
 
 /// Whether the weight slices of the [`gemm_bf16_small`] blocks that can be resident at once (two per SM) take at
