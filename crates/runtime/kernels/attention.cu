@@ -288,7 +288,9 @@ __device__ __forceinline__ void attention_rope_rows(const RopeFold& rf, u32 row0
 // One head in registers, for NeoX RoPE over the whole head (N * 32 dims, N even): lane l holds dims l + 32j in
 // x[j], so each rotation pair (p, p + half) is x[j], x[j + N / 2] of one lane. rope_head's operations in its order
 // (the same bits): the sum of squares over j, the norm's scale, then the rotation by c, s (the lane's cos / sin at
-// dims l + 32j, j < N / 2; `bad`: a position past the table, NaN).
+// dims l + 32j, j < N / 2; `bad`: a position past the table, NaN). The mean's division by the constant 32N may
+// become a multiplication fused with the + eps; the scaling by a power of two is exact, so the bits differ from
+// rope_head's only for a sum of squares below 2^-119 (a subnormal mean).
 template <u32 N>
 __device__ __forceinline__ void rope_lanes(float* x, const float* nw, bool norm, float eps, const float* c,
                                            const float* s, bool bad) {

@@ -388,9 +388,10 @@ fn fits_l2(dev: &CudaDevice, k: usize, blocks: usize, rows_per_block: usize) -> 
 
 /// Weight columns each [`gemm_bf16_small`] block pulls into L2 before the kernel ahead of it has finished (with
 /// programmatic dependent launch its blocks are resident early, while that kernel drains): all of them for a matrix
-/// that [`fits_l2`], else the first pass (two k-blocks of 64 per warp; a whole larger slice would evict itself
-/// before it is read: the Qwen3-8B shape went 17% slower). `DFLASH_GEMM_PREFETCH=first` keeps the first pass
-/// everywhere (for side-by-side measurements; the loads stay as [`fits_l2`] says).
+/// that [`fits_l2`], else the first 1,024 columns (a two-per-SM block's first pass, two k-blocks of 64 per warp; the
+/// first two passes of a three-per-SM block; a whole larger slice would evict itself before it is read: the Qwen3-8B
+/// shape went 17% slower). `DFLASH_GEMM_PREFETCH=first` keeps the 1,024 columns everywhere (for side-by-side
+/// measurements; the loads stay as [`fits_l2`] says).
 fn prefetch_columns(k: usize, fits_l2: bool) -> usize {
     static FIRST: OnceLock<bool> = OnceLock::new();
     let first_only = *FIRST.get_or_init(|| std::env::var("DFLASH_GEMM_PREFETCH").is_ok_and(|v| v.trim() == "first"));
