@@ -422,7 +422,7 @@ struct TcSmem {
     float inv[8 * T];
 };
 
-template <int T, bool SWIGLU, bool NORM, bool STREAM, bool HALF, int BPS = 2>
+template <int T, bool SWIGLU, bool NORM, bool STREAM, bool HALF, int BPS>
 __device__ __forceinline__ void gemm_bf16_small(const bf16_t* __restrict__ w, const float* __restrict__ x,
                                                 float* __restrict__ y, u32 n_out, u32 k, u32 m, u32 y_ld,
                                                 u32 epi, const float* __restrict__ norm_w,
@@ -498,8 +498,13 @@ __device__ __forceinline__ void tc_prefetch_weights(const bf16_t* __restrict__ w
 
 // gemm_bf16_small_t{T} and, with the pre-norm folded in, gemm_bf16_small_norm_t{T} (kernels of their own: in
 // one kernel the four variants' registers spilled at T = 4); `_stream` for matrices read from DRAM (ld_weight16).
-#define DF_GEMM_SMALL(T, NAME, NORM, STREAM)                                                                    \
-    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2)                                              \
+// BPS blocks per SM: 2, or 3 for `_stream3_t1`, the one-tile streamed kernels with one k-block per pass (80
+// registers) for matrices of two to three waves at two per SM (the Qwen3-8B shape's q/k/v, 384 blocks on 132 SMs),
+// which then run in one. The same products in the same order (U only changes which loads are in flight), so the
+// bits are the two-per-SM kernels'. Measured (PERFORMANCE.md entry 58): q/k/v 18.6 -> 16.4 us, the 8B step 0.4-1.0%
+// shorter; on every streamed matrix the gate/up lost 1.5 us, so only those of 2-3 waves take it.
+#define DF_GEMM_SMALL(T, NAME, NORM, STREAM, BPS)                                                               \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, BPS)                                            \
         NAME(const bf16_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, u32 n_out, u32 k, \
              u32 m, u32 y_ld, u32 epi, const float* __restrict__ norm_w, const float* __restrict__ ss_in,        \
              float* __restrict__ ss_out, float eps, u32 pf_k) {                                                 \
@@ -508,48 +513,25 @@ __device__ __forceinline__ void tc_prefetch_weights(const bf16_t* __restrict__ w
         tc_prefetch_weights(w, n_out, k, epi, pf_k, HALF && epi == EPI_SWIGLU);                                 \
         DF_GRID_DEPENDENCY();                                                                                   \
         if (epi == EPI_SWIGLU) {                                                                                \
-            gemm_bf16_small<T, true, NORM, STREAM, HALF>(w, x, y, n_out, k, m, y_ld, epi, norm_w, ss_in, ss_out,  \
-                                                         eps, &smem);                                           \
+            gemm_bf16_small<T, true, NORM, STREAM, HALF, BPS>(w, x, y, n_out, k, m, y_ld, epi, norm_w, ss_in,     \
+                                                              ss_out, eps, &smem);                              \
         } else {                                                                                                \
-            gemm_bf16_small<T, false, NORM, STREAM, false>(w, x, y, n_out, k, m, y_ld, epi, norm_w, ss_in,        \
-                                                           ss_out, eps, &smem);                                 \
+            gemm_bf16_small<T, false, NORM, STREAM, false, BPS>(w, x, y, n_out, k, m, y_ld, epi, norm_w, ss_in,   \
+                                                                ss_out, eps, &smem);                            \
         }                                                                                                       \
     }
 
-DF_GEMM_SMALL(1, gemm_bf16_small_t1, false, false)
-DF_GEMM_SMALL(2, gemm_bf16_small_t2, false, false)
-DF_GEMM_SMALL(4, gemm_bf16_small_t4, false, false)
-DF_GEMM_SMALL(1, gemm_bf16_small_norm_t1, true, false)
-DF_GEMM_SMALL(2, gemm_bf16_small_norm_t2, true, false)
-DF_GEMM_SMALL(4, gemm_bf16_small_norm_t4, true, false)
-DF_GEMM_SMALL(1, gemm_bf16_small_stream_t1, false, true)
-DF_GEMM_SMALL(2, gemm_bf16_small_stream_t2, false, true)
-DF_GEMM_SMALL(4, gemm_bf16_small_stream_t4, false, true)
-DF_GEMM_SMALL(1, gemm_bf16_small_norm_stream_t1, true, true)
-DF_GEMM_SMALL(2, gemm_bf16_small_norm_stream_t2, true, true)
-DF_GEMM_SMALL(4, gemm_bf16_small_norm_stream_t4, true, true)
-
-// The one-tile streamed kernels at three blocks per SM (one k-block per pass: 80 registers), for matrices of two to
-// three waves at two per SM (the Qwen3-8B shape's q/k/v, 384 blocks on 132 SMs), which then run in one. The same
-// products in the same order as gemm_bf16_small_*stream_t1 (U only changes which loads are in flight), so the bits
-// are theirs. Measured (PERFORMANCE.md entry 58): q/k/v 18.6 -> 16.4 us, the 8B step 0.4-1.0% shorter; on every
-// streamed matrix the gate/up lost 1.5 us, so only those of 2-3 waves take it.
-#define DF_GEMM_SMALL3(NAME, NORM)                                                                              \
-    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 3)                                              \
-        NAME(const bf16_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, u32 n_out, u32 k, \
-             u32 m, u32 y_ld, u32 epi, const float* __restrict__ norm_w, const float* __restrict__ ss_in,        \
-             float* __restrict__ ss_out, float eps, u32 pf_k) {                                                 \
-        __shared__ TcSmem<1> smem;                                                                              \
-        tc_prefetch_weights(w, n_out, k, epi, pf_k, epi == EPI_SWIGLU);                                         \
-        DF_GRID_DEPENDENCY();                                                                                   \
-        if (epi == EPI_SWIGLU) {                                                                                \
-            gemm_bf16_small<1, true, NORM, true, true, 3>(w, x, y, n_out, k, m, y_ld, epi, norm_w, ss_in, ss_out, \
-                                                          eps, &smem);                                          \
-        } else {                                                                                                \
-            gemm_bf16_small<1, false, NORM, true, false, 3>(w, x, y, n_out, k, m, y_ld, epi, norm_w, ss_in,       \
-                                                            ss_out, eps, &smem);                                \
-        }                                                                                                       \
-    }
-
-DF_GEMM_SMALL3(gemm_bf16_small_stream3_t1, false)
-DF_GEMM_SMALL3(gemm_bf16_small_norm_stream3_t1, true)
+DF_GEMM_SMALL(1, gemm_bf16_small_t1, false, false, 2)
+DF_GEMM_SMALL(2, gemm_bf16_small_t2, false, false, 2)
+DF_GEMM_SMALL(4, gemm_bf16_small_t4, false, false, 2)
+DF_GEMM_SMALL(1, gemm_bf16_small_norm_t1, true, false, 2)
+DF_GEMM_SMALL(2, gemm_bf16_small_norm_t2, true, false, 2)
+DF_GEMM_SMALL(4, gemm_bf16_small_norm_t4, true, false, 2)
+DF_GEMM_SMALL(1, gemm_bf16_small_stream_t1, false, true, 2)
+DF_GEMM_SMALL(2, gemm_bf16_small_stream_t2, false, true, 2)
+DF_GEMM_SMALL(4, gemm_bf16_small_stream_t4, false, true, 2)
+DF_GEMM_SMALL(1, gemm_bf16_small_norm_stream_t1, true, true, 2)
+DF_GEMM_SMALL(2, gemm_bf16_small_norm_stream_t2, true, true, 2)
+DF_GEMM_SMALL(4, gemm_bf16_small_norm_stream_t4, true, true, 2)
+DF_GEMM_SMALL(1, gemm_bf16_small_stream3_t1, false, true, 3)
+DF_GEMM_SMALL(1, gemm_bf16_small_norm_stream3_t1, true, true, 3)
