@@ -372,7 +372,7 @@ impl AttentionArgs<'_> {
 }
 
 /// Runs [`AttentionArgs`]: grid (tiles, kv heads, splits); with split keys then the merge, grid
-/// (tiles, heads).
+/// (tiles, heads, rows of the largest tile).
 ///
 /// # Errors
 /// Lengths that do not form the shapes, unsupported head sizes, too small a scratch; a launch failure.
