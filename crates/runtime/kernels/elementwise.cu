@@ -50,7 +50,7 @@ __device__ __forceinline__ void swiglu_body(const float* __restrict__ gate_up, T
                                             u32 inter) {
     const u32 i = 4 * (blockIdx.x * blockDim.x + threadIdx.x);
     if (i >= inter) return;
-    const bool vec = inter % 4 == 0 && aligned16(gate_up) && ((u64)out & (4 * sizeof(T) - 1)) == 0;
+    const bool vec = inter % 4 == 0 && aligned16(gate_up) && store4_aligned(out);
     for (u64 r = blockIdx.y; r < rows; r += gridDim.y) {
         const float* gr = gate_up + r * 2 * inter;
         T* orow = out + r * inter;
@@ -81,7 +81,7 @@ extern "C" __global__ void swiglu_fused_bf16(const float* __restrict__ gate_up, 
 // Memory floor: read 4 + write 2 bytes per element.
 extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, bf16_t* __restrict__ out, u64 n) {
     DF_GRID_DEPENDENCY();
-    const bool vec = aligned16(x) && ((u64)out & 7u) == 0;
+    const bool vec = aligned16(x) && store4_aligned(out);
     for (u64 i = 4 * ((u64)blockIdx.x * blockDim.x + threadIdx.x); i < n; i += 4 * (u64)gridDim.x * blockDim.x) {
         if (vec && i + 4 <= n) {
             const float4 v = *reinterpret_cast<const float4*>(x + i);

@@ -16,7 +16,7 @@ __device__ __forceinline__ void rms_norm_body(const float* __restrict__ x, const
     const u64 row = blockIdx.x;
     const float* xr = x + row * hidden;
     T* orow = out + row * hidden;
-    const bool vec = hidden % 4 == 0 && aligned16(x) && aligned16(w) && ((u64)out & (4 * sizeof(T) - 1)) == 0;
+    const bool vec = hidden % 4 == 0 && aligned16(x) && aligned16(w) && store4_aligned(out);
     float sum_sq = 0.0f;
     if (vec) {
         const float4* xr4 = reinterpret_cast<const float4*>(xr);

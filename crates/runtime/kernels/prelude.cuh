@@ -69,6 +69,12 @@ __device__ __forceinline__ void store4(bf16_t* p, float a, float b, float c, flo
 // Whether `p` may be read or written as 16 bytes at once.
 __device__ __forceinline__ bool aligned16(const void* p) { return ((u64)p & 15u) == 0; }
 
+// Whether store4 may write at `p` (four elements' bytes aligned).
+template <typename T>
+__device__ __forceinline__ bool store4_aligned(const T* p) {
+    return ((u64)p & (4 * sizeof(T) - 1)) == 0;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
