@@ -435,9 +435,11 @@ __device__ __forceinline__ bool attention_rope_span(const RopeFold& rf, const u3
     return true;
 }
 
-// The body of the paged_attention kernels; DPL: head dims per lane, head_dim <= 32 * DPL. With ROPE (decode and
-// verify tiles only, split_keys > 0), `q` is not read: the block rotates its rows' q itself and takes their new
-// keys from shared memory (attention_rope_rows). The cache is written in this launch (through rf.k_out / v_out)
+// The body of the paged_attention kernels; DPL: head dims per lane, head_dim <= 32 * DPL; HD: head_dim fixed at
+// compile time (0: the argument), so that the chunk's load indices, the dot product's trip count and the lanes'
+// dim checks fold to constants (Qwen3's and Llama's 128: a quarter fewer instructions in the kernel). With ROPE
+// (decode and verify tiles only, split_keys > 0), `q` is not read: the block rotates its rows' q itself and takes
+// their new keys from shared memory (attention_rope_rows). The cache is written in this launch (through rf.k_out / v_out)
 // while k_cache / v_cache are read as restrict pointers; that holds because no block reads through them an element
 // any block writes: every key a block's rows see that this step writes is a key of its own sequence's rows, all
 // of which attention_rope_span puts in shared memory (padded graph sequences included: their keys are all their
@@ -448,7 +450,7 @@ __device__ __forceinline__ bool attention_rope_span(const RopeFold& rf, const u3
 // cached K/V (written by earlier steps; this step's keys come from shared memory), while the matmul before it is
 // still finishing. Only q|k|v (ROPE), or q and the new cache rows (rope_kv_write before it), wait. Every block
 // waits before it exits, so the launch never completes before the kernel it depends on.
-template <u32 DPL, bool ROPE>
+template <u32 DPL, bool ROPE, u32 HD>
 __device__ __forceinline__ void paged_attention_body(
     const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
     const u32* __restrict__ row_keys, const u32* __restrict__ tiles, const u32* __restrict__ tables,
@@ -469,7 +471,8 @@ __device__ __forceinline__ void paged_attention_body(
         return;
     }
     const u32 kvh = blockIdx.y, split = blockIdx.z;
-    const u32 D = head_dim, D4 = head_dim >> 2, group = num_heads / kv_heads, nq = min(nrows * group, ATTN_MAXQ);
+    const u32 D = HD != 0 ? HD : head_dim, D4 = D >> 2;
+    const u32 group = num_heads / kv_heads, nq = min(nrows * group, ATTN_MAXQ);
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u64 q_ld = (u64)num_heads * D;
     const u32 k_ld = D + 4;  // padded: the score loop's 16-byte reads of 32 key rows hit distinct banks
@@ -666,25 +669,27 @@ __device__ __forceinline__ void paged_attention_body(
              u32 kv_heads, u32 head_dim, u32 page_size, u32 table_stride, float scale, u32 split_keys,             \
              u32 num_pages, u32 num_seqs, u32 num_rows) {                                                          \
         const RopeFold none = {};                                                                                  \
-        paged_attention_body<DPL, false>(q, k_cache, v_cache, row_keys, tiles, tables, out, part_acc, part_ml,     \
+        paged_attention_body<DPL, false, 0>(q, k_cache, v_cache, row_keys, tiles, tables, out, part_acc, part_ml,     \
                                          num_heads, kv_heads, head_dim, page_size, table_stride, scale,            \
                                          split_keys, num_pages, num_seqs, num_rows, none);                         \
     }
 
 // paged_attention with rope_kv_write folded in (RopeFold): one launch fewer per layer of a decode or verify step.
-#define PAGED_ATTENTION_ROPE_KERNEL(NAME, DPL)                                                                     \
+#define PAGED_ATTENTION_ROPE_KERNEL(NAME, DPL, HD)                                                                 \
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                                                  \
         NAME(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,     \
              const u32* __restrict__ row_keys, const u32* __restrict__ tiles, const u32* __restrict__ tables,      \
              float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml, u32 num_heads,     \
              u32 kv_heads, u32 head_dim, u32 page_size, u32 table_stride, float scale, u32 split_keys,             \
              u32 num_pages, u32 num_seqs, u32 num_rows, RopeFold rf) {                                             \
-        paged_attention_body<DPL, true>(q, k_cache, v_cache, row_keys, tiles, tables, out, part_acc, part_ml,      \
-                                        num_heads, kv_heads, head_dim, page_size, table_stride, scale, split_keys, \
-                                        num_pages, num_seqs, num_rows, rf);                                        \
+        paged_attention_body<DPL, true, HD>(q, k_cache, v_cache, row_keys, tiles, tables, out, part_acc, part_ml,  \
+                                            num_heads, kv_heads, head_dim, page_size, table_stride, scale,         \
+                                            split_keys, num_pages, num_seqs, num_rows, rf);                        \
     }
 
-PAGED_ATTENTION_ROPE_KERNEL(paged_attention_rope, 4)
-PAGED_ATTENTION_ROPE_KERNEL(paged_attention_rope_d256, 8)
+PAGED_ATTENTION_ROPE_KERNEL(paged_attention_rope, 4, 0)
+PAGED_ATTENTION_ROPE_KERNEL(paged_attention_rope_d256, 8, 0)
+PAGED_ATTENTION_ROPE_KERNEL(paged_attention_rope_hd128, 4, 128)  // head_dim == 128
+PAGED_ATTENTION_ROPE_KERNEL(paged_attention_rope_hd64, 2, 64)    // head_dim == 64 (SmolLM2)
 PAGED_ATTENTION_KERNEL(paged_attention, 4)       // head_dim <= 128
 PAGED_ATTENTION_KERNEL(paged_attention_d256, 8)  // 128 < head_dim <= 256

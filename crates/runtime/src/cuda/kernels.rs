@@ -117,6 +117,9 @@ pub(crate) struct Kernels {
     /// `paged_attention` (head_dim <= 128, 256) with RoPE + KV write folded in.
     pub paged_attention_rope: CudaFunction,
     pub paged_attention_rope_d256: CudaFunction,
+    /// `paged_attention_rope` compiled for head_dim == 128 and == 64.
+    pub paged_attention_rope_hd128: CudaFunction,
+    pub paged_attention_rope_hd64: CudaFunction,
     pub attn_merge_splits: CudaFunction,
     /// Prompt attention on the tensor cores, head_dim 64 and 128, and the bf16 copy of the keys it reads.
     pub kv_to_bf16: CudaFunction,
@@ -223,6 +226,8 @@ impl Kernels {
             paged_attention_d256: big_smem("paged_attention_d256")?,
             paged_attention_rope: big_smem("paged_attention_rope")?,
             paged_attention_rope_d256: big_smem("paged_attention_rope_d256")?,
+            paged_attention_rope_hd128: big_smem("paged_attention_rope_hd128")?,
+            paged_attention_rope_hd64: big_smem("paged_attention_rope_hd64")?,
             attn_merge_splits: get("attn_merge_splits")?,
             kv_to_bf16: get("kv_to_bf16")?,
             prompt_attention_tc_d64: big_smem("prompt_attention_tc_d64")?,

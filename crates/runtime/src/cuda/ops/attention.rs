@@ -475,11 +475,14 @@ fn launch_paged_attention(
         KeySplit::Scaled { max_splits, .. } => (ATTN_SPLIT_SCALED, dim(max_splits, "splits")?),
     };
     // The accumulators are per lane in registers: the kernel for head_dim <= 128 keeps 4 dims per lane, the
-    // other 8 (more registers, so only where needed).
+    // other 8 (more registers, so only where needed). With RoPE folded in, heads of exactly 128 or 64 take a build
+    // of the kernel for that size.
     let k = &dev.kernels;
     let kernel = match (d <= ATTN_SMALL_HEAD_DIM, rope.is_some()) {
         (true, false) => &k.paged_attention,
         (false, false) => &k.paged_attention_d256,
+        (true, true) if d == ATTN_SMALL_HEAD_DIM => &k.paged_attention_rope_hd128,
+        (true, true) if d == 64 => &k.paged_attention_rope_hd64,
         (true, true) => &k.paged_attention_rope,
         (false, true) => &k.paged_attention_rope_d256,
     };
