@@ -498,9 +498,9 @@ __device__ __forceinline__ void tc_prefetch_weights(const bf16_t* __restrict__ w
 
 // gemm_bf16_small_t{T} and, with the pre-norm folded in, gemm_bf16_small_norm_t{T} (kernels of their own: in
 // one kernel the four variants' registers spilled at T = 4); `_stream` for matrices read from DRAM (ld_weight16).
-// BPS blocks per SM: 2, or 3 for `_stream3_t1`, the one-tile streamed kernels with one k-block per pass (80
-// registers) for matrices of two to three waves at two per SM (the Qwen3-8B shape's q/k/v, 384 blocks on 132 SMs),
-// which then run in one. The same products in the same order (U only changes which loads are in flight), so the
+// BPS blocks per SM: 2, or 3 for `_stream3_t{1,2}`, the one- and two-tile streamed kernels with one k-block per
+// pass (80 registers) for matrices of two to three waves at two per SM (the Qwen3-8B shape's q/k/v, 384 blocks on
+// 132 SMs, for a decode row or a verify of up to 16), which then run in one. The same products in the same order (U only changes which loads are in flight), so the
 // bits are the two-per-SM kernels'. Measured (PERFORMANCE.md entry 58): q/k/v 18.6 -> 16.4 us, the 8B step 0.4-1.0%
 // shorter; on every streamed matrix the gate/up lost 1.5 us, so only those of 2-3 waves take it.
 #define DF_GEMM_SMALL(T, NAME, NORM, STREAM, BPS)                                                               \
@@ -535,3 +535,5 @@ DF_GEMM_SMALL(2, gemm_bf16_small_norm_stream_t2, true, true, 2)
 DF_GEMM_SMALL(4, gemm_bf16_small_norm_stream_t4, true, true, 2)
 DF_GEMM_SMALL(1, gemm_bf16_small_stream3_t1, false, true, 3)
 DF_GEMM_SMALL(1, gemm_bf16_small_norm_stream3_t1, true, true, 3)
+DF_GEMM_SMALL(2, gemm_bf16_small_stream3_t2, false, true, 3)
+DF_GEMM_SMALL(2, gemm_bf16_small_norm_stream3_t2, true, true, 3)

@@ -249,8 +249,9 @@ fn small_bf16_matmul_matches_cpu_and_gives_each_row_the_same_bits_in_any_batch()
     // k = 104, 2056 and 136 end inside a 64-wide k-block (136 gives most warps nothing to do); n_out = 37, 5
     // and 8500 end inside a 16-column tile. 4096 x 4096 is too large to prefetch into the H200's L2 whole, so it
     // takes the kernels whose weight loads are hinted for a stream from DRAM; 5004 x 4096 (313 blocks: two to
-    // three waves at two per SM on 132 SMs) the three-per-SM kernel for up to 8 rows, so its rows alone must give
-    // the bits the 13- and 32-row kernels give; so does 3000 x 4096 with SwiGLU (375 blocks of 8 outputs).
+    // three waves at two per SM on 132 SMs) the three-per-SM kernels for up to 16 rows (one and two row tiles), so
+    // its rows alone must give the bits the 13-row (two tiles) and 32-row (two per SM) kernels give; so does
+    // 3000 x 4096 with SwiGLU for up to 8 rows (375 blocks of 8 outputs).
     let shapes = [(37, 576), (1000, 4096), (16, 104), (5, 2056), (8500, 136), (4096, 4096), (5004, 4096), (3000, 4096)];
     for (n_out, k) in shapes {
         for epi in [Epilogue::Store, Epilogue::Add, Epilogue::Swiglu] {
@@ -327,7 +328,7 @@ fn small_bf16_matmul_folds_the_pre_norm_from_the_sums_of_squares_it_leaves() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(27);
     // h = 1000 ends inside a 16-column slot and 136 inside a 64-wide k-block; 4096 is the Qwen3-8B shape's, and
-    // 5004 outputs from it take the three-per-SM kernel for up to 8 rows (see the test above), as does the
+    // 5004 outputs from it take the three-per-SM kernels for up to 16 rows (see the test above), as does the
     // 5120-wide residual's producer from 4096 (320 blocks: the Add epilogue leaving the sums of squares).
     for (h, kp, n_out) in [(1000, 576, 37), (4096, 64, 300), (136, 200, 16), (4096, 64, 5004), (5120, 4096, 300)] {
         let (wp, _) = bf16_matrix(dev, &mut rng, h, kp);

@@ -103,9 +103,9 @@ pub(crate) struct Kernels {
     pub gemm_bf16_small: [Vec<CudaFunction>; 2],
     /// `gemm_bf16_small_norm_t{T}` / `gemm_bf16_small_norm_stream_t{T}`: the same with the pre-norm folded in.
     pub gemm_bf16_small_norm: [Vec<CudaFunction>; 2],
-    /// `gemm_bf16_small_stream3_t1` / `gemm_bf16_small_norm_stream3_t1`: the one-tile `_stream` kernels at three
+    /// `[norm][tile]`: `gemm_bf16_small{,_norm}_stream3_t{1,2}`, the one- and two-tile `_stream` kernels at three
     /// blocks per SM, for matrices of two to three waves at two per SM.
-    pub gemm_bf16_small_stream3: [CudaFunction; 2],
+    pub gemm_bf16_small_stream3: [[CudaFunction; 2]; 2],
     /// `mmvq[format][passes - 1][i]`: format 0 = Q4_0, 1 = Q4_1, 2 = Q8_0; one or two activation passes
     /// (`ActPrecision`); `MMVQ_ROWS[i]` activation rows per block (two passes: up to `MMVQ_X2_MAX_ROWS`).
     pub mmvq: Vec<[Vec<CudaFunction>; 2]>,
@@ -218,7 +218,10 @@ impl Kernels {
                 small_gemm("gemm_bf16_small_norm", "")?,
                 small_gemm("gemm_bf16_small_norm", "_stream")?,
             ],
-            gemm_bf16_small_stream3: [get("gemm_bf16_small_stream3_t1")?, get("gemm_bf16_small_norm_stream3_t1")?],
+            gemm_bf16_small_stream3: [
+                [get("gemm_bf16_small_stream3_t1")?, get("gemm_bf16_small_stream3_t2")?],
+                [get("gemm_bf16_small_norm_stream3_t1")?, get("gemm_bf16_small_norm_stream3_t2")?],
+            ],
             mmvq,
             embedding_quant: get("embedding_quant")?,
             rope_kv_write: get("rope_kv_write")?,

@@ -350,12 +350,13 @@ pub fn gemm_bf16_small<'a>(
     let grid = dim(n_out.div_ceil(if half { cols / 2 } else { cols }), "blocks")?;
     // A matrix whose resident blocks fit the L2 loads plainly; one streamed from DRAM takes the `_stream` kernels.
     let kernels = if norm.fold.is_some() { &dev.kernels.gemm_bf16_small_norm } else { &dev.kernels.gemm_bf16_small };
-    // One row tile of a streamed matrix that takes two to three waves of two blocks per SM runs in one wave of three.
+    // One or two row tiles of a streamed matrix that takes two to three waves of two blocks per SM run in one wave
+    // of three.
     let sms = dev.info().multiprocessors.max(1) as usize;
     let one_wave_of_three = (2 * sms + 1..=3 * sms).contains(&(grid as usize));
-    let three = one_wave_of_three && !fits && tile == 0 && !three_per_sm_off();
+    let three = one_wave_of_three && !fits && tile <= 1 && !three_per_sm_off();
     let kernel = if three {
-        &dev.kernels.gemm_bf16_small_stream3[usize::from(norm.fold.is_some())]
+        &dev.kernels.gemm_bf16_small_stream3[usize::from(norm.fold.is_some())][tile]
     } else {
         &kernels[usize::from(!fits)][tile]
     };
