@@ -435,15 +435,15 @@ __device__ __forceinline__ bool attention_rope_span(const RopeFold& rf, const u3
     return true;
 }
 
-// The body of the paged_attention kernels; DPL: head dims per lane, head_dim <= 32 * DPL; HD: head_dim fixed at
-// compile time (0: the argument), so that the chunk's load indices, the dot product's trip count and the lanes'
-// dim checks fold to constants (Qwen3's and Llama's 128: a quarter fewer instructions in the kernel). With ROPE
-// (decode and verify tiles only, split_keys > 0), `q` is not read: the block rotates its rows' q itself and takes
-// their new keys from shared memory (attention_rope_rows). The cache is written in this launch (through rf.k_out / v_out)
-// while k_cache / v_cache are read as restrict pointers; that holds because no block reads through them an element
-// any block writes: every key a block's rows see that this step writes is a key of its own sequence's rows, all
-// of which attention_rope_span puts in shared memory (padded graph sequences included: their keys are all their
-// own rows'), and a span that does not fit aborts the block before any read.
+// The body of the paged_attention kernels; DPL: head dims per lane, head_dim <= 32 * DPL; HD: head_dim fixed at compile
+// time (0: the argument), so that the chunk's load indices, the dot product's trip count and the lanes' dim checks fold
+// to constants (Qwen3's and Llama's 128: a quarter fewer instructions in the kernel). With ROPE (decode and verify
+// tiles only, split_keys > 0), `q` is not read: the block rotates its rows' q itself and takes their new keys from
+// shared memory (attention_rope_rows). The cache is written in this launch (through rf.k_out / v_out) while k_cache /
+// v_cache are read as restrict pointers; that holds because no block reads through them an element any block writes:
+// every key a block's rows see that this step writes is a key of its own sequence's rows, all of which
+// attention_rope_span puts in shared memory (padded graph sequences included: their keys are all their own rows'), and
+// a span that does not fit aborts the block before any read.
 //
 // The grid dependency wait (prelude.cuh) comes late: the tile, key counts, block table, slots and positions are the
 // step's inputs, which the host wrote before the step, so the block reads them, and under ROPE the first chunk's

@@ -496,13 +496,14 @@ __device__ __forceinline__ void tc_prefetch_weights(const bf16_t* __restrict__ w
 #endif
 }
 
-// gemm_bf16_small_t{T} and, with the pre-norm folded in, gemm_bf16_small_norm_t{T} (kernels of their own: in
-// one kernel the four variants' registers spilled at T = 4); `_stream` for matrices read from DRAM (ld_weight16).
-// BPS blocks per SM: 2, or 3 for `_stream3_t{1,2}`, the one- and two-tile streamed kernels with one k-block per
-// pass (80 registers) for matrices of two to three waves at two per SM (the Qwen3-8B shape's q/k/v, 384 blocks on
-// 132 SMs, for a decode row or a verify of up to 16), which then run in one. The same products in the same order (U only changes which loads are in flight), so the
-// bits are the two-per-SM kernels'. Measured (PERFORMANCE.md entry 58): q/k/v 18.6 -> 16.4 us, the 8B step 0.4-1.0%
-// shorter; on every streamed matrix the gate/up lost 1.5 us, so only those of 2-3 waves take it.
+// gemm_bf16_small_t{T} and, with the pre-norm folded in, gemm_bf16_small_norm_t{T} (kernels of their own: in one kernel
+// the four variants' registers spilled at T = 4); `_stream` for matrices read from DRAM (ld_weight16). BPS blocks per
+// SM: 2, or 3 for `_stream3_t{1,2}`, the one- and two-tile streamed kernels with one k-block per pass (80 registers)
+// for matrices of two to three waves at two per SM (the Qwen3-8B shape's q/k/v, 384 blocks on 132 SMs, for a decode row
+// or a verify of up to 16), which then run in one. The same products in the same order (U only changes which loads are
+// in flight), so the bits are the two-per-SM kernels'. Measured (PERFORMANCE.md entries 58 and 62): q/k/v 18.6 -> 16.4
+// us, the 8B step 0.4-1.0% shorter, its 16-row verify 2.3%; on every streamed matrix the gate/up lost 1.5 us (and with
+// two tiles, the gate/up and LM head took a 16-row verify from 5.43 to 6.10 ms), so only those of 2-3 waves take it.
 #define DF_GEMM_SMALL(T, NAME, NORM, STREAM, BPS)                                                               \
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, BPS)                                            \
         NAME(const bf16_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, u32 n_out, u32 k, \
