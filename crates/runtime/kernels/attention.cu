@@ -669,9 +669,9 @@ __device__ __forceinline__ void paged_attention_body(
              u32 kv_heads, u32 head_dim, u32 page_size, u32 table_stride, float scale, u32 split_keys,             \
              u32 num_pages, u32 num_seqs, u32 num_rows) {                                                          \
         const RopeFold none = {};                                                                                  \
-        paged_attention_body<DPL, false, 0>(q, k_cache, v_cache, row_keys, tiles, tables, out, part_acc, part_ml,     \
-                                         num_heads, kv_heads, head_dim, page_size, table_stride, scale,            \
-                                         split_keys, num_pages, num_seqs, num_rows, none);                         \
+        paged_attention_body<DPL, false, 0>(q, k_cache, v_cache, row_keys, tiles, tables, out, part_acc, part_ml,  \
+                                            num_heads, kv_heads, head_dim, page_size, table_stride, scale,         \
+                                            split_keys, num_pages, num_seqs, num_rows, none);                      \
     }
 
 // paged_attention with rope_kv_write folded in (RopeFold): one launch fewer per layer of a decode or verify step.
