@@ -496,8 +496,9 @@ __device__ __forceinline__ void paged_attention_body(
     float* new_v = new_k + rf.max_seq_rows * D;
     if (ROPE) {
         if (!attention_rope_span(rf, tiles, row_keys, seq, row0, nrows, num_seqs, num_rows, span, tkey)) {
-            // A sequence longer than the launch planned for: this block's partial states become NaN (the merge
-            // then writes NaN rows) rather than reading keys another block may be writing.
+            // A sequence longer than the launch planned for: this block's partial states become NaN rather than
+            // reading keys another block may be writing. (The merge's maximum skips NaN and its sums then fail the
+            // `> 0` test, so these rows come out as zeros, not NaN.)
             DF_GRID_DEPENDENCY();
             for (u32 i = threadIdx.x; i < nq; i += blockDim.x) {
                 const u32 r = i / group, head = kvh * group + (i - r * group);
