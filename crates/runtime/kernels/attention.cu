@@ -570,10 +570,10 @@ __device__ __forceinline__ void paged_attention_body(
             // While the chunk's cached K/V are in flight: wait for the q|k|v rows of the matmul before, then the
             // rows' q and their new keys, into shared memory.
             DF_GRID_DEPENDENCY();
-            // Heads of 128 dims under NeoX RoPE over the whole head (Qwen3, Llama 3) take the register form. The
+            // The 128-dim build (Qwen3, Llama 3) takes the register form under NeoX RoPE over the whole head. The
             // 256-dim kernel keeps the other (its registers are the hybrid decode's), and so do 64-dim heads: with
             // the register form for them too, the SmolLM2 shape's step took 2.5% longer and the Qwen3-0.6B's 4%.
-            if (DPL == 4 && rf.interleaved == 0 && 2u * rf.half == D && D == 128) {
+            if (HD == 128 && rf.interleaved == 0 && 2u * rf.half == D) {
                 attention_rope_rows_lanes<4>(rf, row0, nrows, span[0], span[1], nq, group, kvh, num_heads, kv_heads,
                                              k_begin, k_end, qs, new_k, new_v, tkey);
             } else {

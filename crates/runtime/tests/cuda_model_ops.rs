@@ -411,6 +411,8 @@ fn attention_with_rope_folded_in_equals_rope_kv_write_then_attention() {
         // SmolLM2's heads (64 dims, 3 query heads per kv head: tiles of 5 rows; the general RoPE path), verifies
         // of 7 rows in 2 tiles.
         (AttnCase { seqs: vec![(45, 1, 0), (90, 7, 0), (1300, 7, 0)], nh: 9, kvh: 3, d: 64, ps: 16 }, 64, true, 1),
+        // Heads of 96 dims (neither size with a build of its own: the general kernel), a verify of 6 rows in 2 tiles.
+        (AttnCase { seqs: vec![(33, 1, 0), (70, 6, 0)], nh: 8, kvh: 2, d: 96, ps: 16 }, 96, true, 1),
     ];
     for (mut case, rot, head_norm, pads) in cases {
         let real_seqs = case.seqs.len();
