@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use dflash_models::tokenizer::Tokenizer;
-use dflash_models::{KvCache, LlamaModel};
+use dflash_models::{KvCache, ResumeState, Target};
 
 pub(crate) mod round_costs;
 mod step;
@@ -18,7 +18,6 @@ use crate::spec::{
     prompt_gate_passes, CostTable, DflashProposer, DrafterConfig, MtpLaneConfig, MtpProposer, NgramProposer,
     OracleProposer, SharedCosts, SpecConfig, SpecLane,
 };
-use crate::target::{CpuTarget, ResumeState, Target};
 use crate::EngineError;
 
 /// How the engine is sized.
@@ -82,20 +81,6 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// An engine running `model` on the CPU, with an empty cache of `cfg.num_pages` pages.
-    ///
-    /// # Errors
-    /// As [`Engine::with_target`]; also when the cache cannot be allocated.
-    pub fn new(
-        model: Arc<LlamaModel>,
-        tokenizer: Arc<Tokenizer>,
-        cfg: EngineConfig,
-        metrics: Arc<EngineMetrics>,
-    ) -> Result<Self, EngineError> {
-        let target = CpuTarget::new(model, cfg.num_pages, cfg.page_size)?;
-        Self::with_target(Box::new(target), tokenizer, cfg, metrics)
-    }
-
     /// An engine over `target`, whose cache must hold `cfg.num_pages` pages of `cfg.page_size` tokens. A target
     /// whose per-sequence state is not in the pages ([`ResumeState::Snapshot`]) runs with the prefix cache off
     /// unless `cfg.state_checkpoint_stride` turns state checkpoints on.
@@ -104,7 +89,7 @@ impl Engine {
     /// When the cache cannot hold one full context window or its page size is not `cfg.page_size`; when a
     /// drafter is given and the target does not capture exactly the layers it reads, or has no host copy of
     /// the weights the drafter reads.
-    pub fn with_target(
+    pub fn new(
         target: Box<dyn Target>,
         tokenizer: Arc<Tokenizer>,
         cfg: EngineConfig,
@@ -203,6 +188,11 @@ impl Engine {
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
         &self.tokenizer
+    }
+
+    /// Whether requests may draft with a block drafter ([`EngineConfig::drafter`]).
+    pub fn has_drafter(&self) -> bool {
+        self.drafter.is_some()
     }
 
     /// Most pages the prefix cache indexes, as sized for this target (0: off).
@@ -572,8 +562,7 @@ fn widest_round(spec: &SpecConfig, drafter: Option<&DrafterConfig>) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::HybridTarget;
-    use dflash_models::hybrid::load_hybrid_weights;
+    use dflash_models::hybrid::{load_hybrid_weights, HybridTarget};
     use dflash_models::LoadOptions;
     use std::path::Path;
 

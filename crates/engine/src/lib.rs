@@ -2,7 +2,6 @@
 //! the engine thread that serves many requests at once.
 
 pub mod engine;
-pub mod generate;
 pub mod metrics;
 pub mod pages;
 pub mod prefix_cache;
@@ -13,19 +12,14 @@ pub mod sequence;
 pub mod service;
 pub mod spec;
 pub mod stop;
-pub mod target;
 
 pub use engine::{Engine, EngineConfig, DEFAULT_STATE_CHECKPOINT_STRIDE};
-pub use generate::{GenerateOptions, GenerationStats, Generator};
 pub use metrics::EngineMetrics;
 pub use pages::{PageAllocator, Published};
 pub use prefix_cache::PrefixCache;
 pub use request::{Event, EventSink, FinishReason, Request, TokenLogprob, TopLogprob, Usage};
 pub use sampler::SamplingParams;
 pub use service::{spawn, EngineClient, SubmitError};
-pub use target::{CpuTarget, HybridTarget, StepSeq, Target};
-#[cfg(feature = "cuda")]
-pub use target::{CudaHybridTarget, CudaTarget};
 
 /// Errors from the engine.
 #[derive(Debug, thiserror::Error)]
@@ -44,7 +38,7 @@ pub enum EngineError {
     Model(#[from] dflash_models::ModelError),
     #[error(transparent)]
     Sampler(#[from] sampler::SamplerError),
-    /// A failure of a target backend other than the CPU's (device errors, a batch past its planned capacity).
+    /// A target that does not fit the engine's configuration (page size, capture layers, heads for drafters).
     #[error("target: {0}")]
     Target(String),
 }

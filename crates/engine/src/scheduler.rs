@@ -16,7 +16,7 @@
 //! collects them as rows are computed). A sequence whose lane observes the target starts only from cached pages
 //! that carry them, and its lane reads them at admission.
 //!
-//! Targets with recurrent state ([`crate::target::ResumeState::Snapshot`]) add two rules. A prompt chunk that
+//! Targets with recurrent state ([`dflash_models::ResumeState::Snapshot`]) add two rules. A prompt chunk that
 //! stops inside the prompt ends on a multiple of the target's prompt-cut alignment (so every prefill has the bits
 //! of one whole prefill, however the budget cuts it; a chunk that cannot reach such a cut in what is left of a
 //! step waits for a later step, and runs off the alignment only in a step of its own or when no step is wide

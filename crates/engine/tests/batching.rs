@@ -5,7 +5,7 @@ mod common;
 
 use common::{config, load, metric, request, run_all, Model};
 use dflash_engine::spec::SpecConfig;
-use dflash_engine::{GenerateOptions, Generator, SamplingParams};
+use dflash_engine::SamplingParams;
 
 const MAX_TOKENS: usize = 24;
 
@@ -28,18 +28,14 @@ fn sampling(i: usize) -> SamplingParams {
     }
 }
 
-/// Each prompt through the single-sequence generator, one after the other.
+/// Each prompt through the engine by itself, one after the other: a roomy cache and whole-prompt chunks, so nothing
+/// is batched, chunked or preempted.
 fn alone(m: &Model, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
-    let mut gen = Generator::new(&m.model, 256, 16).expect("generator");
+    let no_spec = SpecConfig { pld: None, ..SpecConfig::default() };
     let run = |(i, p): (usize, &Vec<u32>)| {
-        let opts = GenerateOptions {
-            max_new_tokens: MAX_TOKENS,
-            sampling: sampling(i),
-            ignore_eos: true,
-            stop_ids: Vec::new(),
-            prefill_chunk: 512,
-        };
-        gen.generate(p, &opts, |_| true).expect("generate").0
+        let (mut outcomes, _) =
+            run_all(m, config(256, 512, no_spec), vec![request(i, p.clone(), sampling(i), MAX_TOKENS)]);
+        outcomes.remove(0).ids
     };
     prompts.iter().enumerate().map(run).collect()
 }

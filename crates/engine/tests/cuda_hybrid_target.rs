@@ -1,11 +1,11 @@
-//! The engine on a hybrid target on the GPU ([`CudaHybridTarget`]) against the same engine on the CPU
-//! ([`HybridTarget`]): tiny-qwen3-next with its weights widened to f32, five prompts greedy and seeded-sampled
+//! The engine on a hybrid target on the GPU against the same engine on the CPU, both opened through the one door
+//! ([`open_target`]): tiny-qwen3-next with its weights widened to f32, five prompts greedy and seeded-sampled
 //! at once, plain decoding and the oracle lane (fixed and adaptive widths, so every rollback length runs on the
 //! device). Outputs must match the CPU's token for token (the two forwards agree to ~1e-6 on this model, far
 //! inside its top-2 gaps), and the oracle lane must give plain decoding's output on the GPU.
 //!
-//! Needs `--features cuda` and a CUDA device; without one the test prints a SKIP notice and passes.
-#![cfg(feature = "cuda")]
+//! Needs a build with the CUDA backend (`--features dflash-models/cuda`, or the workspace with
+//! `--features dflash-server/cuda`) and a CUDA device; without them the test prints a SKIP notice and passes.
 
 mod common;
 
@@ -15,14 +15,10 @@ use std::sync::Arc;
 
 use common::{metric, request, Recorder, Session};
 use dflash_engine::spec::{NgramConfig, OracleDraft, PolicyMode, SpecConfig};
-use dflash_engine::{
-    CudaHybridTarget, Engine, EngineConfig, EngineMetrics, HybridTarget, Request, SamplingParams, Target,
-};
-use dflash_models::cuda::{CudaCacheConfig, CudaHybridModel};
-use dflash_models::hybrid::{load_hybrid_weights, HybridModel};
+use dflash_engine::{Engine, EngineConfig, EngineMetrics, Request, SamplingParams};
+use dflash_models::resolve::ModelSource;
 use dflash_models::tokenizer::Tokenizer;
-use dflash_models::LoadOptions;
-use dflash_runtime::cuda::CudaDevice;
+use dflash_models::{open_target, CachePlan, Checkpoint, Device, LoadOptions, ModelError, Target, TargetOptions};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures").join(name)
@@ -48,35 +44,40 @@ fn requests(max_tokens: usize) -> Vec<Request> {
 fn run(target: Box<dyn Target>, cfg: EngineConfig, requests: Vec<Request>) -> (Vec<Vec<u32>>, String) {
     let tokenizer = Arc::new(Tokenizer::from_hf_dir(&fixture("tiny-qwen3")).expect("byte tokenizer"));
     let metrics = Arc::new(EngineMetrics::default());
-    let engine = Engine::with_target(target, tokenizer, cfg, Arc::clone(&metrics)).expect("engine");
+    let engine = Engine::new(target, tokenizer, cfg, Arc::clone(&metrics)).expect("engine");
     let (recorders, text) = Session { engine, metrics }.run_together(requests);
     (recorders.iter().map(Recorder::ids).collect(), text)
 }
 
-fn gpu_target(dev: &Arc<CudaDevice>, host: &HybridModel, cfg: &EngineConfig) -> Box<dyn Target> {
-    let model = CudaHybridModel::from_host(Arc::clone(dev), host).expect("upload");
-    let cache =
-        CudaCacheConfig::new(cfg.num_pages, cfg.page_size, cfg.max_batch_tokens, cfg.max_running, cfg.context_window);
-    Box::new(CudaHybridTarget::new(model, cache, None).expect("cuda hybrid target"))
+/// tiny-qwen3-next with f32 weights on `device`, with a cache for `cfg`.
+fn target(device: Device, cfg: &EngineConfig) -> Result<Box<dyn Target>, ModelError> {
+    let checkpoint = Checkpoint::open(&ModelSource::HfDir(fixture("tiny-qwen3-next")), None)?;
+    let cache = CachePlan {
+        num_pages: cfg.num_pages,
+        page_size: cfg.page_size,
+        max_batch_tokens: cfg.max_batch_tokens,
+        max_seqs: cfg.max_running,
+        context_window: cfg.context_window,
+    };
+    let load = LoadOptions { f32_weights: true, ..LoadOptions::default() };
+    let opts = TargetOptions { load, host_heads: false, cache };
+    Ok(open_target(checkpoint, device, &opts)?.target)
 }
 
 #[test]
 fn the_gpu_hybrid_target_decodes_as_the_cpu_one_with_and_without_the_oracle_lane() {
-    let dev = match CudaDevice::new(0) {
-        Ok(dev) => Arc::new(dev),
-        Err(e) if e.is_no_device() => {
-            let _ = writeln!(std::io::stderr(), "SKIP cuda hybrid target: no usable CUDA device ({e})");
-            return;
-        }
-        Err(e) => panic!("the CUDA device failed to open: {e}"),
-    };
-    let opts = LoadOptions { f32_weights: true, ..LoadOptions::default() };
-    let host = Arc::new(load_hybrid_weights(&fixture("tiny-qwen3-next"), &opts).expect("tiny qwen3-next"));
     let mut cfg = common::config(64, 64, spec());
     cfg.max_running = 16;
-    let cpu_target = HybridTarget::new(Arc::clone(&host), cfg.num_pages, cfg.page_size).expect("cpu target");
-    let (cpu, _) = run(Box::new(cpu_target), cfg.clone(), requests(20));
-    let (gpu, _) = run(gpu_target(&dev, &host, &cfg), cfg.clone(), requests(20));
+    let gpu_target = match target(Device::Cuda(0), &cfg) {
+        Ok(target) => target,
+        Err(ModelError::NoDevice(e)) => {
+            let _ = writeln!(std::io::stderr(), "SKIP cuda hybrid target: {e}");
+            return;
+        }
+        Err(e) => panic!("the CUDA target failed to open: {e}"),
+    };
+    let (cpu, _) = run(target(Device::Cpu, &cfg).expect("cpu target"), cfg.clone(), requests(20));
+    let (gpu, _) = run(gpu_target, cfg.clone(), requests(20));
     assert_eq!(gpu, cpu, "plain decoding on the GPU differs from the CPU");
     for policy in [PolicyMode::Fixed, PolicyMode::Adaptive] {
         let with_oracle: Vec<Request> = requests(20)
@@ -94,7 +95,7 @@ fn the_gpu_hybrid_target_decodes_as_the_cpu_one_with_and_without_the_oracle_lane
                 r
             })
             .collect();
-        let (got, text) = run(gpu_target(&dev, &host, &cfg), cfg.clone(), with_oracle);
+        let (got, text) = run(target(Device::Cuda(0), &cfg).expect("cuda target"), cfg.clone(), with_oracle);
         assert_eq!(got, cpu, "{policy:?}: the oracle lane changed the output on the GPU");
         let accepted = metric(&text, "dflash_spec_accepted_tokens_total");
         let drafted = metric(&text, "dflash_spec_drafted_tokens_total");

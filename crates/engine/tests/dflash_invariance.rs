@@ -14,9 +14,10 @@ use common::{metric, request, run_all, Model};
 use dflash_engine::spec::{DrafterConfig, PolicyMode, SpecConfig};
 use dflash_engine::SamplingParams;
 use dflash_models::dflash::{DraftConfig, DraftModel, DraftVocab, TargetSpec};
-use dflash_models::loader::load_hf_weights;
+use dflash_models::llama::load_hf_weights;
+use dflash_models::llama::load_model;
 use dflash_models::resolve::{ensure_default_model, ModelSource};
-use dflash_models::{load_model, LoadOptions};
+use dflash_models::LoadOptions;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures").join(name)

@@ -15,13 +15,14 @@ use std::sync::Arc;
 
 use common::{metric, request, Recorder, Session};
 use dflash_engine::spec::{DrafterConfig, MtpDepth, MtpLaneConfig, NgramConfig, OracleDraft, PolicyMode, SpecConfig};
-use dflash_engine::{Engine, EngineConfig, EngineMetrics, HybridTarget, Request, SamplingParams, Target};
+use dflash_engine::{Engine, EngineConfig, EngineMetrics, Request, SamplingParams};
 use dflash_models::dflash::{DraftConfig, DraftModel, TargetSpec};
+use dflash_models::hybrid::HybridTarget;
 use dflash_models::hybrid::{load_hybrid_weights, HybridModel};
-use dflash_models::loader::load_hf_weights;
-use dflash_models::mtp::TrunkNorm;
+use dflash_models::llama::load_hf_weights;
 use dflash_models::resolve::ModelSource;
 use dflash_models::tokenizer::Tokenizer;
+use dflash_models::Target;
 use dflash_models::{LoadOptions, MtpHead};
 
 fn fixture(name: &str) -> PathBuf {
@@ -64,7 +65,7 @@ fn last_layer(dir: &Path) -> usize {
 
 /// The MTP lane with the head in `head_dir` for the target in `target_dir`.
 fn mtp(head_dir: &Path, target_dir: &Path, depth: MtpDepth) -> MtpLaneConfig {
-    let trunk = TrunkNorm::read(&ModelSource::HfDir(target_dir.to_path_buf()), None).expect("final norm");
+    let trunk = common::trunk_norm(&ModelSource::HfDir(target_dir.to_path_buf()));
     let head = MtpHead::load(head_dir, trunk, false).expect("mtp head");
     MtpLaneConfig { head: Arc::new(head), depth, typical: None }
 }
@@ -76,7 +77,7 @@ fn spec(pld: Option<usize>) -> SpecConfig {
 
 fn engine(setup: &Setup, cfg: EngineConfig, metrics: &Arc<EngineMetrics>) -> Engine {
     let target = (setup.target)(&cfg);
-    let engine = Engine::with_target(target, Arc::clone(&setup.tokenizer), cfg, Arc::clone(metrics)).expect("engine");
+    let engine = Engine::new(target, Arc::clone(&setup.tokenizer), cfg, Arc::clone(metrics)).expect("engine");
     match &setup.mtp {
         Some(m) => engine.with_mtp(m.clone()).expect("mtp lane"),
         None => engine,
@@ -259,7 +260,9 @@ fn a_trained_style_mtp_head_drafts_for_a_llama_family_target() {
     let model = Arc::new(load_hf_weights(&target_dir, &opts).expect("target"));
     let tokenizer = Arc::new(Tokenizer::from_hf_dir(&target_dir).expect("tokenizer"));
     let target = move |cfg: &EngineConfig| -> Box<dyn Target> {
-        Box::new(dflash_engine::CpuTarget::new(Arc::clone(&model), cfg.num_pages, cfg.page_size).expect("target"))
+        Box::new(
+            dflash_models::llama::LlamaTarget::new(Arc::clone(&model), cfg.num_pages, cfg.page_size).expect("target"),
+        )
     };
     let mut setup = Setup { target: Box::new(target), tokenizer, mtp: None };
     let plain = outcomes(&run(&setup, common::config(64, 64, spec(None)), requests(16, false)).0);

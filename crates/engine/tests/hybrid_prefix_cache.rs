@@ -15,9 +15,9 @@ use std::sync::Arc;
 
 use common::{config, metric, request, Recorder, Session};
 use dflash_engine::spec::{MtpDepth, MtpLaneConfig, PolicyMode, SpecConfig};
-use dflash_engine::{Engine, EngineMetrics, Event, HybridTarget, Request, SamplingParams};
+use dflash_engine::{Engine, EngineMetrics, Event, Request, SamplingParams};
+use dflash_models::hybrid::HybridTarget;
 use dflash_models::hybrid::{load_hybrid_weights, HybridModel};
-use dflash_models::mtp::TrunkNorm;
 use dflash_models::resolve::ModelSource;
 use dflash_models::tokenizer::Tokenizer;
 use dflash_models::{LoadOptions, MtpHead};
@@ -52,7 +52,7 @@ fn load(name: &str) -> Hybrid {
 
 /// The fixture's own MTP head at depth 3.
 fn mtp_lane(h: &Hybrid) -> MtpLaneConfig {
-    let trunk = TrunkNorm::read(&ModelSource::HfDir(h.dir.clone()), None).expect("final norm");
+    let trunk = common::trunk_norm(&ModelSource::HfDir(h.dir.clone()));
     let head = MtpHead::load(&h.dir, trunk, false).expect("mtp head");
     MtpLaneConfig { head: Arc::new(head), depth: MtpDepth::Fixed(3), typical: None }
 }
@@ -69,7 +69,7 @@ impl Session {
         let target = HybridTarget::new(Arc::clone(&h.model), cfg.num_pages, cfg.page_size).expect("target");
         let metrics = Arc::new(EngineMetrics::default());
         let engine =
-            Engine::with_target(Box::new(target), Arc::clone(&h.tokenizer), cfg, Arc::clone(&metrics)).expect("engine");
+            Engine::new(Box::new(target), Arc::clone(&h.tokenizer), cfg, Arc::clone(&metrics)).expect("engine");
         let engine = match mtp {
             Some(lane) => engine.with_mtp(lane).expect("mtp lane"),
             None => engine,

@@ -14,8 +14,7 @@ use common::{config, load, metric, request, Disconnecting, Model, Recorder, Sess
 use dflash_engine::spec::{DrafterConfig, MtpDepth, MtpLaneConfig, PolicyMode, SpecConfig, SpecStats};
 use dflash_engine::{Engine, EngineConfig, EngineMetrics, Event, Request, SamplingParams};
 use dflash_models::dflash::{DraftConfig, DraftModel, TargetSpec};
-use dflash_models::loader::load_hf_weights;
-use dflash_models::mtp::TrunkNorm;
+use dflash_models::llama::load_hf_weights;
 use dflash_models::resolve::ModelSource;
 use dflash_models::tokenizer::Tokenizer;
 use dflash_models::{LoadOptions, MtpHead};
@@ -37,7 +36,7 @@ impl Session {
         cfg.prefix_cache_pages = if cache { num_pages } else { 0 };
         let metrics = Arc::new(EngineMetrics::default());
         let engine =
-            Engine::new(Arc::clone(&m.model), Arc::clone(&m.tokenizer), cfg, Arc::clone(&metrics)).expect("engine");
+            Engine::new(common::target(m, &cfg), Arc::clone(&m.tokenizer), cfg, Arc::clone(&metrics)).expect("engine");
         Session { engine, metrics }
     }
 }
@@ -266,7 +265,7 @@ fn tiny_with_lane(mtp: bool) -> (Model, Lane) {
     if mtp {
         let dir = fixture("tiny-qwen3");
         let m = tiny_target(&[num_layers(&dir) - 1]);
-        let trunk = TrunkNorm::read(&ModelSource::HfDir(dir), None).expect("final norm");
+        let trunk = common::trunk_norm(&ModelSource::HfDir(dir));
         let head = MtpHead::load(&fixture("tiny-qwen3-mtp"), trunk, false).expect("mtp head");
         return (m, Lane::Mtp(MtpLaneConfig { head: Arc::new(head), depth: MtpDepth::Fixed(3), typical: None }));
     }
@@ -323,10 +322,12 @@ fn lane_resumes_with_cached_context(mtp: bool) {
         let mut engine = match lane {
             Lane::Dflash(drafter) => {
                 cfg.drafter = Some(drafter);
-                Engine::new(Arc::clone(&m.model), Arc::clone(&m.tokenizer), cfg, Arc::clone(&metrics))
+                Engine::new(common::target(&m, &cfg), Arc::clone(&m.tokenizer), cfg, Arc::clone(&metrics))
             }
-            Lane::Mtp(head) => Engine::new(Arc::clone(&m.model), Arc::clone(&m.tokenizer), cfg, Arc::clone(&metrics))
-                .and_then(|e| e.with_mtp(head)),
+            Lane::Mtp(head) => {
+                Engine::new(common::target(&m, &cfg), Arc::clone(&m.tokenizer), cfg, Arc::clone(&metrics))
+                    .and_then(|e| e.with_mtp(head))
+            }
         }
         .expect("engine");
         let mut turn = |id| {

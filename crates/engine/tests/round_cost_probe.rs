@@ -8,15 +8,16 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use common::{config, load};
 use dflash_engine::spec::SpecConfig;
-use dflash_engine::{CpuTarget, Engine, EngineError, EngineMetrics, Target};
-use dflash_models::{ForwardBatch, ForwardOut, LlamaModel, ModelConfig};
+use dflash_engine::{Engine, EngineMetrics};
+use dflash_models::llama::LlamaTarget;
+use dflash_models::{ForwardBatch, ForwardOut, ModelConfig, ModelError, Target, TargetHeads};
 
 /// The context the recording target names.
 const GRAPH_CONTEXT: usize = 200;
 
 /// A CPU target that names [`GRAPH_CONTEXT`] and records each forward's (context, rows).
 struct Recording {
-    inner: CpuTarget,
+    inner: LlamaTarget,
     contexts: [usize; 1],
     steps: Arc<Mutex<Vec<(usize, usize)>>>,
 }
@@ -38,15 +39,15 @@ impl Target for Recording {
         self.inner.page_size()
     }
 
-    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOut, EngineError> {
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOut, ModelError> {
         let mut steps = self.steps.lock().unwrap_or_else(PoisonError::into_inner);
         steps.extend(batch.seqs.iter().map(|s| (s.context_len, s.num_rows)));
         drop(steps);
         self.inner.forward(batch)
     }
 
-    fn host_model(&self) -> Option<Arc<LlamaModel>> {
-        self.inner.host_model()
+    fn host_heads(&self) -> Option<Arc<dyn TargetHeads>> {
+        self.inner.host_heads()
     }
 
     fn graph_contexts(&self) -> &[usize] {
@@ -59,10 +60,10 @@ fn the_probe_steps_every_width_past_each_graph_context_once() {
     let m = load();
     let cfg = config(64, 512, SpecConfig::default());
     let steps = Arc::new(Mutex::new(Vec::new()));
-    let inner = CpuTarget::new(Arc::clone(&m.model), cfg.num_pages, cfg.page_size).expect("target");
+    let inner = LlamaTarget::new(Arc::clone(&m.model), cfg.num_pages, cfg.page_size).expect("target");
     let target = Recording { inner, contexts: [GRAPH_CONTEXT], steps: Arc::clone(&steps) };
     let metrics = Arc::new(EngineMetrics::default());
-    let mut engine = Engine::with_target(Box::new(target), Arc::clone(&m.tokenizer), cfg, metrics).expect("engine");
+    let mut engine = Engine::new(Box::new(target), Arc::clone(&m.tokenizer), cfg, metrics).expect("engine");
     let ms = engine.probe_round_costs().expect("probe");
     assert!(ms.len() > 1, "timed widths: {ms:?}");
     let steps = steps.lock().unwrap_or_else(PoisonError::into_inner).clone();

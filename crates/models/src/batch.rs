@@ -1,5 +1,6 @@
 //! The inputs and outputs of one target forward, and the paged KV cache it reads and writes.
 
+use dflash_runtime::ops::{AttnSeq, RowKernel};
 use dflash_runtime::{DType, Tensor};
 
 use crate::error::{ModelError, Result};
@@ -32,9 +33,32 @@ pub struct ForwardBatch<'a> {
     pub logit_rows: &'a [u32], // [L]
 }
 
-impl ForwardBatch<'_> {
+impl<'a> ForwardBatch<'a> {
     pub fn num_tokens(&self) -> usize {
         self.tokens.len()
+    }
+
+    /// The batch's attention work for the CPU kernels: each sequence's prompt rows on the tiled kernel, its later
+    /// rows on the per-row kernel (see [`SeqRows::prompt_len`]). A position so always takes the same kernel,
+    /// however the scheduler cut and batched the work, and its outputs are the same bits. Cutting a sequence's
+    /// rows in two is exact because target attention is causal: row j sees keys up to its own position whichever
+    /// block it is in.
+    pub fn attention_seqs(&self) -> Vec<AttnSeq<'a>> {
+        let mut out = Vec::with_capacity(self.seqs.len());
+        let mut first_row = 0;
+        for s in self.seqs {
+            let prompt_rows = s.prompt_len.saturating_sub(s.context_len).min(s.num_rows);
+            let parts =
+                [(0, prompt_rows, RowKernel::Tiled), (prompt_rows, s.num_rows - prompt_rows, RowKernel::PerRow)];
+            for (skip, num_rows, kernel) in parts {
+                if num_rows > 0 {
+                    let (context_len, block_table) = (s.context_len + skip, s.block_table);
+                    out.push(AttnSeq { first_row: first_row + skip, num_rows, context_len, block_table, kernel });
+                }
+            }
+            first_row += s.num_rows;
+        }
+        out
     }
 
     /// Checks that the fields agree with each other and with the cache.

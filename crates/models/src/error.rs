@@ -25,6 +25,15 @@ pub enum ModelError {
     Unsupported(String),
     #[error("invalid forward batch: {0}")]
     Batch(String),
+    /// Per-sequence state beside the pages that is missing, lost or does not fit (a hybrid model's recurrent state).
+    #[error("sequence state: {0}")]
+    State(String),
+    /// No CUDA device to run on: a build without the backend, or no device the driver reports.
+    #[error("{0}")]
+    NoDevice(String),
+    /// A failure of a device backend (CUDA errors, a batch past a device cache's planned capacity).
+    #[error("device: {0}")]
+    Device(String),
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
     #[error(transparent)]

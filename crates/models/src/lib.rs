@@ -1,30 +1,34 @@
-//! Models for dflash-serve: loading (GGUF and HF safetensors directories), configs, the target architectures,
-//! the tokenizer and chat templates, and model resolution.
+//! Models for dflash-serve: checkpoints (GGUF and HF safetensors directories) and their configs, the model
+//! families with their forwards on every device and the engine-facing [`Target`] each builds, the drafters, the
+//! tokenizer and chat templates, and model resolution.
 //!
-//! Models hold weights only. Every forward takes a [`ForwardBatch`] and the caller's KV cache, and returns
-//! logits for the requested rows plus the hidden states captured at the layers fixed at load time.
+//! Models hold weights only. Every forward takes a [`ForwardBatch`] and the caller's cache, and returns logits for
+//! the requested rows plus the hidden states captured at the layers fixed at load time. [`open_target`] is the
+//! one door from a [`Checkpoint`] to a target on a [`Device`].
 
 pub mod batch;
+pub mod checkpoint;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod dflash;
 pub mod error;
+pub mod family;
 pub mod gguf;
 pub mod hybrid;
 pub mod llama;
-pub mod loader;
 pub mod mtp;
 pub mod resolve;
 pub mod safetensors_dir;
+pub mod target;
 pub mod tokenizer;
 pub mod weights;
 
 pub use batch::{ForwardBatch, ForwardOut, KvCache, SeqRows};
+pub use checkpoint::{Checkpoint, GenerationDefaults, LoadOptions, ModelInfo};
 pub use config::ModelConfig;
 pub use dflash::{DraftModel, DrafterContext, TargetSpec};
 pub use error::ModelError;
-pub use hybrid::HybridModel;
-pub use llama::LlamaModel;
-pub use loader::{load_model, load_target, LoadOptions, Loaded, LoadedModel, LoadedTarget, TargetHeads, TargetModel};
+pub use family::{open_target, CachePlan, Device, Family, OpenedTarget, TargetOptions};
 pub use mtp::{MtpContext, MtpHead};
+pub use target::{HostHeads, ResumeState, StepSeq, Target, TargetHeads};

@@ -78,17 +78,34 @@ impl WeightStore {
         self.used.insert(n);
     }
 
+    /// Marks every tensor whose name starts with `prefix` as deliberately unused (tensors another loader reads,
+    /// such as a hybrid checkpoint's MTP head).
+    pub fn ignore_under(&mut self, prefix: &str) {
+        for name in self.names() {
+            if name.starts_with(prefix) {
+                self.used.insert(name);
+            }
+        }
+    }
+
+    /// The file's own names of all its tensors.
+    fn names(&self) -> Vec<String> {
+        match &self.file {
+            WeightFile::Gguf(g) => g.tensor_infos().iter().map(|t| t.name.clone()).collect(),
+            WeightFile::Hf(d) => d.names().map(str::to_string).collect(),
+        }
+    }
+
     /// Errors if the checkpoint holds tensors nobody took.
     ///
     /// # Errors
     /// `UnexpectedTensors` listing them.
     pub fn finish(self) -> Result<WeightFile> {
-        let all: Vec<String> = match &self.file {
-            WeightFile::Gguf(g) => g.tensor_infos().iter().map(|t| t.name.clone()).collect(),
-            WeightFile::Hf(d) => d.names().map(str::to_string).collect(),
-        };
-        let mut extra: Vec<String> =
-            all.into_iter().filter(|n| !self.used.contains(n) && !n.ends_with("rotary_emb.inv_freq")).collect();
+        let mut extra: Vec<String> = self
+            .names()
+            .into_iter()
+            .filter(|n| !self.used.contains(n) && !n.ends_with("rotary_emb.inv_freq"))
+            .collect();
         if !extra.is_empty() {
             extra.sort();
             return Err(ModelError::UnexpectedTensors(extra));

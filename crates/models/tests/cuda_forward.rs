@@ -20,10 +20,13 @@ mod common;
 use std::sync::Arc;
 
 use common::{fixtures, read_golden, say};
-use dflash_models::cuda::{CudaCache, CudaCacheConfig, CudaLlamaModel};
-use dflash_models::loader::{load_gguf_weights, load_hf_weights, LoadOptions};
+use dflash_models::cuda::{CudaCache, CudaCacheConfig};
+use dflash_models::llama::cuda::CudaLlamaModel;
+use dflash_models::llama::LlamaModel;
+use dflash_models::llama::{load_gguf_weights, load_hf_weights};
 use dflash_models::resolve::{default_model_path, ModelSource};
-use dflash_models::{ForwardBatch, LlamaModel, SeqRows};
+use dflash_models::LoadOptions;
+use dflash_models::{ForwardBatch, SeqRows};
 use dflash_runtime::cuda::CudaDevice;
 use dflash_runtime::ops::{argmax, top_k};
 

@@ -27,9 +27,10 @@ mod common;
 use std::sync::Arc;
 
 use common::{fixtures, say};
-use dflash_models::cuda::{CudaCacheConfig, CudaHybridCache, CudaHybridModel, GdnSeq};
+use dflash_models::cuda::CudaCacheConfig;
+use dflash_models::hybrid::cuda::{CudaHybridCache, CudaHybridModel, GdnSeq};
 use dflash_models::hybrid::{load_hybrid_weights, HybridModel, HybridState};
-use dflash_models::loader::LoadOptions;
+use dflash_models::LoadOptions;
 use dflash_models::{ForwardBatch, KvCache, SeqRows};
 use dflash_runtime::cuda::CudaDevice;
 

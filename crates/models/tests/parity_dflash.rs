@@ -18,9 +18,10 @@ use dflash_models::dflash::{
     BlockRequest, BlockTrace, CaptureLayout, DraftKind, DraftModel, DraftProbs, DraftSampling, DrafterContext,
     InverseCdf, SamplingFilter, TargetSpec, WalkMode,
 };
-use dflash_models::loader::{load_hf_weights, LoadOptions};
+use dflash_models::llama::load_hf_weights;
+use dflash_models::llama::LlamaModel;
 use dflash_models::safetensors_dir::read_json;
-use dflash_models::LlamaModel;
+use dflash_models::LoadOptions;
 use dflash_runtime::Tensor;
 
 const TOL: f32 = 1e-4;

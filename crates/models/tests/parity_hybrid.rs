@@ -11,7 +11,7 @@ mod common;
 
 use common::{assert_close, fixtures, read_golden, Golden};
 use dflash_models::hybrid::{load_hybrid_weights, HybridModel, HybridState};
-use dflash_models::loader::LoadOptions;
+use dflash_models::LoadOptions;
 use dflash_models::{ForwardBatch, KvCache, SeqRows};
 use std::collections::HashMap;
 

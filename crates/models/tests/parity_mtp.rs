@@ -12,9 +12,10 @@ mod common;
 
 use common::{assert_close, fixtures, read_golden, run_sequence, Golden};
 use dflash_models::hybrid::{load_hybrid_weights, HybridModel};
-use dflash_models::loader::{load_hf_weights, LoadOptions, TargetHeads};
-use dflash_models::mtp::{checkpoint_has_head, TrunkNorm};
+use dflash_models::llama::load_hf_weights;
+use dflash_models::mtp::TrunkNorm;
 use dflash_models::resolve::ModelSource;
+use dflash_models::{Checkpoint, LoadOptions, TargetHeads};
 use dflash_models::{ForwardBatch, MtpHead, SeqRows};
 use dflash_runtime::Tensor;
 use std::collections::HashMap;
@@ -98,8 +99,8 @@ fn qwen3_next_mtp_head_matches_the_reference() {
     let opts = LoadOptions { capture_layers: vec![3], ..Default::default() };
     let target = load_hybrid_weights(&dir, &opts).expect("target");
     let source = ModelSource::HfDir(dir.clone());
-    assert!(checkpoint_has_head(&source));
-    let head = MtpHead::load(&dir, TrunkNorm::read(&source, None).expect("final norm"), false).expect("head");
+    assert!(Checkpoint::open(&source, None).expect("checkpoint").holds_tensors_under("mtp."));
+    let head = MtpHead::load(&dir, TrunkNorm::from_heads(&target).expect("final norm"), false).expect("head");
     let g = read_golden(&dir.join("mtp_golden.safetensors"));
     let trunk = hybrid_trunk(&target, &ids(&g["input_ids"]));
     check_head("qwen3-next", &head, &target, &trunk, &g);
@@ -111,9 +112,9 @@ fn llama_layout_mtp_head_matches_the_trainer() {
     let opts = LoadOptions { capture_layers: vec![2], ..Default::default() };
     let target = load_hf_weights(&target_dir, &opts).expect("target");
     let source = ModelSource::HfDir(target_dir);
-    assert!(!checkpoint_has_head(&source));
+    assert!(!Checkpoint::open(&source, None).expect("checkpoint").holds_tensors_under("mtp."));
     let dir = fixtures().join("tiny-qwen3-mtp");
-    let head = MtpHead::load(&dir, TrunkNorm::read(&source, None).expect("final norm"), false).expect("head");
+    let head = MtpHead::load(&dir, TrunkNorm::from_heads(&target).expect("final norm"), false).expect("head");
     let g = read_golden(&dir.join("golden.safetensors"));
     let (_, trunk) = run_sequence(&target, &ids(&g["input_ids"]), 0, 12);
     check_head("llama layout", &head, &target, &trunk, &g);
@@ -122,12 +123,12 @@ fn llama_layout_mtp_head_matches_the_trainer() {
 #[test]
 fn mtp_heads_refuse_what_does_not_fit() {
     let next = fixtures().join("tiny-qwen3-next");
-    let qwen3 = ModelSource::HfDir(fixtures().join("tiny-qwen3"));
+    let qwen3 = load_hf_weights(&fixtures().join("tiny-qwen3"), &LoadOptions::default()).expect("tiny qwen3");
     // A final norm of hidden 64 under a head of hidden 32.
-    let err = MtpHead::load(&next, TrunkNorm::read(&qwen3, None).expect("norm"), false).expect_err("widths");
+    let err = MtpHead::load(&next, TrunkNorm::from_heads(&qwen3).expect("norm"), false).expect_err("widths");
     assert!(err.to_string().contains("hidden size"), "{err}");
     // A checkpoint without mtp.* tensors.
     let no_head = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-qwen3");
-    let err = MtpHead::load(&no_head, TrunkNorm::read(&qwen3, None).expect("norm"), false).expect_err("no head");
+    let err = MtpHead::load(&no_head, TrunkNorm::from_heads(&qwen3).expect("norm"), false).expect_err("no head");
     assert!(err.to_string().contains("mtp."), "{err}");
 }

@@ -12,8 +12,9 @@
 mod common;
 
 use common::fixtures;
+use dflash_models::llama::{load_model, LlamaModel};
 use dflash_models::resolve::{ensure_default_model, ModelSource};
-use dflash_models::{load_model, ForwardBatch, LlamaModel, LoadOptions, SeqRows};
+use dflash_models::{ForwardBatch, LoadOptions, SeqRows};
 use dflash_runtime::ops::argmax;
 use serde_json::Value;
 

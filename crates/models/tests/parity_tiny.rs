@@ -5,8 +5,9 @@
 mod common;
 
 use common::{assert_close, fixtures, read_golden, run_sequence};
-use dflash_models::loader::{load_gguf_weights, load_hf_weights, LoadOptions};
-use dflash_models::LlamaModel;
+use dflash_models::llama::LlamaModel;
+use dflash_models::llama::{load_gguf_weights, load_hf_weights};
+use dflash_models::LoadOptions;
 
 const TOL: f32 = 1e-4;
 

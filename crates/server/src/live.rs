@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use dflash_engine::{EngineClient, EventSink, Request, SamplingParams};
-use dflash_models::loader::GenerationDefaults;
 use dflash_models::tokenizer::{ChatMessage, Tokenizer};
+use dflash_models::GenerationDefaults;
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 
 use crate::cli::random_seed;

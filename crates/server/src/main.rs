@@ -2,13 +2,12 @@
 
 mod bench;
 mod cli;
-mod device;
+mod drafters;
 mod http;
 mod live;
-mod mtp_lane;
 mod run;
 mod serve;
-mod target;
+mod setup;
 
 use clap::Parser;
 use tracing_subscriber::EnvFilter;

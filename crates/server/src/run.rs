@@ -5,52 +5,18 @@ use std::time::Instant;
 
 use std::sync::{Arc, Mutex};
 
-use anyhow::{Context, Result};
-use dflash_engine::{EngineConfig, EngineMetrics, Event, EventSink, FinishReason, Request, Usage};
-use dflash_models::tokenizer::ChatMessage;
-use dflash_models::{LoadOptions, LoadedTarget};
+use anyhow::Result;
+use dflash_engine::{EngineMetrics, Event, EventSink, FinishReason, Request, Usage};
+use dflash_models::tokenizer::{ChatMessage, Tokenizer};
 
-use crate::cli::{FetchArgs, ModelArgs, RunArgs};
-use crate::target::{load_target, Target};
+use crate::cli::{FetchArgs, RunArgs};
+use crate::setup::{EnginePlan, Startup, PAGE_SIZE};
 
-/// Tokens per KV page.
-const PAGE_SIZE: usize = 16;
 /// Prompt tokens per prefill forward.
 const PREFILL_CHUNK: usize = 512;
 
-/// Resolves, loads and reports a model (Llama-family or hybrid) whose forwards capture the outputs of
-/// `capture_layers`.
-pub fn load(args: &ModelArgs, capture_layers: &[usize]) -> Result<LoadedTarget> {
-    crate::device::DeviceChoice::parse(&args.device)?;
-    let threads = dflash_runtime::threads::init(args.threads);
-    // Before any weights are uploaded: the CUDA backend reads it when it loads a model.
-    dflash_runtime::quant::set_act_precision(args.act_precision.into());
-    let source = dflash_models::resolve::resolve_model(args.model.as_deref())?;
-    let t0 = Instant::now();
-    let opts = LoadOptions {
-        capture_layers: capture_layers.to_vec(),
-        config_overrides: args.overrides()?,
-        f32_weights: args.f32_weights,
-    };
-    let loaded = dflash_models::load_target(&source, &opts).with_context(|| format!("loading {source:?}"))?;
-    let cfg = loaded.model.config();
-    tracing::info!(
-        "loaded {} ({}, {} layers, hidden {}, vocab {}) in {:.0} ms; {threads} threads, {}, {:?} activations",
-        loaded.name,
-        loaded.model.kind_name(),
-        cfg.num_layers,
-        cfg.hidden_size,
-        cfg.vocab_size,
-        t0.elapsed().as_secs_f64() * 1e3,
-        dflash_runtime::quant::simd_level(),
-        dflash_runtime::quant::act_precision(),
-    );
-    Ok(loaded)
-}
-
 /// The prompt as token ids: chat-templated unless `--raw`.
-fn prompt_ids(loaded: &LoadedTarget, args: &RunArgs) -> Result<Vec<u32>> {
-    let tok = &loaded.tokenizer;
+fn prompt_ids(tok: &Tokenizer, args: &RunArgs) -> Result<Vec<u32>> {
     let text = match (args.raw, tok.chat_template()) {
         (false, Some(tpl)) => {
             let mut messages = Vec::new();
@@ -108,30 +74,25 @@ impl StdoutSink {
 }
 
 pub fn run(args: &RunArgs) -> Result<()> {
-    let Target { loaded, drafter, mtp } = load_target(&args.model, &args.spec)?;
-    let ids = prompt_ids(&loaded, args)?;
-    let cfg = loaded.model.config();
-    let ctx = args.model.ctx_size.unwrap_or(cfg.max_position_embeddings.min(8192));
-    let mut eos_ids = loaded.tokenizer.eos_ids().to_vec();
-    eos_ids.extend(&cfg.eos_token_ids);
-    let engine_cfg = EngineConfig {
+    let startup = Startup::begin(&args.model, &args.spec)?;
+    let ids = prompt_ids(startup.tokenizer(), args)?;
+    let sampling = args.sampling.params(startup.generation())?;
+    let ctx = startup.context_window();
+    let plan = EnginePlan {
         context_window: ctx,
         num_pages: ctx.div_ceil(PAGE_SIZE),
-        page_size: PAGE_SIZE,
         max_running: 1,
         max_batch_tokens: PREFILL_CHUNK,
-        eos_ids,
-        spec: args.spec.config()?,
         // One request: nothing to share.
         prefix_cache_pages: 0,
-        drafter,
-        state_checkpoint_stride: args.model.state_checkpoint_stride,
+        spec: args.spec.config()?,
     };
+    let built = startup.build(plan, Arc::new(EngineMetrics::default()))?;
     let request = Request {
         id: "run".into(),
         max_tokens: args.max_tokens.min(ctx.saturating_sub(ids.len())),
         prompt: ids,
-        sampling: args.sampling.params(&loaded.generation)?,
+        sampling,
         stop: Vec::new(),
         logprobs: None,
         ignore_eos: args.ignore_eos,
@@ -141,9 +102,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         cache_prompt: false,
         oracle: None,
     };
-    let tokenizer = Arc::new(loaded.tokenizer);
-    let metrics = Arc::new(EngineMetrics::default());
-    let mut engine = crate::device::engine(&args.model, loaded.model, tokenizer, engine_cfg, metrics, mtp)?;
+    let mut engine = built.engine;
     // Before the clock starts: the probe is the engine's calibration, not this request's decoding.
     engine.probe_round_costs_at_start();
     let result = Arc::new(Mutex::new(None));

@@ -4,53 +4,37 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use dflash_engine::{EngineClient, EngineConfig, EngineMetrics};
-use dflash_models::KvCache;
+use dflash_engine::{EngineClient, EngineMetrics};
 
 use crate::cli::ServeArgs;
-use crate::device;
 use crate::http::{self, HttpConfig};
 use crate::live::LiveEngine;
-use crate::target::{load_target, Target};
+use crate::setup::{Built, EnginePlan, Startup, PAGE_SIZE};
 
-/// Tokens per KV page.
-const PAGE_SIZE: usize = 16;
 /// KV cache memory when `--kv-cache-mem` is not given.
 const DEFAULT_KV_CACHE_MEM: u64 = 1 << 30;
 
 pub fn serve(args: &ServeArgs) -> Result<()> {
-    let Target { loaded, drafter, mtp } = load_target(&args.model, &args.spec)?;
-    let cfg = loaded.model.config();
-    let context_window = args.model.ctx_size.unwrap_or(cfg.max_position_embeddings.min(8192));
-    // Only attention layers keep K/V (a hybrid model's recurrent layers keep a fixed state per sequence).
-    let bytes_per_token = KvCache::bytes_per_token(loaded.model.kv_layers(), cfg.num_kv_heads, cfg.head_dim) as u64;
+    let startup = Startup::begin(&args.model, &args.spec)?;
+    let context_window = startup.context_window();
+    let bytes_per_token = startup.kv_bytes_per_token();
     let window_bytes = context_window as u64 * bytes_per_token;
     let kv_mem = args.kv_cache_mem.unwrap_or(DEFAULT_KV_CACHE_MEM.max(window_bytes));
-    let num_pages = usize::try_from(kv_mem / (bytes_per_token * PAGE_SIZE as u64)).unwrap_or(usize::MAX);
     let page_bytes = bytes_per_token * PAGE_SIZE as u64;
-    // The engine also charges captured rows and hybrid targets' state checkpoints to this budget (and keeps the
-    // cache off for hybrid targets without checkpoints).
-    let prefix_cache_pages = args.prefix_cache.pages(num_pages, page_bytes);
-    let mut eos_ids = loaded.tokenizer.eos_ids().to_vec();
-    eos_ids.extend(&cfg.eos_token_ids);
-    let engine_cfg = EngineConfig {
+    let num_pages = usize::try_from(kv_mem / page_bytes.max(1)).unwrap_or(usize::MAX);
+    let plan = EnginePlan {
         context_window,
         num_pages,
-        page_size: PAGE_SIZE,
         max_running: args.max_concurrent,
         max_batch_tokens: args.max_batch_tokens,
-        eos_ids,
+        // The engine also charges captured rows and hybrid targets' state checkpoints to this budget (and keeps the
+        // cache off for hybrid targets without checkpoints).
+        prefix_cache_pages: args.prefix_cache.pages(num_pages, page_bytes),
         spec: args.spec.config()?,
-        prefix_cache_pages,
-        drafter,
-        state_checkpoint_stride: args.model.state_checkpoint_stride,
     };
-    let defaults = LiveEngine::sampling_defaults(&loaded.generation);
-    let tokenizer = Arc::new(loaded.tokenizer);
     let metrics = Arc::new(EngineMetrics::default());
-    let mut engine =
-        device::engine(&args.model, loaded.model, Arc::clone(&tokenizer), engine_cfg, Arc::clone(&metrics), mtp)
-            .context("setting up the engine (see --device, --kv-cache-mem and --ctx-size)")?;
+    let Built { mut engine, name, tokenizer, generation } = startup.build(plan, Arc::clone(&metrics))?;
+    let defaults = LiveEngine::sampling_defaults(&generation);
     // At start-up, so the first request does not pay for the round policy's calibration.
     engine.probe_round_costs_at_start();
     tracing::info!(
@@ -70,7 +54,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     }
     let (client, engine_thread) =
         dflash_engine::spawn(engine, args.max_queue, metrics).context("starting the engine thread")?;
-    let live = LiveEngine { client: client.clone(), tokenizer, name: loaded.name, context_window, defaults };
+    let live = LiveEngine { client: client.clone(), tokenizer, name, context_window, defaults };
     let http_cfg = HttpConfig {
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         max_body_bytes: usize::try_from(args.max_body_bytes).unwrap_or(usize::MAX),

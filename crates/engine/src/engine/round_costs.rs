@@ -137,7 +137,8 @@ impl Engine {
             slots: &slots,
             logit_rows: &logit_rows,
         };
-        self.target.forward(&batch).map(|_| ())
+        self.target.forward(&batch)?;
+        Ok(())
     }
 
     /// After a step that took `step_ms` (its forward, verification and rollback): feeds the cost table when the

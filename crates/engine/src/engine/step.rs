@@ -11,8 +11,8 @@ use crate::sampler;
 use crate::scheduler::StepItem;
 use crate::sequence::Outcome;
 use crate::spec::verify::{accept_prefix, typical_accepts};
-use crate::target::StepSeq;
 use crate::EngineError;
+use dflash_models::StepSeq;
 
 /// The flat inputs of one step, built from the plan.
 #[derive(Default)]
@@ -74,7 +74,7 @@ impl Engine {
         };
         let keyed: Vec<StepSeq> =
             items.iter().map(|item| StepSeq { key: running[item.seq].key, verifies: item.drafts > 0 }).collect();
-        self.target.forward_step(&batch, &keyed)
+        Ok(self.target.forward_step(&batch, &keyed)?)
     }
 
     /// Installs the state checkpoint of every item's sequence that resumes from one (admitted on cached pages

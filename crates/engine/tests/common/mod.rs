@@ -8,9 +8,10 @@ use std::sync::{Arc, Mutex};
 
 use dflash_engine::spec::SpecConfig;
 use dflash_engine::{Engine, EngineConfig, EngineMetrics, Event, EventSink, FinishReason, Request, SamplingParams};
+use dflash_models::llama::{load_model, LlamaModel, LlamaTarget};
 use dflash_models::resolve::{ensure_default_model, ModelSource};
 use dflash_models::tokenizer::Tokenizer;
-use dflash_models::{load_model, LlamaModel, LoadOptions};
+use dflash_models::{LoadOptions, Target};
 
 /// Records a sequence's events.
 #[derive(Clone, Default)]
@@ -117,6 +118,23 @@ pub fn load() -> Model {
     Model { model: Arc::new(loaded.model), tokenizer: Arc::new(loaded.tokenizer) }
 }
 
+/// The final norm of the target at `source`, as the server reads it: from the host heads of the target opened on
+/// the CPU through the one door.
+pub fn trunk_norm(source: &ModelSource) -> dflash_models::mtp::TrunkNorm {
+    use dflash_models::{open_target, CachePlan, Checkpoint, Device, TargetOptions};
+    let checkpoint = Checkpoint::open(source, None).expect("checkpoint");
+    let cache = CachePlan { num_pages: 1, page_size: 16, max_batch_tokens: 16, max_seqs: 1, context_window: 16 };
+    let opts = TargetOptions { load: LoadOptions::default(), host_heads: true, cache };
+    let opened = open_target(checkpoint, Device::Cpu, &opts).expect("target");
+    let heads = opened.target.host_heads().expect("host heads");
+    dflash_models::mtp::TrunkNorm::from_heads(heads.as_ref()).expect("final norm")
+}
+
+/// The default model's CPU target with a cache of `cfg`'s pages.
+pub fn target(m: &Model, cfg: &EngineConfig) -> Box<dyn Target> {
+    Box::new(LlamaTarget::new(Arc::clone(&m.model), cfg.num_pages, cfg.page_size).expect("target"))
+}
+
 /// An engine of `num_pages` pages of 16 tokens, with a context window of the whole cache (at most 512).
 pub fn config(num_pages: usize, max_batch_tokens: usize, spec: SpecConfig) -> EngineConfig {
     EngineConfig {
@@ -153,8 +171,7 @@ pub fn request(id: usize, prompt: Vec<u32>, sampling: SamplingParams, max_tokens
 /// Runs `requests` together to completion; returns each outcome and the metrics text.
 pub fn run_all(m: &Model, cfg: EngineConfig, requests: Vec<Request>) -> (Vec<Outcome>, String) {
     let metrics = Arc::new(EngineMetrics::default());
-    let engine =
-        Engine::new(Arc::clone(&m.model), Arc::clone(&m.tokenizer), cfg, Arc::clone(&metrics)).expect("engine");
+    let engine = Engine::new(target(m, &cfg), Arc::clone(&m.tokenizer), cfg, Arc::clone(&metrics)).expect("engine");
     let (recorders, text) = Session { engine, metrics }.run_together(requests);
     (recorders.iter().map(Recorder::outcome).collect(), text)
 }

@@ -7,11 +7,10 @@ use std::sync::Arc;
 use dflash_engine::spec::{DrafterConfig, MtpDepth, MtpLaneConfig, SpecStats};
 use dflash_engine::{Engine, EngineConfig, EngineMetrics, Event, Request};
 use dflash_models::dflash::{DraftConfig, DraftModel, DraftVocab, TargetSpec, VocabRanking};
-use dflash_models::loader::read_target_config;
-use dflash_models::mtp::TrunkNorm;
+use dflash_models::llama::load_model;
 use dflash_models::resolve::{ensure_default_model, ModelSource};
 use dflash_models::tokenizer::ChatMessage;
-use dflash_models::{load_model, LoadOptions, MtpHead};
+use dflash_models::{Checkpoint, LoadOptions, MtpHead};
 
 use super::{Model, Recorder};
 
@@ -42,7 +41,7 @@ pub fn load_capturing(taps: &[usize]) -> Model {
 /// The default model's last layer (the one an MTP head reads), from its config.
 pub fn default_model_last_layer() -> usize {
     let source = ModelSource::GgufFile(ensure_default_model().expect("default model"));
-    read_target_config(&source, &LoadOptions::default()).expect("config").num_layers - 1
+    Checkpoint::open(&source, None).expect("config").config().num_layers - 1
 }
 
 /// The layers the drafter in `dir` reads.
@@ -72,7 +71,7 @@ pub fn drafter(m: &Model, dir: &Path, block: Option<usize>) -> DrafterConfig {
 /// The MTP head in `dir` for the default model, drafting at `depth`.
 pub fn mtp_lane(dir: &Path, depth: MtpDepth) -> MtpLaneConfig {
     let source = ModelSource::GgufFile(ensure_default_model().expect("default model"));
-    let trunk = TrunkNorm::read(&source, None).expect("the target's final norm");
+    let trunk = super::trunk_norm(&source);
     let head = MtpHead::load(dir, trunk, false).expect("mtp head");
     MtpLaneConfig { head: Arc::new(head), depth, typical: None }
 }
@@ -113,7 +112,7 @@ pub fn run_in_waves(
 ) -> (Vec<Recorder>, String) {
     let metrics = Arc::new(EngineMetrics::default());
     let engine =
-        Engine::new(Arc::clone(&m.model), Arc::clone(&m.tokenizer), cfg, Arc::clone(&metrics)).expect("engine");
+        Engine::new(super::target(m, &cfg), Arc::clone(&m.tokenizer), cfg, Arc::clone(&metrics)).expect("engine");
     let mut engine = match mtp {
         Some(lane) => engine.with_mtp(lane).expect("mtp lane"),
         None => engine,

@@ -1,16 +1,16 @@
-//! [`CudaCache`]: everything a CUDA forward writes, planned up front: the paged KV cache, the step's
-//! inputs and activations, and the captured decode graphs. A step allocates nothing.
+//! [`CudaCache`]: everything a CUDA forward writes, planned up front for any family: the paged KV cache, the
+//! step's inputs and activations, the captured graphs, and the buffers a family adds of its own. A step allocates
+//! nothing.
 
 use std::collections::HashMap;
 
 use dflash_runtime::cuda::ops::{attn_max_splits, sum_sq_slots, ArgmaxScratch, AttentionScratch};
-use dflash_runtime::cuda::{DeviceBuf, StepGraph};
+use dflash_runtime::cuda::{CudaDevice, DeviceBuf, StepGraph};
 use half::bf16;
 
 use super::error::{CudaModelError, Result};
-use super::model::CudaLlamaModel;
-use super::plan::Layout;
-use super::weights::{DevProjection, DevWeight};
+use super::plan::{Layout, TileRows};
+use crate::family::CachePlan;
 
 /// Capacities of a [`CudaCache`], fixed when it is made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,20 +49,25 @@ impl CudaCacheConfig {
         }
     }
 
+    /// The capacities an engine's [`CachePlan`] asks for.
+    pub fn plan(plan: &CachePlan) -> Self {
+        Self::new(plan.num_pages, plan.page_size, plan.max_batch_tokens, plan.max_seqs, plan.context_window)
+    }
+
     /// Block-table entries per sequence.
-    pub(super) fn table_stride(&self) -> usize {
+    pub(crate) fn table_stride(&self) -> usize {
         self.max_seq_len.div_ceil(self.page_size).max(1)
     }
 
     /// The slot rows of padded graph sequences write (the page past the real ones).
-    pub(super) fn trash_page(&self) -> usize {
+    pub(crate) fn trash_page(&self) -> usize {
         self.num_pages
     }
 }
 
 /// Activation buffers, each sized for the cache's largest step.
 #[derive(Debug)]
-pub(super) struct Workspace {
+pub(crate) struct Workspace {
     /// The step's inputs in one buffer (see [`Layout`]), written by one copy per step.
     pub inputs: DeviceBuf<u32>,
     pub residual: DeviceBuf<f32>,  // [T, hidden]
@@ -89,7 +94,7 @@ pub(super) struct Workspace {
 /// Which graph a uniform decode / verify step replays: sequences (a bucket, padded), rows per sequence, and whether
 /// some sequence's keys pass [`super::plan::ROPE_FOLD_MAX_KEYS`] (the graphs differ in where RoPE runs).
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub(super) struct GraphKey {
+pub(crate) struct GraphKey {
     pub seqs: usize,
     pub rows: usize,
     pub long_keys: bool,
@@ -98,24 +103,116 @@ pub(super) struct GraphKey {
     pub class_cut: bool,
 }
 
-/// The device state of a [`CudaLlamaModel`]'s forwards: KV pages (`[layers][pages + 1, page_size,
-/// kv_heads, head_dim]` f32 for K and V; the extra page takes the writes of padded graph rows),
-/// workspaces and graphs. Made by [`CudaLlamaModel::new_cache`] and usable only with that model.
-#[derive(Debug)]
-pub struct CudaCache {
-    pub(super) cfg: CudaCacheConfig,
-    pub(super) model_id: u64,
-    pub(super) k: DeviceBuf<f32>,
-    pub(super) v: DeviceBuf<f32>,
-    /// Floats of one layer's K (or V).
-    pub(super) layer_len: usize,
-    pub(super) ws: Workspace,
-    pub(super) graphs: HashMap<GraphKey, StepGraph>,
-    /// Host staging of the inputs, reused every step.
-    pub(super) host_inputs: Vec<u32>,
+/// What sizes a family's workspace: the widths of its activations.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct WorkspaceShape {
+    pub hidden: usize,
+    /// Query heads · head_dim (attention output and q).
+    pub q_width: usize,
+    /// The attention projection's output row.
+    pub qkv_width: usize,
+    /// The widest MLP's intermediate size.
+    pub ffn_width: usize,
+    /// The widest matmul input given to cuBLAS as bf16 (0: no dense weights, so no cuBLAS).
+    pub bf16_width: usize,
+    pub vocab: usize,
+    /// Captured hidden states per row (taps · hidden).
+    pub capture_width: usize,
+    pub num_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Layers holding K/V in the pages.
+    pub kv_layers: usize,
+    /// Pre-norms folded into the small bf16 matmul (it needs the sums of squares).
+    pub folds_norms: bool,
+    pub tile_rows: TileRows,
+    /// `u32`s of the step's inputs the family adds past the dense layout.
+    pub extra_inputs: usize,
 }
 
-impl CudaCache {
+/// The device state of one model's forwards: KV pages (`[kv_layers][pages + 1, page_size, kv_heads, head_dim]` f32
+/// for K and V; the extra page takes the writes of padded graph rows), workspaces, graphs, and the buffers `X` its
+/// family adds (nothing for the Llama family; state slots and GDN buffers for hybrids). Usable only with the model
+/// whose id it holds.
+#[derive(Debug)]
+pub struct CudaCache<X = ()> {
+    pub(crate) cfg: CudaCacheConfig,
+    pub(crate) model_id: u64,
+    pub(crate) k: DeviceBuf<f32>,
+    pub(crate) v: DeviceBuf<f32>,
+    /// Floats of one layer's K (or V).
+    pub(crate) layer_len: usize,
+    pub(crate) ws: Workspace,
+    pub(crate) graphs: HashMap<GraphKey, StepGraph>,
+    /// Host staging of the inputs, reused every step.
+    pub(crate) host_inputs: Vec<u32>,
+    pub(crate) extra: X,
+}
+
+impl<X> CudaCache<X> {
+    /// Plans and allocates the device state for forwards of `shape` within `cfg`'s capacities.
+    ///
+    /// # Errors
+    /// Zero capacities, out of device memory.
+    pub(crate) fn new(
+        dev: &CudaDevice,
+        cfg: CudaCacheConfig,
+        shape: &WorkspaceShape,
+        model_id: u64,
+        extra: X,
+    ) -> Result<Self> {
+        if cfg.num_pages == 0 || cfg.page_size == 0 || cfg.max_tokens == 0 || cfg.max_seqs == 0 || cfg.max_seq_len == 0
+        {
+            return Err(CudaModelError::Batch(format!("cache capacities must be positive: {cfg:?}")));
+        }
+        let (t, l, h) = (cfg.max_tokens, cfg.max_logit_rows.max(1), shape.hidden);
+        let layer_len = (cfg.num_pages + 1) * cfg.page_size * shape.kv_heads * shape.head_dim;
+        let splits = attn_max_splits(cfg.max_seq_len, shape.kv_heads);
+        let inputs = Layout::capacity(&cfg, shape.tile_rows) + shape.extra_inputs;
+        let f = shape.ffn_width;
+        let ws = Workspace {
+            inputs: dev.alloc_zeros(inputs)?,
+            residual: dev.alloc_zeros(t * h)?,
+            normed: dev.alloc_zeros(t * h)?,
+            sum_sq: dev.alloc_zeros(if shape.folds_norms { t * sum_sq_slots(h) } else { 1 })?,
+            qkv: dev.alloc_zeros(t * shape.qkv_width)?,
+            q: dev.alloc_zeros(t * shape.q_width)?,
+            attn: dev.alloc_zeros(t * shape.q_width)?,
+            gate_up: dev.alloc_zeros(t * 2 * f)?,
+            act: dev.alloc_zeros(t * f)?,
+            x_bf16: dev.alloc_zeros((t * shape.bf16_width).max(1))?,
+            logits_in: dev.alloc_zeros(l * h)?,
+            logits: dev.alloc_zeros(l * shape.vocab)?,
+            ids: dev.alloc_zeros(l)?,
+            argmax: ArgmaxScratch::new(dev, l, shape.vocab)?,
+            attn_parts: AttentionScratch::new(
+                dev,
+                cfg.max_decode_rows.max(1),
+                shape.num_heads,
+                shape.head_dim,
+                splits,
+            )?,
+            kv_bf16: dev.alloc_zeros(if shape.tile_rows.tensor_core_prompt { 2 * layer_len } else { 1 })?,
+            captured: dev.alloc_zeros((t * shape.capture_width).max(1))?,
+        };
+        if shape.bf16_width > 0 {
+            // Made now: the handle allocates, which a graph capture must not do.
+            dev.init_blas()?;
+        }
+        let kv_layers = shape.kv_layers.max(1);
+        Ok(CudaCache {
+            cfg,
+            model_id,
+            k: dev.alloc_zeros(kv_layers * layer_len)?,
+            v: dev.alloc_zeros(kv_layers * layer_len)?,
+            layer_len,
+            ws,
+            graphs: HashMap::new(),
+            host_inputs: Vec::with_capacity(inputs),
+            extra,
+        })
+    }
+
     pub fn config(&self) -> &CudaCacheConfig {
         &self.cfg
     }
@@ -128,72 +225,5 @@ impl CudaCache {
     /// Device bytes of the K and V pages.
     pub fn kv_bytes(&self) -> usize {
         4 * (self.k.len() + self.v.len())
-    }
-}
-
-impl CudaLlamaModel {
-    /// Plans and allocates the device state for forwards within `cfg`'s capacities.
-    ///
-    /// # Errors
-    /// Zero or inconsistent capacities, out of device memory.
-    pub fn new_cache(&self, cfg: CudaCacheConfig) -> Result<CudaCache> {
-        let c = &self.cfg;
-        if cfg.num_pages == 0 || cfg.page_size == 0 || cfg.max_tokens == 0 || cfg.max_seqs == 0 || cfg.max_seq_len == 0
-        {
-            return Err(CudaModelError::Batch(format!("cache capacities must be positive: {cfg:?}")));
-        }
-        let dev = &*self.dev;
-        let (t, l, h) = (cfg.max_tokens, cfg.max_logit_rows.max(1), c.hidden_size);
-        let (qd, f) = (c.num_heads * c.head_dim, c.intermediate_size);
-        let layer_len = (cfg.num_pages + 1) * cfg.page_size * c.num_kv_heads * c.head_dim;
-        let taps = self.capture_layers.len();
-        let max_k = h.max(f).max(qd);
-        let splits = attn_max_splits(cfg.max_seq_len, c.num_kv_heads);
-        let inputs = Layout::capacity(&cfg, self.tile_rows());
-        let dense = self.has_dense_weights();
-        let ws = Workspace {
-            inputs: dev.alloc_zeros(inputs)?,
-            residual: dev.alloc_zeros(t * h)?,
-            normed: dev.alloc_zeros(t * h)?,
-            sum_sq: dev.alloc_zeros(t * sum_sq_slots(h))?,
-            qkv: dev.alloc_zeros(t * c.qkv_width())?,
-            q: dev.alloc_zeros(t * qd)?,
-            attn: dev.alloc_zeros(t * qd)?,
-            gate_up: dev.alloc_zeros(t * 2 * f)?,
-            act: dev.alloc_zeros(t * f)?,
-            x_bf16: dev.alloc_zeros(if dense { t * max_k } else { 1 })?,
-            logits_in: dev.alloc_zeros(l * h)?,
-            logits: dev.alloc_zeros(l * c.vocab_size)?,
-            ids: dev.alloc_zeros(l)?,
-            argmax: ArgmaxScratch::new(dev, l, c.vocab_size)?,
-            attn_parts: AttentionScratch::new(dev, cfg.max_decode_rows.max(1), c.num_heads, c.head_dim, splits)?,
-            kv_bf16: dev.alloc_zeros(if self.tile_rows().tensor_core_prompt { 2 * layer_len } else { 1 })?,
-            captured: dev.alloc_zeros((t * taps * h).max(1))?,
-        };
-        if dense {
-            // Made now: the handle allocates, which a graph capture must not do.
-            dev.init_blas()?;
-        }
-        Ok(CudaCache {
-            cfg,
-            model_id: self.id,
-            k: dev.alloc_zeros(c.num_layers * layer_len)?,
-            v: dev.alloc_zeros(c.num_layers * layer_len)?,
-            layer_len,
-            ws,
-            graphs: HashMap::new(),
-            host_inputs: Vec::with_capacity(inputs),
-        })
-    }
-
-    /// Whether any matrix is dense (its matmuls may go through cuBLAS).
-    fn has_dense_weights(&self) -> bool {
-        let dense = |w: &DevWeight| !matches!(w, DevWeight::Quant(_));
-        let proj = |p: &DevProjection| match p {
-            DevProjection::Fused(m) => dense(&m.w),
-            DevProjection::Split(parts) => parts.iter().any(|m| dense(&m.w)),
-        };
-        dense(&self.lm_head().w)
-            || self.layers.iter().any(|l| proj(&l.qkv) || proj(&l.gate_up) || dense(&l.o_proj.w) || dense(&l.down.w))
     }
 }

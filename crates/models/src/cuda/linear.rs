@@ -14,7 +14,7 @@ use super::weights::{DevMatrix, DevProjection, DevWeight};
 
 /// The input of a matmul.
 #[derive(Clone, Copy)]
-pub(super) enum MatIn<'a> {
+pub(crate) enum MatIn<'a> {
     /// `x` `[m, k]`, RMS-normalised with weight `w` first (the layer's pre-norm).
     Normed { x: DevSlice<'a, f32>, w: DevSlice<'a, f32> },
     /// As `Normed`, with the norm folded into the small bf16 matmul: its 1 / rms from `sum_sq`
@@ -27,7 +27,7 @@ pub(super) enum MatIn<'a> {
 
 /// Where a matmul's result goes.
 #[derive(Clone, Copy)]
-pub(super) enum MatOut<'a> {
+pub(crate) enum MatOut<'a> {
     /// Into columns `col ..` of `y` `[m, ld]`.
     Store { y: DevSlice<'a, f32>, ld: usize, col: usize },
     /// Added to the residual stream `y` `[m, n]`; with `sum_sq`, the updated rows' partial sums of squares
@@ -39,7 +39,7 @@ pub(super) enum MatOut<'a> {
 
 /// The device and the pre-norm's epsilon: what a matmul needs besides its operands.
 #[derive(Clone, Copy)]
-pub(super) struct Linear<'d> {
+pub(crate) struct Linear<'d> {
     pub dev: &'d CudaDevice,
     pub eps: f32,
 }
@@ -47,7 +47,7 @@ pub(super) struct Linear<'d> {
 impl Linear<'_> {
     /// A projection: one matmul when fused; when split, each part into its columns (and, for SwiGLU,
     /// through the gate/up scratch and the separate SwiGLU kernel).
-    pub(super) fn project(
+    pub(crate) fn project(
         &self,
         ws: &Workspace,
         m: usize,
@@ -86,7 +86,7 @@ impl Linear<'_> {
     /// # Errors
     /// Sums of squares asked of a matmul other than the small bf16 one, shapes the kernels refuse, a launch
     /// failure.
-    pub(super) fn matmul(&self, ws: &Workspace, m: usize, input: MatIn, w: &DevMatrix, out: MatOut) -> Result<()> {
+    pub(crate) fn matmul(&self, ws: &Workspace, m: usize, input: MatIn, w: &DevMatrix, out: MatOut) -> Result<()> {
         let dev = self.dev;
         let (epi, y, y_ld, sum_sq_out) = match out {
             MatOut::Store { y, ld, col } => (Epilogue::Store, y.sub(col, y.len() - col)?, ld, None),
@@ -157,7 +157,7 @@ impl Linear<'_> {
     ///
     /// # Errors
     /// As [`Linear::project`] and [`Linear::matmul`].
-    pub(super) fn mlp(
+    pub(crate) fn mlp(
         &self,
         ws: &Workspace,
         m: usize,

@@ -1,34 +1,69 @@
-//! The Llama-family forward on one CUDA GPU (feature `cuda`): [`CudaLlamaModel`] holds the weights
-//! (uploaded once; bf16 kept bf16, GGUF blocks kept quantized), [`CudaCache`] the KV pages, workspaces and
-//! captured graphs (all planned up front, so a step allocates nothing).
+//! The CUDA step plumbing every family's GPU forward shares (feature `cuda`), naming no family: the device cache
+//! ([`CudaCache`]: KV pages, workspaces, graphs, and what a family adds), the step's input layout and attention
+//! tiling (`plan`), the shared step runner and attention core (`step`), weights on the device (`weights`) and the
+//! matmul dispatch (`linear`). The families' forwards sit in their own folders (`llama/cuda`, `hybrid/cuda`).
 //!
-//! The forward takes the same [`crate::ForwardBatch`] as [`crate::LlamaModel::forward`] and returns the
-//! same [`crate::ForwardOut`] (logits of the requested rows and the captured hidden states, on the host),
-//! or only the greedy ids ([`CudaLlamaModel::forward_greedy`]). A caller holds either model with its own
-//! cache: `LlamaModel` + [`crate::KvCache`], or `CudaLlamaModel` + [`CudaCache`]; page allocation, block
-//! tables and slots are the same for both.
-//!
-//! Per step: one host-to-device copy of the step's inputs (tokens, positions, slots, per-row key counts,
-//! attention tiles, block tables), then either the kernels one by one, or, for a batch whose sequences
-//! all decode or verify the same number of rows, the replay of a CUDA graph captured for that (batch
-//! bucket, rows) on first use; then the results come back after one synchronisation.
-//!
-//! Each position is computed the same way however it is batched, with one exception: the quantized
-//! matmul, the attention (prompt rows whole, later rows in fixed key splits) and the elementwise kernels
-//! do per-row work that does not depend on the rest of the batch; dense bf16 weights use a GEMV for a
-//! single row and cuBLAS for more, whose sums differ in the last bits.
+//! Per step: one host-to-device copy of the inputs, then the kernels one by one, or for a batch whose sequences
+//! all decode or verify the same number of rows, the replay of a graph captured for that (batch bucket, rows);
+//! then the results come back after one synchronisation. A position is computed the same way however it is
+//! batched (per-row quantized matmuls, attention, elementwise kernels; the small bf16 matmul up to 32 rows),
+//! except dense matmuls past 32 rows, which go to cuBLAS. docs/CUDA.md has the kernels and the figures.
 
 mod cache;
 mod error;
-mod forward;
-mod hybrid;
 mod linear;
-mod model;
 mod plan;
+mod step;
 mod weights;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use dflash_runtime::cuda::CudaDevice;
+
+pub(crate) use cache::WorkspaceShape;
 pub use cache::{CudaCache, CudaCacheConfig};
 pub use error::CudaModelError;
-pub use hybrid::{CudaHybridCache, CudaHybridModel, GdnSeq};
-pub use model::{CudaLlamaModel, RandomWeights};
+pub(crate) use error::Result;
+pub(crate) use linear::{Linear, MatIn, MatOut};
 pub use plan::GRAPH_CONTEXTS;
+pub(crate) use plan::{StepPlan, TileRows};
+pub use step::Readout;
+pub(crate) use step::{attend, collect_ids, collect_out, Step};
+pub(crate) use weights::{upload_norm, DevMatrix, DevProjection, DevWeight, MatrixKind};
+
+use crate::error::ModelError;
+
+/// A fresh id per model, tying caches (whose graphs hold a model's weight addresses) to their model.
+pub(crate) fn next_model_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Opens CUDA device `ordinal` for a target.
+///
+/// # Errors
+/// No such device, a driver or NVRTC failure.
+pub(crate) fn open_device(ordinal: usize) -> crate::error::Result<Arc<CudaDevice>> {
+    CudaDevice::new(ordinal).map(Arc::new).map_err(|e| match e.is_no_device() {
+        true => ModelError::NoDevice(format!("no CUDA device {ordinal}: {e}")),
+        false => ModelError::Device(format!("opening CUDA device {ordinal}: {e}")),
+    })
+}
+
+/// The start-up line of a target's upload: the device, its memory, the weights and the kernels' compile.
+pub(crate) fn log_upload(dev: &CudaDevice, weight_bytes: usize, started: std::time::Instant) {
+    let info = dev.info();
+    let report = dev.compile_report();
+    tracing::info!(
+        "target on cuda:{} ({}, {:.0} GiB, {} MiB of weights read per decode row) in {:.0} ms; kernels for {} {} in {:.0} ms",
+        info.ordinal,
+        info.name,
+        info.total_memory as f64 / (1u64 << 30) as f64,
+        weight_bytes >> 20,
+        started.elapsed().as_secs_f64() * 1e3,
+        report.arch,
+        if report.cache_hit { "from the disk cache" } else { "compiled" },
+        report.millis,
+    );
+}

@@ -16,7 +16,7 @@ use crate::config::ModelConfig;
 
 /// Rows per attention tile (prompt tiles, decode / verify tiles) and the prompt kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct TileRows {
+pub(crate) struct TileRows {
     pub prompt: usize,
     pub decode: usize,
     /// The model's KV heads (decode tiles keep one split size class, which depends on them).
@@ -56,7 +56,7 @@ fn graph_decode_tiles(key: GraphKey, tile_rows: usize) -> usize {
 
 /// Counts that fix where each input lies in the input buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Layout {
+pub(crate) struct Layout {
     /// Rows (padded rows included).
     pub t: usize,
     /// Logit rows.
@@ -133,7 +133,7 @@ impl Layout {
 
 /// What the forward needs to know about a planned step besides the inputs themselves.
 #[derive(Clone, Debug)]
-pub(super) struct StepPlan {
+pub(crate) struct StepPlan {
     pub layout: Layout,
     pub max_prompt_tile_rows: usize,
     pub max_decode_tile_rows: usize,
@@ -150,7 +150,7 @@ pub(super) struct StepPlan {
 
 /// Checks a batch against itself, the model and the cache's capacities (the device cannot report bad
 /// indices, so they are refused here).
-pub(super) fn validate(batch: &ForwardBatch, cfg: &CudaCacheConfig, model: &ModelConfig) -> Result<()> {
+pub(crate) fn validate(batch: &ForwardBatch, cfg: &CudaCacheConfig, model: &ModelConfig) -> Result<()> {
     let bad = |m: String| Err(CudaModelError::Batch(m));
     let t = batch.tokens.len();
     if t == 0 || batch.positions.len() != t || batch.slots.len() != t {
@@ -210,7 +210,7 @@ fn prompt_rows(prompt_len: usize, context_len: usize, num_rows: usize) -> usize 
 /// itself (`paged_attention_rope`): past it every split block's own rotation of q costs more than the launch it
 /// saves (PERFORMANCE.md entry 37: the fold is 7.5% faster per Qwen3-0.6B-shape step at 128-384 keys, 1.7% slower
 /// at 7,900-8,156).
-pub(super) const ROPE_FOLD_MAX_KEYS: usize = 4096;
+pub(crate) const ROPE_FOLD_MAX_KEYS: usize = 4096;
 
 /// Contexts past which a decode or verify step replays other graphs: a graph's key says whether some sequence
 /// attends more than [`ROPE_FOLD_MAX_KEYS`] keys.
@@ -223,7 +223,7 @@ fn long_keys(batch: &ForwardBatch) -> bool {
 
 /// The graph a batch can replay: every sequence past its prompt with the same rows, padded to a
 /// power-of-two number of sequences within the cache's capacities.
-pub(super) fn graph_key(batch: &ForwardBatch, cfg: &CudaCacheConfig, kv_heads: usize) -> Option<GraphKey> {
+pub(crate) fn graph_key(batch: &ForwardBatch, cfg: &CudaCacheConfig, kv_heads: usize) -> Option<GraphKey> {
     let first = batch.seqs.first()?;
     let rows = first.num_rows;
     let uniform = batch.seqs.iter().all(|s| s.num_rows == rows && s.context_len >= s.prompt_len);
@@ -251,7 +251,7 @@ pub(super) fn graph_key(batch: &ForwardBatch, cfg: &CudaCacheConfig, kv_heads: u
 /// `graph.seqs` (rows that write the cache's spare page and attend only it), every row's logits are
 /// computed, and the split count covers the cache's longest sequence, so the counts depend on the key
 /// alone.
-pub(super) fn plan(
+pub(crate) fn plan(
     batch: &ForwardBatch,
     graph: Option<GraphKey>,
     cfg: &CudaCacheConfig,

@@ -10,7 +10,7 @@ use super::error::{CudaModelError, Result};
 
 /// The storage of one matrix on the device.
 #[derive(Debug)]
-pub(super) enum DevWeight {
+pub(crate) enum DevWeight {
     /// bf16, as stored in bf16 checkpoints.
     Bf16(DeviceBuf<bf16>),
     /// f32: f32 and f16 checkpoints (f16 widened exactly); meant for small reference models.
@@ -21,7 +21,7 @@ pub(super) enum DevWeight {
 
 /// A matrix `[n, k]` (n outputs of k inputs) on the device.
 #[derive(Debug)]
-pub(super) struct DevMatrix {
+pub(crate) struct DevMatrix {
     pub w: DevWeight,
     pub n: usize,
     pub k: usize,
@@ -85,7 +85,7 @@ impl DevMatrix {
 
 /// What a random matrix is made of.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum MatrixKind {
+pub(crate) enum MatrixKind {
     Bf16,
     Quant(QuantFormat),
 }
@@ -93,7 +93,7 @@ pub(super) enum MatrixKind {
 /// Matrices that share an input: one fused matrix when their storage agrees (as in every HF checkpoint
 /// and the default GGUF), else the parts, whose outputs are placed side by side.
 #[derive(Debug)]
-pub(super) enum DevProjection {
+pub(crate) enum DevProjection {
     Fused(DevMatrix),
     Split(Vec<DevMatrix>),
 }
@@ -147,6 +147,6 @@ fn concat_rows(parts: &[Tensor]) -> Result<Tensor> {
 ///
 /// # Errors
 /// A dtype that cannot be widened, or the upload failing.
-pub(super) fn upload_norm(dev: &CudaDevice, t: &Tensor) -> Result<DeviceBuf<f32>> {
+pub(crate) fn upload_norm(dev: &CudaDevice, t: &Tensor) -> Result<DeviceBuf<f32>> {
     Ok(dev.upload(t.to_f32()?.as_f32()?)?)
 }

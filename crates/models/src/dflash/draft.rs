@@ -200,9 +200,10 @@ fn sample_dense(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checkpoint::LoadOptions;
     use crate::dflash::{BlockRequest, DraftVocab, InverseCdf, TargetSpec};
-    use crate::loader::{load_hf_weights, LoadOptions};
-    use crate::LlamaModel;
+    use crate::llama::load_hf_weights;
+    use crate::llama::LlamaModel;
     use std::path::{Path, PathBuf};
 
     fn fixture(name: &str) -> PathBuf {

@@ -2,7 +2,7 @@
 //! yields a per-head output gate, `attn · sigmoid(gate)` before `o_proj`; zero-centred q/k norms; RoPE on the
 //! leading `rotary_dim` dims of each head only). MTP heads reuse them, Llama-style ones without q/k norms.
 
-use dflash_runtime::ops::{self, AttnSeq, RopeTable, RowKernel};
+use dflash_runtime::ops::{self, RopeTable};
 use dflash_runtime::{DType, Tensor};
 
 use crate::batch::{ForwardBatch, KvCache};
@@ -129,7 +129,7 @@ impl Attention {
         ops::kv_write(&mut kv.k[slot], &mut kv.v[slot], &x.k, &x.v, batch.slots)?;
         let mut attn = Tensor::zeros(DType::F32, x.q.shape())?;
         let scale = 1.0 / (self.head_dim as f32).sqrt();
-        let seqs = attn_seqs(batch);
+        let seqs = batch.attention_seqs();
         let (heads, kv_heads, hd) = (self.heads, self.kv_heads, self.head_dim);
         ops::paged_attention(&x.q, &kv.k[slot], &kv.v[slot], &seqs, heads, kv_heads, hd, scale, true, None, &mut attn)?;
         if let Some(gate) = &x.gate {
@@ -161,23 +161,4 @@ fn columns(x: &Tensor, col: usize, w: usize) -> Result<Tensor> {
         dst.copy_from_slice(&src[col..col + w]);
     }
     Ok(out)
-}
-
-/// Each sequence's prompt rows on the tiled kernel, its generated rows on the per-row kernel, so a position's
-/// bits never depend on how its rows were batched (as in the Llama forward).
-fn attn_seqs<'a>(batch: &ForwardBatch<'a>) -> Vec<AttnSeq<'a>> {
-    let mut out = Vec::with_capacity(batch.seqs.len());
-    let mut first_row = 0;
-    for s in batch.seqs {
-        let prompt_rows = s.prompt_len.saturating_sub(s.context_len).min(s.num_rows);
-        let parts = [(0, prompt_rows, RowKernel::Tiled), (prompt_rows, s.num_rows - prompt_rows, RowKernel::PerRow)];
-        for (skip, num_rows, kernel) in parts {
-            if num_rows > 0 {
-                let (context_len, block_table) = (s.context_len + skip, s.block_table);
-                out.push(AttnSeq { first_row: first_row + skip, num_rows, context_len, block_table, kernel });
-            }
-        }
-        first_row += s.num_rows;
-    }
-    out
 }

@@ -112,6 +112,14 @@ pub struct HybridConfig {
 }
 
 impl HybridConfig {
+    /// The HF `model_type` (`qwen3_next`, `qwen3_moe`), for logs.
+    pub fn kind_name(&self) -> &'static str {
+        match self.kind {
+            HybridKind::Qwen3Next => "qwen3_next",
+            HybridKind::Qwen3Moe => "qwen3_moe",
+        }
+    }
+
     /// Whether this module runs a `model_type`.
     pub fn supports(model_type: &str) -> bool {
         matches!(model_type, "qwen3_next" | "qwen3_moe")

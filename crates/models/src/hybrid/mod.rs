@@ -30,11 +30,15 @@
 
 pub(crate) mod attention;
 mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod delta_rule;
+mod family;
 pub(crate) mod gdn;
 pub(crate) mod moe;
 pub(crate) mod rows;
 mod state;
+mod target;
 pub(crate) mod weights;
 
 use std::path::Path;
@@ -43,13 +47,17 @@ use dflash_runtime::ops::{self, RopeStyle, RopeTable};
 use dflash_runtime::{DType, Tensor};
 
 pub use config::{FfnKind, GdnDims, HybridConfig, HybridKind, MixerKind, MoeDims};
+pub(crate) use family::read_config;
+pub use family::{open_random, HybridFamily};
 pub use state::{GdnState, HybridState};
+pub use target::HybridTarget;
 
 use crate::batch::{ForwardBatch, ForwardOut, KvCache};
+use crate::checkpoint::LoadOptions;
 use crate::config::merge_json;
 use crate::error::{ModelError, Result};
-use crate::loader::LoadOptions;
 use crate::safetensors_dir::{read_json, SafetensorsDir};
+use crate::target::TargetHeads;
 use crate::weights::{WeightFile, WeightStore};
 
 use attention::{Attention, AttnSpec};
@@ -127,6 +135,12 @@ impl HybridModel {
     /// The LM head matrix (the embedding when tied).
     pub fn lm_head(&self) -> &Tensor {
         self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+
+    /// The host copies drafters read, once the layers are no longer needed on the host (they were uploaded).
+    pub fn into_heads(self) -> crate::target::HostHeads {
+        let eps = self.cfg.base.rms_norm_eps;
+        crate::target::HostHeads { embedding: self.embed, lm_head: self.lm_head, final_norm: self.final_norm, eps }
     }
 
     /// Bytes of weights one decode row reads: every dense weight, the router and shared expert, and `top_k`
@@ -255,6 +269,20 @@ impl HybridModel {
     }
 }
 
+impl TargetHeads for HybridModel {
+    fn embedding(&self) -> &Tensor {
+        &self.embed
+    }
+
+    fn lm_head(&self) -> &Tensor {
+        HybridModel::lm_head(self)
+    }
+
+    fn final_norm(&self) -> (&Tensor, f32) {
+        (&self.final_norm, self.cfg.base.rms_norm_eps)
+    }
+}
+
 fn mixer_bytes(m: &Mixer) -> usize {
     match m {
         Mixer::Attention(_, a) => a.weight_bytes(),
@@ -317,12 +345,9 @@ pub fn load_hybrid_weights(dir: &Path, opts: &LoadOptions) -> Result<HybridModel
     }
     let cfg = HybridConfig::from_hf(&config)?;
     let files = SafetensorsDir::open(dir)?;
-    let mtp: Vec<String> = files.names().filter(|n| n.starts_with("mtp.")).map(str::to_string).collect();
     let mut store = WeightStore::new(WeightFile::Hf(files)).widen_to_f32(opts.f32_weights);
     let model = HybridModel::load(cfg, &mut store, &opts.capture_layers)?;
-    for name in &mtp {
-        store.ignore(name);
-    }
+    store.ignore_under(crate::mtp::PREFIX);
     store.finish()?;
     Ok(model)
 }

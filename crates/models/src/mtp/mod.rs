@@ -31,7 +31,7 @@ use dflash_runtime::Tensor;
 
 pub use config::MtpConfig;
 pub use context::MtpContext;
-pub use trunk::{checkpoint_has_head, TrunkNorm};
+pub use trunk::TrunkNorm;
 
 use crate::error::{ModelError, Result};
 use crate::hybrid::attention::Attention;
@@ -41,7 +41,7 @@ use crate::safetensors_dir::{read_json, SafetensorsDir};
 use crate::weights::{WeightFile, WeightStore};
 
 /// Where the head's tensors live in a checkpoint.
-pub(crate) const PREFIX: &str = "mtp.";
+pub const PREFIX: &str = "mtp.";
 
 /// A loaded MTP head.
 #[derive(Debug)]

@@ -4,7 +4,8 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use dflash_models::{ForwardBatch, ForwardOut, KvCache, LlamaModel, SeqRows};
+use dflash_models::llama::LlamaModel;
+use dflash_models::{ForwardBatch, ForwardOut, KvCache, SeqRows};
 use safetensors::{Dtype, SafeTensors};
 
 /// Writes one line straight to stderr, past the harness's capture (tables and SKIP notices show without

@@ -9,25 +9,9 @@
 //! experts on average, so the floor grows with `w` (the sparse target pays for every extra row).
 
 use anyhow::{bail, Result};
-use clap::Args;
-use dflash_models::hybrid::HybridConfig;
 
-/// `dflash bench hybrid` flags.
-#[derive(Args, Debug)]
-pub struct HybridArgs {
-    /// Layers (a multiple of 4: 3 Gated DeltaNet layers, then one attention layer); Qwen3-Next-80B has 48.
-    #[arg(long, default_value_t = 16)]
-    pub layers: usize,
-    /// Greedy decode steps of the single sequence.
-    #[arg(long, default_value_t = 128)]
-    pub steps: usize,
-    /// Context (prompt tokens) before the decode and verify steps.
-    #[arg(long, default_value_t = 128)]
-    pub context: usize,
-    /// CUDA device ordinal.
-    #[arg(long, default_value_t = 0)]
-    pub device: usize,
-}
+use crate::cli::{HybridArgs, ModelArgs};
+use dflash_models::hybrid::HybridConfig;
 
 /// Qwen3-Next-80B-A3B's shapes (its config.json), `layers` deep: the target of `bench hybrid` and of
 /// `bench lanes --random-hybrid`.
@@ -57,12 +41,13 @@ pub fn qwen3_next_80b_config(layers: usize) -> Result<HybridConfig> {
 ///
 /// # Errors
 /// A build without the CUDA backend, no usable device, a model that does not fit.
-pub fn run(args: &HybridArgs) -> Result<()> {
+pub fn run(model: &ModelArgs, args: &HybridArgs) -> Result<()> {
+    let ordinal = super::gpu_ordinal(model)?;
     #[cfg(feature = "cuda")]
-    return gpu::run(args);
+    return gpu::run(ordinal, args);
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = args;
+        let _ = (ordinal, args);
         bail!("dflash bench hybrid runs on the GPU: build with --features cuda")
     }
 }
@@ -74,8 +59,9 @@ mod gpu {
 
     use anyhow::Result;
 
-    use super::HybridArgs;
-    use dflash_models::cuda::{CudaCacheConfig, CudaHybridCache, CudaHybridModel, GdnSeq};
+    use crate::cli::HybridArgs;
+    use dflash_models::cuda::CudaCacheConfig;
+    use dflash_models::hybrid::cuda::{CudaHybridCache, CudaHybridModel, GdnSeq};
     use dflash_models::{ForwardBatch, SeqRows};
     use dflash_runtime::cuda::CudaDevice;
 
@@ -86,8 +72,8 @@ mod gpu {
     const LADDER: [usize; 8] = [1, 2, 3, 4, 6, 8, 12, 16];
     const ROUNDS: usize = 24;
 
-    pub fn run(a: &HybridArgs) -> Result<()> {
-        let dev = Arc::new(CudaDevice::new(a.device)?);
+    pub fn run(ordinal: usize, a: &HybridArgs) -> Result<()> {
+        let dev = Arc::new(CudaDevice::new(ordinal)?);
         println!("device {} ({} SMs)", dev.info().name, dev.info().multiprocessors);
         let cfg = super::qwen3_next_80b_config(a.layers)?;
         let t = Instant::now();

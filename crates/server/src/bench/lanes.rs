@@ -17,21 +17,22 @@
 //! copy of the target (a target captures the layers of one lane's drafter). Each engine's round-cost probe runs
 //! before the first request, so no lane pays for it, and the cost tables are printed at the end.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use clap::Args;
-use dflash_engine::spec::{DrafterConfig, MtpLaneConfig, OracleDraft, PolicyMode};
+use dflash_engine::spec::{OracleDraft, PolicyMode, SpecConfig};
 use dflash_engine::{Engine, EngineConfig, EngineMetrics, Event, EventSink, Request, SamplingParams, Usage};
 use dflash_models::tokenizer::{ChatMessage, Tokenizer};
+use dflash_models::CachePlan;
 use serde::Deserialize;
 use serde_json::json;
 
 use super::lanes_report::{table, write_json, RunResult};
-use crate::cli::{ModelArgs, SpecArgs};
-use crate::target::{assets_dir, default_mtp_head, load_target, Target};
+use crate::cli::{DeviceArg, LanesArgs, ModelArgs, SpecArgs};
+use crate::drafters::{assets_dir, default_mtp_head};
+use crate::setup::{EnginePlan, Startup, PAGE_SIZE};
 
 /// Nucleus cut of the sampled runs (as common chat defaults).
 const SAMPLED_TOP_P: f32 = 0.95;
@@ -39,55 +40,6 @@ const SAMPLED_TOP_P: f32 = 0.95;
 const MAX_ORACLE_BLOCK: usize = 16;
 /// The sampled runs' seed for prompt `i` is this plus `i`.
 const SEED_BASE: u64 = 0x5eed_0000;
-
-#[derive(Args, Debug)]
-pub struct LanesArgs {
-    /// JSON list of {"group": ..., "prompt": ...}; prompts are sent through the chat template.
-    #[arg(long, default_value = "bench/prompts/lanes.json")]
-    pub prompts: PathBuf,
-    /// Lanes to compare: plain, pld, dflash, mtp; pld, dflash and mtp take a `-fixed` or `-adaptive` suffix to
-    /// pick the width policy (default: --spec-policy).
-    #[arg(long, value_delimiter = ',', default_value = "plain,pld")]
-    pub lanes: Vec<String>,
-    /// The oracle lanes' chance of a right draft at each draft position (given the earlier ones were right); the
-    /// last value holds for later positions.
-    #[arg(long, value_delimiter = ',', default_value = "0.8,0.6,0.5,0.4")]
-    pub oracle_acceptance: Vec<f32>,
-    /// Which set of draws the oracle lanes read: their drafts are keyed by prompt, position and draft index, so
-    /// every run of a table reads the same ones; another value gives other draws (more of them across runs).
-    #[arg(long, default_value_t = 0)]
-    pub oracle_seed: u64,
-    /// Sampling temperatures; 0 is greedy. Sampled requests use top-p 0.95 and a seed fixed per prompt.
-    #[arg(long, value_delimiter = ',', default_value = "0")]
-    pub temperatures: Vec<f32>,
-    /// Use at most this many prompts of each group (the first ones in the file); 0 = all.
-    #[arg(long, default_value_t = 0)]
-    pub per_group: usize,
-    /// Put each prompt after a document of about this many tokens (the long-context rows of a table: 1024, 8192,
-    /// 32768); 0 sends the prompts as they are. The document is `--context-text` repeated.
-    #[arg(long, default_value_t = 0)]
-    pub context: usize,
-    /// The document text the `--context` prompts open with.
-    #[arg(long, default_value = "bench/prompts/summarise-1000.txt")]
-    pub context_text: PathBuf,
-    /// Tokens per request at most (requests stop at EOS too).
-    #[arg(long, default_value_t = 128)]
-    pub max_tokens: usize,
-    /// Runs of every (prompt, temperature, lane); medians are reported.
-    #[arg(long, default_value_t = 2)]
-    pub repeat: usize,
-    /// Where the JSON goes.
-    #[arg(long, default_value = "bench/out")]
-    pub out_dir: PathBuf,
-    /// Instead of `--model`: a Qwen3-Next-80B-A3B-shaped target with random bf16 weights made on the GPU, this
-    /// many layers deep (a multiple of 4; see `bench hybrid`), for the oracle lanes on a sparse hybrid target.
-    /// Needs `--tokenizer`.
-    #[arg(long, value_name = "LAYERS", requires = "tokenizer")]
-    pub random_hybrid: Option<usize>,
-    /// The tokenizer (an HF directory with tokenizer.json) that encodes the prompts of a `--random-hybrid` run.
-    #[arg(long, value_name = "DIR")]
-    pub tokenizer: Option<PathBuf>,
-}
 
 #[derive(Deserialize)]
 struct PromptEntry {
@@ -221,24 +173,20 @@ pub fn run(model: &ModelArgs, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
     Ok(())
 }
 
-/// Loads the target once per engine the lanes need and probes each engine's round costs.
+/// Opens the target once per engine the lanes need and probes each engine's round costs.
 fn engines(model: &ModelArgs, spec: &SpecArgs, kinds: &[LaneKind], window: usize) -> Result<(Engines, Arc<Tokenizer>)> {
-    let mut main_spec = spec.clone();
-    main_spec.mtp.mtp = None;
-    main_spec.mtp.no_mtp = true;
-    let Target { loaded, drafter, .. } = load_target(model, &main_spec)?;
-    if kinds.contains(&LaneKind::Dflash) && drafter.is_none() {
+    let main_spec =
+        SpecArgs { mtp: crate::cli::MtpArgs { mtp: None, no_mtp: true, ..spec.mtp.clone() }, ..spec.clone() };
+    let built = Startup::begin(model, &main_spec)?.build(engine_plan(spec, window)?, metrics())?;
+    let (mut main, tokenizer) = (built.engine, built.tokenizer);
+    if kinds.contains(&LaneKind::Dflash) && !main.has_drafter() {
         bail!("the dflash lane needs a drafter: --drafter DIR (the default model has one shipped)");
     }
-    let tokenizer = Arc::new(loaded.tokenizer);
-    let cfg = engine_config(&tokenizer, spec, drafter, window)?;
-    let mut main = crate::device::engine(model, loaded.model, Arc::clone(&tokenizer), cfg, metrics(), None)?;
     main.widen_rounds(oracle_rows(kinds));
     main.probe_round_costs()?;
     let mtp = if kinds.contains(&LaneKind::Mtp) {
-        let (loaded, head) = load_mtp_target(model, spec)?;
-        let cfg = engine_config(&tokenizer, spec, None, window)?;
-        let mut e = crate::device::engine(model, loaded, Arc::clone(&tokenizer), cfg, metrics(), Some(head))?;
+        let mut e =
+            Startup::begin(model, &mtp_spec(model, spec)?)?.build(engine_plan(spec, window)?, metrics())?.engine;
         e.probe_round_costs()?;
         Some(e)
     } else {
@@ -260,13 +208,38 @@ fn random_engine(
     if let Some(k) = kinds.iter().find(|k| matches!(k, LaneKind::Dflash | LaneKind::Mtp)) {
         bail!("--random-hybrid: the {k:?} lane needs a drafter trained for the target; use plain, pld and oracleN");
     }
+    crate::setup::process_state(model);
     let tokenizer = Arc::new(
         Tokenizer::from_hf_dir(tokenizer_dir)
             .with_context(|| format!("reading the tokenizer in {}", tokenizer_dir.display()))?,
     );
     let config = super::hybrid::qwen3_next_80b_config(layers)?;
-    let cfg = engine_config(&tokenizer, spec, None, window)?;
-    let mut main = crate::device::random_hybrid_engine(&model.device, config, Arc::clone(&tokenizer), cfg, metrics())?;
+    let plan = engine_plan(spec, window)?;
+    let device = match model.device {
+        DeviceArg::Exact(device) => device,
+        DeviceArg::Auto => dflash_models::Device::Cuda(0),
+    };
+    let cache = CachePlan {
+        num_pages: plan.num_pages,
+        page_size: PAGE_SIZE,
+        max_batch_tokens: plan.max_batch_tokens,
+        max_seqs: plan.max_running,
+        context_window: plan.context_window,
+    };
+    let target = dflash_models::hybrid::open_random(config, device, &cache, 7)?;
+    let cfg = EngineConfig {
+        context_window: plan.context_window,
+        num_pages: plan.num_pages,
+        page_size: PAGE_SIZE,
+        max_running: plan.max_running,
+        max_batch_tokens: plan.max_batch_tokens,
+        eos_ids: tokenizer.eos_ids().to_vec(),
+        spec: plan.spec,
+        prefix_cache_pages: plan.prefix_cache_pages,
+        drafter: None,
+        state_checkpoint_stride: model.state_checkpoint_stride,
+    };
+    let mut main = Engine::new(target, Arc::clone(&tokenizer), cfg, metrics())?;
     main.widen_rounds(oracle_rows(kinds));
     main.probe_round_costs()?;
     Ok((Engines { main, mtp: None }, tokenizer))
@@ -277,20 +250,17 @@ fn oracle_rows(kinds: &[LaneKind]) -> usize {
     kinds.iter().map(|k| if let LaneKind::Oracle(block) = k { *block } else { 1 }).max().unwrap_or(1)
 }
 
-/// The target capturing its last layer, with the MTP head `--mtp` names (the default model's shipped head when
-/// none is given).
-fn load_mtp_target(model: &ModelArgs, spec: &SpecArgs) -> Result<(dflash_models::TargetModel, MtpLaneConfig)> {
-    let mut mtp_spec = spec.clone();
-    mtp_spec.drafter = None;
-    mtp_spec.no_drafter = true;
+/// The speculation flags of the MTP engine: the head `--mtp` names (the default model's shipped head when none is
+/// given), no block drafter.
+fn mtp_spec(model: &ModelArgs, spec: &SpecArgs) -> Result<SpecArgs> {
+    let mut mtp_spec = SpecArgs { drafter: None, no_drafter: true, ..spec.clone() };
     mtp_spec.mtp.no_mtp = false;
     if mtp_spec.mtp.mtp.is_none() {
         let shipped = default_mtp_head(model.model.as_deref(), &assets_dir())
             .context("the mtp lane needs a head: --mtp DIR|auto (the default model has one shipped)")?;
         mtp_spec.mtp.mtp = Some(shipped.to_string_lossy().into_owned());
     }
-    let Target { loaded, mtp, .. } = load_target(model, &mtp_spec)?;
-    Ok((loaded.model, mtp.context("no MTP head was loaded")?))
+    Ok(mtp_spec)
 }
 
 /// The engines' context window: 4,096 tokens, or room for a `--context` document, its prompt and the completion
@@ -311,24 +281,17 @@ fn document(tokenizer: &Tokenizer, path: &Path, tokens: usize) -> Result<String>
     Ok(tokenizer.decode(&ids, true)?)
 }
 
-fn engine_config(
-    tokenizer: &Tokenizer,
-    spec: &SpecArgs,
-    drafter: Option<DrafterConfig>,
-    window: usize,
-) -> Result<EngineConfig> {
-    Ok(EngineConfig {
+/// One sequence at a time, prompts prefilled in chunks of 512, no prefix cache: every prompt runs once per lane,
+/// and each lane must prefill it cold.
+fn engine_plan(spec: &SpecArgs, window: usize) -> Result<EnginePlan> {
+    let spec: SpecConfig = spec.config()?;
+    Ok(EnginePlan {
         context_window: window,
-        num_pages: window / 16,
-        page_size: 16,
+        num_pages: window / PAGE_SIZE,
         max_running: 1,
         max_batch_tokens: 512,
-        eos_ids: tokenizer.eos_ids().to_vec(),
-        spec: spec.config()?,
-        // Every prompt runs once per lane: each lane must prefill it cold.
         prefix_cache_pages: 0,
-        drafter,
-        state_checkpoint_stride: dflash_engine::DEFAULT_STATE_CHECKPOINT_STRIDE,
+        spec,
     })
 }
 

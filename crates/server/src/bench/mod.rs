@@ -18,63 +18,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use clap::{Args, Subcommand};
 use dflash_engine::spec::SpecConfig;
-use dflash_engine::{Engine, EngineConfig, EngineMetrics, Event, EventSink, Request, SamplingParams};
+use dflash_engine::{Engine, EngineMetrics, Event, EventSink, Request, SamplingParams};
 use dflash_models::tokenizer::Tokenizer;
-use dflash_models::{LlamaModel, Loaded};
 
-use crate::cli::{ModelArgs, SpecArgs};
-use crate::target::{load_target, Target};
-
-#[derive(Args, Debug)]
-pub struct BenchArgs {
-    #[command(flatten)]
-    pub model: ModelArgs,
-    #[command(flatten)]
-    pub spec: SpecArgs,
-    #[command(subcommand)]
-    pub scenario: Scenario,
-    /// Most rows per batched forward (as `serve --max-batch-tokens`).
-    #[arg(long, default_value_t = 256, global = true)]
-    pub max_batch_tokens: usize,
-}
-
-#[derive(Subcommand, Debug)]
-pub enum Scenario {
-    /// Aggregate decode throughput by number of concurrent streams.
-    Batch {
-        /// Stream counts to compare.
-        #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
-        streams: Vec<usize>,
-        /// Tokens each stream generates.
-        #[arg(long, default_value_t = 64)]
-        max_tokens: usize,
-        /// Rounds over all configurations; medians are reported.
-        #[arg(long, default_value_t = 3)]
-        repeat: usize,
-    },
-    /// Time to first token of a long prompt, alone and while other streams decode.
-    Ttft {
-        /// Text file holding the long prompt (sent as raw text).
-        #[arg(long, default_value = "bench/prompts/summarise-1000.txt")]
-        prompt_file: String,
-        /// Streams decoding in the background.
-        #[arg(long, default_value_t = 4)]
-        background: usize,
-        #[arg(long, default_value_t = 3)]
-        repeat: usize,
-    },
-    /// Speculation lanes side by side (alternating per prompt) on a prompt set: JSON and a Markdown table.
-    Lanes(lanes::LanesArgs),
-    /// Time to first token of a long chat's second turn, cold and served from the prefix cache.
-    Prefix(prefix::PrefixArgs),
-    /// CUDA decode and verify speed of random-weight models of real shapes against the memory floor (no
-    /// model is loaded; needs a build with `--features cuda`).
-    Shapes(shapes::ShapesArgs),
-    /// CUDA decode and the verify-cost ladder of a random-weight Qwen3-Next-shaped target (GDN + MoE).
-    Hybrid(hybrid::HybridArgs),
-}
+use crate::cli::{BenchArgs, DeviceArg, Scenario, SpecArgs};
+use crate::setup::{EnginePlan, Startup, PAGE_SIZE};
+use dflash_models::Device;
 
 /// First/last token times and the token count of one stream.
 #[derive(Default)]
@@ -116,59 +66,65 @@ impl Probe {
 }
 
 pub fn bench(args: &BenchArgs) -> Result<()> {
-    // The random-weight scenarios load no model through `run::load`, which sets it for the others.
-    dflash_runtime::quant::set_act_precision(args.model.act_precision.into());
     match &args.scenario {
-        Scenario::Shapes(shapes_args) => return shapes::run(shapes_args),
-        Scenario::Hybrid(hybrid_args) => return hybrid::run(hybrid_args),
+        Scenario::Shapes(shapes_args) => return shapes::run(&args.model, shapes_args),
+        Scenario::Hybrid(hybrid_args) => return hybrid::run(&args.model, hybrid_args),
         Scenario::Lanes(lanes_args) => return lanes::run(&args.model, &args.spec, lanes_args),
-        _ => {}
+        Scenario::Prefix(prefix_args) => {
+            return prefix::run(Startup::begin(&args.model, &args.spec)?, args.max_batch_tokens, prefix_args)
+        }
+        Scenario::Batch { .. } | Scenario::Ttft { .. } => {}
     }
-    let Target { loaded, drafter, .. } = load_target(&args.model, &args.spec)?;
-    let Loaded { model, tokenizer, .. } = loaded;
-    let tokenizer = Arc::new(tokenizer);
-    if let Scenario::Prefix(prefix_args) = &args.scenario {
-        return prefix::run(&args.model, model, tokenizer, args.max_batch_tokens, drafter, prefix_args);
-    }
-    let model = model.into_llama("dflash bench")?;
-    let prompts = bench_prompts(&tokenizer)?;
+    // Plain decoding only: no drafter, so the target captures nothing.
+    let spec = SpecArgs {
+        no_drafter: true,
+        mtp: crate::cli::MtpArgs { no_mtp: true, ..Default::default() },
+        ..args.spec.clone()
+    };
+    let startup = Startup::begin(&args.model, &spec)?;
+    let prompts = bench_prompts(startup.tokenizer())?;
     match &args.scenario {
         Scenario::Batch { streams, max_tokens, repeat } => {
             let max_running = streams.iter().copied().max().unwrap_or(1);
-            let mut e = engine(Arc::new(model), tokenizer, max_running, args.max_batch_tokens)?;
+            let mut e = engine(startup, max_running, args.max_batch_tokens)?;
             batch(&mut e, &prompts, streams, *max_tokens, *repeat)
         }
         Scenario::Ttft { prompt_file, background, repeat } => {
             let text = std::fs::read_to_string(prompt_file).with_context(|| format!("reading {prompt_file}"))?;
-            let long = tokenizer.encode(&text, true)?;
-            let mut e = engine(Arc::new(model), tokenizer, background + 1, args.max_batch_tokens)?;
+            let long = startup.tokenizer().encode(&text, true)?;
+            let mut e = engine(startup, background + 1, args.max_batch_tokens)?;
             ttft(&mut e, &long, &prompts, *background, *repeat)
         }
         Scenario::Lanes(_) | Scenario::Prefix(_) | Scenario::Shapes(_) | Scenario::Hybrid(_) => bail!("handled above"),
     }
 }
 
-/// An engine with room for `max_running` sequences of 2,048 tokens.
-fn engine(
-    model: Arc<LlamaModel>,
-    tokenizer: Arc<Tokenizer>,
-    max_running: usize,
-    max_batch_tokens: usize,
-) -> Result<Engine> {
-    let cfg = EngineConfig {
+/// The GPU the random-weight scenarios (`shapes`, `hybrid`) run on: `--device cuda:N`, or the first for `auto`;
+/// sets the process-wide state the model flags ask for, as [`Startup::begin`] does for the others.
+///
+/// # Errors
+/// `--device cpu`.
+fn gpu_ordinal(model: &crate::cli::ModelArgs) -> Result<usize> {
+    crate::setup::process_state(model);
+    match model.device {
+        DeviceArg::Exact(Device::Cuda(n)) => Ok(n),
+        DeviceArg::Auto => Ok(0),
+        DeviceArg::Exact(Device::Cpu) => bail!("this scenario runs random-weight models on the GPU: --device cuda[:N]"),
+    }
+}
+
+/// An engine on the device `--device` picks, with room for `max_running` sequences of 2,048 tokens.
+fn engine(startup: Startup, max_running: usize, max_batch_tokens: usize) -> Result<Engine> {
+    let plan = EnginePlan {
         context_window: 2048,
-        num_pages: (max_running + 1) * 2048 / 16,
-        page_size: 16,
+        num_pages: (max_running + 1) * 2048 / PAGE_SIZE,
         max_running,
         max_batch_tokens,
-        eos_ids: tokenizer.eos_ids().to_vec(),
-        spec: SpecConfig { pld: None, ..SpecConfig::default() },
         // These scenarios repeat prompts and measure cold prefill.
         prefix_cache_pages: 0,
-        drafter: None,
-        state_checkpoint_stride: dflash_engine::DEFAULT_STATE_CHECKPOINT_STRIDE,
+        spec: SpecConfig { pld: None, ..SpecConfig::default() },
     };
-    Ok(Engine::new(model, tokenizer, cfg, Arc::new(EngineMetrics::default()))?)
+    Ok(startup.build(plan, Arc::new(EngineMetrics::default()))?.engine)
 }
 
 fn request(id: String, prompt: Vec<u32>, max_tokens: usize) -> Request {

@@ -16,38 +16,14 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use clap::Args;
-use dflash_engine::spec::{DrafterConfig, PolicyMode, SpecConfig, SpecStats};
-use dflash_engine::{Engine, EngineConfig, EngineMetrics, Event, EventSink, Request, SamplingParams};
+use dflash_engine::spec::{PolicyMode, SpecConfig, SpecStats};
+use dflash_engine::{Engine, EngineMetrics, Event, EventSink, Request, SamplingParams};
 use dflash_models::tokenizer::{ChatMessage, Tokenizer};
-use dflash_models::TargetModel;
 use serde_json::json;
 
 use super::median;
-use crate::cli::ModelArgs;
-
-#[derive(Args, Debug)]
-pub struct PrefixArgs {
-    /// Tokens of the first turn's prompt (the history is grown until it reaches this).
-    #[arg(long, default_value_t = 4096)]
-    pub context: usize,
-    /// Tokens the first turn answers with.
-    #[arg(long, default_value_t = 32)]
-    pub answer_tokens: usize,
-    /// Cold / warm pairs; medians are reported.
-    #[arg(long, default_value_t = 3)]
-    pub repeat: usize,
-    /// Tokens each drafted second turn generates (when a drafter is loaded), for its tokens per round.
-    #[arg(long, default_value_t = 64)]
-    pub drafter_tokens: usize,
-    /// Text files the earlier turns are cut from.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "bench/prompts/prefill-long.txt,bench/prompts/summarise-1000.txt"
-    )]
-    pub history: Vec<String>,
-}
+use crate::cli::PrefixArgs;
+use crate::setup::{EnginePlan, Startup, PAGE_SIZE};
 
 /// What one request produced.
 #[derive(Default)]
@@ -95,33 +71,22 @@ struct Turn {
     spec: Option<SpecStats>,
 }
 
-pub fn run(
-    model_args: &ModelArgs,
-    model: TargetModel,
-    tokenizer: Arc<Tokenizer>,
-    max_batch_tokens: usize,
-    drafter: Option<DrafterConfig>,
-    args: &PrefixArgs,
-) -> Result<()> {
-    let history = history_messages(&tokenizer, &args.history, args.context)?;
-    let first_prompt = render(&tokenizer, &history)?;
-    let drafted = drafter.is_some();
+pub fn run(startup: Startup, max_batch_tokens: usize, args: &PrefixArgs) -> Result<()> {
+    let history = history_messages(startup.tokenizer(), &args.history, args.context)?;
+    let first_prompt = render(startup.tokenizer(), &history)?;
     let context_window = (first_prompt.len() + args.answer_tokens.max(args.drafter_tokens) + 1024).max(2048);
-    let cfg = EngineConfig {
+    let plan = EnginePlan {
         context_window,
-        num_pages: context_window.div_ceil(16),
-        page_size: 16,
+        num_pages: context_window.div_ceil(PAGE_SIZE),
         max_running: 1,
         max_batch_tokens,
-        eos_ids: tokenizer.eos_ids().to_vec(),
+        prefix_cache_pages: context_window.div_ceil(PAGE_SIZE),
         // Fixed widths: a drafted round's width depends only on the drafter, not on measured step costs.
         spec: SpecConfig { pld: None, policy: PolicyMode::Fixed, ..SpecConfig::default() },
-        prefix_cache_pages: context_window.div_ceil(16),
-        drafter,
-        state_checkpoint_stride: model_args.state_checkpoint_stride,
     };
-    let metrics = Arc::new(EngineMetrics::default());
-    let mut engine = crate::device::engine(model_args, model, Arc::clone(&tokenizer), cfg, metrics, None)?;
+    let built = startup.build(plan, Arc::new(EngineMetrics::default()))?;
+    let (mut engine, tokenizer) = (built.engine, built.tokenizer);
+    let drafted = engine.has_drafter();
     let answer = run_request(&mut engine, "turn1", &first_prompt, args.answer_tokens, Lane::FirstTurn)?;
     let mut second = history;
     second.push(ChatMessage::new("assistant", answer.text.trim()));

@@ -10,45 +10,20 @@
 //! the time.
 
 use anyhow::Result;
-use clap::Args;
 
-/// `dflash bench shapes` flags.
-#[derive(Args, Debug)]
-pub struct ShapesArgs {
-    /// Shapes to build with random weights: smollm2, qwen3-0.6b, qwen3-8b, llama3-8b.
-    #[arg(long, value_delimiter = ',', default_value = "smollm2,qwen3-0.6b,qwen3-8b")]
-    pub shapes: Vec<String>,
-    /// Also a GGUF file (e.g. the default model).
-    #[arg(long)]
-    pub gguf: Option<String>,
-    /// Greedy decode steps of the single sequence.
-    #[arg(long, default_value_t = 256)]
-    pub steps: usize,
-    /// Prompt tokens of the single sequence (its decode runs at contexts from here to here + steps); the batch
-    /// and verify steps keep 128.
-    #[arg(long, default_value_t = 128)]
-    pub prompt: usize,
-    /// Only the single-sequence decode (for profiling a few steps).
-    #[arg(long)]
-    pub quick: bool,
-    /// With `--quick`: then 24 verify steps of this many rows of the single sequence (for profiling one width).
-    #[arg(long, requires = "quick", value_parser = clap::value_parser!(u64).range(1..=64))]
-    pub verify_rows: Option<u64>,
-    /// CUDA device ordinal.
-    #[arg(long, default_value_t = 0)]
-    pub device: usize,
-}
+use crate::cli::{ModelArgs, ShapesArgs};
 
 /// Runs the benchmark on the GPU.
 ///
 /// # Errors
 /// A build without the CUDA backend, no usable device, an unknown shape, a model that does not fit.
-pub fn run(args: &ShapesArgs) -> Result<()> {
+pub fn run(model: &ModelArgs, args: &ShapesArgs) -> Result<()> {
+    let ordinal = super::gpu_ordinal(model)?;
     #[cfg(feature = "cuda")]
-    return gpu::run(args);
+    return gpu::run(ordinal, args);
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = args;
+        let _ = (ordinal, args);
         anyhow::bail!("dflash bench shapes runs on the GPU: build with --features cuda")
     }
 }
@@ -60,10 +35,11 @@ mod gpu {
 
     use anyhow::{bail, Result};
 
-    use super::ShapesArgs;
-    use dflash_models::cuda::{CudaCache, CudaCacheConfig, CudaLlamaModel, RandomWeights};
-    use dflash_models::loader::LoadOptions;
+    use crate::cli::ShapesArgs;
+    use dflash_models::cuda::{CudaCache, CudaCacheConfig};
+    use dflash_models::llama::cuda::{CudaLlamaModel, RandomWeights};
     use dflash_models::resolve::ModelSource;
+    use dflash_models::LoadOptions;
     use dflash_models::{ForwardBatch, ModelConfig, SeqRows};
     use dflash_runtime::cuda::ops::QuantFormat;
     use dflash_runtime::cuda::CudaDevice;
@@ -107,9 +83,9 @@ mod gpu {
     ///
     /// # Errors
     /// No usable CUDA device, an unknown shape, a model that does not fit, a device failure.
-    pub fn run(a: &ShapesArgs) -> Result<()> {
+    pub fn run(ordinal: usize, a: &ShapesArgs) -> Result<()> {
         let t0 = Instant::now();
-        let dev = Arc::new(CudaDevice::new(a.device)?);
+        let dev = Arc::new(CudaDevice::new(ordinal)?);
         let info = dev.info().clone();
         println!(
             "device {} ({} SMs, {:.0} MB of L2, programmatic dependent launch {}), opened in {:.0} ms",

@@ -1,15 +1,17 @@
-//! Llama-family decoder (Llama, SmolLM2, Qwen3 dense) over a paged KV cache.
+//! The Llama family's CPU forward (Llama, SmolLM2, Qwen3 dense) over a paged KV cache.
 //!
 //! Per layer: `h = x + o_proj(attn(rope(q), rope(k), v))`, `x' = h + down(silu(gate(n)) * up(n))` with pre-RMSNorms.
 //! Qwen3 adds a per-head RMSNorm on q and k before RoPE. q/k/v and gate/up are fused into one matmul each at
 //! load when their dtypes agree (they always do in HF checkpoints and in the default GGUF).
 
-use dflash_runtime::ops::{self, AttnSeq, RopeTable, RowKernel};
+use dflash_runtime::ops::{self, AttnSeq, RopeTable};
 use dflash_runtime::{DType, Tensor};
 
+use super::weights::{take_heads, take_layer, LayerTensors};
 use crate::batch::{ForwardBatch, ForwardOut, KvCache};
-use crate::config::{Architecture, ModelConfig};
+use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::target::TargetHeads;
 use crate::weights::WeightStore;
 
 /// Matrices that share an input, applied as one matmul when they could be fused.
@@ -89,16 +91,9 @@ impl LlamaModel {
         if let Some(&l) = capture_layers.iter().find(|&&l| l >= cfg.num_layers) {
             return Err(ModelError::Config(format!("capture layer {l} >= {} layers", cfg.num_layers)));
         }
-        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
-        let embed = store.take("model.embed_tokens.weight", &[v, h])?;
-        let layers = (0..cfg.num_layers).map(|i| load_layer(&cfg, store, i)).collect::<Result<Vec<_>>>()?;
-        let final_norm = dense_f32(store.take("model.norm.weight", &[h])?)?;
-        let lm_head = if cfg.tie_word_embeddings {
-            store.ignore("lm_head.weight");
-            None
-        } else {
-            Some(store.take("lm_head.weight", &[v, h])?)
-        };
+        let layers = (0..cfg.num_layers).map(|i| layer(take_layer(&cfg, store, i)?)).collect::<Result<Vec<_>>>()?;
+        let heads = take_heads(&cfg, store)?;
+        let (embed, lm_head, final_norm) = (heads.embed, heads.lm_head, dense_f32(heads.final_norm)?);
         let rope = RopeTable::new(cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling, cfg.rope_style)?;
         Ok(LlamaModel { cfg, embed, layers, final_norm, lm_head, rope, capture_layers: capture_layers.to_vec() })
     }
@@ -159,7 +154,7 @@ impl LlamaModel {
         let mut bufs = Buffers::new(cfg, t)?;
         let taps = self.capture_layers.len();
         let mut captured = (taps > 0).then(|| Tensor::zeros(DType::F32, &[t, taps * cfg.hidden_size])).transpose()?;
-        let attn_seqs = attn_seqs(batch);
+        let attn_seqs = batch.attention_seqs();
         for (i, layer) in self.layers.iter().enumerate() {
             if i == 0 {
                 ops::rms_norm(&residual, &layer.attn_norm, cfg.rms_norm_eps, &mut normed)?;
@@ -246,6 +241,20 @@ impl LlamaModel {
     }
 }
 
+impl TargetHeads for LlamaModel {
+    fn embedding(&self) -> &Tensor {
+        &self.embed
+    }
+
+    fn lm_head(&self) -> &Tensor {
+        LlamaModel::lm_head(self)
+    }
+
+    fn final_norm(&self) -> (&Tensor, f32) {
+        (&self.final_norm, self.cfg.rms_norm_eps)
+    }
+}
+
 /// Per-forward activation buffers, sized for `t` rows.
 struct Buffers {
     qkv: Tensor,      // [T, (heads + 2 kv_heads) * head_dim]
@@ -275,31 +284,16 @@ impl Buffers {
     }
 }
 
-fn load_layer(cfg: &ModelConfig, store: &mut WeightStore, i: usize) -> Result<Layer> {
-    let p = |s: &str| format!("model.layers.{i}.{s}");
-    let (h, hd) = (cfg.hidden_size, cfg.head_dim);
-    let (qd, kd, f) = (cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.intermediate_size);
-    let q = store.take(&p("self_attn.q_proj.weight"), &[qd, h])?;
-    let k = store.take(&p("self_attn.k_proj.weight"), &[kd, h])?;
-    let v = store.take(&p("self_attn.v_proj.weight"), &[kd, h])?;
-    let (q_norm, k_norm) = match cfg.arch {
-        Architecture::Qwen3 => (
-            Some(store.take(&p("self_attn.q_norm.weight"), &[hd])?),
-            Some(store.take(&p("self_attn.k_norm.weight"), &[hd])?),
-        ),
-        Architecture::Llama => (None, None),
-    };
-    let gate = store.take(&p("mlp.gate_proj.weight"), &[f, h])?;
-    let up = store.take(&p("mlp.up_proj.weight"), &[f, h])?;
+fn layer(t: LayerTensors) -> Result<Layer> {
     Ok(Layer {
-        attn_norm: dense_f32(store.take(&p("input_layernorm.weight"), &[h])?)?,
-        qkv: Projection::new(vec![q, k, v])?,
-        q_norm: q_norm.map(dense_f32).transpose()?,
-        k_norm: k_norm.map(dense_f32).transpose()?,
-        o_proj: store.take(&p("self_attn.o_proj.weight"), &[h, qd])?,
-        ffn_norm: dense_f32(store.take(&p("post_attention_layernorm.weight"), &[h])?)?,
-        gate_up: Projection::new(vec![gate, up])?,
-        down: store.take(&p("mlp.down_proj.weight"), &[h, f])?,
+        attn_norm: dense_f32(t.attn_norm)?,
+        qkv: Projection::new(vec![t.q, t.k, t.v])?,
+        q_norm: t.q_norm.map(dense_f32).transpose()?,
+        k_norm: t.k_norm.map(dense_f32).transpose()?,
+        o_proj: t.o_proj,
+        ffn_norm: dense_f32(t.ffn_norm)?,
+        gate_up: Projection::new(vec![t.gate, t.up])?,
+        down: t.down,
     })
 }
 
@@ -348,26 +342,4 @@ fn copy_columns(src: &Tensor, dst: &mut Tensor, col: usize) -> Result<()> {
         d[r * dw + col..r * dw + col + w].copy_from_slice(row);
     }
     Ok(())
-}
-
-/// The batch's attention work: each sequence's prompt rows on the tiled kernel, its later rows on the
-/// per-row kernel (see [`crate::SeqRows::prompt_len`]). A position so always takes the same kernel,
-/// however the scheduler cut and batched the work, and its outputs are the same bits. Cutting a
-/// sequence's rows in two is exact because target attention is causal: row j sees keys up to its own
-/// position whichever block it is in.
-fn attn_seqs<'a>(batch: &ForwardBatch<'a>) -> Vec<AttnSeq<'a>> {
-    let mut out = Vec::with_capacity(batch.seqs.len());
-    let mut first_row = 0;
-    for s in batch.seqs {
-        let prompt_rows = s.prompt_len.saturating_sub(s.context_len).min(s.num_rows);
-        let parts = [(0, prompt_rows, RowKernel::Tiled), (prompt_rows, s.num_rows - prompt_rows, RowKernel::PerRow)];
-        for (skip, num_rows, kernel) in parts {
-            if num_rows > 0 {
-                let (context_len, block_table) = (s.context_len + skip, s.block_table);
-                out.push(AttnSeq { first_row: first_row + skip, num_rows, context_len, block_table, kernel });
-            }
-        }
-        first_row += s.num_rows;
-    }
-    out
 }

@@ -19,11 +19,11 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use dflash_models::hybrid::{HybridModel, HybridState};
-use dflash_models::{ForwardBatch, ForwardOut, KvCache, LlamaModel, ModelConfig, TargetHeads};
-
-use super::{ResumeState, StepSeq, Target};
-use crate::EngineError;
+use super::{HybridModel, HybridState};
+use crate::batch::{ForwardBatch, ForwardOut, KvCache};
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::target::{ResumeState, StepSeq, Target, TargetHeads};
 
 /// A hybrid model with its attention layers' cache and its sequences' recurrent states.
 pub struct HybridTarget {
@@ -41,7 +41,7 @@ impl HybridTarget {
     ///
     /// # Errors
     /// When the cache cannot be allocated.
-    pub fn new(model: Arc<HybridModel>, num_pages: usize, page_size: usize) -> Result<Self, EngineError> {
+    pub fn new(model: Arc<HybridModel>, num_pages: usize, page_size: usize) -> Result<Self> {
         let kv = model.new_kv_cache(num_pages, page_size)?;
         let state_floats = model.new_state().snapshot_len();
         Ok(HybridTarget { model, kv, states: HashMap::new(), lost: HashMap::new(), state_floats })
@@ -55,19 +55,19 @@ impl HybridTarget {
     /// Takes each batch sequence's state out of the map, fresh or zeroed where the sequence starts at position
     /// 0, armed where it verifies. A sequence past position 0 must have one (kept from its earlier forwards or
     /// restored from a snapshot).
-    fn take_states(&mut self, batch: &ForwardBatch, seqs: &[StepSeq]) -> Result<Vec<HybridState>, EngineError> {
+    fn take_states(&mut self, batch: &ForwardBatch, seqs: &[StepSeq]) -> Result<Vec<HybridState>> {
         if seqs.len() != batch.seqs.len() {
-            return Err(EngineError::Target(format!("{} keys for {} sequences", seqs.len(), batch.seqs.len())));
+            return Err(ModelError::State(format!("{} keys for {} sequences", seqs.len(), batch.seqs.len())));
         }
         if let Some((key, why)) = seqs.iter().find_map(|s| self.lost.get_key_value(&s.key)) {
-            return Err(EngineError::Target(format!("the recurrent state of sequence {key} was lost: {why}")));
+            return Err(ModelError::State(format!("the recurrent state of sequence {key} was lost: {why}")));
         }
         if let Some((s, rows)) = seqs
             .iter()
             .zip(batch.seqs)
             .find(|(s, rows)| rows.context_len > 0 && self.state_floats > 0 && !self.states.contains_key(&s.key))
         {
-            return Err(EngineError::Target(format!(
+            return Err(ModelError::State(format!(
                 "sequence {} resumes at position {} without its recurrent state",
                 s.key, rows.context_len
             )));
@@ -106,21 +106,17 @@ impl Target for HybridTarget {
 
     /// Runs `batch` as scratch sequences, each from a zero state that is dropped afterwards (the engine's cost
     /// probe times steps this way). Sequences the engine serves go through [`Target::forward_step`].
-    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOut, EngineError> {
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOut> {
         let mut scratch: Vec<HybridState> = batch.seqs.iter().map(|_| self.model.new_state()).collect();
         let mut refs: Vec<&mut HybridState> = scratch.iter_mut().collect();
-        Ok(self.model.forward(batch, &mut self.kv, &mut refs)?)
-    }
-
-    fn host_model(&self) -> Option<Arc<LlamaModel>> {
-        None
+        self.model.forward(batch, &mut self.kv, &mut refs)
     }
 
     fn host_heads(&self) -> Option<Arc<dyn TargetHeads>> {
         Some(Arc::clone(&self.model) as Arc<dyn TargetHeads>)
     }
 
-    fn forward_step(&mut self, batch: &ForwardBatch, seqs: &[StepSeq]) -> Result<ForwardOut, EngineError> {
+    fn forward_step(&mut self, batch: &ForwardBatch, seqs: &[StepSeq]) -> Result<ForwardOut> {
         let mut taken = self.take_states(batch, seqs)?;
         let out = {
             let mut refs: Vec<&mut HybridState> = taken.iter_mut().collect();
@@ -129,7 +125,7 @@ impl Target for HybridTarget {
         for (s, state) in seqs.iter().zip(taken) {
             self.states.insert(s.key, state);
         }
-        Ok(out?)
+        out
     }
 
     fn verified(&mut self, key: u64, kept_rows: usize) {
@@ -175,19 +171,20 @@ impl Target for HybridTarget {
         }
     }
 
-    fn restore_state(&mut self, key: u64, snapshot: &[f32]) -> Result<(), EngineError> {
+    fn restore_state(&mut self, key: u64, snapshot: &[f32]) -> Result<()> {
         let mut state = self.states.remove(&key).unwrap_or_else(|| self.model.new_state());
         let restored = state.restore(snapshot);
         self.states.insert(key, state);
-        Ok(restored?)
+        restored
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dflash_models::hybrid::load_hybrid_weights;
-    use dflash_models::{LoadOptions, SeqRows};
+    use crate::batch::SeqRows;
+    use crate::checkpoint::LoadOptions;
+    use crate::hybrid::load_hybrid_weights;
     use std::path::Path;
 
     fn target() -> HybridTarget {
@@ -196,7 +193,7 @@ mod tests {
 
     /// tiny-qwen3-next with `pages` pages of 4 tokens.
     fn target_with_pages(pages: usize) -> HybridTarget {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny-qwen3-next");
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-qwen3-next");
         let model = load_hybrid_weights(&dir, &LoadOptions::default()).expect("tiny qwen3-next");
         HybridTarget::new(Arc::new(model), pages, 4).expect("target")
     }
@@ -250,7 +247,7 @@ mod tests {
         assert!(t.forward(&batch).is_ok(), "a scratch forward keeps no state");
         assert_eq!(t.live_states(), 0, "the lost state was dropped");
         t.release(8);
-        assert!(t.host_heads().is_some() && t.host_model().is_none());
+        assert!(t.host_heads().is_some());
         assert!(matches!(t.resume_state(), ResumeState::Snapshot { floats } if floats > 0));
     }
 

@@ -1,5 +1,5 @@
-//! Hybrid and sparse targets on one CUDA GPU: Qwen3-Next (Gated DeltaNet + gated attention + MoE with a
-//! shared expert) and Qwen3-MoE, the twins of [`crate::hybrid::HybridModel`].
+//! The hybrid family on one CUDA GPU: Qwen3-Next (Gated DeltaNet + gated attention + MoE with a shared expert)
+//! and Qwen3-MoE, the twins of [`crate::hybrid::HybridModel`]; [`CudaHybridTarget`] pairs one with its cache.
 //!
 //! [`CudaHybridModel`] holds weights only; [`CudaHybridCache`] holds the attention layers' KV pages, the
 //! recurrent state of every GDN layer for each state slot, the workspaces and the captured graphs. The
@@ -20,6 +20,7 @@
 mod cache;
 mod forward;
 mod load;
+mod target;
 
 use std::sync::Arc;
 
@@ -27,9 +28,10 @@ use dflash_runtime::cuda::ops::ExpertWeights;
 use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DeviceBuf};
 use half::bf16;
 
-pub use cache::CudaHybridCache;
+pub use cache::{CudaHybridCache, HybridExtra};
+pub use target::CudaHybridTarget;
 
-use super::weights::DevMatrix;
+use crate::cuda::DevMatrix;
 use crate::hybrid::HybridConfig;
 
 /// A sequence of a hybrid forward: its state slot in the cache, and whether this forward is its verify

@@ -14,12 +14,12 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use dflash_models::cuda::{CudaCacheConfig, CudaHybridCache, CudaHybridModel, GdnSeq};
-use dflash_models::hybrid::HybridModel;
-use dflash_models::{ForwardBatch, ForwardOut, LlamaModel, ModelConfig, TargetHeads};
-
-use super::{ResumeState, StepSeq, Target};
-use crate::EngineError;
+use super::{CudaHybridCache, CudaHybridModel, GdnSeq};
+use crate::batch::{ForwardBatch, ForwardOut};
+use crate::config::ModelConfig;
+use crate::cuda::{CudaCacheConfig, GRAPH_CONTEXTS};
+use crate::error::{ModelError, Result};
+use crate::target::{device_err, HostHeads, ResumeState, StepSeq, Target, TargetHeads};
 
 /// A verify of the last forward awaiting its kept count.
 struct PendingVerify {
@@ -32,8 +32,8 @@ struct PendingVerify {
 pub struct CudaHybridTarget {
     model: CudaHybridModel,
     cache: CudaHybridCache,
-    /// The same weights on the host, for drafters that read the embedding and LM head.
-    host: Option<Arc<HybridModel>>,
+    /// Host copies of the heads drafters read (None: no drafter).
+    heads: Option<Arc<HostHeads>>,
     slots: HashMap<u64, usize>,
     free: Vec<usize>,
     pending: Vec<PendingVerify>,
@@ -41,29 +41,21 @@ pub struct CudaHybridTarget {
     lost: HashMap<u64, String>,
 }
 
-fn target_err(e: impl std::fmt::Display) -> EngineError {
-    EngineError::Target(e.to_string())
-}
-
 impl CudaHybridTarget {
-    /// `model` with a device cache planned for `cfg` and a state slot per running sequence; `host` is the CPU
-    /// copy drafters read, if any.
+    /// `model` with a device cache planned for `cfg` and a state slot per running sequence; `heads` are the host
+    /// copies drafters read, if any.
     ///
     /// # Errors
     /// When the cache does not fit in device memory.
-    pub fn new(
-        model: CudaHybridModel,
-        cfg: CudaCacheConfig,
-        host: Option<Arc<HybridModel>>,
-    ) -> Result<Self, EngineError> {
+    pub fn new(model: CudaHybridModel, cfg: CudaCacheConfig, heads: Option<HostHeads>) -> Result<Self> {
         // One slot past the running sequences, so a scratch forward (the cost probe) always finds one free.
         let slots = cfg.max_seqs + 1;
-        let cache = model.new_cache(cfg, slots).map_err(target_err)?;
+        let cache = model.new_cache(cfg, slots).map_err(device_err)?;
         let free = (0..slots).rev().collect();
         Ok(CudaHybridTarget {
             model,
             cache,
-            host,
+            heads: heads.map(Arc::new),
             slots: HashMap::new(),
             free,
             pending: Vec::new(),
@@ -77,7 +69,7 @@ impl CudaHybridTarget {
 
     /// Resolves the last forward's verifies: a sequence that never reported keeps all its rows. On failure the
     /// verifying sequences' states are lost (their next forward fails, unless it starts over at position 0).
-    fn resolve_verifies(&mut self) -> Result<(), EngineError> {
+    fn resolve_verifies(&mut self) -> Result<()> {
         if self.pending.is_empty() {
             return Ok(());
         }
@@ -87,14 +79,14 @@ impl CudaHybridTarget {
             for key in keys {
                 self.lost.insert(key, format!("rollback failed: {e}"));
             }
-            target_err(e)
+            device_err(e)
         })
     }
 
     /// The slot of each batch sequence (taken from the free list for new keys, zeroed at position 0).
-    fn slots_for(&mut self, batch: &ForwardBatch, seqs: &[StepSeq]) -> Result<Vec<GdnSeq>, EngineError> {
+    fn slots_for(&mut self, batch: &ForwardBatch, seqs: &[StepSeq]) -> Result<Vec<GdnSeq>> {
         if seqs.len() != batch.seqs.len() {
-            return Err(EngineError::Target(format!("{} keys for {} sequences", seqs.len(), batch.seqs.len())));
+            return Err(ModelError::State(format!("{} keys for {} sequences", seqs.len(), batch.seqs.len())));
         }
         let mut out = Vec::with_capacity(seqs.len());
         for (s, rows) in seqs.iter().zip(batch.seqs) {
@@ -103,24 +95,24 @@ impl CudaHybridTarget {
                 self.lost.remove(&s.key);
             }
             if let Some(why) = self.lost.get(&s.key) {
-                return Err(EngineError::Target(format!("the recurrent state of sequence {} was lost: {why}", s.key)));
+                return Err(ModelError::State(format!("the recurrent state of sequence {} was lost: {why}", s.key)));
             }
             let slot = match self.slots.get(&s.key) {
                 Some(&slot) => slot,
                 None if rows.context_len > 0 && self.has_state() => {
-                    return Err(EngineError::Target(format!(
+                    return Err(ModelError::State(format!(
                         "sequence {} resumes at position {} without its recurrent state",
                         s.key, rows.context_len
                     )))
                 }
                 None => {
-                    let slot = self.free.pop().ok_or_else(|| target_err("no free state slot"))?;
+                    let slot = self.free.pop().ok_or_else(|| device_err("no free state slot"))?;
                     self.slots.insert(s.key, slot);
                     slot
                 }
             };
             if rows.context_len == 0 {
-                self.model.reset_slot(&mut self.cache, slot).map_err(target_err)?;
+                self.model.reset_slot(&mut self.cache, slot).map_err(device_err)?;
             }
             out.push(GdnSeq { slot, verify: s.verifies });
         }
@@ -148,35 +140,31 @@ impl Target for CudaHybridTarget {
 
     /// Runs `batch` as scratch sequences in spare slots zeroed first (the engine's cost probe times steps this
     /// way); sequences the engine serves go through [`Target::forward_step`].
-    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOut, EngineError> {
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOut> {
         self.resolve_verifies()?;
         if batch.seqs.len() > self.free.len() {
-            return Err(target_err("not enough free state slots for a scratch forward"));
+            return Err(device_err("not enough free state slots for a scratch forward"));
         }
         let slots: Vec<usize> = self.free.iter().rev().take(batch.seqs.len()).copied().collect();
         for &slot in &slots {
-            self.model.reset_slot(&mut self.cache, slot).map_err(target_err)?;
+            self.model.reset_slot(&mut self.cache, slot).map_err(device_err)?;
         }
         let seqs: Vec<GdnSeq> = slots.iter().map(|&slot| GdnSeq { slot, verify: false }).collect();
-        self.model.forward(batch, &mut self.cache, &seqs).map_err(target_err)
-    }
-
-    fn host_model(&self) -> Option<Arc<LlamaModel>> {
-        None
+        self.model.forward(batch, &mut self.cache, &seqs).map_err(device_err)
     }
 
     fn graph_contexts(&self) -> &[usize] {
-        &dflash_models::cuda::GRAPH_CONTEXTS
+        &GRAPH_CONTEXTS
     }
 
     fn host_heads(&self) -> Option<Arc<dyn TargetHeads>> {
-        self.host.as_ref().map(|h| Arc::clone(h) as Arc<dyn TargetHeads>)
+        self.heads.as_ref().map(|h| Arc::clone(h) as Arc<dyn TargetHeads>)
     }
 
-    fn forward_step(&mut self, batch: &ForwardBatch, seqs: &[StepSeq]) -> Result<ForwardOut, EngineError> {
+    fn forward_step(&mut self, batch: &ForwardBatch, seqs: &[StepSeq]) -> Result<ForwardOut> {
         self.resolve_verifies()?;
         let gdn = self.slots_for(batch, seqs)?;
-        let out = self.model.forward(batch, &mut self.cache, &gdn).map_err(target_err)?;
+        let out = self.model.forward(batch, &mut self.cache, &gdn).map_err(device_err)?;
         self.pending = seqs
             .iter()
             .zip(batch.seqs)
@@ -237,21 +225,21 @@ impl Target for CudaHybridTarget {
         }
     }
 
-    fn restore_state(&mut self, key: u64, snapshot: &[f32]) -> Result<(), EngineError> {
+    fn restore_state(&mut self, key: u64, snapshot: &[f32]) -> Result<()> {
         self.resolve_verifies()?;
         let slot = match self.slots.get(&key) {
             Some(&slot) => slot,
             None => {
-                let slot = self.free.pop().ok_or_else(|| target_err("no free state slot"))?;
+                let slot = self.free.pop().ok_or_else(|| device_err("no free state slot"))?;
                 self.slots.insert(key, slot);
                 slot
             }
         };
         let conv_len = self.model.conv_state_floats_per_slot();
         if snapshot.len() < conv_len {
-            return Err(target_err(format!("a snapshot of {} floats", snapshot.len())));
+            return Err(device_err(format!("a snapshot of {} floats", snapshot.len())));
         }
         let (conv, ssm) = snapshot.split_at(conv_len);
-        self.model.write_state(&mut self.cache, slot, conv, ssm).map_err(target_err)
+        self.model.write_state(&mut self.cache, slot, conv, ssm).map_err(device_err)
     }
 }

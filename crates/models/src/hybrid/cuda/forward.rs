@@ -10,17 +10,9 @@ use dflash_runtime::cuda::DevSlice;
 use super::cache::CudaHybridCache;
 use super::{CudaHybridModel, DevAttention, DevFfn, DevGdn, DevMixer, DevMoe, GdnSeq};
 use crate::batch::{ForwardBatch, ForwardOut};
-use crate::cuda::error::{CudaModelError, Result};
-use crate::cuda::forward::{attend, collect_ids, collect_out};
-use crate::cuda::linear::{Linear, MatIn, MatOut};
-use crate::cuda::plan::{self, StepPlan};
-use crate::cuda::weights::DevWeight;
-
-/// A planned step: the dense plan and where the GDN runs sit in the input buffer.
-struct HybridStep {
-    plan: StepPlan,
-    runs_at: usize,
-}
+use crate::cuda::{
+    attend, collect_ids, collect_out, CudaModelError, DevWeight, Linear, MatIn, MatOut, Readout, Result, Step, StepPlan,
+};
 
 impl CudaHybridModel {
     /// Runs every row of `batch` (as [`crate::hybrid::HybridModel::forward`]), `seqs[i]` naming the state
@@ -31,9 +23,9 @@ impl CudaHybridModel {
     /// A batch inconsistent in itself or with the cache, slots out of range or repeated, a verify still
     /// awaiting [`CudaHybridModel::rollback`], a cache made for another model, a device failure.
     pub fn forward(&self, batch: &ForwardBatch, cache: &mut CudaHybridCache, seqs: &[GdnSeq]) -> Result<ForwardOut> {
-        let (rows, captured) = self.run(batch, cache, seqs, false)?;
-        let width = if captured { self.capture_layers.len() * self.cfg.base.hidden_size } else { 0 };
-        let out = collect_out(&self.dev, &cache.base.ws, self.cfg.base.vocab_size, width, batch, &rows)?;
+        let rows = self.run(batch, cache, seqs, Readout::Logits)?;
+        let width = self.capture_layers.len() * self.cfg.base.hidden_size;
+        let out = collect_out(&self.dev, &cache.ws, self.cfg.base.vocab_size, width, batch, &rows)?;
         set_pending(batch, cache, seqs);
         Ok(out)
     }
@@ -48,8 +40,8 @@ impl CudaHybridModel {
         cache: &mut CudaHybridCache,
         seqs: &[GdnSeq],
     ) -> Result<Vec<u32>> {
-        let (rows, _) = self.run(batch, cache, seqs, true)?;
-        let ids = collect_ids(&self.dev, &cache.base.ws, &rows)?;
+        let rows = self.run(batch, cache, seqs, Readout::Argmax)?;
+        let ids = collect_ids(&self.dev, &cache.ws, &rows)?;
         set_pending(batch, cache, seqs);
         Ok(ids)
     }
@@ -62,25 +54,25 @@ impl CudaHybridModel {
     /// # Errors
     /// No verify pending, a count per verifying sequence other than one, a kept count over the rows.
     pub fn rollback(&self, cache: &mut CudaHybridCache, kept: &[usize]) -> Result<()> {
-        let pending = std::mem::take(&mut cache.pending);
+        let pending = std::mem::take(&mut cache.extra.pending);
         if pending.len() != kept.len() || pending.iter().zip(kept).any(|(p, &k)| k > p[1] as usize) {
             return Err(CudaModelError::Batch(format!("rollback of {kept:?} for verifies {pending:?}")));
         }
-        let g = cache.gdn;
+        let g = cache.extra.gdn;
         if g.layers == 0 || pending.is_empty() {
             return Ok(());
         }
         let host: Vec<u32> = pending.iter().zip(kept).flat_map(|(p, &k)| [p[0], k as u32, p[2], 1]).collect();
-        self.dev.upload_prefix(&host, &mut cache.hy.replay_runs)?;
-        let hy = &cache.hy;
-        let t_cap = cache.base.cfg.max_tokens;
+        self.dev.upload_prefix(&host, &mut cache.extra.hy.replay_runs)?;
+        let hy = &cache.extra.hy;
+        let t_cap = cache.cfg.max_tokens;
         let runs = GdnRuns { runs: hy.replay_runs.view().prefix(host.len())?, rows: t_cap };
         let d = self.gdn_dims()?;
         let conv_state = GdnStateView {
             state: hy.conv_state.view(),
             layer_stride: g.conv_state,
             slot_stride: g.layers * g.conv_state,
-            slots: cache.slots + 1,
+            slots: cache.extra.slots + 1,
         };
         gdn_conv(
             &self.dev,
@@ -101,7 +93,7 @@ impl CudaHybridModel {
             state: hy.ssm.view(),
             layer_stride: g.ssm,
             slot_stride: g.layers * g.ssm,
-            slots: cache.slots + 1,
+            slots: cache.extra.slots + 1,
         };
         gdn_rule(
             &self.dev,
@@ -129,11 +121,11 @@ impl CudaHybridModel {
     /// # Errors
     /// A slot out of range, a device failure.
     pub fn reset_slot(&self, cache: &mut CudaHybridCache, slot: usize) -> Result<()> {
-        let g = cache.gdn;
-        if slot >= cache.slots {
-            return Err(CudaModelError::Batch(format!("state slot {slot} of {}", cache.slots)));
+        let g = cache.extra.gdn;
+        if slot >= cache.extra.slots {
+            return Err(CudaModelError::Batch(format!("state slot {slot} of {}", cache.extra.slots)));
         }
-        for (buf, per) in [(&cache.hy.conv_state, g.conv_state), (&cache.hy.ssm, g.ssm)] {
+        for (buf, per) in [(&cache.extra.hy.conv_state, g.conv_state), (&cache.extra.hy.ssm, g.ssm)] {
             let n = g.layers * per;
             if n > 0 {
                 // Scale and offset 0: the fill writes zeros.
@@ -149,13 +141,13 @@ impl CudaHybridModel {
     /// # Errors
     /// A slot out of range, a device failure.
     pub fn read_state(&self, cache: &CudaHybridCache, slot: usize) -> Result<(Vec<f32>, Vec<f32>)> {
-        let g = cache.gdn;
-        if slot > cache.slots {
-            return Err(CudaModelError::Batch(format!("state slot {slot} of {}", cache.slots)));
+        let g = cache.extra.gdn;
+        if slot > cache.extra.slots {
+            return Err(CudaModelError::Batch(format!("state slot {slot} of {}", cache.extra.slots)));
         }
         let (mut conv, mut ssm) = (vec![0f32; g.layers * g.conv_state], vec![0f32; g.layers * g.ssm]);
-        self.dev.download_into(&cache.hy.conv_state, slot * conv.len(), &mut conv)?;
-        self.dev.download_into(&cache.hy.ssm, slot * ssm.len(), &mut ssm)?;
+        self.dev.download_into(&cache.extra.hy.conv_state, slot * conv.len(), &mut conv)?;
+        self.dev.download_into(&cache.extra.hy.ssm, slot * ssm.len(), &mut ssm)?;
         self.dev.synchronize()?;
         Ok((conv, ssm))
     }
@@ -165,18 +157,18 @@ impl CudaHybridModel {
     /// # Errors
     /// A slot out of range, lengths other than one slot's, a device failure.
     pub fn write_state(&self, cache: &mut CudaHybridCache, slot: usize, conv: &[f32], ssm: &[f32]) -> Result<()> {
-        let g = cache.gdn;
+        let g = cache.extra.gdn;
         let (nc, ns) = (g.layers * g.conv_state, g.layers * g.ssm);
-        if slot >= cache.slots || conv.len() != nc || ssm.len() != ns {
+        if slot >= cache.extra.slots || conv.len() != nc || ssm.len() != ns {
             return Err(CudaModelError::Batch(format!(
                 "state for slot {slot} of {}: {} + {} floats, want {nc} + {ns}",
-                cache.slots,
+                cache.extra.slots,
                 conv.len(),
                 ssm.len()
             )));
         }
-        self.dev.upload_at(conv, &mut cache.hy.conv_state, slot * nc)?;
-        self.dev.upload_at(ssm, &mut cache.hy.ssm, slot * ns)?;
+        self.dev.upload_at(conv, &mut cache.extra.hy.conv_state, slot * nc)?;
+        self.dev.upload_at(ssm, &mut cache.extra.hy.ssm, slot * ns)?;
         Ok(())
     }
 
@@ -184,71 +176,47 @@ impl CudaHybridModel {
         self.cfg.gdn.ok_or_else(|| CudaModelError::Unsupported("GDN layers without GDN dims".into()))
     }
 
-    /// Validates, plans (the dense inputs, then the GDN runs), uploads and runs the step. Returns the
-    /// device row of each requested logit row and whether hidden states were captured.
+    /// Validates, plans (the dense inputs, then the GDN runs: first row, rows, state slot, write flag per
+    /// sequence), uploads and runs the step. Returns the device row of each requested logit row.
     fn run(
         &self,
         batch: &ForwardBatch,
         cache: &mut CudaHybridCache,
         seqs: &[GdnSeq],
-        greedy: bool,
-    ) -> Result<(Vec<usize>, bool)> {
+        readout: Readout,
+    ) -> Result<Vec<usize>> {
         self.check(batch, cache, seqs)?;
-        let cfg = cache.base.cfg;
-        plan::validate(batch, &cfg, &self.cfg.base)?;
-        let key = plan::graph_key(batch, &cfg, self.cfg.base.num_kv_heads);
-        let mut host = std::mem::take(&mut cache.base.host_inputs);
-        let plan = plan::plan(batch, key, &cfg, self.tile_rows(), &mut host);
-        let runs_at = host.len();
-        let mut first = 0u32;
-        for (s, g) in batch.seqs.iter().zip(seqs) {
-            host.extend([first, s.num_rows as u32, g.slot as u32, u32::from(!g.verify)]);
-            first += s.num_rows as u32;
-        }
-        // Padded graph sequences step the spare slot.
-        for _ in batch.seqs.len()..plan.layout.seqs {
-            let rows = key.map_or(0, |k| k.rows) as u32;
-            host.extend([first, rows, cache.slots as u32, 1]);
-            first += rows;
-        }
-        let uploaded = self.dev.upload_prefix(&host, &mut cache.base.ws.inputs);
-        cache.base.host_inputs = host;
-        uploaded?;
-        let step = HybridStep { plan, runs_at };
-        match key {
-            Some(key) => {
-                if !cache.base.graphs.contains_key(&key) {
-                    let graph = self.dev.capture(|| self.record_step(cache, &step, true))?;
-                    cache.base.graphs.insert(key, graph);
-                }
-                if let Some(graph) = cache.base.graphs.get(&key) {
-                    graph.launch()?;
-                }
+        let spare_slot = cache.extra.slots as u32;
+        let runs = |host: &mut Vec<u32>, plan: &StepPlan, graph_rows: usize| {
+            let mut first = 0u32;
+            for (s, g) in batch.seqs.iter().zip(seqs) {
+                host.extend([first, s.num_rows as u32, g.slot as u32, u32::from(!g.verify)]);
+                first += s.num_rows as u32;
             }
-            None => self.record_step(cache, &step, greedy)?,
-        }
-        let rows = match key {
-            Some(_) => batch.logit_rows.iter().map(|&r| r as usize).collect(),
-            None => (0..batch.logit_rows.len()).collect(),
+            // Padded graph sequences step the spare slot.
+            for _ in batch.seqs.len()..plan.layout.seqs {
+                host.extend([first, graph_rows as u32, spare_slot, 1]);
+                first += graph_rows as u32;
+            }
         };
-        Ok((rows, !self.capture_layers.is_empty()))
+        let step = Step { batch, model: &self.cfg.base, model_id: self.id, tile_rows: self.tile_rows() };
+        cache.run_step(&self.dev, step, readout, runs, |cache, plan, runs_at, argmax| {
+            self.record_step(cache, plan, runs_at, argmax)
+        })
     }
 
     fn check(&self, batch: &ForwardBatch, cache: &CudaHybridCache, seqs: &[GdnSeq]) -> Result<()> {
         let bad = |m: String| Err(CudaModelError::Batch(m));
-        if cache.base.model_id != self.id {
-            return bad("this cache was made for another model".into());
-        }
-        if !cache.pending.is_empty() {
+        if !cache.extra.pending.is_empty() {
             return bad("a verify awaits its rollback".into());
         }
         if seqs.len() != batch.seqs.len() {
             return bad(format!("{} state slots for {} sequences", seqs.len(), batch.seqs.len()));
         }
-        let mut seen = vec![false; cache.slots];
+        let mut seen = vec![false; cache.extra.slots];
         for g in seqs {
-            if g.slot >= cache.slots || std::mem::replace(&mut seen[g.slot], true) {
-                return bad(format!("state slot {} out of {} or repeated", g.slot, cache.slots));
+            if g.slot >= cache.extra.slots || std::mem::replace(&mut seen[g.slot], true) {
+                return bad(format!("state slot {} out of {} or repeated", g.slot, cache.extra.slots));
             }
         }
         Ok(())
@@ -260,8 +228,8 @@ impl CudaHybridModel {
 
     /// Queues one step's kernels: embedding, the layers, the final norm and LM head, and with `argmax`
     /// the greedy ids.
-    fn record_step(&self, cache: &CudaHybridCache, step: &HybridStep, argmax: bool) -> Result<()> {
-        let (b, ws, lay) = (&self.cfg.base, &cache.base.ws, &step.plan.layout);
+    fn record_step(&self, cache: &CudaHybridCache, plan: &StepPlan, runs_at: usize, argmax: bool) -> Result<()> {
+        let (b, ws, lay) = (&self.cfg.base, &cache.ws, &plan.layout);
         let (t, h) = (lay.t, b.hidden_size);
         let inputs = ws.inputs.view();
         let residual = ws.residual.view().prefix(t * h)?;
@@ -271,11 +239,11 @@ impl CudaHybridModel {
             DevWeight::F32(table) => gpu::embedding_f32(&self.dev, table, tokens, residual)?,
             DevWeight::Quant(table) => embedding_quant(&self.dev, table, tokens, residual)?,
         }
-        let runs = GdnRuns { runs: inputs.sub(step.runs_at, 4 * lay.seqs)?, rows: t };
+        let runs = GdnRuns { runs: inputs.sub(runs_at, 4 * lay.seqs)?, rows: t };
         for (i, layer) in self.layers.iter().enumerate() {
             let normed = MatIn::Normed { x: residual, w: layer.attn_norm.view() };
             match &layer.mixer {
-                DevMixer::Attention(slot, a) => self.attention(cache, &step.plan, *slot, a, normed)?,
+                DevMixer::Attention(slot, a) => self.attention(cache, plan, *slot, a, normed)?,
                 DevMixer::Gdn(slot, g) => self.gdn(cache, t, *slot, g, normed, runs)?,
             }
             let normed = MatIn::Normed { x: residual, w: layer.ffn_norm.view() };
@@ -315,14 +283,14 @@ impl CudaHybridModel {
         a: &DevAttention,
         normed: MatIn,
     ) -> Result<()> {
-        let (b, ws, t) = (&self.cfg.base, &cache.base.ws, p.layout.t);
+        let (b, ws, t) = (&self.cfg.base, &cache.ws, p.layout.t);
         let (h, hd) = (b.hidden_size, b.head_dim);
         let (qd, kd) = (b.num_heads * hd, b.num_kv_heads * hd);
         let w = a.qkv.n;
         let qkv = ws.qkv.view().prefix(t * w)?;
         self.linear().matmul(ws, t, normed, &a.qkv, MatOut::Store { y: qkv, ld: w, col: 0 })?;
         let norms = (a.q_norm.as_ref().map(|n| n.view()), a.k_norm.as_ref().map(|n| n.view()));
-        let attn = attend(&self.dev, &cache.base, p, slot, (qkv, w), &self.rope, norms, b)?;
+        let attn = attend(&self.dev, cache, p, slot, (qkv, w), &self.rope, norms, b)?;
         if a.gated {
             sigmoid_gate_mul(&self.dev, attn, qd, qkv.sub(qd + 2 * kd, t * w - qd - 2 * kd)?, w)?;
         }
@@ -334,15 +302,15 @@ impl CudaHybridModel {
     /// rollback), conv, rule inputs, the recurrent rule, the gated norm, out_proj added to the residual.
     fn gdn(&self, cache: &CudaHybridCache, t: usize, g: usize, w: &DevGdn, normed: MatIn, runs: GdnRuns) -> Result<()> {
         let d = self.gdn_dims()?;
-        let (sz, hy, ws) = (cache.gdn, &cache.hy, &cache.base.ws);
-        let t_cap = cache.base.cfg.max_tokens;
+        let (sz, hy, ws) = (cache.extra.gdn, &cache.extra.hy, &cache.ws);
+        let t_cap = cache.cfg.max_tokens;
         let (c, vd, hv) = (d.conv_dim(), d.value_dim(), d.num_v_heads);
         let proj = hy.proj.view().sub(g * t_cap * sz.proj, t * sz.proj)?;
         let conv_out = hy.conv_out.view().sub(g * t_cap * c, t * c)?;
         let gb = hy.gb.view().sub(g * t_cap * sz.gb, t * sz.gb)?;
         let core = hy.core.view().prefix(t * vd)?;
         self.linear().matmul(ws, t, normed, &w.in_proj, MatOut::Store { y: proj, ld: sz.proj, col: 0 })?;
-        let slot_view = |buf, per| layer_state(buf, g, per, sz.layers, cache.slots + 1);
+        let slot_view = |buf, per| layer_state(buf, g, per, sz.layers, cache.extra.slots + 1);
         let conv_state = slot_view(hy.conv_state.view(), sz.conv_state)?;
         let conv = GdnConvArgs {
             x: proj,
@@ -403,7 +371,7 @@ impl CudaHybridModel {
     /// A sparse MoE block: the pre-norm once, the router (and shared gate) logits, the shared expert, then
     /// routing, the routed experts and the weighted sum added to the residual.
     fn moe(&self, cache: &CudaHybridCache, t: usize, m: &DevMoe, norm: DevSlice<'_, f32>) -> Result<()> {
-        let (b, ws, hy) = (&self.cfg.base, &cache.base.ws, &cache.hy);
+        let (b, ws, hy) = (&self.cfg.base, &cache.ws, &cache.extra.hy);
         let dims = self.cfg.moe.ok_or_else(|| CudaModelError::Unsupported("a sparse layer without MoE dims".into()))?;
         let h = b.hidden_size;
         let (residual, normed) = (ws.residual.view().prefix(t * h)?, ws.normed.view().prefix(t * h)?);
@@ -449,10 +417,10 @@ fn layer_state(buf: DevSlice<'_, f32>, g: usize, per: usize, layers: usize, slot
 /// results are safely back: a step that failed leaves no verify pending (its sequences kept their state).
 fn set_pending(batch: &ForwardBatch, cache: &mut CudaHybridCache, seqs: &[GdnSeq]) {
     let mut start = 0u32;
-    cache.pending.clear();
+    cache.extra.pending.clear();
     for (s, g) in batch.seqs.iter().zip(seqs) {
         if g.verify {
-            cache.pending.push([start, s.num_rows as u32, g.slot as u32]);
+            cache.extra.pending.push([start, s.num_rows as u32, g.slot as u32]);
         }
         start += s.num_rows as u32;
     }

@@ -1,28 +1,28 @@
-//! [`CudaLlamaModel`]: a Llama-family target (Llama, SmolLM2, Qwen3 dense) with its weights on one GPU.
+//! [`CudaLlamaModel`]: a Llama-family model (Llama, SmolLM2, Qwen3 dense) with its weights on one GPU.
 
-use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use dflash_runtime::cuda::ops::{fill_random_f32, QuantFormat, ATTN_MAX_QUERIES};
 use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DeviceBuf};
 use dflash_runtime::ops::RopeTable;
+use dflash_runtime::Tensor;
 
-use super::error::{CudaModelError, Result};
-use super::plan::TileRows;
-use super::weights::{upload_norm, DevMatrix, DevProjection, DevWeight, MatrixKind};
-use crate::config::{merge_json, Architecture, ModelConfig};
-use crate::gguf::GgufFile;
-use crate::loader::LoadOptions;
+use crate::checkpoint::{Checkpoint, LoadOptions};
+use crate::config::{Architecture, ModelConfig};
+use crate::cuda::{
+    next_model_id, upload_norm, CudaCache, CudaCacheConfig, CudaModelError, DevMatrix, DevProjection, DevWeight,
+    MatrixKind, Result, TileRows, WorkspaceShape,
+};
+use crate::llama::weights::{take_heads, take_layer, LayerTensors};
 use crate::resolve::ModelSource;
-use crate::safetensors_dir::{read_json, SafetensorsDir};
-use crate::weights::{WeightFile, WeightStore};
+use crate::target::HostHeads;
+use crate::weights::WeightStore;
 
 /// Largest head_dim the attention kernel takes.
 const MAX_HEAD_DIM: usize = 128;
 
 #[derive(Debug)]
-pub(super) struct CudaLayer {
+pub(crate) struct CudaLayer {
     pub attn_norm: DeviceBuf<f32>,      // [hidden]
     pub qkv: DevProjection,             // [q + k + v, hidden]
     pub q_norm: Option<DeviceBuf<f32>>, // [head_dim]
@@ -34,8 +34,8 @@ pub(super) struct CudaLayer {
 }
 
 /// A Llama-family target whose weights live on one GPU, uploaded once at load (bf16 kept bf16, GGUF
-/// blocks kept quantized). Holds weights only, like [`crate::LlamaModel`]: the KV pages, workspaces and
-/// CUDA graphs are in the caller's [`super::CudaCache`].
+/// blocks kept quantized). Holds weights only, like [`crate::llama::LlamaModel`]: the KV pages, workspaces and
+/// CUDA graphs are in the caller's [`crate::cuda::CudaCache`].
 #[derive(Debug)]
 pub struct CudaLlamaModel {
     pub(super) dev: Arc<CudaDevice>,
@@ -60,15 +60,11 @@ pub enum RandomWeights {
     Quant { layers: QuantFormat, head: QuantFormat },
 }
 
-pub(super) fn next_model_id() -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    NEXT.fetch_add(1, Ordering::Relaxed)
-}
-
 impl CudaLlamaModel {
-    /// Builds the model from a weight store, taking every tensor the config implies (the same names and
-    /// shapes as [`crate::LlamaModel::load`]) and uploading each once. RoPE positions are tabulated up to
-    /// the config's context window.
+    /// Builds the model from a weight store, taking every tensor the config implies (the family's layout,
+    /// shared with [`crate::llama::LlamaModel::load`]) and uploading each once. RoPE positions are tabulated up to
+    /// the config's context window. With `host_heads`, also returns host copies of the embedding, LM head and
+    /// final norm for drafters.
     ///
     /// # Errors
     /// Missing, misshapen or unexpected tensors, capture layers out of range, a dtype or head size the
@@ -78,21 +74,27 @@ impl CudaLlamaModel {
         cfg: ModelConfig,
         store: &mut WeightStore,
         capture_layers: &[usize],
-    ) -> Result<Self> {
+        host_heads: bool,
+    ) -> Result<(Self, Option<HostHeads>)> {
         check_config(&cfg, capture_layers)?;
-        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
-        let embed =
-            DevMatrix::upload(&dev, "model.embed_tokens.weight", &store.take("model.embed_tokens.weight", &[v, h])?)?;
-        let layers = (0..cfg.num_layers).map(|i| load_layer(&dev, &cfg, store, i)).collect::<Result<Vec<_>>>()?;
-        let final_norm = upload_norm(&dev, &store.take("model.norm.weight", &[h])?)?;
-        let lm_head = if cfg.tie_word_embeddings {
-            store.ignore("lm_head.weight");
-            None
-        } else {
-            Some(DevMatrix::upload(&dev, "lm_head.weight", &store.take("lm_head.weight", &[v, h])?)?)
-        };
+        let layers = (0..cfg.num_layers)
+            .map(|i| upload_layer(&dev, i, take_layer(&cfg, store, i)?))
+            .collect::<Result<Vec<_>>>()?;
+        let heads = take_heads(&cfg, store)?;
+        let embed = DevMatrix::upload(&dev, "model.embed_tokens.weight", &heads.embed)?;
+        let final_norm = upload_norm(&dev, &heads.final_norm)?;
+        let lm_head = heads.lm_head.as_ref().map(|w| DevMatrix::upload(&dev, "lm_head.weight", w)).transpose()?;
         let rope = rope_table(&dev, &cfg)?;
-        Ok(CudaLlamaModel {
+        let host = match host_heads {
+            true => Some(HostHeads {
+                final_norm: heads.final_norm.to_f32()?,
+                embedding: heads.embed,
+                lm_head: heads.lm_head,
+                eps: cfg.rms_norm_eps,
+            }),
+            false => None,
+        };
+        let model = CudaLlamaModel {
             dev,
             cfg,
             embed,
@@ -102,23 +104,20 @@ impl CudaLlamaModel {
             rope,
             capture_layers: capture_layers.to_vec(),
             id: next_model_id(),
-        })
+        };
+        Ok((model, host))
     }
 
-    /// Loads a GGUF file or an HF directory (weights only; the tokenizer comes from
-    /// [`crate::load_model`] or [`crate::tokenizer::Tokenizer`]). Strict like the CPU loader: every tensor
-    /// of the checkpoint must be used.
+    /// Loads a GGUF file or an HF directory (weights only) through its checkpoint, strictly: every tensor must be
+    /// used (tests; the engine's targets come through [`crate::open_target`]).
     ///
     /// # Errors
-    /// As [`CudaLlamaModel::load`], unreadable files, and `config_overrides` on a GGUF file (not supported
-    /// here yet).
+    /// As [`CudaLlamaModel::load`], unreadable files, another family's checkpoint.
     pub fn from_source(dev: Arc<CudaDevice>, source: &ModelSource, opts: &LoadOptions) -> Result<Self> {
-        let (cfg, store) = match source {
-            ModelSource::GgufFile(path) => gguf_parts(path, opts)?,
-            ModelSource::HfDir(dir) => hf_parts(dir, opts)?,
-        };
-        let mut store = store.widen_to_f32(opts.f32_weights);
-        let model = Self::load(dev, cfg, &mut store, &opts.capture_layers)?;
+        let checkpoint = Checkpoint::open(source, opts.config_overrides.as_ref())?;
+        let cfg = checkpoint.config().clone();
+        let (_, mut store) = checkpoint.into_parts(opts.f32_weights);
+        let (model, _) = Self::load(dev, cfg, &mut store, &opts.capture_layers, false)?;
         store.finish()?;
         Ok(model)
     }
@@ -201,6 +200,43 @@ impl CudaLlamaModel {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 
+    /// Plans and allocates the device state for forwards within `cfg`'s capacities.
+    ///
+    /// # Errors
+    /// Zero capacities, out of device memory.
+    pub fn new_cache(&self, cfg: CudaCacheConfig) -> Result<CudaCache> {
+        let c = &self.cfg;
+        let (h, f, qd) = (c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim);
+        let shape = WorkspaceShape {
+            hidden: h,
+            q_width: qd,
+            qkv_width: c.qkv_width(),
+            ffn_width: f,
+            bf16_width: if self.has_dense_weights() { h.max(f).max(qd) } else { 0 },
+            vocab: c.vocab_size,
+            capture_width: self.capture_layers.len() * h,
+            num_heads: c.num_heads,
+            kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            kv_layers: c.num_layers,
+            folds_norms: true,
+            tile_rows: self.tile_rows(),
+            extra_inputs: 0,
+        };
+        CudaCache::new(&self.dev, cfg, &shape, self.id, ())
+    }
+
+    /// Whether any matrix is dense (its matmuls may go through cuBLAS).
+    fn has_dense_weights(&self) -> bool {
+        let dense = |w: &DevWeight| !matches!(w, DevWeight::Quant(_));
+        let proj = |p: &DevProjection| match p {
+            DevProjection::Fused(m) => dense(&m.w),
+            DevProjection::Split(parts) => parts.iter().any(|m| dense(&m.w)),
+        };
+        dense(&self.lm_head().w)
+            || self.layers.iter().any(|l| proj(&l.qkv) || proj(&l.gate_up) || dense(&l.o_proj.w) || dense(&l.down.w))
+    }
+
     /// Rows per attention tile (see [`TileRows`]): prompt rows on the tensor cores unless the weights are f32
     /// (f32 models are the exact reference the parity tests hold to 5e-6; bf16 and quantized ones already round
     /// their activations).
@@ -229,50 +265,17 @@ fn rope_table(dev: &CudaDevice, cfg: &ModelConfig) -> Result<CudaRopeTable> {
     Ok(CudaRopeTable::new(dev, &table, cfg.max_position_embeddings.max(1))?)
 }
 
-fn load_layer(dev: &CudaDevice, cfg: &ModelConfig, store: &mut WeightStore, i: usize) -> Result<CudaLayer> {
+fn upload_layer(dev: &CudaDevice, i: usize, t: LayerTensors) -> Result<CudaLayer> {
     let p = |s: &str| format!("model.layers.{i}.{s}");
-    let (h, hd) = (cfg.hidden_size, cfg.head_dim);
-    let (qd, kd, f) = (cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.intermediate_size);
-    let q = store.take(&p("self_attn.q_proj.weight"), &[qd, h])?;
-    let k = store.take(&p("self_attn.k_proj.weight"), &[kd, h])?;
-    let v = store.take(&p("self_attn.v_proj.weight"), &[kd, h])?;
-    let (q_norm, k_norm) = match cfg.arch {
-        Architecture::Qwen3 => (
-            Some(upload_norm(dev, &store.take(&p("self_attn.q_norm.weight"), &[hd])?)?),
-            Some(upload_norm(dev, &store.take(&p("self_attn.k_norm.weight"), &[hd])?)?),
-        ),
-        Architecture::Llama => (None, None),
-    };
-    let gate = store.take(&p("mlp.gate_proj.weight"), &[f, h])?;
-    let up = store.take(&p("mlp.up_proj.weight"), &[f, h])?;
-    let o_name = p("self_attn.o_proj.weight");
-    let down_name = p("mlp.down_proj.weight");
+    let norm = |w: Option<Tensor>| w.map(|w| upload_norm(dev, &w)).transpose();
     Ok(CudaLayer {
-        attn_norm: upload_norm(dev, &store.take(&p("input_layernorm.weight"), &[h])?)?,
-        qkv: DevProjection::upload(dev, &p("self_attn.qkv"), &[q, k, v])?,
-        q_norm,
-        k_norm,
-        o_proj: DevMatrix::upload(dev, &o_name, &store.take(&o_name, &[h, qd])?)?,
-        ffn_norm: upload_norm(dev, &store.take(&p("post_attention_layernorm.weight"), &[h])?)?,
-        gate_up: DevProjection::upload(dev, &p("mlp.gate_up"), &[gate, up])?,
-        down: DevMatrix::upload(dev, &down_name, &store.take(&down_name, &[h, f])?)?,
+        attn_norm: upload_norm(dev, &t.attn_norm)?,
+        qkv: DevProjection::upload(dev, &p("self_attn.qkv"), &[t.q, t.k, t.v])?,
+        q_norm: norm(t.q_norm)?,
+        k_norm: norm(t.k_norm)?,
+        o_proj: DevMatrix::upload(dev, &p("self_attn.o_proj.weight"), &t.o_proj)?,
+        ffn_norm: upload_norm(dev, &t.ffn_norm)?,
+        gate_up: DevProjection::upload(dev, &p("mlp.gate_up"), &[t.gate, t.up])?,
+        down: DevMatrix::upload(dev, &p("mlp.down_proj.weight"), &t.down)?,
     })
-}
-
-fn gguf_parts(path: &Path, opts: &LoadOptions) -> Result<(ModelConfig, WeightStore)> {
-    if opts.config_overrides.is_some() {
-        return Err(CudaModelError::Unsupported("--config-overrides on a GGUF model".into()));
-    }
-    let gguf = GgufFile::open(path)?;
-    let cfg = ModelConfig::from_gguf(&gguf)?;
-    Ok((cfg, WeightStore::new(WeightFile::Gguf(gguf))))
-}
-
-fn hf_parts(dir: &Path, opts: &LoadOptions) -> Result<(ModelConfig, WeightStore)> {
-    let mut config = read_json(&dir.join("config.json"))?;
-    if let Some(o) = &opts.config_overrides {
-        merge_json(&mut config, o);
-    }
-    let cfg = ModelConfig::from_hf(&config)?;
-    Ok((cfg, WeightStore::new(WeightFile::Hf(SafetensorsDir::open(dir)?))))
 }

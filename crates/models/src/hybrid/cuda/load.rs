@@ -11,9 +11,7 @@ use dflash_runtime::ops::{RopeStyle, RopeTable};
 use dflash_runtime::Tensor;
 
 use super::{CudaHybridModel, DevAttention, DevExperts, DevFfn, DevGdn, DevHybridLayer, DevMixer, DevMoe};
-use crate::cuda::error::{CudaModelError, Result};
-use crate::cuda::model::next_model_id;
-use crate::cuda::weights::{upload_norm, DevMatrix, DevWeight, MatrixKind};
+use crate::cuda::{next_model_id, upload_norm, CudaModelError, DevMatrix, DevWeight, MatrixKind, Result};
 use crate::hybrid::attention::Attention;
 use crate::hybrid::gdn::GatedDeltaNet;
 use crate::hybrid::moe::{Ffn, Mlp, SparseMoe};

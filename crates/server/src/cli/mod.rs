@@ -1,10 +1,16 @@
-//! Command-line flags shared by `run`, `serve` and `bench`.
+//! The command line: every subcommand's flags (`bench`'s scenarios in `bench`), parsed once by clap into typed
+//! values; what the flags mean for start-up is decided in [`crate::setup`].
+
+mod bench;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use dflash_engine::spec::{NgramConfig, PolicyMode, SpecConfig};
+use dflash_engine::spec::mtp::AUTO_MAX_DEPTH;
+use dflash_engine::spec::{MtpDepth, NgramConfig, PolicyMode, SpecConfig};
 use dflash_engine::SamplingParams;
-use dflash_models::loader::GenerationDefaults;
+use dflash_models::{Device, GenerationDefaults};
+
+pub use bench::{BenchArgs, HybridArgs, LanesArgs, PrefixArgs, Scenario, ShapesArgs};
 
 #[derive(Parser, Debug)]
 #[command(name = "dflash", version, about = "LLM inference with speculative decoding")]
@@ -23,7 +29,7 @@ pub enum Command {
     /// Serve the OpenAI-compatible HTTP API.
     Serve(Box<ServeArgs>),
     /// Benchmark the engine on the real model.
-    Bench(Box<crate::bench::BenchArgs>),
+    Bench(Box<BenchArgs>),
     /// Download the model (the default one unless --model is given) into the cache and print its path.
     Fetch(FetchArgs),
 }
@@ -42,9 +48,10 @@ pub struct ModelArgs {
     /// fetched on first use.
     #[arg(long, short = 'm')]
     pub model: Option<String>,
-    /// Device: cpu, cuda[:N] or auto.
-    #[arg(long, default_value = "auto")]
-    pub device: String,
+    /// Device: cpu, cuda[:N] or auto (the first GPU when this build has the CUDA backend and the driver reports
+    /// one, for the families that run there by default; else the CPU).
+    #[arg(long, default_value = "auto", value_parser = parse_device)]
+    pub device: DeviceArg,
     /// CPU threads (default: all cores).
     #[arg(long, short = 't')]
     pub threads: Option<usize>,
@@ -71,6 +78,30 @@ pub struct ModelArgs {
     /// checkpoints, and hybrid targets run with the prefix cache off. Other targets ignore it.
     #[arg(long, value_name = "N", default_value_t = dflash_engine::engine::DEFAULT_STATE_CHECKPOINT_STRIDE)]
     pub state_checkpoint_stride: usize,
+}
+
+/// `--device`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceArg {
+    /// A GPU when there is one and the model's family runs there by default, else the CPU.
+    Auto,
+    Exact(Device),
+}
+
+/// Parses `--device`: `cpu`, `cuda`, `cuda:N` or `auto`.
+///
+/// # Errors
+/// Anything else, with a message for the command line.
+pub fn parse_device(s: &str) -> std::result::Result<DeviceArg, String> {
+    match s {
+        "auto" => Ok(DeviceArg::Auto),
+        "cpu" => Ok(DeviceArg::Exact(Device::Cpu)),
+        "cuda" => Ok(DeviceArg::Exact(Device::Cuda(0))),
+        d => match d.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => Ok(DeviceArg::Exact(Device::Cuda(n))),
+            _ => Err(format!("--device {d}: expected cpu, cuda, cuda:N or auto")),
+        },
+    }
 }
 
 /// `--act-precision` values.
@@ -182,8 +213,8 @@ pub struct SpecArgs {
     /// Tokens the drafter scores: the N most frequent target tokens of the ranking shipped with the drafter
     /// (draft_vocab.safetensors; end-of-sequence tokens always included), or `all`. Default: the size recorded
     /// with the ranking, else all. Output is the same either way; only acceptance and drafting cost change.
-    #[arg(long, value_name = "N|all", value_parser = crate::target::parse_draft_vocab)]
-    pub draft_vocab: Option<crate::target::DraftVocabSize>,
+    #[arg(long, value_name = "N|all", value_parser = parse_draft_vocab)]
+    pub draft_vocab: Option<DraftVocabSize>,
     /// Lossy, opt-in: on sampled requests keep a block draft while its target probability exceeds
     /// min(1, D * exp(-H)) of the row's filtered distribution (H its entropy); a miss samples from the target row.
     /// Accepts more drafts, but sampled output then differs from plain decoding. Greedy requests stay exact.
@@ -195,7 +226,7 @@ pub struct SpecArgs {
     #[arg(long, default_value = "adaptive", value_parser = parse_spec_policy())]
     pub spec_policy: PolicyMode,
     #[command(flatten)]
-    pub mtp: crate::mtp_lane::MtpArgs,
+    pub mtp: MtpArgs,
 }
 
 fn parse_spec_policy() -> impl clap::builder::TypedValueParser<Value = PolicyMode> {
@@ -226,6 +257,76 @@ impl SpecArgs {
         })
     }
 }
+
+/// MTP flags, shared by `run`, `serve` and `bench`.
+#[derive(Args, Debug, Clone, Default)]
+pub struct MtpArgs {
+    /// Draft with a multi-token-prediction head: `auto` (the target checkpoint's own `mtp.*` tensors) or a head's
+    /// directory (config.json + safetensors of `mtp.*` tensors, e.g. one trained for the target). Default: on when
+    /// the target's checkpoint carries a head and no --drafter is given. Requests opt out with
+    /// `enable_drafter: false`.
+    #[arg(long, value_name = "DIR|auto")]
+    pub mtp: Option<String>,
+    /// Turn the MTP lane off.
+    #[arg(long, conflicts_with = "mtp")]
+    pub no_mtp: bool,
+    /// Tokens an MTP round drafts (1 to 16). Default: auto, grown and shrunk from each draft position's acceptance
+    /// (up to 6).
+    #[arg(long, value_name = "N")]
+    pub mtp_depth: Option<usize>,
+    /// Lossy, opt-in: on sampled requests keep an MTP draft while its target probability exceeds
+    /// min(1, D * exp(-H)) of the row's filtered distribution (H its entropy); a miss samples from the target row.
+    /// Greedy requests stay exact.
+    #[arg(long, value_name = "D")]
+    pub mtp_typical: Option<f32>,
+}
+
+impl MtpArgs {
+    /// The depth rule.
+    ///
+    /// # Errors
+    /// A depth outside 1..=16.
+    pub fn depth(&self) -> Result<MtpDepth> {
+        match self.mtp_depth {
+            None => Ok(MtpDepth::Auto { max: AUTO_MAX_DEPTH }),
+            Some(n) if (1..=MAX_MTP_DEPTH).contains(&n) => Ok(MtpDepth::Fixed(n)),
+            Some(n) => bail!("--mtp-depth {n}: expected 1 to {MAX_MTP_DEPTH}"),
+        }
+    }
+
+    pub fn typical(&self) -> Result<Option<f32>> {
+        if self.mtp_typical.is_some_and(|d| !(d > 0.0 && d.is_finite())) {
+            bail!("--mtp-typical needs a positive number");
+        }
+        Ok(self.mtp_typical)
+    }
+}
+
+/// `--draft-vocab`: how many target tokens the drafter scores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DraftVocabSize {
+    /// The whole vocabulary.
+    All,
+    /// The `N` highest-ranked tokens of the drafter's ranking (plus the end-of-sequence tokens).
+    Top(usize),
+}
+
+/// Parses `--draft-vocab`: `all` or a positive token count.
+///
+/// # Errors
+/// Anything else, with a message for the command line.
+pub fn parse_draft_vocab(s: &str) -> std::result::Result<DraftVocabSize, String> {
+    if s.eq_ignore_ascii_case("all") {
+        return Ok(DraftVocabSize::All);
+    }
+    match s.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(DraftVocabSize::Top(n)),
+        _ => Err(format!("`{s}`: expected a positive token count or `all`")),
+    }
+}
+
+/// Deepest `--mtp-depth` accepted.
+const MAX_MTP_DEPTH: usize = 16;
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
@@ -331,7 +432,28 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_size, PrefixCacheArgs};
+    use super::*;
+
+    #[test]
+    fn draft_vocab_sizes_parse() {
+        assert_eq!(parse_draft_vocab("all"), Ok(DraftVocabSize::All));
+        assert_eq!(parse_draft_vocab("ALL"), Ok(DraftVocabSize::All));
+        assert_eq!(parse_draft_vocab("8192"), Ok(DraftVocabSize::Top(8192)));
+        for bad in ["0", "-4", "lots", ""] {
+            assert!(parse_draft_vocab(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn devices_parse() {
+        assert_eq!(parse_device("cpu"), Ok(DeviceArg::Exact(Device::Cpu)));
+        assert_eq!(parse_device("auto"), Ok(DeviceArg::Auto));
+        assert_eq!(parse_device("cuda"), Ok(DeviceArg::Exact(Device::Cuda(0))));
+        assert_eq!(parse_device("cuda:1"), Ok(DeviceArg::Exact(Device::Cuda(1))));
+        for bad in ["gpu", "cuda:x", "cuda:", ""] {
+            assert!(parse_device(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn the_prefix_cache_defaults_to_the_whole_kv_cache() {

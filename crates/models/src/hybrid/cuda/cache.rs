@@ -2,15 +2,11 @@
 //! pages of the attention layers, the conv and recurrent state of every GDN layer per state slot, the GDN
 //! layers' per-layer buffers (what a rollback replays), the MoE scratch, the workspace and the graphs.
 
-use std::collections::HashMap;
-
-use dflash_runtime::cuda::ops::{attn_max_splits, ArgmaxScratch, AttentionScratch, MoeScratch};
+use dflash_runtime::cuda::ops::MoeScratch;
 use dflash_runtime::cuda::DeviceBuf;
 
 use super::CudaHybridModel;
-use crate::cuda::cache::{CudaCache, CudaCacheConfig, Workspace};
-use crate::cuda::error::{CudaModelError, Result};
-use crate::cuda::plan::{Layout, TileRows};
+use crate::cuda::{CudaCache, CudaCacheConfig, CudaModelError, Result, TileRows, WorkspaceShape};
 
 /// The GDN and MoE buffers beside the dense workspace.
 #[derive(Debug)]
@@ -44,11 +40,10 @@ pub(super) struct GdnSizes {
     pub ssm: usize,
 }
 
-/// The device state of a [`CudaHybridModel`]'s forwards. Made by [`CudaHybridModel::new_cache`].
+/// What a hybrid model's forwards keep beside the dense cache: the GDN and MoE buffers, the state slots, and the
+/// verifies awaiting their rollback.
 #[derive(Debug)]
-pub struct CudaHybridCache {
-    /// KV pages (attention layers only), dense workspace, graphs, host staging.
-    pub(super) base: CudaCache,
+pub struct HybridExtra {
     pub(super) hy: HybridBuffers,
     pub(super) gdn: GdnSizes,
     /// State slots (sequences that may hold state at once).
@@ -57,25 +52,20 @@ pub struct CudaHybridCache {
     pub(super) pending: Vec<[u32; 3]>,
 }
 
-impl CudaHybridCache {
-    pub fn config(&self) -> &CudaCacheConfig {
-        &self.base.cfg
-    }
+/// The device state of a [`CudaHybridModel`]'s forwards: KV pages of the attention layers only, the dense
+/// workspace and graphs, and [`HybridExtra`]. Made by [`CudaHybridModel::new_cache`].
+pub type CudaHybridCache = CudaCache<HybridExtra>;
 
+impl CudaHybridCache {
     /// State slots.
     pub fn slots(&self) -> usize {
-        self.slots
-    }
-
-    /// Graphs captured so far.
-    pub fn graph_count(&self) -> usize {
-        self.base.graphs.len()
+        self.extra.slots
     }
 
     /// Device bytes of the KV pages, the states and the GDN buffers.
     pub fn bytes(&self) -> usize {
-        let hy = &self.hy;
-        self.base.kv_bytes()
+        let hy = &self.extra.hy;
+        self.kv_bytes()
             + 4 * (hy.proj.len() + hy.conv_out.len() + hy.gb.len() + hy.conv_state.len() + hy.ssm.len())
             + hy.moe.as_ref().map_or(0, MoeScratch::bytes)
     }
@@ -88,9 +78,8 @@ impl CudaHybridModel {
     /// # Errors
     /// Zero or inconsistent capacities, out of device memory.
     pub fn new_cache(&self, cfg: CudaCacheConfig, slots: usize) -> Result<CudaHybridCache> {
-        if cfg.num_pages == 0 || cfg.page_size == 0 || cfg.max_tokens == 0 || cfg.max_seqs == 0 || slots < cfg.max_seqs
-        {
-            return Err(CudaModelError::Batch(format!("cache capacities must be positive: {cfg:?}, {slots} slots")));
+        if slots < cfg.max_seqs {
+            return Err(CudaModelError::Batch(format!("{slots} state slots for {} sequences", cfg.max_seqs)));
         }
         let dev = &*self.dev;
         let b = &self.cfg.base;
@@ -101,35 +90,23 @@ impl CudaHybridModel {
         let shared = moe.and_then(|m| m.shared_intermediate).unwrap_or(0);
         let f = b.intermediate_size.max(shared);
         let qd = b.num_heads * b.head_dim;
-        let qkv_w = 2 * qd + 2 * b.num_kv_heads * b.head_dim;
         let vd = self.cfg.gdn.map_or(0, |d| d.value_dim());
-        let max_k = h.max(f).max(qd).max(vd);
-        let l = cfg.max_logit_rows.max(1);
-        let inputs = Layout::capacity(&cfg, self.tile_rows()) + 4 * cfg.max_seqs.next_power_of_two();
-        let ws = Workspace {
-            inputs: dev.alloc_zeros(inputs)?,
-            residual: dev.alloc_zeros(t * h)?,
-            normed: dev.alloc_zeros(t * h)?,
-            sum_sq: dev.alloc_zeros(1)?,
-            qkv: dev.alloc_zeros(t * qkv_w)?,
-            q: dev.alloc_zeros(t * qd)?,
-            attn: dev.alloc_zeros(t * qd)?,
-            gate_up: dev.alloc_zeros(t * 2 * f)?,
-            act: dev.alloc_zeros(t * f)?,
-            x_bf16: dev.alloc_zeros(t * max_k)?,
-            logits_in: dev.alloc_zeros(l * h)?,
-            logits: dev.alloc_zeros(l * b.vocab_size)?,
-            ids: dev.alloc_zeros(l)?,
-            argmax: ArgmaxScratch::new(dev, l, b.vocab_size)?,
-            attn_parts: AttentionScratch::new(
-                dev,
-                cfg.max_decode_rows.max(1),
-                b.num_heads,
-                b.head_dim,
-                attn_max_splits(cfg.max_seq_len, b.num_kv_heads),
-            )?,
-            kv_bf16: dev.alloc_zeros(1)?, // prompts take the f32 kernel (tile_rows)
-            captured: dev.alloc_zeros((t * self.capture_layers.len() * h).max(1))?,
+        let shape = WorkspaceShape {
+            hidden: h,
+            q_width: qd,
+            qkv_width: 2 * qd + 2 * b.num_kv_heads * b.head_dim,
+            ffn_width: f,
+            bf16_width: h.max(f).max(qd).max(vd),
+            vocab: b.vocab_size,
+            capture_width: self.capture_layers.len() * h,
+            num_heads: b.num_heads,
+            kv_heads: b.num_kv_heads,
+            head_dim: b.head_dim,
+            kv_layers: self.cfg.attention_layers().len(),
+            folds_norms: false,
+            tile_rows: self.tile_rows(),
+            // The GDN runs ride in the step's one input copy.
+            extra_inputs: 4 * cfg.max_seqs.next_power_of_two(),
         };
         let alloc = |n: usize| dev.alloc_zeros::<f32>(n.max(1));
         let hy = HybridBuffers {
@@ -139,26 +116,13 @@ impl CudaHybridModel {
             core: alloc(t * vd)?,
             conv_state: alloc((slots + 1) * gdn.layers * gdn.conv_state)?,
             ssm: alloc((slots + 1) * gdn.layers * gdn.ssm)?,
-            replay_runs: dev.alloc_zeros(4 * cfg.max_seqs)?,
+            replay_runs: dev.alloc_zeros(4 * cfg.max_seqs.max(1))?,
             router: alloc(t * e)?,
             shared_y: alloc(if shared > 0 { t * h } else { 0 })?,
             moe: moe.map(|m| MoeScratch::new(dev, t, m.num_experts, m.top_k, h, inter)).transpose()?,
         };
-        // Made now: the handle allocates, which a graph capture must not do.
-        dev.init_blas()?;
-        let attn_layers = self.cfg.attention_layers().len().max(1);
-        let layer_len = (cfg.num_pages + 1) * cfg.page_size * b.num_kv_heads * b.head_dim;
-        let base = CudaCache {
-            cfg,
-            model_id: self.id,
-            k: dev.alloc_zeros(attn_layers * layer_len)?,
-            v: dev.alloc_zeros(attn_layers * layer_len)?,
-            layer_len,
-            ws,
-            graphs: HashMap::new(),
-            host_inputs: Vec::with_capacity(inputs),
-        };
-        Ok(CudaHybridCache { base, hy, gdn, slots, pending: Vec::new() })
+        let extra = HybridExtra { hy, gdn, slots, pending: Vec::new() };
+        CudaCache::new(dev, cfg, &shape, self.id, extra)
     }
 
     pub(super) fn gdn_sizes(&self) -> GdnSizes {

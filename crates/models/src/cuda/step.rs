@@ -1,0 +1,235 @@
+//! The step every CUDA forward shares, whatever its family: one host-to-device copy of the step's inputs, then the
+//! replay of a CUDA graph captured per (batch bucket, rows per sequence) or the kernels queued eagerly, then the
+//! results back after one synchronisation; and the attention core of every attention layer.
+
+use std::sync::OnceLock;
+
+use dflash_runtime::cuda::ops::{
+    attention_rope_fits, paged_attention, paged_attention_rope, prompt_attention_tc, rope_kv_write, AttentionArgs,
+    KeySplit, RopeKvArgs,
+};
+use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DevSlice, DeviceBuf};
+use dflash_runtime::Tensor;
+
+use super::cache::{CudaCache, Workspace};
+use super::error::{CudaModelError, Result};
+use super::plan::{self, StepPlan, TileRows};
+use crate::batch::{ForwardBatch, ForwardOut};
+use crate::config::ModelConfig;
+
+/// What a step brings back to the host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Readout {
+    /// The logits of the logit rows (and the captured hidden states).
+    Logits,
+    /// Only each logit row's argmax, computed on the device (ties to the lowest id, as the CPU's
+    /// [`dflash_runtime::ops::argmax`]): one small copy per step.
+    Argmax,
+}
+
+/// One step of a family's forward, as the shared runner drives it.
+pub(crate) struct Step<'b> {
+    pub batch: &'b ForwardBatch<'b>,
+    pub model: &'b ModelConfig,
+    pub model_id: u64,
+    pub tile_rows: TileRows,
+}
+
+impl<X> CudaCache<X> {
+    /// Validates, plans and uploads a step's inputs (the family appends its own with `extra_inputs`, given the plan
+    /// and the graph rows per padded sequence), then runs the step: the replay of the graph captured for its key
+    /// (captured on first use), or the kernels `record` queues. Returns, for each requested logit row, the row of
+    /// the device's logits that holds it.
+    ///
+    /// # Errors
+    /// A batch inconsistent in itself or with the cache's capacities, a cache made for another model, a device
+    /// failure.
+    pub(crate) fn run_step(
+        &mut self,
+        dev: &CudaDevice,
+        step: Step<'_>,
+        readout: Readout,
+        extra_inputs: impl FnOnce(&mut Vec<u32>, &StepPlan, usize),
+        record: impl Fn(&CudaCache<X>, &StepPlan, usize, bool) -> Result<()>,
+    ) -> Result<Vec<usize>> {
+        let batch = step.batch;
+        if self.model_id != step.model_id {
+            return Err(CudaModelError::Batch("this cache was made for another model".into()));
+        }
+        plan::validate(batch, &self.cfg, step.model)?;
+        let key = plan::graph_key(batch, &self.cfg, step.model.num_kv_heads);
+        let mut host = std::mem::take(&mut self.host_inputs);
+        let plan = plan::plan(batch, key, &self.cfg, step.tile_rows, &mut host);
+        let extra_at = host.len();
+        extra_inputs(&mut host, &plan, key.map_or(0, |k| k.rows));
+        let uploaded = dev.upload_prefix(&host, &mut self.ws.inputs);
+        self.host_inputs = host;
+        uploaded?;
+        match key {
+            Some(key) => {
+                if !self.graphs.contains_key(&key) {
+                    let graph = dev.capture(|| record(self, &plan, extra_at, true))?;
+                    self.graphs.insert(key, graph);
+                }
+                if let Some(graph) = self.graphs.get(&key) {
+                    graph.launch()?;
+                }
+            }
+            None => record(self, &plan, extra_at, readout == Readout::Argmax)?,
+        }
+        // Graph steps compute every row's logits in row order; eager steps the requested rows in order.
+        Ok(match key {
+            Some(_) => batch.logit_rows.iter().map(|&r| r as usize).collect(),
+            None => (0..batch.logit_rows.len()).collect(),
+        })
+    }
+}
+
+/// Rows `rows` of `src` (`[*, row_len]`) into `out`, copying runs of consecutive rows at once.
+fn download_rows(
+    dev: &CudaDevice,
+    src: &DeviceBuf<f32>,
+    row_len: usize,
+    rows: &[usize],
+    out: &mut [f32],
+) -> Result<()> {
+    let mut j = 0;
+    while j < rows.len() {
+        let mut end = j + 1;
+        while end < rows.len() && rows[end] == rows[end - 1] + 1 {
+            end += 1;
+        }
+        dev.download_into(src, rows[j] * row_len, &mut out[j * row_len..end * row_len])?;
+        j = end;
+    }
+    Ok(())
+}
+
+/// One attention layer's core over the step's rows, shared by every CUDA forward: the q/k head norms, RoPE and
+/// the K/V write into KV layer `kv_layer`, then attention (prompt tiles whole, decode and verify tiles in fixed
+/// key splits). Steps without prompt rows do the first three inside the split attention (`paged_attention_rope`). q, k and v are the leading columns of `qkv` (`[T, qkv_ld]`: q heads, k heads, v heads; more
+/// columns may follow). Returns the attention output `[T, heads · head_dim]` (the workspace's `attn`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attend<'a, X>(
+    dev: &CudaDevice,
+    cache: &'a CudaCache<X>,
+    p: &StepPlan,
+    kv_layer: usize,
+    (qkv, qkv_ld): (DevSlice<'a, f32>, usize),
+    rope: &'a CudaRopeTable,
+    (q_norm, k_norm): (Option<DevSlice<'a, f32>>, Option<DevSlice<'a, f32>>),
+    cfg: &ModelConfig,
+) -> Result<DevSlice<'a, f32>> {
+    let (ws, lay) = (&cache.ws, &p.layout);
+    let (t, hd) = (lay.t, cfg.head_dim);
+    let qd = cfg.num_heads * hd;
+    let inputs = ws.inputs.view();
+    let input = |r: std::ops::Range<usize>| inputs.sub(r.start, r.len());
+    let len = cache.layer_len;
+    let (k_cache, v_cache) = (cache.k.view().sub(kv_layer * len, len)?, cache.v.view().sub(kv_layer * len, len)?);
+    let q = ws.q.view().prefix(t * qd)?;
+    let (num_heads, kv_heads) = (cfg.num_heads, cfg.num_kv_heads);
+    let rope_args = RopeKvArgs {
+        qkv,
+        qkv_ld,
+        q_out: q,
+        k_cache,
+        v_cache,
+        positions: input(lay.positions())?,
+        slots: input(lay.slots())?,
+        rope,
+        q_norm,
+        k_norm,
+        eps: cfg.rms_norm_eps,
+        num_heads,
+        kv_heads,
+        head_dim: hd,
+    };
+    // Decode and verify steps (no prompt rows) over at most ROPE_FOLD_MAX_KEYS keys fold the RoPE and K/V write
+    // into the attention's blocks.
+    let fits = attention_rope_fits(p.max_decode_seq_rows, p.max_decode_tile_rows, num_heads, kv_heads, hd);
+    let fold_rope = lay.prompt_tiles == 0 && lay.decode_tiles > 0 && fits && !p.long_keys && !rope_fold_off();
+    if !fold_rope {
+        rope_kv_write(dev, rope_args)?;
+    }
+    let attn = ws.attn.view().prefix(t * qd)?;
+    let (row_keys, tables) = (input(lay.row_keys())?, input(lay.tables())?);
+    let args = |tiles, max_tile_rows, split| AttentionArgs {
+        q,
+        k_cache,
+        v_cache,
+        row_keys,
+        tiles,
+        max_tile_rows,
+        tables,
+        table_stride: lay.stride,
+        page_size: cache.cfg.page_size,
+        out: attn,
+        num_heads,
+        kv_heads,
+        head_dim: hd,
+        scale: 1.0 / (hd as f32).sqrt(),
+        split,
+    };
+    if lay.prompt_tiles > 0 {
+        let a = args(input(lay.prompt_tiles())?, p.max_prompt_tile_rows, KeySplit::Whole);
+        if p.tensor_core_prompt {
+            prompt_attention_tc(dev, a, ws.kv_bf16.view())?;
+        } else {
+            paged_attention(dev, a, &ws.attn_parts)?;
+        }
+    }
+    if lay.decode_tiles > 0 {
+        let split = KeySplit::Scaled { max_splits: p.decode_splits, partial_rows: lay.decode_rows };
+        let a = args(input(lay.decode_tiles())?, p.max_decode_tile_rows, split);
+        match fold_rope {
+            true => paged_attention_rope(dev, a, rope_args, p.max_decode_seq_rows, &ws.attn_parts)?,
+            false => paged_attention(dev, a, &ws.attn_parts)?,
+        }
+    }
+    Ok(attn)
+}
+
+/// `DFLASH_FOLD_ROPE=0` keeps the separate RoPE + K/V write kernel in decode and verify steps (for
+/// side-by-side measurements).
+fn rope_fold_off() -> bool {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    *OFF.get_or_init(|| std::env::var("DFLASH_FOLD_ROPE").is_ok_and(|v| v.trim() == "0"))
+}
+
+/// A step's results on the host after one synchronisation: the logits of the device rows `rows` (one per
+/// requested logit row) and, when `capture_width` > 0, every row's captured states `[T, capture_width]`.
+pub(crate) fn collect_out(
+    dev: &CudaDevice,
+    ws: &Workspace,
+    vocab: usize,
+    capture_width: usize,
+    batch: &ForwardBatch,
+    rows: &[usize],
+) -> Result<ForwardOut> {
+    let mut logits = vec![0f32; rows.len() * vocab];
+    download_rows(dev, &ws.logits, vocab, rows, &mut logits)?;
+    let mut hidden = vec![0f32; batch.num_tokens() * capture_width];
+    dev.download_into(&ws.captured, 0, &mut hidden)?;
+    dev.synchronize()?;
+    let captured =
+        (capture_width > 0).then(|| Tensor::from_f32(&hidden, &[batch.num_tokens(), capture_width])).transpose()?;
+    Ok(ForwardOut { logits: Tensor::from_f32(&logits, &[rows.len(), vocab])?, captured })
+}
+
+/// The greedy ids of the device rows `rows` after one synchronisation: one copy when the rows are contiguous
+/// (always, for eager steps and graph replays alike), else one per row.
+pub(crate) fn collect_ids(dev: &CudaDevice, ws: &Workspace, rows: &[usize]) -> Result<Vec<u32>> {
+    let mut ids = vec![0u32; rows.len()];
+    if let Some(&first) = rows.first() {
+        if rows.windows(2).all(|w| w[1] == w[0] + 1) {
+            dev.download_into(&ws.ids, first, &mut ids)?;
+        } else {
+            for (dst, &r) in ids.iter_mut().zip(rows) {
+                dev.download_into(&ws.ids, r, std::slice::from_mut(dst))?;
+            }
+        }
+    }
+    dev.synchronize()?;
+    Ok(ids)
+}

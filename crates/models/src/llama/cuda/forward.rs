@@ -1,0 +1,143 @@
+//! The Llama family's CUDA forward: one step's kernels (embedding, the layers, the final norm and LM head),
+//! queued by the shared step runner ([`crate::cuda::CudaCache::run_step`]) eagerly or into a graph.
+
+use std::sync::OnceLock;
+
+use dflash_runtime::cuda::ops::{
+    self as gpu, copy_columns, embedding_quant, gather_rms_norm, small_gemm_fits, sum_sq_slots,
+};
+use dflash_runtime::cuda::DeviceBuf;
+
+use super::model::{CudaLayer, CudaLlamaModel};
+use crate::batch::{ForwardBatch, ForwardOut};
+use crate::cuda::{
+    attend, collect_ids, collect_out, CudaCache, DevMatrix, DevProjection, DevWeight, Linear, MatIn, MatOut, Readout,
+    Result, Step, StepPlan,
+};
+
+impl CudaLlamaModel {
+    /// Runs every row of `batch` (the same description as [`crate::llama::LlamaModel::forward`]), writing their
+    /// K/V into `cache`; returns the logits of `batch.logit_rows` and the hidden states captured at the
+    /// load-time layers, on the host. Uniform decode / verify batches replay a CUDA graph.
+    ///
+    /// # Errors
+    /// A batch inconsistent in itself or with the cache's capacities, a cache made for another model, or
+    /// a device failure.
+    pub fn forward(&self, batch: &ForwardBatch, cache: &mut CudaCache) -> Result<ForwardOut> {
+        let rows = self.run(batch, cache, Readout::Logits)?;
+        let width = self.capture_layers.len() * self.cfg.hidden_size;
+        collect_out(&self.dev, &cache.ws, self.cfg.vocab_size, width, batch, &rows)
+    }
+
+    /// As [`CudaLlamaModel::forward`], reading back only each logit row's argmax ([`Readout::Argmax`]): what the
+    /// kernel benchmarks time, without the logits' copy to the host.
+    ///
+    /// # Errors
+    /// As [`CudaLlamaModel::forward`].
+    pub fn forward_greedy(&self, batch: &ForwardBatch, cache: &mut CudaCache) -> Result<Vec<u32>> {
+        let rows = self.run(batch, cache, Readout::Argmax)?;
+        collect_ids(&self.dev, &cache.ws, &rows)
+    }
+
+    fn run(&self, batch: &ForwardBatch, cache: &mut CudaCache, readout: Readout) -> Result<Vec<usize>> {
+        let step = Step { batch, model: &self.cfg, model_id: self.id, tile_rows: self.tile_rows() };
+        cache.run_step(
+            &self.dev,
+            step,
+            readout,
+            |_, _, _| {},
+            |cache, plan, _, argmax| self.record_step(cache, plan, argmax),
+        )
+    }
+
+    /// Queues one step's kernels (for eager runs and for graph capture alike): embedding, the layers, the
+    /// final norm and LM head of the logit rows, and with `argmax` the greedy ids.
+    fn record_step(&self, cache: &CudaCache, p: &StepPlan, argmax: bool) -> Result<()> {
+        let (cfg, ws, lay) = (&self.cfg, &cache.ws, &p.layout);
+        let (t, h) = (lay.t, cfg.hidden_size);
+        let inputs = ws.inputs.view();
+        let input = |r: std::ops::Range<usize>| inputs.sub(r.start, r.len());
+        let residual = ws.residual.view().prefix(t * h)?;
+        let tokens = input(lay.tokens())?;
+        match &self.embed.w {
+            DevWeight::Bf16(table) => gpu::embedding_bf16(&self.dev, table, tokens, residual)?,
+            DevWeight::F32(table) => gpu::embedding_f32(&self.dev, table, tokens, residual)?,
+            DevWeight::Quant(table) => embedding_quant(&self.dev, table, tokens, residual)?,
+        }
+        let fold = self.folds_norms(t);
+        for (i, layer) in self.layers.iter().enumerate() {
+            self.layer(cache, p, i, layer, fold)?;
+            if let Some(tap) = self.capture_layers.iter().position(|&l| l == i) {
+                let width = self.capture_layers.len() * h;
+                copy_columns(&self.dev, residual, h, ws.captured.view().prefix(t * width)?, width, tap * h)?;
+            }
+        }
+        let l = lay.l;
+        let logits_in = ws.logits_in.view().prefix(l * h)?;
+        gather_rms_norm(&self.dev, residual, input(lay.logit_rows())?, &self.final_norm, cfg.rms_norm_eps, logits_in)?;
+        let logits = ws.logits.view().prefix(l * cfg.vocab_size)?;
+        let head = self.lm_head();
+        self.linear().matmul(
+            ws,
+            l,
+            MatIn::Plain(logits_in),
+            head,
+            MatOut::Store { y: logits, ld: cfg.vocab_size, col: 0 },
+        )?;
+        if argmax {
+            gpu::argmax_rows(&self.dev, logits, cfg.vocab_size, ws.ids.view().prefix(l)?, &ws.argmax)?;
+        }
+        Ok(())
+    }
+
+    /// One decoder layer on the step's rows. With `fold`, the pre-norms run inside the matmuls after them, from
+    /// the sums of squares the residual's last matmul left (the first layer's attention norm, after the
+    /// embedding, keeps its kernel).
+    fn layer<'a>(
+        &'a self,
+        cache: &'a CudaCache,
+        p: &StepPlan,
+        i: usize,
+        layer: &'a CudaLayer,
+        fold: bool,
+    ) -> Result<()> {
+        let (cfg, ws, lay) = (&self.cfg, &cache.ws, &p.layout);
+        let (t, h) = (lay.t, cfg.hidden_size);
+        let f = cfg.intermediate_size;
+        let residual = ws.residual.view().prefix(t * h)?;
+        let sum_sq = ws.sum_sq.view().prefix(t * sum_sq_slots(h))?;
+        let pre_norm = |norm: &'a DeviceBuf<f32>, after_matmul: bool| match fold && after_matmul {
+            true => MatIn::Folded { x: residual, w: norm.view(), sum_sq },
+            false => MatIn::Normed { x: residual, w: norm.view() },
+        };
+        let add = MatOut::Add { y: residual, sum_sq: fold.then_some(sum_sq) };
+        let qkv_w = cfg.qkv_width();
+        let qkv = ws.qkv.view().prefix(t * qkv_w)?;
+        let attn_in = pre_norm(&layer.attn_norm, i > 0);
+        self.linear().project(ws, t, attn_in, &layer.qkv, MatOut::Store { y: qkv, ld: qkv_w, col: 0 })?;
+        let norms = (layer.q_norm.as_ref().map(|n| n.view()), layer.k_norm.as_ref().map(|n| n.view()));
+        let attn = attend(&self.dev, cache, p, i, (qkv, qkv_w), &self.rope, norms, cfg)?;
+        self.linear().matmul(ws, t, MatIn::Plain(attn), &layer.o_proj, add)?;
+        let act = ws.act.view().prefix(t * f)?;
+        let mlp = (&layer.gate_up, &layer.down);
+        self.linear().mlp(ws, t, pre_norm(&layer.ffn_norm, true), mlp, act, add)
+    }
+
+    /// Whether a step of `t` rows folds the pre-norms into its matmuls: every layer matrix bf16 and small enough
+    /// for the small bf16 matmul (the one kernel that leaves and takes the sums of squares), and not turned off
+    /// with `DFLASH_FOLD_NORM=0` (for side-by-side measurements).
+    fn folds_norms(&self, t: usize) -> bool {
+        static OFF: OnceLock<bool> = OnceLock::new();
+        let off = *OFF.get_or_init(|| std::env::var("DFLASH_FOLD_NORM").is_ok_and(|v| v.trim() == "0"));
+        let small = |m: &DevMatrix| matches!(m.w, DevWeight::Bf16(_)) && small_gemm_fits(t, m.k);
+        let proj = |p: &DevProjection| match p {
+            DevProjection::Fused(m) => small(m),
+            DevProjection::Split(parts) => parts.iter().all(small),
+        };
+        !off && self.layers.iter().all(|l| proj(&l.qkv) && proj(&l.gate_up) && small(&l.o_proj) && small(&l.down))
+    }
+
+    pub(crate) fn linear(&self) -> Linear<'_> {
+        Linear { dev: &self.dev, eps: self.cfg.rms_norm_eps }
+    }
+}

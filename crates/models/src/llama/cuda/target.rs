@@ -1,0 +1,60 @@
+//! [`CudaLlamaTarget`]: a Llama-family model on one CUDA GPU with its device cache.
+
+use std::sync::Arc;
+
+use crate::batch::{ForwardBatch, ForwardOut};
+use crate::config::ModelConfig;
+use crate::cuda::{CudaCache, CudaCacheConfig, GRAPH_CONTEXTS};
+use crate::error::Result;
+use crate::llama::cuda::CudaLlamaModel;
+use crate::target::{device_err, HostHeads, Target, TargetHeads};
+
+/// A Llama-family model on one CUDA GPU with its device cache (KV pages, workspaces, graphs).
+pub struct CudaLlamaTarget {
+    model: CudaLlamaModel,
+    cache: CudaCache,
+    /// Host copies of the heads drafters read (None: no drafter).
+    heads: Option<Arc<HostHeads>>,
+}
+
+impl CudaLlamaTarget {
+    /// `model` with a device cache planned for `cfg`; `heads` are the host copies drafters read, if any.
+    ///
+    /// # Errors
+    /// When the cache does not fit in device memory.
+    pub fn new(model: CudaLlamaModel, cfg: CudaCacheConfig, heads: Option<HostHeads>) -> Result<Self> {
+        let cache = model.new_cache(cfg).map_err(device_err)?;
+        Ok(CudaLlamaTarget { model, cache, heads: heads.map(Arc::new) })
+    }
+}
+
+impl Target for CudaLlamaTarget {
+    fn device(&self) -> String {
+        let info = self.model.device().info();
+        format!("cuda:{} ({})", info.ordinal, info.name)
+    }
+
+    fn config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+
+    fn capture_layers(&self) -> &[usize] {
+        self.model.capture_layers()
+    }
+
+    fn page_size(&self) -> usize {
+        self.cache.config().page_size
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOut> {
+        self.model.forward(batch, &mut self.cache).map_err(device_err)
+    }
+
+    fn host_heads(&self) -> Option<Arc<dyn TargetHeads>> {
+        self.heads.as_ref().map(|h| Arc::clone(h) as Arc<dyn TargetHeads>)
+    }
+
+    fn graph_contexts(&self) -> &[usize] {
+        &GRAPH_CONTEXTS
+    }
+}

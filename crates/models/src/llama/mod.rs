@@ -1,0 +1,162 @@
+//! The Llama family: Llama, SmolLM2, Mistral-style and Qwen3 dense checkpoints (HF directories and GGUF files).
+//!
+//! * `weights`: the checkpoint layout, named once for every device.
+//! * `cpu` ([`LlamaModel`]) and `target` ([`LlamaTarget`]): the CPU forward and its engine-facing target.
+//! * `cuda` (feature `cuda`): the same on one GPU ([`cuda::CudaLlamaModel`], [`cuda::CudaLlamaTarget`]).
+
+mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+mod target;
+mod weights;
+
+use std::path::Path;
+use std::sync::Arc;
+
+pub use cpu::LlamaModel;
+pub use target::LlamaTarget;
+
+use crate::checkpoint::{apply_overrides_to_gguf_config, Checkpoint, LoadOptions};
+use crate::config::{merge_json, Architecture, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::family::{Device, Family, RawConfig, TargetOptions};
+use crate::gguf::GgufFile;
+use crate::resolve::ModelSource;
+use crate::safetensors_dir::{read_json, SafetensorsDir};
+use crate::target::Target;
+use crate::tokenizer::Tokenizer;
+use crate::weights::{WeightFile, WeightStore};
+
+/// A Llama-family checkpoint's config.
+#[derive(Debug)]
+pub struct LlamaFamily {
+    pub config: ModelConfig,
+}
+
+/// Reads `raw` when it is a Llama-family checkpoint (the registry's entry, [`crate::family::FAMILIES`]).
+pub(crate) fn read_config(raw: RawConfig<'_>) -> Option<Result<Box<dyn Family>>> {
+    let config = match raw {
+        RawConfig::Hf(v) if matches!(raw.model_type(), "llama" | "mistral" | "qwen3") => ModelConfig::from_hf(v),
+        RawConfig::Gguf(g, overrides) if matches!(raw.model_type(), "llama" | "qwen3") => gguf_config(g, overrides),
+        _ => return None,
+    };
+    Some(config.map(|config| Box::new(LlamaFamily { config }) as Box<dyn Family>))
+}
+
+impl Family for LlamaFamily {
+    fn kind_name(&self) -> &'static str {
+        match self.config.arch {
+            Architecture::Llama => "llama",
+            Architecture::Qwen3 => "qwen3",
+        }
+    }
+
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn kv_layers(&self) -> usize {
+        self.config.num_layers
+    }
+
+    fn open(&self, weights: &mut WeightStore, device: Device, opts: &TargetOptions) -> Result<Box<dyn Target>> {
+        let taps = &opts.load.capture_layers;
+        match device {
+            Device::Cpu => {
+                let model = LlamaModel::load(self.config.clone(), weights, taps)?;
+                let cache = &opts.cache;
+                Ok(Box::new(LlamaTarget::new(Arc::new(model), cache.num_pages, cache.page_size)?))
+            }
+            Device::Cuda(ordinal) => open_cuda(&self.config, weights, ordinal, opts),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(
+    cfg: &ModelConfig,
+    weights: &mut WeightStore,
+    ordinal: usize,
+    opts: &TargetOptions,
+) -> Result<Box<dyn Target>> {
+    let started = std::time::Instant::now();
+    let dev = crate::cuda::open_device(ordinal)?;
+    let taps = &opts.load.capture_layers;
+    let (model, heads) = cuda::CudaLlamaModel::load(dev, cfg.clone(), weights, taps, opts.host_heads)
+        .map_err(crate::target::device_err)?;
+    crate::cuda::log_upload(model.device(), model.weight_bytes(), started);
+    let cache = crate::cuda::CudaCacheConfig::plan(&opts.cache);
+    Ok(Box::new(cuda::CudaLlamaTarget::new(model, cache, heads)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(_: &ModelConfig, _: &mut WeightStore, ordinal: usize, _: &TargetOptions) -> Result<Box<dyn Target>> {
+    Err(crate::family::no_cuda(ordinal))
+}
+
+/// A Llama-family model with its tokenizer ([`load_model`]): for tests and tools that run the CPU model itself.
+#[derive(Debug)]
+pub struct LoadedModel {
+    pub name: String,
+    pub model: LlamaModel,
+    pub tokenizer: Tokenizer,
+}
+
+/// Loads a Llama-family checkpoint onto the CPU as a bare model with its tokenizer (tests and tools; the engine's
+/// targets come through [`crate::open_target`]).
+///
+/// # Errors
+/// Unreadable or malformed files, another family's checkpoint, missing, misshapen or unexpected tensors.
+pub fn load_model(source: &ModelSource, opts: &LoadOptions) -> Result<LoadedModel> {
+    let checkpoint = Checkpoint::open(source, opts.config_overrides.as_ref())?;
+    let kind = checkpoint.info.family.kind_name();
+    if !matches!(kind, "llama" | "qwen3") {
+        return Err(ModelError::Unsupported(format!("a Llama-family model is needed; this one is {kind}")));
+    }
+    let cfg = checkpoint.config().clone();
+    let (info, mut store) = checkpoint.into_parts(opts.f32_weights);
+    let model = LlamaModel::load(cfg, &mut store, &opts.capture_layers)?;
+    store.finish()?;
+    Ok(LoadedModel { name: info.name, model, tokenizer: info.tokenizer })
+}
+
+/// Loads only the network (no tokenizer) from an HF directory: for tests and tools on tiny checkpoints.
+///
+/// # Errors
+/// As [`load_model`].
+pub fn load_hf_weights(dir: &Path, opts: &LoadOptions) -> Result<LlamaModel> {
+    let mut config = read_json(&dir.join("config.json"))?;
+    if let Some(o) = &opts.config_overrides {
+        merge_json(&mut config, o);
+    }
+    let cfg = ModelConfig::from_hf(&config)?;
+    let store = WeightStore::new(WeightFile::Hf(SafetensorsDir::open(dir)?));
+    build(cfg, store, opts)
+}
+
+/// Loads only the network from a GGUF file.
+///
+/// # Errors
+/// As [`load_model`].
+pub fn load_gguf_weights(path: &Path, opts: &LoadOptions) -> Result<LlamaModel> {
+    let gguf = GgufFile::open(path)?;
+    let cfg = gguf_config(&gguf, opts.config_overrides.as_ref())?;
+    build(cfg, WeightStore::new(WeightFile::Gguf(gguf)), opts)
+}
+
+/// Takes every tensor the config implies and checks nothing is left over.
+fn build(cfg: ModelConfig, store: WeightStore, opts: &LoadOptions) -> Result<LlamaModel> {
+    let mut store = store.widen_to_f32(opts.f32_weights);
+    let model = LlamaModel::load(cfg, &mut store, &opts.capture_layers)?;
+    store.finish()?;
+    Ok(model)
+}
+
+/// A GGUF file's config, with the overrides GGUF configs take.
+fn gguf_config(gguf: &GgufFile, overrides: Option<&serde_json::Value>) -> Result<ModelConfig> {
+    let mut cfg = ModelConfig::from_gguf(gguf)?;
+    if let Some(o) = overrides {
+        apply_overrides_to_gguf_config(&mut cfg, o)?;
+    }
+    Ok(cfg)
+}

@@ -1,0 +1,170 @@
+//! The engine-facing side of a model: [`Target`], one model paired with the state it keeps on its device (KV
+//! pages, and on a GPU the workspaces and captured graphs), built by [`crate::open_target`]. Models own no
+//! state; the step runs the same way on every target: build a [`ForwardBatch`], call [`Target::forward_step`],
+//! sample and verify the returned rows. Page allocation, block tables and slots belong to the scheduler.
+//!
+//! Targets with per-sequence state beside the pages (a hybrid model's recurrent layers) also get each sequence's
+//! key and role ([`StepSeq`]), the kept rows of every verify ([`Target::verified`]) and the end of every sequence
+//! ([`Target::release`]); a sequence resuming from cached pages gets its state from a snapshot
+//! ([`ResumeState::Snapshot`], see the engine's prefix cache). Other targets keep the no-op defaults.
+
+use std::sync::Arc;
+
+use dflash_runtime::Tensor;
+
+use crate::batch::{ForwardBatch, ForwardOut};
+use crate::config::ModelConfig;
+use crate::error::Result;
+
+/// One sequence of a step's batch, as targets with per-sequence state see it (`batch.seqs[i]` is `seqs[i]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepSeq {
+    /// The sequence's key, stable for its whole life (assigned when the engine takes the request).
+    pub key: u64,
+    /// Its rows are a verify round (the anchor, then drafts): [`Target::verified`] follows with the rows kept.
+    pub verifies: bool,
+}
+
+/// What a sequence resuming from cached prompt pages needs besides them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResumeState {
+    /// Nothing: the pages hold all of a sequence's state (dense targets; hybrid targets without recurrent
+    /// layers).
+    Pages,
+    /// A snapshot of the sequence's state at the resume position, `floats` floats long.
+    Snapshot { floats: usize },
+}
+
+/// A target model with its cache, as the engine drives it.
+pub trait Target: Send {
+    /// Where it runs, for logs (`cpu`, `cuda:0 (NVIDIA H200)`).
+    fn device(&self) -> String;
+
+    /// The model's configuration.
+    fn config(&self) -> &ModelConfig;
+
+    /// The layers whose outputs every forward captures (fixed at load).
+    fn capture_layers(&self) -> &[usize];
+
+    /// Tokens per KV page.
+    fn page_size(&self) -> usize;
+
+    /// Runs one step's rows (see [`ForwardBatch`]): writes their K/V into the cache and returns the logits of
+    /// the batch's logit rows (`[L, vocab]`) and the captured hidden states (`[T, taps · hidden]`).
+    ///
+    /// # Errors
+    /// An inconsistent batch or a backend failure; the rows' cache contents are then unspecified.
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOut>;
+
+    /// Contexts (keys one sequence attends) past which the target's steps take other recorded forms (CUDA graphs
+    /// keyed by context): the engine's start-up probe steps every verify width past each once, so no request pays
+    /// for the recording. None by default.
+    fn graph_contexts(&self) -> &[usize] {
+        &[]
+    }
+
+    /// The host copies of the embedding, LM head and final norm that drafters (block drafters, MTP heads) read,
+    /// when the target keeps them ([`crate::TargetOptions::host_heads`]; a CPU target always has them).
+    fn host_heads(&self) -> Option<Arc<dyn TargetHeads>>;
+
+    /// Runs one step's rows like [`Target::forward`], knowing which sequence each `batch.seqs[i]` is
+    /// (`seqs[i]`). Targets with per-sequence state override it; the default ignores the keys.
+    ///
+    /// # Errors
+    /// As [`Target::forward`]; also state that does not match the batch.
+    fn forward_step(&mut self, batch: &ForwardBatch, seqs: &[StepSeq]) -> Result<ForwardOut> {
+        let _ = seqs;
+        self.forward(batch)
+    }
+
+    /// After a verify forward of sequence `key`: only its first `kept_rows` rows stay (the anchor and the
+    /// accepted drafts). The paged cache needs nothing (the scheduler truncates its length); per-sequence state
+    /// rolls back. A target that cannot restore the state fails the sequence's next forward.
+    fn verified(&mut self, key: u64, kept_rows: usize) {
+        let _ = (key, kept_rows);
+    }
+
+    /// Sequence `key` is gone (finished, cancelled or failed): drop its state.
+    fn release(&mut self, key: u64) {
+        let _ = key;
+    }
+
+    /// Layers whose K/V the paged cache holds (every layer but a hybrid model's recurrent ones).
+    fn kv_layers(&self) -> usize {
+        self.config().num_layers
+    }
+
+    /// What a sequence resuming from cached prompt pages needs besides them. With
+    /// [`ResumeState::Snapshot`], the engine keeps the prefix cache off unless state checkpoints are on.
+    fn resume_state(&self) -> ResumeState {
+        ResumeState::Pages
+    }
+
+    /// Prompt chunks that stop inside the prompt end on a multiple of this many positions, so that however a
+    /// prompt is cut into forwards its rows get the bits of one whole prefill (a hybrid model's chunked
+    /// recurrence: [`crate::hybrid::HybridModel::prompt_cut_alignment`]). 1: any cut.
+    fn prompt_cut_alignment(&self) -> usize {
+        1
+    }
+
+    /// A copy of sequence `key`'s per-sequence state after its last forward (for [`ResumeState::Snapshot`]
+    /// targets; the engine asks only after a prompt forward, never after a verify). None when there is none to
+    /// take.
+    fn snapshot_state(&self, key: u64) -> Option<Vec<f32>> {
+        let _ = key;
+        None
+    }
+
+    /// Sequence `key` resumes from cached pages: its state becomes `snapshot` (from [`Target::snapshot_state`]
+    /// of a sequence that computed the same prompt up to the same position). Targets whose pages hold
+    /// everything have nothing to install.
+    ///
+    /// # Errors
+    /// A snapshot that does not fit the target's state.
+    fn restore_state(&mut self, key: u64, snapshot: &[f32]) -> Result<()> {
+        let _ = (key, snapshot);
+        Ok(())
+    }
+}
+
+/// What drafters read of their target on the host: the token embedding, the LM head and the final norm.
+pub trait TargetHeads: Send + Sync + std::fmt::Debug {
+    /// `[vocab, hidden]`.
+    fn embedding(&self) -> &Tensor;
+    /// `[vocab, hidden]` (the embedding when tied).
+    fn lm_head(&self) -> &Tensor;
+    /// The final RMSNorm as `x̂ · w` (`[hidden]` f32; a zero-centred checkpoint's `1 + w` folded in) and its
+    /// epsilon: MTP heads read the normed last hidden state, while targets capture layer outputs before it.
+    fn final_norm(&self) -> (&Tensor, f32);
+}
+
+/// Host copies of a target's heads, kept beside weights that live on a device (views of the checkpoint's
+/// memory map where the file's dtype is kept, so keeping them reads nothing twice).
+#[derive(Debug)]
+pub struct HostHeads {
+    pub embedding: Tensor, // [vocab, hidden]
+    /// `None`: tied to the embedding.
+    pub lm_head: Option<Tensor>, // [vocab, hidden]
+    pub final_norm: Tensor, // [hidden] f32
+    pub eps: f32,
+}
+
+impl TargetHeads for HostHeads {
+    fn embedding(&self) -> &Tensor {
+        &self.embedding
+    }
+
+    fn lm_head(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embedding)
+    }
+
+    fn final_norm(&self) -> (&Tensor, f32) {
+        (&self.final_norm, self.eps)
+    }
+}
+
+/// A device failure as a model error (CUDA targets report their errors through it).
+#[cfg(feature = "cuda")]
+pub(crate) fn device_err(e: impl std::fmt::Display) -> crate::error::ModelError {
+    crate::error::ModelError::Device(e.to_string())
+}

@@ -1,0 +1,168 @@
+//! `dflash bench` flags: the shared model and speculation flags, and each scenario's own.
+
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+
+use super::{ModelArgs, SpecArgs};
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
+    #[command(subcommand)]
+    pub scenario: Scenario,
+    /// Most rows per batched forward (as `serve --max-batch-tokens`).
+    #[arg(long, default_value_t = 256, global = true)]
+    pub max_batch_tokens: usize,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Scenario {
+    /// Aggregate decode throughput by number of concurrent streams.
+    Batch {
+        /// Stream counts to compare.
+        #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+        streams: Vec<usize>,
+        /// Tokens each stream generates.
+        #[arg(long, default_value_t = 64)]
+        max_tokens: usize,
+        /// Rounds over all configurations; medians are reported.
+        #[arg(long, default_value_t = 3)]
+        repeat: usize,
+    },
+    /// Time to first token of a long prompt, alone and while other streams decode.
+    Ttft {
+        /// Text file holding the long prompt (sent as raw text).
+        #[arg(long, default_value = "bench/prompts/summarise-1000.txt")]
+        prompt_file: String,
+        /// Streams decoding in the background.
+        #[arg(long, default_value_t = 4)]
+        background: usize,
+        #[arg(long, default_value_t = 3)]
+        repeat: usize,
+    },
+    /// Speculation lanes side by side (alternating per prompt) on a prompt set: JSON and a Markdown table.
+    Lanes(LanesArgs),
+    /// Time to first token of a long chat's second turn, cold and served from the prefix cache.
+    Prefix(PrefixArgs),
+    /// CUDA decode and verify speed of random-weight models of real shapes against the memory floor (no
+    /// model is loaded; needs a build with `--features cuda`).
+    Shapes(ShapesArgs),
+    /// CUDA decode and the verify-cost ladder of a random-weight Qwen3-Next-shaped target (GDN + MoE).
+    Hybrid(HybridArgs),
+}
+
+/// `dflash bench lanes` flags.
+#[derive(Args, Debug)]
+pub struct LanesArgs {
+    /// JSON list of {"group": ..., "prompt": ...}; prompts are sent through the chat template.
+    #[arg(long, default_value = "bench/prompts/lanes.json")]
+    pub prompts: PathBuf,
+    /// Lanes to compare: plain, pld, dflash, mtp; pld, dflash and mtp take a `-fixed` or `-adaptive` suffix to
+    /// pick the width policy (default: --spec-policy).
+    #[arg(long, value_delimiter = ',', default_value = "plain,pld")]
+    pub lanes: Vec<String>,
+    /// The oracle lanes' chance of a right draft at each draft position (given the earlier ones were right); the
+    /// last value holds for later positions.
+    #[arg(long, value_delimiter = ',', default_value = "0.8,0.6,0.5,0.4")]
+    pub oracle_acceptance: Vec<f32>,
+    /// Which set of draws the oracle lanes read: their drafts are keyed by prompt, position and draft index, so
+    /// every run of a table reads the same ones; another value gives other draws (more of them across runs).
+    #[arg(long, default_value_t = 0)]
+    pub oracle_seed: u64,
+    /// Sampling temperatures; 0 is greedy. Sampled requests use top-p 0.95 and a seed fixed per prompt.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    pub temperatures: Vec<f32>,
+    /// Use at most this many prompts of each group (the first ones in the file); 0 = all.
+    #[arg(long, default_value_t = 0)]
+    pub per_group: usize,
+    /// Put each prompt after a document of about this many tokens (the long-context rows of a table: 1024, 8192,
+    /// 32768); 0 sends the prompts as they are. The document is `--context-text` repeated.
+    #[arg(long, default_value_t = 0)]
+    pub context: usize,
+    /// The document text the `--context` prompts open with.
+    #[arg(long, default_value = "bench/prompts/summarise-1000.txt")]
+    pub context_text: PathBuf,
+    /// Tokens per request at most (requests stop at EOS too).
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Runs of every (prompt, temperature, lane); medians are reported.
+    #[arg(long, default_value_t = 2)]
+    pub repeat: usize,
+    /// Where the JSON goes.
+    #[arg(long, default_value = "bench/out")]
+    pub out_dir: PathBuf,
+    /// Instead of `--model`: a Qwen3-Next-80B-A3B-shaped target with random bf16 weights made on the GPU, this
+    /// many layers deep (a multiple of 4; see `bench hybrid`), for the oracle lanes on a sparse hybrid target.
+    /// Needs `--tokenizer`.
+    #[arg(long, value_name = "LAYERS", requires = "tokenizer")]
+    pub random_hybrid: Option<usize>,
+    /// The tokenizer (an HF directory with tokenizer.json) that encodes the prompts of a `--random-hybrid` run.
+    #[arg(long, value_name = "DIR")]
+    pub tokenizer: Option<PathBuf>,
+}
+
+/// `dflash bench prefix` flags.
+#[derive(Args, Debug)]
+pub struct PrefixArgs {
+    /// Tokens of the first turn's prompt (the history is grown until it reaches this).
+    #[arg(long, default_value_t = 4096)]
+    pub context: usize,
+    /// Tokens the first turn answers with.
+    #[arg(long, default_value_t = 32)]
+    pub answer_tokens: usize,
+    /// Cold / warm pairs; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    pub repeat: usize,
+    /// Tokens each drafted second turn generates (when a drafter is loaded), for its tokens per round.
+    #[arg(long, default_value_t = 64)]
+    pub drafter_tokens: usize,
+    /// Text files the earlier turns are cut from.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "bench/prompts/prefill-long.txt,bench/prompts/summarise-1000.txt"
+    )]
+    pub history: Vec<String>,
+}
+
+/// `dflash bench shapes` flags.
+#[derive(Args, Debug)]
+pub struct ShapesArgs {
+    /// Shapes to build with random weights: smollm2, qwen3-0.6b, qwen3-8b, llama3-8b.
+    #[arg(long, value_delimiter = ',', default_value = "smollm2,qwen3-0.6b,qwen3-8b")]
+    pub shapes: Vec<String>,
+    /// Also a GGUF file (e.g. the default model).
+    #[arg(long)]
+    pub gguf: Option<String>,
+    /// Greedy decode steps of the single sequence.
+    #[arg(long, default_value_t = 256)]
+    pub steps: usize,
+    /// Prompt tokens of the single sequence (its decode runs at contexts from here to here + steps); the batch
+    /// and verify steps keep 128.
+    #[arg(long, default_value_t = 128)]
+    pub prompt: usize,
+    /// Only the single-sequence decode (for profiling a few steps).
+    #[arg(long)]
+    pub quick: bool,
+    /// With `--quick`: then 24 verify steps of this many rows of the single sequence (for profiling one width).
+    #[arg(long, requires = "quick", value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub verify_rows: Option<u64>,
+}
+
+/// `dflash bench hybrid` flags.
+#[derive(Args, Debug)]
+pub struct HybridArgs {
+    /// Layers (a multiple of 4: 3 Gated DeltaNet layers, then one attention layer); Qwen3-Next-80B has 48.
+    #[arg(long, default_value_t = 16)]
+    pub layers: usize,
+    /// Greedy decode steps of the single sequence.
+    #[arg(long, default_value_t = 128)]
+    pub steps: usize,
+    /// Context (prompt tokens) before the decode and verify steps.
+    #[arg(long, default_value_t = 128)]
+    pub context: usize,
+}
