@@ -1,6 +1,6 @@
 //! The dflash-serve tensor runtime.
 //!
-//! * [`DType`] and [`Tensor`]: dense and GGUF block-quantized buffers on a [`Device`].
+//! * [`DType`] and [`Tensor`]: dense and GGUF block-quantized host buffers (owned, or views of a mapped file).
 //! * [`quant`]: ggml block layouts, dequantization and the quantized dot-product kernels (AVX-512 / AVX2 with
 //!   run-time detection and a scalar fallback).
 //! * [`ops`]: the op set every model is written against; each op has a CPU implementation here and (with the
@@ -13,13 +13,14 @@ pub mod cuda;
 pub mod dtype;
 pub mod ops;
 pub mod quant;
+pub mod switches;
 pub mod tensor;
 pub mod threads;
 
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaDevice, CudaError, DeviceBuf};
 pub use dtype::DType;
-pub use tensor::{Device, HostBuf, Storage, Tensor};
+pub use tensor::{HostBuf, Tensor};
 
 /// Errors from the runtime.
 #[derive(Debug, thiserror::Error)]

@@ -11,14 +11,6 @@ use memmap2::Mmap;
 
 use crate::{DType, Result, RuntimeError};
 
-/// Where a buffer lives.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Device {
-    Cpu,
-    /// A CUDA device by ordinal (the CUDA backend is behind the `cuda` feature).
-    Cuda(usize),
-}
-
 /// A host buffer: owned and writable, or a read-only window into a mapped file.
 #[derive(Debug)]
 pub enum HostBuf {
@@ -54,18 +46,12 @@ impl HostBuf {
     }
 }
 
-/// Storage of a tensor on its device.
-#[derive(Debug)]
-pub enum Storage {
-    Host(HostBuf),
-}
-
 /// A contiguous, row-major n-dimensional buffer.
 #[derive(Debug)]
 pub struct Tensor {
     dtype: DType,
     shape: Vec<usize>,
-    storage: Storage,
+    buf: HostBuf,
 }
 
 impl Tensor {
@@ -75,7 +61,7 @@ impl Tensor {
     /// When the last dimension is not a whole number of blocks of a quantized `dtype`.
     pub fn zeros(dtype: DType, shape: &[usize]) -> Result<Self> {
         let bytes = byte_len(dtype, shape)?;
-        Ok(Tensor { dtype, shape: shape.to_vec(), storage: Storage::Host(HostBuf::zeros(bytes)) })
+        Ok(Tensor { dtype, shape: shape.to_vec(), buf: HostBuf::zeros(bytes) })
     }
 
     /// An f32 host tensor holding `data`.
@@ -118,8 +104,8 @@ impl Tensor {
         let end = offset.checked_add(len).filter(|&e| e <= map.len()).ok_or_else(|| {
             RuntimeError::Shape(format!("{dtype} {shape:?} at offset {offset} runs past the file end"))
         })?;
-        let storage = Storage::Host(HostBuf::Mapped { map, range: offset..end });
-        Ok(Tensor { dtype, shape: shape.to_vec(), storage })
+        let buf = HostBuf::Mapped { map, range: offset..end };
+        Ok(Tensor { dtype, shape: shape.to_vec(), buf })
     }
 
     pub fn dtype(&self) -> DType {
@@ -129,12 +115,6 @@ impl Tensor {
     /// The dimensions, outermost first.
     pub fn shape(&self) -> &[usize] {
         &self.shape
-    }
-
-    pub fn device(&self) -> Device {
-        match self.storage {
-            Storage::Host(_) => Device::Cpu,
-        }
     }
 
     /// Number of elements.
@@ -177,24 +157,20 @@ impl Tensor {
         Ok(self)
     }
 
-    /// The raw bytes (host tensors only).
+    /// The raw bytes (a result, like the typed views it is chained with).
     ///
     /// # Errors
-    /// For a device tensor.
+    /// None: every tensor is a host buffer.
     pub fn bytes(&self) -> Result<&[u8]> {
-        match &self.storage {
-            Storage::Host(b) => Ok(b.as_bytes()),
-        }
+        Ok(self.buf.as_bytes())
     }
 
     /// The raw bytes for writing.
     ///
     /// # Errors
-    /// For a device tensor or a read-only mapped tensor.
+    /// `ReadOnly` for a memory-mapped tensor.
     pub fn bytes_mut(&mut self) -> Result<&mut [u8]> {
-        match &mut self.storage {
-            Storage::Host(b) => b.as_bytes_mut().ok_or(RuntimeError::ReadOnly),
-        }
+        self.buf.as_bytes_mut().ok_or(RuntimeError::ReadOnly)
     }
 
     /// The values of an f32 host tensor.

@@ -2,8 +2,6 @@
 //! replay of a CUDA graph captured per (batch bucket, rows per sequence) or the kernels queued eagerly, then the
 //! results back after one synchronisation; and the attention core of every attention layer.
 
-use std::sync::OnceLock;
-
 use dflash_runtime::cuda::ops::{
     attention_rope_fits, paged_attention, paged_attention_rope, prompt_attention_tc, rope_kv_write, AttentionArgs,
     KeySplit, RopeKvArgs,
@@ -193,8 +191,7 @@ pub(crate) fn attend<'a, X>(
 /// `DFLASH_FOLD_ROPE=0` keeps the separate RoPE + K/V write kernel in decode and verify steps (for
 /// side-by-side measurements).
 fn rope_fold_off() -> bool {
-    static OFF: OnceLock<bool> = OnceLock::new();
-    *OFF.get_or_init(|| std::env::var("DFLASH_FOLD_ROPE").is_ok_and(|v| v.trim() == "0"))
+    dflash_runtime::switches::switches().no_fold_rope
 }
 
 /// A step's results on the host after one synchronisation: the logits of the device rows `rows` (one per

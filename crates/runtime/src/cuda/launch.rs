@@ -19,8 +19,7 @@ use cudarc::driver::{sys, CudaFunction, CudaStream, DeviceRepr, DriverError, Lau
 
 /// Whether kernels on a device of compute capability `capability` are launched with PDL.
 pub(crate) fn pdl_enabled(capability: (i32, i32)) -> bool {
-    let off = std::env::var("DFLASH_PDL").is_ok_and(|v| v.trim() == "0");
-    capability.0 >= 9 && !off
+    capability.0 >= 9 && !crate::switches::switches().no_pdl
 }
 
 /// One kernel launch being put together: the function, the stream and references to its arguments (what the

@@ -57,8 +57,8 @@ impl Level {
     pub(crate) fn detect() -> Level {
         static LEVEL: OnceLock<Level> = OnceLock::new();
         *LEVEL.get_or_init(|| {
-            let request = std::env::var(SIMD_ENV).ok();
-            let (level, warning) = Level::choose(request.as_deref(), Level::is_supported);
+            let request = crate::switches::switches().simd.as_deref();
+            let (level, warning) = Level::choose(request, Level::is_supported);
             if let Some(warning) = warning {
                 // Once per process; the runtime has no logger of its own.
                 eprintln!("warning: {warning}");

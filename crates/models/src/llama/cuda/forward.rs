@@ -1,8 +1,6 @@
 //! The Llama family's CUDA forward: one step's kernels (embedding, the layers, the final norm and LM head),
 //! queued by the shared step runner ([`crate::cuda::CudaCache::run_step`]) eagerly or into a graph.
 
-use std::sync::OnceLock;
-
 use dflash_runtime::cuda::ops::{
     self as gpu, copy_columns, embedding_quant, gather_rms_norm, small_gemm_fits, sum_sq_slots,
 };
@@ -127,8 +125,7 @@ impl CudaLlamaModel {
     /// for the small bf16 matmul (the one kernel that leaves and takes the sums of squares), and not turned off
     /// with `DFLASH_FOLD_NORM=0` (for side-by-side measurements).
     fn folds_norms(&self, t: usize) -> bool {
-        static OFF: OnceLock<bool> = OnceLock::new();
-        let off = *OFF.get_or_init(|| std::env::var("DFLASH_FOLD_NORM").is_ok_and(|v| v.trim() == "0"));
+        let off = dflash_runtime::switches::switches().no_fold_norm;
         let small = |m: &DevMatrix| matches!(m.w, DevWeight::Bf16(_)) && small_gemm_fits(t, m.k);
         let proj = |p: &DevProjection| match p {
             DevProjection::Fused(m) => small(m),

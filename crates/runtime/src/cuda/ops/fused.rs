@@ -2,7 +2,6 @@
 //! bf16 GEMV with a fused epilogue, the final norm of gathered rows, the capture copy, and random fills.
 
 use std::ffi::c_void;
-use std::sync::OnceLock;
 
 use cudarc::cublas::result::gemm_ex;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t};
@@ -374,8 +373,7 @@ pub fn gemm_bf16_small<'a>(
 
 /// `DFLASH_GEMM_3=0` keeps matrices of two to three waves on the two-per-SM kernels (for side-by-side runs).
 fn three_per_sm_off() -> bool {
-    static OFF: OnceLock<bool> = OnceLock::new();
-    *OFF.get_or_init(|| std::env::var("DFLASH_GEMM_3").is_ok_and(|v| v.trim() == "0"))
+    crate::switches::switches().no_gemm_three_per_sm
 }
 
 /// Whether the weight slices of the [`gemm_bf16_small`] blocks that can be resident at once (two per SM) take at
@@ -394,9 +392,7 @@ fn fits_l2(dev: &CudaDevice, k: usize, blocks: usize, rows_per_block: usize) -> 
 /// shape went 17% slower). `DFLASH_GEMM_PREFETCH=first` keeps the 1,024 columns everywhere (for side-by-side
 /// measurements; the loads stay as [`fits_l2`] says).
 fn prefetch_columns(k: usize, fits_l2: bool) -> usize {
-    static FIRST: OnceLock<bool> = OnceLock::new();
-    let first_only = *FIRST.get_or_init(|| std::env::var("DFLASH_GEMM_PREFETCH").is_ok_and(|v| v.trim() == "first"));
-    if fits_l2 && !first_only {
+    if fits_l2 && !crate::switches::switches().gemm_prefetch_first_only {
         k
     } else {
         k.min(2 * 8 * 64)

@@ -1,0 +1,75 @@
+//! Performance switches: environment variables that turn one optimisation off, or ask for a lower SIMD level, for
+//! side-by-side measurements of the same binary. Read once per process, here and nowhere else; docs/PERFORMANCE.md
+//! lists them with the entries that measured what each one turns off.
+
+use std::sync::OnceLock;
+
+/// Every switch, as the environment set it when the process first asked.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Switches {
+    /// `DFLASH_SIMD=scalar|avx2|avx512`: the CPU's quantized kernels at a lower level than the best it supports.
+    pub simd: Option<String>,
+    /// `DFLASH_PDL=0`: CUDA kernels launched without programmatic dependent launch.
+    pub no_pdl: bool,
+    /// `DFLASH_GEMM_3=0`: matrices of two to three waves stay on the two-per-SM small bf16 matmul.
+    pub no_gemm_three_per_sm: bool,
+    /// `DFLASH_GEMM_PREFETCH=first`: the small bf16 matmul prefetches only its first 1,024 weight columns.
+    pub gemm_prefetch_first_only: bool,
+    /// `DFLASH_FOLD_NORM=0`: the pre-norms keep their own kernel instead of running inside the small bf16 matmul.
+    pub no_fold_norm: bool,
+    /// `DFLASH_FOLD_ROPE=0`: decode and verify steps keep the separate RoPE + K/V write kernel.
+    pub no_fold_rope: bool,
+}
+
+impl Switches {
+    /// The switches `var` reports (a variable's value, or `None` when unset).
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Self {
+        let is = |name: &str, value: &str| var(name).is_some_and(|v| v.trim() == value);
+        Switches {
+            simd: var("DFLASH_SIMD"),
+            no_pdl: is("DFLASH_PDL", "0"),
+            no_gemm_three_per_sm: is("DFLASH_GEMM_3", "0"),
+            gemm_prefetch_first_only: is("DFLASH_GEMM_PREFETCH", "first"),
+            no_fold_norm: is("DFLASH_FOLD_NORM", "0"),
+            no_fold_rope: is("DFLASH_FOLD_ROPE", "0"),
+        }
+    }
+}
+
+/// The process's switches, read from the environment on first use.
+pub fn switches() -> &'static Switches {
+    static SWITCHES: OnceLock<Switches> = OnceLock::new();
+    SWITCHES.get_or_init(|| Switches::from_vars(|name| std::env::var(name).ok()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_documented_values_turn_a_switch() {
+        let set = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| pairs.iter().find(|(n, _)| *n == name).map(|(_, v)| v.to_string())
+        };
+        assert_eq!(Switches::from_vars(set(&[])), Switches::default());
+        let all = Switches::from_vars(set(&[
+            ("DFLASH_SIMD", "avx2"),
+            ("DFLASH_PDL", "0"),
+            ("DFLASH_GEMM_3", " 0 "),
+            ("DFLASH_GEMM_PREFETCH", "first"),
+            ("DFLASH_FOLD_NORM", "0"),
+            ("DFLASH_FOLD_ROPE", "0"),
+        ]));
+        let want = Switches {
+            simd: Some("avx2".into()),
+            no_pdl: true,
+            no_gemm_three_per_sm: true,
+            gemm_prefetch_first_only: true,
+            no_fold_norm: true,
+            no_fold_rope: true,
+        };
+        assert_eq!(all, want);
+        let other = Switches::from_vars(set(&[("DFLASH_PDL", "1"), ("DFLASH_GEMM_PREFETCH", "all")]));
+        assert_eq!(other, Switches::default(), "other values leave the optimisations on");
+    }
+}
