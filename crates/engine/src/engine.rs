@@ -341,9 +341,9 @@ impl Engine {
         let host = self.target.host_heads()?;
         match DflashProposer::new(drafter, host) {
             Ok(proposer) => {
-                let block = drafter.block_size;
+                let block_size = drafter.block_size;
                 let (policy, costs) = (self.policy_for(req), self.round_costs.clone());
-                Some(SpecLane::new(Box::new(proposer), block - 1, block, policy, costs))
+                Some(SpecLane::new(Box::new(proposer), block_size - 1, block_size, policy, costs))
             }
             Err(e) => {
                 tracing::warn!("{}: no drafter context ({e}); drafting off for this request", req.id);

@@ -382,7 +382,7 @@ mod tests {
         m.set_spec_gated_lanes(2);
         let mut costs = CostTable::new(2);
         costs.seed(&[10.0, 12.5]);
-        costs.observe_draft("pld", 0.25);
+        costs.observe_draft(crate::spec::LaneKind::Pld, 0.25);
         m.publish_round_costs(&costs);
         m.publish(Gauges {
             queue_depth: 2,

@@ -256,8 +256,8 @@ type Observed = std::sync::Arc<std::sync::Mutex<Vec<(usize, Vec<f32>)>>>;
 struct ObservingProposer(Observed);
 
 impl crate::spec::Proposer for ObservingProposer {
-    fn name(&self) -> &'static str {
-        "observer"
+    fn kind(&self) -> crate::spec::LaneKind {
+        crate::spec::LaneKind::Dflash
     }
     fn propose(&mut self, _: &crate::spec::ProposeInput, _: usize) -> crate::spec::Proposal {
         crate::spec::Proposal::default()

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use common::{metric, request, run_all, Model};
 use dflash_engine::spec::{DrafterConfig, PolicyMode, SpecConfig};
 use dflash_engine::SamplingParams;
-use dflash_models::dflash::{DraftConfig, DraftModel, DraftVocab, TargetSpec};
+use dflash_models::dflash::{DraftConfig, DraftModel, DraftVocab, TargetShape};
 use dflash_models::llama::load_hf_weights;
 use dflash_models::llama::load_model;
 use dflash_models::resolve::{ensure_default_model, ModelSource};
@@ -39,9 +39,8 @@ fn with_drafter(name: &str, block_size: usize) -> (Model, DrafterConfig) {
     let json = std::fs::read_to_string(fixture(name).join("config.json")).expect("drafter config");
     let cfg = DraftConfig::from_json(&serde_json::from_str(&json).expect("json")).expect("drafter config");
     let m = tiny_target(&cfg.target_layer_ids);
-    let model = DraftModel::load(&fixture(name), &TargetSpec::of(m.model.config())).expect("drafter");
-    let block_size = model.clamp_block_size(Some(block_size)).expect("block size");
-    (m, DrafterConfig { model: Arc::new(model), block_size, draft_vocab: None })
+    let model = DraftModel::load(&fixture(name), &TargetShape::of(m.model.config())).expect("drafter");
+    (m, DrafterConfig::new(Arc::new(model), Some(block_size), None).expect("block size"))
 }
 
 /// A draft vocabulary of a third of the tiny target's 256 tokens: every other token plain decoding emits (so

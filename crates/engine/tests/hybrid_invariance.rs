@@ -16,7 +16,7 @@ use std::sync::Arc;
 use common::{metric, request, Recorder, Session};
 use dflash_engine::spec::{DrafterConfig, MtpDepth, MtpLaneConfig, NgramConfig, OracleDraft, PolicyMode, SpecConfig};
 use dflash_engine::{Engine, EngineConfig, EngineMetrics, Request, SamplingParams};
-use dflash_models::dflash::{DraftConfig, DraftModel, TargetSpec};
+use dflash_models::dflash::{DraftConfig, DraftModel, TargetShape};
 use dflash_models::hybrid::HybridTarget;
 use dflash_models::hybrid::{load_hybrid_weights, HybridModel};
 use dflash_models::llama::load_hf_weights;
@@ -146,11 +146,11 @@ fn a_dflash_drafter_reading_gdn_layers_equals_plain_decoding() {
     let cfg = DraftConfig::from_json(&serde_json::from_str(&json).expect("json")).expect("drafter config");
     let (setup, model) = hybrid_capturing("tiny-qwen3-next", cfg.target_layer_ids.clone());
     let plain = outcomes(&run(&setup, common::config(64, 64, spec(None)), requests(20, false)).0);
-    let drafter = Arc::new(DraftModel::load(&dir, &TargetSpec::of(&model.config().base)).expect("drafter"));
+    let drafter = Arc::new(DraftModel::load(&dir, &TargetShape::of(&model.config().base)).expect("drafter"));
     for block in [2, 4, 8] {
-        let block_size = drafter.clamp_block_size(Some(block)).expect("block size");
         let mut engine_cfg = common::config(64, 64, spec(None));
-        engine_cfg.drafter = Some(DrafterConfig { model: Arc::clone(&drafter), block_size, draft_vocab: None });
+        let config = DrafterConfig::new(Arc::clone(&drafter), Some(block), None).expect("block size");
+        engine_cfg.drafter = Some(config);
         let (got, text) = run(&setup, engine_cfg, requests(20, false));
         assert_eq!(outcomes(&got), plain, "block {block}: the DFlash lane changed the output");
         assert!(metric(&text, "dflash_spec_drafted_tokens_total") > 0.0, "block {block}: nothing drafted");

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use common::{config, load, metric, request, Disconnecting, Model, Recorder, Session};
 use dflash_engine::spec::{DrafterConfig, MtpDepth, MtpLaneConfig, PolicyMode, SpecConfig, SpecStats};
 use dflash_engine::{Engine, EngineConfig, EngineMetrics, Event, Request, SamplingParams};
-use dflash_models::dflash::{DraftConfig, DraftModel, TargetSpec};
+use dflash_models::dflash::{DraftConfig, DraftModel, TargetShape};
 use dflash_models::llama::load_hf_weights;
 use dflash_models::resolve::ModelSource;
 use dflash_models::tokenizer::Tokenizer;
@@ -272,9 +272,8 @@ fn tiny_with_lane(mtp: bool) -> (Model, Lane) {
     let json = std::fs::read_to_string(fixture("dflash-v2").join("config.json")).expect("drafter config");
     let cfg = DraftConfig::from_json(&serde_json::from_str(&json).expect("json")).expect("drafter config");
     let m = tiny_target(&cfg.target_layer_ids);
-    let model = DraftModel::load(&fixture("dflash-v2"), &TargetSpec::of(m.model.config())).expect("drafter");
-    let block_size = model.clamp_block_size(Some(4)).expect("block size");
-    (m, Lane::Dflash(DrafterConfig { model: Arc::new(model), block_size, draft_vocab: None }))
+    let model = DraftModel::load(&fixture("dflash-v2"), &TargetShape::of(m.model.config())).expect("drafter");
+    (m, Lane::Dflash(DrafterConfig::new(Arc::new(model), Some(4), None).expect("block size")))
 }
 
 fn num_layers(dir: &Path) -> usize {

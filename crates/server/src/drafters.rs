@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use dflash_engine::spec::{DrafterConfig, MtpDepth, MtpLaneConfig};
-use dflash_models::dflash::{DraftConfig, DraftModel, DraftVocab, TargetSpec, VocabRanking, DRAFT_VOCAB_FILE};
+use dflash_models::dflash::{DraftConfig, DraftModel, DraftVocab, TargetShape, VocabRanking, DRAFT_VOCAB_FILE};
 use dflash_models::mtp::{TrunkNorm, PREFIX as MTP_PREFIX};
 use dflash_models::resolve::{ModelSource, DEFAULT_MODEL_FILE};
 use dflash_models::safetensors_dir::read_json;
@@ -216,13 +216,12 @@ fn read_draft_config(dir: &Path) -> Result<DraftConfig> {
 /// The drafter in `dir`, checked against the opened target, with its block size and draft vocabulary.
 fn load_block(dir: &Path, spec: &SpecArgs, opened: &OpenedTarget, heads: &dyn TargetHeads) -> Result<DrafterConfig> {
     let config = opened.info.config();
-    let drafter = DraftModel::load(dir, &TargetSpec::of(config))
+    let drafter = DraftModel::load(dir, &TargetShape::of(config))
         .with_context(|| format!("loading the drafter {}", dir.display()))?;
-    let block_size = drafter.clamp_block_size(spec.draft_block_size)?;
     let mut always = opened.info.tokenizer.eos_ids().to_vec();
     always.extend(&config.eos_token_ids);
     let draft_vocab = load_draft_vocab(dir, spec.draft_vocab, &always, config.vocab_size, heads)?.map(Arc::new);
-    Ok(DrafterConfig { model: Arc::new(drafter), block_size, draft_vocab })
+    Ok(DrafterConfig::new(Arc::new(drafter), spec.draft_block_size, draft_vocab)?)
 }
 
 /// The draft vocabulary `requested` asks for (default: the size recorded with the drafter's ranking, else all),

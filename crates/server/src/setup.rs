@@ -262,6 +262,9 @@ mod tests {
         let done = last.0.lock().expect("lock").take();
         let Some(Event::Finished { reason, usage }) = done else { panic!("ended with {done:?}") };
         assert_eq!((reason, usage.completion_tokens), (FinishReason::Length, 8));
-        assert!(usage.spec.is_some_and(|s| s.mode == "mtp" && s.drafted > 0), "the MTP lane drafted");
+        assert!(
+            usage.spec.is_some_and(|s| s.lane == dflash_engine::spec::LaneKind::Mtp && s.drafted > 0),
+            "the MTP lane drafted"
+        );
     }
 }

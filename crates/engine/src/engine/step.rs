@@ -11,6 +11,7 @@ use crate::sampler;
 use crate::scheduler::StepItem;
 use crate::sequence::Outcome;
 use crate::spec::verify::{accept_prefix, typical_accepts};
+use crate::spec::LaneKind;
 use crate::EngineError;
 use dflash_models::StepSeq;
 
@@ -195,8 +196,8 @@ impl Engine {
     /// `--dflash-typical`, and a sampled request (greedy requests always verify exactly).
     fn typical_rule(&self, i: usize) -> Option<f32> {
         let seq = &self.sched.running[i];
-        let block_lane = seq.lane.as_ref().is_some_and(|l| l.stats.block > 0);
-        let mtp_lane = seq.lane.as_ref().is_some_and(|l| l.stats.mode == "mtp");
+        let block_lane = seq.lane.as_ref().is_some_and(|l| l.stats.block_size > 0);
+        let mtp_lane = seq.lane.as_ref().is_some_and(|l| l.stats.lane == LaneKind::Mtp);
         let rule = if mtp_lane { self.mtp.as_ref().and_then(|m| m.typical) } else { self.spec.dflash_typical };
         rule.filter(|_| (block_lane || mtp_lane) && !seq.request.sampling.is_greedy())
     }

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use dflash_models::dflash::{DraftHead, DraftModel, DraftSampling, DraftVocab, Draw, SamplingFilter};
 use dflash_models::{DrafterContext, ModelError, TargetHeads};
 
-use super::{policy, Proposal, ProposeInput, Proposer};
+use super::{policy, LaneKind, Proposal, ProposeInput, Proposer};
 use crate::sampler::{gumbel, keyed_uniform, STREAM_TARGET};
 
 /// Observed rows held back at most before they enter the drafter's context in one pass (bounds the buffer at
@@ -41,6 +41,22 @@ pub struct DrafterConfig {
     pub draft_vocab: Option<Arc<DraftVocab>>,
 }
 
+impl DrafterConfig {
+    /// `model` drafting rounds of `block_size` verify rows (anchor included; `None`: as trained), clamped down to the
+    /// block size it was trained for, scoring `draft_vocab` (`None`: the whole vocabulary).
+    ///
+    /// # Errors
+    /// A block size below 2.
+    pub fn new(
+        model: Arc<DraftModel>,
+        block_size: Option<usize>,
+        draft_vocab: Option<Arc<DraftVocab>>,
+    ) -> Result<Self, ModelError> {
+        let block_size = model.clamp_block_size(block_size)?;
+        Ok(DrafterConfig { model, block_size, draft_vocab })
+    }
+}
+
 /// One sequence's DFlash lane.
 pub struct DflashProposer {
     model: Arc<DraftModel>,
@@ -54,7 +70,7 @@ pub struct DflashProposer {
     row_width: usize,
     block_size: usize,
     draft_vocab: Option<Arc<DraftVocab>>,
-    name: &'static str,
+    kind: LaneKind,
     /// Set after a drafter error: the lane stops drafting (the request goes on, plain).
     broken: bool,
 }
@@ -63,9 +79,9 @@ impl DflashProposer {
     /// # Errors
     /// When the drafter's context cannot be allocated.
     pub fn new(cfg: &DrafterConfig, target: Arc<dyn TargetHeads>) -> Result<Self, ModelError> {
-        let name = match cfg.model.kind() {
-            dflash_models::dflash::DraftKind::DFlash => "dflash",
-            dflash_models::dflash::DraftKind::DFlash2 => "dflash2",
+        let kind = match cfg.model.kind() {
+            dflash_models::dflash::DraftKind::DFlash => LaneKind::Dflash,
+            dflash_models::dflash::DraftKind::DFlash2 => LaneKind::Dflash2,
         };
         let taps = cfg.model.config().target_layer_ids.len();
         let row_width = cfg.model.capture_layout().captured_width(taps, cfg.model.target().hidden_size);
@@ -78,13 +94,13 @@ impl DflashProposer {
             target,
             block_size: cfg.block_size,
             draft_vocab: cfg.draft_vocab.clone(),
-            name,
+            kind,
             broken: false,
         })
     }
 
     fn fail(&mut self, what: &str, e: &ModelError) {
-        tracing::warn!("{} drafter: {what}: {e}; drafting off for this request", self.name);
+        tracing::warn!("{} drafter: {what}: {e}; drafting off for this request", self.kind);
         self.broken = true;
         self.pending = Vec::new();
     }
@@ -107,8 +123,8 @@ impl DflashProposer {
 }
 
 impl Proposer for DflashProposer {
-    fn name(&self) -> &'static str {
-        self.name
+    fn kind(&self) -> LaneKind {
+        self.kind
     }
 
     fn propose(&mut self, input: &ProposeInput, max: usize) -> Proposal {

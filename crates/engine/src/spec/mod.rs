@@ -50,10 +50,45 @@ impl From<Vec<u32>> for Proposal {
     }
 }
 
+/// What drafts a lane's rounds: the kind its stats, logs, metrics and round costs go by.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum LaneKind {
+    /// Prompt lookup (n-gram). The default only fills zeroed stats that other stats are summed into.
+    #[default]
+    Pld,
+    /// A DFlash v1 block drafter.
+    Dflash,
+    /// A DFlash2 block drafter (convolution and candidate selector).
+    Dflash2,
+    /// A multi-token-prediction head.
+    Mtp,
+    /// The benchmarks' oracle ([`OracleProposer`]).
+    Oracle,
+}
+
+impl LaneKind {
+    /// The name in logs, metrics and `usage.spec.mode`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LaneKind::Pld => "pld",
+            LaneKind::Dflash => "dflash",
+            LaneKind::Dflash2 => "dflash2",
+            LaneKind::Mtp => "mtp",
+            LaneKind::Oracle => "oracle",
+        }
+    }
+}
+
+impl std::fmt::Display for LaneKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// A drafter for one sequence.
 pub trait Proposer: Send {
-    /// The lane's name in logs and stats (`pld`, `dflash`, `dflash2`, later `mtp`).
-    fn name(&self) -> &'static str;
+    /// The lane's kind.
+    fn kind(&self) -> LaneKind;
 
     /// Up to `max` tokens likely to follow the committed tokens; none when it has no guess, which makes the round
     /// a plain decode step. The round policy may verify only a prefix of them.
@@ -99,8 +134,8 @@ pub const WIDTH_SLOTS: usize = TRACKED_POSITIONS + 1;
 /// What speculation did for one sequence.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SpecStats {
-    /// The lane (`pld`, ...).
-    pub mode: &'static str,
+    /// The lane's kind.
+    pub lane: LaneKind,
     /// How its widths were chosen.
     pub policy: PolicyMode,
     /// Rounds that verified at least one draft.
@@ -113,8 +148,8 @@ pub struct SpecStats {
     pub gated_steps: u64,
     /// Times the gate paused drafting after drafted rounds lost to plain ones.
     pub gate_pauses: u64,
-    /// Block drafters: the verify width (anchor included); 0 for other lanes.
-    pub block: usize,
+    /// Block drafters: the block size (a full round's verify width, anchor included); 0 for other lanes.
+    pub block_size: usize,
     /// Per draft position (slot 0 is the first draft): rounds that drafted it and rounds that accepted it, for
     /// the first [`TRACKED_POSITIONS`] positions.
     pub drafted_at: [u64; TRACKED_POSITIONS],
@@ -175,12 +210,12 @@ impl SpecStats {
 
     /// The `[spec-stats]` log line.
     pub fn log_line(&self) -> String {
-        let block = if self.block > 0 { format!(" block={}", self.block) } else { String::new() };
+        let block = if self.block_size > 0 { format!(" block={}", self.block_size) } else { String::new() };
         let per_position: Vec<String> = self.per_position().iter().map(|r| format!("{r:.2}")).collect();
         format!(
             "[spec-stats] mode={}{block} rounds={} drafted={} accepted={} accept_rate={:.3} tokens_per_round={:.2} \
              per_position=[{}] plain_steps={} gate_pauses={} policy={} widths=[{}] gated_steps={} draft_ms={:.2}",
-            self.mode,
+            self.lane,
             self.rounds,
             self.drafted,
             self.accepted,
@@ -233,16 +268,16 @@ pub struct SpecLane {
 
 impl SpecLane {
     /// A lane drafting at most `max_draft` tokens a round, widths chosen by `mode` against the engine's `costs`;
-    /// `block` is the verify width of block drafters (0 for others), for the stats.
+    /// `block_size` is the block size of block drafters (0 for others), for the stats.
     pub fn new(
         proposer: Box<dyn Proposer>,
         max_draft: usize,
-        block: usize,
+        block_size: usize,
         mode: PolicyMode,
         costs: SharedCosts,
     ) -> Self {
-        let stats = SpecStats { mode: proposer.name(), policy: mode, block, ..SpecStats::default() };
-        let policy = RoundPolicy::new(mode, proposer.name(), max_draft);
+        let stats = SpecStats { lane: proposer.kind(), policy: mode, block_size, ..SpecStats::default() };
+        let policy = RoundPolicy::new(mode, proposer.kind(), max_draft);
         SpecLane { proposer, policy, stats, costs, max_draft, round: RoundInFlight::default() }
     }
 
@@ -286,7 +321,7 @@ impl SpecLane {
         self.round.draft_ms = draft_ms;
         self.stats.draft_calls += 1;
         self.stats.draft_us += (draft_ms * 1e3) as u64;
-        self.costs.lock().observe_draft(self.stats.mode, draft_ms);
+        self.costs.lock().observe_draft(self.stats.lane, draft_ms);
         (proposal, draft_ms)
     }
 
@@ -337,8 +372,8 @@ mod tests {
     struct Echo(Vec<u32>);
 
     impl Proposer for Echo {
-        fn name(&self) -> &'static str {
-            "echo"
+        fn kind(&self) -> LaneKind {
+            LaneKind::Pld
         }
 
         fn propose(&mut self, _input: &ProposeInput, max: usize) -> Proposal {
@@ -348,7 +383,7 @@ mod tests {
 
     #[test]
     fn stats_track_acceptance_per_draft_position_and_widths() {
-        let mut stats = SpecStats { mode: "dflash", block: 4, ..SpecStats::default() };
+        let mut stats = SpecStats { lane: LaneKind::Dflash, block_size: 4, ..SpecStats::default() };
         stats.record_round(3, 3);
         stats.record_round(3, 1);
         stats.record_round(2, 0);

@@ -20,7 +20,7 @@ use dflash_models::mtp::MtpContext;
 use dflash_models::{ModelError, MtpHead, TargetHeads};
 use dflash_runtime::Tensor;
 
-use super::{Proposal, ProposeInput, Proposer};
+use super::{LaneKind, Proposal, ProposeInput, Proposer};
 use crate::sampler::{self, SamplingParams, TokenHistory};
 
 /// The deepest chain `auto` depth grows to unless `--mtp-depth` caps it.
@@ -125,8 +125,8 @@ impl MtpProposer {
 }
 
 impl Proposer for MtpProposer {
-    fn name(&self) -> &'static str {
-        "mtp"
+    fn kind(&self) -> LaneKind {
+        LaneKind::Mtp
     }
 
     fn propose(&mut self, input: &ProposeInput, max: usize) -> Proposal {

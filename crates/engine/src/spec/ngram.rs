@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use super::{Proposal, ProposeInput, Proposer};
+use super::{LaneKind, Proposal, ProposeInput, Proposer};
 
 /// Settings of the n-gram lane.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,8 +84,8 @@ impl NgramProposer {
 }
 
 impl Proposer for NgramProposer {
-    fn name(&self) -> &'static str {
-        "pld"
+    fn kind(&self) -> LaneKind {
+        LaneKind::Pld
     }
 
     fn propose(&mut self, input: &ProposeInput, max: usize) -> Proposal {

@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use super::{Proposal, ProposeInput, Proposer};
+use super::{LaneKind, Proposal, ProposeInput, Proposer};
 
 /// What the oracle lane of one request drafts from.
 #[derive(Clone, Debug, PartialEq)]
@@ -50,8 +50,8 @@ impl OracleProposer {
 }
 
 impl Proposer for OracleProposer {
-    fn name(&self) -> &'static str {
-        "oracle"
+    fn kind(&self) -> LaneKind {
+        LaneKind::Oracle
     }
 
     fn propose(&mut self, input: &ProposeInput, max: usize) -> Proposal {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use dflash_engine::spec::{DrafterConfig, MtpDepth, MtpLaneConfig, SpecStats};
 use dflash_engine::{Engine, EngineConfig, EngineMetrics, Event, Request};
-use dflash_models::dflash::{DraftConfig, DraftModel, DraftVocab, TargetSpec, VocabRanking};
+use dflash_models::dflash::{DraftConfig, DraftModel, DraftVocab, TargetShape, VocabRanking};
 use dflash_models::llama::load_model;
 use dflash_models::resolve::{ensure_default_model, ModelSource};
 use dflash_models::tokenizer::ChatMessage;
@@ -54,8 +54,7 @@ pub fn drafter_taps(dir: &Path) -> Vec<usize> {
 /// The drafter in `dir` for `m` (which captures its taps) at `block` (`None`: as trained), with the draft
 /// vocabulary the server uses by default: the ranking's recorded size, plus the end-of-sequence tokens.
 pub fn drafter(m: &Model, dir: &Path, block: Option<usize>) -> DrafterConfig {
-    let model = DraftModel::load(dir, &TargetSpec::of(m.model.config())).expect("drafter");
-    let block_size = model.clamp_block_size(block).expect("block size");
+    let model = DraftModel::load(dir, &TargetShape::of(m.model.config())).expect("drafter");
     let ranking = VocabRanking::read_dir(dir).expect("draft vocabulary");
     let draft_vocab = ranking.and_then(|r| {
         let n = r.default_size?;
@@ -65,7 +64,7 @@ pub fn drafter(m: &Model, dir: &Path, block: Option<usize>) -> DrafterConfig {
         let restricted = ids.len() < m.model.config().vocab_size;
         restricted.then(|| Arc::new(DraftVocab::gather(m.model.lm_head(), &ids).expect("draft vocabulary")))
     });
-    DrafterConfig { model: Arc::new(model), block_size, draft_vocab }
+    DrafterConfig::new(Arc::new(model), block, draft_vocab).expect("block size")
 }
 
 /// The MTP head in `dir` for the default model, drafting at `depth`.

@@ -49,7 +49,7 @@ struct PromptEntry {
 
 /// What a lane name asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum LaneKind {
+enum BenchLane {
     Plain,
     Pld,
     Dflash,
@@ -59,19 +59,19 @@ enum LaneKind {
 }
 
 /// A lane name's kind and the width policy its suffix asks for.
-fn lane_kind(lane: &str) -> Result<(LaneKind, Option<PolicyMode>)> {
+fn lane_kind(lane: &str) -> Result<(BenchLane, Option<PolicyMode>)> {
     let (name, policy) = match lane.rsplit_once('-') {
         Some((name, policy)) => (name, Some(policy.parse::<PolicyMode>()?)),
         None => (lane, None),
     };
     let kind = match name {
-        "plain" if policy.is_none() => LaneKind::Plain,
-        "pld" => LaneKind::Pld,
-        "dflash" => LaneKind::Dflash,
-        "mtp" => LaneKind::Mtp,
+        "plain" if policy.is_none() => BenchLane::Plain,
+        "pld" => BenchLane::Pld,
+        "dflash" => BenchLane::Dflash,
+        "mtp" => BenchLane::Mtp,
         oracle if oracle.starts_with("oracle") => match oracle["oracle".len()..].parse::<usize>() {
-            Ok(block) if (2..=MAX_ORACLE_BLOCK).contains(&block) => LaneKind::Oracle(block),
-            Err(_) if oracle == "oracle" => LaneKind::Oracle(8),
+            Ok(block) if (2..=MAX_ORACLE_BLOCK).contains(&block) => BenchLane::Oracle(block),
+            Err(_) if oracle == "oracle" => BenchLane::Oracle(8),
             _ => bail!("lane `{lane}`: oracleN takes a block N from 2 to {MAX_ORACLE_BLOCK}"),
         },
         _ => bail!(
@@ -89,9 +89,9 @@ struct Engines {
 }
 
 impl Engines {
-    fn for_lane(&mut self, kind: LaneKind) -> Result<&mut Engine> {
+    fn for_lane(&mut self, kind: BenchLane) -> Result<&mut Engine> {
         match kind {
-            LaneKind::Mtp => self.mtp.as_mut().context("no MTP engine"),
+            BenchLane::Mtp => self.mtp.as_mut().context("no MTP engine"),
             _ => Ok(&mut self.main),
         }
     }
@@ -99,9 +99,10 @@ impl Engines {
 
 pub fn run(model: &ModelArgs, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
     let entries = select(read_prompts(&args.prompts)?, args.per_group);
-    let parsed: Vec<(LaneKind, Option<PolicyMode>)> = args.lanes.iter().map(|l| lane_kind(l)).collect::<Result<_>>()?;
-    let kinds: Vec<LaneKind> = parsed.iter().map(|&(kind, _)| kind).collect();
-    if kinds.first() != Some(&LaneKind::Plain) {
+    let parsed: Vec<(BenchLane, Option<PolicyMode>)> =
+        args.lanes.iter().map(|l| lane_kind(l)).collect::<Result<_>>()?;
+    let kinds: Vec<BenchLane> = parsed.iter().map(|&(kind, _)| kind).collect();
+    if kinds.first() != Some(&BenchLane::Plain) {
         bail!("the first lane must be `plain`: the other lanes' tokens and speedups are checked against it");
     }
     let window = context_window(args.context, args.max_tokens);
@@ -128,7 +129,7 @@ pub fn run(model: &ModelArgs, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
                 let mut plain_ids = Vec::new();
                 for (lane, &(kind, policy)) in args.lanes.iter().zip(&parsed) {
                     let oracle = match kind {
-                        LaneKind::Oracle(block) => Some(OracleDraft {
+                        BenchLane::Oracle(block) => Some(OracleDraft {
                             continuation: Arc::new(plain_ids.clone()),
                             acceptance: args.oracle_acceptance.clone(),
                             max_draft: block - 1,
@@ -138,9 +139,10 @@ pub fn run(model: &ModelArgs, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
                         _ => None,
                     };
                     let engine = engines.for_lane(kind)?;
-                    let lane_spec = (lane.as_str(), kind, policy, oracle);
-                    let (usage, ttft_ms, ids) = run_one(engine, &prompt, lane_spec, sampling.clone(), args.max_tokens)?;
-                    if kind == LaneKind::Plain {
+                    let lane_choice = (lane.as_str(), kind, policy, oracle);
+                    let (usage, ttft_ms, ids) =
+                        run_one(engine, &prompt, lane_choice, sampling.clone(), args.max_tokens)?;
+                    if kind == BenchLane::Plain {
                         plain_ids = ids;
                     } else if ids != plain_ids && !(lossy && temperature > 0.0) {
                         bail!(
@@ -174,17 +176,22 @@ pub fn run(model: &ModelArgs, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
 }
 
 /// Opens the target once per engine the lanes need and probes each engine's round costs.
-fn engines(model: &ModelArgs, spec: &SpecArgs, kinds: &[LaneKind], window: usize) -> Result<(Engines, Arc<Tokenizer>)> {
+fn engines(
+    model: &ModelArgs,
+    spec: &SpecArgs,
+    kinds: &[BenchLane],
+    window: usize,
+) -> Result<(Engines, Arc<Tokenizer>)> {
     let main_spec =
         SpecArgs { mtp: crate::cli::MtpArgs { mtp: None, no_mtp: true, ..spec.mtp.clone() }, ..spec.clone() };
     let built = Startup::begin(model, &main_spec)?.build(engine_plan(spec, window)?, metrics())?;
     let (mut main, tokenizer) = (built.engine, built.tokenizer);
-    if kinds.contains(&LaneKind::Dflash) && !main.has_drafter() {
+    if kinds.contains(&BenchLane::Dflash) && !main.has_drafter() {
         bail!("the dflash lane needs a drafter: --drafter DIR (the default model has one shipped)");
     }
     main.widen_rounds(oracle_rows(kinds));
     main.probe_round_costs()?;
-    let mtp = if kinds.contains(&LaneKind::Mtp) {
+    let mtp = if kinds.contains(&BenchLane::Mtp) {
         let mut e =
             Startup::begin(model, &mtp_spec(model, spec)?)?.build(engine_plan(spec, window)?, metrics())?.engine;
         e.probe_round_costs()?;
@@ -200,12 +207,12 @@ fn engines(model: &ModelArgs, spec: &SpecArgs, kinds: &[LaneKind], window: usize
 fn random_engine(
     model: &ModelArgs,
     spec: &SpecArgs,
-    kinds: &[LaneKind],
+    kinds: &[BenchLane],
     window: usize,
     layers: usize,
     tokenizer_dir: &Path,
 ) -> Result<(Engines, Arc<Tokenizer>)> {
-    if let Some(k) = kinds.iter().find(|k| matches!(k, LaneKind::Dflash | LaneKind::Mtp)) {
+    if let Some(k) = kinds.iter().find(|k| matches!(k, BenchLane::Dflash | BenchLane::Mtp)) {
         bail!("--random-hybrid: the {k:?} lane needs a drafter trained for the target; use plain, pld and oracleN");
     }
     crate::setup::process_state(model);
@@ -246,8 +253,8 @@ fn random_engine(
 }
 
 /// The widest verify an oracle lane asks for (1 without oracle lanes).
-fn oracle_rows(kinds: &[LaneKind]) -> usize {
-    kinds.iter().map(|k| if let LaneKind::Oracle(block) = k { *block } else { 1 }).max().unwrap_or(1)
+fn oracle_rows(kinds: &[BenchLane]) -> usize {
+    kinds.iter().map(|k| if let BenchLane::Oracle(block) = k { *block } else { 1 }).max().unwrap_or(1)
 }
 
 /// The speculation flags of the MTP engine: the head `--mtp` names (the default model's shipped head when none is
@@ -382,7 +389,7 @@ impl EventSink for UsageProbe {
 fn run_one(
     engine: &mut Engine,
     prompt: &[u32],
-    (lane, kind, spec_policy, oracle): (&str, LaneKind, Option<PolicyMode>, Option<OracleDraft>),
+    (lane, kind, spec_policy, oracle): (&str, BenchLane, Option<PolicyMode>, Option<OracleDraft>),
     sampling: SamplingParams,
     max_tokens: usize,
 ) -> Result<(Usage, f64, Vec<u32>)> {
@@ -397,8 +404,8 @@ fn run_one(
         ignore_eos: false,
         // plain forces every lane off; pld follows the engine's setting, prompt gate included, as served; dflash
         // and mtp draft with the engine's drafter or head; the oracle lane replaces them all.
-        enable_pld: (kind != LaneKind::Pld).then_some(false),
-        enable_drafter: Some(matches!(kind, LaneKind::Dflash | LaneKind::Mtp)),
+        enable_pld: (kind != BenchLane::Pld).then_some(false),
+        enable_drafter: Some(matches!(kind, BenchLane::Dflash | BenchLane::Mtp)),
         spec_policy,
         cache_prompt: false,
         oracle,
@@ -423,11 +430,11 @@ mod tests {
 
     #[test]
     fn lane_names_take_a_policy_suffix_except_plain() {
-        assert_eq!(lane_kind("plain").expect("plain"), (LaneKind::Plain, None));
-        assert_eq!(lane_kind("mtp-fixed").expect("mtp"), (LaneKind::Mtp, Some(PolicyMode::Fixed)));
-        assert_eq!(lane_kind("dflash-adaptive").expect("dflash"), (LaneKind::Dflash, Some(PolicyMode::Adaptive)));
-        assert_eq!(lane_kind("oracle4-fixed").expect("oracle"), (LaneKind::Oracle(4), Some(PolicyMode::Fixed)));
-        assert_eq!(lane_kind("oracle").expect("oracle"), (LaneKind::Oracle(8), None));
+        assert_eq!(lane_kind("plain").expect("plain"), (BenchLane::Plain, None));
+        assert_eq!(lane_kind("mtp-fixed").expect("mtp"), (BenchLane::Mtp, Some(PolicyMode::Fixed)));
+        assert_eq!(lane_kind("dflash-adaptive").expect("dflash"), (BenchLane::Dflash, Some(PolicyMode::Adaptive)));
+        assert_eq!(lane_kind("oracle4-fixed").expect("oracle"), (BenchLane::Oracle(4), Some(PolicyMode::Fixed)));
+        assert_eq!(lane_kind("oracle").expect("oracle"), (BenchLane::Oracle(8), None));
         assert!(lane_kind("oracle1").is_err() && lane_kind("oraclex").is_err() && lane_kind("oracle17").is_err());
         assert!(lane_kind("plain-fixed").is_err());
         assert!(lane_kind("eagle").is_err());

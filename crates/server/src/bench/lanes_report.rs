@@ -85,7 +85,7 @@ pub fn write_json(dir: &Path, results: &[RunResult]) -> Result<PathBuf> {
                 "group": r.group, "prompt": r.prompt, "temperature": r.temperature, "lane": r.lane,
                 "prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens,
                 "ttft_ms": r.ttft_ms, "prefill_tok_s": r.prefill_tok_s(), "decode_tok_s": r.decode_tok_s(),
-                "mode": s.mode, "rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted,
+                "mode": s.lane.as_str(), "rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted,
                 "accept_rate": s.accept_rate(), "tokens_per_round": s.tokens_per_round(),
                 "tokens_per_step": tokens_per_step(&s), "policy": s.policy.as_str(), "widths": s.widths,
                 "drafted_at": s.drafted_at, "accepted_at": s.accepted_at,

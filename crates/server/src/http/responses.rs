@@ -120,7 +120,7 @@ impl From<&Usage> for UsageOut {
             total_tokens: usage.prompt_tokens + usage.completion_tokens,
             prompt_tokens_details: PromptTokensDetails { cached_tokens: usage.cached_tokens },
             spec: usage.spec.as_deref().map(|s| SpecUsage {
-                mode: s.mode,
+                mode: s.lane.as_str(),
                 policy: s.policy.as_str(),
                 rounds: s.rounds,
                 drafted: s.drafted,
@@ -278,6 +278,7 @@ pub(crate) struct ModelCard<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use dflash_engine::spec::LaneKind;
 
     #[test]
     fn ids_are_prefixed_and_distinct() {
@@ -307,7 +308,7 @@ mod tests {
 
     #[test]
     fn usage_spec_reports_the_policy_widths_and_positions() {
-        let mut spec = dflash_engine::spec::SpecStats { mode: "dflash2", ..Default::default() };
+        let mut spec = dflash_engine::spec::SpecStats { lane: LaneKind::Dflash2, ..Default::default() };
         spec.record_round(3, 1);
         spec.record_width(4);
         spec.record_width(1);

@@ -90,7 +90,7 @@ impl Engine {
         if let RoundPlan::Plain = policy.plan(&self.costs, self.context, cap) {
             return (1, 1, self.step(1));
         }
-        self.costs.observe_draft("oracle", DRAFT_MS);
+        self.costs.observe_draft(LaneKind::Oracle, DRAFT_MS);
         let keep = policy.choose(&self.costs, self.context, cap, None, DRAFT_MS);
         if keep == 0 {
             return (1, 1, DRAFT_MS + self.step(1));
@@ -105,7 +105,7 @@ impl Engine {
     /// Prompt `prompt` (keyed `key`) on lane `lane`: the prompt's pass gives the first token, rounds the rest.
     fn request(&mut self, lane: usize, prompt: usize, key: u64) {
         let (mode, max_drafts) = LANES[lane];
-        let mut policy = RoundPolicy::new(mode, "oracle", max_drafts);
+        let mut policy = RoundPolicy::new(mode, LaneKind::Oracle, max_drafts);
         let (mut generated, mut ms) = (1, 0.0);
         while generated < MAX_TOKENS {
             let cap = max_drafts.min(MAX_TOKENS - generated - 1);

@@ -15,6 +15,7 @@
 use std::fmt::Write;
 
 use super::acceptance::PositionAcceptance;
+use crate::spec::LaneKind;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 /// Upper bounds (exclusive, in tokens of context) of the context buckets; the last one is open.
@@ -44,13 +45,13 @@ pub struct CostTable {
     /// Per context bucket; `None` until measured.
     buckets: Vec<Option<Bucket>>,
     /// Per lane kind: ms of a drafting call (moving average) and how many were measured.
-    lanes: Vec<LaneKind>,
+    lanes: Vec<LaneRecord>,
 }
 
 /// What the engine knows of one lane kind across its sequences.
 #[derive(Clone, Debug, PartialEq)]
-struct LaneKind {
-    name: &'static str,
+struct LaneRecord {
+    kind: LaneKind,
     /// Moving average of a drafting call (ms), and how many were measured.
     draft_ms: f64,
     draft_samples: u64,
@@ -196,7 +197,7 @@ impl CostTable {
     }
 
     /// Feeds a drafting call of lane kind `lane` that took `ms`.
-    pub fn observe_draft(&mut self, lane: &'static str, ms: f64) {
+    pub fn observe_draft(&mut self, lane: LaneKind, ms: f64) {
         if !(ms.is_finite() && ms >= 0.0) {
             return;
         }
@@ -210,36 +211,36 @@ impl CostTable {
     }
 
     /// Expected ms of a drafting call of lane kind `lane` (0 until one was measured).
-    pub fn draft_cost(&self, lane: &str) -> f64 {
+    pub fn draft_cost(&self, lane: LaneKind) -> f64 {
         self.lane(lane).map_or(0.0, |k| k.draft_ms)
     }
 
     /// Drafting costs by lane kind (ms), of the kinds that drafted.
-    pub fn draft_costs(&self) -> Vec<(&'static str, f64)> {
-        self.lanes.iter().filter(|k| k.draft_samples > 0).map(|k| (k.name, k.draft_ms)).collect()
+    pub fn draft_costs(&self) -> Vec<(LaneKind, f64)> {
+        self.lanes.iter().filter(|k| k.draft_samples > 0).map(|k| (k.kind, k.draft_ms)).collect()
     }
 
     /// Feeds a verified round of lane kind `lane` (any sequence's) that drafted `drafted` and accepted `accepted`.
-    pub fn observe_acceptance(&mut self, lane: &'static str, drafted: usize, accepted: usize) {
+    pub fn observe_acceptance(&mut self, lane: LaneKind, drafted: usize, accepted: usize) {
         self.lane_mut(lane).acceptance.record(drafted, accepted);
     }
 
     /// The typical conditional acceptance of lane kind `lane`'s first `n` draft positions on this engine; `None`
     /// before any of its rounds was verified.
-    pub fn typical_acceptance(&self, lane: &str, n: usize) -> Option<Vec<f64>> {
+    pub fn typical_acceptance(&self, lane: LaneKind, n: usize) -> Option<Vec<f64>> {
         self.lane(lane).filter(|k| k.acceptance.is_observed()).map(|k| k.acceptance.conditionals(n, None))
     }
 
-    fn lane(&self, lane: &str) -> Option<&LaneKind> {
-        self.lanes.iter().find(|k| k.name == lane)
+    fn lane(&self, lane: LaneKind) -> Option<&LaneRecord> {
+        self.lanes.iter().find(|k| k.kind == lane)
     }
 
-    fn lane_mut(&mut self, lane: &'static str) -> &mut LaneKind {
-        let index = match self.lanes.iter().position(|k| k.name == lane) {
+    fn lane_mut(&mut self, lane: LaneKind) -> &mut LaneRecord {
+        let index = match self.lanes.iter().position(|k| k.kind == lane) {
             Some(index) => index,
             None => {
                 let acceptance = PositionAcceptance::typical(self.max_rows().saturating_sub(1));
-                self.lanes.push(LaneKind { name: lane, draft_ms: 0.0, draft_samples: 0, acceptance });
+                self.lanes.push(LaneRecord { kind: lane, draft_ms: 0.0, draft_samples: 0, acceptance });
                 self.lanes.len() - 1
             }
         };
@@ -287,7 +288,7 @@ impl CostTable {
         for kind in self.lanes.iter().filter(|k| k.acceptance.is_observed()) {
             let typical = kind.acceptance.conditionals(kind.acceptance.len(), None);
             let shown: Vec<String> = typical.iter().map(|p| format!("{p:.2}")).collect();
-            let _ = write!(out, " accept[{}]={}", kind.name, shown.join(","));
+            let _ = write!(out, " accept[{}]={}", kind.kind, shown.join(","));
         }
         out
     }
@@ -451,32 +452,32 @@ mod tests {
     #[test]
     fn drafting_costs_are_kept_per_lane_kind() {
         let mut t = CostTable::new(2);
-        assert_eq!(t.draft_cost("dflash2"), 0.0);
+        assert_eq!(t.draft_cost(LaneKind::Dflash2), 0.0);
         for _ in 0..4 {
-            t.observe_draft("dflash2", 6.0);
+            t.observe_draft(LaneKind::Dflash2, 6.0);
         }
-        t.observe_draft("pld", 0.01);
-        assert!((t.draft_cost("dflash2") - 6.0).abs() < 1e-9);
-        t.observe_draft("dflash2", 600.0);
-        assert!(t.draft_cost("dflash2") < 6.5, "clamped: {}", t.draft_cost("dflash2"));
-        assert!((t.draft_cost("pld") - 0.01).abs() < 1e-9);
+        t.observe_draft(LaneKind::Pld, 0.01);
+        assert!((t.draft_cost(LaneKind::Dflash2) - 6.0).abs() < 1e-9);
+        t.observe_draft(LaneKind::Dflash2, 600.0);
+        assert!(t.draft_cost(LaneKind::Dflash2) < 6.5, "clamped: {}", t.draft_cost(LaneKind::Dflash2));
+        assert!((t.draft_cost(LaneKind::Pld) - 0.01).abs() < 1e-9);
     }
 
     #[test]
     fn typical_acceptance_is_kept_per_lane_kind() {
         let mut t = CostTable::new(4);
-        assert_eq!(t.typical_acceptance("pld", 3), None, "unknown before a verified round");
-        t.observe_draft("pld", 0.01);
-        assert_eq!(t.typical_acceptance("pld", 3), None, "drafting alone says nothing of acceptance");
+        assert_eq!(t.typical_acceptance(LaneKind::Pld, 3), None, "unknown before a verified round");
+        t.observe_draft(LaneKind::Pld, 0.01);
+        assert_eq!(t.typical_acceptance(LaneKind::Pld, 3), None, "drafting alone says nothing of acceptance");
         for _ in 0..100 {
-            t.observe_acceptance("pld", 3, 3);
-            t.observe_acceptance("dflash2", 3, 0);
+            t.observe_acceptance(LaneKind::Pld, 3, 3);
+            t.observe_acceptance(LaneKind::Dflash2, 3, 0);
         }
-        let pld = t.typical_acceptance("pld", 3).expect("observed");
-        let dflash = t.typical_acceptance("dflash2", 3).expect("observed");
+        let pld = t.typical_acceptance(LaneKind::Pld, 3).expect("observed");
+        let dflash = t.typical_acceptance(LaneKind::Dflash2, 3).expect("observed");
         assert!(pld.iter().all(|&p| p > 0.95), "{pld:?}");
         assert!(dflash[0] < 0.05, "{dflash:?}");
-        assert_eq!(t.draft_costs(), vec![("pld", 0.01)], "kinds that never drafted have no drafting cost");
+        assert_eq!(t.draft_costs(), vec![(LaneKind::Pld, 0.01)], "kinds that never drafted have no drafting cost");
         assert!(
             t.summary().ends_with("draft[pld]=0.01 accept[pld]=1.00,1.00,1.00 accept[dflash2]=0.01,0.01,0.01"),
             "{}",
@@ -489,7 +490,7 @@ mod tests {
         let mut t = CostTable::new(2);
         t.seed(&[4.0, 5.0]);
         t.observe(0, 2, 5.0);
-        t.observe_draft("dflash2", 3.0);
+        t.observe_draft(LaneKind::Dflash2, 3.0);
         assert_eq!(t.summary(), "[round-costs] probed=true ctx<1024: 1=4.00 2=5.00* draft[dflash2]=3.00");
         let views = t.buckets();
         assert_eq!(views.len(), 1);

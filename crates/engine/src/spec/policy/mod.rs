@@ -27,6 +27,8 @@ use std::str::FromStr;
 
 use dflash_runtime::{ops, Tensor};
 
+use super::LaneKind;
+
 pub use acceptance::{ConfidenceCalibration, PositionAcceptance};
 pub use backoff::{Backoff, Spacing};
 pub use choice::{choose_rows, expected_tokens};
@@ -100,12 +102,12 @@ pub struct RoundPolicy {
     /// catch up while the drafts keep landing, and a trial on text where drafts miss ends at the first miss.
     trial: bool,
     /// The lane kind, whose drafting cost and typical acceptance the engine's table keeps.
-    lane: &'static str,
+    lane: LaneKind,
 }
 
 impl RoundPolicy {
-    /// A policy for a lane of kind `lane` (`pld`, `dflash2`, ...) drafting at most `max_drafts` per round.
-    pub fn new(mode: PolicyMode, lane: &'static str, max_drafts: usize) -> Self {
+    /// A policy for a lane of kind `lane` drafting at most `max_drafts` per round.
+    pub fn new(mode: PolicyMode, lane: LaneKind, max_drafts: usize) -> Self {
         RoundPolicy {
             mode,
             positions: PositionAcceptance::new(max_drafts),

@@ -58,7 +58,7 @@ impl Sim {
         let mut costs = CostTable::new(drafts + 1);
         costs.seed(probe);
         Sim {
-            policy: RoundPolicy::new(mode, "sim", drafts),
+            policy: RoundPolicy::new(mode, LaneKind::Oracle, drafts),
             costs,
             rng: Rng(7),
             drafts,
@@ -83,7 +83,7 @@ impl Sim {
             self.step(1, 1, 0.0);
             return 1;
         }
-        self.costs.observe_draft("sim", self.draft_ms);
+        self.costs.observe_draft(LaneKind::Oracle, self.draft_ms);
         let confidence = drafts.confidence.as_deref();
         let keep = self.policy.choose(&self.costs, context, self.drafts, confidence, self.draft_ms);
         if keep == 0 {
@@ -245,7 +245,7 @@ fn serve_requests(
     let drafted = Drafts { confidence: None, accept: accept[..drafts].to_vec() };
     let mut hist = [0usize; 9];
     for _ in 0..24 {
-        sim.policy = RoundPolicy::new(mode, "sim", drafts);
+        sim.policy = RoundPolicy::new(mode, LaneKind::Oracle, drafts);
         let end = sim.tokens + 128.0;
         while sim.tokens < end {
             hist[sim.round_with(&drafted)] += 1;
