@@ -27,7 +27,7 @@ pub mod weights;
 pub use batch::{ForwardBatch, ForwardOut, KvCache, SeqRows};
 pub use checkpoint::{Checkpoint, GenerationDefaults, LoadOptions, ModelInfo};
 pub use config::ModelConfig;
-pub use dflash::{DraftModel, DrafterContext, TargetSpec};
+pub use dflash::{DraftModel, DrafterContext, TargetShape};
 pub use error::ModelError;
 pub use family::{open_target, CachePlan, Device, Family, OpenedTarget, TargetOptions};
 pub use mtp::{MtpContext, MtpHead};

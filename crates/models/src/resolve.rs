@@ -85,14 +85,14 @@ pub fn default_model_path() -> PathBuf {
 /// `HF_ENDPOINT` and `HF_TOKEN`); `None` means the default model ([`ensure_default_model`]).
 ///
 /// # Errors
-/// One [`ResolveError`] saying what is wrong with `spec` and what to pass instead.
-pub fn resolve_model(spec: Option<&str>) -> Result<ModelSource, ResolveError> {
-    let Some(spec) = spec else {
+/// One [`ResolveError`] saying what is wrong with `model` and what to pass instead.
+pub fn resolve_model(model: Option<&str>) -> Result<ModelSource, ResolveError> {
+    let Some(model) = model else {
         return ensure_default_model().map(ModelSource::GgufFile);
     };
-    match classify(spec)? {
-        Spec::Local(source) => Ok(source),
-        Spec::Repo(repo) => {
+    match classify(model)? {
+        ModelArg::Local(source) => Ok(source),
+        ModelArg::Repo(repo) => {
             let options = hub::HubOptions::from_vars(|name| std::env::var(name).ok());
             hub::download_repo(&repo, &options).map(ModelSource::HfDir)
         }
@@ -101,40 +101,40 @@ pub fn resolve_model(spec: Option<&str>) -> Result<ModelSource, ResolveError> {
 
 /// What a `--model` string names.
 #[derive(Debug, PartialEq, Eq)]
-enum Spec {
+enum ModelArg {
     Local(ModelSource),
     Repo(String),
 }
 
-fn classify(spec: &str) -> Result<Spec, ResolveError> {
-    let path = Path::new(spec);
+fn classify(arg: &str) -> Result<ModelArg, ResolveError> {
+    let path = Path::new(arg);
     if path.is_dir() {
         if path.join("config.json").is_file() {
-            return Ok(Spec::Local(ModelSource::HfDir(path.to_path_buf())));
+            return Ok(ModelArg::Local(ModelSource::HfDir(path.to_path_buf())));
         }
         return Err(ResolveError::NotAModelDir { path: path.to_path_buf() });
     }
     if path.is_file() {
         if has_gguf_magic(path)? {
-            return Ok(Spec::Local(ModelSource::GgufFile(path.to_path_buf())));
+            return Ok(ModelArg::Local(ModelSource::GgufFile(path.to_path_buf())));
         }
         return Err(ResolveError::NotGguf { path: path.to_path_buf() });
     }
-    if is_repo_id(spec) {
-        return Ok(Spec::Repo(spec.to_string()));
+    if is_repo_id(arg) {
+        return Ok(ModelArg::Repo(arg.to_string()));
     }
     Err(ResolveError::NotFound { path: path.to_path_buf() })
 }
 
 /// `org/name` with the Hub's characters, and not something that is plainly a file path.
-fn is_repo_id(spec: &str) -> bool {
+fn is_repo_id(arg: &str) -> bool {
     let valid_part = |part: &str| {
         !part.is_empty()
             && !part.starts_with(['.', '-'])
             && part.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
     };
-    let looks_like_file = [".gguf", ".safetensors", ".json", ".bin"].iter().any(|ext| spec.ends_with(ext));
-    match spec.split_once('/') {
+    let looks_like_file = [".gguf", ".safetensors", ".json", ".bin"].iter().any(|ext| arg.ends_with(ext));
+    match arg.split_once('/') {
         Some((org, name)) => valid_part(org) && valid_part(name) && !looks_like_file,
         None => false,
     }
@@ -168,28 +168,28 @@ mod tests {
         std::fs::write(model_dir.join("config.json"), "{}").expect("write");
         let gguf = tmp.path().join("m.gguf");
         std::fs::write(&gguf, b"GGUF\x03\x00\x00\x00").expect("write");
-        let spec = |p: &Path| classify(p.to_str().expect("utf-8 path"));
+        let classify_path = |p: &Path| classify(p.to_str().expect("utf-8 path"));
 
-        assert_eq!(spec(&model_dir).expect("dir"), Spec::Local(ModelSource::HfDir(model_dir.clone())));
-        assert_eq!(spec(&gguf).expect("gguf"), Spec::Local(ModelSource::GgufFile(gguf.clone())));
+        assert_eq!(classify_path(&model_dir).expect("dir"), ModelArg::Local(ModelSource::HfDir(model_dir.clone())));
+        assert_eq!(classify_path(&gguf).expect("gguf"), ModelArg::Local(ModelSource::GgufFile(gguf.clone())));
         assert_eq!(
             classify("HuggingFaceTB/SmolLM2-135M").expect("repo"),
-            Spec::Repo("HuggingFaceTB/SmolLM2-135M".into())
+            ModelArg::Repo("HuggingFaceTB/SmolLM2-135M".into())
         );
 
-        let err = spec(tmp.path()).expect_err("dir without config.json");
+        let err = classify_path(tmp.path()).expect_err("dir without config.json");
         assert!(matches!(err, ResolveError::NotAModelDir { .. }));
         assert!(err.to_string().contains(&tmp.path().display().to_string()));
 
         let not_gguf = tmp.path().join("weights.bin");
         std::fs::write(&not_gguf, b"PK\x03\x04 not a gguf").expect("write");
-        assert!(matches!(spec(&not_gguf), Err(ResolveError::NotGguf { .. })));
+        assert!(matches!(classify_path(&not_gguf), Err(ResolveError::NotGguf { .. })));
         let short = tmp.path().join("short.gguf");
         std::fs::write(&short, b"GG").expect("write");
-        assert!(matches!(spec(&short), Err(ResolveError::NotGguf { .. })));
+        assert!(matches!(classify_path(&short), Err(ResolveError::NotGguf { .. })));
 
         let missing = tmp.path().join("nope").join("model.gguf");
-        let err = spec(&missing).expect_err("missing path");
+        let err = classify_path(&missing).expect_err("missing path");
         let msg = err.to_string();
         assert!(matches!(err, ResolveError::NotFound { .. }));
         assert!(msg.contains(&missing.display().to_string()) && msg.contains("org/name"), "{msg}");

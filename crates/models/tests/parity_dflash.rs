@@ -16,7 +16,7 @@ use common::{assert_close, fixtures, read_golden, run_sequence, Golden};
 use dflash_models::config::ModelConfig;
 use dflash_models::dflash::{
     BlockRequest, BlockTrace, CaptureLayout, DraftKind, DraftModel, DraftProbs, DraftSampling, DrafterContext,
-    InverseCdf, SamplingFilter, TargetSpec, WalkMode,
+    InverseCdf, SamplingFilter, TargetShape, WalkMode,
 };
 use dflash_models::llama::load_hf_weights;
 use dflash_models::llama::LlamaModel;
@@ -30,9 +30,9 @@ const ROUNDS: usize = 3;
 const V1_FILTER: SamplingFilter = SamplingFilter { temperature: 0.7, top_k: 20, top_p: 0.9 };
 const V2_TEMPERATURE: f32 = 0.8;
 
-fn target_spec() -> TargetSpec {
+fn target_spec() -> TargetShape {
     let json = read_json(&fixtures().join("tiny-qwen3/config.json")).expect("target config");
-    TargetSpec::of(&ModelConfig::from_hf(&json).expect("target config parses"))
+    TargetShape::of(&ModelConfig::from_hf(&json).expect("target config parses"))
 }
 
 fn load_pair(name: &str) -> (DraftModel, LlamaModel, HashMap<String, Golden>) {
@@ -219,7 +219,7 @@ fn edited_checkpoint(
     dir
 }
 
-fn load_err(dir: &Path, target: &TargetSpec) -> String {
+fn load_err(dir: &Path, target: &TargetShape) -> String {
     DraftModel::load(dir, target).expect_err("load must fail").to_string()
 }
 
@@ -255,7 +255,7 @@ fn strict_loader_names_the_tensor() {
     });
     let err = load_err(concat.path(), &spec);
     assert!(err.contains("2 hyper-connection streams"), "{err}");
-    let two_streams = TargetSpec { residual_streams: 2, ..spec.clone() };
+    let two_streams = TargetShape { residual_streams: 2, ..spec.clone() };
     let model = DraftModel::load(concat.path(), &two_streams).expect("a two-stream target fits");
     assert_eq!(model.capture_layout(), CaptureLayout::StreamConcat { streams: 2 });
 }
@@ -264,13 +264,13 @@ fn strict_loader_names_the_tensor() {
 fn drafters_are_checked_against_the_target() {
     let spec = target_spec();
     let dir = fixtures().join("dflash-v1");
-    let err = load_err(&dir, &TargetSpec { hidden_size: 32, ..spec.clone() });
+    let err = load_err(&dir, &TargetShape { hidden_size: 32, ..spec.clone() });
     assert!(err.contains("hidden_size"), "{err}");
-    let err = load_err(&dir, &TargetSpec { vocab_size: 200, ..spec.clone() });
+    let err = load_err(&dir, &TargetShape { vocab_size: 200, ..spec.clone() });
     assert!(err.contains("mask_token_id 250"), "{err}");
-    let err = load_err(&fixtures().join("dflash-v2"), &TargetSpec { vocab_size: 300, ..spec.clone() });
+    let err = load_err(&fixtures().join("dflash-v2"), &TargetShape { vocab_size: 300, ..spec.clone() });
     assert!(err.contains("vocab_size"), "{err}");
-    let err = load_err(&dir, &TargetSpec { num_layers: 1, ..spec.clone() });
+    let err = load_err(&dir, &TargetShape { num_layers: 1, ..spec.clone() });
     assert!(err.contains("layer 1"), "{err}");
     let model = DraftModel::load(&dir, &spec).expect("load");
     assert_eq!(model.block_size(), 8);
@@ -285,7 +285,7 @@ fn stream_mean_targets_reduce_to_the_plain_context() {
     let spec = target_spec();
     let dir = fixtures().join("dflash-v1");
     let plain = DraftModel::load(&dir, &spec).expect("plain");
-    let pooled = DraftModel::load(&dir, &TargetSpec { residual_streams: 3, ..spec }).expect("pooled");
+    let pooled = DraftModel::load(&dir, &TargetShape { residual_streams: 3, ..spec }).expect("pooled");
     assert_eq!(pooled.capture_layout(), CaptureLayout::StreamMean { streams: 3 });
     let g = read_golden(&dir.join("golden.safetensors"));
     let taps = &g["r0.ctx_taps"];

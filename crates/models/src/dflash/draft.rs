@@ -201,7 +201,7 @@ fn sample_dense(
 mod tests {
     use super::*;
     use crate::checkpoint::LoadOptions;
-    use crate::dflash::{BlockRequest, DraftVocab, InverseCdf, TargetSpec};
+    use crate::dflash::{BlockRequest, DraftVocab, InverseCdf, TargetShape};
     use crate::llama::load_hf_weights;
     use crate::llama::LlamaModel;
     use std::path::{Path, PathBuf};
@@ -213,9 +213,9 @@ mod tests {
     /// A fixture drafter over the tiny Qwen3 target, its context holding 10 positions of made-up captured rows.
     fn drafter_with_context(name: &str) -> (DraftModel, LlamaModel, DrafterContext) {
         let target = load_hf_weights(&fixture("tiny-qwen3"), &LoadOptions::default()).expect("target");
-        let spec = TargetSpec::of(target.config());
-        let model = DraftModel::load(&fixture(name), &spec).expect("drafter");
-        let width = model.target_layer_ids().len() * spec.hidden_size;
+        let shape = TargetShape::of(target.config());
+        let model = DraftModel::load(&fixture(name), &shape).expect("drafter");
+        let width = model.target_layer_ids().len() * shape.hidden_size;
         let taps: Vec<f32> = (0..10 * width).map(|i| ((i * 53 % 97) as f32 - 48.0) / 24.0).collect();
         let mut ctx = model.new_context().expect("context");
         model.append_context(&mut ctx, 0, &taps).expect("append");

@@ -10,7 +10,7 @@
 //! # Decode-side contract (what the engine does)
 //!
 //! ```text
-//! load:    model  = DraftModel::load(dir, &TargetSpec::of(target.config()))
+//! load:    model  = DraftModel::load(dir, &TargetShape::of(target.config()))
 //!          target = LlamaModel::load(cfg, store, model.target_layer_ids())      // capture the taps
 //!          vocab  = DraftVocab::gather(target.lm_head(), &ranking.select(n, eos))   // optional draft vocabulary
 //! admit:   ctx    = model.new_context()                                          // one per sequence
@@ -43,7 +43,7 @@ mod draft;
 mod forward;
 mod sampling;
 mod selector;
-mod target;
+mod target_shape;
 mod vocab;
 mod weights;
 
@@ -61,7 +61,7 @@ pub use draft::{Draft, DraftProbs, DraftSampling};
 pub use forward::{BlockOutput, BlockRequest, BlockTrace, LayerTrace};
 pub use sampling::{filtered_probs, inverse_cdf, Draw, InverseCdf, SamplingFilter};
 pub use selector::{CandidateSelector, Candidates, Walk, WalkMode};
-pub use target::{CaptureLayout, TargetSpec};
+pub use target_shape::{CaptureLayout, TargetShape};
 pub use vocab::{target_id, DraftHead, DraftVocab, VocabRanking, DRAFT_VOCAB_FILE};
 
 use weights::DraftWeights;
@@ -70,7 +70,7 @@ use weights::DraftWeights;
 #[derive(Debug)]
 pub struct DraftModel {
     cfg: DraftConfig,
-    target: TargetSpec,
+    target: TargetShape,
     weights: DraftWeights,
     /// The drafter's own RoPE (neox layout, its own theta and scaling), applied to block and context rows.
     rope: RopeTable,
@@ -85,7 +85,7 @@ impl DraftModel {
     /// drafter that does not fit the target (hidden sizes, vocabulary, taps, `fc` input width, mask token); any
     /// tensor missing, misshapen or unexpected (named); features this crate does not implement
     /// (`mask_embedding.pt`, reduced drafter vocabularies).
-    pub fn load(dir: &Path, target: &TargetSpec) -> Result<Self> {
+    pub fn load(dir: &Path, target: &TargetShape) -> Result<Self> {
         let json = read_json(&dir.join("config.json"))?;
         let cfg = DraftConfig::from_json(&json)?;
         if dir.join("mask_embedding.pt").exists() {
@@ -102,8 +102,8 @@ impl DraftModel {
     ///
     /// # Errors
     /// As [`DraftModel::load`], except for the unused-tensor check.
-    pub fn from_store(cfg: DraftConfig, target: &TargetSpec, store: &mut WeightStore) -> Result<Self> {
-        target::check_pairing(&cfg, target)?;
+    pub fn from_store(cfg: DraftConfig, target: &TargetShape, store: &mut WeightStore) -> Result<Self> {
+        target_shape::check_pairing(&cfg, target)?;
         let weights = DraftWeights::load(&cfg, target, store)?;
         let b = &cfg.backbone;
         let rope = RopeTable::new(b.head_dim, b.rope_theta, &b.rope_scaling, RopeStyle::Neox)?;
@@ -141,7 +141,7 @@ impl DraftModel {
     }
 
     /// The target this drafter was checked against.
-    pub fn target(&self) -> &TargetSpec {
+    pub fn target(&self) -> &TargetShape {
         &self.target
     }
 

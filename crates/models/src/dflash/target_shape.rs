@@ -7,7 +7,7 @@ use super::config::{DraftConfig, DraftKind};
 
 /// The target facts a drafter is checked against.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TargetSpec {
+pub struct TargetShape {
     /// Width of the target's residual stream (`Ht`) and of its embedding / LM head rows.
     pub hidden_size: usize,
     /// Rows of the target's embedding table and LM head.
@@ -19,10 +19,10 @@ pub struct TargetSpec {
     pub residual_streams: usize,
 }
 
-impl TargetSpec {
-    /// The spec of a Llama / Qwen3 target (one residual stream).
+impl TargetShape {
+    /// The shape of a Llama / Qwen3 target (one residual stream).
     pub fn of(cfg: &ModelConfig) -> Self {
-        TargetSpec {
+        TargetShape {
             hidden_size: cfg.hidden_size,
             vocab_size: cfg.vocab_size,
             num_layers: cfg.num_layers,
@@ -54,7 +54,7 @@ impl CaptureLayout {
     /// # Errors
     /// `Config` explaining the mismatch: a width that is no multiple of `taps × hidden`, or one that implies a
     /// number of hyper-connection streams other than the target's.
-    pub fn from_fc_width(fc_in: usize, taps: usize, target: &TargetSpec) -> Result<Self> {
+    pub fn from_fc_width(fc_in: usize, taps: usize, target: &TargetShape) -> Result<Self> {
         let per_stream = taps * target.hidden_size;
         let streams = target.residual_streams;
         if fc_in == per_stream {
@@ -112,7 +112,7 @@ impl CaptureLayout {
 /// # Errors
 /// `Config` naming the mismatch: hidden sizes, vocabulary (DFlash2), taps outside the target, a mask token
 /// outside the target's embedding table.
-pub(crate) fn check_pairing(cfg: &DraftConfig, target: &TargetSpec) -> Result<()> {
+pub(crate) fn check_pairing(cfg: &DraftConfig, target: &TargetShape) -> Result<()> {
     let bad = |m: String| Err(ModelError::Config(format!("drafter does not fit the target: {m}")));
     let (h, ht) = (cfg.hidden_size(), target.hidden_size);
     if h != ht {
@@ -152,8 +152,8 @@ pub(crate) fn check_pairing(cfg: &DraftConfig, target: &TargetSpec) -> Result<()
 mod tests {
     use super::*;
 
-    fn target(streams: usize) -> TargetSpec {
-        TargetSpec { hidden_size: 4, vocab_size: 10, num_layers: 3, residual_streams: streams }
+    fn target(streams: usize) -> TargetShape {
+        TargetShape { hidden_size: 4, vocab_size: 10, num_layers: 3, residual_streams: streams }
     }
 
     #[test]

@@ -12,7 +12,7 @@ use crate::weights::WeightStore;
 use super::config::DraftConfig;
 use super::conv::DynamicConv;
 use super::selector::CandidateSelector;
-use super::target::{CaptureLayout, TargetSpec};
+use super::target_shape::{CaptureLayout, TargetShape};
 
 /// One drafter decoder layer.
 #[derive(Debug)]
@@ -49,7 +49,7 @@ impl DraftWeights {
     /// # Errors
     /// `MissingTensor`, `TensorShape` (both naming the tensor), a `Config` error for an `fc` width that does not
     /// fit the target, or `UnexpectedTensors` listing whatever the checkpoint holds beyond the drafter.
-    pub fn load(cfg: &DraftConfig, target: &TargetSpec, store: &mut WeightStore) -> Result<Self> {
+    pub fn load(cfg: &DraftConfig, target: &TargetShape, store: &mut WeightStore) -> Result<Self> {
         let h = cfg.hidden_size();
         let (fc, layout) = take_fc(cfg, target, store)?;
         let layers = (0..cfg.backbone.num_layers).map(|i| load_layer(cfg, store, i)).collect::<Result<Vec<_>>>()?;
@@ -70,7 +70,7 @@ impl DraftWeights {
 
 /// `fc.weight` `[H, fc_in]`: the expected width is `taps × Ht` (or `× streams`); a different width becomes an
 /// error that says what the checkpoint was trained on.
-fn take_fc(cfg: &DraftConfig, target: &TargetSpec, store: &mut WeightStore) -> Result<(Tensor, CaptureLayout)> {
+fn take_fc(cfg: &DraftConfig, target: &TargetShape, store: &mut WeightStore) -> Result<(Tensor, CaptureLayout)> {
     let (h, taps) = (cfg.hidden_size(), cfg.target_layer_ids.len());
     let mut last_err = None;
     for width in [taps * target.hidden_size, target.captured_width(taps)] {

@@ -15,7 +15,7 @@ use super::weights::{norm_weight, stack_rows};
 
 /// The shape and conventions of an attention layer.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct AttnSpec {
+pub(crate) struct AttnShape {
     pub(crate) hidden: usize,
     pub(crate) heads: usize,
     pub(crate) kv_heads: usize,
@@ -27,11 +27,11 @@ pub(crate) struct AttnSpec {
     pub(crate) eps: f32,
 }
 
-impl AttnSpec {
+impl AttnShape {
     /// The attention layers of a hybrid checkpoint.
     pub(crate) fn of(cfg: &HybridConfig) -> Self {
         let b = &cfg.base;
-        AttnSpec {
+        AttnShape {
             hidden: b.hidden_size,
             heads: b.num_heads,
             kv_heads: b.num_kv_heads,
@@ -69,10 +69,10 @@ struct Parts {
 
 impl Attention {
     /// Takes `{prefix}.{q,k,v,o}_proj.weight` and, when `qk_norm`, `{prefix}.{q,k}_norm.weight`.
-    pub(crate) fn load(store: &mut WeightStore, prefix: &str, spec: AttnSpec, qk_norm: bool) -> Result<Self> {
+    pub(crate) fn load(store: &mut WeightStore, prefix: &str, shape: AttnShape, qk_norm: bool) -> Result<Self> {
         let p = |s: &str| format!("{prefix}.{s}");
-        let (h, hd, gated) = (spec.hidden, spec.head_dim, spec.gated);
-        let (qd, kd) = (spec.heads * hd, spec.kv_heads * hd);
+        let (h, hd, gated) = (shape.hidden, shape.head_dim, shape.gated);
+        let (qd, kd) = (shape.heads * hd, shape.kv_heads * hd);
         let q = store.take(&p("q_proj.weight"), &[if gated { 2 * qd } else { qd }, h])?;
         let k = store.take(&p("k_proj.weight"), &[kd, h])?;
         let v = store.take(&p("v_proj.weight"), &[kd, h])?;
@@ -80,13 +80,13 @@ impl Attention {
         let mut parts = Vec::new();
         if gated {
             for offset in [0, hd] {
-                parts.extend((0..spec.heads).map(|j| (&q, j * 2 * hd + offset..j * 2 * hd + offset + hd)));
+                parts.extend((0..shape.heads).map(|j| (&q, j * 2 * hd + offset..j * 2 * hd + offset + hd)));
             }
         } else {
             parts.push((&q, 0..qd));
         }
         parts.extend([(&k, 0..kd), (&v, 0..kd)]);
-        let zc = spec.zero_centred;
+        let zc = shape.zero_centred;
         let mut norm = |name: &str| qk_norm.then(|| norm_weight(store, &p(name), hd, zc)).transpose();
         let (q_norm, k_norm) = (norm("q_norm.weight")?, norm("k_norm.weight")?);
         Ok(Attention {
@@ -95,10 +95,10 @@ impl Attention {
             k_norm,
             o_proj: store.take(&p("o_proj.weight"), &[h, qd])?,
             gated,
-            heads: spec.heads,
-            kv_heads: spec.kv_heads,
+            heads: shape.heads,
+            kv_heads: shape.kv_heads,
             head_dim: hd,
-            eps: spec.eps,
+            eps: shape.eps,
         })
     }
 

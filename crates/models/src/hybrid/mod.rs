@@ -60,7 +60,7 @@ use crate::safetensors_dir::{read_json, SafetensorsDir};
 use crate::target::TargetHeads;
 use crate::weights::{WeightFile, WeightStore};
 
-use attention::{Attention, AttnSpec};
+use attention::{Attention, AttnShape};
 use gdn::GatedDeltaNet;
 use moe::{Ffn, Mlp, SparseMoe};
 use rows::{linear, RowPlan};
@@ -296,7 +296,7 @@ fn load_layer(cfg: &HybridConfig, store: &mut WeightStore, i: usize) -> Result<L
     let p = |s: &str| format!("model.layers.{i}.{s}");
     let mixer = match cfg.mixers[i] {
         MixerKind::FullAttention => {
-            Mixer::Attention(slot_of(cfg, i), Attention::load(store, &p("self_attn"), AttnSpec::of(cfg), true)?)
+            Mixer::Attention(slot_of(cfg, i), Attention::load(store, &p("self_attn"), AttnShape::of(cfg), true)?)
         }
         MixerKind::LinearAttention => {
             let dims = cfg.gdn.ok_or_else(|| ModelError::Config("linear attention layer without sizes".into()))?;

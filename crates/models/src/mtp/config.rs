@@ -6,13 +6,13 @@ use serde_json::Value;
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::hybrid::attention::AttnSpec;
+use crate::hybrid::attention::AttnShape;
 use crate::hybrid::{HybridConfig, MoeDims};
 
 /// What the head's decoder layer looks like.
 #[derive(Clone, Debug)]
 pub struct MtpConfig {
-    pub(crate) attn: AttnSpec,
+    pub(crate) attn: AttnShape,
     /// Leading dims of each head that RoPE rotates.
     pub(crate) rotary_dim: usize,
     pub(crate) rope_theta: f32,
@@ -49,7 +49,7 @@ impl MtpConfig {
             let cfg = HybridConfig::from_hf(v)?;
             let b = &cfg.base;
             return Ok(MtpConfig {
-                attn: AttnSpec::of(&cfg),
+                attn: AttnShape::of(&cfg),
                 rotary_dim: cfg.rotary_dim,
                 rope_theta: b.rope_theta,
                 rope_scaling: b.rope_scaling,
@@ -60,7 +60,7 @@ impl MtpConfig {
             });
         }
         let b = ModelConfig::from_hf(v)?;
-        let attn = AttnSpec {
+        let attn = AttnShape {
             hidden: b.hidden_size,
             heads: b.num_heads,
             kv_heads: b.num_kv_heads,
