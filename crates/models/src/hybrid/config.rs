@@ -4,6 +4,7 @@
 //! config read as Qwen3, so RoPE scaling and validation are the crate's one implementation. Fields that
 //! transformers 4.57 defaults are defaulted the same way here, so a config means what it means there.
 
+use dflash_runtime::ops::GdnHeads;
 use serde_json::Value;
 
 use crate::config::ModelConfig;
@@ -72,6 +73,16 @@ impl GdnDims {
     /// Floats of one layer's recurrent state `[v_heads, k_head_dim, v_head_dim]`.
     pub fn ssm_len(&self) -> usize {
         self.num_v_heads * self.k_head_dim * self.v_head_dim
+    }
+
+    /// The head counts and sizes the runtime's GDN ops take.
+    pub fn heads(&self) -> GdnHeads {
+        GdnHeads {
+            k_heads: self.num_k_heads,
+            v_heads: self.num_v_heads,
+            k_head_dim: self.k_head_dim,
+            v_head_dim: self.v_head_dim,
+        }
     }
 }
 

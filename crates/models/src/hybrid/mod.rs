@@ -32,7 +32,6 @@ pub(crate) mod attention;
 mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-mod delta_rule;
 mod family;
 pub(crate) mod gdn;
 pub(crate) mod moe;
@@ -167,7 +166,7 @@ impl HybridModel {
         if self.cfg.gdn_layers().is_empty() {
             1
         } else {
-            delta_rule::CHUNK
+            ops::DELTA_RULE_CHUNK
         }
     }
 

@@ -11,10 +11,11 @@
 //! bit-identical to a forward over those rows alone. The attention layers need nothing here: the engine cuts
 //! the sequence's KV length (and frees pages) and later rows overwrite the rejected slots.
 
+use dflash_runtime::ops::delta_rule_step;
+
 use crate::error::{ModelError, Result};
 
 use super::config::GdnDims;
-use super::delta_rule::update_state;
 
 /// One GDN layer's state.
 #[derive(Clone, Debug, PartialEq)]
@@ -49,6 +50,23 @@ pub(crate) struct LayerSteps {
     pub(crate) v: Vec<f32>,       // [rows, v_heads * v_head_dim]
     pub(crate) g: Vec<f32>,       // [rows, v_heads]
     pub(crate) beta: Vec<f32>,    // [rows, v_heads]
+}
+
+impl LayerSteps {
+    /// Appends one run's rows: convolution inputs from `x` (`[n, x_ld]`, columns `0..conv_dim`), k and v from
+    /// `qkv` (`[n, conv_dim]` after `ops::gdn_prep`), decays and write strengths from `gb` (`[n, 2 v_heads]`).
+    pub(crate) fn push_rows(&mut self, d: &GdnDims, x: &[f32], x_ld: usize, qkv: &[f32], gb: &[f32]) {
+        let (cd, kd, hv) = (d.conv_dim(), d.key_dim(), d.num_v_heads);
+        for (row, gbr) in qkv.chunks_exact(cd).zip(gb.chunks_exact(2 * hv)) {
+            self.k.extend_from_slice(&row[kd..2 * kd]);
+            self.v.extend_from_slice(&row[2 * kd..]);
+            self.g.extend_from_slice(&gbr[..hv]);
+            self.beta.extend_from_slice(&gbr[hv..]);
+        }
+        for r in 0..gb.len() / (2 * hv).max(1) {
+            self.conv_in.extend_from_slice(&x[r * x_ld..r * x_ld + cd]);
+        }
+    }
 }
 
 /// What an armed forward recorded for one layer.
@@ -263,7 +281,7 @@ fn replay(d: &GdnDims, record: LayerRecord, kept: usize) -> GdnState {
             let k = &steps.k[t * kw + kh * dk..t * kw + (kh + 1) * dk];
             let v = &steps.v[t * vw + h * dv..t * vw + (h + 1) * dv];
             let s = &mut ssm[h * dk * dv..(h + 1) * dk * dv];
-            update_state(s, k, v, steps.g[t * hv + h], steps.beta[t * hv + h], &mut mem);
+            delta_rule_step(s, k, v, steps.g[t * hv + h], steps.beta[t * hv + h], &mut mem);
         }
     }
     GdnState { conv, ssm }

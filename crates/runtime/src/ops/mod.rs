@@ -2,16 +2,19 @@
 //!
 //! All activations are f32 host tensors, row-major; weights may be any [`DType`](crate::DType). Ops take
 //! their outputs as `&mut Tensor` so callers can reuse buffers across steps, check shapes up front and
-//! return [`RuntimeError::Shape`] / [`RuntimeError::DType`] instead of panicking.
+//! return [`RuntimeError::Shape`] / [`RuntimeError::DType`] instead of panicking. The Gated DeltaNet ops take
+//! f32 slices and row strides, as their CUDA twins do, so a layer hands them columns of its projection.
 //!
 //! Threading: ops run on rayon's global pool (see [`crate::threads`]). Small inputs (decode rows) run on
 //! the calling thread, because dispatching tasks costs more than the work.
 
 mod attention;
+mod delta_rule;
 mod dense;
 #[cfg(target_arch = "x86_64")]
 mod dense_avx2;
 mod elementwise;
+mod gdn;
 mod matmul;
 mod norm;
 mod reduce;
@@ -19,7 +22,11 @@ mod rope;
 mod simd;
 
 pub use attention::{kv_write, paged_attention, AttnSeq, RowKernel, KEY_CHUNK};
+pub use delta_rule::{delta_rule_step, DELTA_RULE_CHUNK};
 pub use elementwise::{add_in_place, embedding, swiglu_fused};
+pub use gdn::{
+    gdn_conv, gdn_gated_norm, gdn_prep, gdn_rule, GdnConvArgs, GdnHeads, GdnPrepArgs, GdnRuleArgs, RuleForm,
+};
 pub use matmul::matmul;
 pub use norm::{add_rms_norm, head_rms_norm, rms_norm};
 pub use reduce::{argmax, softmax_in_place, top_k};

@@ -9,13 +9,13 @@
 //! ```
 //!
 //! The recurrent form runs that token by token (decode, verify, rollback replay). The chunked form (prefill)
-//! turns each chunk of up to [`CHUNK`] tokens into small dense products (the WY form: a triangular solve for
-//! the in-chunk corrections, then one state update per chunk). Chunks are cut at absolute positions that are
-//! multiples of [`CHUNK`], as HF cuts a whole prompt, so a prompt prefilled in pieces whose cuts fall on chunk
-//! boundaries runs the same chunks as one whole prefill.
+//! turns each chunk of up to [`DELTA_RULE_CHUNK`] tokens into small dense products (the WY form: a triangular
+//! solve for the in-chunk corrections, then one state update per chunk). Chunks are cut at absolute positions
+//! that are multiples of [`DELTA_RULE_CHUNK`], as HF cuts a whole prompt, so a prompt prefilled in pieces whose
+//! cuts fall on chunk boundaries runs the same chunks as one whole prefill.
 
 /// Tokens per chunk of the chunked form (HF's `chunk_size`).
-pub(crate) const CHUNK: usize = 64;
+pub const DELTA_RULE_CHUNK: usize = 64;
 
 /// One value head's inputs over a run of rows.
 #[derive(Clone, Copy, Debug)]
@@ -33,11 +33,12 @@ impl HeadRun<'_> {
     }
 }
 
-/// One token's state update: `S ← e^g S`, then `S ← S + k ⊗ β (v − Sᵀk)`. `mem` is `dv` floats of scratch.
+/// One token's state update: `S ← e^g S`, then `S ← S + k ⊗ β (v − Sᵀk)`.
 ///
-/// This is the only place the recurrent state is stepped, for decode, verify and rollback replay alike, so a
-/// replay reproduces the verify's states bit for bit.
-pub(crate) fn update_state(s: &mut [f32], k: &[f32], v: &[f32], g: f32, beta: f32, mem: &mut [f32]) {
+/// `s`: `[dk, dv]`, updated; `k`: `[dk]`; `v`: `[dv]`; `mem`: `[dv]` of scratch. This is the only place the
+/// recurrent state is stepped, for decode, verify and rollback replay alike, so a replay reproduces the
+/// verify's states bit for bit.
+pub fn delta_rule_step(s: &mut [f32], k: &[f32], v: &[f32], g: f32, beta: f32, mem: &mut [f32]) {
     let dv = v.len();
     let decay = g.exp();
     s.iter_mut().for_each(|x| *x *= decay);
@@ -75,7 +76,7 @@ pub(crate) fn recurrent(s: &mut [f32], run: HeadRun, out: &mut [f32]) {
     let mut mem = vec![0f32; dv];
     for t in 0..n {
         let (k, v) = (&run.k[t * dk..(t + 1) * dk], &run.v[t * dv..(t + 1) * dv]);
-        update_state(s, k, v, run.g[t], run.beta[t], &mut mem);
+        delta_rule_step(s, k, v, run.g[t], run.beta[t], &mut mem);
         read_state(s, &run.q[t * dk..(t + 1) * dk], &mut out[t * dv..(t + 1) * dv]);
     }
 }
@@ -87,7 +88,7 @@ pub(crate) fn chunked(s: &mut [f32], run: HeadRun, first_pos: usize, out: &mut [
     let dv = run.v.len() / n.max(1);
     let mut start = 0;
     while start < n {
-        let len = (CHUNK - (first_pos + start) % CHUNK).min(n - start);
+        let len = (DELTA_RULE_CHUNK - (first_pos + start) % DELTA_RULE_CHUNK).min(n - start);
         let part = HeadRun {
             q: &run.q[start * dk..(start + len) * dk],
             k: &run.k[start * dk..(start + len) * dk],
@@ -307,7 +308,7 @@ mod tests {
         recurrent(&mut s_run, x.run(0..n, dk, dv), &mut out);
         let mut mem = vec![0f32; dv];
         for t in 0..n {
-            update_state(
+            delta_rule_step(
                 &mut s_steps,
                 &x.k[t * dk..(t + 1) * dk],
                 &x.v[t * dv..(t + 1) * dv],
