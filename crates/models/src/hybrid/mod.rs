@@ -256,7 +256,7 @@ impl HybridModel {
     fn logits(&self, plan: &RowPlan, residual: &Tensor /* [T, hidden] */, rows: &[u32]) -> Result<Tensor> {
         let (h, v) = (self.cfg.base.hidden_size, self.cfg.base.vocab_size);
         let rows: Vec<usize> = rows.iter().map(|&r| r as usize).collect();
-        let picked = rows::gather_rows(residual, &rows)?;
+        let picked = ops::gather_rows(residual, &rows)?;
         let mut normed = Tensor::zeros(DType::F32, &[rows.len(), h])?;
         let mut logits = Tensor::zeros(DType::F32, &[rows.len(), v])?;
         if rows.is_empty() {

@@ -9,7 +9,7 @@
 //! every row the same bits whatever the other rows of the call, for dense and quantized weights alike.
 
 use dflash_runtime::ops;
-use dflash_runtime::{DType, Tensor};
+use dflash_runtime::Tensor;
 
 use crate::batch::ForwardBatch;
 use crate::error::Result;
@@ -57,22 +57,12 @@ pub(crate) fn linear(_plan: &RowPlan, x: &Tensor, w: &Tensor, y: &mut Tensor) ->
     Ok(ops::matmul(x, w, y)?)
 }
 
-/// Rows `rows` of `x` `[T, w]` as a new `[rows.len(), w]` tensor.
-pub(crate) fn gather_rows(x: &Tensor, rows: &[usize]) -> Result<Tensor> {
-    let w = x.row_len();
-    let src = x.as_f32()?;
-    let mut out = Tensor::zeros(DType::F32, &[rows.len(), w])?;
-    let dst = out.as_f32_mut()?;
-    for (j, &r) in rows.iter().enumerate() {
-        dst[j * w..(j + 1) * w].copy_from_slice(&src[r * w..(r + 1) * w]);
-    }
-    Ok(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::batch::SeqRows;
+    use dflash_runtime::ops::gather_rows;
+    use dflash_runtime::DType;
 
     fn pseudo_random(n: usize, seed: u32) -> Vec<f32> {
         let mut s = seed.wrapping_mul(2_654_435_761).max(1);

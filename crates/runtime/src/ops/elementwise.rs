@@ -1,10 +1,10 @@
-//! Row gathers and elementwise ops: embedding lookup, residual add, fused SwiGLU.
+//! Row gathers and elementwise ops: embedding lookup, row gather, residual add, fused SwiGLU.
 
 use rayon::prelude::*;
 
 use super::simd::{self, has_avx2};
 use super::{f32_rows, rows_per_chunk, shape_err};
-use crate::{convert, Result, Tensor};
+use crate::{convert, DType, Result, Tensor};
 
 /// `out[t, :] = table[ids[t], :]` as f32; only the looked-up rows are decoded, so `table` may be of
 /// any dtype including block-quantized ones.
@@ -34,6 +34,27 @@ pub fn embedding(table: &Tensor, ids: &[u32], out: &mut Tensor) -> Result<()> {
         convert::row_to_f32(table.dtype(), &src[start..start + row_bytes], row);
     }
     Ok(())
+}
+
+/// Rows `rows` of `x` (in that order) as a new tensor.
+///
+/// `x`: `[T, w]` f32; returns `[rows.len(), w]` f32.
+///
+/// # Errors
+/// A row `>= T`, a non-f32 `x`.
+pub fn gather_rows(x: &Tensor, rows: &[usize]) -> Result<Tensor> {
+    let w = x.row_len();
+    let t = f32_rows(x, w, "gather_rows x")?;
+    if let Some(&bad) = rows.iter().find(|&&r| r >= t) {
+        return Err(shape_err(format!("gather_rows: row {bad} of {t}")));
+    }
+    let src = x.as_f32()?;
+    let mut out = Tensor::zeros(DType::F32, &[rows.len(), w])?;
+    let dst = out.as_f32_mut()?;
+    for (j, &r) in rows.iter().enumerate() {
+        dst[j * w..(j + 1) * w].copy_from_slice(&src[r * w..(r + 1) * w]);
+    }
+    Ok(out)
 }
 
 /// `residual += delta` elementwise.
@@ -113,7 +134,6 @@ fn swiglu_row<const AVX2: bool>(gate: &[f32], up: &[f32], out: &mut [f32]) {
 mod tests {
     use super::*;
     use crate::ops::test_util::{assert_close, Rng};
-    use crate::DType;
 
     #[test]
     fn embedding_gathers_rows_of_dense_tables() {
@@ -151,6 +171,15 @@ mod tests {
         assert_close(out.as_f32().expect("out"), &want, 0.0, "q8_0 embedding");
         // Quantization error stays small, so the rows really are the requested ones.
         assert_close(&want[..hidden], &vals[4 * hidden..5 * hidden], 0.02, "q8_0 vs source");
+    }
+
+    #[test]
+    fn gather_rows_copies_rows_in_order_and_refuses_missing_ones() {
+        let x = Tensor::from_f32(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[3, 2]).expect("x");
+        let g = gather_rows(&x, &[2, 0, 2]).expect("gather");
+        assert_eq!(g.shape(), &[3, 2]);
+        assert_eq!(g.as_f32().expect("f32"), &[5.0, 6.0, 1.0, 2.0, 5.0, 6.0]);
+        assert!(gather_rows(&x, &[3]).is_err());
     }
 
     #[test]

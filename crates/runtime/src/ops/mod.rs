@@ -16,6 +16,7 @@ mod dense_avx2;
 mod elementwise;
 mod gdn;
 mod matmul;
+mod moe;
 mod norm;
 mod reduce;
 mod rope;
@@ -23,11 +24,12 @@ mod simd;
 
 pub use attention::{kv_write, paged_attention, AttnSeq, RowKernel, KEY_CHUNK};
 pub use delta_rule::{delta_rule_step, DELTA_RULE_CHUNK};
-pub use elementwise::{add_in_place, embedding, swiglu_fused};
+pub use elementwise::{add_in_place, embedding, gather_rows, swiglu_fused};
 pub use gdn::{
     gdn_conv, gdn_gated_norm, gdn_prep, gdn_rule, GdnConvArgs, GdnHeads, GdnPrepArgs, GdnRuleArgs, RuleForm,
 };
 pub use matmul::matmul;
+pub use moe::{moe_forward, moe_route, swiglu_mlp, MlpWeights, MoeArgs};
 pub use norm::{add_rms_norm, head_rms_norm, rms_norm};
 pub use reduce::{argmax, softmax_in_place, top_k};
 pub use rope::{rope, RopeScaling, RopeStyle, RopeTable};
