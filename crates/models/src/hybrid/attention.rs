@@ -133,9 +133,8 @@ impl Attention {
         let (heads, kv_heads, hd) = (self.heads, self.kv_heads, self.head_dim);
         ops::paged_attention(&x.q, &kv.k[slot], &kv.v[slot], &seqs, heads, kv_heads, hd, scale, true, None, &mut attn)?;
         if let Some(gate) = &x.gate {
-            for (a, &g) in attn.as_f32_mut()?.iter_mut().zip(gate.as_f32()?) {
-                *a *= 1.0 / (1.0 + (-g).exp());
-            }
+            let n = gate.row_len();
+            ops::sigmoid_gate_mul(attn.as_f32_mut()?, n, gate.as_f32()?, n)?;
         }
         linear(plan, &attn, &self.o_proj, out)
     }

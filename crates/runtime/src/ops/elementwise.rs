@@ -1,4 +1,4 @@
-//! Row gathers and elementwise ops: embedding lookup, row gather, residual add, fused SwiGLU.
+//! Row gathers and elementwise ops: embedding lookup, row gather, residual add, output gate, fused SwiGLU.
 
 use rayon::prelude::*;
 
@@ -78,6 +78,30 @@ pub fn add_in_place(residual: &mut Tensor, delta: &Tensor) -> Result<()> {
             *r += *d;
         }
     });
+    Ok(())
+}
+
+/// `x[t, i] ← x[t, i] · sigmoid(gate[t, i])`: the gated attention's output gate.
+///
+/// `x`: `[rows, n]`; `gate`: `[rows, gate_ld]` from column 0 (`n` used).
+///
+/// # Errors
+/// Lengths that do not form the shapes.
+pub fn sigmoid_gate_mul(x: &mut [f32], n: usize, gate: &[f32], gate_ld: usize) -> Result<()> {
+    let rows = x.len() / n.max(1);
+    let gate_ok = rows == 0 || gate.len() >= (rows - 1) * gate_ld + n;
+    if n == 0 || x.len() != rows * n || gate_ld < n || !gate_ok {
+        return Err(shape_err(format!(
+            "sigmoid_gate_mul: x {} in rows of {n}, gate {} at ld {gate_ld}",
+            x.len(),
+            gate.len()
+        )));
+    }
+    for (r, row) in x.chunks_exact_mut(n).enumerate() {
+        for (a, &g) in row.iter_mut().zip(&gate[r * gate_ld..r * gate_ld + n]) {
+            *a *= 1.0 / (1.0 + (-g).exp());
+        }
+    }
     Ok(())
 }
 
@@ -180,6 +204,15 @@ mod tests {
         assert_eq!(g.shape(), &[3, 2]);
         assert_eq!(g.as_f32().expect("f32"), &[5.0, 6.0, 1.0, 2.0, 5.0, 6.0]);
         assert!(gather_rows(&x, &[3]).is_err());
+    }
+
+    #[test]
+    fn sigmoid_gate_reads_strided_gates() {
+        let mut x = vec![2.0f32, 4.0, -1.0, 8.0];
+        let gate = [0.0f32, f32::INFINITY, 9.0, f32::NEG_INFINITY, 0.0];
+        sigmoid_gate_mul(&mut x, 2, &gate, 3).expect("gate");
+        assert_eq!(x, [1.0, 4.0, -0.0, 4.0]);
+        assert!(sigmoid_gate_mul(&mut x, 2, &gate[..4], 3).is_err());
     }
 
     #[test]

@@ -24,7 +24,7 @@ mod simd;
 
 pub use attention::{kv_write, paged_attention, AttnSeq, RowKernel, KEY_CHUNK};
 pub use delta_rule::{delta_rule_step, DELTA_RULE_CHUNK};
-pub use elementwise::{add_in_place, embedding, gather_rows, swiglu_fused};
+pub use elementwise::{add_in_place, embedding, gather_rows, sigmoid_gate_mul, swiglu_fused};
 pub use gdn::{
     gdn_conv, gdn_gated_norm, gdn_prep, gdn_rule, GdnConvArgs, GdnHeads, GdnPrepArgs, GdnRuleArgs, RuleForm,
 };
