@@ -1,8 +1,8 @@
-//! The Gated DeltaNet kernels against a CPU reference that follows the CPU layer
-//! (`dflash_models::hybrid::{gdn, delta_rule}`) operation for operation, on fresh random inputs with odd
-//! sizes, two sequences in two state slots, and outputs poisoned with NaN. Also the rollback contract: a
-//! verify that leaves the state alone, then a replay of the kept rows through every layer in one launch,
-//! gives bit for bit the state of a forward over the kept rows alone.
+//! The Gated DeltaNet kernels against their CPU twins (`ops::{gdn_conv, gdn_prep, gdn_rule, gdn_gated_norm,
+//! sigmoid_gate_mul}`, the ops the CPU layers run), on fresh random inputs with odd sizes, two sequences in two
+//! state slots, and outputs poisoned with NaN. Also the rollback contract: a verify that leaves the state
+//! alone, then a replay of the kept rows through every layer in one launch, gives bit for bit the state of a
+//! forward over the kept rows alone.
 //!
 //! Without a CUDA device every test prints a SKIP notice and passes. Tolerances (`err` = |gpu − cpu|,
 //! relative to `max(1, |cpu|)`): the convolution, the gate and the delta rule run the CPU's products and
@@ -19,6 +19,7 @@ use std::sync::OnceLock;
 
 use dflash_runtime::cuda::ops::{self as gpu, GdnConvArgs, GdnPrepArgs, GdnRuleArgs, GdnRuns, GdnStateView};
 use dflash_runtime::cuda::{CudaDevice, DeviceBuf};
+use dflash_runtime::ops as cpu;
 
 fn device() -> Option<&'static CudaDevice> {
     static DEVICE: OnceLock<Option<CudaDevice>> = OnceLock::new();
@@ -46,90 +47,54 @@ fn poisoned(dev: &CudaDevice, len: usize) -> DeviceBuf<f32> {
     dev.upload(&vec![f32::NAN; len]).expect("poisoned")
 }
 
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
-
-fn silu(x: f32) -> f32 {
-    x * sigmoid(x)
-}
-
 /// A run: first row, rows, slot, write flag.
 type Run = [u32; 4];
 
-/// The CPU convolution (gdn.rs `causal_conv`) over each run, windows from and (write) back into `state`.
-fn conv_ref(x: &[f32], x_ld: usize, w: &[f32], state: &mut [f32], runs: &[Run], c: usize, k: usize) -> Vec<f32> {
+/// Key heads, value heads, key head dim, value head dim.
+type Dims = (usize, usize, usize, usize);
+
+fn heads((k_heads, v_heads, k_head_dim, v_head_dim): Dims) -> cpu::GdnHeads {
+    cpu::GdnHeads { k_heads, v_heads, k_head_dim, v_head_dim }
+}
+
+/// `ops::gdn_conv` over each run, its window from (and with the write flag back into) its slot of `state`;
+/// rows outside the runs stay NaN.
+fn cpu_conv(x: &[f32], x_ld: usize, w: &[f32], state: &mut [f32], runs: &[Run], c: usize, k: usize) -> Vec<f32> {
     let rows = x.len() / x_ld;
     let mut out = vec![f32::NAN; rows * c];
     for &[first, n, slot, write] in runs {
-        let st = &mut state[slot as usize * (k - 1) * c..(slot as usize + 1) * (k - 1) * c];
-        let mut ext = st.to_vec();
-        for t in first as usize..(first + n) as usize {
-            ext.extend_from_slice(&x[t * x_ld..t * x_ld + c]);
-        }
-        for (i, t) in (first as usize..(first + n) as usize).enumerate() {
-            for ch in 0..c {
-                let sum = (0..k).fold(0f32, |acc, j| acc + w[ch * k + j] * ext[(i + j) * c + ch]);
-                out[t * c + ch] = silu(sum);
-            }
-        }
+        let (run, slot) = (first as usize..(first + n) as usize, slot as usize);
+        let st = &mut state[slot * (k - 1) * c..(slot + 1) * (k - 1) * c];
+        let mut window = st.to_vec();
+        let args = cpu::GdnConvArgs { x: &x[run.start * x_ld..run.end * x_ld], x_ld, w, channels: c, kernel: k };
+        cpu::gdn_conv(args, &mut window, &mut out[run.start * c..run.end * c]).expect("cpu conv");
         if write == 1 {
-            st.copy_from_slice(&ext[ext.len() - (k - 1) * c..]);
+            st.copy_from_slice(&window);
         }
     }
     out
 }
 
-/// The CPU delta rule (delta_rule.rs `update_state` + `read_state`) over each run.
-#[allow(clippy::too_many_arguments)]
-fn rule_ref(
-    qkv: &[f32],
-    c: usize,
-    gb: &[f32],
-    state: &mut [f32],
-    runs: &[Run],
-    (hk, hv, dk, dv): (usize, usize, usize, usize),
-) -> Vec<f32> {
-    let rows = qkv.len() / c;
-    let (kd, per_slot) = (hk * dk, hv * dk * dv);
-    let mut out = vec![f32::NAN; rows * hv * dv];
+/// `ops::gdn_rule` (recurrent) over each run, its state from (and with the write flag back into) its slot of
+/// `state`; rows outside the runs stay NaN.
+fn cpu_rule(qkv: &[f32], c: usize, gb: &[f32], state: &mut [f32], runs: &[Run], dims: Dims) -> Vec<f32> {
+    let heads = heads(dims);
+    let (hv, vd, per_slot) = (heads.v_heads, heads.value_dim(), heads.state_len());
+    let mut out = vec![f32::NAN; qkv.len() / c * vd];
     for &[first, n, slot, write] in runs {
-        let mut st = state[slot as usize * per_slot..(slot as usize + 1) * per_slot].to_vec();
-        for t in first as usize..(first + n) as usize {
-            let row = &qkv[t * c..(t + 1) * c];
-            for h in 0..hv {
-                let kh = h / (hv / hk);
-                let (q, k) = (&row[kh * dk..(kh + 1) * dk], &row[kd + kh * dk..kd + (kh + 1) * dk]);
-                let v = &row[2 * kd + h * dv..2 * kd + (h + 1) * dv];
-                let (g, beta) = (gb[t * 2 * hv + h], gb[t * 2 * hv + hv + h]);
-                let s = &mut st[h * dk * dv..(h + 1) * dk * dv];
-                let decay = g.exp();
-                s.iter_mut().for_each(|x| *x *= decay);
-                let mut mem = vec![0f32; dv];
-                for (srow, &ki) in s.chunks_exact(dv).zip(k) {
-                    for (m, &sij) in mem.iter_mut().zip(srow) {
-                        *m += sij * ki;
-                    }
-                }
-                for (m, &vj) in mem.iter_mut().zip(v) {
-                    *m = (vj - *m) * beta;
-                }
-                for (srow, &ki) in s.chunks_exact_mut(dv).zip(k) {
-                    for (sij, &dj) in srow.iter_mut().zip(&mem) {
-                        *sij += ki * dj;
-                    }
-                }
-                let o = &mut out[t * hv * dv + h * dv..t * hv * dv + (h + 1) * dv];
-                o.fill(0.0);
-                for (srow, &qi) in s.chunks_exact(dv).zip(q) {
-                    for (oj, &sij) in o.iter_mut().zip(srow) {
-                        *oj += sij * qi;
-                    }
-                }
-            }
-        }
+        let (run, slot) = (first as usize..(first + n) as usize, slot as usize);
+        let st = &mut state[slot * per_slot..(slot + 1) * per_slot];
+        let mut s = st.to_vec();
+        let args = cpu::GdnRuleArgs {
+            qkv: &qkv[run.start * c..run.end * c],
+            channels: c,
+            gb: &gb[run.start * 2 * hv..run.end * 2 * hv],
+            heads,
+        };
+        let out_rows = &mut out[run.start * vd..run.end * vd];
+        cpu::gdn_rule(args, cpu::RuleForm::Recurrent, &mut s, out_rows).expect("cpu rule");
         if write == 1 {
-            state[slot as usize * per_slot..(slot as usize + 1) * per_slot].copy_from_slice(&st);
+            st.copy_from_slice(&s);
         }
     }
     out
@@ -170,7 +135,7 @@ fn conv_matches_cpu_and_writes_only_flagged_windows() {
         )
         .expect("conv");
         let mut state_ref = state0.clone();
-        let want = conv_ref(&x, x_ld, &w, &mut state_ref, &runs, c, k);
+        let want = cpu_conv(&x, x_ld, &w, &mut state_ref, &runs, c, k);
         let shape = format!("c {c} k {k} rows 4+3");
         check("gdn_conv", &shape, &dev.download(&out_d).expect("device"), &want, 1e-5);
         check("gdn_conv state", &shape, &dev.download(&state_d).expect("device"), &state_ref, 0.0);
@@ -182,7 +147,7 @@ fn prep_normalises_q_k_and_computes_decay_and_strength() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(2);
     let (rows, hk, dk, hv, dv) = (5usize, 3usize, 20usize, 6usize, 9usize);
-    let (kd, c) = (hk * dk, 2 * hk * dk + hv * dv);
+    let c = 2 * hk * dk + hv * dv;
     let qkv = rng.vec(rows * c, 2.0);
     let ba_ld = 2 * hv + 3;
     let mut ba = rng.vec(rows * ba_ld, 4.0);
@@ -210,27 +175,16 @@ fn prep_normalises_q_k_and_computes_decay_and_strength() {
     gpu::gdn_prep(dev, args).expect("prep");
     let mut want = qkv.clone();
     let mut gb = vec![0f32; rows * 2 * hv];
-    for t in 0..rows {
-        for (h, scale) in (0..2 * hk).map(|h| (h, if h < hk { 1.0 / (dk as f32).sqrt() } else { 1.0 })) {
-            let head = &mut want[t * c + h * dk..t * c + (h + 1) * dk];
-            let inv = 1.0 / (head.iter().map(|v| v * v).sum::<f32>() + 1e-6).sqrt();
-            head.iter_mut().for_each(|v| *v = *v * inv * scale);
-        }
-        for j in 0..hv {
-            let (b, a) = (ba[t * ba_ld + j], ba[t * ba_ld + hv + j] + dt[j]);
-            let sp = if a > 20.0 { a } else { a.exp().ln_1p() };
-            gb[t * 2 * hv + j] = neg_a[j] * sp;
-            gb[t * 2 * hv + hv + j] = sigmoid(b);
-        }
-    }
+    let prep =
+        cpu::GdnPrepArgs { heads: heads((hk, hv, dk, dv)), channels: c, ba: &ba, ba_ld, neg_a: &neg_a, dt_bias: &dt };
+    cpu::gdn_prep(prep, &mut want, &mut gb).expect("cpu prep");
     let shape = format!("rows {rows} k {hk}x{dk} v {hv}");
     check("gdn_prep q|k|v", &shape, &dev.download(&qkv_d).expect("device"), &want, 1e-5);
     check("gdn_prep g|beta", &shape, &dev.download(&gb_d).expect("device"), &gb, 1e-5);
-    let _ = kd;
 }
 
 /// Random rule inputs with normalised q/k (as after the prep) and decays in [-2, 0).
-fn rule_inputs(rng: &mut Rng, rows: usize, dims: (usize, usize, usize, usize), c: usize) -> (Vec<f32>, Vec<f32>) {
+fn rule_inputs(rng: &mut Rng, rows: usize, dims: Dims, c: usize) -> (Vec<f32>, Vec<f32>) {
     let (hk, hv, dk, _) = dims;
     let mut qkv = rng.vec(rows * c, 1.0);
     for t in 0..rows {
@@ -278,7 +232,7 @@ fn rule_matches_cpu_over_runs_and_slots() {
         };
         gpu::gdn_rule(dev, args).expect("rule");
         let mut state_ref = state0.clone();
-        let want = rule_ref(&qkv, c, &gb, &mut state_ref, &runs, dims);
+        let want = cpu_rule(&qkv, c, &gb, &mut state_ref, &runs, dims);
         let shape = format!("k {hk}x{dk} v {hv}x{dv} rows 6+3");
         check("gdn_rule", &shape, &dev.download(&out_d).expect("device"), &want, 1e-4);
         check("gdn_rule state", &shape, &dev.download(&state_d).expect("device"), &state_ref, 1e-4);
@@ -394,7 +348,7 @@ fn verify_then_replay_equals_a_forward_over_the_kept_rows() {
         // And the replayed state is the CPU's.
         let mut want = state0.clone();
         for (l, (qkv, gb)) in inputs.iter().enumerate() {
-            let _ = rule_ref(qkv, c, gb, &mut want[l * per_slot..(l + 1) * per_slot], &[[0, kept as u32, 0, 1]], dims);
+            let _ = cpu_rule(qkv, c, gb, &mut want[l * per_slot..(l + 1) * per_slot], &[[0, kept as u32, 0, 1]], dims);
         }
         check(
             "gdn replay state",
@@ -419,15 +373,7 @@ fn gated_norm_and_output_gate_match_cpu() {
     gpu::gdn_gated_norm(dev, &core_d, z_d.view().sub(7, z.len() - 7).expect("device"), z_ld, &w_d, hv, 1e-6)
         .expect("norm");
     let mut want = core.clone();
-    for t in 0..rows {
-        for h in 0..hv {
-            let x = &mut want[t * hv * dv + h * dv..t * hv * dv + (h + 1) * dv];
-            let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() / dv as f32 + 1e-6).sqrt();
-            for (i, xi) in x.iter_mut().enumerate() {
-                *xi = w[i] * (*xi * inv) * silu(z[t * z_ld + 7 + h * dv + i]);
-            }
-        }
-    }
+    cpu::gdn_gated_norm(&mut want, &z[7..], z_ld, &w, hv, 1e-6).expect("cpu gated norm");
     check(
         "gdn_gated_norm",
         &format!("rows {rows} heads {hv}x{dv}"),
@@ -440,7 +386,8 @@ fn gated_norm_and_output_gate_match_cpu() {
     let x = rng.vec(rows * n, 2.0);
     let x_d = dev.upload(&x).expect("device");
     gpu::sigmoid_gate_mul(dev, &x_d, n, z_d.view().sub(3, z.len() - 3).expect("device"), z_ld).expect("gate");
-    let want: Vec<f32> = (0..rows * n).map(|i| x[i] * (1.0 / (1.0 + (-z[(i / n) * z_ld + 3 + i % n]).exp()))).collect();
+    let mut want = x.clone();
+    cpu::sigmoid_gate_mul(&mut want, n, &z[3..], z_ld).expect("cpu gate");
     check("sigmoid_gate_mul", &format!("rows {rows} n {n}"), &dev.download(&x_d).expect("device"), &want, 1e-5);
 }
 

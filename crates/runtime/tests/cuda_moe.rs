@@ -1,25 +1,16 @@
-//! The sparse mixture-of-experts block on the device (`cuda::ops::moe_forward`) against a CPU reference
-//! of `SparseMoe::forward` (crates/models/src/hybrid/moe.rs) built from `ops::{softmax_in_place, top_k,
-//! swiglu_fused}`: odd and vector-friendly sizes, f32 and bf16 weights (widened exactly on the CPU side),
-//! with and without the shared expert, renormalised picks or not, exact routing ties, a masked row, 1 and 3
-//! rows (the small-batch path: one-row plan, fused down + combine) and 16 (the batch path), rows alone and
-//! in a batch of 5 against the same rows in a batch of 16, a CUDA graph against eager launches, and shape
-//! errors.
+//! The sparse mixture-of-experts block on the device (`cuda::ops::moe_forward`) against its CPU twin
+//! `ops::moe_forward` (what the CPU layer runs) plus the residual: odd and vector-friendly sizes, f32 and bf16
+//! weights (widened exactly on the CPU side), with and without the shared expert, renormalised picks or not,
+//! exact routing ties, a masked row, 1 and 3 rows (the small-batch path: one-row plan, fused down + combine)
+//! and 16 (the batch path), rows alone and in a batch of 5 against the same rows in a batch of 16, a CUDA graph
+//! against eager launches, and shape errors. Without a CUDA device every test prints a SKIP notice and passes.
 //!
-//! Without a CUDA device every test prints a SKIP notice and passes.
-//!
-//! Tolerance per residual element: `|gpu − cpu| <= 2e-5 · S` with
-//! `S = Σ_picks w · Σ_i |down[h, i]| · (|act_i| + (|up_i| + 1)·Σ|gate·x| + (|gate_i| + 1)·Σ|up·x| + 1)
-//!      + |g · shared[h]| + |residual[h]|`:
-//! the reference sums its dot products in f64, the kernels in f32 in another order (each dot's error is a
-//! few ulp of its Σ|terms|); that error passes through SwiGLU scaled by the other operand plus one (as in
-//! cuda_matmul_ops' SwiGLU epilogue), the CPU's polynomial `exp` and CUDA's `expf` differ by about 1e-6
-//! relative (the `+ 1`, and the routing weights, whose softmax sum also runs in another order), and the
-//! final residual add rounds once. A wrong expert, weight or slot moves an output by one term `w · y`,
-//! about 1e-3 · S at these sizes (50 times the tolerance); the errors seen on the H200 are below 1e-8 · S.
-//! Routing must pick the same experts: generated rows whose k-th and (k+1)-th probabilities are closer
-//! than 1e-4 relative without being exact ties are drawn again. Batch invariance and graph replay are
-//! checked bit for bit.
+//! Tolerance per residual element: `|gpu − cpu| <= 2e-5 · S`, `S` from [`error_scale`]: both sides sum their
+//! dots in f32 in different orders, the kernels use `expf` where the CPU has its polynomial `exp`, and the
+//! residual add rounds once. A wrong expert, weight or slot moves an output by one term `w · y`, about
+//! 1e-3 · S at these sizes (50 times the tolerance); the errors seen on the H200 are below 1e-8 · S. Routing
+//! must pick the same experts: rows whose k-th and (k+1)-th probabilities are closer than 1e-4 relative
+//! without being exact ties are drawn again. Batch invariance and graph replay are checked bit for bit.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -31,7 +22,7 @@ use std::sync::OnceLock;
 use dflash_runtime::cuda::ops::{self as gpu, ExpertWeights, MoeArgs, MoeScratch};
 use dflash_runtime::cuda::{CudaDevice, CudaError, DevSlice, DeviceBuf};
 use dflash_runtime::ops as cpu;
-use dflash_runtime::Tensor;
+use dflash_runtime::{DType, Tensor};
 use half::bf16;
 
 fn device() -> Option<&'static CudaDevice> {
@@ -97,27 +88,16 @@ struct Inputs {
     residual: Vec<f32>, // [T, H]
 }
 
-/// The CPU's routing of one logit row: `(expert, weight)` picks in rank order (SparseMoe::route).
-fn route(row: &[f32], case: &Case) -> Vec<(usize, f32)> {
-    let mut probs = row[..case.experts].to_vec();
-    cpu::softmax_in_place(&mut probs);
-    let top = cpu::top_k(&probs, case.top_k);
-    let sum: f32 = top.iter().map(|&(_, p)| p).sum();
-    let norm = if case.norm_topk { sum } else { 1.0 };
-    top.iter().map(|&(id, p)| (id as usize, p / norm)).collect()
-}
-
 /// Whether the GPU must pick the same experts: the k-th and (k+1)-th probabilities are exact ties (equal
 /// logits, ranked by id on both sides) or apart by more than 1e-4 relative.
 fn routing_is_stable(row: &[f32], case: &Case) -> bool {
     if case.top_k >= case.experts {
         return true;
     }
-    let mut probs = row[..case.experts].to_vec();
-    cpu::softmax_in_place(&mut probs);
-    let top = cpu::top_k(&probs, case.top_k + 1);
-    let (a, b) = (top[case.top_k - 1], top[case.top_k]);
-    row[a.0 as usize] == row[b.0 as usize] || a.1 - b.1 > 1e-4 * a.1
+    let logits = Tensor::from_f32(row, &[1, row.len()]).expect("logit row");
+    let picks = cpu::moe_route(&logits, case.experts, case.top_k + 1, false).expect("route");
+    let (a, b) = (picks[0][case.top_k - 1], picks[0][case.top_k]);
+    row[a.0] == row[b.0] || a.1 - b.1 > 1e-4 * a.1
 }
 
 fn inputs(rng: &mut Rng, case: &Case) -> Inputs {
@@ -155,18 +135,49 @@ fn inputs(rng: &mut Rng, case: &Case) -> Inputs {
     Inputs { x: rng.vec(t * h, 2.0), logits, gate_up, down, shared: rng.vec(t * h, 1.0), residual: rng.vec(t * h, 1.0) }
 }
 
-/// The CPU result (the residual after the block) and the error scale of each element.
+/// The CPU result (the residual after the block, through `ops::moe_forward`) and the error scale of each
+/// element.
 fn reference(inp: &Inputs, case: &Case) -> (Vec<f32>, Vec<f64>) {
     let (h, i, e, t, ld) = (case.hidden, case.inter, case.experts, case.rows, case.ld());
-    let mut out = inp.residual.clone();
-    let mut scale = vec![0f64; t * h];
-    for r in 0..t {
+    let tensor = |v: &[f32], shape: &[usize]| Tensor::from_f32(v, shape).expect("tensor");
+    let (x, logits) = (tensor(&inp.x, &[t, h]), tensor(&inp.logits, &[t, ld]));
+    let weights: Vec<(Tensor, Tensor)> = (0..e)
+        .map(|id| {
+            let gate_up = tensor(&inp.gate_up[id * 2 * i * h..(id + 1) * 2 * i * h], &[2 * i, h]);
+            (gate_up, tensor(&inp.down[id * h * i..(id + 1) * h * i], &[h, i]))
+        })
+        .collect();
+    let experts: Vec<cpu::MlpWeights> =
+        weights.iter().map(|(gate_up, down)| cpu::MlpWeights { gate_up, down }).collect();
+    let shared = case.shared.then(|| tensor(&inp.shared, &[t, h]));
+    let args = cpu::MoeArgs {
+        x: &x,
+        logits: &logits,
+        experts: &experts,
+        top_k: case.top_k,
+        norm_topk: case.norm_topk,
+        shared: shared.as_ref(),
+    };
+    let mut delta = Tensor::zeros(DType::F32, &[t, h]).expect("delta");
+    cpu::moe_forward(args, &mut delta).expect("cpu moe_forward");
+    let out: Vec<f32> = inp.residual.iter().zip(delta.as_f32().expect("f32")).map(|(r, d)| r + d).collect();
+    let scale = error_scale(inp, case, &logits, &out);
+    (out, scale)
+}
+
+/// The error scale of every element, over the picks `ops::moe_route` makes:
+/// `S = Σ_picks w · Σ_i |down[h, i]| · (|act_i| + (|up_i| + 1)·Σ|gate·x| + (|gate_i| + 1)·Σ|up·x| + 1)
+///      + |g · shared[h]| + |out[h]|`.
+/// Each dot's error is a few ulp of its Σ|terms| (taken here in f64); it passes through SwiGLU scaled by the
+/// other operand plus one (as in cuda_matmul_ops' SwiGLU epilogue). The `+ 1`s cover `expf` against the CPU's
+/// `exp`, about 1e-6 relative, in SiLU and in the routing weights (whose softmax sums also run in another order).
+fn error_scale(inp: &Inputs, case: &Case, logits: &Tensor, out: &[f32]) -> Vec<f64> {
+    let (h, i, e, ld) = (case.hidden, case.inter, case.experts, case.ld());
+    let routes = cpu::moe_route(logits, e, case.top_k, case.norm_topk).expect("route");
+    let mut scale = vec![0f64; out.len()];
+    for (r, picks) in routes.iter().enumerate() {
         let x = &inp.x[r * h..(r + 1) * h];
-        let mut picks = route(&inp.logits[r * ld..(r + 1) * ld], case);
-        // The CPU adds the experts in ascending id order (its expert loop).
-        picks.sort_by_key(|&(id, _)| id);
-        let mut delta = vec![0f32; h];
-        for &(id, w) in &picks {
+        for &(id, w) in picks {
             let gu = &inp.gate_up[id * 2 * i * h..(id + 1) * 2 * i * h];
             let dot = |row: &[f32]| -> (f32, f64) {
                 let s: f64 = row.iter().zip(x).map(|(&a, &b)| a as f64 * b as f64).sum();
@@ -174,7 +185,7 @@ fn reference(inp: &Inputs, case: &Case) -> (Vec<f32>, Vec<f64>) {
                 (s as f32, abs)
             };
             let (pre, pre_abs): (Vec<f32>, Vec<f64>) = gu.chunks_exact(h).map(dot).unzip();
-            let mut act = Tensor::from_f32(&vec![0.0; i], &[1, i]).expect("act");
+            let mut act = Tensor::zeros(DType::F32, &[1, i]).expect("act");
             cpu::swiglu_fused(&Tensor::from_f32(&pre, &[1, 2 * i]).expect("gate_up"), &mut act).expect("swiglu");
             let act = act.as_f32().expect("f32");
             // Error scale of each activation: the dots' scales through SwiGLU, plus the exp difference.
@@ -186,25 +197,18 @@ fn reference(inp: &Inputs, case: &Case) -> (Vec<f32>, Vec<f64>) {
                 .collect();
             let dn = &inp.down[id * h * i..(id + 1) * h * i];
             for (c, d) in dn.chunks_exact(i).enumerate() {
-                let y: f64 = d.iter().zip(act).map(|(&a, &b)| a as f64 * b as f64).sum();
-                delta[c] += y as f32 * w;
                 scale[r * h + c] += w as f64 * d.iter().zip(&act_err).map(|(&a, &s)| a.abs() as f64 * s).sum::<f64>();
             }
         }
-        if case.shared {
-            let g = 1.0 / (1.0 + (-inp.logits[r * ld + e]).exp());
-            for (c, d) in delta.iter_mut().enumerate() {
-                let term = g * inp.shared[r * h + c];
-                *d += term;
-                scale[r * h + c] += term.abs() as f64;
+        for c in 0..h {
+            if case.shared {
+                let g = 1.0 / (1.0 + (-inp.logits[r * ld + e]).exp());
+                scale[r * h + c] += (g * inp.shared[r * h + c]).abs() as f64;
             }
-        }
-        for (c, d) in delta.iter().enumerate() {
-            out[r * h + c] += d;
             scale[r * h + c] += out[r * h + c].abs() as f64 + 1e-30;
         }
     }
-    (out, scale)
+    scale
 }
 
 /// The device copies of one case's inputs.
