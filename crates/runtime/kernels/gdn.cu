@@ -1,6 +1,6 @@
 // Gated DeltaNet (Qwen3-Next's linear-attention layers): the causal convolution with its window state,
 // the rule inputs (L2-normalised q/k, decay, write strength), the gated delta rule in its recurrent form,
-// the gated RMSNorm, and the attention output gate. CPU twins: models/src/hybrid/gdn.rs, delta_rule.rs.
+// the gated RMSNorm, and the attention output gate. CPU twins: src/ops/gdn.rs, delta_rule.rs, elementwise.rs.
 //
 // A step's sequences are described by `runs` `[seqs, 4]`: first row, row count, state slot, and whether
 // to write the state back. A verify leaves the state alone (write 0) and keeps its rows' inputs in the

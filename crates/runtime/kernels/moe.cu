@@ -1,5 +1,5 @@
-// Sparse mixture-of-experts (Qwen3-MoE / Qwen3-Next sparse blocks). CPU twin: SparseMoe::forward and
-// SparseMoe::route in crates/models/src/hybrid/moe.rs; launcher: src/cuda/ops/moe.rs.
+// Sparse mixture-of-experts (Qwen3-MoE / Qwen3-Next sparse blocks). CPU twin: ops::moe_forward and
+// ops::moe_route in src/ops/moe.rs; launcher: src/cuda/ops/moe.rs.
 //
 // Launches, every grid sized from capacities (never from the routing, which lives on the device), so a step
 // is capturable into a CUDA graph:

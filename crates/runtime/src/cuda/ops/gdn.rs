@@ -1,6 +1,6 @@
-//! Launchers of the Gated DeltaNet kernels (kernels/gdn.cu): the twins of the CPU layer in
-//! `dflash_models::hybrid` (causal convolution, rule inputs, recurrent delta rule, gated norm) and of the
-//! gated attention's output gate.
+//! Launchers of the Gated DeltaNet kernels (kernels/gdn.cu): the twins of [`crate::ops::gdn_conv`],
+//! [`crate::ops::gdn_prep`], [`crate::ops::gdn_rule`] (its recurrent form) and [`crate::ops::gdn_gated_norm`],
+//! and of the gated attention's output gate, [`crate::ops::sigmoid_gate_mul`].
 //!
 //! A step's sequences come as `runs` `[seqs, 4]` `u32` on the device (first row, rows, state slot, write
 //! flag), so a step stays capturable. The state buffers hold every slot and GDN layer; the convolution and

@@ -1,6 +1,6 @@
 //! The sparse mixture-of-experts block on the device (kernels in moe.cu): routing, the routed experts'
 //! SwiGLU MLPs over only the experts some row picked, and the weighted sum added to the residual. Twin of
-//! `SparseMoe::forward` in `dflash_models::hybrid::moe` (that block's output added to the residual).
+//! [`crate::ops::moe_forward`] (its output added to the residual).
 //!
 //! Three launches up to [`MOE_SMALL_BATCH`] rows (decode, verify), four beyond, with grids sized from
 //! capacities (rows, `rows · top_k` (row, expert) pairs), never from the routing, which stays on the device:
