@@ -120,6 +120,17 @@ impl Engine {
                 )));
             }
         }
+        // The scheduler gives every running sequence at least its decode row.
+        let step_rows = cfg.max_batch_tokens.max(cfg.max_running);
+        if let Some(cap) = target.max_step_rows().filter(|&cap| cap < step_rows) {
+            return Err(EngineError::Target(format!(
+                "steps of up to {step_rows} rows (max batch tokens {}, {} sequences) but the target on {} was built \
+                 for {cap}",
+                cfg.max_batch_tokens,
+                cfg.max_running,
+                target.device()
+            )));
+        }
         let capture_width = target.capture_layers().len() * target.config().hidden_size;
         let stride = checkpoint_stride(target.as_ref(), cfg.page_size, cfg.state_checkpoint_stride);
         let budget = PrefixBudget::plan(cfg.prefix_cache_pages, target.as_ref(), cfg.page_size, stride);
@@ -592,6 +603,62 @@ mod tests {
         assert_eq!(moe.resume_state(), ResumeState::Pages);
         assert_eq!(checkpoint_stride(&moe, 16, 512), 0);
         assert_eq!(PrefixBudget::plan(24, &moe, 16, 0), PrefixBudget { pages: 24, checkpoints: 0 });
+    }
+
+    /// A target whose device cache was planned for steps of `.1` rows.
+    struct Narrow(HybridTarget, usize);
+
+    impl Target for Narrow {
+        fn device(&self) -> String {
+            "narrow".into()
+        }
+        fn config(&self) -> &dflash_models::ModelConfig {
+            self.0.config()
+        }
+        fn capture_layers(&self) -> &[usize] {
+            self.0.capture_layers()
+        }
+        fn page_size(&self) -> usize {
+            self.0.page_size()
+        }
+        fn forward(
+            &mut self,
+            batch: &dflash_models::ForwardBatch,
+        ) -> dflash_models::error::Result<dflash_models::ForwardOut> {
+            self.0.forward(batch)
+        }
+        fn host_heads(&self) -> Option<Arc<dyn dflash_models::TargetHeads>> {
+            None
+        }
+        fn max_step_rows(&self) -> Option<usize> {
+            Some(self.1)
+        }
+    }
+
+    #[test]
+    fn a_target_built_for_narrower_steps_is_refused() {
+        let tokenizer = Arc::new(
+            Tokenizer::from_hf_dir(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny-qwen3"))
+                .expect("tokenizer"),
+        );
+        let cfg = |max_running, max_batch_tokens| EngineConfig {
+            context_window: 64,
+            num_pages: 4,
+            page_size: 16,
+            max_running,
+            max_batch_tokens,
+            eos_ids: Vec::new(),
+            spec: SpecConfig { pld: None, ..SpecConfig::default() },
+            prefix_cache_pages: 0,
+            drafter: None,
+            state_checkpoint_stride: 0,
+        };
+        let metrics = || Arc::new(EngineMetrics::default());
+        let narrow = |rows| Box::new(Narrow(hybrid("tiny-qwen3-moe", Vec::new()), rows));
+        assert!(Engine::new(narrow(64), Arc::clone(&tokenizer), cfg(16, 64), metrics()).is_ok());
+        // Sixty-four sequences each get a decode row: steps of 64 rows, wider than the target's 32.
+        let err = Engine::new(narrow(32), Arc::clone(&tokenizer), cfg(64, 16), metrics()).err().expect("refused");
+        assert!(err.to_string().contains("built for 32"), "{err}");
     }
 
     #[test]

@@ -56,6 +56,12 @@ pub trait Target: Send {
     /// An inconsistent batch or a backend failure; the rows' cache contents are then unspecified.
     fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOut>;
 
+    /// Most rows one forward may hold, where the target's cache was planned for a fixed number (a device cache);
+    /// `None`: no limit. The engine refuses a configuration whose steps could be wider.
+    fn max_step_rows(&self) -> Option<usize> {
+        None
+    }
+
     /// Contexts (keys one sequence attends) past which the target's steps take other recorded forms (CUDA graphs
     /// keyed by context): the engine's start-up probe steps every verify width past each once, so no request pays
     /// for the recording. None by default.

@@ -49,9 +49,11 @@ impl CudaCacheConfig {
         }
     }
 
-    /// The capacities an engine's [`CachePlan`] asks for.
+    /// The capacities an engine's [`CachePlan`] asks for: steps of `max_batch_tokens` rows, or one row per sequence
+    /// when there are more sequences (the engine's scheduler widens its budget the same way).
     pub fn plan(plan: &CachePlan) -> Self {
-        Self::new(plan.num_pages, plan.page_size, plan.max_batch_tokens, plan.max_seqs, plan.context_window)
+        let rows = plan.max_batch_tokens.max(plan.max_seqs);
+        Self::new(plan.num_pages, plan.page_size, rows, plan.max_seqs, plan.context_window)
     }
 
     /// Block-table entries per sequence.

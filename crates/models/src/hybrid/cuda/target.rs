@@ -153,6 +153,10 @@ impl Target for CudaHybridTarget {
         self.model.forward(batch, &mut self.cache, &seqs).map_err(device_err)
     }
 
+    fn max_step_rows(&self) -> Option<usize> {
+        Some(self.cache.config().max_tokens)
+    }
+
     fn graph_contexts(&self) -> &[usize] {
         &GRAPH_CONTEXTS
     }

@@ -54,6 +54,10 @@ impl Target for CudaLlamaTarget {
         self.heads.as_ref().map(|h| Arc::clone(h) as Arc<dyn TargetHeads>)
     }
 
+    fn max_step_rows(&self) -> Option<usize> {
+        Some(self.cache.config().max_tokens)
+    }
+
     fn graph_contexts(&self) -> &[usize] {
         &GRAPH_CONTEXTS
     }
