@@ -125,13 +125,7 @@ pub fn load_model(source: &ModelSource, opts: &LoadOptions) -> Result<LoadedMode
 /// # Errors
 /// As [`load_model`].
 pub fn load_hf_weights(dir: &Path, opts: &LoadOptions) -> Result<LlamaModel> {
-    let mut config = read_json(&dir.join("config.json"))?;
-    if let Some(o) = &opts.config_overrides {
-        merge_json(&mut config, o);
-    }
-    let cfg = ModelConfig::from_hf(&config)?;
-    let store = WeightStore::new(WeightFile::Hf(SafetensorsDir::open(dir)?));
-    build(cfg, store, opts)
+    build(&ModelSource::HfDir(dir.to_path_buf()), opts)
 }
 
 /// Loads only the network from a GGUF file.
@@ -139,17 +133,38 @@ pub fn load_hf_weights(dir: &Path, opts: &LoadOptions) -> Result<LlamaModel> {
 /// # Errors
 /// As [`load_model`].
 pub fn load_gguf_weights(path: &Path, opts: &LoadOptions) -> Result<LlamaModel> {
-    let gguf = GgufFile::open(path)?;
-    let cfg = gguf_config(&gguf, opts.config_overrides.as_ref())?;
-    build(cfg, WeightStore::new(WeightFile::Gguf(gguf)), opts)
+    build(&ModelSource::GgufFile(path.to_path_buf()), opts)
 }
 
 /// Takes every tensor the config implies and checks nothing is left over.
-fn build(cfg: ModelConfig, store: WeightStore, opts: &LoadOptions) -> Result<LlamaModel> {
-    let mut store = store.widen_to_f32(opts.f32_weights);
+fn build(source: &ModelSource, opts: &LoadOptions) -> Result<LlamaModel> {
+    let (cfg, mut store) = weights_only(source, opts)?;
     let model = LlamaModel::load(cfg, &mut store, &opts.capture_layers)?;
     store.finish()?;
     Ok(model)
+}
+
+/// A Llama-family checkpoint's config and weights without its tokenizer (weights-only fixtures have none), as a
+/// strict store widened to f32 when `opts` asks.
+///
+/// # Errors
+/// Unreadable or malformed files, a config of another family.
+pub(crate) fn weights_only(source: &ModelSource, opts: &LoadOptions) -> Result<(ModelConfig, WeightStore)> {
+    let overrides = opts.config_overrides.as_ref();
+    let (cfg, file) = match source {
+        ModelSource::GgufFile(path) => {
+            let gguf = GgufFile::open(path)?;
+            (gguf_config(&gguf, overrides)?, WeightFile::Gguf(gguf))
+        }
+        ModelSource::HfDir(dir) => {
+            let mut config = read_json(&dir.join("config.json"))?;
+            if let Some(o) = overrides {
+                merge_json(&mut config, o);
+            }
+            (ModelConfig::from_hf(&config)?, WeightFile::Hf(SafetensorsDir::open(dir)?))
+        }
+    };
+    Ok((cfg, WeightStore::new(file).widen_to_f32(opts.f32_weights)))
 }
 
 /// A GGUF file's config, with the overrides GGUF configs take.

@@ -7,7 +7,7 @@ use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DeviceBuf};
 use dflash_runtime::ops::RopeTable;
 use dflash_runtime::Tensor;
 
-use crate::checkpoint::{Checkpoint, LoadOptions};
+use crate::checkpoint::LoadOptions;
 use crate::config::{Architecture, ModelConfig};
 use crate::cuda::{
     next_model_id, upload_norm, CudaCache, CudaCacheConfig, CudaModelError, DevMatrix, DevProjection, DevWeight,
@@ -108,15 +108,13 @@ impl CudaLlamaModel {
         Ok((model, host))
     }
 
-    /// Loads a GGUF file or an HF directory (weights only) through its checkpoint, strictly: every tensor must be
+    /// Loads a GGUF file or an HF directory (weights only, no tokenizer needed), strictly: every tensor must be
     /// used (tests; the engine's targets come through [`crate::open_target`]).
     ///
     /// # Errors
     /// As [`CudaLlamaModel::load`], unreadable files, another family's checkpoint.
     pub fn from_source(dev: Arc<CudaDevice>, source: &ModelSource, opts: &LoadOptions) -> Result<Self> {
-        let checkpoint = Checkpoint::open(source, opts.config_overrides.as_ref())?;
-        let cfg = checkpoint.config().clone();
-        let (_, mut store) = checkpoint.into_parts(opts.f32_weights);
+        let (cfg, mut store) = crate::llama::weights_only(source, opts)?;
         let (model, _) = Self::load(dev, cfg, &mut store, &opts.capture_layers, false)?;
         store.finish()?;
         Ok(model)
