@@ -1,8 +1,10 @@
-//! `dflash bench`: engine benchmarks on the real model, in process (no HTTP), so the figures are the engine's.
+//! `dflash bench`: benchmarks on the real model, in process (no HTTP) so the figures are the engine's; `serve` loads
+//! servers over HTTP.
 //!
 //! * `batch`: aggregate decode throughput with 1, 4, 16... concurrent streams, configurations interleaved
 //!   (A B C A B C ...) and medians reported, so slow drifts of the machine hit every configuration alike.
 //! * `ttft`: time to first token of a long prompt alone, and while other streams decode.
+//! * `serve`: HTTP load on OpenAI-compatible servers by concurrency, ours and others alike (see [`load`]).
 //! * `lanes`: speculation lanes side by side on a prompt set (see [`lanes`]).
 //! * `prefix`: a long chat's second turn, cold and from the prefix cache (see [`prefix`]).
 //! * `shapes`: CUDA decode against the memory floor on random-weight models of real shapes (see [`shapes`]).
@@ -11,6 +13,8 @@
 mod hybrid;
 mod lanes;
 mod lanes_report;
+mod load;
+mod load_report;
 mod prefix;
 mod shapes;
 
@@ -70,6 +74,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
         Scenario::Shapes(shapes_args) => return shapes::run(&args.model, shapes_args),
         Scenario::Hybrid(hybrid_args) => return hybrid::run(&args.model, hybrid_args),
         Scenario::Lanes(lanes_args) => return lanes::run(&args.model, &args.spec, lanes_args),
+        Scenario::Serve(load_args) => return load::run(load_args),
         Scenario::Prefix(prefix_args) => {
             return prefix::run(Startup::begin(&args.model, &args.spec)?, args.max_batch_tokens, prefix_args)
         }
@@ -95,7 +100,9 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
             let mut e = engine(startup, background + 1, args.max_batch_tokens)?;
             ttft(&mut e, &long, &prompts, *background, *repeat)
         }
-        Scenario::Lanes(_) | Scenario::Prefix(_) | Scenario::Shapes(_) | Scenario::Hybrid(_) => bail!("handled above"),
+        Scenario::Lanes(_) | Scenario::Prefix(_) | Scenario::Shapes(_) | Scenario::Hybrid(_) | Scenario::Serve(_) => {
+            bail!("handled above")
+        }
     }
 }
 

@@ -44,6 +44,9 @@ pub enum Scenario {
         #[arg(long, default_value_t = 3)]
         repeat: usize,
     },
+    /// HTTP load on OpenAI-compatible servers (ours, started here, or any at a URL) by concurrency: aggregate
+    /// tok/s, TTFT and inter-token latency; JSON, a Markdown table and an SVG plot.
+    Serve(LoadArgs),
     /// Speculation lanes side by side (alternating per prompt) on a prompt set: JSON and a Markdown table.
     Lanes(LanesArgs),
     /// Time to first token of a long chat's second turn, cold and served from the prefix cache.
@@ -165,4 +168,32 @@ pub struct HybridArgs {
     /// Context (prompt tokens) before the decode and verify steps.
     #[arg(long, default_value_t = 128)]
     pub context: usize,
+}
+
+/// `dflash bench serve` flags.
+#[derive(Args, Debug)]
+pub struct LoadArgs {
+    /// A server to load, as NAME=URL (the URL of its API root, e.g. `llama.cpp=http://127.0.0.1:8080/v1`).
+    #[arg(long = "server", value_name = "NAME=URL")]
+    pub servers: Vec<String>,
+    /// A `dflash serve` this bench starts (on 127.0.0.1, a free port) and loads, as NAME=FLAGS (e.g.
+    /// `plain=--device cuda --no-drafter --no-pld --max-concurrent 256`). Default, when no --server or --start is
+    /// given: `dflash=` (the default model with its default flags).
+    #[arg(long = "start", value_name = "NAME=FLAGS", allow_hyphen_values = true)]
+    pub starts: Vec<String>,
+    /// Concurrent streams, one level each.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,64,128,256")]
+    pub concurrency: Vec<usize>,
+    /// Tokens each completion generates (requests set `ignore_eos`, so every one generates them all).
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    /// Completions per stream at each level (each stream sends them back to back).
+    #[arg(long, default_value_t = 2)]
+    pub rounds: usize,
+    /// JSON list of {"group": ..., "prompt": ...}; sent as chat messages, in turn.
+    #[arg(long, default_value = "bench/prompts/lanes.json")]
+    pub prompts: PathBuf,
+    /// Where the JSON, the Markdown table and the SVG plot go.
+    #[arg(long, default_value = "bench/out")]
+    pub out_dir: PathBuf,
 }

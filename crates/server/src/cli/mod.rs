@@ -10,7 +10,7 @@ use dflash_engine::spec::{MtpDepth, NgramConfig, PolicyMode, SpecConfig};
 use dflash_engine::SamplingParams;
 use dflash_models::{Device, GenerationDefaults};
 
-pub use bench::{BenchArgs, HybridArgs, LanesArgs, PrefixArgs, Scenario, ShapesArgs};
+pub use bench::{BenchArgs, HybridArgs, LanesArgs, LoadArgs, PrefixArgs, Scenario, ShapesArgs};
 
 #[derive(Parser, Debug)]
 #[command(name = "dflash", version, about = "LLM inference with speculative decoding")]

@@ -1,0 +1,217 @@
+//! `dflash bench serve`: HTTP load on OpenAI-compatible servers by concurrency, so a serving table (ours beside any
+//! other server) is one command.
+//!
+//! Each level runs `c` streams, one thread each; a stream sends `--rounds` streamed chat completions back to back
+//! (greedy, `max_tokens` with `ignore_eos`, prompts from `--prompts` in turn). Per request it records the time to the
+//! first content chunk and the gaps between content chunks (one token each when no drafter runs; a speculative
+//! round may bring several), and the completion tokens the final usage chunk reports. A level's aggregate tok/s is
+//! all completion tokens over the time from its first request to its last answer. Servers are loaded one after the
+//! other, each with one warm-up request first. Results: JSON, a Markdown table and an SVG plot ([`super::load_report`]).
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::load_report::{write_reports, Level, ServerRun};
+use crate::cli::LoadArgs;
+
+/// How long a started server may take to load its model and listen.
+const STARTUP_DEADLINE: Duration = Duration::from_secs(300);
+/// How long one completion may take.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// A server under load: where its API is, and its process when this bench started it.
+struct Server {
+    name: String,
+    api: String,
+    child: Option<Child>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.child {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct PromptEntry {
+    prompt: String,
+}
+
+/// What one streamed completion showed.
+#[derive(Clone, Debug, Default)]
+pub struct Sample {
+    pub ttft: Option<Duration>,
+    pub gaps: Vec<Duration>,
+    pub tokens: usize,
+    pub error: Option<String>,
+}
+
+/// Runs the bench (see the module docs).
+///
+/// # Errors
+/// Unreadable prompts, a server that does not start or answer, no level at all.
+pub fn run(args: &LoadArgs) -> Result<()> {
+    let prompts = read_prompts(&args.prompts)?;
+    let levels: Vec<usize> = args.concurrency.iter().copied().filter(|&c| c > 0).collect();
+    if levels.is_empty() {
+        bail!("--concurrency names no level above 0");
+    }
+    let mut runs = Vec::new();
+    for server in servers(args) {
+        let server = server?;
+        let model = served_model(&server.api)?;
+        eprintln!("[bench] {}: {} ({model})", server.name, server.api);
+        complete(&server.api, &model, &prompts[0], args.max_tokens.min(16)).context("the warm-up request")?;
+        let mut run = ServerRun { name: server.name.clone(), levels: Vec::new() };
+        for &c in &levels {
+            let level = run_level(&server.api, &model, &prompts, c, args)?;
+            eprintln!("[bench] {} c={c}: {}", server.name, level.summary());
+            run.levels.push(level);
+        }
+        runs.push(run);
+    }
+    let table = write_reports(&args.out_dir, &runs)?;
+    println!("{table}");
+    Ok(())
+}
+
+/// The servers to load: `--server` ones as given, then `--start` ones as started; `dflash=` when neither is given.
+fn servers(args: &LoadArgs) -> impl Iterator<Item = Result<Server>> + '_ {
+    let starts: Vec<String> = match (args.servers.is_empty(), args.starts.is_empty()) {
+        (true, true) => vec!["dflash=".to_string()],
+        _ => args.starts.clone(),
+    };
+    let given = args.servers.iter().map(|s| {
+        let (name, url) = s.split_once('=').with_context(|| format!("--server {s}: expected NAME=URL"))?;
+        Ok(Server { name: name.to_string(), api: url.trim_end_matches('/').to_string(), child: None })
+    });
+    given.chain(starts.into_iter().map(|s| start(&s)))
+}
+
+/// Starts `dflash serve FLAGS` on a free port and waits until it listens.
+fn start(spec: &str) -> Result<Server> {
+    let (name, flags) = spec.split_once('=').with_context(|| format!("--start {spec}: expected NAME=FLAGS"))?;
+    let exe = std::env::current_exe().context("finding this binary")?;
+    let mut child = Command::new(exe)
+        .args(["serve", "--host", "127.0.0.1", "--port", "0"])
+        .args(flags.split_whitespace())
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("starting dflash serve")?;
+    let stderr = child.stderr.take().context("the server's stderr")?;
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(std::io::Result::ok) {
+            if let Some(addr) = line.split("listening on ").nth(1) {
+                let _ = tx.send(addr.trim().to_string());
+            }
+        }
+    });
+    let mut server = Server { name: name.to_string(), api: String::new(), child: Some(child) };
+    let addr = rx.recv_timeout(STARTUP_DEADLINE).map_err(|_| anyhow::anyhow!("{name}: the server did not start"))?;
+    server.api = format!("{addr}/v1");
+    Ok(server)
+}
+
+/// The first model the server lists (`/v1/models`).
+fn served_model(api: &str) -> Result<String> {
+    let body: Value = ureq::get(&format!("{api}/models")).call().context("GET /v1/models")?.into_json()?;
+    let id = body["data"][0]["id"].as_str().context("/v1/models lists no model")?;
+    Ok(id.to_string())
+}
+
+/// One level: `c` streams, `rounds` completions each.
+fn run_level(api: &str, model: &str, prompts: &[String], c: usize, args: &LoadArgs) -> Result<Level> {
+    let total = c * args.rounds.max(1);
+    let next = AtomicUsize::new(0);
+    let started = Instant::now();
+    let samples: Vec<Sample> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..c)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= total {
+                            return mine;
+                        }
+                        let prompt = &prompts[i % prompts.len()];
+                        mine.push(
+                            complete(api, model, prompt, args.max_tokens)
+                                .unwrap_or_else(|e| Sample { error: Some(format!("{e:#}")), ..Sample::default() }),
+                        );
+                    }
+                })
+            })
+            .collect();
+        workers.into_iter().flat_map(|w| w.join().unwrap_or_default()).collect()
+    });
+    Ok(Level::of(c, &samples, started.elapsed()))
+}
+
+/// One streamed, greedy chat completion of `max_tokens` tokens.
+fn complete(api: &str, model: &str, prompt: &str, max_tokens: usize) -> Result<Sample> {
+    let body = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+        "ignore_eos": true,
+    });
+    let sent = Instant::now();
+    let response = ureq::post(&format!("{api}/chat/completions")).timeout(REQUEST_TIMEOUT).send_json(body);
+    let response = match response {
+        Ok(r) => r,
+        Err(ureq::Error::Status(code, r)) => bail!("HTTP {code}: {}", r.into_string().unwrap_or_default()),
+        Err(e) => return Err(e.into()),
+    };
+    let mut sample = Sample::default();
+    let mut last = None;
+    for line in BufReader::new(response.into_reader()).lines() {
+        let line = line.context("reading the stream")?;
+        let Some(data) = line.strip_prefix("data:").map(str::trim) else { continue };
+        if data == "[DONE]" {
+            break;
+        }
+        let chunk: Value = serde_json::from_str(data).with_context(|| format!("a chunk that is not JSON: {data}"))?;
+        if let Some(n) = chunk["usage"]["completion_tokens"].as_u64() {
+            sample.tokens = n as usize;
+        }
+        let content = chunk["choices"][0]["delta"]["content"].as_str().unwrap_or_default();
+        if !content.is_empty() {
+            let now = Instant::now();
+            match last {
+                None => sample.ttft = Some(now - sent),
+                Some(t) => sample.gaps.push(now - t),
+            }
+            last = Some(now);
+        }
+    }
+    Ok(sample)
+}
+
+fn read_prompts(path: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let entries: Vec<PromptEntry> =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    if entries.is_empty() {
+        bail!("{} holds no prompts", path.display());
+    }
+    Ok(entries.into_iter().map(|e| e.prompt).collect())
+}

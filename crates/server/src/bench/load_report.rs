@@ -1,0 +1,226 @@
+//! The results of `dflash bench serve`: per server and concurrency level, aggregate tok/s and latency percentiles;
+//! written as JSON, a Markdown table (printed too) and an SVG plot of aggregate tok/s and p99 TTFT against
+//! concurrency, one line per server.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use plotters::prelude::*;
+use serde::Serialize;
+
+use super::load::Sample;
+
+/// One concurrency level of one server.
+#[derive(Clone, Debug, Serialize)]
+pub struct Level {
+    pub concurrency: usize,
+    pub requests: usize,
+    pub errors: usize,
+    /// The first error's message, if any.
+    pub first_error: Option<String>,
+    pub tokens: usize,
+    pub wall_s: f64,
+    /// Completion tokens of all requests over the level's wall time.
+    pub tok_s: f64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p99_ms: f64,
+    /// Gaps between content chunks.
+    pub itl_p50_ms: f64,
+    pub itl_p99_ms: f64,
+}
+
+impl Level {
+    /// The level's figures from its requests' samples, run in `wall`.
+    pub fn of(concurrency: usize, samples: &[Sample], wall: Duration) -> Level {
+        let ok: Vec<&Sample> = samples.iter().filter(|s| s.error.is_none()).collect();
+        let tokens: usize = ok.iter().map(|s| s.tokens).sum();
+        let ms = |d: &Duration| d.as_secs_f64() * 1e3;
+        let mut ttft: Vec<f64> = ok.iter().filter_map(|s| s.ttft.as_ref().map(ms)).collect();
+        let mut gaps: Vec<f64> = ok.iter().flat_map(|s| s.gaps.iter().map(ms)).collect();
+        let wall_s = wall.as_secs_f64();
+        Level {
+            concurrency,
+            requests: samples.len(),
+            errors: samples.len() - ok.len(),
+            first_error: samples.iter().find_map(|s| s.error.clone()),
+            tokens,
+            wall_s,
+            tok_s: if wall_s > 0.0 { tokens as f64 / wall_s } else { 0.0 },
+            ttft_p50_ms: percentile(&mut ttft, 0.50),
+            ttft_p99_ms: percentile(&mut ttft, 0.99),
+            itl_p50_ms: percentile(&mut gaps, 0.50),
+            itl_p99_ms: percentile(&mut gaps, 0.99),
+        }
+    }
+
+    /// One log line.
+    pub fn summary(&self) -> String {
+        let errors = match &self.first_error {
+            Some(e) => format!(", {} errors (first: {e})", self.errors),
+            None => String::new(),
+        };
+        format!(
+            "{:.0} tok/s, TTFT p50 {:.1} ms p99 {:.1} ms, ITL p50 {:.2} ms p99 {:.2} ms, {} requests{errors}",
+            self.tok_s, self.ttft_p50_ms, self.ttft_p99_ms, self.itl_p50_ms, self.itl_p99_ms, self.requests
+        )
+    }
+}
+
+/// One server's levels.
+#[derive(Clone, Debug, Serialize)]
+pub struct ServerRun {
+    pub name: String,
+    pub levels: Vec<Level>,
+}
+
+/// The nearest-rank percentile `q` of `values` (sorted here); NaN for none.
+fn percentile(values: &mut [f64], q: f64) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    values.sort_by(f64::total_cmp);
+    let rank = ((q * values.len() as f64).ceil() as usize).clamp(1, values.len());
+    values[rank - 1]
+}
+
+/// Writes `serve-load.json`, `serve-load.md` and `serve-load.svg` into `dir`; returns the Markdown table.
+///
+/// # Errors
+/// A directory or file that cannot be written, a plot that cannot be drawn.
+pub fn write_reports(dir: &Path, runs: &[ServerRun]) -> Result<String> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let path = |ext: &str| -> PathBuf { dir.join(format!("serve-load.{ext}")) };
+    std::fs::write(path("json"), serde_json::to_string_pretty(runs)?).context("writing the JSON")?;
+    let table = table(runs);
+    std::fs::write(path("md"), &table).context("writing the table")?;
+    plot(&path("svg"), runs)?;
+    eprintln!("[bench] written to {}", path("{json,md,svg}").display());
+    Ok(table)
+}
+
+/// Rows by concurrency, a column group per server.
+fn table(runs: &[ServerRun]) -> String {
+    let mut out = String::from("| concurrent requests |");
+    for r in runs {
+        let _ = write!(out, " {0} tok/s | {0} TTFT p50 / p99 ms | {0} ITL p50 / p99 ms |", r.name);
+    }
+    out.push_str("\n| --- |");
+    out.push_str(&" --- | --- | --- |".repeat(runs.len()));
+    let mut levels: Vec<usize> = runs.iter().flat_map(|r| r.levels.iter().map(|l| l.concurrency)).collect();
+    levels.sort_unstable();
+    levels.dedup();
+    for c in levels {
+        let _ = write!(out, "\n| {c} |");
+        for r in runs {
+            match r.levels.iter().find(|l| l.concurrency == c) {
+                Some(l) => {
+                    let errors = if l.errors > 0 { format!(" ({} errors)", l.errors) } else { String::new() };
+                    let _ = write!(
+                        out,
+                        " {:.0}{errors} | {:.1} / {:.1} | {:.2} / {:.2} |",
+                        l.tok_s, l.ttft_p50_ms, l.ttft_p99_ms, l.itl_p50_ms, l.itl_p99_ms
+                    );
+                }
+                None => out.push_str(" | | |"),
+            }
+        }
+    }
+    out.push('\n');
+    out
+}
+
+/// Two panels side by side: aggregate tok/s and p99 TTFT against concurrency (log scale), a line per server.
+fn plot(path: &Path, runs: &[ServerRun]) -> Result<()> {
+    let root = SVGBackend::new(path, (1100, 450)).into_drawing_area();
+    root.fill(&WHITE).map_err(draw_err)?;
+    let (left, right) = root.split_horizontally(550);
+    let tok_s = |l: &Level| l.tok_s;
+    let ttft = |l: &Level| l.ttft_p99_ms;
+    panel(&left, runs, "aggregate tok/s", &tok_s)?;
+    panel(&right, runs, "p99 TTFT (ms)", &ttft)?;
+    root.present().map_err(draw_err)
+}
+
+fn panel(
+    area: &DrawingArea<SVGBackend, plotters::coord::Shift>,
+    runs: &[ServerRun],
+    what: &str,
+    value: &dyn Fn(&Level) -> f64,
+) -> Result<()> {
+    let points = |r: &ServerRun| -> Vec<(f64, f64)> {
+        r.levels.iter().map(|l| (l.concurrency as f64, value(l))).filter(|p| p.1.is_finite()).collect()
+    };
+    let all: Vec<(f64, f64)> = runs.iter().flat_map(points).collect();
+    let x_max = all.iter().map(|p| p.0).fold(1.0, f64::max);
+    let y_max = all.iter().map(|p| p.1).fold(1.0, f64::max) * 1.1;
+    let mut chart = ChartBuilder::on(area)
+        .caption(what, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(60)
+        .build_cartesian_2d((1.0..x_max * 1.2).log_scale(), 0.0..y_max)
+        .map_err(draw_err)?;
+    chart.configure_mesh().x_desc("concurrent requests").draw().map_err(draw_err)?;
+    for (i, r) in runs.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let line = LineSeries::new(points(r), color.stroke_width(2));
+        chart
+            .draw_series(line)
+            .map_err(draw_err)?
+            .label(r.name.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
+        chart.draw_series(points(r).into_iter().map(|p| Circle::new(p, 3, color.filled()))).map_err(draw_err)?;
+    }
+    chart.configure_series_labels().border_style(BLACK).background_style(WHITE).draw().map_err(draw_err)?;
+    Ok(())
+}
+
+fn draw_err(e: impl std::fmt::Display) -> anyhow::Error {
+    anyhow::anyhow!("drawing the plot: {e}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(ttft_ms: u64, gaps_ms: &[u64], tokens: usize) -> Sample {
+        Sample {
+            ttft: Some(Duration::from_millis(ttft_ms)),
+            gaps: gaps_ms.iter().map(|&g| Duration::from_millis(g)).collect(),
+            tokens,
+            error: None,
+        }
+    }
+
+    #[test]
+    fn a_level_counts_tokens_over_its_wall_time_and_takes_nearest_rank_percentiles() {
+        let failed = Sample { error: Some("HTTP 503".into()), ..Sample::default() };
+        let samples = [sample(10, &[1, 2], 3), sample(30, &[4], 2), failed];
+        let l = Level::of(2, &samples, Duration::from_secs(2));
+        assert_eq!((l.requests, l.errors, l.tokens), (3, 1, 5));
+        assert!((l.tok_s - 2.5).abs() < 1e-9);
+        assert_eq!((l.ttft_p50_ms, l.ttft_p99_ms), (10.0, 30.0));
+        assert_eq!((l.itl_p50_ms, l.itl_p99_ms), (2.0, 4.0));
+        assert_eq!(l.first_error.as_deref(), Some("HTTP 503"));
+        assert!(percentile(&mut [], 0.5).is_nan());
+    }
+
+    #[test]
+    fn reports_are_written_with_a_column_group_per_server() {
+        let level =
+            |c, tok_s| Level { concurrency: c, tok_s, ..Level::of(c, &[sample(5, &[1], 4)], Duration::from_secs(1)) };
+        let runs = [
+            ServerRun { name: "a".into(), levels: vec![level(1, 100.0), level(8, 500.0)] },
+            ServerRun { name: "b".into(), levels: vec![level(1, 80.0)] },
+        ];
+        let dir = std::env::temp_dir().join(format!("dflash-load-report-{}", std::process::id()));
+        let table = write_reports(&dir, &runs).expect("reports");
+        assert!(table.contains("| 8 | 500 |"), "{table}");
+        assert!(table.contains("| 1 | 100 |") && table.contains(" 80 |"), "{table}");
+        let svg = std::fs::read_to_string(dir.join("serve-load.svg")).expect("svg");
+        assert!(svg.starts_with("<svg") && svg.contains("aggregate tok/s"), "an SVG with its panels");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
