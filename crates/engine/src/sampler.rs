@@ -11,9 +11,10 @@ mod kernels;
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 
-use kernels::{
-    argmax, by_value_desc, gumbel_argmax, keep_top_p, max_finite, max_finite_of, softmax, sum_exp, top_k_ids, top_p_ids,
+use dflash_runtime::ops::filter::{
+    argmax, by_value_desc, filter_ids, max_finite, max_finite_of, softmax, sum_exp, top_k_ids,
 };
+use kernels::gumbel_argmax;
 
 /// Key stream for the target model's draws.
 pub const STREAM_TARGET: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -219,7 +220,7 @@ pub fn candidates(logits: &[f32], params: &SamplingParams, history: &TokenHistor
         return Candidates { ids: vec![id], logits: vec![logit], probs: vec![1.0] };
     }
     let scaled = scaled_logits(logits, params, history);
-    let mut ids = filtered_ids(&scaled, params);
+    let mut ids = filter_ids(&scaled, params.top_k, params.top_p, params.min_p);
     if ids.is_empty() {
         ids.push(argmax(&scaled));
     }
@@ -240,7 +241,7 @@ pub fn sample(logits: &[f32], params: &SamplingParams, history: &TokenHistory, p
     }
     let scaled = scaled_logits(logits, params, history);
     let chosen = if params.has_filters() {
-        let ids = filtered_ids(&scaled, params);
+        let ids = filter_ids(&scaled, params.top_k, params.top_p, params.min_p);
         let max = max_finite_of(ids.iter().map(|&id| scaled[id as usize]));
         gumbel_argmax(&scaled, ids.iter().copied(), max, params.seed, pos)
     } else {
@@ -314,42 +315,6 @@ fn scaled_logits(logits: &[f32], params: &SamplingParams, history: &TokenHistory
             penalized
         }
     }
-}
-
-/// Ids surviving top-k, top-p and min-p (applied in that order, each renormalising over what the
-/// previous left), ascending. Masked tokens never survive.
-fn filtered_ids(scaled: &[f32], params: &SamplingParams) -> Vec<u32> {
-    let top_k_on = params.top_k > 0 && params.top_k < scaled.len();
-    let top_p_on = params.top_p < 1.0;
-    if !top_k_on && !top_p_on {
-        // At most min-p, over the whole vocabulary: one pass that never lists the ids it drops.
-        let (max, log_min_p) = (max_finite(scaled), params.min_p.ln());
-        return (0..scaled.len() as u32).filter(|&id| passes_min_p(scaled[id as usize], max, log_min_p)).collect();
-    }
-    let mut ids = if top_k_on {
-        let mut ids = top_k_ids(scaled, params.top_k);
-        if top_p_on {
-            let values: Vec<f32> = ids.iter().map(|&id| scaled[id as usize]).collect();
-            let max = max_finite(&values);
-            let target = f64::from(params.top_p) * sum_exp(&values, max);
-            keep_top_p(&mut ids, scaled, max, target);
-        }
-        ids
-    } else {
-        top_p_ids(scaled, params.top_p)
-    };
-    if params.min_p > 0.0 {
-        let max = max_finite_of(ids.iter().map(|&id| scaled[id as usize]));
-        let log_min_p = params.min_p.ln();
-        ids.retain(|&id| passes_min_p(scaled[id as usize], max, log_min_p));
-    }
-    ids
-}
-
-/// min-p's test: p_i >= min_p * p_max  <=>  l_i - l_max >= ln(min_p), whatever the normalisation.
-/// Every unmasked token passes min_p = 0 (ln 0 = -inf); masked tokens never pass.
-fn passes_min_p(scaled: f32, max: f32, log_min_p: f32) -> bool {
-    scaled > f32::NEG_INFINITY && scaled - max >= log_min_p
 }
 
 #[cfg(test)]

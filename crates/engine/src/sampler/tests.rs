@@ -333,3 +333,21 @@ fn logprobs_are_normalised_and_top_n_is_ordered() {
     assert_eq!(top_n(&[0.1, f32::NAN, 0.5, 0.5], 2), vec![(2, 0.5), (3, 0.5)]);
     assert!(top_n(&logits, 0).is_empty());
 }
+
+#[test]
+fn block_drafters_draw_over_the_samplers_own_candidates() {
+    use dflash_models::dflash::{filtered_probs, SamplingFilter};
+    for (salt, (temperature, top_k, top_p)) in
+        [(0.7f32, 20usize, 0.9f32), (1.0, 0, 0.5), (0.3, 3, 1.0), (1.3, 0, 1.0)].into_iter().enumerate()
+    {
+        let logits = test_logits(4096, salt as u64 + 11, 6.0);
+        let p = SamplingParams { temperature, top_k, top_p, ..SamplingParams::greedy() };
+        let c = candidates(&logits, &p, &TokenHistory::default());
+        let q = filtered_probs(&logits, &SamplingFilter { temperature, top_k, top_p });
+        let kept: Vec<u32> = (0..q.len() as u32).filter(|&id| q[id as usize] > 0.0).collect();
+        assert_eq!(kept, c.ids, "T {temperature} top-k {top_k} top-p {top_p}: the same candidates");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let q_kept: Vec<f32> = c.ids.iter().map(|&id| q[id as usize]).collect();
+        assert_eq!(bits(&q_kept), bits(&c.probs), "and the same probabilities, bit for bit");
+    }
+}

@@ -4,7 +4,7 @@
 //! The engine's implementation is its keyed sampler (so seeded output does not depend on batching or
 //! speculation); [`InverseCdf`] replays fixed uniforms (golden tests, reproductions).
 
-use dflash_runtime::ops;
+use dflash_runtime::ops::filter;
 
 use crate::error::{ModelError, Result};
 
@@ -88,37 +88,16 @@ impl SamplingFilter {
     }
 }
 
-/// The full-vocabulary distribution a v1 draft is drawn from (R1 `_sampling_probs`): logits divided by the
-/// temperature (f32), top-k on the scaled logits, softmax over what is kept, then top-p (keep the sorted entries
-/// whose preceding mass is below `top_p`, computed as the reference does: running sum minus the entry) and
-/// renormalise. Equal values order by token id.
+/// The full-vocabulary distribution a v1 draft is drawn from: logits divided by the temperature, then the
+/// engine sampler's own top-k and top-p ([`filter::filter_ids`]; the reference's R1 `_sampling_probs` applies the
+/// same stages in the same order), and a softmax over what is kept.
 pub fn filtered_probs(logits: &[f32], filter: &SamplingFilter) -> Vec<f32> {
     let t = filter.temperature;
-    let scaled: Vec<f32> = logits.iter().map(|&l| l / t).collect();
-    let k = if filter.top_k > 0 && filter.top_k < scaled.len() { filter.top_k } else { scaled.len() };
-    // Sorted by value descending, then id ascending.
-    let mut kept = ops::top_k(&scaled, k);
-    let mut values: Vec<f32> = kept.iter().map(|&(_, v)| v).collect();
-    ops::softmax_in_place(&mut values);
-    for (entry, p) in kept.iter_mut().zip(&values) {
-        entry.1 = *p;
-    }
-    if filter.top_p < 1.0 {
-        // Softmax keeps the order of the (already sorted) values, so the kept entries are sorted by probability.
-        let mut cum = 0f32;
-        let mut total = 0f32;
-        for entry in kept.iter_mut() {
-            cum += entry.1;
-            if cum - entry.1 < filter.top_p {
-                total += entry.1;
-            } else {
-                entry.1 = 0.0;
-            }
-        }
-        kept.iter_mut().for_each(|e| e.1 /= total);
-    }
+    let scaled: Vec<f32> = logits.iter().map(|&l| if l.is_nan() { f32::NEG_INFINITY } else { l / t }).collect();
+    let ids = filter::filter_ids(&scaled, filter.top_k, filter.top_p, 0.0);
+    let kept: Vec<f32> = ids.iter().map(|&id| scaled[id as usize]).collect();
     let mut probs = vec![0f32; logits.len()];
-    for (id, p) in kept {
+    for (&id, p) in ids.iter().zip(filter::softmax(&kept)) {
         probs[id as usize] = p;
     }
     probs

@@ -14,6 +14,7 @@ mod dense;
 #[cfg(target_arch = "x86_64")]
 mod dense_avx2;
 mod elementwise;
+pub mod filter;
 mod gdn;
 mod matmul;
 mod moe;
