@@ -18,7 +18,7 @@ pub use metrics::EngineMetrics;
 pub use pages::{PageAllocator, Published};
 pub use prefix_cache::PrefixCache;
 pub use request::{Event, EventSink, FinishReason, Request, TokenLogprob, TopLogprob, Usage};
-pub use sampler::SamplingParams;
+pub use sampler::{Fallback, SamplingChoices, SamplingParams};
 pub use service::{spawn, EngineClient, SubmitError};
 
 /// Errors from the engine.

@@ -11,6 +11,8 @@ mod kernels;
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 
+use dflash_models::GenerationDefaults;
+
 use dflash_runtime::ops::filter::{
     argmax, by_value_desc, filter_ids, max_finite, max_finite_of, softmax, sum_exp, top_k_ids,
 };
@@ -73,6 +75,30 @@ pub struct SamplingParams {
     pub seed: u64,
 }
 
+/// The sampling fields a caller set, `None` where it left them to the defaults: what an HTTP body or the command
+/// line asked for, before [`SamplingParams::resolve`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SamplingChoices {
+    pub temperature: Option<f32>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub seed: Option<u64>,
+}
+
+/// What a field becomes when neither the caller nor the model's generation config sets it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fallback {
+    /// OpenAI's API defaults, temperature 1 and every other stage off: what OpenAI clients sending requests over
+    /// HTTP expect.
+    OpenAi,
+    /// Greedy decoding: `dflash run` gives the same answer every time unless asked to sample.
+    Greedy,
+}
+
 impl Default for SamplingParams {
     fn default() -> Self {
         Self::greedy()
@@ -92,6 +118,38 @@ impl SamplingParams {
             frequency_penalty: 0.0,
             seed: 0,
         }
+    }
+
+    /// The one place sampling defaults are merged: each field is the caller's choice, else the model's generation
+    /// config, else `fallback`'s; a request without a seed gets a random one (its draws are its own, as OpenAI's are
+    /// without a seed); then every field is checked, once.
+    ///
+    /// # Errors
+    /// [`SamplerError::OutOfRange`] naming the first field outside its range.
+    pub fn resolve(
+        choices: &SamplingChoices,
+        model: &GenerationDefaults,
+        fallback: Fallback,
+    ) -> Result<Self, SamplerError> {
+        let base = match fallback {
+            Fallback::OpenAi => SamplingParams { temperature: 1.0, ..Self::greedy() },
+            Fallback::Greedy => Self::greedy(),
+        };
+        let params = SamplingParams {
+            temperature: choices.temperature.or(model.temperature).unwrap_or(base.temperature),
+            top_k: choices.top_k.or(model.top_k).unwrap_or(base.top_k),
+            top_p: choices.top_p.or(model.top_p).unwrap_or(base.top_p),
+            min_p: choices.min_p.or(model.min_p).unwrap_or(base.min_p),
+            repetition_penalty: choices
+                .repetition_penalty
+                .or(model.repetition_penalty)
+                .unwrap_or(base.repetition_penalty),
+            presence_penalty: choices.presence_penalty.unwrap_or(base.presence_penalty),
+            frequency_penalty: choices.frequency_penalty.unwrap_or(base.frequency_penalty),
+            seed: choices.seed.unwrap_or_else(random_seed),
+        };
+        params.validate()?;
+        Ok(params)
     }
 
     /// Whether tokens are chosen by argmax (temperature 0, or too small to divide by).
@@ -127,6 +185,14 @@ impl SamplingParams {
     fn has_filters(&self) -> bool {
         self.top_k > 0 || self.top_p < 1.0 || self.min_p > 0.0
     }
+}
+
+/// A seed for a request that brings none: from the process's random hasher keys and the clock.
+pub fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
+    h.finish()
 }
 
 /// `Ok` when `in_range`, else the error naming the field.

@@ -2,15 +2,12 @@
 
 use std::sync::Arc;
 
-use dflash_engine::{EngineClient, EventSink, Request, SamplingParams};
+use dflash_engine::{EngineClient, EventSink, Request};
 use dflash_models::tokenizer::{ChatMessage, Tokenizer};
 use dflash_models::GenerationDefaults;
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 
-use crate::cli::random_seed;
-use crate::http::{
-    ApiError, ChatMessageIn, EngineEvent, EngineHandle, EngineRequest, Role, SamplingFields, SubmitError,
-};
+use crate::http::{ApiError, ChatMessageIn, EngineEvent, EngineHandle, Role, SubmitError};
 
 /// Streams a sequence's events into the HTTP handler's channel. Unbounded, so the engine never waits on a slow
 /// client; a sequence sends at most `max_tokens` events.
@@ -32,35 +29,8 @@ pub struct LiveEngine {
     pub tokenizer: Arc<Tokenizer>,
     pub name: String,
     pub context_window: usize,
-    pub defaults: SamplingFields,
-}
-
-impl LiveEngine {
-    /// OpenAI's defaults, overridden by the model's generation config.
-    pub fn sampling_defaults(gen: &GenerationDefaults) -> SamplingFields {
-        let base = SamplingFields::default();
-        SamplingFields {
-            temperature: gen.temperature.unwrap_or(base.temperature),
-            top_p: gen.top_p.unwrap_or(base.top_p),
-            top_k: gen.top_k.unwrap_or(base.top_k),
-            min_p: gen.min_p.unwrap_or(base.min_p),
-            repetition_penalty: gen.repetition_penalty.unwrap_or(base.repetition_penalty),
-            ..base
-        }
-    }
-}
-
-fn sampling_params(s: &SamplingFields) -> SamplingParams {
-    SamplingParams {
-        temperature: s.temperature,
-        top_k: s.top_k,
-        top_p: s.top_p,
-        min_p: s.min_p,
-        repetition_penalty: s.repetition_penalty,
-        presence_penalty: s.presence_penalty,
-        frequency_penalty: s.frequency_penalty,
-        seed: s.seed.unwrap_or_else(random_seed),
-    }
+    /// The model's generation config (sampling defaults).
+    pub defaults: GenerationDefaults,
 }
 
 fn role_name(role: Role) -> &'static str {
@@ -73,28 +43,12 @@ fn role_name(role: Role) -> &'static str {
 }
 
 impl EngineHandle for LiveEngine {
-    fn submit(&self, req: EngineRequest) -> Result<UnboundedReceiver<EngineEvent>, SubmitError> {
-        if let Some(&bad) = req.prompt_ids.iter().find(|&&id| id as usize >= self.tokenizer.vocab_size()) {
+    fn submit(&self, req: Request) -> Result<UnboundedReceiver<EngineEvent>, SubmitError> {
+        if let Some(&bad) = req.prompt.iter().find(|&&id| id as usize >= self.tokenizer.vocab_size()) {
             return Err(SubmitError::Invalid(format!("token id {bad} is outside the vocabulary")));
         }
-        let sampling = sampling_params(&req.sampling);
-        sampling.validate().map_err(|e| SubmitError::Invalid(e.to_string()))?;
-        let request = Request {
-            id: req.id,
-            prompt: req.prompt_ids,
-            sampling,
-            max_tokens: req.max_tokens,
-            stop: req.stop,
-            logprobs: req.logprobs,
-            ignore_eos: req.ignore_eos,
-            enable_pld: req.enable_pld,
-            enable_drafter: req.enable_drafter,
-            spec_policy: req.spec_policy,
-            cache_prompt: req.cache_prompt,
-            oracle: None,
-        };
         let (tx, rx) = mpsc::unbounded_channel();
-        self.client.submit(request, Box::new(ChannelSink(tx))).map_err(|e| match e {
+        self.client.submit(req, Box::new(ChannelSink(tx))).map_err(|e| match e {
             dflash_engine::SubmitError::Busy => SubmitError::Busy,
             dflash_engine::SubmitError::ShuttingDown => SubmitError::ShuttingDown,
         })?;
@@ -142,7 +96,7 @@ impl EngineHandle for LiveEngine {
         self.client.metrics().render()
     }
 
-    fn sampling_defaults(&self) -> SamplingFields {
+    fn generation_defaults(&self) -> GenerationDefaults {
         self.defaults.clone()
     }
 }

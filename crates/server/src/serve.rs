@@ -34,7 +34,6 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     };
     let metrics = Arc::new(EngineMetrics::default());
     let Built { mut engine, name, tokenizer, generation } = startup.build(plan, Arc::clone(&metrics))?;
-    let defaults = LiveEngine::sampling_defaults(&generation);
     // At start-up, so the first request does not pay for the round policy's calibration.
     engine.probe_round_costs_at_start();
     tracing::info!(
@@ -54,7 +53,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     }
     let (client, engine_thread) =
         dflash_engine::spawn(engine, args.max_queue, metrics).context("starting the engine thread")?;
-    let live = LiveEngine { client: client.clone(), tokenizer, name, context_window, defaults };
+    let live = LiveEngine { client: client.clone(), tokenizer, name, context_window, defaults: generation };
     let http_cfg = HttpConfig {
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         max_body_bytes: usize::try_from(args.max_body_bytes).unwrap_or(usize::MAX),

@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use dflash_engine::spec::mtp::AUTO_MAX_DEPTH;
 use dflash_engine::spec::{MtpDepth, NgramConfig, PolicyMode, SpecConfig};
-use dflash_engine::SamplingParams;
+use dflash_engine::{Fallback, SamplingChoices, SamplingParams};
 use dflash_models::{Device, GenerationDefaults};
 
 pub use bench::{BenchArgs, HybridArgs, LanesArgs, LoadArgs, PrefixArgs, Scenario, ShapesArgs};
@@ -154,29 +154,23 @@ pub struct SamplingArgs {
 }
 
 impl SamplingArgs {
-    /// Resolves flags over the model's defaults.
+    /// The flags over the model's defaults, falling back to greedy ([`Fallback::Greedy`]).
+    ///
+    /// # Errors
+    /// A value out of its range, named.
     pub fn params(&self, defaults: &GenerationDefaults) -> Result<SamplingParams> {
-        let p = SamplingParams {
-            temperature: self.temperature.or(defaults.temperature).unwrap_or(0.0),
-            top_k: self.top_k.or(defaults.top_k).unwrap_or(0),
-            top_p: self.top_p.or(defaults.top_p).unwrap_or(1.0),
-            min_p: self.min_p.or(defaults.min_p).unwrap_or(0.0),
-            repetition_penalty: self.repetition_penalty.or(defaults.repetition_penalty).unwrap_or(1.0),
-            presence_penalty: self.presence_penalty.unwrap_or(0.0),
-            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
-            seed: self.seed.unwrap_or_else(random_seed),
+        let choices = SamplingChoices {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            seed: self.seed,
         };
-        p.validate().context("invalid sampling flags")?;
-        Ok(p)
+        SamplingParams::resolve(&choices, defaults, Fallback::Greedy).context("invalid sampling flags")
     }
-}
-
-/// A per-request seed when none is given.
-pub fn random_seed() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
-    h.finish()
 }
 
 /// Speculative decoding flags, shared by `run`, `serve` and `bench`.

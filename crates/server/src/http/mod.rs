@@ -27,7 +27,7 @@ use axum::{Extension, Router};
 
 #[cfg(test)]
 pub use dflash_engine::TopLogprob;
-pub use engine::{EngineEvent, EngineHandle, EngineRequest, SamplingFields, SubmitError};
+pub use engine::{EngineEvent, EngineHandle, SubmitError};
 #[cfg(test)]
 pub use engine::{FinishReason, TokenLogprob, Usage};
 pub use errors::ApiError;

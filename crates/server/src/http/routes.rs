@@ -10,7 +10,7 @@ use axum::Json;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver as Receiver;
 
-use super::engine::{EngineEvent, EngineHandle, EngineRequest, FinishReason, TokenLogprob, Usage};
+use super::engine::{EngineEvent, EngineHandle, FinishReason, Request, TokenLogprob, Usage};
 use super::errors::{ApiError, ApiJson};
 use super::metrics::HttpMetrics;
 use super::reqlog::RequestLog;
@@ -38,7 +38,7 @@ pub(crate) async fn chat_completions(
     ApiJson(req): ApiJson<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
-    let valid = validate_chat(req, &state.engine.sampling_defaults())?;
+    let valid = validate_chat(req, &state.engine.generation_defaults())?;
     generate(state, valid, Endpoint::Chat, started).await
 }
 
@@ -47,7 +47,7 @@ pub(crate) async fn completions(
     ApiJson(req): ApiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
-    let valid = validate_completion(req, &state.engine.sampling_defaults())?;
+    let valid = validate_completion(req, &state.engine.generation_defaults())?;
     generate(state, valid, Endpoint::Completion, started).await
 }
 
@@ -65,9 +65,9 @@ async fn generate(
     let meta = ResponseMeta::new(endpoint.id_prefix(), engine.model_name());
     let log = RequestLog::start(endpoint.log_name(), &meta.id, prompt_ids.len(), max_tokens, spec.stream, started);
     let want_logprobs = spec.logprobs.is_some();
-    let request = EngineRequest {
+    let request = Request {
         id: meta.id.clone(),
-        prompt_ids,
+        prompt: prompt_ids,
         sampling: spec.sampling,
         max_tokens,
         stop: spec.stop,
@@ -77,6 +77,7 @@ async fn generate(
         enable_drafter: spec.enable_drafter,
         spec_policy: spec.spec_policy,
         cache_prompt: spec.cache_prompt,
+        oracle: None,
     };
     let rx = engine.submit(request).map_err(|e| {
         log.failed(&e.to_string());

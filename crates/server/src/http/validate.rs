@@ -4,7 +4,7 @@ use std::path::Path;
 
 use serde_json::{Map, Number, Value};
 
-use super::engine::{SamplingFields, SpecPolicy};
+use super::engine::{Fallback, GenerationDefaults, SamplingChoices, SamplingParams, SpecPolicy};
 use super::errors::ApiError;
 use super::types::{ChatCompletionRequest, ChatMessageIn, CompletionRequest, RawMessage, Role, StreamOptions};
 
@@ -26,7 +26,7 @@ pub(crate) enum PromptSource {
 /// Generation settings checked and normalized; shared by both endpoints.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct GenerationSpec {
-    pub sampling: SamplingFields,
+    pub sampling: SamplingParams,
     /// `None`: whatever room the context window leaves after the prompt.
     pub max_tokens: Option<usize>,
     pub stop: Vec<String>,
@@ -51,16 +51,21 @@ pub(crate) struct ValidRequest {
     pub spec: GenerationSpec,
 }
 
-/// The sampling fields both endpoints share, gathered from either request type.
-struct SamplingInput {
-    temperature: Option<f32>,
-    top_p: Option<f32>,
-    top_k: Option<i64>,
-    min_p: Option<f32>,
-    seed: Option<Number>,
-    presence_penalty: Option<f32>,
-    frequency_penalty: Option<f32>,
-    repetition_penalty: Option<f32>,
+/// The sampling fields both request bodies declare under the same names (listed flat in each: see `types`),
+/// shape-checked into the engine's [`SamplingChoices`]; ranges are checked once, by [`SamplingParams::resolve`].
+macro_rules! sampling_choices {
+    ($req:expr) => {
+        SamplingChoices {
+            temperature: $req.temperature,
+            top_p: $req.top_p,
+            top_k: top_k_choice($req.top_k)?,
+            min_p: $req.min_p,
+            seed: $req.seed.map(seed_value).transpose()?,
+            presence_penalty: $req.presence_penalty,
+            frequency_penalty: $req.frequency_penalty,
+            repetition_penalty: $req.repetition_penalty,
+        }
+    };
 }
 
 /// The remaining fields both endpoints share.
@@ -82,7 +87,10 @@ struct CommonInput {
 ///
 /// # Errors
 /// 400 [`ApiError`] naming the first field that is out of range, of the wrong shape or unsupported.
-pub(crate) fn validate_chat(req: ChatCompletionRequest, defaults: &SamplingFields) -> Result<ValidRequest, ApiError> {
+pub(crate) fn validate_chat(
+    req: ChatCompletionRequest,
+    defaults: &GenerationDefaults,
+) -> Result<ValidRequest, ApiError> {
     refuse_if(
         req.tools.as_ref().is_some_and(|tools| !tools.is_empty()),
         "tools",
@@ -102,16 +110,7 @@ pub(crate) fn validate_chat(req: ChatCompletionRequest, defaults: &SamplingField
         (None, Some(value)) => Some(("max_tokens", value)),
         (None, None) => None,
     };
-    let sampling = SamplingInput {
-        temperature: req.temperature,
-        top_p: req.top_p,
-        top_k: req.top_k,
-        min_p: req.min_p,
-        seed: req.seed,
-        presence_penalty: req.presence_penalty,
-        frequency_penalty: req.frequency_penalty,
-        repetition_penalty: req.repetition_penalty,
-    };
+    let sampling = sampling_choices!(req);
     let common = CommonInput {
         max_tokens,
         n: req.n,
@@ -138,21 +137,15 @@ pub(crate) fn validate_chat(req: ChatCompletionRequest, defaults: &SamplingField
 ///
 /// # Errors
 /// 400 [`ApiError`] naming the first field that is out of range, of the wrong shape or unsupported.
-pub(crate) fn validate_completion(req: CompletionRequest, defaults: &SamplingFields) -> Result<ValidRequest, ApiError> {
+pub(crate) fn validate_completion(
+    req: CompletionRequest,
+    defaults: &GenerationDefaults,
+) -> Result<ValidRequest, ApiError> {
     refuse_if(req.echo == Some(true), "echo", "`echo` is not supported.")?;
     refuse_if(req.best_of.is_some_and(|b| b != 1), "best_of", "Only `best_of` = 1 is supported.")?;
     refuse_if(req.suffix.as_ref().is_some_and(|s| !s.is_empty()), "suffix", "`suffix` is not supported.")?;
     let logprobs = optional_range("logprobs", req.logprobs, 0, MAX_TOP_LOGPROBS)?;
-    let sampling = SamplingInput {
-        temperature: req.temperature,
-        top_p: req.top_p,
-        top_k: req.top_k,
-        min_p: req.min_p,
-        seed: req.seed,
-        presence_penalty: req.presence_penalty,
-        frequency_penalty: req.frequency_penalty,
-        repetition_penalty: req.repetition_penalty,
-    };
+    let sampling = sampling_choices!(req);
     let common = CommonInput {
         max_tokens: req.max_tokens.map(|value| ("max_tokens", value)),
         n: req.n,
@@ -172,8 +165,8 @@ pub(crate) fn validate_completion(req: CompletionRequest, defaults: &SamplingFie
 }
 
 fn generation_spec(
-    sampling: SamplingInput,
-    defaults: &SamplingFields,
+    sampling: SamplingChoices,
+    defaults: &GenerationDefaults,
     common: CommonInput,
     logprobs: Option<usize>,
     default_max_tokens: Option<usize>,
@@ -196,7 +189,7 @@ fn generation_spec(
         None => default_max_tokens,
     };
     Ok(GenerationSpec {
-        sampling: sampling_fields(sampling, defaults)?,
+        sampling: resolve_sampling(&sampling, defaults)?,
         max_tokens,
         stop: stop_strings(common.stop)?,
         logprobs,
@@ -224,45 +217,22 @@ fn spec_policy(value: Option<&str>) -> Result<Option<SpecPolicy>, ApiError> {
         .transpose()
 }
 
-/// Checks the sampling fields; absent ones take `defaults` (the model's generation config over OpenAI's).
-fn sampling_fields(input: SamplingInput, defaults: &SamplingFields) -> Result<SamplingFields, ApiError> {
-    let closed = |lo: f32, hi: f32| move |v: f32| (lo..=hi).contains(&v);
-    let top_k = match input.top_k {
-        // vLLM spells "off" as -1; 0 means off in our sampler.
-        None => defaults.top_k,
-        Some(-1) => 0,
-        Some(k) if k >= 0 => usize::try_from(k).unwrap_or(usize::MAX),
-        Some(k) => return Err(ApiError::invalid_param("top_k", format!("`top_k` must be -1 (off) or >= 0, got {k}."))),
-    };
-    Ok(SamplingFields {
-        temperature: float("temperature", input.temperature, defaults.temperature, "[0, 2]", closed(0.0, 2.0))?,
-        top_p: float("top_p", input.top_p, defaults.top_p, "(0, 1]", |v| v > 0.0 && v <= 1.0)?,
-        top_k,
-        min_p: float("min_p", input.min_p, defaults.min_p, "[0, 1]", closed(0.0, 1.0))?,
-        seed: input.seed.map(seed_value).transpose()?,
-        presence_penalty: float("presence_penalty", input.presence_penalty, 0.0, "[-2, 2]", closed(-2.0, 2.0))?,
-        frequency_penalty: float("frequency_penalty", input.frequency_penalty, 0.0, "[-2, 2]", closed(-2.0, 2.0))?,
-        repetition_penalty: float(
-            "repetition_penalty",
-            input.repetition_penalty,
-            defaults.repetition_penalty,
-            "(0, 10]",
-            |v| v > 0.0 && v <= 10.0,
-        )?,
+/// The request's sampling over the model's defaults and OpenAI's, checked once; a range error names its param.
+fn resolve_sampling(choices: &SamplingChoices, defaults: &GenerationDefaults) -> Result<SamplingParams, ApiError> {
+    SamplingParams::resolve(choices, defaults, Fallback::OpenAi).map_err(|e| match e {
+        dflash_engine::sampler::SamplerError::OutOfRange { name, range, value } => {
+            ApiError::invalid_param(name, format!("`{name}` must be in {range}, got {value}."))
+        }
     })
 }
 
-fn float(
-    name: &str,
-    value: Option<f32>,
-    default: f32,
-    range: &str,
-    accepts: impl Fn(f32) -> bool,
-) -> Result<f32, ApiError> {
-    match value {
-        None => Ok(default),
-        Some(v) if accepts(v) => Ok(v),
-        Some(v) => Err(ApiError::invalid_param(name, format!("`{name}` must be in {range}, got {v}."))),
+/// `top_k`: vLLM spells "off" as -1; 0 means off in our sampler.
+fn top_k_choice(top_k: Option<i64>) -> Result<Option<usize>, ApiError> {
+    match top_k {
+        None => Ok(None),
+        Some(-1) => Ok(Some(0)),
+        Some(k) if k >= 0 => Ok(Some(usize::try_from(k).unwrap_or(usize::MAX))),
+        Some(k) => Err(ApiError::invalid_param("top_k", format!("`top_k` must be -1 (off) or >= 0, got {k}."))),
     }
 }
 

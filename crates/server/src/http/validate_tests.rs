@@ -4,11 +4,11 @@ use super::*;
 use crate::http::errors::parse_json;
 
 fn chat(body: Value) -> Result<ValidRequest, ApiError> {
-    validate_chat(parse_json(body.to_string().as_bytes())?, &SamplingFields::default())
+    validate_chat(parse_json(body.to_string().as_bytes())?, &GenerationDefaults::default())
 }
 
 fn completion(body: Value) -> Result<ValidRequest, ApiError> {
-    validate_completion(parse_json(body.to_string().as_bytes())?, &SamplingFields::default())
+    validate_completion(parse_json(body.to_string().as_bytes())?, &GenerationDefaults::default())
 }
 
 fn user(text: &str) -> Value {
@@ -26,7 +26,9 @@ fn param_of<T: std::fmt::Debug>(result: Result<T, ApiError>) -> String {
 #[test]
 fn chat_defaults_are_openai_defaults() {
     let valid = chat(json!({"messages": user("hi")})).expect("valid");
-    assert_eq!(valid.spec.sampling, SamplingFields::default());
+    // OpenAI's defaults; a request without a seed gets a random one.
+    let openai = SamplingParams { temperature: 1.0, seed: valid.spec.sampling.seed, ..SamplingParams::greedy() };
+    assert_eq!(valid.spec.sampling, openai);
     assert_eq!(valid.spec.max_tokens, None);
     assert!(!valid.spec.stream && !valid.spec.include_usage && valid.spec.stop.is_empty());
     let PromptSource::Chat { messages, add_generation_prompt, kwargs } = valid.prompt else { panic!("not chat") };
@@ -47,7 +49,7 @@ fn chat_fields_are_carried_over() {
     let valid = chat(body).expect("valid");
     let s = &valid.spec.sampling;
     assert_eq!((s.temperature, s.top_p, s.top_k, s.min_p), (0.5, 0.9, 40, 0.05));
-    assert_eq!(s.seed, Some(u64::MAX));
+    assert_eq!(s.seed, u64::MAX);
     assert_eq!((s.presence_penalty, s.frequency_penalty, s.repetition_penalty), (1.5, -1.0, 1.1));
     assert_eq!(valid.spec.max_tokens, Some(7), "max_completion_tokens wins");
     assert_eq!(valid.spec.stop, vec!["END"]);

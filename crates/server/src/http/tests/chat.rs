@@ -3,7 +3,7 @@ use serde_json::{json, Value};
 
 use super::fake::{Mode, MODEL};
 use super::*;
-use crate::http::SamplingFields;
+use crate::http::engine::SamplingParams;
 
 fn hi(extra: Value) -> Value {
     let mut body = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]});
@@ -38,9 +38,9 @@ async fn engine_receives_the_templated_prompt_and_settings() {
         "enable_pld": true, "cache_prompt": false, "chat_template_kwargs": {"k": 1}}));
     assert_eq!(send(&h.app, post("/v1/chat/completions", &body)).await.status, StatusCode::OK);
     let req = h.engine.last_request();
-    assert_eq!(req.prompt_ids, PROMPT.chars().map(u32::from).collect::<Vec<_>>(), "no BOS on templated text");
+    assert_eq!(req.prompt, PROMPT.chars().map(u32::from).collect::<Vec<_>>(), "no BOS on templated text");
     assert_eq!(req.max_tokens, 256 - PROMPT.len(), "default budget fills the window");
-    let sampling = SamplingFields { temperature: 0.3, top_k: 5, seed: Some(9), ..SamplingFields::default() };
+    let sampling = SamplingParams { temperature: 0.3, top_k: 5, seed: 9, ..SamplingParams::greedy() };
     assert_eq!(req.sampling, sampling);
     assert_eq!(
         (req.stop, req.ignore_eos, req.enable_pld, req.logprobs, req.cache_prompt),

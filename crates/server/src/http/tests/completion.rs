@@ -19,7 +19,7 @@ async fn whole_completion_has_openai_shape() {
     assert_eq!(json["usage"]["prompt_tokens"], 6, "BOS plus five characters");
     assert_eq!(json["usage"]["total_tokens"], 9);
     let req = h.engine.last_request();
-    assert_eq!(req.prompt_ids[0], BOS, "completions add special tokens by default");
+    assert_eq!(req.prompt[0], BOS, "completions add special tokens by default");
 }
 
 #[tokio::test]
@@ -35,7 +35,7 @@ async fn token_id_prompts_pass_through_untokenized() {
     let h = echo();
     let reply = send(&h.app, post("/v1/completions", &json!({"prompt": [[104, 105]], "max_tokens": 5}))).await;
     assert_eq!(reply.json()["choices"][0]["text"], "hi");
-    assert_eq!(h.engine.last_request().prompt_ids, vec![104, 105]);
+    assert_eq!(h.engine.last_request().prompt, vec![104, 105]);
     let reply = send(&h.app, post("/v1/completions", &json!({"prompt": ["a", "b"]}))).await;
     assert_bad_param(&reply, "prompt");
     let reply = send(&h.app, post("/v1/completions", &json!({"max_tokens": 2}))).await;

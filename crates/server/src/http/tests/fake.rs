@@ -4,11 +4,12 @@
 use std::sync::Mutex;
 
 use serde_json::Value;
+
+use crate::http::engine::Request;
 use tokio::sync::mpsc::{self, UnboundedReceiver as Receiver, UnboundedSender as Sender};
 
 use crate::http::{
-    ApiError, ChatMessageIn, EngineEvent, EngineHandle, EngineRequest, FinishReason, SubmitError, TokenLogprob,
-    TopLogprob, Usage,
+    ApiError, ChatMessageIn, EngineEvent, EngineHandle, FinishReason, SubmitError, TokenLogprob, TopLogprob, Usage,
 };
 
 /// Prepended by `tokenize` when `add_special` is set.
@@ -31,7 +32,7 @@ pub enum Mode {
 pub struct FakeEngine {
     pub mode: Mode,
     pub window: usize,
-    pub submitted: Mutex<Vec<EngineRequest>>,
+    pub submitted: Mutex<Vec<Request>>,
     pub held: Mutex<Vec<Sender<EngineEvent>>>,
 }
 
@@ -40,7 +41,7 @@ impl FakeEngine {
         FakeEngine { mode, window, submitted: Mutex::new(Vec::new()), held: Mutex::new(Vec::new()) }
     }
 
-    pub fn last_request(&self) -> EngineRequest {
+    pub fn last_request(&self) -> Request {
         self.submitted.lock().expect("lock").last().cloned().expect("a submitted request")
     }
 }
@@ -58,9 +59,9 @@ fn token_event(id: u32, logprobs: Option<usize>) -> EngineEvent {
 }
 
 impl EngineHandle for FakeEngine {
-    fn submit(&self, req: EngineRequest) -> Result<Receiver<EngineEvent>, SubmitError> {
+    fn submit(&self, req: Request) -> Result<Receiver<EngineEvent>, SubmitError> {
         self.submitted.lock().expect("lock").push(req.clone());
-        let echoed: Vec<u32> = req.prompt_ids.iter().copied().filter(|&id| id != BOS).take(req.max_tokens).collect();
+        let echoed: Vec<u32> = req.prompt.iter().copied().filter(|&id| id != BOS).take(req.max_tokens).collect();
         let (tx, rx) = mpsc::unbounded_channel();
         match self.mode {
             Mode::Busy => return Err(SubmitError::Busy),
@@ -78,7 +79,7 @@ impl EngineHandle for FakeEngine {
                 }
                 let reason = if echoed.len() == req.max_tokens { FinishReason::Length } else { FinishReason::Stop };
                 let usage = Usage {
-                    prompt_tokens: req.prompt_ids.len(),
+                    prompt_tokens: req.prompt.len(),
                     completion_tokens: echoed.len(),
                     cached_tokens: 2,
                     prefill_ms: 1.0,
