@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Lists Rust source files over the soft limit of 800 lines; fails above the hard limit of 1000.
+# Lists Rust and CUDA kernel sources over the soft limit of 800 lines; fails above the hard limit of 1000.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 status=0
@@ -11,5 +11,5 @@ while IFS= read -r f; do
     elif [ "$n" -gt 800 ]; then
         echo "long: $f ($n lines, soft limit 800)"
     fi
-done < <(git ls-files '*.rs')
+done < <(git ls-files '*.rs' '*.cu' '*.cuh')
 exit $status
