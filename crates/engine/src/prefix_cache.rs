@@ -1,58 +1,18 @@
 //! The prefix cache's index: full KV pages of prompts, found again by the tokens before and in them.
 //!
-//! Each indexed page is keyed by a hash chained from its parent page's hash and its own token ids, so a key names
-//! the whole prefix up to the page's end. A lookup walks a prompt's chain page by page and stops at the first page
-//! not indexed. Every step of a walk also compares the page's own token ids and its parent's hash, so handing a
-//! sequence K/V computed for other tokens would take two different prefixes with the same 64-bit chain hash, and
-//! hashes are keyed randomly per process, so nobody can craft such prompts.
+//! Each page is keyed by a hash chained from its parent page's hash and its own token ids (keyed randomly per
+//! process); a lookup walks a prompt's chain page by page, comparing each page's tokens and parent hash too, and
+//! stops at the first page not indexed. Only full pages every position of which the publisher computed as a
+//! *prompt* row may be indexed (the losslessness rule, enforced by the scheduler): prompt and generated rows go
+//! through different attention kernels, which round differently. Indexed pages are immutable. Pages no sequence
+//! holds stay indexed on an LRU list until the allocator needs them ([`crate::PageAllocator`] owns reference
+//! counts and the free list).
 //!
-//! What may be indexed (the losslessness rule, enforced by the scheduler, which publishes): only full pages every
-//! position of which the publishing sequence computed as a *prompt* row (position < its prompt length). The
-//! attention kernels make a position's K/V depend only on the tokens up to it and on its role: prompt rows go
-//! through the tiled prefill kernel, generated rows through the per-row kernel, and the two round differently. A
-//! page of generated tokens holds per-row K/V, while a later request whose prompt contains those tokens would, run
-//! cold, compute them as prompt rows, so reusing such a page would change its output bits. Multi-turn chat still
-//! reuses nearly everything: turn N's prompt contains turn N-1's prompt, which was computed as prompt rows; only the
-//! last answer is recomputed.
+//! An entry may also keep the target's captured hidden states of its positions, for lanes that observe the
+//! target, and, for hybrid targets, a *state checkpoint*: the full recurrent state after the page's last position.
+//! A lookup cuts its match back to the deepest entry that carries one; no checkpoint, no reuse.
 //!
-//! Indexed pages are immutable: a sequence only writes positions past what it has computed, and only full,
-//! computed pages are indexed, so no write ever lands on one (the engine checks this in debug builds).
-//!
-//! Pages no sequence holds stay indexed on an LRU list until the allocator needs them ([`crate::PageAllocator`]
-//! owns reference counts and the free list; this module only knows which pages are indexed and which are idle).
-//!
-//! Lanes that read the target's hidden states (block drafters, MTP heads) need them for every position before
-//! they draft, and a cached prefix's rows are not recomputed. So an entry also keeps the target's captured hidden
-//! states of its page's positions (`[page_size, taps · hidden]`, computed as prompt rows like the page's K/V),
-//! and a sequence whose lane observes the target hands them to the lane at admission: a warm turn drafts from
-//! its first round with the same context as a cold one. The engine has one target and one set of capture layers,
-//! so every entry's rows have the same layout; a lane never reads the prefix past the first entry without them
-//! (pages indexed before the target captured anything), and recomputes the rest instead.
-//!
-//! Hybrid targets' recurrent state is not in the pages and cannot be cut at any position, so a sequence resumes
-//! from cached pages only where a snapshot of that state was taken: a *state checkpoint*, the full recurrent
-//! state (every Gated DeltaNet layer's conv and delta-rule state) after a page-aligned prompt position `p`, kept
-//! on the entry of the page that ends at `p` (so keyed by that page's chain hash, set when the page is published
-//! or later by a sequence that recomputed the same page, dropped in `forget` with the entry, the one place an
-//! entry leaves the index). The rules that make a checkpoint exact, bit for bit what a plain forward over tokens
-//! `0..p` leaves:
-//! * Positions: multiples of the checkpoint stride (`--state-checkpoint-stride`, a multiple of the page size
-//!   and of the recurrence's chunk), at most [`crate::scheduler::MAX_CHECKPOINTS_PER_SEQUENCE`] per prompt (a
-//!   longer prompt spreads them out and keeps its deepest); only prompt positions (the losslessness rule above).
-//! * Cuts: the scheduler ends a prefill chunk at the sequence's next checkpoint position, and every chunk that
-//!   stops inside the prompt on a multiple of the recurrence's chunk, so any prefill computes what one whole
-//!   prefill does and the state after the chunk ending at `p` is the checkpoint. (A chunk that cannot reach an
-//!   aligned cut waits for a later step; only when it runs alone in a step and still cannot, it runs off the
-//!   alignment and its sequence caches nothing past where that chunk starts.)
-//! * Never from a verify: snapshots are taken only after prompt forwards (verify rows are generated rows, and a
-//!   verify's state awaits its rollback).
-//!
-//! A lookup cuts its match back to the deepest matched entry that carries a checkpoint and hands that snapshot to
-//! the target, which installs it; the sequence recomputes the rest, as it does for the partial last page. No
-//! checkpoint, no reuse. Checkpoints are charged to the cache's budget: the engine sizes `max_pages` and
-//! `max_checkpoints` so that pages (K/V, captured rows) and one checkpoint per stride of pages fit it; past
-//! `max_checkpoints`, a new checkpoint replaces the one of the least recently used idle page (the page stays
-//! indexed), or is not kept when every page carrying one is held.
+//! Design notes: docs/ENGINE.md, "Prefix cache".
 
 use std::collections::hash_map::RandomState;
 use std::collections::{BTreeMap, HashMap};

@@ -1,30 +1,17 @@
 //! Continuous batching: which sequences run in the next step and how many rows each contributes.
 //!
 //! Every step, in order:
-//! 1. each running sequence that is decoding gets its row, plus one row per draft when a proposer drafted (taking
-//!    new pages as needed; when none are free the drafts go first, then the most recently admitted sequence is
-//!    preempted: its pages are freed and it goes back to the head of the queue, to be recomputed later; the keyed
-//!    sampler makes that lossless);
-//! 2. sequences still filling their prompt get chunks from what is left of the step's token budget, oldest first,
-//!    so a long prompt is spread over several steps instead of stalling every stream;
-//! 3. waiting requests are admitted first come, first served while a sequence slot, budget and the pages for the
-//!    whole prompt are free. A request whose prompt starts with cached pages shares them and starts computing after
-//!    them (see [`crate::prefix_cache`]).
+//! 1. each decoding sequence gets its row, plus one row per draft; when pages run out the drafts go first, then
+//!    the most recently admitted sequence is preempted (back to the head of the queue, recomputed later);
+//! 2. sequences still filling their prompt get chunks from what is left of the token budget, oldest first;
+//! 3. waiting requests are admitted first come, first served while a slot, budget and the pages for the whole
+//!    prompt are free, sharing the pages of the prompt's cached prefix (see [`crate::prefix_cache`]).
 //!
-//! After each step's forward, [`Scheduler::publish_prompt_pages`] offers every newly computed full prompt page to
-//! the prefix cache, with the target's captured hidden states of its positions ([`Scheduler::keep_capture`]
-//! collects them as rows are computed). A sequence whose lane observes the target starts only from cached pages
-//! that carry them, and its lane reads them at admission.
+//! After the forward, [`Scheduler::publish_prompt_pages`] offers every newly computed full prompt page to the
+//! prefix cache. For targets with recurrent state ([`dflash_models::ResumeState::Snapshot`]) prompt chunks end on
+//! the target's prompt-cut alignment and at state checkpoint positions ([`checkpoint_positions`]).
 //!
-//! Targets with recurrent state ([`dflash_models::ResumeState::Snapshot`]) add two rules. A prompt chunk that
-//! stops inside the prompt ends on a multiple of the target's prompt-cut alignment (so every prefill has the bits
-//! of one whole prefill, however the budget cuts it; a chunk that cannot reach such a cut in what is left of a
-//! step waits for a later step, and runs off the alignment only in a step of its own or when no step is wide
-//! enough, the sequence then caching nothing past where that chunk starts), and, when state checkpoints are on,
-//! at the sequence's next checkpoint
-//! position ([`checkpoint_positions`]), after which the engine snapshots the state
-//! ([`Scheduler::keep_checkpoint`]); the snapshot is published with the page ending there. An admitted request
-//! resumes only at the deepest cached page that carries a checkpoint, and the target installs it first.
+//! Design notes: docs/ENGINE.md, "Scheduler".
 
 use std::collections::VecDeque;
 use std::sync::Arc;

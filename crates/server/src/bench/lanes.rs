@@ -1,21 +1,14 @@
 //! `dflash bench lanes`: speculation lanes side by side in one process, on the device `--device` picks.
 //!
 //! Every prompt runs once per temperature per lane per repeat, lanes alternating (plain, pld, dflash, mtp, plain,
-//! ...) so drifts of the machine hit them alike. Greedy requests and seeded sampled requests (the seed is fixed
-//! per prompt) must produce plain decoding's tokens on every lane, since verification is lossless: the bench
-//! checks it and fails loudly otherwise, so the timings always compare like with like. Writes every run as JSON
+//! ...) so drifts of the machine hit them alike. Verification is lossless, so every lane must produce plain
+//! decoding's tokens, greedy and seeded: the bench checks it and fails loudly otherwise. Writes every run as JSON
 //! and prints a Markdown table per prompt group and temperature ([`super::lanes_report`]).
 //!
-//! Lanes: `plain` (no drafting), `pld` (prompt lookup, with its gates as served), `dflash` (the block drafter:
-//! `--drafter`, or the one shipped for the default model) and `mtp` (an MTP head: `--mtp DIR|auto`, or the one
-//! shipped for the default model), and `oracleN` (a stand-in drafter of block `N`, default 8, that drafts the plain
-//! run's own tokens, right at each draft position with the probabilities `--oracle-acceptance` sets: what the
-//! round policy does with a drafter of a chosen quality on any target, e.g. a sparse or hybrid one without a
-//! trained drafter). A lane name may end in `-fixed` or `-adaptive` (`dflash-fixed`, `oracle4-fixed`) to set the
-//! request's width policy; bare names follow `--spec-policy`. `--context N` opens every prompt with a document of
-//! about `N` tokens, for the long-context rows of a table. The MTP lane runs on a second engine over a second
-//! copy of the target (a target captures the layers of one lane's drafter). Each engine's round-cost probe runs
-//! before the first request, so no lane pays for it, and the cost tables are printed at the end.
+//! Lanes: `plain`, `pld`, `dflash`, `mtp` and `oracleN` (a stand-in drafter of block `N` that drafts the plain
+//! run's own tokens), all but `plain` with an optional `-fixed` or `-adaptive` width policy.
+//!
+//! Design notes: docs/ENGINE.md, "Lanes bench"; results: docs/BENCHMARKS.md.
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};

@@ -5,25 +5,13 @@
 //! A verified round that drafted `d` and accepted `a` tested positions `0..=a` (those before `a` passed, `a`
 //! failed, when `a < d`); positions after the first rejection were never tested and teach nothing.
 //!
-//! Positions are kept twice. Each sequence's lane keeps its own, forgetting quickly so it follows its text; the
-//! engine keeps what each lane kind typically achieves on this target over every sequence, forgetting slowly
-//! ([`PositionAcceptance::typical`]). A lane's first position is shrunk toward the typical one, and each deeper
-//! position toward the lane's own estimate of the one before it, falling off as the typical ones do. So a new
-//! request starts from what this drafter achieves on this target instead of a constant, and the handful of rounds
-//! a lane remembers moves its widths less at random: a request of 128 tokens lasts 30-40 rounds, and without the
-//! typical values the H200 round-policy table's high-acceptance cells lost 3-4% to fixed blocks in simulation
-//! (`tests.rs`), the first rounds too narrow, later widths following a few draws. The prior holds a fixed
-//! number of pseudo-counts against about five rounds of the lane's own, so a sequence whose text differs from the
-//! typical one (prose after code) still narrows within a few rounds. Deeper positions lean harder on their prior
-//! (as many pseudo-counts as the lane remembers rounds): they are tested only by the rounds that reach them, a miss
-//! there narrows the next rounds so they stop being tested, and it is their few draws that pick between widths a
-//! few percent apart (the H200 table's high-acceptance cells, simulated in `bench_sim.rs`, spread over 2-6 rows where 4
-//! or 5 are best). Their prior follows the lane's own first position, so a change of text still moves them at once.
+//! Positions are kept twice: each sequence's lane keeps its own, forgetting quickly, and the engine keeps what each
+//! lane kind typically achieves on this target, forgetting slowly ([`PositionAcceptance::typical`]). A lane's
+//! first position is shrunk toward the typical one, each deeper position toward the lane's own estimate of the one
+//! before it. Positions forget per round, tested or not, so one early miss at a deep position cannot keep every
+//! later round too narrow to learn otherwise.
 //!
-//! Positions forget per round, tested or not: evidence about a deep position that narrow rounds no longer test
-//! fades back toward its prior, so a round wide enough to test it again comes up once the shallower positions say
-//! it might pay. Without that, one early miss at a deep position would keep every later round too narrow to ever
-//! learn otherwise.
+//! Design notes: docs/ENGINE.md, "Round policy: acceptance".
 
 /// Prior chance that a draft is accepted, where nothing else is known (optimistic, so a new lane kind drafts and
 /// learns instead of never trying). A lane's position `j` is shrunk toward its own estimate of position `j - 1`

@@ -1,20 +1,13 @@
 //! The gate: when drafted rounds lose to plain rounds, stop drafting for a while, and probe again later.
 //!
-//! Each drafted round is judged by time: the plain-round milliseconds its committed tokens replaced (tokens x the
-//! measured cost of a plain step) against the milliseconds it took (drafting plus its step). Both are kept as
-//! moving averages of milliseconds, so long rounds weigh more than short ones. When the averages say drafting
-//! loses, the lane owes `period` plain rounds and the period doubles; the next drafted round is a probe, judged
-//! on its own: a winning probe clears the debt, a losing one owes the doubled period. Only judged rounds after a
-//! probe shorten the period again (a winning one halves it): a single probe that happened to land is no proof.
-//! A round the policy itself predicts plain (drafting cannot pay on the current estimates), and a drafted round
-//! whose drafts turned out not worth a row, back off like a loss without a verdict ([`Backoff::defer`]): the
-//! pause starts at the floor and doubles while the estimates stay pessimistic, so estimates that a few early
-//! misses made pessimistic are re-tested soon, and ones that stay so are re-tested rarely. (Waiting the whole cap
-//! at once spent 25 of 63 steps of a 32K-context request plain on the H200 while its drafts were right 90% of the
-//! time.) The caller caps the period by what a failed probe costs on its target (see
-//! `RoundPolicy`): cheap probes come often, expensive ones rarely. The caller also floors the pause after a loss
-//! ([`Spacing::floor`]): where one probe costs several plain steps (a drafter on the host beside a target on a
-//! GPU), pauses of 2, 4, 8... rounds would spend more on probing than drafting could ever win back.
+//! Each drafted round is judged by time: the plain-round milliseconds its committed tokens replaced against the
+//! milliseconds it took, both kept as moving averages. When drafting loses, the lane owes `period` plain rounds and
+//! the period doubles; the next drafted round is a probe: a winning one clears the debt, a losing one owes the
+//! doubled period. A round predicted plain, or whose drafts were not worth a row, backs off without a verdict
+//! ([`Backoff::defer`]). The caller caps the period by what a failed probe costs on its target and floors it
+//! ([`Spacing`]).
+//!
+//! Design notes: docs/ENGINE.md, "Round policy: backoff".
 
 /// Plain rounds owed after the first loss, and the least the period shrinks to.
 pub const FIRST_PERIOD: u32 = 2;
