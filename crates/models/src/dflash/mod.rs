@@ -1,40 +1,17 @@
-//! DFlash and DFlash2 block drafters (see the drafter spec in the shared reference docs).
+//! DFlash and DFlash2 block drafters.
 //!
-//! A drafter is a small stack of Qwen3-style layers with no embedding table or LM head of its own: it borrows the
-//! target's. One non-causal pass over `[anchor, mask × (B − 1)]` proposes a whole block; the context it attends to
-//! is the target's hidden states at `target_layer_ids` (each layer's output, before the final norm) for every
-//! committed position, projected once and injected into every layer as extra keys and values. DFlash2 adds a
-//! grouped dynamic convolution around each sublayer and a candidate selector that walks the block from the
-//! anchor.
+//! A drafter is a small stack of Qwen3-style layers that borrows the target's embedding and LM head. One
+//! non-causal pass over `[anchor, mask × (B − 1)]` proposes a whole block, attending to the target's hidden states
+//! at `target_layer_ids` for every committed position, projected once and injected into every layer as extra keys
+//! and values. DFlash2 adds a grouped dynamic convolution around each sublayer and a candidate selector.
 //!
-//! # Decode-side contract (what the engine does)
+//! The context ([`DrafterContext`]) is append-only: rejected drafts never reach it, so nothing is rolled back.
+//! While drafting is suspended, keep appending each committed position's captured rows, or the context has holes
+//! when drafting resumes ([`DraftModel::append_context`] refuses gaps). A draft vocabulary ([`DraftVocab`])
+//! restricts the drafter's LM head to the target tokens it ranks highest; exact verification keeps the output
+//! lossless. Activations and residual are f32 (f16 is never safe: DFlash2 residuals exceed its range).
 //!
-//! ```text
-//! load:    model  = DraftModel::load(dir, &TargetShape::of(target.config()))
-//!          target = LlamaModel::load(cfg, store, model.target_layer_ids())      // capture the taps
-//!          vocab  = DraftVocab::gather(target.lm_head(), &ranking.select(n, eos))   // optional draft vocabulary
-//! admit:   ctx    = model.new_context()                                          // one per sequence
-//! prefill: out = target.forward(prompt rows)                                     // out.captured: [N, taps·Ht]
-//!          model.append_context(&mut ctx, 0, captured)                           // positions 0..N
-//!          anchor = sample(out.logits)                                           // position N
-//! round:   draft = model.draft(&mut ctx, anchor, w, target.embedding(), &vocab (or target.lm_head()), sampling)
-//!          verify [anchor, draft.tokens] on the target at positions ctx.len() ..  (captured rows too)
-//!          accept a drafts (greedy: match the target argmax; sampled: u·q < p with draft.q)
-//!          model.append_context(&mut ctx, start, rows 0 ..= a of its captured)   // anchor + accepted drafts
-//!          anchor = bonus token
-//! ```
-//!
-//! The context is append-only: rejected drafts never reach it, so nothing is rolled back. While drafting is
-//! suspended (a gate, a greedy fallback), keep appending each committed position's captured rows, or the
-//! context has holes when drafting resumes ([`DraftModel::append_context`] refuses gaps).
-//!
-//! A draft vocabulary ([`DraftVocab`], module `vocab`) restricts the drafter's LM head to the target tokens it
-//! ranks highest: drafts are chosen among them and mapped back to target ids, and exact verification keeps the
-//! output lossless.
-//!
-//! Numerics: f32 activations and residual throughout (the reference runs bf16; f16 is never safe because DFlash2
-//! residuals exceed its range). Parity with the reference package is checked in f32 by
-//! `tests/parity_dflash.rs`.
+//! The decode-side contract (what the engine does) and design notes: docs/MODELS.md, "DFlash drafters".
 
 mod config;
 mod context;

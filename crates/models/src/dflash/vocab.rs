@@ -1,19 +1,15 @@
 //! Draft vocabularies: the drafter scores only the target tokens it is likely to propose (the "draft vocab" of
 //! FR-Spec and EAGLE-3).
 //!
-//! A drafter borrows the target's LM head, and for a small target that head is the largest matrix of a drafting
-//! round: scoring the `w − 1` draft rows against all `V` rows costs about as much as a target forward. A draft
-//! vocabulary keeps the `N` rows of the tokens the target emits most often, gathered once into a contiguous
-//! tensor of the head's own dtype, so a block pass reads `N` rows instead of `V`. Draft logits then have `N`
-//! columns; column `j` is target token `ids[j]`.
+//! A draft vocabulary keeps the `N` LM-head rows of the tokens the target emits most often, gathered once into a
+//! contiguous tensor of the head's own dtype: draft logits have `N` columns, column `j` being target token
+//! `ids[j]`. Lossless by construction: verification compares drafts with the target's own tokens over the full
+//! vocabulary. The ids are kept ascending, so "ties go to the lower id" means the same in draft and target ids.
 //!
-//! Lossless by construction: verification compares drafts with the target's own (keyed) tokens over the full
-//! vocabulary, so a restricted drafter can only propose fewer tokens that land, never change the output. The ids
-//! are kept ascending, so "ties go to the lower id" means the same thing in draft and target ids.
+//! The ranking ships with the drafter as [`DRAFT_VOCAB_FILE`]: a safetensors file holding `token_ids` (i32, u32
+//! or i64, target ids, most useful first) and, in its metadata, `default_size`, the `N` measured best.
 //!
-//! The ranking ships with the drafter as [`DRAFT_VOCAB_FILE`]: a safetensors file holding `token_ids` (i32,
-//! u32 or i64, target ids, most useful first: the target's control tokens, then every other token by its
-//! frequency in the training responses) and, in its metadata, `default_size`, the `N` measured best.
+//! Design notes: docs/MODELS.md, "Draft vocabulary".
 
 use std::path::Path;
 use std::sync::Arc;

@@ -1,32 +1,17 @@
 //! Hybrid and sparse targets: HF `qwen3_next` (Gated DeltaNet + gated attention + MoE with a shared expert)
 //! and `qwen3_moe` (attention + MoE), matching transformers 4.57.
 //!
-//! # State
 //! The model holds weights only. Every forward takes the batch, the paged KV cache of the attention layers
-//! ([`HybridModel::new_kv_cache`]: one cache layer per attention layer) and one [`HybridState`] per sequence
-//! (conv and recurrent state of every GDN layer, [`HybridModel::new_state`]). It returns logits for the
-//! requested rows and the hidden states captured at load-time layers, like the Llama forward.
+//! ([`HybridModel::new_kv_cache`]) and one [`HybridState`] per sequence (conv and recurrent state of every GDN
+//! layer, [`HybridModel::new_state`]), and returns logits and captured hidden states like the Llama forward.
+//! Prompt rows take the fast paths (batched matmuls, tiled attention, the chunked delta rule); generated rows take
+//! the row-exact ones (the `rows` module), so a verify row computes exactly what plain decoding would.
 //!
-//! # Row roles
-//! Prompt rows (positions below the sequence's `prompt_len`) take the fast paths: batched matmuls, the tiled
-//! attention kernel and the chunked delta rule. Generated rows (decode, verify) take the row-exact paths: the
-//! per-row attention kernel, the recurrent delta rule and matmuls whose bits do not depend on the other rows
-//! (the `rows` module), so a verify row computes exactly what plain decoding would compute for it.
+//! After a verify, attention layers roll back by truncation and GDN layers by replay of recorded inputs
+//! ([`HybridState::begin_verify`], then [`HybridState::rollback_to`]), bit-identical to a forward over the kept
+//! rows alone.
 //!
-//! # Exact rollback after a verify
-//! Attention layers roll back by truncation (the engine's sequence length and block table). GDN layers
-//! cannot be truncated, so the method is *replay of recorded inputs*: [`HybridState::begin_verify`] before the
-//! verify forward makes it save each GDN layer's state once and record every row's recurrence inputs (conv
-//! input row, normalised key, value, decay, write strength); [`HybridState::rollback_to`]`(kept)` restores the
-//! saved state, slides the conv window over the kept rows' inputs and steps the recurrence through them with
-//! the update the forward used. The result is bit-identical to a forward over the kept rows alone.
-//!
-//! Costs per verify round of `w` rows, per GDN layer (`S` = `v_heads·k_dim·v_dim` floats of recurrent state,
-//! `C` = conv channels, `K` = conv taps): one copy of `S + (K−1)·C` floats; `w·(C + k_heads·k_dim + v_heads·(v_dim + 2))`
-//! floats recorded; at rollback, nothing if all rows are kept, else one state copy and `kept` recurrence
-//! steps (`~5·S` flops each, no projections). For Qwen3-Next-80B (36 GDN layers, `S` = 512 Ki floats,
-//! `C` = 8192) that is 75 MiB copied and 2 MiB recorded per row, against 75 MiB per row for keeping a
-//! per-position snapshot of the state instead.
+//! Design notes and costs: docs/MODELS.md, "Hybrid targets".
 
 pub(crate) mod attention;
 mod config;

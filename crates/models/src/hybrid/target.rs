@@ -1,20 +1,13 @@
 //! A hybrid or sparse target (Qwen3-Next, Qwen3-MoE) on the CPU: the paged KV cache of its attention layers and
 //! one recurrent state per live sequence.
 //!
-//! A sequence's [`HybridState`] (conv and delta-rule state of every Gated DeltaNet layer) lives here, keyed by the
-//! sequence's [`StepSeq::key`]. It is created on the sequence's first rows and zeroed whenever a sequence starts
-//! again from position 0 (a preempted sequence recomputing everything). A verify round arms it to record
-//! ([`HybridState::begin_verify`]); [`Target::verified`] then replays the kept rows from the pre-verify state
-//! (bit-identical to a plain forward over them).
+//! A sequence's [`HybridState`] lives here, keyed by [`StepSeq::key`]: created on its first rows, zeroed when the
+//! sequence starts again from position 0, armed for a verify ([`HybridState::begin_verify`]) and rolled back to
+//! the kept rows in [`Target::verified`]. A model with GDN layers resumes from cached pages only through a state
+//! snapshot ([`ResumeState::Snapshot`]) installed before the sequence's first forward; a sequence that starts past
+//! position 0 without a restored state fails rather than run from a zero state.
 //!
-//! Cached prompt pages resume a sequence mid-way, and the recurrent state they imply is not in them, so a model
-//! with GDN layers resumes only from a snapshot of that state ([`ResumeState::Snapshot`]): every layer's conv
-//! and delta-rule state, flat ([`HybridState::snapshot`]), taken after a prompt forward that ended on a
-//! checkpoint position and installed before the resuming sequence's first forward. Prompt forwards are cut only
-//! at multiples of the chunked rule's chunk ([`Target::prompt_cut_alignment`]), so a snapshot equals the state
-//! one whole prefill up to its position leaves, bit for bit. A sequence that starts past position 0 without a
-//! restored state fails rather than run from a zero state. A model without GDN layers (Qwen3-MoE) keeps all of
-//! its state in the pages.
+//! Design notes: docs/MODELS.md, "Hybrid target state".
 
 use std::collections::HashMap;
 use std::sync::Arc;

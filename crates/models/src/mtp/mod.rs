@@ -1,23 +1,14 @@
 //! Multi-token prediction (MTP) heads: one extra decoder layer that drafts the token after next from the
 //! target's hidden state, in Qwen3-Next's `mtp.*` layout.
 //!
-//! # Maths (vLLM's `qwen3_next_mtp`, and the trained head's `mtp_config`)
-//! Entry `j` combines the target's hidden state at position `j` (the last layer's output after the final norm,
-//! i.e. what feeds the LM head) with the embedding of token `j + 1`:
-//! `x = fc([pre_fc_norm_embedding(embed(t[j+1])) | pre_fc_norm_hidden(h[j])])`, then one decoder layer at rope
-//! position `j` (pre-norm attention over the head's own history, pre-norm MLP or MoE), then `mtp.norm`; the
-//! target's LM head turns that into logits for token `j + 2`. A chained step continues from the previous step's
-//! output (after `mtp.norm`) in place of `h`, one position later, with the token drafted from it.
+//! Entry `j` combines the target's hidden state at position `j` (after the final norm) with the embedding of token
+//! `j + 1`, runs one decoder layer at rope position `j`, then `mtp.norm`; the target's LM head turns that into
+//! logits for token `j + 2`. A chained step continues from the previous step's output in place of the hidden state.
 //!
-//! Tensors: `mtp.fc.weight` `[hidden, 2·hidden]`, `mtp.pre_fc_norm_{embedding,hidden}.weight`, `mtp.norm.weight`,
-//! `mtp.layers.0.{input_layernorm,post_attention_layernorm}.weight`, `mtp.layers.0.self_attn.*` (the config's
-//! attention: Qwen3-Next's gated one with partial rotary and q/k norms, or a Llama layer) and `mtp.layers.0.mlp.*`
-//! (experts when the router `mlp.gate` is stored, else a dense MLP). Norms follow the checkpoint's convention
-//! (zero-centred `1 + w` for Qwen3-Next). The embedding and LM head are the target's.
-//!
-//! # State
 //! The head holds weights only; each sequence's history of committed entries is an [`MtpContext`] the caller
-//! owns ([`MtpHead::new_context`]).
+//! owns ([`MtpHead::new_context`]). The embedding and LM head are the target's.
+//!
+//! Maths and tensor layout: docs/MODELS.md, "MTP heads".
 
 mod config;
 mod context;
