@@ -4,17 +4,14 @@
 //!
 //! ```text
 //! cargo run --release -p dflash-runtime --example quant_bench            # RAYON_NUM_THREADS, default 2
-//! cargo run --release -p dflash-runtime --example quant_bench -- --cpu-time
+//! cargo run --release -p dflash-runtime --example quant_bench -- --cpu-time   # on-CPU time, single thread
 //! cargo run --release -p dflash-runtime --example quant_bench -- --decode     # decode part, 3 times
 //! cargo run --release -p dflash-runtime --example quant_bench -- --levels avx2,avx512 --rounds 3
 //! cargo run --release -p dflash-runtime --example quant_bench -- --act-precision int8   # one activation pass
 //! ```
-//! `--cpu-time` times single-thread kernels in on-CPU time (Linux `schedstat`), which stays meaningful on a
-//! machine shared with other jobs; wall-clock figures there swing with the neighbours' load.
+//! The SIMD level is the CPU's best, or the one `DFLASH_SIMD` (`scalar`, `avx2`, `avx512`) asks for.
 //!
-//! The kernels' SIMD level is the best the CPU has, or the one `DFLASH_SIMD` (`scalar`, `avx2`, `avx512`)
-//! asks for. `--levels` compares levels in one sitting: it runs the decode part in a child process per level,
-//! alternating (A B A B ...) for `--rounds` rounds, and prints each shape's median per level.
+//! What the options measure and why: docs/KERNELS.md, "The kernel lab".
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};

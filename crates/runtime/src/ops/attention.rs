@@ -3,18 +3,15 @@
 //! Cache layout: `[num_pages, page_size, kv_heads, head_dim]` f32, one tensor for K and one for V; a
 //! token's slot is `page · page_size + offset`. A sequence's pages are listed in its block table.
 //!
-//! Attention runs flash style: keys are visited page by page; each page's scores are computed into a
-//! small buffer, the running max/sum are rescaled once per page (online softmax) and the weighted values
-//! accumulated — no `[rows, keys]` score matrix is ever built. The query heads sharing a kv head are
-//! always done together, so K/V are read once per group. Two kernels, chosen per sequence by the caller
-//! ([`RowKernel`]):
-//! * [`rows`]: each row alone, its keys in fixed chunks whose partial softmax states are merged
-//!   (flash-decoding), so even one decode row spreads over the threads;
-//! * [`tiled`]: 16 query vectors of consecutive rows against each page at once (prefill).
+//! Attention runs flash style (online softmax page by page, no `[rows, keys]` score matrix), the query heads
+//! sharing a kv head together. Two kernels, chosen per sequence by the caller ([`RowKernel`]): [`rows`] (each row
+//! alone, its keys in fixed chunks merged in order: decode, verify) and [`tiled`] (16 query vectors of
+//! consecutive rows against each page at once: prefill).
 //!
-//! A row's output is a function of its own queries and keys and of its kernel only, never of the rest
-//! of the batch: chunk bounds are absolute key positions, tiles are lane-wise, and merges run in a
-//! fixed order. That is what makes batching (and so speculation) lossless.
+//! A row's output is a function of its own queries and keys and of its kernel only, never of the rest of the
+//! batch. That is what makes batching (and so speculation) lossless.
+//!
+//! Design notes: docs/KERNELS.md, "Paged attention".
 
 use rayon::prelude::*;
 

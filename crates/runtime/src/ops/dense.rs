@@ -8,14 +8,9 @@
 //! 3. the lanes are summed as `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`.
 //!
 //! So speculative verify rows give exactly the bits of plain decoding, and chunked prefill those of whole
-//! prefill. Tiles only choose which pairs share loads; threads split the weight rows (n), never k. f16 and
-//! bf16 weights widen exactly to f32, in registers or into a packed panel, which gives the same values.
+//! prefill. Threads split the weight rows (n), never k.
 //!
-//! Work split:
-//! * Few activation rows (decode, verify): one contiguous chunk of weight rows per thread, read once in
-//!   place; every weight vector loaded (and widened) serves all activation rows of a tile.
-//! * Many rows (prefill): the activation rows are packed once per call; the weight rows go in L2-sized
-//!   panels, each packed (and widened) once and swept by tiles of activation rows.
+//! Work split and design notes: docs/KERNELS.md, "Dense matmul".
 
 use rayon::prelude::*;
 

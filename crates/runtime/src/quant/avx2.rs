@@ -1,24 +1,17 @@
 //! AVX2 kernels for the 32-element block types (Q4_0, Q4_1, Q8_0): dispatch and the few-row (decode)
 //! kernels. Many-row jobs go to `avx2_gemm`, K-quants to `avx2_k`.
 //!
-//! Batch invariance: output `y[i, j]` must be bit-identical whichever kernel computes it (this one for jobs
-//! of one or two activation rows and for the columns left over from 8-wide strips, `avx2_gemm` otherwise),
-//! so that a row's result does not depend on the batch around it. Both follow one recipe per output: for
-//! each block in order, the exact integer dot product `sumi`, then `acc = fma(sumi, d_w * d_x, acc)` and, for
-//! the 4-bit types, `acc = fma(off, s_x, acc)` (`off` = Q4_1's `m` or Q4_0's `-8 d`; `s_x = d_x Σ x_q`, so
-//! `Σ_i (d q_i + m) x_i = d Σ q_i x_i + m Σ x_i`), from `acc = 0` with no final reduction. Only the integer
-//! part may be grouped freely, as it is exact.
+//! Batch invariance: output `y[i, j]` is bit-identical whichever kernel computes it (this one for jobs of one or
+//! two activation rows and for the columns left over from 8-wide strips, `avx2_gemm` otherwise). Both follow one
+//! recipe per output: for each block in order, the exact integer dot product `sumi`, then
+//! `acc = fma(sumi, d_w * d_x, acc)` and, for the 4-bit types, `acc = fma(off, s_x, acc)` (`off` = Q4_1's `m` or
+//! Q4_0's `-8 d`; `s_x = d_x Σ x_q`), from `acc = 0` with no final reduction. Only the integer part may be
+//! grouped freely, as it is exact.
 //!
-//! Decode reads each weight block once and works on strips of 4 weight rows, one per lane of the f32
-//! accumulator. For the 4-bit types two consecutive blocks are processed together: one 256-bit load holds
-//! both blocks' 16 nibble bytes, so the low nibbles of both blocks meet the activations in one `maddubs` and
-//! the high nibbles in another (the activations are regrouped to match). Horizontal adds then fold the 4
-//! rows' 16-bit partial sums into one vector of their 8 per-(row, block) integer sums, and each block's f32
-//! step runs once for the 4 rows. Two activation rows go through a strip together, sharing its loads,
-//! unpacking and scales.
+//! Decode works on strips of 4 weight rows, one per lane of the f32 accumulator, two activation rows at a time,
+//! and prefetches the next strip's blocks.
 //!
-//! Weights stream from DRAM at decode, so each block load is paired with a prefetch of the same block of the
-//! next strip (one strip ahead measured best: ~80% of a parallel sum's read bandwidth against ~60% without).
+//! Design notes: docs/KERNELS.md, "AVX2 block kernels".
 
 use std::arch::x86_64::*;
 use std::ops::Range;

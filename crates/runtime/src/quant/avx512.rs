@@ -2,34 +2,16 @@
 //! (decode) kernels on strips of 16 weight rows. Jobs of more activation rows go to `avx512_gemm`; the
 //! K-quants and the columns left over from 16-row strips run on the AVX2 kernels, which give the same bits.
 //!
-//! Batch invariance: every output follows the recipe in `avx2`'s module doc, operation for operation: the
-//! exact integer block dot product `sumi`, then per block in order `acc = fma(sumi, d_w * d_x, acc)` and, for
-//! the 4-bit types, `acc = fma(off, s_x, acc)`, from `acc = 0` with no final reduction. Only the integer part
-//! is computed differently here (`vpdpbusd`: u8 x s8 products summed 4 at a time into i32, all exact), so an
-//! output is bit-identical whichever level and kernel computes it.
+//! Batch invariance: every output follows the recipe in `avx2`'s module doc, operation for operation. Only the
+//! integer block sums are computed differently (`vpdpbusd`: u8 x s8 products summed 4 at a time into i32, all
+//! exact), so an output is bit-identical whichever level and kernel computes it. A strip's 16 rows are the 16 f32
+//! lanes of the accumulator: a block's f32 step is two FMAs for all of them, and nothing is reduced at the end.
 //!
-//! A strip is 16 weight rows, one per f32 lane of the 512-bit accumulator, so a block's f32 step is two FMAs
-//! for all 16 rows and nothing is reduced at the end. What differs between the paths is how the integer sums
-//! reach that layout:
+//! Q4_0 / Q4_1 go 4 blocks at a time ([`group_sums_q4`]); Q8_0, and the 1-3 Q4 blocks left over, one block at a
+//! time ([`block_sums_q4`], [`block_sums_q8`]), Q8_0's signed quants biased to u8. Decode prefetches the strip two
+//! ahead.
 //!
-//! * Q4_0 / Q4_1, 4 blocks at a time ([`group_sums_q4`]): each row's 4 blocks are read with two contiguous
-//!   64-byte loads, and one permute picks their 64 nibble bytes out, one block per 128-bit lane. The nibbles
-//!   are unsigned 0..15, so they are `vpdpbusd`'s u8 operand against the s8 activations directly (low
-//!   nibbles against elements 0..16, high nibbles against 16..32), which leaves 4 i32 partial sums per (row,
-//!   block). A 4x4 transpose-and-add of four rows' vectors ([`sum_lanes`]) and a 4x4 transpose of 128-bit
-//!   lanes ([`transpose_lanes`]) then give one vector of 16 rows per block. The blocks' f16 scales come out
-//!   of the same loads through two more permutes and the same lane transpose.
-//! * Q8_0, and the 1-3 blocks of a Q4 row left over from steps of 4, one block at a time
-//!   ([`block_sums_q4`], [`block_sums_q8`]): the rows' quants are loaded into 128-bit lanes (vector `e`
-//!   holds rows `e, e + 4, e + 8, e + 12`), so one [`sum_lanes`] gives row order directly; the scales come
-//!   from 16-byte loads at the blocks' starts. Q8_0's signed quants are biased to u8 (`w ^ 0x80` = `w +
-//!   128`) and the accumulator starts at `-128 Σ x` for the same 4 activations, so `vpdpbusd` leaves `Σ w x`
-//!   exactly: one XOR per 64 weight bytes, where moving the sign onto the activations (AVX2's `abs`/`sign`)
-//!   would cost an abs, a mask and a masked negate per activation row (AVX-512 has no `vpsignb`). The
-//!   4-block path measured slower for Q8_0 (two blocks per 64-byte load, and word permutes).
-//!
-//! Decode streams the weights from DRAM: the strip two ahead is prefetched in step with the blocks of the
-//! current one (its bytes are contiguous, so a share of its lines per step).
+//! Design notes: docs/KERNELS.md, "AVX-512 VNNI block kernels".
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -440,7 +422,7 @@ unsafe fn block_sums_q4<const KIND: u8, const RX: usize>(
     sums
 }
 
-/// Q8_0: as [`block_sums_q4`], with the sign of the quants handled by a bias (module doc).
+/// Q8_0: as [`block_sums_q4`], the quants' sign handled by a bias (docs/KERNELS.md, "AVX-512 VNNI block kernels").
 ///
 /// # Safety
 /// As [`block_sums_q4`].

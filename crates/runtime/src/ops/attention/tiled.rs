@@ -1,22 +1,15 @@
 //! The tiled kernel ([`super::RowKernel::Tiled`]): runs of query rows of one sequence (prefill, chunked
 //! prefill).
 //!
-//! A tile is up to [`LANES`] query vectors: consecutive (row, head) pairs, row-major, of rows that share
-//! one kv head. They are held transposed, `[head_dim, LANES]`, so every kernel vectorises across query
-//! vectors rather than along `head_dim`:
-//! * scores of a K page, `Sᵀ = K·Qᵀ` (`[keys, LANES]`): each multiply-add is one broadcast key element
-//!   times a register of queries, in register blocks of 6 keys x 16 lanes (12 multiply-adds per 2 query
-//!   loads and 6 broadcasts), with no horizontal sums;
-//! * the online softmax (running max, sum and rescale factor per lane) is elementwise over lanes;
-//! * outputs, also transposed (`Oᵀ += Vᵀ·P`, `[head_dim, LANES]`), in register blocks of 6 dims x 16
-//!   lanes, rescaled as they are loaded.
+//! A tile is up to [`LANES`] query vectors (consecutive (row, head) pairs, row-major, of rows that share one kv
+//! head), held transposed, `[head_dim, LANES]`, so every kernel vectorises across query vectors: the scores
+//! `Sᵀ = K·Qᵀ`, the online softmax per lane and the outputs `Oᵀ += Vᵀ·P`. Each K and V page is read once per
+//! tile instead of once per query row.
 //!
-//! Each K and V page is so read once per tile (16 query vectors) instead of once per query row. Lanes
-//! past a tile's vectors (the end of a run) carry zero queries and are never written out.
+//! Every lane's arithmetic is its own: keys outside a lane's range are masked to −∞, so a row's output does not
+//! depend on which other rows share its tile, nor on where a run was cut.
 //!
-//! Every lane's arithmetic is its own: keys outside a lane's range are masked to −∞ (an exponential of
-//! exactly 0, a rescale by exactly `exp(0) = 1`), so a row's output does not depend on which other rows
-//! share its tile, nor on where a run was cut.
+//! Design notes: docs/KERNELS.md, "Tiled attention".
 
 use super::{AttnCtx, AttnSeq};
 use crate::ops::simd;
