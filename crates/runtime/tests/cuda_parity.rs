@@ -4,19 +4,10 @@
 //! Needs the `cuda` feature. Without a CUDA device every test prints a SKIP notice and passes: CI has no
 //! GPU. On a GPU machine run the test binary with `--test-threads=1` for a tidy table (docs/CUDA.md).
 //!
-//! Tolerances (`err` is |gpu − cpu|):
-//! * exact (0): gathers, bf16 rounding (the bf16 outputs of RMSNorm and SwiGLU against their f32 outputs
-//!   rounded, too), RoPE (the cos/sin table holds the CPU's values and the kernel rounds each product like
-//!   the CPU), the residual update, argmax indices;
-//! * `err <= 1e-5 · max(1, |cpu|)`: RMSNorm, where only the order of the sum of squares differs (the CPU
-//!   op's own test allows 1e-5 against f64);
-//! * `2e-5 · max(1, |cpu|)`: SwiGLU, whose CPU `exp` is a polynomial within 1e-5 of f64 and whose CUDA
-//!   `expf` is within 2 ulp;
-//! * `err <= 1e-5 · Σ|w·x|` per output: the GEMV, f32 accumulation in another order (f32 rounding of a
-//!   k-term sum stays far below 1e-5 of the sum of magnitudes for k up to 8K; any indexing error is
-//!   O(1) of it);
-//! * `1e-4 · Σ|w·x|`: cuBLAS, with x rounded to bf16 on both sides; the tensor cores accumulate in f32
-//!   in blocked / split-k order, allowed ten times the GEMV's margin.
+//! Tolerances (`err` = |gpu − cpu|): exact for gathers, bf16 rounding, RoPE, the residual update and argmax
+//! indices; `1e-5 · max(1, |cpu|)` for RMSNorm and `2e-5 · max(1, |cpu|)` for SwiGLU; `1e-5 · Σ|w·x|` per output
+//! for the GEMV and `1e-4 · Σ|w·x|` for cuBLAS, x rounded to bf16 on both sides. Why each: docs/CUDA.md,
+//! "Parity tests".
 
 mod common;
 

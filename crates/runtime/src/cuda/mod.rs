@@ -4,18 +4,14 @@
 //!   architecture (cached on disk, see [`compile`]), and a cuBLAS handle made on first use.
 //! * [`DeviceBuf`]: a typed device buffer; [`CudaDevice::upload`] / [`CudaDevice::download`] move data.
 //! * [`DevSlice`]: a borrowed range of a buffer, what the launchers take (with [`DevArg`]).
-//! * [`ops`]: the kernels, each the twin of a CPU op in [`crate::ops`] and checked against it by
-//!   `tests/cuda_parity.rs` (and, for the kernels of the model forward, `tests/cuda_matmul_ops.rs` for the
-//!   matmuls and `tests/cuda_model_ops.rs` for the fused rest).
+//! * [`ops`]: the kernels, each the twin of a CPU op in [`crate::ops`] and checked against it by the
+//!   `tests/cuda_*.rs` twin tests (`cuda_parity`, and for the forward's kernels `cuda_matmul_ops`, `cuda_model_ops`).
 //! * [`StepGraph`]: launches captured into a CUDA graph ([`CudaDevice::capture`]) and replayed.
 //!
-//! Nothing CUDA is linked: the driver, NVRTC and cuBLAS are opened at run time ([`loader`]), so a binary
-//! built with this feature starts on machines without CUDA and only [`CudaDevice::new`] fails there, with
-//! one [`CudaError`] that says what is missing.
-//!
-//! Streams: all work of a device goes to its one stream, in order. cudarc's per-buffer event tracking
-//! (for multi-stream use) is turned off, which also keeps launches capturable into CUDA graphs; every
-//! buffer of a [`CudaDevice`] must therefore be used on that device's stream only.
+//! Nothing CUDA is linked: the libraries are opened at run time ([`loader`]), so only [`CudaDevice::new`] fails on
+//! a machine without CUDA, with one [`CudaError`] that says what is missing. All work of a device goes to its one
+//! stream, in order, with cudarc's event tracking off: every buffer of a [`CudaDevice`] must be used on that
+//! device's stream only. Design notes: docs/CUDA.md, "What exists".
 
 pub mod compile;
 mod device;

@@ -5,17 +5,12 @@
 //! recurrent state of every GDN layer for each state slot, the workspaces and the captured graphs. The
 //! caller assigns each sequence a state slot and says which sequences verify ([`GdnSeq`]).
 //!
-//! # Rollback after a verify
-//! The method is replay, as on the CPU, arranged for the device: a verify forward leaves the conv and
-//! recurrent state untouched (its runs carry write = 0) and keeps each GDN layer's projection, rule inputs
-//! and decay rows in per-layer buffers; [`CudaHybridModel::rollback`] then replays the kept rows of every
-//! layer with two launches (the conv windows, then the recurrence), writing the state. The replay runs
-//! the same kernels on the same inputs as a forward over the kept rows, so the state is bit-identical to
-//! it. Cost per round: one read and write of the state (`2 · 4 · v_heads·k_dim·v_dim` bytes per layer,
-//! 4 MiB for Qwen3-Next-80B's layer) and two launches, against `w` times that for per-position copies.
+//! Rollback after a verify is replay, as on the CPU: a verify forward leaves the conv and recurrent state untouched
+//! and keeps each GDN layer's inputs; [`CudaHybridModel::rollback`] replays the kept rows of every layer in two
+//! launches, bit-identical to a forward over them. Prompt rows run the recurrent rule too (no chunked kernel yet),
+//! so a prompt's bits do not depend on how it was cut into forwards.
 //!
-//! Prompt rows run the recurrent rule too (the chunked form is the CPU's prefill path; the device has no
-//! chunked kernel yet), so a prompt's bits do not depend on how it was cut into forwards.
+//! Design notes and costs: docs/CUDA.md, "Hybrid targets".
 
 mod cache;
 mod forward;
