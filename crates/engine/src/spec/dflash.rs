@@ -1,23 +1,12 @@
 //! The DFlash lane: a block drafter (DFlash v1 or DFlash2) that reads the target's hidden states.
 //!
-//! Per sequence the lane keeps the drafter's context: the target's captured hidden states for every committed
-//! position, fed to it by the engine after each forward ([`Proposer::observe`]). Observed rows wait in a pending
-//! buffer and enter the context (the drafter's K/V projections) in one pass right before the next draft, or when
-//! [`MAX_PENDING_ROWS`] have gathered: while the round policy keeps the lane plain, a step costs the lane a copy of
-//! its rows rather than a drafter pass, and the context is the same (the projections are per row, and the dense
-//! matmul gives a row the same bits in any batch). A round drafts `[anchor, mask ×
-//! (w − 1)]` in one drafter pass and proposes the `w − 1` tokens the drafter (or DFlash2's selector walk) picks.
-//!
-//! Sampled requests draft with the target's own keyed noise: the draft at position `p` is the Gumbel-max of the
-//! drafter's distribution under the same key `(seed, p, token)` the target's sampler uses at `p`. Verification
-//! stays the keyed rule (accept while the draft equals the target's keyed token), so output is token for token
-//! plain decoding's; sharing the noise makes a draft land on the target's token whenever the two distributions
-//! agree near the top, which is where acceptance comes from.
-//!
-//! With a draft vocabulary ([`DraftVocab`]) the drafter scores only those tokens: greedy drafts are the argmax
-//! (or DFlash2's walk) over them, sampled drafts the keyed Gumbel-max over them, mapped back to target ids.
-//! Verification still compares each draft with the target's keyed token over the full vocabulary, so the output
-//! is unchanged; a token outside the draft vocabulary simply cannot be drafted and ends the round.
+//! Per sequence the lane keeps the drafter's context (the target's captured hidden states of every committed
+//! position, [`Proposer::observe`]); observed rows wait in a buffer and enter the context in one pass before the
+//! next draft or once [`MAX_PENDING_ROWS`] gather. A round drafts `[anchor, mask × (w − 1)]` in one drafter pass.
+//! Sampled requests draft with the target's own keyed noise, so a draft lands on the target's token wherever the
+//! two distributions agree near the top; verification stays the keyed rule, so the output is plain decoding's.
+//! A draft vocabulary ([`DraftVocab`]) narrows what can be drafted, never what is committed.
+//! Design notes: docs/ENGINE.md, "DFlash lane".
 
 use std::sync::Arc;
 

@@ -15,7 +15,7 @@ pub const FIRST_PERIOD: u32 = 2;
 pub const MAX_PERIOD: u32 = 256;
 /// Weight of the newest round in the moving averages: about the last ten rounds speak. At 0.3 two early misses
 /// in a row at a 32K context (a two-row round costs 1.5 plain ones there) paused a lane whose drafts were right
-/// 90% of the time for 37 of its 72 steps on the H200 (docs/BENCHMARKS.md).
+/// 90% of the time for 37 of its 72 steps on the H200 (docs/PERFORMANCE.md, entry 16).
 const EMA_WEIGHT: f64 = 0.1;
 /// Drafted rounds judged before the averages may pause the lane (a few unlucky first rounds are no verdict).
 const WARMUP_ROUNDS: u32 = 6;
