@@ -14,12 +14,8 @@
 //! The decode-side contract (what the engine does) and design notes: docs/MODELS.md, "DFlash drafters".
 
 mod config;
-mod context;
-mod conv;
-mod draft;
-mod forward;
+mod cpu;
 mod sampling;
-mod selector;
 mod target_shape;
 mod vocab;
 mod weights;
@@ -33,11 +29,11 @@ use crate::safetensors_dir::{read_json, SafetensorsDir};
 use crate::weights::{WeightFile, WeightStore};
 
 pub use config::{build_target_layer_ids, Dflash2Config, DraftConfig, DraftKind, LayerAttention};
-pub use context::DrafterContext;
-pub use draft::{Draft, DraftProbs, DraftSampling};
-pub use forward::{BlockOutput, BlockRequest, BlockTrace, LayerTrace};
+pub use cpu::context::DrafterContext;
+pub use cpu::draft::{Draft, DraftProbs, DraftSampling};
+pub use cpu::forward::{BlockOutput, BlockRequest, BlockTrace, LayerTrace};
+pub use cpu::selector::{CandidateSelector, Candidates, Walk, WalkMode};
 pub use sampling::{filtered_probs, inverse_cdf, Draw, InverseCdf, SamplingFilter};
-pub use selector::{CandidateSelector, Candidates, Walk, WalkMode};
 pub use target_shape::{CaptureLayout, TargetShape};
 pub use vocab::{target_id, DraftHead, DraftVocab, VocabRanking, DRAFT_VOCAB_FILE};
 

@@ -10,8 +10,8 @@ use crate::error::{ModelError, Result};
 use crate::weights::WeightStore;
 
 use super::config::DraftConfig;
-use super::conv::DynamicConv;
-use super::selector::CandidateSelector;
+use super::cpu::conv::DynamicConv;
+use super::cpu::selector::CandidateSelector;
 use super::target_shape::{CaptureLayout, TargetShape};
 
 /// One drafter decoder layer.

@@ -11,8 +11,7 @@
 //! Maths and tensor layout: docs/MODELS.md, "MTP heads".
 
 mod config;
-mod context;
-mod forward;
+mod cpu;
 mod trunk;
 
 use std::path::Path;
@@ -21,7 +20,7 @@ use dflash_runtime::ops::{RopeStyle, RopeTable};
 use dflash_runtime::Tensor;
 
 pub use config::MtpConfig;
-pub use context::MtpContext;
+pub use cpu::context::MtpContext;
 pub use trunk::TrunkNorm;
 
 use crate::error::{ModelError, Result};

@@ -15,9 +15,9 @@ use dflash_runtime::{DType, Tensor};
 use crate::error::{ModelError, Result};
 
 use super::context::DrafterContext;
-use super::vocab::DraftHead;
-use super::weights::DraftLayer;
-use super::DraftModel;
+use crate::dflash::vocab::DraftHead;
+use crate::dflash::weights::DraftLayer;
+use crate::dflash::DraftModel;
 
 /// One sequence's block to draft.
 pub struct BlockRequest<'a> {
@@ -139,7 +139,7 @@ impl DraftModel {
     /// Runs the blocks of one or more sequences through the drafter (one batched pass; attention per sequence).
     ///
     /// `embed` is the target's `[V, Ht]` embedding table and `lm_head` its LM head (a `&Tensor` `[V, Ht]`, or a
-    /// [`super::DraftVocab`] for a draft vocabulary's rows); any dtype the runtime can read. Each context's block
+    /// [`crate::dflash::DraftVocab`] for a draft vocabulary's rows); any dtype the runtime can read. Each context's block
     /// rows are written as scratch past its committed length and overwritten by the next append.
     ///
     /// # Errors

@@ -18,8 +18,8 @@ use dflash_runtime::{convert, ops, DType, Tensor};
 use crate::error::{ModelError, Result};
 use crate::weights::WeightStore;
 
-use super::config::Dflash2Config;
-use super::sampling::Draw;
+use crate::dflash::config::Dflash2Config;
+use crate::dflash::sampling::Draw;
 
 /// The selector's weights and sizes.
 #[derive(Debug)]

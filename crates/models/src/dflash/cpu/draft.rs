@@ -11,13 +11,13 @@ use dflash_runtime::{ops, Tensor};
 
 use crate::error::{ModelError, Result};
 
-use super::config::DraftKind;
 use super::context::DrafterContext;
 use super::forward::{BlockOutput, BlockRequest};
-use super::sampling::{filtered_probs, Draw, SamplingFilter};
 use super::selector::WalkMode;
-use super::vocab::{target_id, DraftHead};
-use super::DraftModel;
+use crate::dflash::config::DraftKind;
+use crate::dflash::sampling::{filtered_probs, Draw, SamplingFilter};
+use crate::dflash::vocab::{target_id, DraftHead};
+use crate::dflash::DraftModel;
 
 /// How the drafts of a block are chosen.
 pub enum DraftSampling<'a> {
@@ -100,7 +100,7 @@ impl DraftModel {
     /// Drafts one block for one sequence: the block pass, then [`DraftModel::propose`]. The context must hold every
     /// committed position before the anchor (`ctx.len()` is the anchor's position).
     ///
-    /// `lm_head`: the target's `[V, Ht]` head, or a [`super::DraftVocab`] to score only its tokens.
+    /// `lm_head`: the target's `[V, Ht]` head, or a [`crate::dflash::DraftVocab`] to score only its tokens.
     ///
     /// # Errors
     /// As [`DraftModel::forward_blocks`] and [`DraftModel::propose`].

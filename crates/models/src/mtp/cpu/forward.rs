@@ -4,10 +4,10 @@
 use dflash_runtime::ops;
 use dflash_runtime::{DType, Tensor};
 
-use super::{MtpContext, MtpHead};
 use crate::batch::{ForwardBatch, SeqRows};
 use crate::error::{ModelError, Result};
 use crate::hybrid::rows::RowPlan;
+use crate::mtp::{MtpContext, MtpHead};
 
 impl MtpHead {
     /// Appends committed entries at positions `ctx.len() ..`: `trunk` `[n, hidden]` holds the target's last-layer
