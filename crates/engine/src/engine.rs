@@ -10,7 +10,7 @@ use dflash_models::{KvCache, ResumeState, Target};
 pub(crate) mod round_costs;
 mod step;
 
-use crate::metrics::{EngineMetrics, Gauges};
+use crate::metrics::{EngineMetrics, Gauges, StepPhase};
 use crate::request::{EventSink, Request};
 use crate::scheduler::{Scheduler, SchedulerConfig, StepItem};
 use crate::sequence::{Outcome, Sequence};
@@ -78,6 +78,8 @@ pub struct Engine {
     mtp: Option<MtpLaneConfig>,
     /// The key of the next sequence taken ([`Sequence::key`]).
     next_key: u64,
+    /// Time this step spent committing tokens (detokenizing, stop strings, events), for the step profile.
+    emit_time: std::time::Duration,
 }
 
 impl Engine {
@@ -158,6 +160,7 @@ impl Engine {
             drafter: cfg.drafter,
             mtp: None,
             next_key: 0,
+            emit_time: std::time::Duration::ZERO,
         };
         engine.publish_gauges();
         Ok(engine)
@@ -249,14 +252,17 @@ impl Engine {
     pub fn step(&mut self) -> Result<(), EngineError> {
         self.drop_abandoned();
         self.probe_round_costs_once();
+        let mut clock = PhaseClock::start();
         for seq in &mut self.sched.running {
             seq.prepare_drafts();
         }
+        let draft = clock.lap();
         let items = self.sched.plan();
         if items.is_empty() {
             self.publish_gauges();
             return Ok(());
         }
+        let plan = clock.lap();
         let started = Instant::now();
         let out = match self.forward(&items, started) {
             Ok(out) => out,
@@ -266,7 +272,10 @@ impl Engine {
                 return Err(e);
             }
         };
+        let forward = clock.lap();
+        self.emit_time = std::time::Duration::ZERO;
         let finished = self.sample_and_stream(&items, &out);
+        let sample = clock.lap().saturating_sub(self.emit_time);
         self.keep_state_checkpoints(&items);
         // The target's share of the round: the forward, reading and verifying its rows, rolling state back to what
         // was accepted and keeping checkpoints. Lanes add their own drafting. All of it is paid per round, so a
@@ -277,8 +286,17 @@ impl Engine {
         self.retire(finished);
         #[cfg(debug_assertions)]
         self.audit_pages();
-        self.metrics.record_step();
         self.publish_gauges();
+        let rows = items.iter().map(|i| i.rows).sum();
+        let phases = [
+            (StepPhase::Draft, draft),
+            (StepPhase::Plan, plan),
+            (StepPhase::Forward, forward),
+            (StepPhase::Sample, sample),
+            (StepPhase::Emit, self.emit_time),
+            (StepPhase::Finish, clock.lap()),
+        ];
+        self.metrics.record_step(rows, &phases);
         Ok(())
     }
 
@@ -453,6 +471,23 @@ impl Engine {
             prefix_cache_evictions: pages.evictions(),
             prefix_cache_checkpoints: pages.prefix_cache().checkpoint_count(),
         });
+    }
+}
+
+/// Laps of a step's phases.
+struct PhaseClock(Instant);
+
+impl PhaseClock {
+    fn start() -> Self {
+        PhaseClock(Instant::now())
+    }
+
+    /// The time since the last lap (or the start).
+    fn lap(&mut self) -> std::time::Duration {
+        let now = Instant::now();
+        let took = now.duration_since(self.0);
+        self.0 = now;
+        took
     }
 }
 

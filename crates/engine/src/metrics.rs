@@ -14,6 +14,40 @@ const TTFT_BUCKETS: [f64; 14] = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2
 /// Upper bounds (seconds) of the inter-token latency buckets.
 const ITL_BUCKETS: [f64; 13] = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5];
 
+/// Where an engine step's wall time goes, in step order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepPhase {
+    /// Lanes proposing drafts for the round (drafters run on the host).
+    Draft,
+    /// Dropping abandoned sequences, scheduling the step's rows.
+    Plan,
+    /// Building the flat batch and running the target's forward, results back on the host (on a GPU: the
+    /// inputs' upload, the launches or the graph replay, and the wait for the device).
+    Forward,
+    /// Sampling and verifying the rows the step returned (logprobs included).
+    Sample,
+    /// Committing tokens: detokenizing, stop strings, events to the requests' channels.
+    Emit,
+    /// After the rows: state checkpoints, round costs, prompt pages to the prefix cache, retiring, gauges.
+    Finish,
+}
+
+impl StepPhase {
+    pub const ALL: [StepPhase; 6] =
+        [StepPhase::Draft, StepPhase::Plan, StepPhase::Forward, StepPhase::Sample, StepPhase::Emit, StepPhase::Finish];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            StepPhase::Draft => "draft",
+            StepPhase::Plan => "plan",
+            StepPhase::Forward => "forward",
+            StepPhase::Sample => "sample",
+            StepPhase::Emit => "emit",
+            StepPhase::Finish => "finish",
+        }
+    }
+}
+
 /// A cumulative histogram with fixed buckets.
 #[derive(Debug)]
 struct Histogram {
@@ -57,6 +91,10 @@ pub struct EngineMetrics {
     generation_tokens: AtomicU64,
     preemptions: AtomicU64,
     steps: AtomicU64,
+    /// Rows of every step's forward, summed (rows per step = this over `steps`).
+    step_rows: AtomicU64,
+    /// Nanoseconds of every step in each [`StepPhase`], summed.
+    step_phase_ns: [AtomicU64; 6],
     spec_rounds: AtomicU64,
     spec_drafted: AtomicU64,
     spec_accepted: AtomicU64,
@@ -93,6 +131,8 @@ impl Default for EngineMetrics {
             generation_tokens: AtomicU64::new(0),
             preemptions: AtomicU64::new(0),
             steps: AtomicU64::new(0),
+            step_rows: AtomicU64::new(0),
+            step_phase_ns: std::array::from_fn(|_| AtomicU64::new(0)),
             spec_rounds: AtomicU64::new(0),
             spec_drafted: AtomicU64::new(0),
             spec_accepted: AtomicU64::new(0),
@@ -199,8 +239,23 @@ impl EngineMetrics {
         *self.round_costs.lock().unwrap_or_else(PoisonError::into_inner) = Some(costs.clone());
     }
 
-    pub fn record_step(&self) {
+    /// One step of `rows` forward rows, and how long it spent in each phase.
+    pub fn record_step(&self, rows: usize, phases: &[(StepPhase, std::time::Duration); 6]) {
         self.steps.fetch_add(1, Ordering::Relaxed);
+        self.step_rows.fetch_add(rows as u64, Ordering::Relaxed);
+        for (phase, took) in phases {
+            let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+            self.step_phase_ns[*phase as usize].fetch_add(ns, Ordering::Relaxed);
+        }
+    }
+
+    fn render_step_phases(&self, out: &mut String) {
+        let name = "dflash_step_seconds_total";
+        let _ = writeln!(out, "# HELP {name} Engine step wall time by phase.\n# TYPE {name} counter");
+        for phase in StepPhase::ALL {
+            let s = self.step_phase_ns[phase as usize].load(Ordering::Relaxed) as f64 * 1e-9;
+            let _ = writeln!(out, "{name}{{phase=\"{}\"}} {s:.6}", phase.name());
+        }
     }
 
     pub fn publish(&self, g: Gauges) {
@@ -286,6 +341,7 @@ impl EngineMetrics {
         }
         self.render_positions(&mut out);
         self.render_rounds(&mut out);
+        self.render_step_phases(&mut out);
         let plain = self.spec_widths[0].load(Ordering::Relaxed);
         let _ = writeln!(
             out,
@@ -297,6 +353,7 @@ impl EngineMetrics {
             ("dflash_generation_tokens_total", "Tokens generated.", &self.generation_tokens),
             ("dflash_preemptions_total", "Sequences preempted for lack of KV pages.", &self.preemptions),
             ("dflash_engine_steps_total", "Batched forward steps run.", &self.steps),
+            ("dflash_step_rows_total", "Rows of every step's forward, summed.", &self.step_rows),
             ("dflash_spec_rounds_total", "Speculative rounds verified.", &self.spec_rounds),
             ("dflash_spec_drafted_tokens_total", "Draft tokens verified.", &self.spec_drafted),
             ("dflash_spec_accepted_tokens_total", "Draft tokens accepted.", &self.spec_accepted),

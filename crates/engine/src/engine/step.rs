@@ -215,7 +215,9 @@ impl Engine {
         let logprob = seq.request.logprobs.map(|n| token_logprob(&self.tokenizer, row_logits, id, n));
         let ttft = seq.times.first_token.is_none().then(|| now.duration_since(seq.times.arrived).as_secs_f64());
         let itl = seq.times.last_token.map(|t| now.duration_since(t).as_secs_f64());
+        let emitting = Instant::now();
         let finish = seq.commit(&self.tokenizer, &self.eos_ids, id, logprob, now);
+        self.emit_time += emitting.elapsed();
         self.metrics.record_token(ttft, itl);
         (id, finish)
     }

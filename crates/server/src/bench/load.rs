@@ -19,7 +19,7 @@ use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::load_report::{write_reports, Level, ServerRun};
+use super::load_report::{write_reports, Level, ServerRun, StepProfile};
 use crate::cli::LoadArgs;
 
 /// How long a started server may take to load its model and listen.
@@ -136,6 +136,7 @@ fn served_model(api: &str) -> Result<String> {
 
 /// One level: `c` streams, `rounds` completions each.
 fn run_level(api: &str, model: &str, prompts: &[String], c: usize, args: &LoadArgs) -> Result<Level> {
+    let before = step_counters(api);
     let total = c * args.rounds.max(1);
     let next = AtomicUsize::new(0);
     let started = Instant::now();
@@ -160,7 +161,23 @@ fn run_level(api: &str, model: &str, prompts: &[String], c: usize, args: &LoadAr
             .collect();
         workers.into_iter().flat_map(|w| w.join().unwrap_or_default()).collect()
     });
-    Ok(Level::of(c, &samples, started.elapsed()))
+    let mut level = Level::of(c, &samples, started.elapsed());
+    level.profile = before.zip(step_counters(api)).map(|(a, b)| StepProfile::between(&a, &b));
+    Ok(level)
+}
+
+/// The engine's step counters (`dflash serve`'s /metrics: steps, rows, seconds by phase); `None` for a server
+/// without them.
+fn step_counters(api: &str) -> Option<Vec<(String, f64)>> {
+    let root = api.trim_end_matches('/').trim_end_matches("/v1");
+    let text = ureq::get(&format!("{root}/metrics")).call().ok()?.into_string().ok()?;
+    let wanted = ["dflash_engine_steps_total ", "dflash_step_rows_total ", "dflash_step_seconds_total{"];
+    let counters: Vec<(String, f64)> = text
+        .lines()
+        .filter(|l| wanted.iter().any(|w| l.starts_with(w)))
+        .filter_map(|l| l.rsplit_once(' ').and_then(|(k, v)| Some((k.to_string(), v.parse().ok()?))))
+        .collect();
+    (!counters.is_empty()).then_some(counters)
 }
 
 /// One streamed, greedy chat completion of `max_tokens` tokens.

@@ -29,6 +29,41 @@ pub struct Level {
     /// Gaps between content chunks.
     pub itl_p50_ms: f64,
     pub itl_p99_ms: f64,
+    /// Where the server's engine steps spent their time during the level (servers that export the counters).
+    pub profile: Option<StepProfile>,
+}
+
+/// A level's engine steps: how many, rows per step, and ms per step by phase.
+#[derive(Clone, Debug, Serialize)]
+pub struct StepProfile {
+    pub steps: f64,
+    pub rows_per_step: f64,
+    /// (phase, ms per step), in step order.
+    pub ms_per_step: Vec<(String, f64)>,
+}
+
+impl StepProfile {
+    /// The difference of two readings of the counters, per step.
+    pub fn between(before: &[(String, f64)], after: &[(String, f64)]) -> StepProfile {
+        let delta = |key: &str| {
+            let get = |c: &[(String, f64)]| c.iter().find(|(k, _)| k == key).map_or(0.0, |(_, v)| *v);
+            get(after) - get(before)
+        };
+        let steps = delta("dflash_engine_steps_total");
+        let per_step = |v: f64| if steps > 0.0 { v / steps } else { 0.0 };
+        let ms_per_step = after
+            .iter()
+            .filter_map(|(k, _)| k.strip_prefix("dflash_step_seconds_total{phase=\"").map(|p| (k, p)))
+            .map(|(k, p)| (p.trim_end_matches("\"}").to_string(), per_step(delta(k)) * 1e3))
+            .collect();
+        StepProfile { steps, rows_per_step: per_step(delta("dflash_step_rows_total")), ms_per_step }
+    }
+
+    /// `phase ms` pairs and the rows per step, for logs and tables.
+    pub fn summary(&self) -> String {
+        let phases: Vec<String> = self.ms_per_step.iter().map(|(p, ms)| format!("{p} {ms:.3}")).collect();
+        format!("{:.0} steps of {:.1} rows, ms per step: {}", self.steps, self.rows_per_step, phases.join(", "))
+    }
 }
 
 impl Level {
@@ -52,6 +87,7 @@ impl Level {
             ttft_p99_ms: percentile(&mut ttft, 0.99),
             itl_p50_ms: percentile(&mut gaps, 0.50),
             itl_p99_ms: percentile(&mut gaps, 0.99),
+            profile: None,
         }
     }
 
@@ -61,8 +97,9 @@ impl Level {
             Some(e) => format!(", {} errors (first: {e})", self.errors),
             None => String::new(),
         };
+        let profile = self.profile.as_ref().map(|p| format!("; {}", p.summary())).unwrap_or_default();
         format!(
-            "{:.0} tok/s, TTFT p50 {:.1} ms p99 {:.1} ms, ITL p50 {:.2} ms p99 {:.2} ms, {} requests{errors}",
+            "{:.0} tok/s, TTFT p50 {:.1} ms p99 {:.1} ms, ITL p50 {:.2} ms p99 {:.2} ms, {} requests{errors}{profile}",
             self.tok_s, self.ttft_p50_ms, self.ttft_p99_ms, self.itl_p50_ms, self.itl_p99_ms, self.requests
         )
     }
@@ -128,7 +165,31 @@ fn table(runs: &[ServerRun]) -> String {
         }
     }
     out.push('\n');
+    for r in runs {
+        profile_table(&mut out, r);
+    }
     out
+}
+
+/// The engine's step profile by level, for a server that exports it: rows per step and ms per step by phase.
+fn profile_table(out: &mut String, run: &ServerRun) {
+    let Some(first) = run.levels.iter().find_map(|l| l.profile.as_ref()) else { return };
+    let phases: Vec<&str> = first.ms_per_step.iter().map(|(p, _)| p.as_str()).collect();
+    let _ =
+        write!(out, "\n{}: engine steps, ms per step by phase\n\n| concurrent requests | rows per step |", run.name);
+    for p in &phases {
+        let _ = write!(out, " {p} |");
+    }
+    let _ = write!(out, " step |\n| --- | --- |{}", " --- |".repeat(phases.len() + 1));
+    for l in &run.levels {
+        let Some(p) = &l.profile else { continue };
+        let _ = write!(out, "\n| {} | {:.1} |", l.concurrency, p.rows_per_step);
+        for (_, ms) in &p.ms_per_step {
+            let _ = write!(out, " {ms:.3} |");
+        }
+        let _ = write!(out, " {:.3} |", p.ms_per_step.iter().map(|(_, ms)| ms).sum::<f64>());
+    }
+    out.push('\n');
 }
 
 /// Two panels side by side: aggregate tok/s and p99 TTFT against concurrency (log scale), a line per server.
