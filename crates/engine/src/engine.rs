@@ -101,6 +101,13 @@ impl Engine {
         if capacity < cfg.context_window {
             return Err(EngineError::CacheTooSmall { capacity, context_window: cfg.context_window });
         }
+        if target.num_pages() != cfg.num_pages {
+            return Err(EngineError::Target(format!(
+                "the target's cache holds {} pages, the engine plans {}",
+                target.num_pages(),
+                cfg.num_pages
+            )));
+        }
         if target.page_size() != cfg.page_size {
             return Err(EngineError::Target(format!(
                 "the target's cache has pages of {} tokens, the engine plans pages of {}",
@@ -207,6 +214,11 @@ impl Engine {
     /// Whether requests may draft with a block drafter ([`EngineConfig::drafter`]).
     pub fn has_drafter(&self) -> bool {
         self.drafter.is_some()
+    }
+
+    /// KV pages the engine allocates from (the target's cache).
+    pub fn num_pages(&self) -> usize {
+        self.sched.pages.total()
     }
 
     /// Most pages the prefix cache indexes, as sized for this target (0: off).
@@ -655,6 +667,9 @@ mod tests {
         }
         fn page_size(&self) -> usize {
             self.0.page_size()
+        }
+        fn num_pages(&self) -> usize {
+            self.0.num_pages()
         }
         fn forward(
             &mut self,

@@ -18,7 +18,9 @@ use dflash_engine::spec::{NgramConfig, OracleDraft, PolicyMode, SpecConfig};
 use dflash_engine::{Engine, EngineConfig, EngineMetrics, Request, SamplingParams};
 use dflash_models::resolve::ModelSource;
 use dflash_models::tokenizer::Tokenizer;
-use dflash_models::{open_target, CachePlan, Checkpoint, Device, LoadOptions, ModelError, Target, TargetOptions};
+use dflash_models::{
+    open_target, CachePlan, Checkpoint, Device, KvPages, LoadOptions, ModelError, Target, TargetOptions,
+};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures").join(name)
@@ -53,7 +55,7 @@ fn run(target: Box<dyn Target>, cfg: EngineConfig, requests: Vec<Request>) -> (V
 fn target(device: Device, cfg: &EngineConfig) -> Result<Box<dyn Target>, ModelError> {
     let checkpoint = Checkpoint::open(&ModelSource::HfDir(fixture("tiny-qwen3-next")), None)?;
     let cache = CachePlan {
-        num_pages: cfg.num_pages,
+        pages: KvPages::Fixed(cfg.num_pages),
         page_size: cfg.page_size,
         max_batch_tokens: cfg.max_batch_tokens,
         max_seqs: cfg.max_running,

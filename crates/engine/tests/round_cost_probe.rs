@@ -39,6 +39,10 @@ impl Target for Recording {
         self.inner.page_size()
     }
 
+    fn num_pages(&self) -> usize {
+        self.inner.num_pages()
+    }
+
     fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOut, ModelError> {
         let mut steps = self.steps.lock().unwrap_or_else(PoisonError::into_inner);
         steps.extend(batch.seqs.iter().map(|s| (s.context_len, s.num_rows)));

@@ -31,11 +31,21 @@ impl std::fmt::Display for Device {
     }
 }
 
+/// How many KV pages a target's cache holds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KvPages {
+    /// Exactly this many.
+    Fixed(usize),
+    /// As many as fit in this fraction (in (0, 1]) of the device memory free once the weights and every other
+    /// buffer of the cache are allocated (device targets; a CPU target refuses it).
+    FreeMemory(f64),
+}
+
 /// The paged KV cache and step capacities a target is built for (the engine plans within them).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CachePlan {
     /// KV pages, and tokens per page.
-    pub num_pages: usize,
+    pub pages: KvPages,
     pub page_size: usize,
     /// Rows one forward may run (prompt-chunk tokens plus decode and verify rows).
     pub max_batch_tokens: usize,
@@ -43,6 +53,21 @@ pub struct CachePlan {
     pub max_seqs: usize,
     /// Tokens one sequence may hold.
     pub context_window: usize,
+}
+
+impl CachePlan {
+    /// The pages of a [`KvPages::Fixed`] plan, for targets whose memory is the host's.
+    ///
+    /// # Errors
+    /// `Unsupported` for [`KvPages::FreeMemory`].
+    pub fn fixed_pages(&self) -> Result<usize> {
+        match self.pages {
+            KvPages::Fixed(n) => Ok(n),
+            KvPages::FreeMemory(_) => {
+                Err(ModelError::Unsupported("a KV cache sized from free device memory on the CPU".into()))
+            }
+        }
+    }
 }
 
 /// Choices fixed when a target is opened.

@@ -29,6 +29,6 @@ pub use checkpoint::{Checkpoint, GenerationDefaults, LoadOptions, ModelInfo};
 pub use config::ModelConfig;
 pub use dflash::{DraftModel, DrafterContext, TargetShape};
 pub use error::ModelError;
-pub use family::{open_target, CachePlan, Device, Family, OpenedTarget, TargetOptions};
+pub use family::{open_target, CachePlan, Device, Family, KvPages, OpenedTarget, TargetOptions};
 pub use mtp::{MtpContext, MtpHead};
 pub use target::{HostHeads, ResumeState, StepSeq, Target, TargetHeads};

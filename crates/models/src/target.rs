@@ -49,6 +49,9 @@ pub trait Target: Send {
     /// Tokens per KV page.
     fn page_size(&self) -> usize;
 
+    /// KV pages the cache holds.
+    fn num_pages(&self) -> usize;
+
     /// Runs one step's rows (see [`ForwardBatch`]): writes their K/V into the cache and returns the logits of
     /// the batch's logit rows (`[L, vocab]`) and the captured hidden states (`[T, taps · hidden]`).
     ///

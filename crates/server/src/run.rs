@@ -8,8 +8,9 @@ use std::sync::{Arc, Mutex};
 use anyhow::Result;
 use dflash_engine::{EngineMetrics, Event, EventSink, FinishReason, Request, Usage};
 use dflash_models::tokenizer::{ChatMessage, Tokenizer};
+use dflash_models::KvPages;
 
-use crate::cli::{FetchArgs, RunArgs};
+use crate::cli::{FetchArgs, PrefixCacheArgs, RunArgs};
 use crate::setup::{EnginePlan, Startup, PAGE_SIZE};
 
 /// Prompt tokens per prefill forward.
@@ -80,11 +81,11 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let ctx = startup.context_window();
     let plan = EnginePlan {
         context_window: ctx,
-        num_pages: ctx.div_ceil(PAGE_SIZE),
+        pages: KvPages::Fixed(ctx.div_ceil(PAGE_SIZE)),
         max_running: 1,
         max_batch_tokens: PREFILL_CHUNK,
         // One request: nothing to share.
-        prefix_cache_pages: 0,
+        prefix_cache: PrefixCacheArgs { prefix_cache_mem: None, no_prefix_cache: true },
         spec: args.spec.config()?,
     };
     let built = startup.build(plan, Arc::new(EngineMetrics::default()))?;

@@ -10,6 +10,7 @@ use crate::cli::ServeArgs;
 use crate::http::{self, HttpConfig};
 use crate::live::LiveEngine;
 use crate::setup::{Built, EnginePlan, Startup, PAGE_SIZE};
+use dflash_models::{Device, KvPages};
 
 /// KV cache memory when `--kv-cache-mem` is not given.
 const DEFAULT_KV_CACHE_MEM: u64 = 1 << 30;
@@ -18,22 +19,28 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     let startup = Startup::begin(&args.model, &args.spec)?;
     let context_window = startup.context_window();
     let bytes_per_token = startup.kv_bytes_per_token();
-    let window_bytes = context_window as u64 * bytes_per_token;
-    let kv_mem = args.kv_cache_mem.unwrap_or(DEFAULT_KV_CACHE_MEM.max(window_bytes));
     let page_bytes = bytes_per_token * PAGE_SIZE as u64;
-    let num_pages = usize::try_from(kv_mem / page_bytes.max(1)).unwrap_or(usize::MAX);
+    let pages = match (args.kv_cache_mem, startup.device()) {
+        (None, Device::Cuda(_)) => KvPages::FreeMemory(args.kv_cache_fraction),
+        (mem, _) => {
+            let window_bytes = context_window as u64 * bytes_per_token;
+            let kv_mem = mem.unwrap_or(DEFAULT_KV_CACHE_MEM.max(window_bytes));
+            KvPages::Fixed(usize::try_from(kv_mem / page_bytes.max(1)).unwrap_or(usize::MAX))
+        }
+    };
     let plan = EnginePlan {
         context_window,
-        num_pages,
+        pages,
         max_running: args.max_concurrent,
         max_batch_tokens: args.max_batch_tokens,
         // The engine also charges captured rows and hybrid targets' state checkpoints to this budget (and keeps the
         // cache off for hybrid targets without checkpoints).
-        prefix_cache_pages: args.prefix_cache.pages(num_pages, page_bytes),
+        prefix_cache: args.prefix_cache.clone(),
         spec: args.spec.config()?,
     };
     let metrics = Arc::new(EngineMetrics::default());
     let Built { mut engine, name, tokenizer, generation } = startup.build(plan, Arc::clone(&metrics))?;
+    let num_pages = engine.num_pages();
     // At start-up, so the first request does not pay for the round policy's calibration.
     engine.probe_round_costs_at_start();
     tracing::info!(

@@ -17,10 +17,11 @@ use dflash_engine::{Engine, EngineConfig, EngineMetrics};
 use dflash_models::resolve::{resolve_model, ModelSource};
 use dflash_models::tokenizer::Tokenizer;
 use dflash_models::{
-    open_target, CachePlan, Checkpoint, Device, GenerationDefaults, KvCache, LoadOptions, ModelConfig, TargetOptions,
+    open_target, CachePlan, Checkpoint, Device, GenerationDefaults, KvCache, KvPages, LoadOptions, ModelConfig,
+    TargetOptions,
 };
 
-use crate::cli::{DeviceArg, ModelArgs, SpecArgs};
+use crate::cli::{DeviceArg, ModelArgs, PrefixCacheArgs, SpecArgs};
 use crate::drafters::DrafterPlan;
 
 /// Tokens per KV page, for every engine the binary builds.
@@ -33,12 +34,12 @@ const DEFAULT_MAX_CONTEXT: usize = 8192;
 pub struct EnginePlan {
     /// Most tokens (prompt plus completion) one sequence may hold.
     pub context_window: usize,
-    /// KV pages of [`PAGE_SIZE`] tokens.
-    pub num_pages: usize,
+    /// KV pages of [`PAGE_SIZE`] tokens, or as many as fit the device's free memory.
+    pub pages: KvPages,
     pub max_running: usize,
     pub max_batch_tokens: usize,
-    /// Pages the prefix cache may index (0: off).
-    pub prefix_cache_pages: usize,
+    /// How much of the KV cache the prefix cache may index (sized once the cache's pages are known).
+    pub prefix_cache: PrefixCacheArgs,
     pub spec: SpecConfig,
 }
 
@@ -91,6 +92,11 @@ impl Startup {
         &self.checkpoint.info.generation
     }
 
+    /// The device the target will run on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
     /// The context window `--ctx-size` asks for, else the model's capped at 8,192 tokens.
     pub fn context_window(&self) -> usize {
         self.args.ctx_size.unwrap_or(self.config().max_position_embeddings.min(DEFAULT_MAX_CONTEXT))
@@ -99,8 +105,7 @@ impl Startup {
     /// Bytes of K and V one token takes in the cache (only the layers that keep K/V: a hybrid model's recurrent
     /// layers keep a fixed state per sequence).
     pub fn kv_bytes_per_token(&self) -> u64 {
-        let c = self.config();
-        KvCache::bytes_per_token(self.checkpoint.info.family.kv_layers(), c.num_kv_heads, c.head_dim) as u64
+        kv_bytes_per_token(self.checkpoint.info.family.as_ref())
     }
 
     /// Step 4: the target on its device (weights read once), the drafter against it, and the engine.
@@ -118,7 +123,7 @@ impl Startup {
             },
             host_heads: drafter.reads_heads(),
             cache: CachePlan {
-                num_pages: plan.num_pages,
+                pages: plan.pages,
                 page_size: PAGE_SIZE,
                 max_batch_tokens: plan.max_batch_tokens,
                 max_seqs: plan.max_running,
@@ -130,18 +135,20 @@ impl Startup {
             open_target(checkpoint, device, &opts).with_context(|| format!("opening the target on {device}"))?;
         tracing::info!("target on {} in {:.0} ms", opened.target.device(), t0.elapsed().as_secs_f64() * 1e3);
         let drafters = drafter.load(&spec, args.f32_weights, &opened)?;
+        let num_pages = opened.target.num_pages();
+        let page_bytes = kv_bytes_per_token(opened.info.family.as_ref()) * PAGE_SIZE as u64;
         let config = opened.info.config();
         let mut eos_ids = opened.info.tokenizer.eos_ids().to_vec();
         eos_ids.extend(&config.eos_token_ids);
         let engine_cfg = EngineConfig {
             context_window: plan.context_window,
-            num_pages: plan.num_pages,
+            num_pages,
             page_size: PAGE_SIZE,
             max_running: plan.max_running,
             max_batch_tokens: plan.max_batch_tokens,
             eos_ids,
             spec: plan.spec,
-            prefix_cache_pages: plan.prefix_cache_pages,
+            prefix_cache_pages: plan.prefix_cache.pages(num_pages, page_bytes),
             drafter: drafters.block,
             state_checkpoint_stride: args.state_checkpoint_stride,
         };
@@ -155,6 +162,12 @@ impl Startup {
         };
         Ok(Built { engine, name: info.name, tokenizer, generation: info.generation })
     }
+}
+
+/// Bytes of K and V one token takes in a cache of `family`'s model.
+fn kv_bytes_per_token(family: &dyn dflash_models::Family) -> u64 {
+    let c = family.config();
+    KvCache::bytes_per_token(family.kv_layers(), c.num_kv_heads, c.head_dim) as u64
 }
 
 /// Step 1: the process-wide state the model flags set (the CPU thread pool, the activation precision of quantized
@@ -231,10 +244,10 @@ mod tests {
         assert_eq!(startup.kv_bytes_per_token(), 2 * 2 * 16 * 4, "one attention layer keeps K/V");
         let plan = EnginePlan {
             context_window: 64,
-            num_pages: 4,
+            pages: KvPages::Fixed(4),
             max_running: 1,
             max_batch_tokens: 64,
-            prefix_cache_pages: 0,
+            prefix_cache: PrefixCacheArgs { prefix_cache_mem: None, no_prefix_cache: true },
             spec: args.spec.config().expect("spec"),
         };
         let mut engine = startup.build(plan, Arc::new(EngineMetrics::default())).expect("engine").engine;

@@ -121,9 +121,10 @@ pub fn load() -> Model {
 /// The final norm of the target at `source`, as the server reads it: from the host heads of the target opened on
 /// the CPU through the one door.
 pub fn trunk_norm(source: &ModelSource) -> dflash_models::mtp::TrunkNorm {
-    use dflash_models::{open_target, CachePlan, Checkpoint, Device, TargetOptions};
+    use dflash_models::{open_target, CachePlan, Checkpoint, Device, KvPages, TargetOptions};
     let checkpoint = Checkpoint::open(source, None).expect("checkpoint");
-    let cache = CachePlan { num_pages: 1, page_size: 16, max_batch_tokens: 16, max_seqs: 1, context_window: 16 };
+    let cache =
+        CachePlan { pages: KvPages::Fixed(1), page_size: 16, max_batch_tokens: 16, max_seqs: 1, context_window: 16 };
     let opts = TargetOptions { load: LoadOptions::default(), host_heads: true, cache };
     let opened = open_target(checkpoint, Device::Cpu, &opts).expect("target");
     let heads = opened.target.host_heads().expect("host heads");

@@ -10,13 +10,16 @@ use half::bf16;
 
 use super::error::{CudaModelError, Result};
 use super::plan::{Layout, TileRows};
-use crate::family::CachePlan;
+use crate::family::{CachePlan, KvPages};
 
 /// Capacities of a [`CudaCache`], fixed when it is made.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CudaCacheConfig {
     /// KV pages, and tokens per page (slots `page · page_size + offset`, as in [`crate::KvCache`]).
     pub num_pages: usize,
+    /// When set, `num_pages` is set when the cache is made: as many pages as fit in this fraction of the device
+    /// memory free once every other buffer is allocated.
+    pub fit_free_memory: Option<f64>,
     pub page_size: usize,
     /// Rows one forward may run (the prefill chunk limit).
     pub max_tokens: usize,
@@ -39,6 +42,7 @@ impl CudaCacheConfig {
         let decode = (16 * max_seqs).min(max_tokens.max(max_seqs));
         CudaCacheConfig {
             num_pages,
+            fit_free_memory: None,
             page_size,
             max_tokens,
             max_seqs,
@@ -53,7 +57,14 @@ impl CudaCacheConfig {
     /// when there are more sequences (the engine's scheduler widens its budget the same way).
     pub fn plan(plan: &CachePlan) -> Self {
         let rows = plan.max_batch_tokens.max(plan.max_seqs);
-        Self::new(plan.num_pages, plan.page_size, rows, plan.max_seqs, plan.context_window)
+        let (pages, fit) = match plan.pages {
+            KvPages::Fixed(n) => (n, None),
+            KvPages::FreeMemory(fraction) => (0, Some(fraction)),
+        };
+        CudaCacheConfig {
+            fit_free_memory: fit,
+            ..Self::new(pages, plan.page_size, rows, plan.max_seqs, plan.context_window)
+        }
     }
 
     /// Block-table entries per sequence.
@@ -163,16 +174,15 @@ impl<X> CudaCache<X> {
         model_id: u64,
         extra: X,
     ) -> Result<Self> {
-        if cfg.num_pages == 0 || cfg.page_size == 0 || cfg.max_tokens == 0 || cfg.max_seqs == 0 || cfg.max_seq_len == 0
-        {
+        let pages_set = cfg.num_pages > 0 || cfg.fit_free_memory.is_some();
+        if !pages_set || cfg.page_size == 0 || cfg.max_tokens == 0 || cfg.max_seqs == 0 || cfg.max_seq_len == 0 {
             return Err(CudaModelError::Batch(format!("cache capacities must be positive: {cfg:?}")));
         }
         let (t, l, h) = (cfg.max_tokens, cfg.max_logit_rows.max(1), shape.hidden);
-        let layer_len = (cfg.num_pages + 1) * cfg.page_size * shape.kv_heads * shape.head_dim;
         let splits = attn_max_splits(cfg.max_seq_len, shape.kv_heads);
         let inputs = Layout::capacity(&cfg, shape.tile_rows) + shape.extra_inputs;
         let f = shape.ffn_width;
-        let ws = Workspace {
+        let mut ws = Workspace {
             inputs: dev.alloc_zeros(inputs)?,
             residual: dev.alloc_zeros(t * h)?,
             normed: dev.alloc_zeros(t * h)?,
@@ -194,12 +204,17 @@ impl<X> CudaCache<X> {
                 shape.head_dim,
                 splits,
             )?,
-            kv_bf16: dev.alloc_zeros(if shape.tile_rows.tensor_core_prompt { 2 * layer_len } else { 1 })?,
+            kv_bf16: dev.alloc_zeros(1)?,
             captured: dev.alloc_zeros((t * shape.capture_width).max(1))?,
         };
         if shape.bf16_width > 0 {
             // Made now: the handle allocates, which a graph capture must not do.
             dev.init_blas()?;
+        }
+        let cfg = fit_pages(dev, cfg, shape)?;
+        let layer_len = (cfg.num_pages + 1) * cfg.page_size * shape.kv_heads * shape.head_dim;
+        if shape.tile_rows.tensor_core_prompt {
+            ws.kv_bf16 = dev.alloc_zeros(2 * layer_len)?;
         }
         let kv_layers = shape.kv_layers.max(1);
         Ok(CudaCache {
@@ -228,4 +243,23 @@ impl<X> CudaCache<X> {
     pub fn kv_bytes(&self) -> usize {
         4 * (self.k.len() + self.v.len())
     }
+}
+
+/// `cfg` with its pages set from the device's free memory when it asks for that (the KV pages come last, after
+/// every other buffer): each page costs its K and V in f32 over the layers that keep K/V, plus the bf16 copy of one
+/// layer's K and V the tensor-core prompt attention reads; one page more is kept for padded graph rows.
+fn fit_pages(dev: &CudaDevice, mut cfg: CudaCacheConfig, shape: &WorkspaceShape) -> Result<CudaCacheConfig> {
+    let Some(fraction) = cfg.fit_free_memory else { return Ok(cfg) };
+    let page_elems = cfg.page_size * shape.kv_heads * shape.head_dim;
+    let bf16_copy = if shape.tile_rows.tensor_core_prompt { 2 * 2 * page_elems } else { 0 };
+    let page_bytes = 2 * 4 * page_elems * shape.kv_layers.max(1) + bf16_copy;
+    let budget = (dev.free_memory()? as f64 * fraction.clamp(0.0, 1.0)) as usize;
+    cfg.num_pages = (budget / page_bytes.max(1)).saturating_sub(1);
+    if cfg.num_pages == 0 {
+        return Err(CudaModelError::Batch(format!(
+            "no KV page fits in {fraction} of the device's free memory ({budget} bytes for pages of {page_bytes})"
+        )));
+    }
+    cfg.fit_free_memory = None;
+    Ok(cfg)
 }

@@ -52,7 +52,7 @@ impl Family for HybridFamily {
         match device {
             Device::Cpu => {
                 let cache = &opts.cache;
-                Ok(Box::new(HybridTarget::new(Arc::new(model), cache.num_pages, cache.page_size)?))
+                Ok(Box::new(HybridTarget::new(Arc::new(model), cache.fixed_pages()?, cache.page_size)?))
             }
             Device::Cuda(ordinal) => open_cuda(model, ordinal, opts),
         }

@@ -97,6 +97,10 @@ impl Target for HybridTarget {
         self.kv.page_size
     }
 
+    fn num_pages(&self) -> usize {
+        self.kv.num_pages
+    }
+
     /// Runs `batch` as scratch sequences, each from a zero state that is dropped afterwards (the engine's cost
     /// probe times steps this way). Sequences the engine serves go through [`Target::forward_step`].
     fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOut> {

@@ -65,7 +65,7 @@ impl Family for LlamaFamily {
             Device::Cpu => {
                 let model = LlamaModel::load(self.config.clone(), weights, taps)?;
                 let cache = &opts.cache;
-                Ok(Box::new(LlamaTarget::new(Arc::new(model), cache.num_pages, cache.page_size)?))
+                Ok(Box::new(LlamaTarget::new(Arc::new(model), cache.fixed_pages()?, cache.page_size)?))
             }
             Device::Cuda(ordinal) => open_cuda(&self.config, weights, ordinal, opts),
         }

@@ -42,6 +42,10 @@ impl Target for LlamaTarget {
         self.kv.page_size
     }
 
+    fn num_pages(&self) -> usize {
+        self.kv.num_pages
+    }
+
     fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOut> {
         self.model.forward(batch, &mut self.kv)
     }

@@ -124,6 +124,15 @@ impl CudaDevice {
         &self.info
     }
 
+    /// Device memory free now, in bytes.
+    ///
+    /// # Errors
+    /// A driver failure.
+    pub fn free_memory(&self) -> Result<usize> {
+        let (free, _total) = self.ctx.mem_get_info().map_err(CudaError::driver("cuMemGetInfo"))?;
+        Ok(free)
+    }
+
     /// How the kernels were obtained (cache hit or compile, and its time).
     pub fn compile_report(&self) -> &CompileReport {
         &self.compile_report

@@ -18,12 +18,12 @@ use anyhow::{bail, Context, Result};
 use dflash_engine::spec::{OracleDraft, PolicyMode, SpecConfig};
 use dflash_engine::{Engine, EngineConfig, EngineMetrics, Event, EventSink, Request, SamplingParams, Usage};
 use dflash_models::tokenizer::{ChatMessage, Tokenizer};
-use dflash_models::CachePlan;
+use dflash_models::{CachePlan, KvPages};
 use serde::Deserialize;
 use serde_json::json;
 
 use super::lanes_report::{table, write_json, RunResult};
-use crate::cli::{DeviceArg, LanesArgs, ModelArgs, SpecArgs};
+use crate::cli::{DeviceArg, LanesArgs, ModelArgs, PrefixCacheArgs, SpecArgs};
 use crate::drafters::{assets_dir, default_mtp_head};
 use crate::setup::{EnginePlan, Startup, PAGE_SIZE};
 
@@ -219,8 +219,9 @@ fn random_engine(
         DeviceArg::Exact(device) => device,
         DeviceArg::Auto => dflash_models::Device::Cuda(0),
     };
+    let num_pages = window / PAGE_SIZE;
     let cache = CachePlan {
-        num_pages: plan.num_pages,
+        pages: KvPages::Fixed(num_pages),
         page_size: PAGE_SIZE,
         max_batch_tokens: plan.max_batch_tokens,
         max_seqs: plan.max_running,
@@ -229,13 +230,13 @@ fn random_engine(
     let target = dflash_models::hybrid::open_random(config, device, &cache, 7)?;
     let cfg = EngineConfig {
         context_window: plan.context_window,
-        num_pages: plan.num_pages,
+        num_pages,
         page_size: PAGE_SIZE,
         max_running: plan.max_running,
         max_batch_tokens: plan.max_batch_tokens,
         eos_ids: tokenizer.eos_ids().to_vec(),
         spec: plan.spec,
-        prefix_cache_pages: plan.prefix_cache_pages,
+        prefix_cache_pages: 0,
         drafter: None,
         state_checkpoint_stride: model.state_checkpoint_stride,
     };
@@ -287,10 +288,10 @@ fn engine_plan(spec: &SpecArgs, window: usize) -> Result<EnginePlan> {
     let spec: SpecConfig = spec.config()?;
     Ok(EnginePlan {
         context_window: window,
-        num_pages: window / PAGE_SIZE,
+        pages: KvPages::Fixed(window / PAGE_SIZE),
         max_running: 1,
         max_batch_tokens: 512,
-        prefix_cache_pages: 0,
+        prefix_cache: PrefixCacheArgs { prefix_cache_mem: None, no_prefix_cache: true },
         spec,
     })
 }

@@ -26,9 +26,9 @@ use dflash_engine::spec::SpecConfig;
 use dflash_engine::{Engine, EngineMetrics, Event, EventSink, Request, SamplingParams};
 use dflash_models::tokenizer::Tokenizer;
 
-use crate::cli::{BenchArgs, DeviceArg, Scenario, SpecArgs};
+use crate::cli::{BenchArgs, DeviceArg, PrefixCacheArgs, Scenario, SpecArgs};
 use crate::setup::{EnginePlan, Startup, PAGE_SIZE};
-use dflash_models::Device;
+use dflash_models::{Device, KvPages};
 
 /// First/last token times and the token count of one stream.
 #[derive(Default)]
@@ -124,11 +124,11 @@ fn gpu_ordinal(model: &crate::cli::ModelArgs) -> Result<usize> {
 fn engine(startup: Startup, max_running: usize, max_batch_tokens: usize) -> Result<Engine> {
     let plan = EnginePlan {
         context_window: 2048,
-        num_pages: (max_running + 1) * 2048 / PAGE_SIZE,
+        pages: KvPages::Fixed((max_running + 1) * 2048 / PAGE_SIZE),
         max_running,
         max_batch_tokens,
         // These scenarios repeat prompts and measure cold prefill.
-        prefix_cache_pages: 0,
+        prefix_cache: PrefixCacheArgs { prefix_cache_mem: None, no_prefix_cache: true },
         spec: SpecConfig { pld: None, ..SpecConfig::default() },
     };
     Ok(startup.build(plan, Arc::new(EngineMetrics::default()))?.engine)

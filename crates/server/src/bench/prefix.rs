@@ -19,10 +19,11 @@ use anyhow::{bail, Context, Result};
 use dflash_engine::spec::{PolicyMode, SpecConfig, SpecStats};
 use dflash_engine::{Engine, EngineMetrics, Event, EventSink, Request, SamplingParams};
 use dflash_models::tokenizer::{ChatMessage, Tokenizer};
+use dflash_models::KvPages;
 use serde_json::json;
 
 use super::median;
-use crate::cli::PrefixArgs;
+use crate::cli::{PrefixArgs, PrefixCacheArgs};
 use crate::setup::{EnginePlan, Startup, PAGE_SIZE};
 
 /// What one request produced.
@@ -77,10 +78,11 @@ pub fn run(startup: Startup, max_batch_tokens: usize, args: &PrefixArgs) -> Resu
     let context_window = (first_prompt.len() + args.answer_tokens.max(args.drafter_tokens) + 1024).max(2048);
     let plan = EnginePlan {
         context_window,
-        num_pages: context_window.div_ceil(PAGE_SIZE),
+        pages: KvPages::Fixed(context_window.div_ceil(PAGE_SIZE)),
         max_running: 1,
         max_batch_tokens,
-        prefix_cache_pages: context_window.div_ceil(PAGE_SIZE),
+        // The whole cache.
+        prefix_cache: PrefixCacheArgs::default(),
         // Fixed widths: a drafted round's width depends only on the drafter, not on measured step costs.
         spec: SpecConfig { pld: None, policy: PolicyMode::Fixed, ..SpecConfig::default() },
     };

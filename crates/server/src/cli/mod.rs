@@ -365,10 +365,14 @@ pub struct ServeArgs {
     /// Most requests waiting for admission; beyond it requests get 503 with Retry-After.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
-    /// Memory for KV cache pages, in bytes (suffixes K, M, G accepted). Default: 1G, and at least one full
-    /// context window.
+    /// Memory for KV cache pages, in bytes (suffixes K, M, G accepted). Default: on a GPU, --kv-cache-fraction of
+    /// the memory free once the model is loaded; on the CPU 1G, and at least one full context window.
     #[arg(long, value_parser = parse_size)]
     pub kv_cache_mem: Option<u64>,
+    /// On a GPU without --kv-cache-mem: the fraction of the device memory free once the weights and every other
+    /// buffer are allocated that the KV cache takes.
+    #[arg(long, default_value_t = 0.9, value_parser = parse_fraction)]
+    pub kv_cache_fraction: f64,
     /// Most rows (prompt-chunk tokens plus decode rows) in one batched forward; bounds how long a long prompt
     /// can stall running streams.
     #[arg(long, default_value_t = 256)]
@@ -408,6 +412,17 @@ impl PrefixCacheArgs {
             None => num_pages,
             Some(bytes) => usize::try_from(bytes / page_bytes.max(1)).unwrap_or(usize::MAX).min(num_pages),
         }
+    }
+}
+
+/// Parses a fraction in (0, 1].
+///
+/// # Errors
+/// Anything else, with a message for the command line.
+pub fn parse_fraction(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
+        _ => Err(format!("`{s}`: expected a fraction in (0, 1]")),
     }
 }
 

@@ -138,6 +138,10 @@ impl Target for CudaHybridTarget {
         self.cache.config().page_size
     }
 
+    fn num_pages(&self) -> usize {
+        self.cache.config().num_pages
+    }
+
     /// Runs `batch` as scratch sequences in spare slots zeroed first (the engine's cost probe times steps this
     /// way); sequences the engine serves go through [`Target::forward_step`].
     fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOut> {

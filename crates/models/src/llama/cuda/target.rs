@@ -46,6 +46,10 @@ impl Target for CudaLlamaTarget {
         self.cache.config().page_size
     }
 
+    fn num_pages(&self) -> usize {
+        self.cache.config().num_pages
+    }
+
     fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOut> {
         self.model.forward(batch, &mut self.cache).map_err(device_err)
     }
