@@ -8,7 +8,7 @@
 //! all completion tokens over the time from its first request to its last answer. Servers are loaded one after the
 //! other, each with one warm-up request first. Results: JSON, a Markdown table and an SVG plot ([`super::load_report`]).
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -96,11 +96,11 @@ fn servers(args: &LoadArgs) -> impl Iterator<Item = Result<Server>> + '_ {
         let (name, url) = s.split_once('=').with_context(|| format!("--server {s}: expected NAME=URL"))?;
         Ok(Server { name: name.to_string(), api: url.trim_end_matches('/').to_string(), child: None })
     });
-    given.chain(starts.into_iter().map(|s| start(&s)))
+    given.chain(starts.into_iter().map(|s| start(&s, &args.out_dir)))
 }
 
-/// Starts `dflash serve FLAGS` on a free port and waits until it listens.
-fn start(spec: &str) -> Result<Server> {
+/// Starts `dflash serve FLAGS` on a free port, its log in `out_dir/NAME.server.log`, and waits until it listens.
+fn start(spec: &str, out_dir: &Path) -> Result<Server> {
     let (name, flags) = spec.split_once('=').with_context(|| format!("--start {spec}: expected NAME=FLAGS"))?;
     let exe = std::env::current_exe().context("finding this binary")?;
     let mut child = Command::new(exe)
@@ -113,9 +113,13 @@ fn start(spec: &str) -> Result<Server> {
         .spawn()
         .context("starting dflash serve")?;
     let stderr = child.stderr.take().context("the server's stderr")?;
+    std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+    let log_path = out_dir.join(format!("{name}.server.log"));
+    let mut log = std::fs::File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stderr).lines().map_while(std::io::Result::ok) {
+            let _ = writeln!(log, "{line}");
             if let Some(addr) = line.split("listening on ").nth(1) {
                 let _ = tx.send(addr.trim().to_string());
             }
