@@ -178,6 +178,11 @@ impl SamplingParams {
         Ok(())
     }
 
+    /// Whether the token is always the argmax of the raw logits (greedy, no penalty): all a step needs back.
+    pub fn picks_argmax(&self) -> bool {
+        self.is_greedy() && !self.has_penalties()
+    }
+
     fn has_penalties(&self) -> bool {
         self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
     }

@@ -99,13 +99,38 @@ impl<'a> ForwardBatch<'a> {
     }
 }
 
+/// What a step reads back of its logit rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Readout {
+    /// The logits of the logit rows (and the captured hidden states).
+    Logits,
+    /// Only each logit row's argmax, ties to the lowest id (as the sampler's [`dflash_runtime::ops::filter::argmax`]): a device
+    /// computes it where the logits are and copies back `L` ids instead of `L · vocab` floats.
+    Argmax,
+}
+
 /// What a forward returns.
 #[derive(Debug)]
 pub struct ForwardOut {
-    /// Logits of the requested rows.
+    /// Logits of the requested rows; `[0, vocab]` when a device read back only their argmax ([`Readout::Argmax`]).
     pub logits: Tensor, // [L, vocab]
+    /// Each logit row's argmax, under [`Readout::Argmax`].
+    pub ids: Option<Vec<u32>>, // [L]
     /// Hidden states at the load-time capture layers, concatenated per row (empty when none are captured).
     pub captured: Option<Tensor>, // [T, taps * hidden]
+}
+
+impl ForwardOut {
+    /// Adds each logit row's argmax, computed here from the logits (targets whose logits are on the host).
+    ///
+    /// # Errors
+    /// Logits that are not f32.
+    pub fn with_host_argmax(mut self) -> Result<Self> {
+        let vocab = self.logits.shape().last().copied().unwrap_or(0);
+        let logits = self.logits.as_f32()?;
+        self.ids = Some(logits.chunks_exact(vocab.max(1)).map(dflash_runtime::ops::filter::argmax).collect());
+        Ok(self)
+    }
 }
 
 /// The paged KV cache: per layer, K and V as `[num_pages, page_size, kv_heads, head_dim]` f32.

@@ -24,7 +24,7 @@ pub mod target;
 pub mod tokenizer;
 pub mod weights;
 
-pub use batch::{ForwardBatch, ForwardOut, KvCache, SeqRows};
+pub use batch::{ForwardBatch, ForwardOut, KvCache, Readout, SeqRows};
 pub use checkpoint::{Checkpoint, GenerationDefaults, LoadOptions, ModelInfo};
 pub use config::ModelConfig;
 pub use dflash::{DraftModel, DrafterContext, TargetShape};

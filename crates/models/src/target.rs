@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use dflash_runtime::Tensor;
 
-use crate::batch::{ForwardBatch, ForwardOut};
+use crate::batch::{ForwardBatch, ForwardOut, Readout};
 use crate::config::ModelConfig;
 use crate::error::Result;
 
@@ -77,13 +77,19 @@ pub trait Target: Send {
     fn host_heads(&self) -> Option<Arc<dyn TargetHeads>>;
 
     /// Runs one step's rows like [`Target::forward`], knowing which sequence each `batch.seqs[i]` is
-    /// (`seqs[i]`). Targets with per-sequence state override it; the default ignores the keys.
+    /// (`seqs[i]`), and reading back what `readout` names: under [`Readout::Argmax`] the output's `ids` hold each
+    /// logit row's argmax (a device target then leaves the logits where they are). Targets with per-sequence state
+    /// or a device override it; the default ignores the keys and takes the argmax of its host logits.
     ///
     /// # Errors
     /// As [`Target::forward`]; also state that does not match the batch.
-    fn forward_step(&mut self, batch: &ForwardBatch, seqs: &[StepSeq]) -> Result<ForwardOut> {
+    fn forward_step(&mut self, batch: &ForwardBatch, seqs: &[StepSeq], readout: Readout) -> Result<ForwardOut> {
         let _ = seqs;
-        self.forward(batch)
+        let out = self.forward(batch)?;
+        match readout {
+            Readout::Logits => Ok(out),
+            Readout::Argmax => out.with_host_argmax(),
+        }
     }
 
     /// After a verify forward of sequence `key`: only its first `kept_rows` rows stay (the anchor and the

@@ -3,7 +3,7 @@
 use std::time::Instant;
 
 use dflash_models::tokenizer::Tokenizer;
-use dflash_models::{ForwardBatch, ForwardOut, SeqRows};
+use dflash_models::{ForwardBatch, ForwardOut, Readout, SeqRows};
 
 use super::Engine;
 use crate::request::{FinishReason, TokenLogprob, TopLogprob};
@@ -75,7 +75,23 @@ impl Engine {
         };
         let keyed: Vec<StepSeq> =
             items.iter().map(|item| StepSeq { key: running[item.seq].key, verifies: item.drafts > 0 }).collect();
-        Ok(self.target.forward_step(&batch, &keyed)?)
+        Ok(self.target.forward_step(&batch, &keyed, self.readout(items))?)
+    }
+
+    /// What the step reads back of its logit rows: only their argmax when that is every sampling row's whole
+    /// choice (greedy requests without penalties or logprobs), so a device target copies back `L` ids instead of
+    /// `L · vocab` logits; else the logits.
+    fn readout(&self, items: &[StepItem]) -> Readout {
+        let running = &self.sched.running;
+        let argmax_only = items.iter().filter(|item| item.samples).all(|item| {
+            let request = &running[item.seq].request;
+            request.sampling.picks_argmax() && request.logprobs.is_none()
+        });
+        if argmax_only {
+            Readout::Argmax
+        } else {
+            Readout::Logits
+        }
     }
 
     /// Installs the state checkpoint of every item's sequence that resumes from one (admitted on cached pages
@@ -106,6 +122,7 @@ impl Engine {
     /// Returns the running indices that finished, with how.
     pub(super) fn sample_and_stream(&mut self, items: &[StepItem], out: &ForwardOut) -> Vec<(usize, Outcome)> {
         let vocab = out.logits.shape().last().copied().unwrap_or(0);
+        let ids = out.ids.as_deref();
         let (logits, captured) = match (out.logits.as_f32(), out.captured.as_ref().map(|c| c.as_f32()).transpose()) {
             (Ok(l), Ok(c)) => (l, c),
             (Err(e), _) | (_, Err(e)) => {
@@ -123,13 +140,17 @@ impl Engine {
                 self.sched.running[item.seq].advance(item.rows);
                 item.rows
             } else {
-                let rows = &logits[row * vocab..(row + 1 + item.drafts) * vocab];
-                row += 1 + item.drafts;
+                let span = row..row + 1 + item.drafts;
+                row = span.end;
+                let rows = match ids {
+                    Some(ids) => StepRows::Argmax(&ids[span]),
+                    None => StepRows::Logits(&logits[span.start * vocab..span.end * vocab], vocab),
+                };
                 let (kept, finish) = if item.drafts == 0 {
                     self.sched.running[item.seq].advance(item.rows);
-                    (item.rows, self.sample_commit(item.seq, rows, now).1)
+                    (item.rows, self.choose_commit(item.seq, rows, 0, now).1)
                 } else {
-                    self.verify(item.seq, rows, vocab, now)
+                    self.verify(item.seq, rows, now)
                 };
                 if let Some(reason) = finish {
                     finished.push((item.seq, Outcome::Finished(reason)));
@@ -154,23 +175,22 @@ impl Engine {
         }
     }
 
-    /// Verifies `running[i]`'s drafts against its rows' logits (`[1 + drafts, vocab]`): commits the target's token
-    /// at each row while it equals the draft, then the correction or bonus; rolls the cache back to what was
-    /// committed. Returns how many of the rows stay in the cache (the anchor and the accepted drafts) and whether
-    /// the sequence finished.
-    fn verify(&mut self, i: usize, rows: &[f32], vocab: usize, now: Instant) -> (usize, Option<FinishReason>) {
+    /// Verifies `running[i]`'s drafts against its rows (`1 + drafts` of them): commits the target's token at each
+    /// row while it equals the draft, then the correction or bonus; rolls the cache back to what was committed.
+    /// Returns how many of the rows stay in the cache (the anchor and the accepted drafts) and whether the sequence
+    /// finished.
+    fn verify(&mut self, i: usize, rows: StepRows<'_>, now: Instant) -> (usize, Option<FinishReason>) {
         let drafts = std::mem::take(&mut self.sched.running[i].drafts);
         let typical = self.typical_rule(i);
         let mut finish = None;
         let accepted = accept_prefix(&drafts, |j| {
-            let row = &rows[j * vocab..(j + 1) * vocab];
             let seq = &self.sched.running[i];
-            let keep_draft = typical.zip(drafts.get(j)).filter(|&(d, &x)| {
+            let keep_draft = typical.zip(drafts.get(j)).zip(rows.logits(j)).filter(|&((d, &x), row)| {
                 typical_accepts(&sampler::candidates(row, &seq.request.sampling, &seq.history), x, d)
             });
             let (token, f) = match keep_draft {
-                Some((_, &x)) => self.commit_token(i, row, x, now),
-                None => self.sample_commit(i, row, now),
+                Some(((_, &x), row)) => self.commit_token(i, row, x, now),
+                None => self.choose_commit(i, rows, j, now),
             };
             finish = f;
             (token, f.is_some())
@@ -202,14 +222,22 @@ impl Engine {
         rule.filter(|_| (block_lane || mtp_lane) && !seq.request.sampling.is_greedy())
     }
 
-    /// Samples `running[i]`'s next token from `row_logits` at its absolute position and commits it.
-    fn sample_commit(&mut self, i: usize, row_logits: &[f32], now: Instant) -> (u32, Option<FinishReason>) {
+    /// Chooses `running[i]`'s next token from row `j` of `rows` at its absolute position (the row's argmax, or a
+    /// draw from its logits) and commits it.
+    fn choose_commit(&mut self, i: usize, rows: StepRows<'_>, j: usize, now: Instant) -> (u32, Option<FinishReason>) {
         let seq = &self.sched.running[i];
-        let id = sampler::sample(row_logits, &seq.request.sampling, &seq.history, seq.len() as u64);
-        self.commit_token(i, row_logits, id, now)
+        match rows {
+            StepRows::Argmax(ids) => self.commit_token(i, &[], ids[j], now),
+            StepRows::Logits(..) => {
+                let row = rows.logits(j).unwrap_or_default();
+                let id = sampler::sample(row, &seq.request.sampling, &seq.history, seq.len() as u64);
+                self.commit_token(i, row, id, now)
+            }
+        }
     }
 
-    /// Commits `id` as `running[i]`'s next token (`row_logits`: the row it was chosen from, for logprobs).
+    /// Commits `id` as `running[i]`'s next token (`row_logits`: the row it was chosen from, for logprobs; empty
+    /// when only the argmax came back, which happens only for requests without logprobs).
     fn commit_token(&mut self, i: usize, row_logits: &[f32], id: u32, now: Instant) -> (u32, Option<FinishReason>) {
         let seq = &mut self.sched.running[i];
         let logprob = seq.request.logprobs.map(|n| token_logprob(&self.tokenizer, row_logits, id, n));
@@ -220,6 +248,25 @@ impl Engine {
         self.emit_time += emitting.elapsed();
         self.metrics.record_token(ttft, itl);
         (id, finish)
+    }
+}
+
+/// One sampling item's rows as the step read them back.
+#[derive(Clone, Copy)]
+enum StepRows<'a> {
+    /// The rows' logits, `[rows, vocab]`, and `vocab`.
+    Logits(&'a [f32], usize),
+    /// Each row's argmax ([`Readout::Argmax`]): the token itself, for requests that pick it.
+    Argmax(&'a [u32]),
+}
+
+impl<'a> StepRows<'a> {
+    /// Row `j`'s logits, when the logits came back.
+    fn logits(self, j: usize) -> Option<&'a [f32]> {
+        match self {
+            StepRows::Logits(rows, vocab) => rows.get(j * vocab..(j + 1) * vocab),
+            StepRows::Argmax(_) => None,
+        }
     }
 }
 

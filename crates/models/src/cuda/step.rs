@@ -12,18 +12,8 @@ use dflash_runtime::Tensor;
 use super::cache::{CudaCache, Workspace};
 use super::error::{CudaModelError, Result};
 use super::plan::{self, StepPlan, TileRows};
-use crate::batch::{ForwardBatch, ForwardOut};
+use crate::batch::{ForwardBatch, ForwardOut, Readout};
 use crate::config::ModelConfig;
-
-/// What a step brings back to the host.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Readout {
-    /// The logits of the logit rows (and the captured hidden states).
-    Logits,
-    /// Only each logit row's argmax, computed on the device (ties to the lowest id, as the CPU's
-    /// [`dflash_runtime::ops::argmax`]): one small copy per step.
-    Argmax,
-}
 
 /// One step of a family's forward, as the shared runner drives it.
 pub(crate) struct Step<'b> {
@@ -194,29 +184,36 @@ fn rope_fold_off() -> bool {
     dflash_runtime::switches::switches().no_fold_rope
 }
 
-/// A step's results on the host after one synchronisation: the logits of the device rows `rows` (one per
-/// requested logit row) and, when `capture_width` > 0, every row's captured states `[T, capture_width]`.
+/// A step's results on the host after one synchronisation: for the device rows `rows` (one per requested logit
+/// row) their logits, or under [`Readout::Argmax`] only their argmax ids; and, when `capture_width` > 0, every
+/// row's captured states `[T, capture_width]`.
 pub(crate) fn collect_out(
     dev: &CudaDevice,
     ws: &Workspace,
-    vocab: usize,
-    capture_width: usize,
+    (vocab, capture_width): (usize, usize),
     batch: &ForwardBatch,
     rows: &[usize],
+    readout: Readout,
 ) -> Result<ForwardOut> {
-    let mut logits = vec![0f32; rows.len() * vocab];
-    download_rows(dev, &ws.logits, vocab, rows, &mut logits)?;
+    let (logits, ids) = match readout {
+        Readout::Logits => {
+            let mut logits = vec![0f32; rows.len() * vocab];
+            download_rows(dev, &ws.logits, vocab, rows, &mut logits)?;
+            (Tensor::from_f32(&logits, &[rows.len(), vocab])?, None)
+        }
+        Readout::Argmax => (Tensor::from_f32(&[], &[0, vocab])?, Some(download_ids(dev, ws, rows)?)),
+    };
     let mut hidden = vec![0f32; batch.num_tokens() * capture_width];
     dev.download_into(&ws.captured, 0, &mut hidden)?;
     dev.synchronize()?;
     let captured =
         (capture_width > 0).then(|| Tensor::from_f32(&hidden, &[batch.num_tokens(), capture_width])).transpose()?;
-    Ok(ForwardOut { logits: Tensor::from_f32(&logits, &[rows.len(), vocab])?, captured })
+    Ok(ForwardOut { logits, ids, captured })
 }
 
-/// The greedy ids of the device rows `rows` after one synchronisation: one copy when the rows are contiguous
-/// (always, for eager steps and graph replays alike), else one per row.
-pub(crate) fn collect_ids(dev: &CudaDevice, ws: &Workspace, rows: &[usize]) -> Result<Vec<u32>> {
+/// Queues the copy of the greedy ids of the device rows `rows`: one copy when the rows are contiguous (always,
+/// for eager steps and graph replays alike), else one per row. The caller synchronises.
+fn download_ids(dev: &CudaDevice, ws: &Workspace, rows: &[usize]) -> Result<Vec<u32>> {
     let mut ids = vec![0u32; rows.len()];
     if let Some(&first) = rows.first() {
         if rows.windows(2).all(|w| w[1] == w[0] + 1) {
@@ -227,6 +224,5 @@ pub(crate) fn collect_ids(dev: &CudaDevice, ws: &Workspace, rows: &[usize]) -> R
             }
         }
     }
-    dev.synchronize()?;
     Ok(ids)
 }

@@ -234,7 +234,7 @@ impl HybridModel {
             }
         }
         let logits = self.logits(&plan, &residual, batch.logit_rows)?;
-        Ok(ForwardOut { logits, captured })
+        Ok(ForwardOut { logits, ids: None, captured })
     }
 
     /// Final norm and LM head for the requested rows only (generated rows row-exact).

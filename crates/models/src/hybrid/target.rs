@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::{HybridModel, HybridState};
-use crate::batch::{ForwardBatch, ForwardOut, KvCache};
+use crate::batch::{ForwardBatch, ForwardOut, KvCache, Readout};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::target::{ResumeState, StepSeq, Target, TargetHeads};
@@ -113,7 +113,7 @@ impl Target for HybridTarget {
         Some(Arc::clone(&self.model) as Arc<dyn TargetHeads>)
     }
 
-    fn forward_step(&mut self, batch: &ForwardBatch, seqs: &[StepSeq]) -> Result<ForwardOut> {
+    fn forward_step(&mut self, batch: &ForwardBatch, seqs: &[StepSeq], readout: Readout) -> Result<ForwardOut> {
         let mut taken = self.take_states(batch, seqs)?;
         let out = {
             let mut refs: Vec<&mut HybridState> = taken.iter_mut().collect();
@@ -122,7 +122,10 @@ impl Target for HybridTarget {
         for (s, state) in seqs.iter().zip(taken) {
             self.states.insert(s.key, state);
         }
-        out
+        match readout {
+            Readout::Logits => out,
+            Readout::Argmax => out?.with_host_argmax(),
+        }
     }
 
     fn verified(&mut self, key: u64, kept_rows: usize) {
@@ -210,7 +213,7 @@ mod tests {
         let seqs = [SeqRows { num_rows: tokens.len(), context_len: start, block_table: &table, prompt_len }];
         let last = [tokens.len() as u32 - 1];
         let batch = ForwardBatch { tokens, positions: &positions, seqs: &seqs, slots: &positions, logit_rows: &last };
-        let out = t.forward_step(&batch, &[StepSeq { key, verifies }]).expect("forward");
+        let out = t.forward_step(&batch, &[StepSeq { key, verifies }], Readout::Logits).expect("forward");
         out.logits.as_f32().expect("f32").to_vec()
     }
 
@@ -240,7 +243,7 @@ mod tests {
         let table = [0u32, 1];
         let seqs = [SeqRows { num_rows: 1, context_len: 4, block_table: &table, prompt_len: 4 }];
         let batch = ForwardBatch { tokens: &[1], positions: &[4], seqs: &seqs, slots: &[4], logit_rows: &[0] };
-        assert!(t.forward_step(&batch, &[StepSeq { key: 8, verifies: false }]).is_err());
+        assert!(t.forward_step(&batch, &[StepSeq { key: 8, verifies: false }], Readout::Logits).is_err());
         assert!(t.forward(&batch).is_ok(), "a scratch forward keeps no state");
         assert_eq!(t.live_states(), 0, "the lost state was dropped");
         t.release(8);
@@ -276,7 +279,7 @@ mod tests {
         let seqs = [SeqRows { num_rows: 1, context_len: cut, block_table: &table, prompt_len: 150 }];
         let (pos, tokens) = ([cut as u32], [prompt[cut]]);
         let batch = ForwardBatch { tokens: &tokens, positions: &pos, seqs: &seqs, slots: &pos, logit_rows: &[0] };
-        assert!(t.forward_step(&batch, &[StepSeq { key: 4, verifies: false }]).is_err());
+        assert!(t.forward_step(&batch, &[StepSeq { key: 4, verifies: false }], Readout::Logits).is_err());
 
         // A verify's state is not snapshotted before its rollback.
         run(&mut t, 3, 151, &[41, 42], 150, true);

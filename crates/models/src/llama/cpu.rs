@@ -176,7 +176,7 @@ impl LlamaModel {
             }
         }
         let logits = self.logits(&residual, batch.logit_rows)?;
-        Ok(ForwardOut { logits, captured })
+        Ok(ForwardOut { logits, ids: None, captured })
     }
 
     #[allow(clippy::too_many_arguments)]

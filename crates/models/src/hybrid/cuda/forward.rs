@@ -9,10 +9,8 @@ use dflash_runtime::cuda::DevSlice;
 
 use super::cache::CudaHybridCache;
 use super::{CudaHybridModel, DevAttention, DevFfn, DevGdn, DevMixer, DevMoe, GdnSeq};
-use crate::batch::{ForwardBatch, ForwardOut};
-use crate::cuda::{
-    attend, collect_ids, collect_out, CudaModelError, DevWeight, Linear, MatIn, MatOut, Readout, Result, Step, StepPlan,
-};
+use crate::batch::{ForwardBatch, ForwardOut, Readout};
+use crate::cuda::{attend, collect_out, CudaModelError, DevWeight, Linear, MatIn, MatOut, Result, Step, StepPlan};
 
 impl CudaHybridModel {
     /// Runs every row of `batch` (as [`crate::hybrid::HybridModel::forward`]), `seqs[i]` naming the state
@@ -23,14 +21,29 @@ impl CudaHybridModel {
     /// A batch inconsistent in itself or with the cache, slots out of range or repeated, a verify still
     /// awaiting [`CudaHybridModel::rollback`], a cache made for another model, a device failure.
     pub fn forward(&self, batch: &ForwardBatch, cache: &mut CudaHybridCache, seqs: &[GdnSeq]) -> Result<ForwardOut> {
-        let rows = self.run(batch, cache, seqs, Readout::Logits)?;
+        self.forward_as(batch, cache, seqs, Readout::Logits)
+    }
+
+    /// As [`CudaHybridModel::forward`], reading back what `readout` names: under [`Readout::Argmax`] each logit
+    /// row's argmax instead of its logits.
+    ///
+    /// # Errors
+    /// As [`CudaHybridModel::forward`].
+    pub fn forward_as(
+        &self,
+        batch: &ForwardBatch,
+        cache: &mut CudaHybridCache,
+        seqs: &[GdnSeq],
+        readout: Readout,
+    ) -> Result<ForwardOut> {
+        let rows = self.run(batch, cache, seqs, readout)?;
         let width = self.capture_layers.len() * self.cfg.base.hidden_size;
-        let out = collect_out(&self.dev, &cache.ws, self.cfg.base.vocab_size, width, batch, &rows)?;
+        let out = collect_out(&self.dev, &cache.ws, (self.cfg.base.vocab_size, width), batch, &rows, readout)?;
         set_pending(batch, cache, seqs);
         Ok(out)
     }
 
-    /// As [`CudaHybridModel::forward`], returning only the argmax of each logit row (on the device).
+    /// The argmax of each logit row ([`CudaHybridModel::forward_as`] with [`Readout::Argmax`]).
     ///
     /// # Errors
     /// As [`CudaHybridModel::forward`].
@@ -40,10 +53,7 @@ impl CudaHybridModel {
         cache: &mut CudaHybridCache,
         seqs: &[GdnSeq],
     ) -> Result<Vec<u32>> {
-        let rows = self.run(batch, cache, seqs, Readout::Argmax)?;
-        let ids = collect_ids(&self.dev, &cache.ws, &rows)?;
-        set_pending(batch, cache, seqs);
-        Ok(ids)
+        Ok(self.forward_as(batch, cache, seqs, Readout::Argmax)?.ids.unwrap_or_default())
     }
 
     /// Resolves the last forward's verifies: `kept[i]` rows of the `i`-th verifying sequence (in batch

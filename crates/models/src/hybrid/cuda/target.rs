@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::{CudaHybridCache, CudaHybridModel, GdnSeq};
-use crate::batch::{ForwardBatch, ForwardOut};
+use crate::batch::{ForwardBatch, ForwardOut, Readout};
 use crate::config::ModelConfig;
 use crate::cuda::{CudaCacheConfig, GRAPH_CONTEXTS};
 use crate::error::{ModelError, Result};
@@ -169,10 +169,10 @@ impl Target for CudaHybridTarget {
         self.heads.as_ref().map(|h| Arc::clone(h) as Arc<dyn TargetHeads>)
     }
 
-    fn forward_step(&mut self, batch: &ForwardBatch, seqs: &[StepSeq]) -> Result<ForwardOut> {
+    fn forward_step(&mut self, batch: &ForwardBatch, seqs: &[StepSeq], readout: Readout) -> Result<ForwardOut> {
         self.resolve_verifies()?;
         let gdn = self.slots_for(batch, seqs)?;
-        let out = self.model.forward(batch, &mut self.cache, &gdn).map_err(device_err)?;
+        let out = self.model.forward_as(batch, &mut self.cache, &gdn, readout).map_err(device_err)?;
         self.pending = seqs
             .iter()
             .zip(batch.seqs)

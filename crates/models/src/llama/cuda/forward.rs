@@ -7,10 +7,9 @@ use dflash_runtime::cuda::ops::{
 use dflash_runtime::cuda::DeviceBuf;
 
 use super::model::{CudaLayer, CudaLlamaModel};
-use crate::batch::{ForwardBatch, ForwardOut};
+use crate::batch::{ForwardBatch, ForwardOut, Readout};
 use crate::cuda::{
-    attend, collect_ids, collect_out, CudaCache, DevMatrix, DevProjection, DevWeight, Linear, MatIn, MatOut, Readout,
-    Result, Step, StepPlan,
+    attend, collect_out, CudaCache, DevMatrix, DevProjection, DevWeight, Linear, MatIn, MatOut, Result, Step, StepPlan,
 };
 
 impl CudaLlamaModel {
@@ -22,19 +21,27 @@ impl CudaLlamaModel {
     /// A batch inconsistent in itself or with the cache's capacities, a cache made for another model, or
     /// a device failure.
     pub fn forward(&self, batch: &ForwardBatch, cache: &mut CudaCache) -> Result<ForwardOut> {
-        let rows = self.run(batch, cache, Readout::Logits)?;
-        let width = self.capture_layers.len() * self.cfg.hidden_size;
-        collect_out(&self.dev, &cache.ws, self.cfg.vocab_size, width, batch, &rows)
+        self.forward_as(batch, cache, Readout::Logits)
     }
 
-    /// As [`CudaLlamaModel::forward`], reading back only each logit row's argmax ([`Readout::Argmax`]): what the
-    /// kernel benchmarks time, without the logits' copy to the host.
+    /// As [`CudaLlamaModel::forward`], reading back what `readout` names: under [`Readout::Argmax`] each logit
+    /// row's argmax instead of its logits (`L` ids rather than `L · vocab` floats).
+    ///
+    /// # Errors
+    /// As [`CudaLlamaModel::forward`].
+    pub fn forward_as(&self, batch: &ForwardBatch, cache: &mut CudaCache, readout: Readout) -> Result<ForwardOut> {
+        let rows = self.run(batch, cache, readout)?;
+        let width = self.capture_layers.len() * self.cfg.hidden_size;
+        collect_out(&self.dev, &cache.ws, (self.cfg.vocab_size, width), batch, &rows, readout)
+    }
+
+    /// The argmax of each logit row ([`CudaLlamaModel::forward_as`] with [`Readout::Argmax`]): what the kernel
+    /// benchmarks time.
     ///
     /// # Errors
     /// As [`CudaLlamaModel::forward`].
     pub fn forward_greedy(&self, batch: &ForwardBatch, cache: &mut CudaCache) -> Result<Vec<u32>> {
-        let rows = self.run(batch, cache, Readout::Argmax)?;
-        collect_ids(&self.dev, &cache.ws, &rows)
+        Ok(self.forward_as(batch, cache, Readout::Argmax)?.ids.unwrap_or_default())
     }
 
     fn run(&self, batch: &ForwardBatch, cache: &mut CudaCache, readout: Readout) -> Result<Vec<usize>> {

@@ -2,12 +2,12 @@
 
 use std::sync::Arc;
 
-use crate::batch::{ForwardBatch, ForwardOut};
+use crate::batch::{ForwardBatch, ForwardOut, Readout};
 use crate::config::ModelConfig;
 use crate::cuda::{CudaCache, CudaCacheConfig, GRAPH_CONTEXTS};
 use crate::error::Result;
 use crate::llama::cuda::CudaLlamaModel;
-use crate::target::{device_err, HostHeads, Target, TargetHeads};
+use crate::target::{device_err, HostHeads, StepSeq, Target, TargetHeads};
 
 /// A Llama-family model on one CUDA GPU with its device cache (KV pages, workspaces, graphs).
 pub struct CudaLlamaTarget {
@@ -52,6 +52,10 @@ impl Target for CudaLlamaTarget {
 
     fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOut> {
         self.model.forward(batch, &mut self.cache).map_err(device_err)
+    }
+
+    fn forward_step(&mut self, batch: &ForwardBatch, _seqs: &[StepSeq], readout: Readout) -> Result<ForwardOut> {
+        self.model.forward_as(batch, &mut self.cache, readout).map_err(device_err)
     }
 
     fn host_heads(&self) -> Option<Arc<dyn TargetHeads>> {
