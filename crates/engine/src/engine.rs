@@ -226,6 +226,11 @@ impl Engine {
         self.sched.pages.prefix_cache().max_pages()
     }
 
+    /// Most sequences running at once (the scheduler's limit).
+    pub fn max_running(&self) -> usize {
+        self.sched.config().max_running
+    }
+
     pub fn has_work(&self) -> bool {
         self.sched.has_work()
     }

@@ -278,6 +278,11 @@ impl EngineMetrics {
         self.queue_depth.load(Ordering::Relaxed) as usize
     }
 
+    /// Sequences admitted and running, as last published.
+    pub fn running(&self) -> usize {
+        self.running.load(Ordering::Relaxed) as usize
+    }
+
     /// Per-position draft counters, for positions drafted at least once (acceptance at position j is
     /// accepted{position=j} / drafted{position=j}).
     fn render_positions(&self, out: &mut String) {

@@ -35,7 +35,8 @@ pub struct EngineClient {
     /// Requests submitted but not yet taken in by the engine thread.
     in_flight: Arc<AtomicUsize>,
     closed: Arc<AtomicBool>,
-    max_queue: usize,
+    /// Requests the server holds at most: the engine's running sequences plus the queue.
+    capacity: usize,
     metrics: Arc<EngineMetrics>,
 }
 
@@ -43,14 +44,15 @@ impl EngineClient {
     /// Hands a request to the engine; its events go to `sink`.
     ///
     /// # Errors
-    /// [`SubmitError::Busy`] when `max_queue` requests already wait for admission; [`SubmitError::ShuttingDown`]
-    /// after [`EngineClient::shutdown`] or when the engine thread has stopped.
+    /// [`SubmitError::Busy`] when the engine runs as many sequences as it may and `max_queue` more requests
+    /// wait (a burst is not refused while running slots are free, however slowly prompts are admitted);
+    /// [`SubmitError::ShuttingDown`] after [`EngineClient::shutdown`] or when the engine thread has stopped.
     pub fn submit(&self, request: Request, sink: Box<dyn EventSink>) -> Result<(), SubmitError> {
         if self.closed.load(Ordering::Acquire) {
             return Err(SubmitError::ShuttingDown);
         }
-        let queued = self.in_flight.fetch_add(1, Ordering::AcqRel) + self.metrics.queue_depth();
-        if queued >= self.max_queue {
+        let held = self.in_flight.fetch_add(1, Ordering::AcqRel) + self.metrics.queue_depth() + self.metrics.running();
+        if held >= self.capacity {
             self.in_flight.fetch_sub(1, Ordering::AcqRel);
             return Err(SubmitError::Busy);
         }
@@ -69,7 +71,7 @@ impl EngineClient {
     /// Stops accepting requests; running ones may finish within `grace`, after which they fail.
     pub fn shutdown(&self, grace: Duration) {
         self.closed.store(true, Ordering::Release);
-        // The channel has room for one command beyond `max_queue` submissions; a blocking send is fine here.
+        // The channel has room for one command beyond a full server's submissions; a blocking send is fine here.
         let _ = self.tx.send(Command::Shutdown(grace));
     }
 
@@ -78,8 +80,9 @@ impl EngineClient {
     }
 }
 
-/// Starts the engine thread. The thread exits after a shutdown once no work is left (or its grace period ends),
-/// or when every client is dropped and no work is left.
+/// Starts the engine thread; beyond the sequences the engine may run at once, `max_queue` requests may wait. The
+/// thread exits after a shutdown once no work is left (or its grace period ends), or when every client is dropped
+/// and no work is left.
 ///
 /// # Errors
 /// When the thread cannot be spawned.
@@ -88,14 +91,14 @@ pub fn spawn(
     max_queue: usize,
     metrics: Arc<EngineMetrics>,
 ) -> std::io::Result<(EngineClient, JoinHandle<()>)> {
-    let max_queue = max_queue.max(1);
-    let (tx, rx) = mpsc::sync_channel(max_queue + 1);
+    let capacity = engine.max_running() + max_queue.max(1);
+    let (tx, rx) = mpsc::sync_channel(capacity + 1);
     let in_flight = Arc::new(AtomicUsize::new(0));
     let client = EngineClient {
         tx,
         in_flight: Arc::clone(&in_flight),
         closed: Arc::new(AtomicBool::new(false)),
-        max_queue,
+        capacity,
         metrics,
     };
     let handle = std::thread::Builder::new().name("engine".into()).spawn(move || run(engine, &rx, &in_flight))?;
@@ -152,5 +155,99 @@ fn take(engine: &mut Engine, cmd: Command, in_flight: &AtomicUsize, deadline: &m
             let at = Instant::now() + grace;
             *deadline = Some(deadline.map_or(at, |d| d.min(at)));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::Gauges;
+    use crate::request::Event;
+    use crate::sampler::SamplingParams;
+
+    struct Discard;
+
+    impl EventSink for Discard {
+        fn send(&mut self, _: Event) -> bool {
+            true
+        }
+        fn is_closed(&self) -> bool {
+            false
+        }
+    }
+
+    fn request() -> Request {
+        Request {
+            id: "r".into(),
+            prompt: vec![1, 2, 3],
+            sampling: SamplingParams::greedy(),
+            max_tokens: 4,
+            stop: Vec::new(),
+            logprobs: None,
+            ignore_eos: false,
+            enable_pld: None,
+            enable_drafter: None,
+            spec_policy: None,
+            cache_prompt: true,
+            oracle: None,
+        }
+    }
+
+    /// A client of a server that runs up to `max_running` sequences and queues `max_queue` more, whose engine
+    /// reports `running` and `waiting` and takes in nothing meanwhile.
+    fn client(
+        max_running: usize,
+        max_queue: usize,
+        running: usize,
+        waiting: usize,
+    ) -> (EngineClient, Receiver<Command>) {
+        let capacity = max_running + max_queue;
+        let (tx, rx) = mpsc::sync_channel(capacity + 1);
+        let metrics = Arc::new(EngineMetrics::default());
+        metrics.publish(Gauges { queue_depth: waiting, running, ..Gauges::default() });
+        let client = EngineClient {
+            tx,
+            in_flight: Arc::new(AtomicUsize::new(0)),
+            closed: Arc::new(AtomicBool::new(false)),
+            capacity,
+            metrics,
+        };
+        (client, rx)
+    }
+
+    /// How many of `n` submissions are accepted before the first refusal, which must be `Busy`.
+    fn accepted(client: &EngineClient, n: usize) -> usize {
+        for i in 0..n {
+            match client.submit(request(), Box::new(Discard)) {
+                Ok(()) => {}
+                Err(e) => {
+                    assert_eq!(e, SubmitError::Busy);
+                    return i;
+                }
+            }
+        }
+        n
+    }
+
+    #[test]
+    fn a_burst_fills_the_running_slots_and_the_queue_before_any_refusal() {
+        // 256 sequences may run and 64 wait: a burst of 400 at an idle server is refused from the 321st on.
+        let (idle, _rx) = client(256, 64, 0, 0);
+        assert_eq!(accepted(&idle, 400), 320);
+        // A server running 200 sequences with 10 waiting has room for 110 more.
+        let (busy, _rx) = client(256, 64, 200, 10);
+        assert_eq!(accepted(&busy, 400), 110);
+    }
+
+    #[test]
+    fn a_full_server_refuses_until_the_engine_takes_work_in() {
+        let (full, rx) = client(2, 1, 2, 1);
+        assert_eq!(accepted(&full, 1), 0);
+        // Nothing in flight, but the gauges still say full; once they drop, submissions pass again.
+        full.metrics.publish(Gauges { queue_depth: 0, running: 1, ..Gauges::default() });
+        assert_eq!(accepted(&full, 5), 2);
+        drop(rx);
+        full.metrics.publish(Gauges::default());
+        assert_eq!(full.submit(request(), Box::new(Discard)), Err(SubmitError::ShuttingDown));
     }
 }

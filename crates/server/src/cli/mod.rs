@@ -362,7 +362,7 @@ pub struct ServeArgs {
     /// Most sequences decoding at once; further requests wait in the queue.
     #[arg(long, default_value_t = 16)]
     pub max_concurrent: usize,
-    /// Most requests waiting for admission; beyond it requests get 503 with Retry-After.
+    /// Most requests waiting beyond the --max-concurrent running ones; past it requests get 503 with Retry-After.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
     /// Memory for KV cache pages, in bytes (suffixes K, M, G accepted). Default: on a GPU, --kv-cache-fraction of
