@@ -4,8 +4,9 @@
 //! file if given.
 //!
 //! Per model: one sequence with a 128-token prompt (`--prompt`; prefill timed), then `--steps` greedy decode steps
-//! (each one forward: inputs in, graph replay, ids out, one synchronisation), then steps of 1..16 sequences and
-//! verify steps of 1..16 rows. Every step is timed on the host clock (it ends with a synchronisation); medians are
+//! (each one forward: inputs in, graph replay, ids out, one synchronisation), then steps of 1..16 sequences
+//! (`--seqs`; each both ways: ids out, and logits out with the argmax taken on the host) and verify steps of 1..16
+//! rows. Every step is timed on the host clock (it ends with a synchronisation); medians are
 //! printed with the bytes a step must read (weights + KV) and the ratio of the floor (those bytes at 4.3 TB/s) to
 //! the time.
 
@@ -40,7 +41,7 @@ mod gpu {
     use dflash_models::llama::cuda::{CudaLlamaModel, RandomWeights};
     use dflash_models::resolve::ModelSource;
     use dflash_models::LoadOptions;
-    use dflash_models::{ForwardBatch, ModelConfig, SeqRows};
+    use dflash_models::{ForwardBatch, ModelConfig, Readout, SeqRows};
     use dflash_runtime::cuda::ops::QuantFormat;
     use dflash_runtime::cuda::CudaDevice;
 
@@ -130,8 +131,10 @@ mod gpu {
         let c = model.config();
         let max_len = n.max(PROMPT) + steps + 64;
         let pages_per_seq = max_len.div_ceil(PAGE);
-        let mut cfg = CudaCacheConfig::new(16 * pages_per_seq + 1, PAGE, n.max(256), 16, max_len);
-        cfg.max_logit_rows = 256;
+        let max_seqs = a.seqs.iter().copied().max().unwrap_or(1).max(16);
+        let mut cfg =
+            CudaCacheConfig::new(max_seqs * pages_per_seq + 1, PAGE, n.max(256).max(max_seqs), max_seqs, max_len);
+        cfg.max_logit_rows = max_seqs.max(256);
         let mut cache = model.new_cache(cfg)?;
         let floor_ms = model.weight_bytes() as f64 / FLOOR_BYTES_PER_S * 1e3;
         println!(
@@ -180,7 +183,7 @@ mod gpu {
             bytes / FLOOR_BYTES_PER_S * 1e3 / med
         );
         if !a.quick {
-            batch_steps(model, &mut cache, pages_per_seq)?;
+            batch_steps(model, &mut cache, pages_per_seq, &a.seqs)?;
             verify_steps(model, &mut cache, &table, &[1, 2, 3, 4, 6, 8, 12, 16])?;
         } else if let Some(rows) = a.verify_rows {
             verify_steps(model, &mut cache, &table, &[rows as usize])?;
@@ -197,6 +200,18 @@ mod gpu {
         ctx: &[usize],
         tables: &[&[u32]],
         prompt_len: usize,
+    ) -> Result<Vec<u32>> {
+        step_as(model, cache, (tokens, ctx, tables), prompt_len, Readout::Argmax)
+    }
+
+    /// As [`step`], reading back what `readout` names; with [`Readout::Logits`] the ids are taken on the host,
+    /// as the engine's sampler takes them.
+    fn step_as(
+        model: &CudaLlamaModel,
+        cache: &mut CudaCache,
+        (tokens, ctx, tables): (&[&[u32]], &[usize], &[&[u32]]),
+        prompt_len: usize,
+        readout: Readout,
     ) -> Result<Vec<u32>> {
         let mut all = Vec::new();
         let (mut positions, mut slots, mut seqs) = (Vec::new(), Vec::new(), Vec::new());
@@ -215,33 +230,56 @@ mod gpu {
         };
         let batch =
             ForwardBatch { tokens: &all, positions: &positions, seqs: &seqs, slots: &slots, logit_rows: &logit_rows };
-        Ok(model.forward_greedy(&batch, cache)?)
+        let mut out = model.forward_as(&batch, cache, readout)?;
+        if readout == Readout::Logits {
+            out = out.with_host_argmax()?;
+        }
+        Ok(out.ids.unwrap_or_default())
     }
 
-    /// Steps of 1, 2, 4, 8, 16 sequences decoding one row each at contexts near the prompt length.
-    fn batch_steps(model: &CudaLlamaModel, cache: &mut CudaCache, pages_per_seq: usize) -> Result<()> {
+    /// Steps of each of `counts` sequences decoding one row each at contexts near the prompt length, with ids
+    /// and with logits read back.
+    fn batch_steps(
+        model: &CudaLlamaModel,
+        cache: &mut CudaCache,
+        pages_per_seq: usize,
+        counts: &[usize],
+    ) -> Result<()> {
+        let most = counts.iter().copied().max().unwrap_or(1);
         let tables: Vec<Vec<u32>> =
-            (0..16).map(|s| ((s * pages_per_seq) as u32..((s + 1) * pages_per_seq) as u32).collect()).collect();
+            (0..most).map(|s| ((s * pages_per_seq) as u32..((s + 1) * pages_per_seq) as u32).collect()).collect();
         let vocab = model.config().vocab_size as u32;
         for (s, table) in tables.iter().enumerate() {
             let prompt: Vec<u32> = (0..PROMPT as u32).map(|i| (i * 31 + s as u32 * 101) % vocab).collect();
             step(model, cache, &[&prompt], &[0], &[table], PROMPT)?;
         }
-        println!("{:>6} {:>12} {:>12} {:>12} {:>10}", "seqs", "ms/step", "tok/s", "floor ms", "floor/t");
-        for b in [1usize, 2, 4, 8, 16] {
-            let mut times = Vec::new();
-            let mut toks = vec![1u32; b];
-            for i in 0..24 {
-                let ctx: Vec<usize> = vec![PROMPT + i; b];
-                let tokens: Vec<&[u32]> = toks.chunks(1).collect();
-                let tabs: Vec<&[u32]> = tables[..b].iter().map(Vec::as_slice).collect();
-                let t = Instant::now();
-                toks = step(model, cache, &tokens, &ctx, &tabs, PROMPT)?;
-                times.push(t.elapsed().as_secs_f64() * 1e3);
+        println!(
+            "{:>6} {:>12} {:>12} {:>16} {:>12} {:>10}",
+            "seqs", "ms/step", "tok/s", "ms with logits", "floor ms", "floor/t"
+        );
+        for &b in counts {
+            let mut med = [0.0; 2];
+            for (m, readout) in med.iter_mut().zip([Readout::Argmax, Readout::Logits]) {
+                let mut times = Vec::new();
+                let mut toks = vec![1u32; b];
+                for i in 0..24 {
+                    let ctx: Vec<usize> = vec![PROMPT + i; b];
+                    let tokens: Vec<&[u32]> = toks.chunks(1).collect();
+                    let tabs: Vec<&[u32]> = tables[..b].iter().map(Vec::as_slice).collect();
+                    let t = Instant::now();
+                    toks = step_as(model, cache, (&tokens, &ctx, &tabs), PROMPT, readout)?;
+                    times.push(t.elapsed().as_secs_f64() * 1e3);
+                }
+                *m = median(&mut times[2..].to_vec());
             }
-            let med = median(&mut times[2..].to_vec());
             let floor = step_bytes(model, b, PROMPT + 12) / FLOOR_BYTES_PER_S * 1e3;
-            println!("{b:>6} {med:>12.4} {:>12.0} {floor:>12.4} {:>10.2}", b as f64 / med * 1e3, floor / med);
+            println!(
+                "{b:>6} {:>12.4} {:>12.0} {:>16.4} {floor:>12.4} {:>10.2}",
+                med[0],
+                b as f64 / med[0] * 1e3,
+                med[1],
+                floor / med[0]
+            );
         }
         Ok(())
     }

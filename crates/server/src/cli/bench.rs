@@ -148,6 +148,9 @@ pub struct ShapesArgs {
     /// and verify steps keep 128.
     #[arg(long, default_value_t = 128)]
     pub prompt: usize,
+    /// Sequences of the batch decode steps (one row each).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
+    pub seqs: Vec<usize>,
     /// Only the single-sequence decode (for profiling a few steps).
     #[arg(long)]
     pub quick: bool,
