@@ -43,13 +43,13 @@ __device__ __forceinline__ int group8_sum(int v) {
 }
 
 // One lane's 4 elements v (elements 4 e..4 e + 3 of block b, e = lane & 7) of a 32-element block quantized by
-// 8 lanes into row `qr` of xq / xd / xs: q = rn(v * 127 / amax), d = amax / 127, s = d * sum(q). With P = 2
+// 8 lanes into row `qr` of xq (rows `xq_ld` bytes apart) / xd / xs: q = rn(v * 127 / amax), d = amax / 127, s = d * sum(q). With P = 2
 // the rounding error err = v - d q (|err| <= d / 2) also goes into row qr + 1 with the fixed scale d / 254
 // (q_err = rn(err * (254 / d)), clamped to +-127), as the CPU's second pass; both rows' sums come back from
 // one reduction (|sum(q)| <= 4064 fits the low 16 bits). Every lane takes part in the shuffles; only `live`
 // ones write. Max and integer sums are exact, so the bytes are the CPU's whatever the reduction order.
 template <int P>
-__device__ __forceinline__ void quantize_block_quarter(const float v[4], bool live, u32 qr, u32 b, u32 k,
+__device__ __forceinline__ void quantize_block_quarter(const float v[4], bool live, u32 qr, u32 b, u32 k, u32 xq_ld,
                                                        signed char* xq, float* xd, float* xs) {
     const u32 e = threadIdx.x & 7u, nb = k >> 5;
     const float amax = group8_max(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
@@ -74,8 +74,8 @@ __device__ __forceinline__ void quantize_block_quarter(const float v[4], bool li
     const auto pack4 = [](const int* t) {
         return (u32)(t[0] & 0xff) | ((u32)(t[1] & 0xff) << 8) | ((u32)(t[2] & 0xff) << 16) | ((u32)t[3] << 24);
     };
-    *reinterpret_cast<u32*>(xq + (u64)qr * k + b * 32 + 4 * e) = pack4(q);
-    if (P == 2) *reinterpret_cast<u32*>(xq + (u64)(qr + 1) * k + b * 32 + 4 * e) = pack4(q_err);
+    *reinterpret_cast<u32*>(xq + (u64)qr * xq_ld + b * 32 + 4 * e) = pack4(q);
+    if (P == 2) *reinterpret_cast<u32*>(xq + (u64)(qr + 1) * xq_ld + b * 32 + 4 * e) = pack4(q_err);
     if (e == 0) {
         const int sum = P == 2 ? ((sums + 32768) & 0xffff) - 32768 : sums;
         xd[qr * nb + b] = d;
@@ -89,13 +89,13 @@ __device__ __forceinline__ void quantize_block_quarter(const float v[4], bool li
 }
 
 // Quantizes up to R rows of x (row stride x_ld) into shared memory, P quantized rows per row (the row, then
-// its rounding error): xq [R P][k] int8, xd / xs [R P][k/32]. Rows past `rows` are zeros (their outputs
-// are never written). With `norm_w`, each row is first RMS-normalised as the CPU's rms_norm does:
+// its rounding error): xq [R P][k] int8 with rows `xq_ld` bytes apart, xd / xs [R P][k/32]. Rows past `rows` are
+// zeros (their outputs are never written). With `norm_w`, each row is first RMS-normalised as the CPU's rms_norm does:
 // (x * inv) * w, inv = 1 / sqrt(mean(x^2) + eps).
 template <int R, int P>
 __device__ __forceinline__ void quantize_rows_smem(const float* __restrict__ x, u32 x_ld, u32 rows, u32 k,
                                                    const float* __restrict__ norm_w, float eps, signed char* xq,
-                                                   float* xd, float* xs) {
+                                                   float* xd, float* xs, u32 xq_ld) {
     __shared__ float inv_rms[R];
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const u32 nb = k >> 5;
@@ -128,7 +128,7 @@ __device__ __forceinline__ void quantize_rows_smem(const float* __restrict__ x, 
                 if (norm_w != nullptr) v[i] = __fmul_rn(__fmul_rn(v[i], inv_rms[r]), norm_w[c]);
             }
         }
-        quantize_block_quarter<P>(v, live, r * P, b, k, xq, xd, xs);
+        quantize_block_quarter<P>(v, live, r * P, b, k, xq_ld, xq, xd, xs);
     }
     __syncthreads();
 }
@@ -315,7 +315,7 @@ __device__ __forceinline__ void mmvq(const unsigned char* __restrict__ qs, const
             first_up = load_wblock<FMT>(qs, sc, (u64)(R == 1 ? second : col0 + n_out) * nb + lane);
         }
     }
-    quantize_rows_smem<R, P>(x + (u64)row0 * x_ld, x_ld, rows, k, norm_w, eps, xq, xd, xs);
+    quantize_rows_smem<R, P>(x + (u64)row0 * x_ld, x_ld, rows, k, norm_w, eps, xq, xd, xs, k);
     if (R == 1) {
         mmvq_r1<FMT, P>(qs, sc, xq, xd, xs, y + (u64)row0 * y_ld, n_out, k, epi, col0, prefetch, first, first_up);
         return;

@@ -19,6 +19,8 @@ pub struct Switches {
     pub no_fold_norm: bool,
     /// `DFLASH_FOLD_ROPE=0`: decode and verify steps keep the separate RoPE + K/V write kernel.
     pub no_fold_rope: bool,
+    /// `DFLASH_MMQ=0`: quantized matmuls of many rows stay on the dp4a kernel instead of the tensor cores.
+    pub no_mmq: bool,
 }
 
 impl Switches {
@@ -32,6 +34,7 @@ impl Switches {
             gemm_prefetch_first_only: is("DFLASH_GEMM_PREFETCH", "first"),
             no_fold_norm: is("DFLASH_FOLD_NORM", "0"),
             no_fold_rope: is("DFLASH_FOLD_ROPE", "0"),
+            no_mmq: is("DFLASH_MMQ", "0"),
         }
     }
 }
@@ -59,6 +62,7 @@ mod tests {
             ("DFLASH_GEMM_PREFETCH", "first"),
             ("DFLASH_FOLD_NORM", "0"),
             ("DFLASH_FOLD_ROPE", "0"),
+            ("DFLASH_MMQ", "0"),
         ]));
         let want = Switches {
             simd: Some("avx2".into()),
@@ -67,6 +71,7 @@ mod tests {
             gemm_prefetch_first_only: true,
             no_fold_norm: true,
             no_fold_rope: true,
+            no_mmq: true,
         };
         assert_eq!(all, want);
         let other = Switches::from_vars(set(&[("DFLASH_PDL", "1"), ("DFLASH_GEMM_PREFETCH", "all")]));

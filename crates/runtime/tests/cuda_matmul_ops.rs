@@ -1,9 +1,9 @@
 //! The matmuls of the CUDA model forward against their CPU twins, on fresh random inputs with odd sizes, outputs
 //! set to NaN or (where they are added to) known values, and a write outside the output columns failing: the
-//! quantized matmul (every format, row count, prologue and epilogue), the f32 matmul for up to 32 rows, the bf16
-//! GEMV with epilogues, the small tensor-core bf16 matmul (with the pre-norm folded in from the sums of squares it
-//! leaves), and cuBLAS with strides and accumulation. The quantized, f32 and small bf16 matmuls give each row the
-//! same bits alone as in a batch.
+//! quantized matmul (every format, row count, prologue and epilogue; the dp4a kernel and, from 128 rows, the
+//! tensor-core one), the f32 matmul for up to 32 rows, the bf16 GEMV with epilogues, the small tensor-core bf16
+//! matmul (with the pre-norm folded in from the sums of squares it leaves), and cuBLAS with strides and
+//! accumulation. The quantized, f32 and small bf16 matmuls give each row the same bits alone as in a batch.
 //!
 //! Without a CUDA device every test prints a SKIP notice and passes. Tolerances are multiples of `Σ|w·x|` per
 //! output (`err` = |gpu − cpu|), from `1e-6` for the f32 matmul against f64 sums to `2e-4` for the quantized matmul
@@ -58,8 +58,20 @@ fn quantized_matmul_matches_cpu_for_every_format_rows_prologue_and_epilogue() {
         .into_iter()
         .flat_map(|dtype| [ActPrecision::Int8, ActPrecision::Int8x2].map(|act| (dtype, act)));
     for (dtype, act) in cases {
-        // (m, n_out, k): one row (decode), 3 (padded to 4), 8, 13 (two chunks of 8), odd output counts.
-        for (m, n_out, k) in [(1, 37, 576), (3, 200, 96), (8, 64, 1536), (13, 129, 320), (8, 64, 64), (8, 64, 128)] {
+        // (m, n_out, k): one row (decode), 3 (padded to 4), 8, 13 (two chunks of 8), odd output counts; from 128
+        // rows the tensor-core kernel, with blocks per lane of 1 (k 576), up to 2 (1536) and up to 3 (2112).
+        let shapes = [
+            (1, 37, 576),
+            (3, 200, 96),
+            (8, 64, 1536),
+            (13, 129, 320),
+            (8, 64, 64),
+            (8, 64, 128),
+            (128, 40, 576),
+            (150, 33, 1536),
+            (129, 17, 2112),
+        ];
+        for (m, n_out, k) in shapes {
             for epi in [Epilogue::Store, Epilogue::Add, Epilogue::Swiglu] {
                 for normed in [false, true] {
                     let n = epi.weight_rows(n_out);

@@ -13,7 +13,7 @@ use super::compile::{self, CompileReport};
 use super::CudaError;
 
 /// The kernel sources in the order they are compiled.
-const SOURCES: [(&str, &str); 12] = [
+const SOURCES: [(&str, &str); 13] = [
     ("prelude.cuh", include_str!("../../kernels/prelude.cuh")),
     ("elementwise.cu", include_str!("../../kernels/elementwise.cu")),
     ("norm.cu", include_str!("../../kernels/norm.cu")),
@@ -21,6 +21,7 @@ const SOURCES: [(&str, &str); 12] = [
     ("reduce.cu", include_str!("../../kernels/reduce.cu")),
     ("gemv.cu", include_str!("../../kernels/gemv.cu")),
     ("quant.cu", include_str!("../../kernels/quant.cu")),
+    ("mmq.cu", include_str!("../../kernels/mmq.cu")),
     ("attention.cu", include_str!("../../kernels/attention.cu")),
     ("attention_tc.cu", include_str!("../../kernels/attention_tc.cu")),
     ("misc.cu", include_str!("../../kernels/misc.cu")),
@@ -63,6 +64,17 @@ pub(crate) const F32_ROWS_CHUNKS: [usize; 3] = [1, 8, 32];
 
 /// Activation-row counts the quantized matmul kernels are compiled for (`mmvq_*_r{R}` in quant.cu).
 pub(crate) const MMVQ_ROWS: [usize; 4] = [1, 2, 4, 8];
+
+/// Quantized rows (activation rows times passes) one block of the tensor-core quantized matmul holds (`mmq_*` in
+/// mmq.cu: `MMQ_MT` m16 tiles).
+pub(crate) const MMQ_QUANT_ROWS: usize = 32;
+
+/// Weight rows one block of the tensor-core quantized matmul takes: 16 columns (8 for SwiGLU, whose blocks also take
+/// the 8 matching up rows).
+pub(crate) const MMQ_COLS_PER_BLOCK: usize = 16;
+
+/// From this many activation rows the quantized matmul runs on the tensor cores (`mmq_*`, same bits as `mmvq_*`).
+pub(crate) const MMQ_MIN_ROWS: usize = 128;
 
 /// The two-pass kernels (`mmvq_*_r{R}_x2`) stop at 4 activation rows: at 8 (16 quantized rows) their
 /// accumulators spilled, and 4-row blocks ran a 16-row verify 21% faster (PERFORMANCE.md entry 35).
@@ -109,6 +121,8 @@ pub(crate) struct Kernels {
     /// `mmvq[format][passes - 1][i]`: format 0 = Q4_0, 1 = Q4_1, 2 = Q8_0; one or two activation passes
     /// (`ActPrecision`); `MMVQ_ROWS[i]` activation rows per block (two passes: up to `MMVQ_X2_MAX_ROWS`).
     pub mmvq: Vec<[Vec<CudaFunction>; 2]>,
+    /// `mmq[format][passes - 1]`: `mmq_{fmt}` and `mmq_{fmt}_x2`, the tensor-core matmul of many rows.
+    pub mmq: Vec<[CudaFunction; 2]>,
     pub embedding_quant: CudaFunction,
     pub rope_kv_write: CudaFunction,
     pub paged_attention: CudaFunction,
@@ -195,6 +209,10 @@ impl Kernels {
             .iter()
             .map(|fmt| Ok([mmvq_rows(fmt, "", usize::MAX)?, mmvq_rows(fmt, "_x2", MMVQ_X2_MAX_ROWS)?]))
             .collect::<Result<Vec<_>, CudaError>>()?;
+        let mmq = ["q4_0", "q4_1", "q8_0"]
+            .iter()
+            .map(|fmt| Ok([big_smem(&format!("mmq_{fmt}"))?, big_smem(&format!("mmq_{fmt}_x2"))?]))
+            .collect::<Result<Vec<_>, CudaError>>()?;
         Ok(Kernels {
             embedding_f32: get("embedding_f32")?,
             embedding_bf16: get("embedding_bf16")?,
@@ -223,6 +241,7 @@ impl Kernels {
                 [get("gemm_bf16_small_norm_stream3_t1")?, get("gemm_bf16_small_norm_stream3_t2")?],
             ],
             mmvq,
+            mmq,
             embedding_quant: get("embedding_quant")?,
             rope_kv_write: get("rope_kv_write")?,
             paged_attention: big_smem("paged_attention")?,

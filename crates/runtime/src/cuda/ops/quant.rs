@@ -7,7 +7,9 @@
 use super::fused::{fill_random_f16, fill_random_u32, Epilogue};
 use super::{dim, launch_err, shape_err, ROW_BLOCK};
 use crate::cuda::device::{CudaDevice, DeviceBuf};
-use crate::cuda::kernels::{MAX_DYNAMIC_SMEM, MMVQ_ROWS, MMVQ_X2_MAX_ROWS};
+use crate::cuda::kernels::{
+    MAX_DYNAMIC_SMEM, MMQ_COLS_PER_BLOCK, MMQ_MIN_ROWS, MMQ_QUANT_ROWS, MMVQ_ROWS, MMVQ_X2_MAX_ROWS,
+};
 use crate::cuda::view::{DevArg, DevSlice};
 use crate::cuda::Result;
 use crate::quant::{act_precision, ActPrecision};
@@ -158,6 +160,15 @@ pub fn mmvq_smem_bytes(k: usize, r: usize) -> usize {
     r * k + 2 * 4 * r * (k / 32)
 }
 
+/// Dynamic shared memory of one tensor-core quantized-matmul block: [`MMQ_QUANT_ROWS`] quantized rows of `k` int8
+/// quants, padded as mmq.cu's `mmq_row_bytes` pads them (so the A fragments' loads hit 32 banks), plus two f32 per
+/// 32-element block.
+fn mmq_smem_bytes(k: usize, passes: usize) -> usize {
+    let words = k / 4;
+    let pad = if passes == 2 { (2 + 16 - words % 16) % 16 } else { (4 + 32 - words % 32) % 32 };
+    MMQ_QUANT_ROWS * (k + 4 * pad) + 2 * 4 * MMQ_QUANT_ROWS * (k / 32)
+}
+
 /// One fused quantized matmul: `y = epi(quantize(prologue(x)) · Wᵀ)`.
 #[derive(Clone, Copy, Debug)]
 pub struct MmvqArgs<'a> {
@@ -173,7 +184,9 @@ pub struct MmvqArgs<'a> {
     pub epi: Epilogue,
 }
 
-/// Runs one [`MmvqArgs`] against `w` (`n_out = w.n`, or `w.n / 2` for [`Epilogue::Swiglu`]).
+/// Runs one [`MmvqArgs`] against `w` (`n_out = w.n`, or `w.n / 2` for [`Epilogue::Swiglu`]): from
+/// `MMQ_MIN_ROWS` rows on the int8 tensor cores (mmq.cu), below on the dp4a kernel; every row gets the same bits
+/// either way, alone or in any batch.
 ///
 /// # Errors
 /// Lengths that do not form the shapes; a launch failure.
@@ -207,15 +220,28 @@ pub fn mmvq(dev: &CudaDevice, w: &QuantMatrix, a: MmvqArgs) -> Result<()> {
     if mmvq_smem_bytes(k, passes) > MAX_DYNAMIC_SMEM as usize {
         return Err(shape_err(format!("mmvq: k = {k} does not fit shared memory at {passes} activation pass(es)")));
     }
-    let r = rows_per_block(a.m, k, passes);
-    let chunks = a.m.div_ceil(r);
-    let target_blocks = (4 * dev.info().multiprocessors.max(1) as usize).div_ceil(chunks);
-    // One-row launches take two columns per warp and pass (the kernel's R = 1 path), except SwiGLU,
-    // whose warps take their column's gate and up rows together.
-    let cols_per_block = if r == 1 && a.epi != Epilogue::Swiglu { 16 } else { 8 };
-    let grid_x = n_out.div_ceil(cols_per_block).min(target_blocks.max(1));
-    let ri = MMVQ_ROWS.iter().position(|&v| v == r).unwrap_or(0);
-    let kernel = &dev.kernels.mmvq[w.format.code()][passes - 1][ri];
+    let on_tensor_cores = a.m >= MMQ_MIN_ROWS
+        && mmq_smem_bytes(k, passes) <= MAX_DYNAMIC_SMEM as usize
+        && !crate::switches::switches().no_mmq;
+    let (kernel, grid, smem) = if on_tensor_cores {
+        // The tensor-core kernel: blocks of 32 / passes activation rows take slabs of 16 weight rows in turn, about
+        // four blocks per SM in all, so each quantizes its rows for as many slabs as the grid allows.
+        let cols = if a.epi == Epilogue::Swiglu { MMQ_COLS_PER_BLOCK / 2 } else { MMQ_COLS_PER_BLOCK };
+        let chunks = a.m.div_ceil(MMQ_QUANT_ROWS / passes);
+        let per_chunk = (4 * dev.info().multiprocessors.max(1) as usize).div_ceil(chunks);
+        let grid = (n_out.div_ceil(cols).min(per_chunk), chunks);
+        (&dev.kernels.mmq[w.format.code()][passes - 1], grid, mmq_smem_bytes(k, passes))
+    } else {
+        let r = rows_per_block(a.m, k, passes);
+        let chunks = a.m.div_ceil(r);
+        let target_blocks = (4 * dev.info().multiprocessors.max(1) as usize).div_ceil(chunks);
+        // One-row launches take two columns per warp and pass (the kernel's R = 1 path), except SwiGLU,
+        // whose warps take their column's gate and up rows together.
+        let cols_per_block = if r == 1 && a.epi != Epilogue::Swiglu { 16 } else { 8 };
+        let grid_x = n_out.div_ceil(cols_per_block).min(target_blocks.max(1));
+        let ri = MMVQ_ROWS.iter().position(|&v| v == r).unwrap_or(0);
+        (&dev.kernels.mmvq[w.format.code()][passes - 1][ri], (grid_x, chunks), mmvq_smem_bytes(k, r * passes))
+    };
     let (qs, sc) = (w.qs.view(), w.scales.view());
     let (norm_ptr, eps) = a.norm.map(|(nw, eps)| (nw.device_ptr(), eps)).unwrap_or((0, 0.0));
     let (x_ld, m, y_ld, n_out32, k32) =
@@ -236,9 +262,9 @@ pub fn mmvq(dev: &CudaDevice, w: &QuantMatrix, a: MmvqArgs) -> Result<()> {
         .arg(&k32)
         .arg(&epi);
     let cfg = cudarc::driver::LaunchConfig {
-        grid_dim: (dim(grid_x, "blocks")?, dim(chunks, "row chunks")?, 1),
+        grid_dim: (dim(grid.0, "blocks")?, dim(grid.1, "row chunks")?, 1),
         block_dim: (256, 1, 1),
-        shared_mem_bytes: dim(mmvq_smem_bytes(k, r * passes), "shared memory")?,
+        shared_mem_bytes: dim(smem, "shared memory")?,
     };
     // SAFETY: the arguments match the kernel's signature; the shapes were checked above and the shared
     // memory asked for is what the kernel carves (within the attribute set at load).
