@@ -283,11 +283,7 @@ impl Engine {
         let started = Instant::now();
         let out = match self.forward(&items, started) {
             Ok(out) => out,
-            Err(e) => {
-                self.fail_items(&items, &e.to_string());
-                self.publish_gauges();
-                return Err(e);
-            }
+            Err(e) => return self.recover_failed_step(&items, e),
         };
         let forward = clock.lap();
         self.emit_time = std::time::Duration::ZERO;

@@ -91,6 +91,8 @@ pub struct EngineMetrics {
     generation_tokens: AtomicU64,
     preemptions: AtomicU64,
     steps: AtomicU64,
+    /// Steps whose forward failed and whose sequences ran again one by one.
+    step_retries: AtomicU64,
     /// Rows of every step's forward, summed (rows per step = this over `steps`).
     step_rows: AtomicU64,
     /// Nanoseconds of every step in each [`StepPhase`], summed.
@@ -131,6 +133,7 @@ impl Default for EngineMetrics {
             generation_tokens: AtomicU64::new(0),
             preemptions: AtomicU64::new(0),
             steps: AtomicU64::new(0),
+            step_retries: AtomicU64::new(0),
             step_rows: AtomicU64::new(0),
             step_phase_ns: std::array::from_fn(|_| AtomicU64::new(0)),
             spec_rounds: AtomicU64::new(0),
@@ -237,6 +240,11 @@ impl EngineMetrics {
     /// The cost table's current figures (each step that measured it).
     pub fn publish_round_costs(&self, costs: &CostTable) {
         *self.round_costs.lock().unwrap_or_else(PoisonError::into_inner) = Some(costs.clone());
+    }
+
+    /// A step whose forward failed, run again one sequence at a time.
+    pub fn record_step_retry(&self) {
+        self.step_retries.fetch_add(1, Ordering::Relaxed);
     }
 
     /// One step of `rows` forward rows, and how long it spent in each phase.
@@ -359,6 +367,11 @@ impl EngineMetrics {
             ("dflash_preemptions_total", "Sequences preempted for lack of KV pages.", &self.preemptions),
             ("dflash_engine_steps_total", "Batched forward steps run.", &self.steps),
             ("dflash_step_rows_total", "Rows of every step's forward, summed.", &self.step_rows),
+            (
+                "dflash_step_retries_total",
+                "Steps whose forward failed and whose sequences ran again one by one.",
+                &self.step_retries,
+            ),
             ("dflash_spec_rounds_total", "Speculative rounds verified.", &self.spec_rounds),
             ("dflash_spec_drafted_tokens_total", "Draft tokens verified.", &self.spec_drafted),
             ("dflash_spec_accepted_tokens_total", "Draft tokens accepted.", &self.spec_accepted),

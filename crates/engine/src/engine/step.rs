@@ -13,7 +13,7 @@ use crate::sequence::Outcome;
 use crate::spec::verify::{accept_prefix, typical_accepts};
 use crate::spec::LaneKind;
 use crate::EngineError;
-use dflash_models::StepSeq;
+use dflash_models::{ResumeState, StepSeq};
 
 /// The flat inputs of one step, built from the plan.
 #[derive(Default)]
@@ -92,6 +92,35 @@ impl Engine {
         } else {
             Readout::Logits
         }
+    }
+
+    /// After the forward of `items` failed with `error`: on a target whose sequences live wholly in its KV pages, a
+    /// step of several sequences runs each alone, which gives every row the bits it had in the batch (rows land in
+    /// the same slots; sampling is keyed), so only a sequence that fails alone fails. On targets with per-sequence
+    /// state beside the pages (a failed forward may have advanced it) every item fails, as does a lone item.
+    ///
+    /// # Errors
+    /// `error`, when the step's sequences were failed with it.
+    pub(super) fn recover_failed_step(&mut self, items: &[StepItem], error: EngineError) -> Result<(), EngineError> {
+        if items.len() < 2 || self.target.resume_state() != ResumeState::Pages {
+            self.fail_items(items, &error.to_string());
+            self.publish_gauges();
+            return Err(error);
+        }
+        tracing::warn!("a step of {} sequences failed ({error}); running each alone", items.len());
+        self.metrics.record_step_retry();
+        let mut finished = Vec::new();
+        for item in items {
+            let one = std::slice::from_ref(item);
+            match self.forward(one, Instant::now()) {
+                Ok(out) => finished.extend(self.sample_and_stream(one, &out)),
+                Err(e) => finished.push((item.seq, self.fail_seq(item.seq, &e.to_string()))),
+            }
+        }
+        self.sched.publish_prompt_pages();
+        self.retire(finished);
+        self.publish_gauges();
+        Ok(())
     }
 
     /// Installs the state checkpoint of every item's sequence that resumes from one (admitted on cached pages
