@@ -97,9 +97,18 @@ impl Startup {
         self.device
     }
 
-    /// The context window `--ctx-size` asks for, else the model's capped at 8,192 tokens.
+    /// The context window `--ctx-size` asks for, else the model's capped at 8,192 tokens. A window past the
+    /// model's trained length is allowed (RoPE scaling in `--config-overrides` may make it work) with a warning.
     pub fn context_window(&self) -> usize {
-        self.args.ctx_size.unwrap_or(self.config().max_position_embeddings.min(DEFAULT_MAX_CONTEXT))
+        let trained = self.config().max_position_embeddings;
+        let Some(asked) = self.args.ctx_size else { return trained.min(DEFAULT_MAX_CONTEXT) };
+        if asked > trained {
+            tracing::warn!(
+                "--ctx-size {asked} is past the {trained} positions the model was trained for: quality past them is \
+                 not what it was trained to give unless its RoPE is scaled (--config-overrides)"
+            );
+        }
+        asked
     }
 
     /// Bytes of K and V one token takes in the cache (only the layers that keep K/V: a hybrid model's recurrent

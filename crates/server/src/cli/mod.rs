@@ -53,10 +53,11 @@ pub struct ModelArgs {
     #[arg(long, default_value = "auto", value_parser = parse_device)]
     pub device: DeviceArg,
     /// CPU threads (default: all cores).
-    #[arg(long, short = 't')]
+    #[arg(long, short = 't', value_parser = parse_positive)]
     pub threads: Option<usize>,
-    /// Context window in tokens (default: the model's, capped at 8192).
-    #[arg(long)]
+    /// Context window in tokens (default: the model's, capped at 8192; past what the model was trained for, a
+    /// warning).
+    #[arg(long, value_parser = parse_positive)]
     pub ctx_size: Option<usize>,
     /// JSON merged into the model config at load, e.g. '{"rope_scaling": {"rope_type": "yarn", "factor": 4}}'.
     #[arg(long)]
@@ -337,7 +338,7 @@ pub struct RunArgs {
     #[arg(long)]
     pub system: Option<String>,
     /// Maximum tokens to generate.
-    #[arg(long, short = 'n', default_value_t = 256)]
+    #[arg(long, short = 'n', default_value_t = 256, value_parser = parse_positive)]
     pub max_tokens: usize,
     /// Keep generating past end-of-sequence tokens.
     #[arg(long)]
@@ -360,7 +361,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
     /// Most sequences decoding at once; further requests wait in the queue.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = parse_positive)]
     pub max_concurrent: usize,
     /// Most requests waiting beyond the --max-concurrent running ones; past it requests get 503 with Retry-After.
     #[arg(long, default_value_t = 64)]
@@ -375,7 +376,7 @@ pub struct ServeArgs {
     pub kv_cache_fraction: f64,
     /// Most rows (prompt-chunk tokens plus decode rows) in one batched forward; bounds how long a long prompt
     /// can stall running streams.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = parse_positive)]
     pub max_batch_tokens: usize,
     #[command(flatten)]
     pub prefix_cache: PrefixCacheArgs,
@@ -423,6 +424,15 @@ pub fn parse_fraction(s: &str) -> std::result::Result<f64, String> {
     match s.trim().parse::<f64>() {
         Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
         _ => Err(format!("`{s}`: expected a fraction in (0, 1]")),
+    }
+}
+
+/// Parses a count that must be at least 1 (a context of 0 tokens, 0 threads or 0 sequences cannot work).
+pub fn parse_positive(s: &str) -> std::result::Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        Ok(_) => Err("must be at least 1".into()),
+        Err(_) => Err(format!("`{s}` is not a whole number")),
     }
 }
 
@@ -474,6 +484,25 @@ mod tests {
         assert_eq!(huge.pages(100, 4096), 100, "never more than the KV cache");
         let off = PrefixCacheArgs { prefix_cache_mem: None, no_prefix_cache: true };
         assert_eq!(off.pages(100, 4096), 0);
+    }
+
+    #[test]
+    fn counts_that_cannot_work_are_refused_when_parsed() {
+        assert_eq!(parse_positive("8"), Ok(8));
+        assert!(parse_positive("0").is_err());
+        assert!(parse_positive("-1").is_err());
+        assert!(parse_positive("many").is_err());
+        for argv in [
+            &["dflash", "serve", "--ctx-size", "0"][..],
+            &["dflash", "serve", "--max-concurrent", "0"],
+            &["dflash", "serve", "--max-batch-tokens", "0"],
+            &["dflash", "run", "-p", "hi", "--threads", "0"],
+            &["dflash", "run", "-p", "hi", "-n", "0"],
+        ] {
+            let err = Cli::try_parse_from(argv).expect_err("refused");
+            assert!(err.to_string().contains("at least 1"), "{argv:?}: {err}");
+        }
+        assert!(Cli::try_parse_from(["dflash", "serve", "--ctx-size", "4096", "--max-concurrent", "4"]).is_ok());
     }
 
     #[test]
