@@ -22,11 +22,12 @@ pub(crate) async fn require_api_key(State(key): State<Arc<str>>, req: Request, n
     ApiError::unauthorized().into_response()
 }
 
+/// Whether the header is `Bearer <key>`; the scheme's case does not matter (RFC 9110, section 11.1).
 fn bearer_matches(value: Option<&HeaderValue>, key: &str) -> bool {
-    let Some(token) = value.and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")) else {
+    let Some((scheme, token)) = value.and_then(|v| v.to_str().ok()).and_then(|v| v.trim().split_once(' ')) else {
         return false;
     };
-    constant_time_eq(token.trim().as_bytes(), key.as_bytes())
+    scheme.eq_ignore_ascii_case("bearer") && constant_time_eq(token.trim().as_bytes(), key.as_bytes())
 }
 
 /// Compares without stopping at the first difference, so response timing does not leak the key's prefix.
@@ -78,12 +79,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn bearer_must_match_exactly() {
+    fn the_key_must_match_exactly() {
         let header = |v: &'static str| Some(HeaderValue::from_static(v));
         assert!(bearer_matches(header("Bearer sk-1").as_ref(), "sk-1"));
         assert!(!bearer_matches(header("Bearer sk-12").as_ref(), "sk-1"));
         assert!(!bearer_matches(header("Bearer sk-2").as_ref(), "sk-1"));
         assert!(!bearer_matches(header("sk-1").as_ref(), "sk-1"));
+        assert!(!bearer_matches(header("Basic sk-1").as_ref(), "sk-1"));
         assert!(!bearer_matches(None, "sk-1"));
+        // The scheme is case-insensitive; the key is not.
+        assert!(bearer_matches(header("bearer sk-1").as_ref(), "sk-1"));
+        assert!(bearer_matches(header("BEARER  sk-1").as_ref(), "sk-1"));
+        assert!(!bearer_matches(header("Bearer SK-1").as_ref(), "sk-1"));
     }
 }

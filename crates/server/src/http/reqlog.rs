@@ -41,10 +41,17 @@ impl RequestLog {
         self.span.in_scope(|| tracing::info!("<- {prompt}+{completion_tokens} tokens ({ms:.0} ms) [cancelled]"));
     }
 
-    /// Logs the closing line of a request that failed or was refused.
+    /// Logs the closing line of a request that failed.
     pub fn failed(&self, message: &str) {
         let ms = self.elapsed_ms();
         self.span.in_scope(|| tracing::warn!("<- failed ({ms:.0} ms): {message}"));
+    }
+
+    /// Logs the closing line of a request the engine did not take (busy, shutting down): the server working as
+    /// configured, so not a warning.
+    pub fn refused(&self, message: &str) {
+        let ms = self.elapsed_ms();
+        self.span.in_scope(|| tracing::info!("<- refused ({ms:.0} ms): {message}"));
     }
 
     fn elapsed_ms(&self) -> f64 {

@@ -80,7 +80,7 @@ async fn generate(
         oracle: None,
     };
     let rx = engine.submit(request).map_err(|e| {
-        log.failed(&e.to_string());
+        log.refused(&e.to_string());
         ApiError::from_submit(e, state.retry_after_secs)
     })?;
     if spec.stream {
