@@ -94,8 +94,24 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     Ok(())
 }
 
-/// Resolves on SIGINT or SIGTERM, after telling the engine to finish running streams within `grace`.
+/// Resolves on SIGINT or SIGTERM, after telling the engine to finish running streams within `grace`; a second
+/// signal during the grace period ends the process at once.
 async fn shutdown_signal(client: EngineClient, grace: Duration) {
+    next_signal().await;
+    tracing::info!(
+        "shutting down: no new requests; running streams get {} s to finish (a second Ctrl-C stops at once)",
+        grace.as_secs()
+    );
+    client.shutdown(grace);
+    tokio::spawn(async {
+        next_signal().await;
+        tracing::warn!("second signal: stopping now");
+        std::process::exit(130);
+    });
+}
+
+/// Resolves on the next SIGINT or SIGTERM.
+async fn next_signal() {
     let interrupt = async {
         if let Err(e) = tokio::signal::ctrl_c().await {
             tracing::warn!("cannot listen for Ctrl-C: {e}");
@@ -120,6 +136,4 @@ async fn shutdown_signal(client: EngineClient, grace: Duration) {
         () = interrupt => {}
         () = terminate => {}
     }
-    tracing::info!("shutting down: no new requests; running streams get {} s to finish", grace.as_secs());
-    client.shutdown(grace);
 }

@@ -1,4 +1,5 @@
-//! Servers whose flags or fate differ from the shared one: a queue that fills up, and a graceful shutdown.
+//! Servers whose flags or fate differ from the shared one: a queue that fills up, a graceful shutdown, and a
+//! second signal that cuts the grace period short.
 
 use std::sync::Barrier;
 use std::thread;
@@ -77,4 +78,35 @@ fn sigterm_finishes_in_flight_streams_and_exits_cleanly() {
         .wait_exit(EXIT_DEADLINE)
         .unwrap_or_else(|| panic!("still running {EXIT_DEADLINE:?} after SIGTERM\n{}", server.logs().tail()));
     assert!(status.success(), "exit {status}\n{}", server.logs().tail());
+}
+
+#[test]
+fn a_second_signal_during_the_grace_period_stops_at_once() {
+    let mut server = Server::start(&["--shutdown-timeout", "120"]);
+    // A stream far longer than the test waits: only the second signal can end the process in time.
+    let body = chat("Describe the sea.", json!({"stream": true, "max_tokens": 900, "ignore_eos": true}));
+    let mut stream = server.client().stream(Api::Chat.path(), &body);
+    while let Some(chunk) = stream.next_chunk() {
+        if chunk["choices"][0]["delta"]["content"].as_str().is_some_and(|t| !t.is_empty()) {
+            break;
+        }
+    }
+    server.terminate();
+    let waiting = server.wait_exit(Duration::from_millis(500));
+    assert!(waiting.is_none(), "the first signal waits for the stream: {waiting:?}\n{}", server.logs().tail());
+    assert!(server.logs().contains("shutting down"), "{}", server.logs().tail());
+    server.terminate();
+    let status = server
+        .wait_exit(Duration::from_secs(5))
+        .unwrap_or_else(|| panic!("still running 5 s after a second SIGTERM\n{}", server.logs().tail()));
+    assert_eq!(status.code(), Some(130), "{}", server.logs().tail());
+    // Its last log line may still be on its way through the pipe.
+    let said = (0..40).any(|_| {
+        let found = server.logs().contains("second signal");
+        if !found {
+            thread::sleep(Duration::from_millis(50));
+        }
+        found
+    });
+    assert!(said, "{}", server.logs().tail());
 }
