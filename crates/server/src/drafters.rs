@@ -5,7 +5,7 @@
 //!   model's shipped drafter); without either, it is on when the checkpoint carries a head and no `--drafter` is
 //!   given. The target then captures its last layer.
 //! * Block drafter (DFlash / DFlash2): `--no-drafter` wins, then `--drafter DIR`, then the drafter shipped for the
-//!   default model (`assets/drafters/`, or under `$DFLASH_ASSETS_DIR`). A shipped drafter that cannot be used only
+//!   default model (`assets/drafters/`, found as `crate::assets` says). A shipped drafter that cannot be used only
 //!   warns, and serving goes on with prompt lookup.
 
 use std::path::{Path, PathBuf};
@@ -19,6 +19,7 @@ use dflash_models::resolve::{ModelSource, DEFAULT_MODEL_FILE};
 use dflash_models::safetensors_dir::read_json;
 use dflash_models::{Checkpoint, MtpHead, OpenedTarget, TargetHeads};
 
+use crate::assets::assets_dir;
 use crate::cli::{DraftVocabSize, ModelArgs, SpecArgs};
 
 /// The default model's drafter, relative to the assets directory.
@@ -173,17 +174,12 @@ fn choose_block(model: &ModelArgs, spec: &SpecArgs) -> Option<(PathBuf, bool)> {
     let assets = assets_dir();
     let found = default_drafter(model.model.as_deref(), &assets);
     if found.is_none() {
-        tracing::info!("no default drafter in {} (set DFLASH_ASSETS_DIR to point elsewhere)", assets.display());
+        tracing::info!(
+            "no default drafter in {} (`dflash fetch` installs it in the cache; DFLASH_ASSETS_DIR points elsewhere)",
+            assets.display()
+        );
     }
     found.map(|dir| (dir, true))
-}
-
-/// The assets directory: `$DFLASH_ASSETS_DIR`, else the repository's `assets/` this binary was built from.
-pub fn assets_dir() -> PathBuf {
-    match std::env::var_os("DFLASH_ASSETS_DIR") {
-        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
-        _ => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets"),
-    }
 }
 
 /// The drafter shipped for the target `--model` names (`None`: the default model), if `assets` holds one: the

@@ -1,5 +1,6 @@
 //! `dflash`: run, serve and bench LLMs with speculative decoding.
 
+mod assets;
 mod bench;
 mod cli;
 mod drafters;

@@ -131,13 +131,17 @@ pub fn run(args: &RunArgs) -> Result<()> {
     Ok(())
 }
 
-/// `dflash fetch`: resolves (downloading if needed) and prints where the model is.
+/// `dflash fetch`: resolves (downloading if needed) and prints where the model is; for the default model also
+/// installs its shipped drafters in the cache (see `crate::assets`).
 pub fn fetch(args: &FetchArgs) -> Result<()> {
     let source = dflash_models::resolve::resolve_model(args.model.as_deref())?;
     match source {
         dflash_models::resolve::ModelSource::GgufFile(p) | dflash_models::resolve::ModelSource::HfDir(p) => {
             println!("{}", p.display())
         }
+    }
+    if args.model.is_none() {
+        crate::assets::fetch_shipped()?;
     }
     Ok(())
 }

@@ -23,8 +23,9 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::lanes_report::{table, write_json, RunResult};
+use crate::assets::assets_dir;
 use crate::cli::{DeviceArg, LanesArgs, ModelArgs, PrefixCacheArgs, SpecArgs};
-use crate::drafters::{assets_dir, default_mtp_head};
+use crate::drafters::default_mtp_head;
 use crate::setup::{EnginePlan, Startup, PAGE_SIZE};
 
 /// Nucleus cut of the sampled runs (as common chat defaults).
