@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use dflash_engine::{EngineClient, EngineMetrics};
 
 use crate::cli::ServeArgs;
-use crate::http::{self, HttpConfig};
+use crate::http::{self, ConnLimits, HttpConfig};
 use crate::live::LiveEngine;
 use crate::setup::{Built, EnginePlan, Startup, PAGE_SIZE};
 use dflash_models::{Device, KvPages};
@@ -79,7 +79,11 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             .await
             .with_context(|| format!("binding {}:{}", args.host, args.port))?;
         tracing::info!("listening on http://{}", listener.local_addr()?);
-        axum::serve(listener, app).with_graceful_shutdown(shutdown_signal(client.clone(), grace)).await?;
+        let limits = ConnLimits {
+            max_connections: args.max_connections,
+            header_timeout: Duration::from_secs(args.header_timeout),
+        };
+        http::serve(listener, app, limits, shutdown_signal(client.clone(), grace)).await?;
         anyhow::Ok(())
     });
     // Also reached when binding failed: stop the engine either way.

@@ -1,12 +1,14 @@
 //! End to end: the real `dflash serve` with the default model, over HTTP.
 //!
 //! Most tests share one server (`shared()`, started on first use, one test at a time on it); the API key, body
-//! limit, full queue and shutdown cases each start their own, since they need other flags or end the process.
+//! limit, full queue, connection limit and shutdown cases each start their own, since they need other flags or end the process.
 //! Every server runs with `--threads 2`, as CI has two cores. Waits on `/metrics` poll until a deadline that only
 //! bounds a hang; nothing asserts on timing.
 
 mod serve_support;
 
+#[path = "serve_e2e/connections.rs"]
+mod connections;
 #[path = "serve_e2e/drafter.rs"]
 mod drafter;
 #[path = "serve_e2e/errors.rs"]

@@ -366,6 +366,13 @@ pub struct ServeArgs {
     /// Most requests waiting beyond the --max-concurrent running ones; past it requests get 503 with Retry-After.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
+    /// Most open HTTP connections; past it a new connection gets 503 and is closed (keep it below the process's
+    /// open-file limit, `ulimit -n`).
+    #[arg(long, default_value_t = 512, value_parser = parse_positive)]
+    pub max_connections: usize,
+    /// Seconds a connection has to send a request's headers; also how long a keep-alive connection may sit idle.
+    #[arg(long, value_name = "SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    pub header_timeout: u64,
     /// Memory for KV cache pages, in bytes (suffixes K, M, G accepted). Default: on a GPU, --kv-cache-fraction of
     /// the memory free once the model is loaded; on the CPU 1G, and at least one full context window.
     #[arg(long, value_parser = parse_size)]

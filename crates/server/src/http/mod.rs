@@ -6,6 +6,7 @@
 
 mod engine;
 mod errors;
+mod listen;
 mod metrics;
 mod middleware;
 mod reqlog;
@@ -31,6 +32,7 @@ pub use engine::{EngineEvent, EngineHandle, SubmitError};
 #[cfg(test)]
 pub use engine::{FinishReason, TokenLogprob, Usage};
 pub use errors::ApiError;
+pub use listen::{serve, ConnLimits};
 pub use types::{ChatMessageIn, Role};
 
 /// Server-wide HTTP settings.

@@ -36,6 +36,11 @@ impl Client {
         Client { base: format!("http://127.0.0.1:{port}"), agent, logs }
     }
 
+    /// `127.0.0.1:port`, for raw TCP connections.
+    pub fn addr(&self) -> &str {
+        self.base.trim_start_matches("http://")
+    }
+
     pub fn get(&self, path: &str) -> Reply {
         self.get_with(path, &[])
     }
