@@ -313,16 +313,17 @@ impl Engine {
         Ok(())
     }
 
-    /// Fails every sequence, running or waiting, with `message` (shutdown past its grace period).
+    /// Stops every sequence, running or waiting, with `message` ([`crate::Event::Stopped`]: a shutdown past its
+    /// grace period).
     pub fn abort_all(&mut self, message: &str) {
         while let Some(mut seq) = self.sched.waiting.pop_front() {
             self.target.release(seq.key);
-            seq.fail(message);
+            seq.stop(message);
             self.metrics.record_outcome(Outcome::Failed);
         }
         while !self.sched.running.is_empty() {
             let mut seq = self.retire_seq(0);
-            seq.fail(message);
+            seq.stop(message);
             self.metrics.record_outcome(Outcome::Failed);
         }
         self.publish_gauges();

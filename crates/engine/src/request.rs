@@ -52,6 +52,9 @@ pub enum Event {
     Finished { reason: FinishReason, usage: Usage },
     /// The request failed; no event follows.
     Error(String),
+    /// The engine stopped before the request finished (a shutdown past its grace period): not the request's fault,
+    /// so the HTTP layer answers 503; no event follows.
+    Stopped(String),
 }
 
 /// Why generation stopped.

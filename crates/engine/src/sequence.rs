@@ -359,6 +359,11 @@ impl Sequence {
         self.sink.send(Event::Error(message.to_string()));
     }
 
+    /// Ends the request because the engine stops (see [`Event::Stopped`]).
+    pub fn stop(&mut self, message: &str) {
+        self.sink.send(Event::Stopped(message.to_string()));
+    }
+
     pub fn usage(&self) -> Usage {
         let ms = |a: Option<Instant>, b: Option<Instant>| match (a, b) {
             (Some(a), Some(b)) => b.saturating_duration_since(a).as_secs_f64() * 1e3,

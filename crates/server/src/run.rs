@@ -55,7 +55,7 @@ impl EventSink for StdoutSink {
                 };
             }
             Event::Finished { reason, usage } => Ok((reason, usage)),
-            Event::Error(m) => Err(m),
+            Event::Error(m) | Event::Stopped(m) => Err(m),
         };
         self.set(done);
         true

@@ -49,7 +49,7 @@ impl Recorder {
                     assert_eq!(usage.completion_tokens, ids.len(), "usage counts every streamed token");
                     reason = Some(*r);
                 }
-                Event::Error(m) => panic!("sequence failed: {m}"),
+                Event::Error(m) | Event::Stopped(m) => panic!("sequence failed: {m}"),
             }
         }
         Outcome { ids, text, reason: reason.expect("the sequence finished") }

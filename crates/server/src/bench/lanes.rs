@@ -368,7 +368,7 @@ impl EventSink for UsageProbe {
                     seen.ids.extend(ids);
                 }
                 Event::Finished { usage, .. } => seen.end = Some(Ok(usage)),
-                Event::Error(m) => seen.end = Some(Err(m)),
+                Event::Error(m) | Event::Stopped(m) => seen.end = Some(Err(m)),
             }
         }
         true

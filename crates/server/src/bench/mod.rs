@@ -53,7 +53,7 @@ impl EventSink for Probe {
                 log.tokens += ids.len();
             }
             Event::Finished { .. } => {}
-            Event::Error(m) => log.error = Some(m),
+            Event::Error(m) | Event::Stopped(m) => log.error = Some(m),
         }
         true
     }

@@ -54,7 +54,7 @@ impl EventSink for Probe {
                 seen.cached_tokens = usage.cached_tokens;
                 seen.spec = usage.spec.as_deref().copied();
             }
-            Event::Error(m) => seen.error = Some(m),
+            Event::Error(m) | Event::Stopped(m) => seen.error = Some(m),
         }
         true
     }

@@ -96,6 +96,11 @@ impl ApiError {
         error
     }
 
+    /// 503 for a server that is stopping: the request was not at fault.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message)
+    }
+
     /// 500.
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
@@ -133,7 +138,7 @@ impl ApiError {
     pub fn from_submit(error: SubmitError, retry_after_secs: u64) -> Self {
         match error {
             SubmitError::Busy => Self::overloaded(error.to_string(), retry_after_secs),
-            SubmitError::ShuttingDown => Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", error.to_string()),
+            SubmitError::ShuttingDown => Self::unavailable(error.to_string()),
             SubmitError::Invalid(message) => Self::invalid_request(message),
         }
     }

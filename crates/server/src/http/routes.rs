@@ -136,6 +136,7 @@ async fn collect(mut rx: Receiver<EngineEvent>) -> Result<Collected, ApiError> {
             }
             EngineEvent::Finished { reason, usage } => return Ok(Collected { text, logprobs, reason, usage }),
             EngineEvent::Error(message) => return Err(ApiError::internal(message)),
+            EngineEvent::Stopped(message) => return Err(ApiError::unavailable(message)),
         }
     }
     Err(ApiError::internal("the engine stopped before finishing the request"))

@@ -93,7 +93,7 @@ impl SseStream {
                 }
             }
             EngineEvent::Finished { reason, usage } => self.on_finished(reason, &usage),
-            EngineEvent::Error(message) => self.on_error(&message),
+            EngineEvent::Error(message) | EngineEvent::Stopped(message) => self.on_error(&message),
         }
     }
 

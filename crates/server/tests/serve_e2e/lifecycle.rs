@@ -1,5 +1,5 @@
-//! Servers whose flags or fate differ from the shared one: a queue that fills up, a graceful shutdown, and a
-//! second signal that cuts the grace period short.
+//! Servers whose flags or fate differ from the shared one: a queue that fills up, a graceful shutdown, a request
+//! its grace period cuts (503), and a second signal that cuts the grace period short.
 
 use std::sync::Barrier;
 use std::thread;
@@ -109,4 +109,23 @@ fn a_second_signal_during_the_grace_period_stops_at_once() {
         found
     });
     assert!(said, "{}", server.logs().tail());
+}
+
+#[test]
+fn a_request_cut_by_the_end_of_the_grace_period_gets_503() {
+    let mut server = Server::start(&["--shutdown-timeout", "1"]);
+    // Far more tokens than one second of decoding on two cores.
+    let body = chat("Describe the sea.", json!({"max_tokens": 900, "ignore_eos": true}));
+    let reply = thread::scope(|s| {
+        let request = s.spawn(|| server.client().post(Api::Chat.path(), &body));
+        wait_for_metrics(&server, "the request running", |m| m.value("dflash_running_sequences", &[]) == 1.0);
+        server.terminate();
+        request.join().expect("request thread")
+    });
+    let error = reply.error(503, "a request cut by shutdown");
+    assert_eq!(error["type"], "server_error", "{error}");
+    let status = server
+        .wait_exit(EXIT_DEADLINE)
+        .unwrap_or_else(|| panic!("still running {EXIT_DEADLINE:?} after SIGTERM\n{}", server.logs().tail()));
+    assert!(status.success(), "exit {status}\n{}", server.logs().tail());
 }

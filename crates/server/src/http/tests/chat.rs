@@ -131,6 +131,21 @@ async fn engine_error_without_stream_is_500() {
 }
 
 #[tokio::test]
+async fn a_request_cut_by_shutdown_is_503_not_500() {
+    let h = harness(Mode::StopAfterOne, 256, HttpConfig::default());
+    let reply = send(&h.app, post("/v1/chat/completions", &hi(json!({})))).await;
+    let error = reply.error(StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        (error["message"].as_str(), error["type"].as_str()),
+        (Some("the server is shutting down"), Some("server_error"))
+    );
+    // Streamed, it ends with an error frame, then [DONE], like any error mid-stream.
+    let frames = send(&h.app, post("/v1/chat/completions", &hi(json!({"stream": true})))).await.sse_data();
+    assert!(frames[frames.len() - 2].contains("shutting down"), "{frames:?}");
+    assert_eq!(frames[frames.len() - 1], "[DONE]");
+}
+
+#[tokio::test]
 async fn busy_engine_is_503_with_retry_after() {
     let cfg = HttpConfig { retry_after_secs: 4, ..HttpConfig::default() };
     let h = harness(Mode::Busy, 256, cfg);

@@ -25,6 +25,8 @@ pub enum Mode {
     Busy,
     /// Send one token, then an error.
     FailAfterOne,
+    /// Send one token, then stop as a shutdown past its grace period stops requests.
+    StopAfterOne,
     /// Send one token and keep the sender open (in `held`), so tests can watch it close.
     Hold,
 }
@@ -72,6 +74,10 @@ impl EngineHandle for FakeEngine {
             Mode::FailAfterOne => {
                 tx.send(token_event(echoed[0], req.logprobs)).expect("receiver alive");
                 tx.send(EngineEvent::Error("boom".into())).expect("receiver alive");
+            }
+            Mode::StopAfterOne => {
+                tx.send(token_event(echoed[0], req.logprobs)).expect("receiver alive");
+                tx.send(EngineEvent::Stopped("the server is shutting down".into())).expect("receiver alive");
             }
             Mode::Echo => {
                 for &id in &echoed {
