@@ -6,6 +6,7 @@ mod cli;
 mod drafters;
 mod http;
 mod live;
+mod memory;
 mod run;
 mod serve;
 mod setup;

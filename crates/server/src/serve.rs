@@ -3,28 +3,38 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use dflash_engine::{EngineClient, EngineMetrics};
 
 use crate::cli::ServeArgs;
 use crate::http::{self, ConnLimits, HttpConfig};
 use crate::live::LiveEngine;
+use crate::memory;
 use crate::setup::{Built, EnginePlan, Startup, PAGE_SIZE};
 use dflash_models::{Device, KvPages};
-
-/// KV cache memory when `--kv-cache-mem` is not given.
-const DEFAULT_KV_CACHE_MEM: u64 = 1 << 30;
 
 pub fn serve(args: &ServeArgs) -> Result<()> {
     let startup = Startup::begin(&args.model, &args.spec)?;
     let context_window = startup.context_window();
     let bytes_per_token = startup.kv_bytes_per_token();
     let page_bytes = bytes_per_token * PAGE_SIZE as u64;
+    let window_bytes = context_window as u64 * bytes_per_token;
+    let available = memory::available();
     let pages = match (args.kv_cache_mem, startup.device()) {
         (None, Device::Cuda(_)) => KvPages::FreeMemory(args.kv_cache_fraction),
-        (mem, _) => {
-            let window_bytes = context_window as u64 * bytes_per_token;
-            let kv_mem = mem.unwrap_or(DEFAULT_KV_CACHE_MEM.max(window_bytes));
+        (mem, device) => {
+            let kv_mem = mem.unwrap_or_else(|| memory::default_cpu_kv(available, window_bytes));
+            let tokens = kv_mem / bytes_per_token.max(1);
+            if tokens < context_window as u64 {
+                bail!(
+                    "--kv-cache-mem {kv_mem} holds {tokens} tokens, less than one context window of {context_window}: \
+                     give at least {} MiB or a smaller --ctx-size",
+                    window_bytes.div_ceil(1 << 20)
+                );
+            }
+            if device == Device::Cpu {
+                memory::check_fits(startup.weight_file_bytes(), kv_mem, available)?;
+            }
             KvPages::Fixed(usize::try_from(kv_mem / page_bytes.max(1)).unwrap_or(usize::MAX))
         }
     };

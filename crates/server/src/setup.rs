@@ -54,6 +54,7 @@ pub struct Built {
 
 /// Start-up up to the weights: the model's checkpoint is open, its drafter and device chosen.
 pub struct Startup {
+    source: ModelSource,
     checkpoint: Checkpoint,
     drafter: DrafterPlan,
     device: Device,
@@ -76,7 +77,7 @@ impl Startup {
         let drafter = DrafterPlan::choose(model, spec, &source, &checkpoint)?;
         let device = choose_device(model.device, checkpoint.info.family.as_ref());
         log_model(&checkpoint, &source, device, threads, t0);
-        Ok(Startup { checkpoint, drafter, device, args: model.clone(), spec: spec.clone() })
+        Ok(Startup { source, checkpoint, drafter, device, args: model.clone(), spec: spec.clone() })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -95,6 +96,11 @@ impl Startup {
     /// The device the target will run on.
     pub fn device(&self) -> Device {
         self.device
+    }
+
+    /// Bytes of the model's weight files (what a CPU target maps or reads).
+    pub fn weight_file_bytes(&self) -> u64 {
+        crate::memory::weight_file_bytes(&self.source)
     }
 
     /// The context window `--ctx-size` asks for, else the model's capped at 8,192 tokens. A window past the
@@ -123,7 +129,7 @@ impl Startup {
     /// A device that cannot be opened, weights the device cannot take, a cache that does not fit, a drafter that
     /// does not fit the target.
     pub fn build(self, plan: EnginePlan, metrics: Arc<EngineMetrics>) -> Result<Built> {
-        let Startup { checkpoint, drafter, device, args, spec } = self;
+        let Startup { checkpoint, drafter, device, args, spec, .. } = self;
         let opts = TargetOptions {
             load: LoadOptions {
                 capture_layers: drafter.capture_layers(),

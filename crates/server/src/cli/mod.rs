@@ -374,7 +374,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     pub header_timeout: u64,
     /// Memory for KV cache pages, in bytes (suffixes K, M, G accepted). Default: on a GPU, --kv-cache-fraction of
-    /// the memory free once the model is loaded; on the CPU 1G, and at least one full context window.
+    /// the memory free once the model is loaded; on the CPU a quarter of the available memory, at most 16G; at least
+    /// one full context window either way.
     #[arg(long, value_parser = parse_size)]
     pub kv_cache_mem: Option<u64>,
     /// On a GPU without --kv-cache-mem: the fraction of the device memory free once the weights and every other
