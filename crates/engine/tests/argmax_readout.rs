@@ -7,67 +7,29 @@ mod common;
 
 use std::sync::{Arc, Mutex, PoisonError};
 
+use common::hooked::Hooked;
 use common::{config, load, request, run_all, Model, Outcome, Session};
 use dflash_engine::spec::{NgramConfig, PolicyMode, SpecConfig};
 use dflash_engine::{Engine, EngineMetrics, SamplingParams};
 use dflash_models::llama::LlamaTarget;
-use dflash_models::{ForwardBatch, ForwardOut, ModelConfig, ModelError, Readout, StepSeq, Target, TargetHeads};
+use dflash_models::{ForwardBatch, ForwardOut, Readout, StepSeq, Target};
 use dflash_runtime::Tensor;
 
 const MAX_TOKENS: usize = 16;
 
-/// A CPU target that answers [`Readout::Argmax`] with ids and an empty logits tensor, and records each step's
-/// readout.
-struct IdsOnly {
-    inner: LlamaTarget,
-    readouts: Arc<Mutex<Vec<Readout>>>,
-}
-
-impl Target for IdsOnly {
-    fn device(&self) -> String {
-        self.inner.device()
-    }
-
-    fn config(&self) -> &ModelConfig {
-        self.inner.config()
-    }
-
-    fn capture_layers(&self) -> &[usize] {
-        self.inner.capture_layers()
-    }
-
-    fn page_size(&self) -> usize {
-        self.inner.page_size()
-    }
-
-    fn num_pages(&self) -> usize {
-        self.inner.num_pages()
-    }
-
-    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOut, ModelError> {
-        self.inner.forward(batch)
-    }
-
-    fn forward_step(
-        &mut self,
-        batch: &ForwardBatch,
-        seqs: &[StepSeq],
-        readout: Readout,
-    ) -> Result<ForwardOut, ModelError> {
-        self.readouts.lock().unwrap_or_else(PoisonError::into_inner).push(readout);
-        let out = self.inner.forward_step(batch, seqs, readout)?;
+/// The default model's CPU target answering [`Readout::Argmax`] with ids and an empty logits tensor, as a device
+/// does, and recording each step's readout in `readouts`.
+fn ids_only(inner: LlamaTarget, readouts: Arc<Mutex<Vec<Readout>>>) -> Hooked {
+    let vocab = inner.config().vocab_size;
+    let hook = move |inner: &mut LlamaTarget, batch: &ForwardBatch, seqs: &[StepSeq], readout: Readout| {
+        readouts.lock().unwrap_or_else(PoisonError::into_inner).push(readout);
+        let out = inner.forward_step(batch, seqs, readout)?;
         match readout {
             Readout::Logits => Ok(out),
-            Readout::Argmax => {
-                let vocab = self.inner.config().vocab_size;
-                Ok(ForwardOut { logits: Tensor::from_f32(&[], &[0, vocab])?, ..out })
-            }
+            Readout::Argmax => Ok(ForwardOut { logits: Tensor::from_f32(&[], &[0, vocab])?, ..out }),
         }
-    }
-
-    fn host_heads(&self) -> Option<Arc<dyn TargetHeads>> {
-        self.inner.host_heads()
-    }
+    };
+    Hooked { inner, hook: Box::new(hook) }
 }
 
 fn prompts(m: &Model) -> Vec<Vec<u32>> {
@@ -82,7 +44,7 @@ fn run_ids_only(m: &Model, spec: SpecConfig, requests: Vec<dflash_engine::Reques
     let cfg = config(128, 256, spec);
     let readouts = Arc::new(Mutex::new(Vec::new()));
     let inner = LlamaTarget::new(Arc::clone(&m.model), cfg.num_pages, cfg.page_size).expect("target");
-    let target = IdsOnly { inner, readouts: Arc::clone(&readouts) };
+    let target = ids_only(inner, Arc::clone(&readouts));
     let metrics = Arc::new(EngineMetrics::default());
     let engine = Engine::new(Box::new(target), Arc::clone(&m.tokenizer), cfg, Arc::clone(&metrics)).expect("engine");
     let (recorders, _) = Session { engine, metrics }.run_together(requests);

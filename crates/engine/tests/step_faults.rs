@@ -7,11 +7,12 @@ mod common;
 
 use std::sync::{Arc, Mutex, PoisonError};
 
+use common::hooked::Hooked;
 use common::{config, load, metric, request, run_all, Model, Outcome, Recorder, Session};
 use dflash_engine::spec::{NgramConfig, PolicyMode, SpecConfig};
 use dflash_engine::{Engine, EngineMetrics, Event, SamplingParams};
 use dflash_models::llama::LlamaTarget;
-use dflash_models::{ForwardBatch, ForwardOut, ModelConfig, ModelError, Readout, StepSeq, Target, TargetHeads};
+use dflash_models::{ForwardBatch, ModelError, Readout, StepSeq, Target};
 
 const MAX_TOKENS: usize = 12;
 
@@ -27,15 +28,15 @@ enum Fault {
     Poisoned,
 }
 
-/// A CPU target that fails forwards as its [`Fault`] says and counts the forwards it failed.
-struct Faulty {
-    inner: LlamaTarget,
+/// Which forwards fail, and what the faults have seen.
+struct Faults {
     fault: Fault,
+    /// The key of the sequence whose rows brought [`POISON`], once they arrived.
     poisoned: Option<u64>,
     failed: Arc<Mutex<usize>>,
 }
 
-impl Faulty {
+impl Faults {
     /// Whether this forward fails; remembers the poisoned sequence's key when its rows arrive.
     fn fails(&mut self, batch: &ForwardBatch, seqs: &[StepSeq]) -> bool {
         let mut first = 0;
@@ -53,49 +54,18 @@ impl Faulty {
     }
 }
 
-impl Target for Faulty {
-    fn device(&self) -> String {
-        self.inner.device()
-    }
-
-    fn config(&self) -> &ModelConfig {
-        self.inner.config()
-    }
-
-    fn capture_layers(&self) -> &[usize] {
-        self.inner.capture_layers()
-    }
-
-    fn page_size(&self) -> usize {
-        self.inner.page_size()
-    }
-
-    fn num_pages(&self) -> usize {
-        self.inner.num_pages()
-    }
-
-    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOut, ModelError> {
-        self.inner.forward(batch)
-    }
-
-    fn forward_step(
-        &mut self,
-        batch: &ForwardBatch,
-        seqs: &[StepSeq],
-        readout: Readout,
-    ) -> Result<ForwardOut, ModelError> {
-        if self.fails(batch, seqs) {
-            // The rows' K/V written, as a forward that fails late leaves them.
-            let _ = self.inner.forward_step(batch, seqs, readout);
-            *self.failed.lock().unwrap_or_else(PoisonError::into_inner) += 1;
+/// The default model's CPU target failing forwards as `faults` says (after writing the rows' K/V, as a forward that
+/// fails late leaves them).
+fn faulty(inner: LlamaTarget, mut faults: Faults) -> Hooked {
+    let hook = move |inner: &mut LlamaTarget, batch: &ForwardBatch, seqs: &[StepSeq], readout: Readout| {
+        if faults.fails(batch, seqs) {
+            let _ = inner.forward_step(batch, seqs, readout);
+            *faults.failed.lock().unwrap_or_else(PoisonError::into_inner) += 1;
             return Err(ModelError::Device("injected fault".into()));
         }
-        self.inner.forward_step(batch, seqs, readout)
-    }
-
-    fn host_heads(&self) -> Option<Arc<dyn TargetHeads>> {
-        self.inner.host_heads()
-    }
+        inner.forward_step(batch, seqs, readout)
+    };
+    Hooked { inner, hook: Box::new(hook) }
 }
 
 fn prompts(m: &Model) -> Vec<Vec<u32>> {
@@ -129,12 +99,12 @@ fn spec() -> SpecConfig {
     SpecConfig { pld, policy: PolicyMode::Fixed, dflash_typical: None }
 }
 
-/// Runs `requests` through [`Faulty`]; each request's recorder, the forwards failed and the metrics text.
+/// Runs `requests` through [`faulty`]; each request's recorder, the forwards failed and the metrics text.
 fn run_faulty(m: &Model, fault: Fault, requests: Vec<dflash_engine::Request>) -> (Vec<Recorder>, usize, String) {
     let cfg = config(128, 256, spec());
     let failed = Arc::new(Mutex::new(0));
     let inner = LlamaTarget::new(Arc::clone(&m.model), cfg.num_pages, cfg.page_size).expect("target");
-    let target = Faulty { inner, fault, poisoned: None, failed: Arc::clone(&failed) };
+    let target = faulty(inner, Faults { fault, poisoned: None, failed: Arc::clone(&failed) });
     let metrics = Arc::new(EngineMetrics::default());
     let engine = Engine::new(Box::new(target), Arc::clone(&m.tokenizer), cfg, Arc::clone(&metrics)).expect("engine");
     let mut session = Session { engine, metrics };

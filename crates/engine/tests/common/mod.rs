@@ -1,6 +1,7 @@
 //! Shared by the engine tests: the default model, a recording sink, and a batched run to completion.
 #![allow(dead_code)]
 
+pub mod hooked;
 pub mod shipped;
 
 use std::sync::atomic::{AtomicBool, Ordering};

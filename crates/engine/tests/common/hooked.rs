@@ -1,0 +1,56 @@
+//! A CPU target of the default model whose engine steps go through a hook first: tests inject faults or read
+//! what each step asked for without repeating the target's plumbing.
+
+use std::sync::Arc;
+
+use dflash_models::llama::LlamaTarget;
+use dflash_models::{ForwardBatch, ForwardOut, ModelConfig, ModelError, Readout, StepSeq, Target, TargetHeads};
+
+/// What a hook does with one engine step: it may call `inner.forward_step` (or not) and answer in its place.
+pub type StepHook =
+    Box<dyn FnMut(&mut LlamaTarget, &ForwardBatch, &[StepSeq], Readout) -> Result<ForwardOut, ModelError> + Send>;
+
+/// [`LlamaTarget`] with every [`Target::forward_step`] through `hook`; everything else passes straight through.
+pub struct Hooked {
+    pub inner: LlamaTarget,
+    pub hook: StepHook,
+}
+
+impl Target for Hooked {
+    fn device(&self) -> String {
+        self.inner.device()
+    }
+
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+
+    fn capture_layers(&self) -> &[usize] {
+        self.inner.capture_layers()
+    }
+
+    fn page_size(&self) -> usize {
+        self.inner.page_size()
+    }
+
+    fn num_pages(&self) -> usize {
+        self.inner.num_pages()
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOut, ModelError> {
+        self.inner.forward(batch)
+    }
+
+    fn forward_step(
+        &mut self,
+        batch: &ForwardBatch,
+        seqs: &[StepSeq],
+        readout: Readout,
+    ) -> Result<ForwardOut, ModelError> {
+        (self.hook)(&mut self.inner, batch, seqs, readout)
+    }
+
+    fn host_heads(&self) -> Option<Arc<dyn TargetHeads>> {
+        self.inner.host_heads()
+    }
+}
