@@ -3,6 +3,7 @@
 mod chat;
 mod completion;
 mod fake;
+mod fuzz;
 mod routes;
 
 use std::sync::Arc;
