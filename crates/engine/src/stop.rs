@@ -109,6 +109,71 @@ mod tests {
         assert_eq!(run(&["日本語"], &["これは日本", "です"]), ("これは日本です".into(), false));
     }
 
+    /// A fixed-seed splitmix64 stream: `below(n)` in `0..n`.
+    struct Rng(u64);
+
+    impl Rng {
+        fn below(&mut self, n: usize) -> usize {
+            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let z = (self.0 ^ (self.0 >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            ((z ^ (z >> 31)) % n as u64) as usize
+        }
+
+        /// `len` characters of a small alphabet with multi-byte characters in it.
+        fn word(&mut self, len: usize) -> String {
+            const ALPHABET: [&str; 5] = ["a", "b", "\n", "é", "日"];
+            (0..len).map(|_| ALPHABET[self.below(ALPHABET.len())]).collect()
+        }
+    }
+
+    /// Random texts cut into random pieces, against random stop strings: the output is always the text before the
+    /// first match anywhere in the whole text (or all of it), and what is emitted along the way is always a prefix
+    /// of that.
+    #[test]
+    fn any_text_cut_any_way_stops_where_a_search_of_the_whole_text_does() {
+        let mut rng = Rng(7);
+        for case in 0..3000 {
+            let len = rng.below(24);
+            let text = rng.word(len);
+            let stops: Vec<String> = (0..rng.below(3))
+                .map(|_| {
+                    let len = 1 + rng.below(3);
+                    rng.word(len)
+                })
+                .collect();
+            let chars: Vec<char> = text.chars().collect();
+            let mut pieces = Vec::new();
+            let mut i = 0;
+            while i < chars.len() {
+                let take = 1 + rng.below(4).min(chars.len() - i - 1);
+                pieces.push(chars[i..i + take].iter().collect::<String>());
+                i += take;
+            }
+            let first = stops.iter().filter_map(|s| text.find(s.as_str())).min();
+            let want = (first.map_or(text.as_str(), |at| &text[..at]).to_string(), first.is_some());
+            let mut scanner = StopScanner::new(&stops);
+            let (mut out, mut stopped) = (String::new(), false);
+            for piece in &pieces {
+                match scanner.feed(piece) {
+                    Scan::Emit(t) => out.push_str(&t),
+                    Scan::Stopped(t) => {
+                        out.push_str(&t);
+                        stopped = true;
+                        break;
+                    }
+                }
+                assert!(
+                    want.0.starts_with(&out),
+                    "case {case}: emitted {out:?} beyond {want:?} ({stops:?}, {pieces:?})"
+                );
+            }
+            if !stopped {
+                out.push_str(&scanner.flush());
+            }
+            assert_eq!((out, stopped), want, "case {case}: stops {stops:?}, pieces {pieces:?}");
+        }
+    }
+
     #[test]
     fn no_stop_strings_emit_everything_at_once() {
         let mut s = scanner(&["", ""]);
