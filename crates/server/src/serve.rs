@@ -75,6 +75,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         max_body_bytes: usize::try_from(args.max_body_bytes).unwrap_or(usize::MAX),
         retry_after_secs: 1,
+        body_timeout: Duration::from_secs(args.body_timeout),
     };
     let app = http::router(Arc::new(live), http_cfg);
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -373,6 +373,9 @@ pub struct ServeArgs {
     /// Seconds a connection has to send a request's headers; also how long a keep-alive connection may sit idle.
     #[arg(long, value_name = "SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     pub header_timeout: u64,
+    /// Seconds a request body may go without sending more; past it the request gets 408.
+    #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub body_timeout: u64,
     /// Memory for KV cache pages, in bytes (suffixes K, M, G accepted). Default: on a GPU, --kv-cache-fraction of
     /// the memory free once the model is loaded; on the CPU a quarter of the available memory, at most 16G; at least
     /// one full context window either way.

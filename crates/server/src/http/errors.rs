@@ -175,12 +175,28 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
         let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
             if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 ApiError::payload_too_large(limit)
+            } else if is_body_timeout(&rejection) {
+                let mut error = ApiError::invalid_request("The request body stopped arriving (--body-timeout).");
+                error.status = StatusCode::REQUEST_TIMEOUT;
+                error
             } else {
                 ApiError::invalid_request(format!("Could not read the request body: {rejection}"))
             }
         })?;
         parse_json(&bytes).map(ApiJson)
     }
+}
+
+/// Whether reading the body failed because it stopped arriving (the router's `RequestBodyTimeoutLayer`).
+fn is_body_timeout(rejection: &axum::extract::rejection::BytesRejection) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(rejection);
+    while let Some(error) = source {
+        if error.is::<tower_http::timeout::TimeoutError>() {
+            return true;
+        }
+        source = error.source();
+    }
+    false
 }
 
 /// Accepts a JSON content type or none at all. Refusing form and text types keeps browsers from posting here

@@ -21,10 +21,12 @@ mod tests;
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use axum::{Extension, Router};
+use tower_http::timeout::RequestBodyTimeoutLayer;
 
 #[cfg(test)]
 pub use dflash_engine::TopLogprob;
@@ -44,11 +46,18 @@ pub struct HttpConfig {
     pub max_body_bytes: usize,
     /// What `Retry-After` tells clients when the engine queue is full.
     pub retry_after_secs: u64,
+    /// Longest wait for the next piece of a request body; past it the request gets 408.
+    pub body_timeout: Duration,
 }
 
 impl Default for HttpConfig {
     fn default() -> Self {
-        HttpConfig { api_key: None, max_body_bytes: 16 << 20, retry_after_secs: 1 }
+        HttpConfig {
+            api_key: None,
+            max_body_bytes: 16 << 20,
+            retry_after_secs: 1,
+            body_timeout: Duration::from_secs(30),
+        }
     }
 }
 
@@ -79,6 +88,7 @@ pub fn router(engine: Arc<dyn EngineHandle>, cfg: HttpConfig) -> Router {
         .fallback(routes::not_found)
         .with_state(state)
         .layer(DefaultBodyLimit::max(cfg.max_body_bytes))
+        .layer(RequestBodyTimeoutLayer::new(cfg.body_timeout))
         .layer(Extension(errors::BodyLimit(cfg.max_body_bytes)));
     if let Some(key) = cfg.api_key {
         app = app.layer(axum::middleware::from_fn_with_state(Arc::<str>::from(key), middleware::require_api_key));

@@ -1,6 +1,6 @@
 //! Connections a client cannot hold: idle, half-sent and idle keep-alive connections are closed after
-//! `--header-timeout`, and past `--max-connections` a new connection gets a 503 while the server keeps answering
-//! once the others go.
+//! `--header-timeout`, a body that stops arriving gets 408 after `--body-timeout`, and past `--max-connections` a
+//! new connection gets a 503 while the server keeps answering once the others go.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -68,4 +68,17 @@ fn past_the_connection_limit_a_new_connection_gets_503_and_the_server_recovers()
     drop(held);
     thread::sleep(Duration::from_millis(300));
     server.client().assert_healthy("the held connections closing");
+}
+
+#[test]
+fn a_body_that_stops_arriving_gets_408() {
+    let server = Server::start(&["--body-timeout", "1"]);
+    let mut conn = TcpStream::connect(server.client().addr()).expect("connect");
+    let head = "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+                Content-Length: 200\r\n\r\n";
+    conn.write_all(head.as_bytes()).expect("write");
+    conn.write_all(br#"{"messages": [{"role": "#).expect("write");
+    let answer = read_until_closed(conn, "a request whose body stopped");
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
+    server.client().assert_healthy("a stalled body");
 }
