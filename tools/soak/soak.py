@@ -54,7 +54,7 @@ class Tally:
 
     def problem(self, text):
         with self.lock:
-            self.add("problems")
+            self.counts["problems"] = self.counts.get("problems", 0) + 1
             if len(self.problems) < 50:
                 self.problems.append(text)
 
