@@ -281,7 +281,7 @@ impl Engine {
         }
         let plan = clock.lap();
         let started = Instant::now();
-        let out = match self.forward(&items, started) {
+        let out = match self.forward_masked(&items, started) {
             Ok(out) => out,
             Err(e) => return self.recover_failed_step(&items, e),
         };

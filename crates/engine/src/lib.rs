@@ -2,6 +2,7 @@
 //! the engine thread that serves many requests at once.
 
 pub mod engine;
+pub mod grammar;
 pub mod metrics;
 pub mod pages;
 pub mod prefix_cache;

@@ -31,6 +31,9 @@ pub struct Request {
     /// Benchmarks only: draft with the oracle lane ([`crate::spec::OracleDraft`]: the target's own continuation,
     /// right at each draft position with a set probability) instead of the server's lanes.
     pub oracle: Option<crate::spec::OracleDraft>,
+    /// Constrained decoding: every token is chosen among those the grammar allows, drafts are cut at the first
+    /// token it forbids, and generation ends when the grammar is complete.
+    pub grammar: Option<crate::grammar::Grammar>,
 }
 
 /// Where a sequence's events go. The engine calls it from its own thread.

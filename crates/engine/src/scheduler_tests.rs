@@ -31,6 +31,7 @@ fn seq_with(id: &str, prompt: Vec<u32>, cache_prompt: bool) -> Sequence {
         spec_policy: None,
         cache_prompt,
         oracle: None,
+        grammar: None,
     };
     Sequence::new(request, Box::new(NullSink))
 }

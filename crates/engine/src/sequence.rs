@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use dflash_models::tokenizer::{DecodeState, Tokenizer};
 
+use crate::grammar::GrammarState;
 use crate::request::{Event, EventSink, FinishReason, Request, TokenLogprob, Usage};
 use crate::sampler::TokenHistory;
 use crate::spec::{ProposeInput, SpecLane};
@@ -46,6 +47,8 @@ pub struct Sequence {
     pub drafts: Vec<u32>,
     /// Its place in the prefix cache.
     pub prefix: PrefixProgress,
+    /// Its place in the request's grammar, when the output is constrained.
+    pub grammar: Option<GrammarState>,
 }
 
 /// A sequence's place in the prefix cache.
@@ -151,6 +154,7 @@ impl Sequence {
         let history = TokenHistory::new(&tokens);
         let stop = StopScanner::new(&request.stop);
         let times = Timings { arrived: Instant::now(), first_scheduled: None, first_token: None, last_token: None };
+        let request_grammar = request.grammar.as_ref().map(|g| g.start());
         Sequence {
             key: 0,
             prompt_len: tokens.len(),
@@ -166,6 +170,7 @@ impl Sequence {
             lane: None,
             drafts: Vec::new(),
             prefix: PrefixProgress::default(),
+            grammar: request_grammar,
         }
     }
 
@@ -214,6 +219,24 @@ impl Sequence {
         if let Some(lane) = self.lane.as_mut() {
             let input = ProposeInput { tokens: &self.tokens, sampling: &self.request.sampling };
             self.drafts = lane.draft(&input, cap);
+        }
+        if let Some(grammar) = self.grammar.as_mut().filter(|_| !self.drafts.is_empty()) {
+            let valid = grammar.valid_drafts(&self.drafts);
+            self.drafts.truncate(valid);
+        }
+    }
+
+    /// Moves the grammar past committed token `id`; true when the grammar is complete, which ends the output.
+    /// Tokens are chosen from the grammar's mask, so a refusal is an engine fault: it is logged and ends the output
+    /// rather than letting it continue unconstrained.
+    fn advance_grammar(&mut self, id: u32) -> bool {
+        let Some(grammar) = self.grammar.as_mut() else { return false };
+        match grammar.commit(id) {
+            Ok(()) => grammar.is_finished(),
+            Err(e) => {
+                tracing::error!("{}: the grammar refused committed token {id}: {e}", self.request.id);
+                true
+            }
         }
     }
 
@@ -313,18 +336,23 @@ impl Sequence {
             }
         };
         let logprobs = logprob.map(|lp| vec![lp]);
+        let grammar_done = self.advance_grammar(id);
         match self.stop.feed(&piece) {
             Scan::Stopped(text) => {
                 self.emit(vec![id], text, logprobs);
                 Some(FinishReason::Stop)
             }
             Scan::Emit(mut text) => {
-                let done = self.generated() >= self.request.max_tokens;
-                if done {
+                let finish = if grammar_done {
+                    Some(FinishReason::Stop)
+                } else {
+                    (self.generated() >= self.request.max_tokens).then_some(FinishReason::Length)
+                };
+                if finish.is_some() {
                     text.push_str(&self.flush_text(tok));
                 }
                 self.emit(vec![id], text, logprobs);
-                done.then_some(FinishReason::Length)
+                finish
             }
         }
     }

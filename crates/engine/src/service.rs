@@ -190,6 +190,7 @@ mod tests {
             spec_policy: None,
             cache_prompt: true,
             oracle: None,
+            grammar: None,
         }
     }
 

@@ -102,6 +102,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         spec_policy: None,
         cache_prompt: false,
         oracle: None,
+        grammar: None,
     };
     let mut engine = built.engine;
     // Before the clock starts: the probe is the engine's calibration, not this request's decoding.

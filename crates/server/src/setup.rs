@@ -282,6 +282,7 @@ mod tests {
             spec_policy: Some(PolicyMode::Fixed),
             cache_prompt: false,
             oracle: None,
+            grammar: None,
         };
         engine.add(request, Box::new(last.clone()));
         while engine.has_work() {

@@ -6,6 +6,7 @@ use dflash_models::tokenizer::Tokenizer;
 use dflash_models::{ForwardBatch, ForwardOut, Readout, SeqRows};
 
 use super::Engine;
+use crate::grammar::GrammarState;
 use crate::request::{FinishReason, TokenLogprob, TopLogprob};
 use crate::sampler;
 use crate::scheduler::StepItem;
@@ -78,14 +79,48 @@ impl Engine {
         Ok(self.target.forward_step(&batch, &keyed, self.readout(items))?)
     }
 
+    /// Runs the forward of `items` while another thread computes the grammar masks of their sampled rows, so
+    /// constrained requests add no mask time to the step's critical path.
+    ///
+    /// # Errors
+    /// The forward's.
+    pub(super) fn forward_masked(&mut self, items: &[StepItem], now: Instant) -> Result<ForwardOut, EngineError> {
+        let mut jobs: Vec<(usize, GrammarState, usize, Vec<u32>)> = Vec::new();
+        for item in items.iter().filter(|item| item.samples) {
+            let seq = &mut self.sched.running[item.seq];
+            if let Some(grammar) = seq.grammar.take() {
+                jobs.push((item.seq, grammar, seq.len(), seq.drafts.clone()));
+            }
+        }
+        if jobs.is_empty() {
+            return self.forward(items, now);
+        }
+        let out = std::thread::scope(|scope| {
+            let masking = scope.spawn(|| {
+                for (_, grammar, committed, drafts) in jobs.iter_mut() {
+                    grammar.compute_ahead(*committed, drafts);
+                }
+            });
+            let out = self.forward(items, now);
+            if masking.join().is_err() {
+                tracing::error!("computing grammar masks ahead panicked; rows compute their masks when sampled");
+            }
+            out
+        });
+        for (i, grammar, ..) in jobs {
+            self.sched.running[i].grammar = Some(grammar);
+        }
+        out
+    }
+
     /// What the step reads back of its logit rows: only their argmax when that is every sampling row's whole
-    /// choice (greedy requests without penalties or logprobs), so a device target copies back `L` ids instead of
-    /// `L · vocab` logits; else the logits.
+    /// choice (greedy requests without penalties, logprobs or a grammar), so a device target copies back `L` ids
+    /// instead of `L · vocab` logits; else the logits.
     fn readout(&self, items: &[StepItem]) -> Readout {
         let running = &self.sched.running;
         let argmax_only = items.iter().filter(|item| item.samples).all(|item| {
             let request = &running[item.seq].request;
-            request.sampling.picks_argmax() && request.logprobs.is_none()
+            request.sampling.picks_argmax() && request.logprobs.is_none() && request.grammar.is_none()
         });
         if argmax_only {
             Readout::Argmax
@@ -248,18 +283,30 @@ impl Engine {
         let block_lane = seq.lane.as_ref().is_some_and(|l| l.stats.block_size > 0);
         let mtp_lane = seq.lane.as_ref().is_some_and(|l| l.stats.lane == LaneKind::Mtp);
         let rule = if mtp_lane { self.mtp.as_ref().and_then(|m| m.typical) } else { self.spec.dflash_typical };
-        rule.filter(|_| (block_lane || mtp_lane) && !seq.request.sampling.is_greedy())
+        // A grammar masks each row; the rule's candidates do not, so constrained rows always verify exactly.
+        rule.filter(|_| (block_lane || mtp_lane) && !seq.request.sampling.is_greedy() && seq.grammar.is_none())
     }
 
     /// Chooses `running[i]`'s next token from row `j` of `rows` at its absolute position (the row's argmax, or a
     /// draw from its logits) and commits it.
     fn choose_commit(&mut self, i: usize, rows: StepRows<'_>, j: usize, now: Instant) -> (u32, Option<FinishReason>) {
-        let seq = &self.sched.running[i];
         match rows {
             StepRows::Argmax(ids) => self.commit_token(i, &[], ids[j], now),
             StepRows::Logits(..) => {
                 let row = rows.logits(j).unwrap_or_default();
-                let id = sampler::sample(row, &seq.request.sampling, &seq.history, seq.len() as u64);
+                let seq = &mut self.sched.running[i];
+                let committed = seq.len();
+                let masked = seq.grammar.as_mut().map(|grammar| {
+                    let mut masked = row.to_vec();
+                    grammar.mask(committed).apply(&mut masked);
+                    masked
+                });
+                let id = sampler::sample(
+                    masked.as_deref().unwrap_or(row),
+                    &seq.request.sampling,
+                    &seq.history,
+                    committed as u64,
+                );
                 self.commit_token(i, row, id, now)
             }
         }

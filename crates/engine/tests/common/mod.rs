@@ -167,6 +167,7 @@ pub fn request(id: usize, prompt: Vec<u32>, sampling: SamplingParams, max_tokens
         spec_policy: None,
         cache_prompt: true,
         oracle: None,
+        grammar: None,
     }
 }
 

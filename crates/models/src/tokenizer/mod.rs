@@ -10,11 +10,13 @@ mod gguf_bpe;
 mod hf_dir;
 mod pyjson;
 mod strftime;
+mod token_bytes;
 
 use std::path::{Path, PathBuf};
 
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use detok::{DecodeState, IncrementalDecoder};
+pub use token_bytes::TokenPiece;
 
 /// Tokenizer metadata as a GGUF file stores it (filled by the gguf module from `tokenizer.ggml.*` keys).
 #[derive(Debug, Clone, Default)]

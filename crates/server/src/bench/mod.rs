@@ -148,6 +148,7 @@ fn request(id: String, prompt: Vec<u32>, max_tokens: usize) -> Request {
         spec_policy: None,
         cache_prompt: false,
         oracle: None,
+        grammar: None,
     }
 }
 

@@ -216,6 +216,7 @@ fn run_request(engine: &mut Engine, id: &str, prompt: &[u32], max_tokens: usize,
         spec_policy: None,
         cache_prompt: !matches!(lane, Lane::Cold { .. }),
         oracle: None,
+        grammar: None,
     };
     engine.add(request, Box::new(probe.clone()));
     while engine.has_work() {

@@ -78,6 +78,7 @@ async fn generate(
         spec_policy: spec.spec_policy,
         cache_prompt: spec.cache_prompt,
         oracle: None,
+        grammar: None,
     };
     let rx = engine.submit(request).map_err(|e| {
         log.refused(&e.to_string());

@@ -1,0 +1,97 @@
+//! One sequence's place in its grammar, and the masks of the rows its next step samples.
+
+use llguidance::Matcher;
+use toktrie::SimpleVob;
+
+/// The tokens a grammar allows at one position (`[grammar vocab]` bits).
+pub struct TokenMask(SimpleVob);
+
+impl TokenMask {
+    /// Sets every logit the mask forbids to -inf; ids past the grammar's vocabulary (padding rows of the
+    /// model's output) are forbidden too.
+    pub fn apply(&self, logits: &mut [f32]) {
+        let known = self.0.len().min(logits.len());
+        for (id, logit) in logits.iter_mut().enumerate() {
+            if id >= known || !self.0.is_allowed(id as u32) {
+                *logit = f32::NEG_INFINITY;
+            }
+        }
+    }
+
+    /// Whether `token` is allowed.
+    pub fn allows(&self, token: u32) -> bool {
+        (token as usize) < self.0.len() && self.0.is_allowed(token)
+    }
+}
+
+/// A sequence's matcher plus the masks computed ahead for its next step's rows.
+pub struct GrammarState {
+    matcher: Matcher,
+    /// The end-of-sequence tokens alone: the mask of a grammar that broke, so its sequence ends.
+    eos_only: SimpleVob,
+    /// `ahead[j]` is the mask after `ahead_from + j` committed tokens.
+    ahead: Vec<TokenMask>,
+    ahead_from: usize,
+}
+
+impl GrammarState {
+    pub(super) fn new(matcher: Matcher, eos_only: SimpleVob) -> Self {
+        GrammarState { matcher, eos_only, ahead: Vec::new(), ahead_from: usize::MAX }
+    }
+
+    /// How many of `drafts` the grammar accepts in order from here; drafts past the first forbidden one could
+    /// never be committed, so the round is cut there.
+    pub fn valid_drafts(&mut self, drafts: &[u32]) -> usize {
+        self.matcher.validate_tokens(drafts).unwrap_or(0)
+    }
+
+    /// Computes, ahead of the step, the mask of each row a step with `drafts` can sample: the current position
+    /// and one after each draft (a verify only reads row `j` when drafts `..j` were accepted). `committed`: the
+    /// sequence's committed token count now. Errors leave no masks; the rows then compute theirs when sampled.
+    pub fn compute_ahead(&mut self, committed: usize, drafts: &[u32]) {
+        self.ahead.clear();
+        self.ahead_from = committed;
+        let mut consumed = 0;
+        while let Ok(mask) = self.matcher.compute_mask_or_eos() {
+            self.ahead.push(TokenMask(mask));
+            let Some(&next) = drafts.get(consumed) else { break };
+            if self.matcher.consume_token(next).is_err() {
+                break;
+            }
+            consumed += 1;
+        }
+        if consumed > 0 && self.matcher.rollback(consumed).is_err() {
+            self.ahead.clear();
+        }
+    }
+
+    /// The mask of the next token after `committed` committed tokens: computed ahead when it was, else now. A
+    /// matcher in an error state (an engine fault: it only sees tokens its masks allowed) is logged and allows
+    /// only end-of-sequence, which ends the output where the grammar broke.
+    pub fn mask(&mut self, committed: usize) -> TokenMask {
+        let ahead = committed.checked_sub(self.ahead_from).filter(|&j| j < self.ahead.len());
+        if let Some(j) = ahead {
+            return TokenMask(self.ahead[j].0.clone());
+        }
+        match self.matcher.compute_mask_or_eos() {
+            Ok(mask) => TokenMask(mask),
+            Err(e) => {
+                tracing::error!("grammar mask: {e}");
+                TokenMask(self.eos_only.clone())
+            }
+        }
+    }
+
+    /// Advances past a committed token.
+    ///
+    /// # Errors
+    /// The matcher's message when the grammar does not allow `token`.
+    pub fn commit(&mut self, token: u32) -> Result<(), String> {
+        self.matcher.consume_token(token).map_err(|e| e.to_string())
+    }
+
+    /// Whether the grammar is complete and allows nothing more: generation ends here.
+    pub fn is_finished(&self) -> bool {
+        self.matcher.is_stopped()
+    }
+}
