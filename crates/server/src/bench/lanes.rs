@@ -404,6 +404,7 @@ fn run_one(
         spec_policy,
         cache_prompt: false,
         oracle,
+        grammar: None,
     };
     let started = Instant::now();
     engine.add(request, Box::new(probe.clone()));
