@@ -67,23 +67,70 @@ pub fn run(args: &LoadArgs) -> Result<()> {
     if levels.is_empty() {
         bail!("--concurrency names no level above 0");
     }
+    let variants = variants(args)?;
     let mut runs = Vec::new();
     for server in servers(args) {
         let server = server?;
         let model = served_model(&server.api)?;
         eprintln!("[bench] {}: {} ({model})", server.name, server.api);
-        complete(&server.api, &model, &prompts[0], args.max_tokens.min(16)).context("the warm-up request")?;
-        let mut run = ServerRun { name: server.name.clone(), levels: Vec::new() };
-        for &c in &levels {
-            let level = run_level(&server.api, &model, &prompts, c, args)?;
-            eprintln!("[bench] {} c={c}: {}", server.name, level.summary());
-            run.levels.push(level);
+        let mut server_runs: Vec<ServerRun> = Vec::new();
+        for variant in &variants {
+            let warm_up = Load { api: &server.api, model: &model, extra: &variant.extra };
+            complete(&warm_up, &prompts[0], args.max_tokens.min(16)).context("the warm-up request")?;
+            server_runs.push(ServerRun { name: variant.run_name(&server.name), levels: Vec::new() });
         }
-        runs.push(run);
+        for &c in &levels {
+            for (variant, run) in variants.iter().zip(&mut server_runs) {
+                let load = Load { api: &server.api, model: &model, extra: &variant.extra };
+                let level = run_level(&load, &prompts, c, args)?;
+                eprintln!("[bench] {} c={c}: {}", run.name, level.summary());
+                run.levels.push(level);
+            }
+        }
+        runs.extend(server_runs);
     }
     let table = write_reports(&args.out_dir, &runs)?;
     println!("{table}");
     Ok(())
+}
+
+/// A request variant (`--variant NAME=JSON`): fields added to every request.
+struct Variant {
+    name: Option<String>,
+    extra: serde_json::Map<String, Value>,
+}
+
+impl Variant {
+    fn run_name(&self, server: &str) -> String {
+        match &self.name {
+            Some(name) => format!("{server}/{name}"),
+            None => server.to_string(),
+        }
+    }
+}
+
+/// The `--variant`s, or the plain request alone.
+fn variants(args: &LoadArgs) -> Result<Vec<Variant>> {
+    if args.variants.is_empty() {
+        return Ok(vec![Variant { name: None, extra: serde_json::Map::new() }]);
+    }
+    args.variants
+        .iter()
+        .map(|v| {
+            let (name, body) = v.split_once('=').with_context(|| format!("--variant {v}: expected NAME=JSON"))?;
+            let Value::Object(extra) = serde_json::from_str(body).with_context(|| format!("--variant {name}"))? else {
+                bail!("--variant {name}: the JSON must be an object");
+            };
+            Ok(Variant { name: Some(name.to_string()), extra })
+        })
+        .collect()
+}
+
+/// Where one level's requests go and what they add to the plain request.
+struct Load<'a> {
+    api: &'a str,
+    model: &'a str,
+    extra: &'a serde_json::Map<String, Value>,
 }
 
 /// The servers to load: `--server` ones as given, then `--start` ones as started; `dflash=` when neither is given.
@@ -139,8 +186,8 @@ fn served_model(api: &str) -> Result<String> {
 }
 
 /// One level: `c` streams, `rounds` completions each.
-fn run_level(api: &str, model: &str, prompts: &[String], c: usize, args: &LoadArgs) -> Result<Level> {
-    let before = step_counters(api);
+fn run_level(load: &Load<'_>, prompts: &[String], c: usize, args: &LoadArgs) -> Result<Level> {
+    let before = step_counters(load.api);
     let total = c * args.rounds.max(1);
     let next = AtomicUsize::new(0);
     let started = Instant::now();
@@ -156,7 +203,7 @@ fn run_level(api: &str, model: &str, prompts: &[String], c: usize, args: &LoadAr
                         }
                         let prompt = &prompts[i % prompts.len()];
                         mine.push(
-                            complete(api, model, prompt, args.max_tokens)
+                            complete(load, prompt, args.max_tokens)
                                 .unwrap_or_else(|e| Sample { error: Some(format!("{e:#}")), ..Sample::default() }),
                         );
                     }
@@ -166,7 +213,7 @@ fn run_level(api: &str, model: &str, prompts: &[String], c: usize, args: &LoadAr
         workers.into_iter().flat_map(|w| w.join().unwrap_or_default()).collect()
     });
     let mut level = Level::of(c, &samples, started.elapsed());
-    level.profile = before.zip(step_counters(api)).map(|(a, b)| StepProfile::between(&a, &b));
+    level.profile = before.zip(step_counters(load.api)).map(|(a, b)| StepProfile::between(&a, &b));
     Ok(level)
 }
 
@@ -184,10 +231,10 @@ fn step_counters(api: &str) -> Option<Vec<(String, f64)>> {
     (!counters.is_empty()).then_some(counters)
 }
 
-/// One streamed, greedy chat completion of `max_tokens` tokens.
-fn complete(api: &str, model: &str, prompt: &str, max_tokens: usize) -> Result<Sample> {
-    let body = json!({
-        "model": model,
+/// One streamed, greedy chat completion of `max_tokens` tokens (fewer when a variant's grammar ends it).
+fn complete(load: &Load<'_>, prompt: &str, max_tokens: usize) -> Result<Sample> {
+    let mut body = json!({
+        "model": load.model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -195,8 +242,11 @@ fn complete(api: &str, model: &str, prompt: &str, max_tokens: usize) -> Result<S
         "stream_options": {"include_usage": true},
         "ignore_eos": true,
     });
+    if let Value::Object(fields) = &mut body {
+        fields.extend(load.extra.clone());
+    }
     let sent = Instant::now();
-    let response = ureq::post(&format!("{api}/chat/completions")).timeout(REQUEST_TIMEOUT).send_json(body);
+    let response = ureq::post(&format!("{}/chat/completions", load.api)).timeout(REQUEST_TIMEOUT).send_json(body);
     let response = match response {
         Ok(r) => r,
         Err(ureq::Error::Status(code, r)) => bail!("HTTP {code}: {}", r.into_string().unwrap_or_default()),

@@ -199,4 +199,9 @@ pub struct LoadArgs {
     /// Where the JSON, the Markdown table and the SVG plot go.
     #[arg(long, default_value = "bench/out")]
     pub out_dir: PathBuf,
+    /// Request variants to compare on every server, as NAME=JSON: the JSON object's fields are added to each
+    /// request (e.g. `json={"response_format":{"type":"json_object"}}`). Variants alternate level by level; each
+    /// is reported as SERVER/NAME. Default: the plain request only.
+    #[arg(long = "variant", value_name = "NAME=JSON")]
+    pub variants: Vec<String>,
 }
