@@ -2,6 +2,8 @@
 
 use std::time::Instant;
 
+use rayon::prelude::*;
+
 use dflash_models::tokenizer::Tokenizer;
 use dflash_models::{ForwardBatch, ForwardOut, Readout, SeqRows};
 
@@ -97,9 +99,8 @@ impl Engine {
         }
         let out = std::thread::scope(|scope| {
             let masking = scope.spawn(|| {
-                for (_, grammar, committed, drafts) in jobs.iter_mut() {
-                    grammar.compute_ahead(*committed, drafts);
-                }
+                jobs.par_iter_mut()
+                    .for_each(|(_, grammar, committed, drafts)| grammar.compute_ahead(*committed, drafts));
             });
             let out = self.forward(items, now);
             if masking.join().is_err() {
@@ -294,22 +295,29 @@ impl Engine {
             StepRows::Argmax(ids) => self.commit_token(i, &[], ids[j], now),
             StepRows::Logits(..) => {
                 let row = rows.logits(j).unwrap_or_default();
-                let seq = &mut self.sched.running[i];
-                let committed = seq.len();
-                let masked = seq.grammar.as_mut().map(|grammar| {
-                    let mut masked = row.to_vec();
-                    grammar.mask(committed).apply(&mut masked);
-                    masked
-                });
-                let id = sampler::sample(
-                    masked.as_deref().unwrap_or(row),
-                    &seq.request.sampling,
-                    &seq.history,
-                    committed as u64,
-                );
+                let id = self.choose_token(i, row);
                 self.commit_token(i, row, id, now)
             }
         }
+    }
+
+    /// `running[i]`'s token from `row` (`[vocab]` logits) at its absolute position, among the tokens its grammar
+    /// allows when it has one (a greedy constrained row takes the allowed argmax without copying the row).
+    fn choose_token(&mut self, i: usize, row: &[f32]) -> u32 {
+        let seq = &mut self.sched.running[i];
+        let committed = seq.len();
+        let Some(grammar) = seq.grammar.as_mut() else {
+            return sampler::sample(row, &seq.request.sampling, &seq.history, committed as u64);
+        };
+        let mask = grammar.mask(committed);
+        if seq.request.sampling.picks_argmax() {
+            if let Some(id) = mask.argmax(row) {
+                return id;
+            }
+        }
+        let mut masked = row.to_vec();
+        mask.apply(&mut masked);
+        sampler::sample(&masked, &seq.request.sampling, &seq.history, committed as u64)
     }
 
     /// Commits `id` as `running[i]`'s next token (`row_logits`: the row it was chosen from, for logprobs; empty
