@@ -73,6 +73,10 @@ pub struct SamplingParams {
     /// OpenAI semantics over generated tokens: subtracted once per occurrence.
     pub frequency_penalty: f32,
     pub seed: u64,
+    /// OpenAI's `logit_bias`: `(token id, bias)` pairs, added to the raw logits before every other stage (penalties,
+    /// temperature, filters), for every row the request samples or verifies. Biases lie in [-100, 100]; ids past
+    /// the vocabulary are ignored here (the HTTP layer refuses them).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 /// The sampling fields a caller set, `None` where it left them to the defaults: what an HTTP body or the command
@@ -87,6 +91,8 @@ pub struct SamplingChoices {
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
     pub seed: Option<u64>,
+    /// `(token id, bias)` pairs; empty: no bias.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 /// What a field becomes when neither the caller nor the model's generation config sets it.
@@ -117,6 +123,7 @@ impl SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: 0,
+            logit_bias: Vec::new(),
         }
     }
 
@@ -147,6 +154,7 @@ impl SamplingParams {
             presence_penalty: choices.presence_penalty.unwrap_or(base.presence_penalty),
             frequency_penalty: choices.frequency_penalty.unwrap_or(base.frequency_penalty),
             seed: choices.seed.unwrap_or_else(random_seed),
+            logit_bias: choices.logit_bias.clone(),
         };
         params.validate()?;
         Ok(params)
@@ -175,12 +183,16 @@ impl SamplingParams {
         {
             check(name, value, "[-2, 2]", closed(value, -2.0, 2.0))?;
         }
+        for &(_, bias) in &self.logit_bias {
+            check("logit_bias", bias, "[-100, 100]", closed(bias, -100.0, 100.0))?;
+        }
         Ok(())
     }
 
-    /// Whether the token is always the argmax of the raw logits (greedy, no penalty): all a step needs back.
+    /// Whether the token is always the argmax of the raw logits (greedy, no penalty, no bias): all a step needs
+    /// back.
     pub fn picks_argmax(&self) -> bool {
-        self.is_greedy() && !self.has_penalties()
+        self.is_greedy() && !self.has_penalties() && self.logit_bias.is_empty()
     }
 
     fn has_penalties(&self) -> bool {
@@ -280,7 +292,7 @@ impl Candidates {
 
 /// The filtered, renormalised distribution the sampler draws from (see [`Candidates`]).
 ///
-/// Stages run in this order: penalties on the raw logits, division by the temperature, top-k,
+/// Stages run in this order: logit bias and penalties on the raw logits, division by the temperature, top-k,
 /// top-p, min-p. Masked tokens (logit -inf or NaN) are never candidates unless every token is
 /// masked, in which case the argmax stands alone.
 pub fn candidates(logits: &[f32], params: &SamplingParams, history: &TokenHistory) -> Candidates {
@@ -349,13 +361,27 @@ pub fn logprobs_top(logits: &[f32], n: usize) -> (Vec<f32>, Vec<(u32, f32)>) {
     (log_probs, top)
 }
 
-/// Raw logits with the repetition, presence and frequency penalties applied; borrowed when none
-/// applies.
+/// Raw logits with the logit bias added, then the repetition, presence and frequency penalties applied; borrowed
+/// when none applies.
 fn penalized_logits<'a>(logits: &'a [f32], params: &SamplingParams, history: &TokenHistory) -> Cow<'a, [f32]> {
-    if !params.has_penalties() || (history.prompt.is_empty() && history.generated.is_empty()) {
+    let penalize = params.has_penalties() && !(history.prompt.is_empty() && history.generated.is_empty());
+    if !penalize && params.logit_bias.is_empty() {
         return Cow::Borrowed(logits);
     }
     let mut out = logits.to_vec();
+    for &(id, bias) in &params.logit_bias {
+        if let Some(l) = out.get_mut(id as usize) {
+            *l += bias;
+        }
+    }
+    if penalize {
+        apply_penalties(&mut out, params, history);
+    }
+    Cow::Owned(out)
+}
+
+/// The repetition penalty over every token seen, then presence and frequency over the generated ones.
+fn apply_penalties(out: &mut [f32], params: &SamplingParams, history: &TokenHistory) {
     let penalty = params.repetition_penalty;
     if penalty != 1.0 {
         for id in history.seen_ids() {
@@ -371,7 +397,6 @@ fn penalized_logits<'a>(logits: &'a [f32], params: &SamplingParams, history: &To
             }
         }
     }
-    Cow::Owned(out)
 }
 
 /// Penalised logits divided by the temperature (which must be above the greedy threshold), with NaN

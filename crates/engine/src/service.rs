@@ -23,7 +23,8 @@ pub enum SubmitError {
 }
 
 enum Command {
-    Submit(Request, Box<dyn EventSink>),
+    /// Boxed: a request is far larger than a shutdown, and the queue holds up to `--max-queue` commands.
+    Submit(Box<Request>, Box<dyn EventSink>),
     /// Stop taking work; finish what runs within the grace period, then fail the rest.
     Shutdown(Duration),
 }
@@ -56,7 +57,7 @@ impl EngineClient {
             self.in_flight.fetch_sub(1, Ordering::AcqRel);
             return Err(SubmitError::Busy);
         }
-        match self.tx.try_send(Command::Submit(request, sink)) {
+        match self.tx.try_send(Command::Submit(Box::new(request), sink)) {
             Ok(()) => Ok(()),
             Err(e) => {
                 self.in_flight.fetch_sub(1, Ordering::AcqRel);
@@ -149,7 +150,7 @@ fn take(engine: &mut Engine, cmd: Command, in_flight: &AtomicUsize, deadline: &m
     match cmd {
         Command::Submit(request, sink) => {
             in_flight.fetch_sub(1, Ordering::AcqRel);
-            engine.add(request, sink);
+            engine.add(*request, sink);
         }
         Command::Shutdown(grace) => {
             let at = Instant::now() + grace;

@@ -142,3 +142,25 @@ fn max_tokens_and_stop_strings_inside_an_accepted_block_end_the_output_exactly()
     assert!(full.starts_with(&spec.text) && !spec.text.contains(&stop), "{:?} / stop {stop:?}", spec.text);
     assert_eq!(spec.text, full[..full.find(&stop).expect("stop occurs")]);
 }
+
+#[test]
+fn greedy_output_with_a_logit_bias_is_identical_with_the_ngram_lane() {
+    let m = load();
+    let prompts = prompts(&m)[..6].to_vec();
+    let off = SpecConfig { pld: None, ..SpecConfig::default() };
+    let (unbiased, _) = run(&m, &prompts, off, &|_| SamplingParams::greedy());
+    // Ban each prompt's first unbiased token and favour a common one, so the bias changes every output.
+    let favoured = m.tokenizer.encode(" the", false).expect("encode")[0];
+    let biased = |i: usize| SamplingParams {
+        logit_bias: vec![(unbiased[i].ids[0], -100.0), (favoured, 4.0)],
+        ..SamplingParams::greedy()
+    };
+    let (plain, _) = run(&m, &prompts, off, &biased);
+    for (i, (a, b)) in unbiased.iter().zip(&plain).enumerate() {
+        assert_ne!(a.ids[0], b.ids[0], "prompt {i}: the banned token was still chosen");
+    }
+    for k in [2, 8] {
+        let (spec, _) = run(&m, &prompts, pld(k, PolicyMode::Fixed), &biased);
+        assert_same(&plain, &spec, &format!("greedy with a logit bias, k={k}"));
+    }
+}

@@ -128,6 +128,36 @@ fn greedy_applies_penalties_first() {
 }
 
 #[test]
+fn logit_bias_is_added_before_penalties_and_temperature() {
+    let logits = [2.0, -1.0, 0.5, 3.0];
+    let mut history = TokenHistory::new(&[]);
+    history.push(3);
+    // Id 9 lies past this row: ignored, never a panic.
+    let bias = vec![(3, -100.0), (1, 3.5), (9, 50.0)];
+    let greedy = SamplingParams { logit_bias: bias.clone(), ..SamplingParams::greedy() };
+    assert_eq!(sample(&logits, &greedy, &history, 0), 1);
+    assert!(!greedy.picks_argmax(), "a biased request needs its logits back");
+    assert!(SamplingParams::greedy().picks_argmax());
+    // Biased 2.5 > 2.0 before the presence penalty on 3; then everything is divided by the temperature.
+    let sampled = SamplingParams { logit_bias: vec![(1, 3.5)], presence_penalty: 1.5, ..params(2.0) };
+    assert_eq!(candidates(&logits, &sampled, &history).logits, vec![1.0, 1.25, 0.25, 0.75]);
+    // A bias cannot revive a masked token.
+    let masked = [f32::NEG_INFINITY, 0.0];
+    let revive = SamplingParams { logit_bias: vec![(0, 100.0)], ..SamplingParams::greedy() };
+    assert_eq!(sample(&masked, &revive, &TokenHistory::new(&[]), 0), 1);
+}
+
+#[test]
+fn logit_bias_values_must_lie_in_plus_minus_100() {
+    let ok = SamplingParams { logit_bias: vec![(0, -100.0), (1, 100.0)], ..params(1.0) };
+    assert!(ok.validate().is_ok());
+    for bad in [100.5, -101.0, f32::NAN, f32::INFINITY] {
+        let p = SamplingParams { logit_bias: vec![(0, bad)], ..params(1.0) };
+        assert!(matches!(p.validate(), Err(SamplerError::OutOfRange { name: "logit_bias", .. })), "{bad}");
+    }
+}
+
+#[test]
 fn penalties_follow_hf_and_openai_semantics() {
     let logits = [2.0, -1.0, 0.5, 3.0, -2.0];
     let mut history = TokenHistory::new(&[0, 1, 0]);
