@@ -2,12 +2,13 @@
 
 use std::sync::Arc;
 
+use dflash_engine::grammar::{Grammar, GrammarCompiler, GrammarSpec};
 use dflash_engine::{EngineClient, EventSink, Request};
-use dflash_models::tokenizer::{ChatMessage, Tokenizer};
+use dflash_models::tokenizer::Tokenizer;
 use dflash_models::GenerationDefaults;
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 
-use crate::http::{ApiError, ChatMessageIn, EngineEvent, EngineHandle, Role, SubmitError};
+use crate::http::{ApiError, ChatMessageIn, EngineEvent, EngineHandle, SubmitError};
 
 /// Streams a sequence's events into the HTTP handler's channel. Unbounded, so the engine never waits on a slow
 /// client; a sequence sends at most `max_tokens` events.
@@ -28,18 +29,13 @@ pub struct LiveEngine {
     pub client: EngineClient,
     pub tokenizer: Arc<Tokenizer>,
     pub name: String,
+    /// `--served-model-name`: every name the API answers to, `name` first (empty: the file's names).
+    pub served_names: Vec<String>,
     pub context_window: usize,
     /// The model's generation config (sampling defaults).
     pub defaults: GenerationDefaults,
-}
-
-fn role_name(role: Role) -> &'static str {
-    match role {
-        Role::System => "system",
-        Role::User => "user",
-        Role::Assistant => "assistant",
-        Role::Tool => "tool",
-    }
+    /// Compiles structured-output grammars against `tokenizer`; `None` when the tokenizer cannot drive one.
+    pub grammars: Option<GrammarCompiler>,
 }
 
 impl EngineHandle for LiveEngine {
@@ -57,6 +53,18 @@ impl EngineHandle for LiveEngine {
 
     fn model_name(&self) -> &str {
         &self.name
+    }
+
+    fn served_names(&self) -> &[String] {
+        &self.served_names
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.tokenizer.vocab_size()
+    }
+
+    fn token_id(&self, text: &str) -> Option<u32> {
+        self.tokenizer.token_to_id(text)
     }
 
     fn context_window(&self) -> usize {
@@ -85,11 +93,21 @@ impl EngineHandle for LiveEngine {
                 "this model has no chat template; use /v1/completions with a raw prompt",
             ));
         };
-        let messages: Vec<ChatMessage> =
-            messages.iter().map(|m| ChatMessage::new(role_name(m.role), m.content.clone())).collect();
+        // Whole messages, so templates that read `tool_calls` or `tool_call_id` see them.
         template
-            .render(&messages, add_generation_prompt, kwargs)
+            .render(messages, add_generation_prompt, kwargs)
             .map_err(|e| ApiError::invalid_request(format!("the chat template rejected the conversation: {e}")))
+    }
+
+    fn compile_grammar(&self, spec: &GrammarSpec, param: &str) -> Result<Grammar, ApiError> {
+        let Some(compiler) = self.grammars.as_ref() else {
+            return Err(ApiError::invalid_param(param, "this model's tokenizer cannot drive constrained decoding"));
+        };
+        compiler.compile(spec).map_err(|e| ApiError::invalid_param(param, format!("`{param}`: {e}")))
+    }
+
+    fn chat_template_source(&self) -> Option<&str> {
+        self.tokenizer.chat_template().map(|template| template.source())
     }
 
     fn metrics_text(&self) -> String {

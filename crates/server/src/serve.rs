@@ -70,12 +70,24 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     }
     let (client, engine_thread) =
         dflash_engine::spawn(engine, args.max_queue, metrics).context("starting the engine thread")?;
-    let live = LiveEngine { client: client.clone(), tokenizer, name, context_window, defaults: generation };
+    let served_names = args.served_model_name.clone();
+    let name = served_names.first().cloned().unwrap_or(name);
+    let grammars = grammar_compiler(&tokenizer);
+    let live = LiveEngine {
+        client: client.clone(),
+        tokenizer,
+        name,
+        served_names,
+        context_window,
+        defaults: generation,
+        grammars,
+    };
     let http_cfg = HttpConfig {
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         max_body_bytes: usize::try_from(args.max_body_bytes).unwrap_or(usize::MAX),
         retry_after_secs: 1,
         body_timeout: Duration::from_secs(args.body_timeout),
+        tool_call_parser: args.tool_call_parser,
     };
     let app = http::router(Arc::new(live), http_cfg);
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -150,5 +162,19 @@ async fn next_signal() {
     tokio::select! {
         () = interrupt => {}
         () = terminate => {}
+    }
+}
+
+/// The structured-output compiler for the served tokenizer; without one the server still serves, and requests
+/// that ask for a grammar get a 400 saying why.
+fn grammar_compiler(
+    tokenizer: &dflash_models::tokenizer::Tokenizer,
+) -> Option<dflash_engine::grammar::GrammarCompiler> {
+    match dflash_engine::grammar::GrammarCompiler::new(tokenizer) {
+        Ok(compiler) => Some(compiler),
+        Err(e) => {
+            tracing::warn!("structured outputs are off: {e}");
+            None
+        }
     }
 }

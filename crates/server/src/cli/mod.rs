@@ -10,6 +10,8 @@ use dflash_engine::spec::{MtpDepth, NgramConfig, PolicyMode, SpecConfig};
 use dflash_engine::{Fallback, SamplingChoices, SamplingParams};
 use dflash_models::{Device, GenerationDefaults};
 
+use crate::http::ToolCallParser;
+
 pub use bench::{BenchArgs, HybridArgs, LanesArgs, LoadArgs, PrefixArgs, Scenario, ShapesArgs};
 
 #[derive(Parser, Debug)]
@@ -169,6 +171,7 @@ impl SamplingArgs {
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             seed: self.seed,
+            logit_bias: Vec::new(),
         };
         SamplingParams::resolve(&choices, defaults, Fallback::Greedy).context("invalid sampling flags")
     }
@@ -400,6 +403,15 @@ pub struct ServeArgs {
     /// On SIGINT/SIGTERM, seconds running streams get to finish before they are cancelled.
     #[arg(long, default_value_t = 10)]
     pub shutdown_timeout: u64,
+    /// The model's name in the API (repeat the flag or separate names with commas for aliases): the first is the
+    /// name responses carry, `/v1/models` lists all, and a request's `model` must be one of them. Default: the
+    /// model file's name (its stem and full file name are accepted too).
+    #[arg(long, value_name = "NAME", value_delimiter = ',', value_parser = parse_model_name)]
+    pub served_model_name: Vec<String>,
+    /// How tool calls are read from `tool_choice: "auto"` answers: `hermes` (`<tool_call>` blocks) or `none`
+    /// (never). Default: chosen from the chat template (Hermes).
+    #[arg(long, value_name = "NAME", value_parser = parse_tool_call_parser)]
+    pub tool_call_parser: Option<ToolCallParser>,
 }
 
 /// Prefix cache flags: KV pages of earlier prompts reused by later requests that start with the same tokens.
@@ -445,6 +457,22 @@ pub fn parse_positive(s: &str) -> std::result::Result<usize, String> {
         Ok(_) => Err("must be at least 1".into()),
         Err(_) => Err(format!("`{s}` is not a whole number")),
     }
+}
+
+/// Parses one `--served-model-name`: trimmed, not empty (an empty alias could never be asked for by name).
+pub fn parse_model_name(s: &str) -> std::result::Result<String, String> {
+    match s.trim() {
+        "" => Err("a model name must not be empty".into()),
+        name => Ok(name.to_string()),
+    }
+}
+
+/// Parses `--tool-call-parser`.
+///
+/// # Errors
+/// A message listing the known parsers.
+pub fn parse_tool_call_parser(s: &str) -> std::result::Result<ToolCallParser, String> {
+    s.parse()
 }
 
 /// Parses a byte count with an optional K/M/G suffix (powers of 1024).
@@ -514,6 +542,32 @@ mod tests {
             assert!(err.to_string().contains("at least 1"), "{argv:?}: {err}");
         }
         assert!(Cli::try_parse_from(["dflash", "serve", "--ctx-size", "4096", "--max-concurrent", "4"]).is_ok());
+    }
+
+    #[test]
+    fn served_model_names_repeat_or_split_on_commas() {
+        let parse = |argv: &[&str]| match Cli::try_parse_from(argv).map(|cli| cli.command) {
+            Ok(Command::Serve(args)) => Ok(args.served_model_name),
+            Ok(_) => Err("not serve".to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        assert_eq!(parse(&["dflash", "serve"]), Ok(vec![]));
+        let names = parse(&["dflash", "serve", "--served-model-name", "a, b", "--served-model-name", "c"]);
+        assert_eq!(names, Ok(vec!["a".to_string(), "b".into(), "c".into()]));
+        assert!(parse(&["dflash", "serve", "--served-model-name", "a,,b"]).is_err());
+    }
+
+    #[test]
+    fn tool_call_parsers_are_checked_at_parse_time() {
+        let parser = |argv: &[&str]| match Cli::try_parse_from(argv).map(|cli| cli.command) {
+            Ok(Command::Serve(args)) => Ok(args.tool_call_parser),
+            Ok(_) => Err("not serve".to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        assert_eq!(parser(&["dflash", "serve"]), Ok(None));
+        assert_eq!(parser(&["dflash", "serve", "--tool-call-parser", "none"]), Ok(Some(ToolCallParser::None)));
+        let unknown = parser(&["dflash", "serve", "--tool-call-parser", "mistral"]).expect_err("refused");
+        assert!(unknown.contains("hermes"), "{unknown}");
     }
 
     #[test]

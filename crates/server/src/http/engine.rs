@@ -2,6 +2,7 @@
 
 use tokio::sync::mpsc::UnboundedReceiver as Receiver;
 
+pub use dflash_engine::grammar::{Grammar, GrammarSpec};
 pub use dflash_engine::spec::PolicyMode as SpecPolicy;
 pub use dflash_engine::{
     Event as EngineEvent, Fallback, FinishReason, Request, SamplingChoices, SamplingParams, TokenLogprob, Usage,
@@ -24,6 +25,18 @@ pub trait EngineHandle: Send + Sync + 'static {
 
     /// The served model's name, as listed by `/v1/models` and echoed in responses.
     fn model_name(&self) -> &str;
+
+    /// Every name the model is served under (`--served-model-name`), [`EngineHandle::model_name`] first; empty when
+    /// none was given, in which case the model's file name and stem are accepted too (see `check_model`).
+    fn served_names(&self) -> &[String] {
+        &[]
+    }
+
+    /// How many token ids the model has; larger ids are refused.
+    fn vocab_size(&self) -> usize;
+
+    /// The id of a token spelled exactly `text` (a special token such as `<fim_prefix>`), if the vocabulary has it.
+    fn token_id(&self, text: &str) -> Option<u32>;
 
     /// Most tokens (prompt plus completion) one sequence may hold.
     fn context_window(&self) -> usize;
@@ -50,6 +63,22 @@ pub trait EngineHandle: Send + Sync + 'static {
         add_generation_prompt: bool,
         kwargs: &serde_json::Value,
     ) -> Result<String, ApiError>;
+
+    /// The chat template's source, when the model has one: tool calling reads it to see whether the template
+    /// renders tools itself.
+    fn chat_template_source(&self) -> Option<&str> {
+        None
+    }
+
+    /// Compiles a request's grammar against the served tokenizer (milliseconds for large schemas: call it off the
+    /// async workers).
+    ///
+    /// # Errors
+    /// 400 naming `param` when the grammar does not compile, or when the server has no grammar support.
+    fn compile_grammar(&self, spec: &GrammarSpec, param: &str) -> Result<Grammar, ApiError> {
+        let _ = spec;
+        Err(ApiError::invalid_param(param, "constrained decoding is not available on this server"))
+    }
 
     /// Prometheus exposition text from the engine side; the HTTP layer appends its own counters.
     fn metrics_text(&self) -> String;

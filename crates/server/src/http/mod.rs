@@ -4,15 +4,24 @@
 //! `GET /metrics`, `POST /tokenize`, `POST /detokenize`. Every error, including axum's own rejections, 404s and
 //! 405s, is answered as `{"error": {"message", "type", "param", "code"}}`.
 
+mod anthropic;
+mod choices;
 mod engine;
 mod errors;
+mod fields;
 mod listen;
 mod metrics;
 mod middleware;
+mod models;
+mod openai_responses;
+mod prompt;
 mod reqlog;
 mod responses;
 mod routes;
+mod split;
 mod sse;
+mod structured;
+pub(crate) mod tools;
 mod types;
 mod validate;
 
@@ -35,7 +44,8 @@ pub use engine::{EngineEvent, EngineHandle, SubmitError};
 pub use engine::{FinishReason, TokenLogprob, Usage};
 pub use errors::ApiError;
 pub use listen::{serve, ConnLimits};
-pub use types::{ChatMessageIn, Role};
+pub use tools::ToolCallParser;
+pub use types::ChatMessageIn;
 
 /// Server-wide HTTP settings.
 #[derive(Clone)]
@@ -48,6 +58,8 @@ pub struct HttpConfig {
     pub retry_after_secs: u64,
     /// Longest wait for the next piece of a request body; past it the request gets 408.
     pub body_timeout: Duration,
+    /// How tool calls are read from the model's text (`--tool-call-parser`); `None`: chosen from the chat template.
+    pub tool_call_parser: Option<ToolCallParser>,
 }
 
 impl Default for HttpConfig {
@@ -57,6 +69,7 @@ impl Default for HttpConfig {
             max_body_bytes: 16 << 20,
             retry_after_secs: 1,
             body_timeout: Duration::from_secs(30),
+            tool_call_parser: None,
         }
     }
 }
@@ -75,12 +88,21 @@ impl fmt::Debug for HttpConfig {
 /// The OpenAI-compatible router over `engine`, with its own HTTP counters (served on `/metrics`).
 pub fn router(engine: Arc<dyn EngineHandle>, cfg: HttpConfig) -> Router {
     let metrics = Arc::new(metrics::HttpMetrics::default());
-    let state = routes::AppState { engine, metrics: Arc::clone(&metrics), retry_after_secs: cfg.retry_after_secs };
+    let tool_parser = cfg.tool_call_parser.unwrap_or_else(|| ToolCallParser::for_template(engine.chat_template_source()));
+    let state = routes::AppState {
+        engine,
+        metrics: Arc::clone(&metrics),
+        retry_after_secs: cfg.retry_after_secs,
+        tool_parser,
+    };
     let mut app = Router::new()
         .route("/v1/chat/completions", post(routes::chat_completions))
         .route("/v1/completions", post(routes::completions))
-        .route("/v1/models", get(routes::list_models))
-        .route("/v1/models/{model}", get(routes::get_model))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/responses", post(openai_responses::responses))
+        .route("/v1/models", get(models::list_models))
+        // A wildcard: served names often hold a slash (`org/model`).
+        .route("/v1/models/{*model}", get(models::get_model))
         .route("/health", get(routes::health))
         .route("/metrics", get(routes::metrics))
         .route("/tokenize", post(routes::tokenize))
@@ -93,6 +115,8 @@ pub fn router(engine: Arc<dyn EngineHandle>, cfg: HttpConfig) -> Router {
     if let Some(key) = cfg.api_key {
         app = app.layer(axum::middleware::from_fn_with_state(Arc::<str>::from(key), middleware::require_api_key));
     }
-    // Outermost, so it sees (and reshapes) auth failures and every other error.
-    app.layer(axum::middleware::from_fn_with_state(metrics, middleware::track))
+    // Outside auth, so it sees (and reshapes) auth failures and every other error.
+    app = app.layer(axum::middleware::from_fn_with_state(metrics, middleware::track));
+    // Outermost: the Messages paths answer every error, in OpenAI's shape until here, in Anthropic's.
+    app.layer(axum::middleware::from_fn(anthropic::reshape_errors))
 }

@@ -8,7 +8,7 @@ use super::engine::{FinishReason, Usage};
 
 /// The log of one generation request; the closing line is logged inside a span carrying the request id so
 /// concurrent requests can be told apart.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct RequestLog {
     span: Span,
     started: Instant,

@@ -20,6 +20,7 @@ use super::engine::{EngineEvent, FinishReason, TokenLogprob, Usage};
 use super::errors::ApiError;
 use super::metrics::HttpMetrics;
 use super::reqlog::RequestLog;
+use super::tools::output::{StreamPart, ToolStream};
 use super::responses::{
     ChatBody, ChatChunkChoice, ChatLogprobs, CompletionBody, CompletionChoice, CompletionLogprobs, Delta, Endpoint,
     ResponseMeta, UsageOut,
@@ -42,6 +43,8 @@ pub(crate) struct SseStream {
     text_offset: usize,
     log: RequestLog,
     metrics: Arc<HttpMetrics>,
+    /// Reads tool calls out of the text of a chat request that offered tools.
+    tools: Option<ToolStream>,
 }
 
 impl SseStream {
@@ -65,30 +68,34 @@ impl SseStream {
             text_offset: 0,
             log,
             metrics,
+            tools: None,
         };
         if endpoint == Endpoint::Chat {
-            let role = Delta { role: Some("assistant"), content: Some(String::new()) };
+            let role = Delta { role: Some("assistant"), content: Some(String::new()), ..Delta::default() };
             stream.push_chat_chunk(role, None, None);
         }
         stream
     }
 
+    /// Streams the text as content and tool-call deltas, as `tools` reads it.
+    pub fn with_tools(mut self, tools: Option<ToolStream>) -> Self {
+        self.tools = tools;
+        self
+    }
+
     /// The streaming HTTP response.
     pub fn into_response(self) -> Response {
-        let headers = [
-            (header::CONTENT_TYPE, "text/event-stream"),
-            (header::CACHE_CONTROL, "no-cache"),
-            // Tells nginx-style proxies not to buffer the stream.
-            (header::HeaderName::from_static("x-accel-buffering"), "no"),
-        ];
-        (headers, Body::from_stream(self)).into_response()
+        event_stream_response(self)
     }
 
     fn on_event(&mut self, event: EngineEvent) {
         match event {
             EngineEvent::Tokens { ids, text, logprobs } => {
                 self.completion_tokens += ids.len();
-                if !text.is_empty() || logprobs.is_some() {
+                if let Some(tools) = &mut self.tools {
+                    let parts = tools.feed(&text);
+                    self.push_tool_parts(parts, logprobs.as_deref());
+                } else if !text.is_empty() || logprobs.is_some() {
                     self.push_delta(text, logprobs.as_deref(), None);
                 }
             }
@@ -98,7 +105,13 @@ impl SseStream {
     }
 
     fn on_finished(&mut self, reason: FinishReason, usage: &Usage) {
-        self.push_delta(String::new(), None, Some(reason.as_str()));
+        let mut finish = reason.as_str();
+        if let Some(tools) = &mut self.tools {
+            let parts = tools.finish();
+            finish = tools.called_reason().unwrap_or(finish);
+            self.push_tool_parts(parts, None);
+        }
+        self.push_delta(String::new(), None, Some(finish));
         if self.include_usage {
             let usage = Some(Some(UsageOut::from(usage)));
             let frame = match self.endpoint {
@@ -135,7 +148,7 @@ impl SseStream {
                     out.extend(tokens);
                     out
                 });
-                self.push_chat_chunk(Delta { role: None, content }, chat_logprobs, finish);
+                self.push_chat_chunk(Delta { content, ..Delta::default() }, chat_logprobs, finish);
             }
             Endpoint::Completion => {
                 let legacy_logprobs = logprobs.map(|tokens| {
@@ -147,6 +160,26 @@ impl SseStream {
                 let frame = data_frame(&self.completion_body(vec![choice], self.usage_placeholder()));
                 self.pending.push_back(frame);
             }
+        }
+    }
+
+    /// Queues one chat chunk per part; `logprobs` ride on the first (or on an empty delta when the text is held).
+    fn push_tool_parts(&mut self, parts: Vec<StreamPart>, logprobs: Option<&[TokenLogprob]>) {
+        let mut logprobs = logprobs.map(|tokens| {
+            let mut out = ChatLogprobs::default();
+            out.extend(tokens);
+            out
+        });
+        if parts.is_empty() && logprobs.is_some() {
+            self.push_chat_chunk(Delta::default(), logprobs.take(), None);
+        }
+        for part in parts {
+            let delta = match part {
+                StreamPart::Content(text) => Delta { content: Some(text), ..Delta::default() },
+                StreamPart::ToolCall(call) => Delta { tool_calls: Some(vec![call]), ..Delta::default() },
+                StreamPart::FunctionCall(function) => Delta { function_call: Some(function), ..Delta::default() },
+            };
+            self.push_chat_chunk(delta, logprobs.take(), None);
         }
     }
 
@@ -217,6 +250,20 @@ impl Drop for SseStream {
             self.log.cancelled(self.completion_tokens);
         }
     }
+}
+
+/// `frames` as a `text/event-stream` response.
+pub(crate) fn event_stream_response<S>(frames: S) -> Response
+where
+    S: Stream<Item = Result<Bytes, Infallible>> + Send + 'static,
+{
+    let headers = [
+        (header::CONTENT_TYPE, "text/event-stream"),
+        (header::CACHE_CONTROL, "no-cache"),
+        // Tells nginx-style proxies not to buffer the stream.
+        (header::HeaderName::from_static("x-accel-buffering"), "no"),
+    ];
+    (headers, Body::from_stream(frames)).into_response()
 }
 
 fn data_frame(body: &impl Serialize) -> Bytes {

@@ -92,12 +92,32 @@ pub struct ChatCompletionRequest {
     /// Extra variables for the chat template; must be an object.
     pub chat_template_kwargs: Option<Value>,
     pub add_generation_prompt: Option<bool>,
-    /// Refused unless empty.
+    /// Leave the final message open for the model to continue (vLLM's field); not with `add_generation_prompt`.
+    pub continue_final_message: Option<bool>,
+    /// Token id (a string) to a bias in [-100, 100], added to its logit.
     pub logit_bias: Option<Map<String, Value>>,
-    /// Refused unless empty.
+    /// Functions the model may call (see `tools`).
     pub tools: Option<Vec<Value>>,
-    /// Refused unless `{"type": "text"}`.
+    /// `"none"`, `"auto"`, `"required"` or `{"type": "function", "function": {"name"}}`.
+    pub tool_choice: Option<Value>,
+    /// Whether one answer may hold several calls; default true.
+    pub parallel_tool_calls: Option<bool>,
+    /// The legacy form of `tools`: a list of function objects.
+    pub functions: Option<Vec<Value>>,
+    /// The legacy form of `tool_choice`: `"none"`, `"auto"` or `{"name"}`.
+    pub function_call: Option<Value>,
+    /// `text`, `json_object` or `json_schema` (see `structured`).
     pub response_format: Option<Value>,
+    /// Structured outputs under other servers' names (see `structured`): vLLM's, llama.cpp's and SGLang's.
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<Value>,
+    pub guided_choice: Option<Value>,
+    pub guided_grammar: Option<Value>,
+    pub structured_outputs: Option<Value>,
+    pub json_schema: Option<Value>,
+    pub grammar: Option<Value>,
+    pub regex: Option<Value>,
+    pub ebnf: Option<Value>,
 }
 
 /// `POST /v1/completions`.
@@ -132,14 +152,26 @@ pub struct CompletionRequest {
     pub cache_prompt: Option<bool>,
     pub logprobs: Option<i64>,
     pub add_special_tokens: Option<bool>,
-    /// Refused unless empty.
+    /// Token id (a string) to a bias in [-100, 100], added to its logit.
     pub logit_bias: Option<Map<String, Value>>,
-    /// Refused when true.
+    /// Prepend the prompt to each choice's text; not with `logprobs`.
     pub echo: Option<bool>,
     /// Refused unless 1.
     pub best_of: Option<i64>,
-    /// Refused unless empty.
+    /// Text after the completion: fill-in-the-middle, for models whose vocabulary has its tokens.
     pub suffix: Option<String>,
+    /// `text`, `json_object` or `json_schema` (see `structured`), as vLLM accepts it on completions too.
+    pub response_format: Option<Value>,
+    /// Structured outputs under other servers' names (see `structured`): vLLM's, llama.cpp's and SGLang's.
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<Value>,
+    pub guided_choice: Option<Value>,
+    pub guided_grammar: Option<Value>,
+    pub structured_outputs: Option<Value>,
+    pub json_schema: Option<Value>,
+    pub grammar: Option<Value>,
+    pub regex: Option<Value>,
+    pub ebnf: Option<Value>,
 }
 
 /// `POST /tokenize`: vLLM's body, either `prompt` or `messages`.
@@ -151,6 +183,7 @@ pub struct TokenizeRequest {
     /// Defaults to true for `prompt`, false for `messages` (the template adds its own).
     pub add_special_tokens: Option<bool>,
     pub add_generation_prompt: Option<bool>,
+    pub continue_final_message: Option<bool>,
     pub chat_template_kwargs: Option<Value>,
 }
 

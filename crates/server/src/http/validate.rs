@@ -4,12 +4,18 @@ use std::path::Path;
 
 use serde_json::{Map, Number, Value};
 
-use super::engine::{Fallback, GenerationDefaults, SamplingChoices, SamplingParams, SpecPolicy};
+use super::engine::{EngineHandle, Fallback, GenerationDefaults, SamplingChoices, SamplingParams, SpecPolicy};
 use super::errors::ApiError;
+use super::structured::{constraint_fields, output_grammar, OutputGrammar};
+use super::tools::render::check_history;
+use super::tools::grammar::with_forced_call;
+use super::tools::{check_tools, ToolFields, ToolRequest};
 use super::types::{ChatCompletionRequest, ChatMessageIn, CompletionRequest, RawMessage, Role, StreamOptions};
 
 /// Most stop strings per request (OpenAI's limit).
 const MAX_STOP_STRINGS: usize = 4;
+/// Most choices (`n`) per request: each is a sequence of its own in the engine.
+pub(crate) const MAX_CHOICES: usize = 16;
 /// Most alternatives per token in logprobs.
 const MAX_TOP_LOGPROBS: i64 = 20;
 /// The legacy completions endpoint's default budget (OpenAI and vLLM agree).
@@ -18,8 +24,25 @@ const DEFAULT_COMPLETION_MAX_TOKENS: usize = 16;
 /// Where a request's prompt comes from, before tokenization.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) enum PromptSource {
-    Chat { messages: Vec<ChatMessageIn>, add_generation_prompt: bool, kwargs: Value },
-    Text { text: String, add_special: bool },
+    Chat {
+        messages: Vec<ChatMessageIn>,
+        add_generation_prompt: bool,
+        kwargs: Value,
+    },
+    /// A chat whose final message the model continues (`continue_final_message`; see `prompt`).
+    ContinueChat {
+        messages: Vec<ChatMessageIn>,
+        kwargs: Value,
+    },
+    /// Fill-in-the-middle: the model writes what goes between `prefix` (a `Text` or `Ids` prompt) and `suffix`.
+    Infill {
+        prefix: Box<PromptSource>,
+        suffix: String,
+    },
+    Text {
+        text: String,
+        add_special: bool,
+    },
     Ids(Vec<u32>),
 }
 
@@ -27,6 +50,8 @@ pub(crate) enum PromptSource {
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct GenerationSpec {
     pub sampling: SamplingParams,
+    /// How many choices to generate (`n`), each its own engine request (see `choices`).
+    pub n: usize,
     /// `None`: whatever room the context window leaves after the prompt.
     pub max_tokens: Option<usize>,
     pub stop: Vec<String>,
@@ -41,6 +66,12 @@ pub(crate) struct GenerationSpec {
     pub cache_prompt: bool,
     pub stream: bool,
     pub include_usage: bool,
+    /// Completions' `echo`: each choice's text starts with the prompt's.
+    pub echo: bool,
+    /// The grammar the output must follow (structured outputs, or a forced tool call).
+    pub grammar: Option<OutputGrammar>,
+    /// The tools a chat request offers; `None` for none (and for every other endpoint).
+    pub tools: Option<ToolRequest>,
 }
 
 /// A request that passed every check that does not need the tokenizer.
@@ -64,23 +95,25 @@ macro_rules! sampling_choices {
             presence_penalty: $req.presence_penalty,
             frequency_penalty: $req.frequency_penalty,
             repetition_penalty: $req.repetition_penalty,
+            logit_bias: Vec::new(),
         }
     };
 }
 
-/// The remaining fields both endpoints share.
-struct CommonInput {
-    max_tokens: Option<(&'static str, i64)>,
-    n: Option<i64>,
-    stop: Option<Value>,
-    stream: Option<bool>,
-    stream_options: Option<StreamOptions>,
-    logit_bias: Option<Map<String, Value>>,
-    ignore_eos: Option<bool>,
-    enable_pld: Option<bool>,
-    enable_drafter: Option<bool>,
-    spec_policy: Option<String>,
-    cache_prompt: Option<bool>,
+/// The remaining fields every generation endpoint shares; what a route lacks stays at its default (absent).
+#[derive(Default)]
+pub(crate) struct CommonInput {
+    pub(crate) max_tokens: Option<(&'static str, i64)>,
+    pub(crate) n: Option<i64>,
+    pub(crate) stop: Option<Value>,
+    pub(crate) stream: Option<bool>,
+    pub(crate) stream_options: Option<StreamOptions>,
+    pub(crate) logit_bias: Option<Map<String, Value>>,
+    pub(crate) ignore_eos: Option<bool>,
+    pub(crate) enable_pld: Option<bool>,
+    pub(crate) enable_drafter: Option<bool>,
+    pub(crate) spec_policy: Option<String>,
+    pub(crate) cache_prompt: Option<bool>,
 }
 
 /// Checks a chat request.
@@ -91,12 +124,14 @@ pub(crate) fn validate_chat(
     req: ChatCompletionRequest,
     defaults: &GenerationDefaults,
 ) -> Result<ValidRequest, ApiError> {
-    refuse_if(
-        req.tools.as_ref().is_some_and(|tools| !tools.is_empty()),
-        "tools",
-        "Tool calling (`tools`) is not supported.",
-    )?;
-    check_response_format(req.response_format.as_ref())?;
+    let tools = check_tools(ToolFields {
+        tools: req.tools,
+        tool_choice: req.tool_choice,
+        parallel_tool_calls: req.parallel_tool_calls,
+        functions: req.functions,
+        function_call: req.function_call,
+    })?;
+    let grammar = output_grammar(constraint_fields!(req))?;
     let top_logprobs = optional_range("top_logprobs", req.top_logprobs, 0, MAX_TOP_LOGPROBS)?;
     let logprobs = match (req.logprobs.unwrap_or(false), top_logprobs) {
         (true, top) => Some(top.unwrap_or(0)),
@@ -124,12 +159,13 @@ pub(crate) fn validate_chat(
         spec_policy: req.spec_policy,
         cache_prompt: req.cache_prompt,
     };
-    let spec = generation_spec(sampling, defaults, common, logprobs, None)?;
-    let prompt = PromptSource::Chat {
-        messages: validate_messages(req.messages)?,
-        add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
-        kwargs: template_kwargs(req.chat_template_kwargs)?,
-    };
+    let mut spec = generation_spec(sampling, defaults, common, logprobs, None)?;
+    spec.grammar = with_forced_call(grammar, tools.as_ref())?;
+    spec.tools = tools;
+    let messages = validate_messages(req.messages)?;
+    check_history(&messages)?;
+    let kwargs = template_kwargs(req.chat_template_kwargs)?;
+    let prompt = chat_prompt(messages, req.add_generation_prompt, req.continue_final_message, kwargs)?;
     Ok(ValidRequest { model: req.model, prompt, spec })
 }
 
@@ -141,10 +177,14 @@ pub(crate) fn validate_completion(
     req: CompletionRequest,
     defaults: &GenerationDefaults,
 ) -> Result<ValidRequest, ApiError> {
-    refuse_if(req.echo == Some(true), "echo", "`echo` is not supported.")?;
     refuse_if(req.best_of.is_some_and(|b| b != 1), "best_of", "Only `best_of` = 1 is supported.")?;
-    refuse_if(req.suffix.as_ref().is_some_and(|s| !s.is_empty()), "suffix", "`suffix` is not supported.")?;
     let logprobs = optional_range("logprobs", req.logprobs, 0, MAX_TOP_LOGPROBS)?;
+    let echo = req.echo.unwrap_or(false);
+    refuse_if(
+        echo && logprobs.is_some(),
+        "echo",
+        "`echo` with `logprobs` is not supported: the prompt's tokens have no logprobs here.",
+    )?;
     let sampling = sampling_choices!(req);
     let common = CommonInput {
         max_tokens: req.max_tokens.map(|value| ("max_tokens", value)),
@@ -159,21 +199,34 @@ pub(crate) fn validate_completion(
         spec_policy: req.spec_policy,
         cache_prompt: req.cache_prompt,
     };
-    let spec = generation_spec(sampling, defaults, common, logprobs, Some(DEFAULT_COMPLETION_MAX_TOKENS))?;
-    let prompt = completion_prompt(req.prompt, req.add_special_tokens.unwrap_or(true))?;
+    let grammar = output_grammar(constraint_fields!(req))?;
+    let mut spec = generation_spec(sampling, defaults, common, logprobs, Some(DEFAULT_COMPLETION_MAX_TOKENS))?;
+    spec.grammar = grammar;
+    spec.echo = echo;
+    let mut prompt = completion_prompt(req.prompt, req.add_special_tokens.unwrap_or(true))?;
+    if let Some(suffix) = req.suffix.filter(|suffix| !suffix.is_empty()) {
+        // The prefix sits after `<fim_prefix>`, so it takes no BOS.
+        if let PromptSource::Text { add_special, .. } = &mut prompt {
+            *add_special = false;
+        }
+        prompt = PromptSource::Infill { prefix: Box::new(prompt), suffix };
+    }
     Ok(ValidRequest { model: req.model, prompt, spec })
 }
 
-fn generation_spec(
-    sampling: SamplingChoices,
+/// Checks the fields every generation endpoint shares and resolves sampling over the model's defaults.
+///
+/// # Errors
+/// 400 [`ApiError`] naming the first field out of range or unsupported.
+pub(crate) fn generation_spec(
+    mut sampling: SamplingChoices,
     defaults: &GenerationDefaults,
     common: CommonInput,
     logprobs: Option<usize>,
     default_max_tokens: Option<usize>,
 ) -> Result<GenerationSpec, ApiError> {
-    refuse_if(common.n.is_some_and(|n| n != 1), "n", "Only `n` = 1 is supported.")?;
-    let has_bias = common.logit_bias.as_ref().is_some_and(|bias| !bias.is_empty());
-    refuse_if(has_bias, "logit_bias", "`logit_bias` is not supported.")?;
+    let n = choice_count(common.n)?;
+    sampling.logit_bias = logit_bias_pairs(common.logit_bias)?;
     let stream = common.stream.unwrap_or(false);
     if common.stream_options.is_some() && !stream {
         return Err(ApiError::invalid_param(
@@ -190,6 +243,7 @@ fn generation_spec(
     };
     Ok(GenerationSpec {
         sampling: resolve_sampling(&sampling, defaults)?,
+        n,
         max_tokens,
         stop: stop_strings(common.stop)?,
         logprobs,
@@ -200,6 +254,9 @@ fn generation_spec(
         cache_prompt: common.cache_prompt.unwrap_or(true),
         stream,
         include_usage: common.stream_options.and_then(|options| options.include_usage).unwrap_or(false),
+        echo: false,
+        grammar: None,
+        tools: None,
     })
 }
 
@@ -215,6 +272,45 @@ fn spec_policy(value: Option<&str>) -> Result<Option<SpecPolicy>, ApiError> {
             })
         })
         .transpose()
+}
+
+/// `n`: 1 when absent, at most [`MAX_CHOICES`].
+fn choice_count(n: Option<i64>) -> Result<usize, ApiError> {
+    Ok(optional_range("n", n, 1, MAX_CHOICES as i64)?.unwrap_or(1))
+}
+
+/// `logit_bias`: token ids (as strings, OpenAI's shape) to numbers, sorted by id. Ranges are checked by
+/// [`SamplingParams::resolve`]; ids past the vocabulary when the tokenizer is known (`check_logit_bias_ids`).
+fn logit_bias_pairs(bias: Option<Map<String, Value>>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let mut pairs = bias
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(key, value)| {
+            let id = key.trim().parse::<u32>().map_err(|_| {
+                ApiError::invalid_param("logit_bias", format!("`logit_bias` keys must be token ids, got {key:?}."))
+            })?;
+            let bias = value.as_f64().ok_or_else(|| {
+                ApiError::invalid_param("logit_bias", format!("`logit_bias[{key:?}]` must be a number, got {value}."))
+            })?;
+            Ok((id, bias as f32))
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    pairs.sort_unstable_by_key(|&(id, _)| id);
+    Ok(pairs)
+}
+
+/// Refuses `logit_bias` ids the model's vocabulary (of `vocab_size` tokens) lacks.
+///
+/// # Errors
+/// 400 [`ApiError`] naming `logit_bias` and the first such id.
+pub(crate) fn check_logit_bias_ids(bias: &[(u32, f32)], vocab_size: usize) -> Result<(), ApiError> {
+    match bias.iter().find(|&&(id, _)| id as usize >= vocab_size) {
+        Some((id, _)) => Err(ApiError::invalid_param(
+            "logit_bias",
+            format!("`logit_bias` names token {id}, outside the vocabulary of {vocab_size} tokens."),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// The request's sampling over the model's defaults and OpenAI's, checked once; a range error names its param.
@@ -256,16 +352,6 @@ fn refuse_if(condition: bool, param: &str, message: &str) -> Result<(), ApiError
         return Err(ApiError::invalid_param(param, message));
     }
     Ok(())
-}
-
-fn check_response_format(format: Option<&Value>) -> Result<(), ApiError> {
-    match format {
-        None | Some(Value::Null) => Ok(()),
-        Some(value) if value.get("type").and_then(Value::as_str) == Some("text") => Ok(()),
-        Some(_) => {
-            Err(ApiError::invalid_param("response_format", "Only `response_format` {\"type\": \"text\"} is supported."))
-        }
-    }
 }
 
 fn stop_strings(stop: Option<Value>) -> Result<Vec<String>, ApiError> {
@@ -351,6 +437,28 @@ fn text_part<'a>(content_param: &str, index: usize, part: &'a Value) -> Result<&
     }
 }
 
+/// A chat prompt: rendered with a generation prompt (by default), without one, or with its final message left open
+/// for the model to continue. As in vLLM, `continue_final_message` cannot be sent with `add_generation_prompt`
+/// true; a final assistant message is only continued when asked (by default the model answers it in a new turn).
+///
+/// # Errors
+/// 400 [`ApiError`] naming `continue_final_message` when both are true.
+pub(crate) fn chat_prompt(
+    messages: Vec<ChatMessageIn>,
+    add_generation_prompt: Option<bool>,
+    continue_final_message: Option<bool>,
+    kwargs: Value,
+) -> Result<PromptSource, ApiError> {
+    match (continue_final_message.unwrap_or(false), add_generation_prompt) {
+        (true, Some(true)) => Err(ApiError::invalid_param(
+            "continue_final_message",
+            "`continue_final_message` and `add_generation_prompt` cannot both be true.",
+        )),
+        (true, _) => Ok(PromptSource::ContinueChat { messages, kwargs }),
+        (false, add) => Ok(PromptSource::Chat { messages, add_generation_prompt: add.unwrap_or(true), kwargs }),
+    }
+}
+
 /// `chat_template_kwargs`, defaulting to an empty object.
 ///
 /// # Errors
@@ -399,18 +507,27 @@ fn token_ids(items: &[Value]) -> Result<Vec<u32>, ApiError> {
         .collect()
 }
 
-/// Accepts no model, the served name, its file name or its file stem.
+/// Accepts no model or any name the model is served under: its `--served-model-name`s when it has some, else its
+/// name, file name or file stem.
 ///
 /// # Errors
 /// 404 [`ApiError`] for any other name.
-pub(crate) fn check_model(requested: Option<&str>, served: &str) -> Result<(), ApiError> {
+pub(crate) fn check_model(requested: Option<&str>, engine: &dyn EngineHandle) -> Result<(), ApiError> {
     let Some(requested) = requested else { return Ok(()) };
-    let path = Path::new(served);
-    let names = [Some(served), path.file_name().and_then(|n| n.to_str()), path.file_stem().and_then(|n| n.to_str())];
-    if names.into_iter().flatten().any(|name| name == requested) {
+    if serves_model(requested, engine.model_name(), engine.served_names()) {
         return Ok(());
     }
     Err(ApiError::model_not_found(requested))
+}
+
+/// Whether `requested` names the model: one of `aliases`, or with none, `served` or its file name or stem.
+fn serves_model(requested: &str, served: &str, aliases: &[String]) -> bool {
+    if !aliases.is_empty() {
+        return aliases.iter().any(|alias| alias == requested);
+    }
+    let path = Path::new(served);
+    let names = [Some(served), path.file_name().and_then(|n| n.to_str()), path.file_stem().and_then(|n| n.to_str())];
+    names.into_iter().flatten().any(|name| name == requested)
 }
 
 /// The completion budget once the prompt is known: the requested one if prompt plus it fits `window`, or all the

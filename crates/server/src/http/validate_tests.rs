@@ -72,12 +72,15 @@ fn out_of_range_values_name_their_param() {
         (json!({"repetition_penalty": 0}), "repetition_penalty"),
         (json!({"max_tokens": 0}), "max_tokens"),
         (json!({"max_completion_tokens": -5}), "max_completion_tokens"),
-        (json!({"n": 2}), "n"),
+        (json!({"n": 17}), "n"),
+        (json!({"n": 0}), "n"),
         (json!({"logprobs": true, "top_logprobs": 21}), "top_logprobs"),
         (json!({"top_logprobs": 2}), "top_logprobs"),
         (json!({"seed": 1.5}), "seed"),
         (json!({"stream_options": {"include_usage": true}}), "stream_options"),
-        (json!({"logit_bias": {"50256": -100}}), "logit_bias"),
+        (json!({"logit_bias": {"50256": -101}}), "logit_bias"),
+        (json!({"logit_bias": {"a": 1}}), "logit_bias"),
+        (json!({"continue_final_message": true, "add_generation_prompt": true}), "continue_final_message"),
         (json!({"tools": [{"type": "function"}]}), "tools"),
         (json!({"response_format": {"type": "json_object"}}), "response_format"),
         (json!({"chat_template_kwargs": [1]}), "chat_template_kwargs"),
@@ -149,9 +152,9 @@ fn completion_defaults_and_refusals() {
     assert_eq!((valid.spec.max_tokens, valid.spec.logprobs), (Some(16), Some(2)));
     assert_eq!(valid.prompt, PromptSource::Text { text: "x".into(), add_special: false });
     for (extra, param) in [
-        (json!({"echo": true}), "echo"),
+        (json!({"echo": true, "logprobs": 1}), "echo"),
         (json!({"best_of": 3}), "best_of"),
-        (json!({"suffix": "z"}), "suffix"),
+        (json!({"n": 17}), "n"),
         (json!({"logprobs": 21}), "logprobs"),
         (json!({"max_tokens": 0}), "max_tokens"),
     ] {
@@ -164,12 +167,32 @@ fn completion_defaults_and_refusals() {
 #[test]
 fn model_names_accept_name_file_name_and_stem() {
     let served = "models/Tiny-1B.Q4_1.gguf";
-    for ok in [None, Some(served), Some("Tiny-1B.Q4_1.gguf"), Some("Tiny-1B.Q4_1")] {
-        assert!(check_model(ok, served).is_ok(), "{ok:?}");
+    for ok in [served, "Tiny-1B.Q4_1.gguf", "Tiny-1B.Q4_1"] {
+        assert!(serves_model(ok, served, &[]), "{ok:?}");
     }
-    let error = check_model(Some("gpt-4"), served).expect_err("should be rejected");
-    assert_eq!(error.status, axum::http::StatusCode::NOT_FOUND);
-    assert!(error.message.contains("gpt-4"));
+    assert!(!serves_model("gpt-4", served, &[]));
+}
+
+#[test]
+fn served_model_names_replace_the_file_names() {
+    let aliases = ["tiny".to_string(), "org/tiny-chat".to_string()];
+    assert!(serves_model("tiny", "tiny", &aliases) && serves_model("org/tiny-chat", "tiny", &aliases));
+    assert!(!serves_model("Tiny-1B.Q4_1", "tiny", &aliases), "the file's name is not an alias");
+    assert!(!serves_model("tiny-chat", "tiny", &aliases), "nor an alias's file stem");
+}
+
+#[test]
+fn logit_bias_keys_are_token_ids_and_values_numbers() {
+    let bias = |value: serde_json::Value| logit_bias_pairs(value.as_object().cloned());
+    assert_eq!(bias(json!({"7": 1.5, "3": -100})).expect("valid"), vec![(3, -100.0), (7, 1.5)]);
+    assert_eq!(bias(json!({})).expect("valid"), vec![]);
+    for bad in [json!({"x": 1}), json!({"-1": 1}), json!({"3": "1"}), json!({"3": null})] {
+        let error = bias(bad.clone()).expect_err("should be rejected");
+        assert_eq!(error.param.as_deref(), Some("logit_bias"), "{bad}");
+    }
+    assert!(check_logit_bias_ids(&[(3, 1.0), (9, 1.0)], 10).is_ok());
+    let error = check_logit_bias_ids(&[(3, 1.0), (10, 1.0)], 10).expect_err("outside the vocabulary");
+    assert!(error.message.contains("10") && error.param.as_deref() == Some("logit_bias"), "{}", error.message);
 }
 
 #[test]

@@ -196,7 +196,7 @@ async fn invalid_values_are_400_naming_the_param() {
         (json!({"temperature": 3}), "temperature"),
         (json!({"top_p": 0}), "top_p"),
         (json!({"max_tokens": 0}), "max_tokens"),
-        (json!({"n": 3}), "n"),
+        (json!({"n": 17}), "n"),
         (json!({"logprobs": true, "top_logprobs": 30}), "top_logprobs"),
         (json!({"presence_penalty": -2.5}), "presence_penalty"),
         (json!({"stop": ["a", "b", "c", "d", "e"]}), "stop"),

@@ -29,6 +29,8 @@ pub enum Mode {
     StopAfterOne,
     /// Send one token and keep the sender open (in `held`), so tests can watch it close.
     Hold,
+    /// Answer this text, one token per character, then finish with `stop`.
+    Reply(&'static str),
 }
 
 pub struct FakeEngine {
@@ -36,11 +38,25 @@ pub struct FakeEngine {
     pub window: usize,
     pub submitted: Mutex<Vec<Request>>,
     pub held: Mutex<Vec<Sender<EngineEvent>>>,
+    /// `--served-model-name`s; empty by default.
+    pub served: Vec<String>,
+    /// Whether the vocabulary has fill-in-the-middle tokens ([`FIM_TOKENS`]).
+    pub fim: bool,
 }
+
+/// Fill-in-the-middle tokens when [`FakeEngine::fim`] is set, with their ids (private-use code points).
+pub const FIM_TOKENS: [(&str, u32); 3] = [("<fim_prefix>", 0xE000), ("<fim_suffix>", 0xE001), ("<fim_middle>", 0xE002)];
 
 impl FakeEngine {
     pub fn new(mode: Mode, window: usize) -> Self {
-        FakeEngine { mode, window, submitted: Mutex::new(Vec::new()), held: Mutex::new(Vec::new()) }
+        FakeEngine {
+            mode,
+            window,
+            submitted: Mutex::new(Vec::new()),
+            held: Mutex::new(Vec::new()),
+            served: Vec::new(),
+            fim: false,
+        }
     }
 
     pub fn last_request(&self) -> Request {
@@ -50,6 +66,19 @@ impl FakeEngine {
 
 fn char_of(id: u32) -> String {
     char::from_u32(id).map(String::from).unwrap_or_default()
+}
+
+/// The echoed ids before the earliest stop string, and the stop string's own ids when one matched.
+fn cut_at_stop<'a>(echoed: &'a [u32], stops: &[String]) -> (&'a [u32], Option<&'a [u32]>) {
+    let text: String = echoed.iter().map(|&id| char_of(id)).collect();
+    let found = stops.iter().filter_map(|stop| text.find(stop.as_str()).map(|at| (at, stop.chars().count())));
+    match found.min() {
+        Some((at, len)) => {
+            let start = text[..at].chars().count();
+            (&echoed[..start], Some(&echoed[start..start + len]))
+        }
+        None => (echoed, None),
+    }
 }
 
 fn token_event(id: u32, logprobs: Option<usize>) -> EngineEvent {
@@ -67,6 +96,17 @@ impl EngineHandle for FakeEngine {
         let (tx, rx) = mpsc::unbounded_channel();
         match self.mode {
             Mode::Busy => return Err(SubmitError::Busy),
+            Mode::Reply(text) => {
+                for c in text.chars() {
+                    tx.send(token_event(u32::from(c), req.logprobs)).expect("receiver alive");
+                }
+                let usage = Usage {
+                    prompt_tokens: req.prompt.len(),
+                    completion_tokens: text.chars().count(),
+                    ..Usage::default()
+                };
+                tx.send(EngineEvent::Finished { reason: FinishReason::Stop, usage }).expect("receiver alive");
+            }
             Mode::Hold => {
                 tx.send(token_event(echoed[0], req.logprobs)).expect("receiver alive");
                 self.held.lock().expect("lock").push(tx);
@@ -80,13 +120,24 @@ impl EngineHandle for FakeEngine {
                 tx.send(EngineEvent::Stopped("the server is shutting down".into())).expect("receiver alive");
             }
             Mode::Echo => {
-                for &id in &echoed {
+                let (shown, stop) = cut_at_stop(&echoed, &req.stop);
+                for &id in shown {
                     tx.send(token_event(id, req.logprobs)).expect("receiver alive");
                 }
-                let reason = if echoed.len() == req.max_tokens { FinishReason::Length } else { FinishReason::Stop };
+                // As the engine does, a stop string's tokens are sent with none of its text.
+                if let Some(stop_ids) = stop {
+                    let event = EngineEvent::Tokens { ids: stop_ids.to_vec(), text: String::new(), logprobs: None };
+                    tx.send(event).expect("receiver alive");
+                }
+                let generated = shown.len() + stop.map_or(0, <[u32]>::len);
+                let reason = if stop.is_none() && echoed.len() == req.max_tokens {
+                    FinishReason::Length
+                } else {
+                    FinishReason::Stop
+                };
                 let usage = Usage {
                     prompt_tokens: req.prompt.len(),
-                    completion_tokens: echoed.len(),
+                    completion_tokens: generated,
                     cached_tokens: 2,
                     prefill_ms: 1.0,
                     decode_ms: 2.0,
@@ -99,7 +150,25 @@ impl EngineHandle for FakeEngine {
     }
 
     fn model_name(&self) -> &str {
-        MODEL
+        self.served.first().map_or(MODEL, String::as_str)
+    }
+
+    fn served_names(&self) -> &[String] {
+        &self.served
+    }
+
+    /// Every Unicode scalar value is a token.
+    fn vocab_size(&self) -> usize {
+        0x11_0000
+    }
+
+    fn token_id(&self, text: &str) -> Option<u32> {
+        let fim = FIM_TOKENS.iter().filter(|_| self.fim).find(|(name, _)| *name == text).map(|&(_, id)| id);
+        let mut chars = text.chars();
+        fim.or(match (chars.next(), chars.next()) {
+            (Some(c), None) => Some(u32::from(c)),
+            _ => None,
+        })
     }
 
     fn context_window(&self) -> usize {

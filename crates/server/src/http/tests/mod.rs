@@ -1,10 +1,14 @@
 //! Router tests: requests go through `oneshot` against a fake engine; no sockets.
 
+mod anthropic;
 mod chat;
+mod choices;
 mod completion;
 mod fake;
 mod fuzz;
+mod responses_api;
 mod routes;
+mod tools;
 
 use std::sync::Arc;
 
