@@ -79,7 +79,7 @@ impl ApiError {
 
     /// 401 for a missing or wrong API key.
     pub fn unauthorized() -> Self {
-        let message = "Missing or incorrect API key; send it as `Authorization: Bearer <key>`.";
+        let message = "Missing or incorrect API key; send it as `Authorization: Bearer <key>` or `x-api-key: <key>`.";
         Self::new(StatusCode::UNAUTHORIZED, "authentication_error", message).with_code("invalid_api_key")
     }
 
@@ -170,21 +170,28 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
-        check_content_type(req.headers().get(header::CONTENT_TYPE))?;
-        let limit = req.extensions().get::<BodyLimit>().map_or(0, |limit| limit.0);
-        let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
-            if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::payload_too_large(limit)
-            } else if is_body_timeout(&rejection) {
-                let mut error = ApiError::invalid_request("The request body stopped arriving (--body-timeout).");
-                error.status = StatusCode::REQUEST_TIMEOUT;
-                error
-            } else {
-                ApiError::invalid_request(format!("Could not read the request body: {rejection}"))
-            }
-        })?;
-        parse_json(&bytes).map(ApiJson)
+        parse_json(&read_body(req, state).await?).map(ApiJson)
     }
+}
+
+/// Reads a JSON request body whole.
+///
+/// # Errors
+/// 415 for a non-JSON content type, 413 past the body limit, 408 when the body stops arriving, 400 otherwise.
+pub(crate) async fn read_body<S: Send + Sync>(req: Request, state: &S) -> Result<Bytes, ApiError> {
+    check_content_type(req.headers().get(header::CONTENT_TYPE))?;
+    let limit = req.extensions().get::<BodyLimit>().map_or(0, |limit| limit.0);
+    Bytes::from_request(req, state).await.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::payload_too_large(limit)
+        } else if is_body_timeout(&rejection) {
+            let mut error = ApiError::invalid_request("The request body stopped arriving (--body-timeout).");
+            error.status = StatusCode::REQUEST_TIMEOUT;
+            error
+        } else {
+            ApiError::invalid_request(format!("Could not read the request body: {rejection}"))
+        }
+    })
 }
 
 /// Whether reading the body failed because it stopped arriving (the router's `RequestBodyTimeoutLayer`).

@@ -14,12 +14,23 @@ use super::metrics::HttpMetrics;
 /// Paths that never need the API key (load balancer probes).
 const AUTH_EXEMPT: &[&str] = &["/health"];
 
-/// Requires `Authorization: Bearer <key>` on every path but [`AUTH_EXEMPT`].
+/// Anthropic's clients send the key in this header rather than as a bearer token.
+const API_KEY_HEADER: &str = "x-api-key";
+
+/// Requires `Authorization: Bearer <key>` or `x-api-key: <key>` on every path but [`AUTH_EXEMPT`].
 pub(crate) async fn require_api_key(State(key): State<Arc<str>>, req: Request, next: Next) -> Response {
-    if AUTH_EXEMPT.contains(&req.uri().path()) || bearer_matches(req.headers().get(header::AUTHORIZATION), &key) {
+    let headers = req.headers();
+    let authorized =
+        bearer_matches(headers.get(header::AUTHORIZATION), &key) || api_key_matches(headers.get(API_KEY_HEADER), &key);
+    if authorized || AUTH_EXEMPT.contains(&req.uri().path()) {
         return next.run(req).await;
     }
     ApiError::unauthorized().into_response()
+}
+
+/// Whether the header is exactly the key.
+fn api_key_matches(value: Option<&HeaderValue>, key: &str) -> bool {
+    value.and_then(|v| v.to_str().ok()).is_some_and(|v| constant_time_eq(v.trim().as_bytes(), key.as_bytes()))
 }
 
 /// Whether the header is `Bearer <key>`; the scheme's case does not matter (RFC 9110, section 11.1).
@@ -91,5 +102,14 @@ mod tests {
         assert!(bearer_matches(header("bearer sk-1").as_ref(), "sk-1"));
         assert!(bearer_matches(header("BEARER  sk-1").as_ref(), "sk-1"));
         assert!(!bearer_matches(header("Bearer SK-1").as_ref(), "sk-1"));
+    }
+
+    #[test]
+    fn the_x_api_key_header_must_match_exactly() {
+        let header = |v: &'static str| Some(HeaderValue::from_static(v));
+        assert!(api_key_matches(header("sk-1").as_ref(), "sk-1"));
+        assert!(!api_key_matches(header("sk-12").as_ref(), "sk-1"));
+        assert!(!api_key_matches(header("Bearer sk-1").as_ref(), "sk-1"));
+        assert!(!api_key_matches(None, "sk-1"));
     }
 }

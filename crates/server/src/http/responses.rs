@@ -11,6 +11,7 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use super::engine::{TokenLogprob, Usage};
+use super::tools::output::{FunctionDelta, FunctionOut, ToolAnswer, ToolCallDelta, ToolCallOut};
 
 /// Which generation endpoint a request came through; it decides ids, shapes and wording.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,19 +55,24 @@ pub(crate) struct ResponseMeta {
 }
 
 impl ResponseMeta {
-    /// A fresh id with `prefix` (`chatcmpl` or `cmpl`), stamped now.
-    pub fn new(prefix: &str, model: &str) -> Self {
-        ResponseMeta { id: fresh_id(prefix), created: unix_now(), model: model.to_string() }
+    /// `id` as the response id, stamped now.
+    pub fn with_id(id: String, model: &str) -> Self {
+        ResponseMeta { id, created: unix_now(), model: model.to_string() }
     }
 }
 
-/// `{prefix}-` and 32 hex digits, unpredictable across processes and unique within one.
+/// `{prefix}-` and [`fresh_hex`].
 pub(crate) fn fresh_id(prefix: &str) -> String {
+    format!("{prefix}-{}", fresh_hex())
+}
+
+/// 32 hex digits, unpredictable across processes and unique within one.
+pub(crate) fn fresh_hex() -> String {
     static KEYS: OnceLock<RandomState> = OnceLock::new();
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let keys = KEYS.get_or_init(RandomState::new);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    format!("{prefix}-{:016x}{:016x}", keys.hash_one((n, 0u8)), keys.hash_one((n, 1u8)))
+    format!("{:016x}{:016x}", keys.hash_one((n, 0u8)), keys.hash_one((n, 1u8)))
 }
 
 /// Seconds since the Unix epoch.
@@ -161,7 +167,26 @@ pub(crate) struct ChatChoice {
 #[derive(Serialize)]
 pub(crate) struct AssistantMessage {
     pub role: &'static str,
-    pub content: String,
+    /// `null` when the answer is only tool calls.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallOut>>,
+    /// The legacy `functions` API's single call.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub function_call: Option<FunctionOut>,
+}
+
+impl AssistantMessage {
+    /// A text answer.
+    pub fn text(content: String) -> Self {
+        AssistantMessage { role: "assistant", content: Some(content), tool_calls: None, function_call: None }
+    }
+
+    /// An answer to a request that offered tools.
+    pub fn with_tools(answer: ToolAnswer) -> Self {
+        let ToolAnswer { content, tool_calls, function_call } = answer;
+        AssistantMessage { role: "assistant", content, tool_calls, function_call }
+    }
 }
 
 #[derive(Serialize)]
@@ -178,6 +203,11 @@ pub(crate) struct Delta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
+    /// The legacy `functions` API's call, in pieces.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub function_call: Option<FunctionDelta>,
 }
 
 /// Chat logprobs: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
