@@ -226,18 +226,23 @@ impl Sequence {
         }
     }
 
-    /// Moves the grammar past committed token `id`; true when the grammar is complete, which ends the output.
-    /// Tokens are chosen from the grammar's mask, so a refusal is an engine fault: it is logged and ends the output
-    /// rather than letting it continue unconstrained.
+    /// Moves the grammar past committed token `id`; true when the grammar is complete, or broke (see
+    /// [`Self::grammar_failure`]), either of which ends the output.
     fn advance_grammar(&mut self, id: u32) -> bool {
         let Some(grammar) = self.grammar.as_mut() else { return false };
         match grammar.commit(id) {
             Ok(()) => grammar.is_finished(),
             Err(e) => {
-                tracing::error!("{}: the grammar refused committed token {id}: {e}", self.request.id);
+                tracing::warn!("{}: committing token {id}: {e}", self.request.id);
                 true
             }
         }
+    }
+
+    /// Why the sequence's grammar broke mid-output (a lexer limit of a pathological grammar, say): the request then
+    /// fails rather than ending as if its output were complete.
+    pub fn grammar_failure(&self) -> Option<String> {
+        self.grammar.as_ref().and_then(|g| g.failure()).map(str::to_string)
     }
 
     /// Whether the sequence is decoding: everything but its last sampled token is in the cache.

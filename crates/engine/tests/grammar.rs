@@ -40,6 +40,7 @@ fn cases() -> Vec<(&'static str, GrammarSpec, &'static str)> {
         ("regex", GrammarSpec::Regex(r"[0-9]{3}-[0-9]{4}".into()), "Make up a phone number."),
         ("choice", GrammarSpec::Choice(vec!["yes".into(), "no".into(), "maybe".into()]), "Is the sky blue?"),
         ("lark", GrammarSpec::Lark("start: \"The answer is \" /[a-z]+/ \".\"".into()), "What is 2+2?"),
+        ("unicode choice", GrammarSpec::Choice(vec!["yes ✓".into(), "no ✗".into()]), "Is the sky blue?"),
         ("gbnf", GrammarSpec::Gbnf("root ::= (\"ab\" | \"cd\"){2,4} \"!\"".into()), "Repeat: ab ab ab"),
     ]
 }
@@ -81,6 +82,8 @@ fn check_follows(what: &str, out: &Outcome) {
             b.len() == 8 && b[3] == b'-' && b.iter().enumerate().all(|(k, c)| k == 3 || c.is_ascii_digit())
         }
         "choice" => ["yes", "no", "maybe"].contains(&text),
+        // The grammar forces the rest of a multi-byte character: every byte must come through.
+        "unicode choice" => ["yes ✓", "no ✗"].contains(&text),
         "lark" => text
             .strip_prefix("The answer is ")
             .and_then(|t| t.strip_suffix('.'))
@@ -151,6 +154,30 @@ fn constrained_outputs_are_identical_with_speculation_at_every_draft_length() {
         accepted += metric(&text, "dflash_spec_accepted_tokens_total");
     }
     assert!(accepted > 0.0, "no draft was ever accepted: the invariance was not exercised");
+}
+
+#[test]
+fn a_grammar_that_breaks_mid_output_fails_the_request_instead_of_ending_it() {
+    let m = load();
+    let compiler = GrammarCompiler::new(&m.tokenizer).expect("compiler");
+    // Compiles and starts, but its lexer gives up after a few characters.
+    let grammar = compiler.compile(&GrammarSpec::Regex("a{99999999}".into())).expect("compiles");
+    let mut r = request(0, chat(&m, "Say a."), SamplingParams::greedy(), MAX_TOKENS);
+    r.grammar = Some(grammar);
+    let off = SpecConfig { pld: None, ..SpecConfig::default() };
+    let metrics = std::sync::Arc::new(dflash_engine::EngineMetrics::default());
+    let cfg = engine_config(&m, off);
+    let engine = dflash_engine::Engine::new(common::target(&m, &cfg), m.tokenizer.clone(), cfg, metrics.clone())
+        .expect("engine");
+    let mut session = common::Session { engine, metrics };
+    let recorder = session.submit(r);
+    session.run();
+    let events = recorder.0.lock().expect("lock");
+    let last = events.last().expect("events");
+    assert!(
+        matches!(last, dflash_engine::Event::Error(why) if why.contains("grammar")),
+        "the request fails, naming the grammar: {last:?}"
+    );
 }
 
 #[test]

@@ -218,7 +218,11 @@ impl Engine {
                     self.verify(item.seq, rows, now)
                 };
                 if let Some(reason) = finish {
-                    finished.push((item.seq, Outcome::Finished(reason)));
+                    let outcome = match self.sched.running[item.seq].grammar_failure() {
+                        Some(why) => self.fail_seq(item.seq, &why),
+                        None => Outcome::Finished(reason),
+                    };
+                    finished.push((item.seq, outcome));
                 }
                 kept
             };

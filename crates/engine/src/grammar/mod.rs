@@ -116,13 +116,27 @@ impl PartialEq for Grammar {
 
 fn top_level(spec: &GrammarSpec) -> Result<TopLevelGrammar, GrammarError> {
     Ok(match spec {
-        GrammarSpec::JsonObject => TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"})),
-        GrammarSpec::JsonSchema(schema) => TopLevelGrammar::from_json_schema(schema.clone()),
+        GrammarSpec::JsonObject => {
+            TopLevelGrammar::from_json_schema(bounded_whitespace(serde_json::json!({"type": "object"})))
+        }
+        GrammarSpec::JsonSchema(schema) => TopLevelGrammar::from_json_schema(bounded_whitespace(schema.clone())),
         GrammarSpec::Regex(regex) => TopLevelGrammar::from_regex(regex),
         GrammarSpec::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
         GrammarSpec::Gbnf(gbnf) => TopLevelGrammar::from_lark(gbnf_to_lark(gbnf)?),
         GrammarSpec::Choice(choices) => TopLevelGrammar::from_lark(choice_lark(choices)?),
     })
+}
+
+/// Whitespace between JSON tokens: at most this many characters per gap. llguidance allows any amount by default,
+/// and a sampled small model can then spend its whole budget on newlines inside an object.
+const JSON_WHITESPACE: &str = r"[\x20\x0A\x0D\x09]{1,64}";
+
+/// `schema` with the whitespace bound, unless it sets its own llguidance options (`x-guidance`).
+fn bounded_whitespace(mut schema: serde_json::Value) -> serde_json::Value {
+    if let Some(fields) = schema.as_object_mut() {
+        fields.entry("x-guidance").or_insert_with(|| serde_json::json!({"whitespace_pattern": JSON_WHITESPACE}));
+    }
+    schema
 }
 
 /// `start: "a" | "b" | ...` with each choice as a JSON-escaped literal (Lark reads JSON string escapes).
@@ -144,5 +158,14 @@ mod tests {
         let lark = choice_lark(&["yes".into(), "say \"no\"\n".into()]).unwrap();
         assert_eq!(lark, "start: \"yes\" | \"say \\\"no\\\"\\n\"\n");
         assert!(choice_lark(&[]).is_err());
+    }
+
+    #[test]
+    fn json_whitespace_is_bounded_unless_the_schema_sets_its_own_options() {
+        let bounded = bounded_whitespace(serde_json::json!({"type": "object"}));
+        assert_eq!(bounded["x-guidance"]["whitespace_pattern"], JSON_WHITESPACE);
+        let own = serde_json::json!({"type": "object", "x-guidance": {"whitespace_flexible": false}});
+        assert_eq!(bounded_whitespace(own.clone()), own);
+        assert_eq!(bounded_whitespace(serde_json::json!(true)), serde_json::json!(true));
     }
 }

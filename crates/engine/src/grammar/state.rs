@@ -46,11 +46,14 @@ pub struct GrammarState {
     /// `ahead[j]` is the mask after `ahead_from + j` committed tokens.
     ahead: Vec<TokenMask>,
     ahead_from: usize,
+    /// Why the matcher broke mid-output (a lexer limit, say): the sequence then fails instead of ending as if
+    /// complete.
+    broken: Option<String>,
 }
 
 impl GrammarState {
     pub(super) fn new(matcher: Matcher, eos_only: SimpleVob) -> Self {
-        GrammarState { matcher, eos_only, ahead: Vec::new(), ahead_from: usize::MAX }
+        GrammarState { matcher, eos_only, ahead: Vec::new(), ahead_from: usize::MAX, broken: None }
     }
 
     /// How many of `drafts` the grammar accepts in order from here; drafts past the first forbidden one could
@@ -80,8 +83,8 @@ impl GrammarState {
     }
 
     /// The mask of the next token after `committed` committed tokens: computed ahead when it was, else now. A
-    /// matcher in an error state (an engine fault: it only sees tokens its masks allowed) is logged and allows
-    /// only end-of-sequence, which ends the output where the grammar broke.
+    /// matcher in an error state allows only end-of-sequence, which ends the output where the grammar broke (and
+    /// [`Self::failure`] says why).
     pub fn mask(&mut self, committed: usize) -> TokenMask {
         let ahead = committed.checked_sub(self.ahead_from).filter(|&j| j < self.ahead.len());
         if let Some(j) = ahead {
@@ -90,7 +93,7 @@ impl GrammarState {
         match self.matcher.compute_mask_or_eos() {
             Ok(mask) => TokenMask(mask),
             Err(e) => {
-                tracing::error!("grammar mask: {e}");
+                self.broken.get_or_insert_with(|| format!("the grammar failed: {e}"));
                 TokenMask(self.eos_only.clone())
             }
         }
@@ -101,7 +104,16 @@ impl GrammarState {
     /// # Errors
     /// The matcher's message when the grammar does not allow `token`.
     pub fn commit(&mut self, token: u32) -> Result<(), String> {
-        self.matcher.consume_token(token).map_err(|e| e.to_string())
+        self.matcher.consume_token(token).map_err(|e| {
+            let why = format!("the grammar failed: {e}");
+            self.broken.get_or_insert(why.clone());
+            why
+        })
+    }
+
+    /// Why the grammar broke mid-output, if it did.
+    pub fn failure(&self) -> Option<&str> {
+        self.broken.as_deref()
     }
 
     /// Whether the grammar is complete and allows nothing more: generation ends here.

@@ -17,10 +17,11 @@ impl TokenizerEnv for EngineTokens {
         &self.trie
     }
 
-    /// Used by llguidance for forced text it must tokenize (literals in grammars); invalid UTF-8 is replaced, which
-    /// only happens for grammars that spell out partial characters.
+    /// Used by llguidance for bytes a grammar forces, which may end or start inside a multi-byte character (a
+    /// choice `"no ✗"` forces the rest of `✗` once its first byte is out): whole characters go through the
+    /// tokenizer, stray bytes through the trie's byte tokens, so no byte is ever replaced.
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
-        self.tokenizer.encode(&String::from_utf8_lossy(s), false).unwrap_or_default()
+        self.trie.tokenize_with_greedy_fallback(s, |text| self.tokenizer.encode(text, false).unwrap_or_default())
     }
 }
 
