@@ -17,6 +17,8 @@ mod errors;
 mod lifecycle;
 #[path = "serve_e2e/prefix_cache.rs"]
 mod prefix_cache;
+#[path = "serve_e2e/structured.rs"]
+mod structured;
 
 use std::sync::mpsc;
 use std::sync::Barrier;
