@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Smoke test of `dflash serve` with the official openai Python client: builds <repo>/.venv-e2e (gitignored) from
-# tools/e2e/requirements.txt, starts the release binary on a free port, runs openai_smoke.py against it, then
-# stops the server with SIGTERM and checks that it exits cleanly.
+# tools/e2e/requirements.txt, starts the release binary on a free port (served as dflash-e2e and smol-alias), runs
+# openai_smoke.py and the other tools/e2e scripts against it, then stops the server with SIGTERM and checks that it
+# exits cleanly.
 # Usage: bash tools/e2e/openai_smoke.sh     (after `cargo build --release`; the model must already be cached,
 #        e.g. by `dflash fetch`)
 # Env: DFLASH_BIN (default <repo>/target/release/dflash), PYTHON (default python3), DFLASH_SERVE_ARGS (extra flags).
@@ -14,6 +15,7 @@ dflash="${DFLASH_BIN:-${repo_root}/target/release/dflash}"
 python_bin="${PYTHON:-python3}"
 startup_polls=900   # 0.2 s each: three minutes to load the model and listen
 shutdown_polls=150  # 0.2 s each: thirty seconds to exit after SIGTERM
+model_names="dflash-e2e,smol-alias"  # --served-model-name: the first is the one responses carry
 
 if [[ ! -x "${dflash}" ]]; then
     echo "no binary at ${dflash}; run cargo build --release first (or set DFLASH_BIN)" >&2
@@ -26,7 +28,8 @@ fi
 
 log="$(mktemp)"
 # shellcheck disable=SC2086  # DFLASH_SERVE_ARGS is a list of flags
-NO_COLOR=1 DFLASH_LOG=info "${dflash}" serve --host 127.0.0.1 --port 0 --threads 2 ${DFLASH_SERVE_ARGS:-} 2>"${log}" &
+NO_COLOR=1 DFLASH_LOG=info "${dflash}" serve --host 127.0.0.1 --port 0 --threads 2 \
+    --served-model-name "${model_names}" ${DFLASH_SERVE_ARGS:-} 2>"${log}" &
 server_pid=$!
 cleanup() {
     if kill -0 "${server_pid}" 2>/dev/null; then
@@ -55,6 +58,8 @@ echo "dflash serve listening on port ${port} (pid ${server_pid})"
 
 "${venv}/bin/python" "${script_dir}/openai_smoke.py" "http://127.0.0.1:${port}/v1" || fail "the smoke test failed"
 "${venv}/bin/python" "${script_dir}/openai_structured.py" "http://127.0.0.1:${port}/v1" || fail "the structured-output test failed"
+"${venv}/bin/python" "${script_dir}/openai_chat_details.py" "http://127.0.0.1:${port}/v1" ${model_names//,/ } \
+    || fail "the chat-details test failed"
 
 kill -TERM "${server_pid}"
 for _ in $(seq "${shutdown_polls}"); do

@@ -7,6 +7,8 @@
 
 mod serve_support;
 
+#[path = "serve_e2e/choices.rs"]
+mod choices;
 #[path = "serve_e2e/connections.rs"]
 mod connections;
 #[path = "serve_e2e/drafter.rs"]
