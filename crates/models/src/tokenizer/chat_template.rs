@@ -33,6 +33,8 @@ impl ChatMessage {
 #[derive(Debug, Clone)]
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The Jinja source, for callers that look at what the template handles (for example `tools`).
+    source: String,
     bos_token: Option<String>,
     eos_token: Option<String>,
 }
@@ -52,7 +54,12 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", pyjson::tojson_filter);
         env.add_template_owned(TEMPLATE_NAME, source.to_string())?;
-        Ok(ChatTemplate { env, bos_token, eos_token })
+        Ok(ChatTemplate { env, source: source.to_string(), bos_token, eos_token })
+    }
+
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Renders a conversation. The context holds `messages`, `add_generation_prompt`, `bos_token`, `eos_token`,
@@ -62,9 +69,12 @@ impl ChatTemplate {
     /// # Errors
     /// `TemplateContext` when `extra` is neither an object nor null; `Template` when rendering fails, including
     /// the template calling `raise_exception`.
-    pub fn render(
+    ///
+    /// Messages are any serializable shape: a [`ChatMessage`], or a richer one carrying `tool_calls`,
+    /// `tool_call_id` or `name` for templates that read them.
+    pub fn render<M: Serialize>(
         &self,
-        messages: &[ChatMessage],
+        messages: &[M],
         add_generation_prompt: bool,
         extra: &serde_json::Value,
     ) -> Result<String, TokenizerError> {
@@ -73,9 +83,9 @@ impl ChatTemplate {
         Ok(template.render(json_to_value(&serde_json::Value::Object(ctx)))?)
     }
 
-    fn context(
+    fn context<M: Serialize>(
         &self,
-        messages: &[ChatMessage],
+        messages: &[M],
         add_generation_prompt: bool,
         extra: &serde_json::Value,
     ) -> Result<serde_json::Map<String, serde_json::Value>, TokenizerError> {

@@ -88,13 +88,10 @@ impl fmt::Debug for HttpConfig {
 /// The OpenAI-compatible router over `engine`, with its own HTTP counters (served on `/metrics`).
 pub fn router(engine: Arc<dyn EngineHandle>, cfg: HttpConfig) -> Router {
     let metrics = Arc::new(metrics::HttpMetrics::default());
-    let tool_parser = cfg.tool_call_parser.unwrap_or_else(|| ToolCallParser::for_template(engine.chat_template_source()));
-    let state = routes::AppState {
-        engine,
-        metrics: Arc::clone(&metrics),
-        retry_after_secs: cfg.retry_after_secs,
-        tool_parser,
-    };
+    let tool_parser =
+        cfg.tool_call_parser.unwrap_or_else(|| ToolCallParser::for_template(engine.chat_template_source()));
+    let state =
+        routes::AppState { engine, metrics: Arc::clone(&metrics), retry_after_secs: cfg.retry_after_secs, tool_parser };
     let mut app = Router::new()
         .route("/v1/chat/completions", post(routes::chat_completions))
         .route("/v1/completions", post(routes::completions))

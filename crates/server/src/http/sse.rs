@@ -20,11 +20,11 @@ use super::engine::{EngineEvent, FinishReason, TokenLogprob, Usage};
 use super::errors::ApiError;
 use super::metrics::HttpMetrics;
 use super::reqlog::RequestLog;
-use super::tools::output::{StreamPart, ToolStream};
 use super::responses::{
     ChatBody, ChatChunkChoice, ChatLogprobs, CompletionBody, CompletionChoice, CompletionLogprobs, Delta, Endpoint,
     ResponseMeta, UsageOut,
 };
+use super::tools::output::{StreamPart, ToolStream};
 
 const DONE_FRAME: &[u8] = b"data: [DONE]\n\n";
 

@@ -7,8 +7,8 @@ use serde_json::{Map, Number, Value};
 use super::engine::{EngineHandle, Fallback, GenerationDefaults, SamplingChoices, SamplingParams, SpecPolicy};
 use super::errors::ApiError;
 use super::structured::{constraint_fields, output_grammar, OutputGrammar};
-use super::tools::render::check_history;
 use super::tools::grammar::with_forced_call;
+use super::tools::render::check_history;
 use super::tools::{check_tools, ToolFields, ToolRequest};
 use super::types::{ChatCompletionRequest, ChatMessageIn, CompletionRequest, RawMessage, Role, StreamOptions};
 
@@ -439,7 +439,9 @@ fn text_part<'a>(content_param: &str, index: usize, part: &'a Value) -> Result<&
 
 /// A chat prompt: rendered with a generation prompt (by default), without one, or with its final message left open
 /// for the model to continue. As in vLLM, `continue_final_message` cannot be sent with `add_generation_prompt`
-/// true; a final assistant message is only continued when asked (by default the model answers it in a new turn).
+/// true, and by default a final assistant message is answered in a new turn. Unlike vLLM, a final assistant message
+/// with `add_generation_prompt: false` is continued too: rendered closed, it would end the conversation, and the
+/// model would stop at once with an empty answer.
 ///
 /// # Errors
 /// 400 [`ApiError`] naming `continue_final_message` when both are true.
@@ -449,12 +451,14 @@ pub(crate) fn chat_prompt(
     continue_final_message: Option<bool>,
     kwargs: Value,
 ) -> Result<PromptSource, ApiError> {
+    let ends_with_assistant = messages.last().is_some_and(|message| message.role == Role::Assistant);
     match (continue_final_message.unwrap_or(false), add_generation_prompt) {
         (true, Some(true)) => Err(ApiError::invalid_param(
             "continue_final_message",
             "`continue_final_message` and `add_generation_prompt` cannot both be true.",
         )),
         (true, _) => Ok(PromptSource::ContinueChat { messages, kwargs }),
+        (false, Some(false)) if ends_with_assistant => Ok(PromptSource::ContinueChat { messages, kwargs }),
         (false, add) => Ok(PromptSource::Chat { messages, add_generation_prompt: add.unwrap_or(true), kwargs }),
     }
 }

@@ -81,7 +81,8 @@ fn out_of_range_values_name_their_param() {
         (json!({"logit_bias": {"50256": -101}}), "logit_bias"),
         (json!({"logit_bias": {"a": 1}}), "logit_bias"),
         (json!({"continue_final_message": true, "add_generation_prompt": true}), "continue_final_message"),
-        (json!({"tools": [{"type": "function"}]}), "tools"),
+        (json!({"tools": [{"type": "function"}]}), "tools[0].function"),
+        (json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "never"}), "tool_choice"),
         (json!({"response_format": {"type": "json_object"}}), "response_format"),
         (json!({"chat_template_kwargs": [1]}), "chat_template_kwargs"),
     ];
@@ -110,7 +111,7 @@ fn message_content_shapes() {
     let PromptSource::Chat { messages, .. } = chat(json!({"messages": parts})).expect("valid").prompt else { panic!() };
     assert_eq!(messages[0].content, "a\nb");
     let tool_turn = json!([{"role": "developer", "content": "be brief"}, {"role": "assistant", "content": null,
-        "tool_calls": [{"id": "1"}]}, {"role": "tool", "content": "42", "tool_call_id": "1"}]);
+        "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, {"role": "tool", "content": "42", "tool_call_id": "1"}]);
     let PromptSource::Chat { messages, .. } = chat(json!({"messages": tool_turn})).expect("valid").prompt else {
         panic!()
     };
