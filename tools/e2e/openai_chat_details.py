@@ -62,6 +62,8 @@ def check_prefill_continues(client, model):
     extra = {"continue_final_message": True, "add_generation_prompt": False}
     reply = chat(client, model, messages, extra_body=extra).choices[0].message.content
     check(reply.lstrip().startswith("5"), f"the prefill was not continued in place: {reply!r}")
+    closed = chat(client, model, messages, extra_body={"add_generation_prompt": False}).choices[0].message.content
+    check(closed.lstrip().startswith("5"), f"add_generation_prompt false did not continue the prefill: {closed!r}")
     fresh = chat(client, model, messages).choices[0].message.content
     check(not fresh.lstrip().startswith("5,"), f"without continue_final_message a new turn starts: {fresh!r}")
     both = {"continue_final_message": True, "add_generation_prompt": True}

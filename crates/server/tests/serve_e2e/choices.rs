@@ -83,6 +83,9 @@ fn a_final_assistant_message_is_continued_in_place() {
     let body = json!({"messages": messages, "continue_final_message": true, "temperature": 0, "max_tokens": 12});
     let continued = generate(client, Api::Chat, &body);
     assert!(continued.text.trim_start().starts_with("5, 6"), "{:?}", continued.text);
+    // Without a generation prompt, a closed assistant turn would end the conversation: it is continued too.
+    let body = json!({"messages": messages, "add_generation_prompt": false, "temperature": 0, "max_tokens": 12});
+    assert_eq!(generate(client, Api::Chat, &body).text, continued.text);
     let both = json!({"messages": messages, "continue_final_message": true, "add_generation_prompt": true});
     let error = client.post(Api::Chat.path(), &both).error(400, "both flags");
     assert_eq!(error["param"], "continue_final_message");

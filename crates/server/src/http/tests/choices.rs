@@ -200,6 +200,21 @@ async fn continue_final_message_refuses_a_generation_prompt_and_passes_kwargs() 
 }
 
 #[tokio::test]
+async fn a_final_assistant_message_without_a_generation_prompt_is_continued() {
+    let h = echo();
+    let messages = json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]);
+    let body = json!({"messages": messages, "add_generation_prompt": false});
+    assert_eq!(send(&h.app, post("/v1/chat/completions", &body)).await.status, StatusCode::OK);
+    let prompt: String = h.engine.last_request().prompt.iter().filter_map(|&id| char::from_u32(id)).collect();
+    assert_eq!(prompt, "[User]hi[Assistant]The answer is");
+    // A final user message is rendered as it is: the model writes whatever follows the last turn.
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": false});
+    assert_eq!(send(&h.app, post("/v1/chat/completions", &body)).await.status, StatusCode::OK);
+    let prompt: String = h.engine.last_request().prompt.iter().filter_map(|&id| char::from_u32(id)).collect();
+    assert_eq!(prompt, "[User]hi");
+}
+
+#[tokio::test]
 async fn an_empty_final_assistant_message_starts_the_turn() {
     let h = echo();
     let messages = json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]);
