@@ -57,6 +57,7 @@ done
 echo "dflash serve listening on port ${port} (pid ${server_pid})"
 
 "${venv}/bin/python" "${script_dir}/openai_smoke.py" "http://127.0.0.1:${port}/v1" || fail "the smoke test failed"
+"${venv}/bin/python" "${script_dir}/openai_tools.py" "http://127.0.0.1:${port}/v1" || fail "the tool-calling test failed"
 "${venv}/bin/python" "${script_dir}/openai_structured.py" "http://127.0.0.1:${port}/v1" || fail "the structured-output test failed"
 "${venv}/bin/python" "${script_dir}/openai_chat_details.py" "http://127.0.0.1:${port}/v1" ${model_names//,/ } \
     || fail "the chat-details test failed"
