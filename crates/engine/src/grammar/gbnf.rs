@@ -196,7 +196,7 @@ mod tests {
     fn rules_literals_classes_and_operators_translate() {
         let gbnf = "# a comment\nroot ::= greeting (\" \" name)?\ngreeting ::= \"hi\" | \"hello\\n\"\n\
                     name ::= [A-Z] [a-z/]{1,8} .*\n";
-        let lark = gbnf_to_lark(gbnf).unwrap();
+        let lark = gbnf_to_lark(gbnf).expect("translates");
         assert_eq!(
             lark,
             "start: r_greeting ( \" \" r_name )?\nr_greeting: \"hi\" | \"hello\\n\"\n\
@@ -206,7 +206,8 @@ mod tests {
 
     #[test]
     fn multi_line_rules_and_dashed_names_join() {
-        let lark = gbnf_to_lark("root ::= item-list\nitem-list ::= \"a\"\n  | \"b\" \"\\x41\\u00e9\"").unwrap();
+        let lark =
+            gbnf_to_lark("root ::= item-list\nitem-list ::= \"a\"\n  | \"b\" \"\\x41\\u00e9\"").expect("translates");
         assert_eq!(lark, "start: r_item_list\nr_item_list: \"a\" | \"b\" \"Aé\"\n");
     }
 
@@ -221,7 +222,7 @@ mod tests {
             ("root ::=\nother ::= \"a\"", "empty"),
             ("root ::= \"a\" ;", "unexpected `;`"),
         ] {
-            let err = gbnf_to_lark(gbnf).unwrap_err().to_string();
+            let err = gbnf_to_lark(gbnf).expect_err("refused").to_string();
             assert!(err.contains(why), "{gbnf:?}: {err}");
         }
     }

@@ -155,7 +155,7 @@ mod tests {
 
     #[test]
     fn choices_become_escaped_alternatives() {
-        let lark = choice_lark(&["yes".into(), "say \"no\"\n".into()]).unwrap();
+        let lark = choice_lark(&["yes".into(), "say \"no\"\n".into()]).expect("two choices");
         assert_eq!(lark, "start: \"yes\" | \"say \\\"no\\\"\\n\"\n");
         assert!(choice_lark(&[]).is_err());
     }

@@ -126,7 +126,7 @@ mod tests {
             match piece {
                 TokenPiece::Special(name) => assert_eq!(tok.id_to_token(id as u32).as_deref(), Some(name.as_str())),
                 TokenPiece::Bytes(bytes) => match std::str::from_utf8(bytes) {
-                    Ok(text) => assert_eq!(tok.decode(&[id as u32], false).unwrap(), text, "token {id}"),
+                    Ok(text) => assert_eq!(tok.decode(&[id as u32], false).expect("decodes"), text, "token {id}"),
                     // A lone byte of a multi-byte character: the byte itself, which decoding would lose.
                     Err(_) => assert_eq!(bytes.len(), 1, "token {id}"),
                 },

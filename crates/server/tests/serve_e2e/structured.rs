@@ -46,12 +46,15 @@ fn a_json_schema_shapes_whole_and_streamed_answers_alike() {
     assert_eq!(streamed.finish_reason, "stop");
 }
 
+/// Whether an answer follows its constraint.
+type Follows = fn(&str) -> bool;
+
 #[test]
 fn each_constraint_field_shapes_the_answer() {
     let server = shared();
     let client = server.client();
     let regex = r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}";
-    let cases: Vec<(Api, Value, fn(&str) -> bool)> = vec![
+    let cases: Vec<(Api, Value, Follows)> = vec![
         (Api::Completion, completion("Call me at ", json!({"guided_regex": regex})), |t| {
             let b = t.as_bytes();
             b.len() == 14 && b[0] == b'(' && b[4] == b')' && b[5] == b' ' && b[9] == b'-'
