@@ -83,7 +83,8 @@ fn out_of_range_values_name_their_param() {
         (json!({"continue_final_message": true, "add_generation_prompt": true}), "continue_final_message"),
         (json!({"tools": [{"type": "function"}]}), "tools[0].function"),
         (json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "never"}), "tool_choice"),
-        (json!({"response_format": {"type": "json_object"}}), "response_format"),
+        (json!({"response_format": {"type": "yaml"}}), "response_format"),
+        (json!({"guided_regex": "a", "regex": "b"}), "regex"),
         (json!({"chat_template_kwargs": [1]}), "chat_template_kwargs"),
     ];
     for (extra, param) in cases {
