@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Smoke test of `dflash serve` with the official openai Python client: builds <repo>/.venv-e2e (gitignored) from
+# Smoke test of `dflash serve` with the official openai and anthropic Python clients: builds <repo>/.venv-e2e (gitignored) from
 # tools/e2e/requirements.txt, starts the release binary on a free port (served as dflash-e2e and smol-alias), runs
 # openai_smoke.py and the other tools/e2e scripts against it, then stops the server with SIGTERM and checks that it
 # exits cleanly.
@@ -58,6 +58,10 @@ echo "dflash serve listening on port ${port} (pid ${server_pid})"
 
 "${venv}/bin/python" "${script_dir}/openai_smoke.py" "http://127.0.0.1:${port}/v1" || fail "the smoke test failed"
 "${venv}/bin/python" "${script_dir}/openai_tools.py" "http://127.0.0.1:${port}/v1" || fail "the tool-calling test failed"
+"${venv}/bin/python" "${script_dir}/openai_responses.py" "http://127.0.0.1:${port}/v1" "${model_names%%,*}" \
+    || fail "the Responses API test failed"
+"${venv}/bin/python" "${script_dir}/anthropic_messages.py" "http://127.0.0.1:${port}" "${model_names%%,*}" \
+    || fail "the Messages API test failed"
 "${venv}/bin/python" "${script_dir}/openai_structured.py" "http://127.0.0.1:${port}/v1" || fail "the structured-output test failed"
 "${venv}/bin/python" "${script_dir}/openai_chat_details.py" "http://127.0.0.1:${port}/v1" ${model_names//,/ } \
     || fail "the chat-details test failed"

@@ -1,8 +1,10 @@
 //! The OpenAI-compatible HTTP layer of `dflash serve`, independent of the engine behind [`EngineHandle`].
 //!
 //! Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models[/{model}]`, `GET /health`,
-//! `GET /metrics`, `POST /tokenize`, `POST /detokenize`. Every error, including axum's own rejections, 404s and
-//! 405s, is answered as `{"error": {"message", "type", "param", "code"}}`.
+//! `GET /metrics`, `POST /tokenize`, `POST /detokenize`; Anthropic's `POST /v1/messages` (`anthropic/`) and
+//! OpenAI's `POST /v1/responses` (`openai_responses/`) format their own answers over the same submit step. Every
+//! error, including axum's own rejections, 404s and 405s, is answered as
+//! `{"error": {"message", "type", "param", "code"}}`, except on `/v1/messages`, where it takes Anthropic's shape.
 
 mod anthropic;
 mod choices;

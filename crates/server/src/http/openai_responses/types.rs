@@ -27,6 +27,10 @@ pub(crate) struct ResponsesRequest {
     pub store: Option<bool>,
     /// Refused: the server keeps no responses to continue from.
     pub previous_response_id: Option<String>,
+    /// Refused: the server keeps no conversations either.
+    pub conversation: Option<Value>,
+    /// Refused when true: answers are given on the request, never polled for later.
+    pub background: Option<bool>,
     /// Echoed back in the response.
     pub metadata: Option<Value>,
 }

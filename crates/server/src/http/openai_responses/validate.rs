@@ -28,13 +28,7 @@ pub(crate) fn validate_responses_request(
     req: ResponsesRequest,
     defaults: &GenerationDefaults,
 ) -> Result<ValidResponses, ApiError> {
-    if req.previous_response_id.is_some() {
-        return Err(ApiError::invalid_param(
-            "previous_response_id",
-            "`previous_response_id` is not supported: this server stores no responses. Send the whole \
-             conversation in `input`.",
-        ));
-    }
+    refuse_state(&req)?;
     let (text_format, format_grammar) = text_format(req.text.and_then(|text| text.format))?;
     let sampling = SamplingChoices { temperature: req.temperature, top_p: req.top_p, ..SamplingChoices::default() };
     let common = CommonInput {
@@ -61,6 +55,26 @@ pub(crate) fn validate_responses_request(
     };
     let prompt = PromptSource::Chat { messages, add_generation_prompt: true, kwargs: Value::Object(Map::new()) };
     Ok(ValidResponses { request: ValidRequest { model: req.model, prompt, spec }, echo })
+}
+
+/// The fields that need state the server does not keep.
+fn refuse_state(req: &ResponsesRequest) -> Result<(), ApiError> {
+    let refusal = if req.previous_response_id.is_some() {
+        Some(("previous_response_id", "`previous_response_id` is not supported"))
+    } else if req.conversation.as_ref().is_some_and(|c| !c.is_null()) {
+        Some(("conversation", "`conversation` is not supported"))
+    } else if req.background == Some(true) {
+        Some(("background", "`background` responses are not supported"))
+    } else {
+        None
+    };
+    match refusal {
+        Some((param, what)) => Err(ApiError::invalid_param(
+            param,
+            format!("{what}: this server stores no responses. Send the whole conversation in `input`."),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// `text.format`: `text`, `json_object`, or `json_schema` with its `schema` (flat, as the Responses API sends it),

@@ -232,6 +232,8 @@ async fn bad_and_stateful_requests_are_400() {
     let h = echo();
     let cases = [
         (hi(json!({"previous_response_id": "resp_1"})), "previous_response_id"),
+        (hi(json!({"conversation": "conv_1"})), "conversation"),
+        (hi(json!({"background": true})), "background"),
         (hi(json!({"input": []})), "input"),
         (hi(json!({"input": 3})), "input"),
         (
