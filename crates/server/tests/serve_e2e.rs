@@ -21,6 +21,8 @@ mod lifecycle;
 mod prefix_cache;
 #[path = "serve_e2e/structured.rs"]
 mod structured;
+#[path = "serve_e2e/tools.rs"]
+mod tools;
 
 use std::sync::mpsc;
 use std::sync::Barrier;

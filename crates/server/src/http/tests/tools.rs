@@ -219,3 +219,22 @@ async fn malformed_tool_requests_are_refused_by_param() {
         assert_bad_param(&send(&h.app, post("/v1/chat/completions", &ask(extra))).await, param);
     }
 }
+
+#[tokio::test]
+async fn forced_choices_send_their_grammar_under_the_choice_field() {
+    // The fake engine compiles no grammar; its refusal names the field the grammar came from.
+    let h = replying(WEATHER_CALL);
+    let named = json!({"type": "function", "function": {"name": "get_weather"}});
+    let legacy = json!({"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}],
+        "functions": [{"name": "get_weather"}], "function_call": {"name": "get_weather"}});
+    for (body, param) in [
+        (ask(json!({"tool_choice": named})), "tool_choice"),
+        (ask(json!({"tool_choice": "required"})), "tool_choice"),
+        (legacy, "function_call"),
+        (ask(json!({"tool_choice": "required", "response_format": {"type": "json_object"}})), "tool_choice"),
+    ] {
+        let error = send(&h.app, post("/v1/chat/completions", &body)).await.error(StatusCode::BAD_REQUEST);
+        assert_eq!(error["param"], param, "{body}");
+    }
+    assert!(h.engine.submitted.lock().expect("lock").is_empty(), "nothing reaches the engine");
+}
