@@ -192,10 +192,10 @@ mod tests {
         let src = "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}\
                    {% if tools %}{{ tools | tojson }}{% else %}no tools{% endif %}";
         let t = ChatTemplate::new(src, None, None).expect("compiles");
-        assert_eq!(t.render(&[], true, &json!(null)).expect("renders"), "no tools");
+        assert_eq!(t.render::<ChatMessage>(&[], true, &json!(null)).expect("renders"), "no tools");
         let extra = json!({"enable_thinking": false, "tools": [{"name": "f"}]});
-        assert_eq!(t.render(&[], true, &extra).expect("renders"), "<think></think>[{\"name\": \"f\"}]");
-        assert!(matches!(t.render(&[], true, &json!([1])), Err(TokenizerError::TemplateContext(_))));
+        assert_eq!(t.render::<ChatMessage>(&[], true, &extra).expect("renders"), "<think></think>[{\"name\": \"f\"}]");
+        assert!(matches!(t.render::<ChatMessage>(&[], true, &json!([1])), Err(TokenizerError::TemplateContext(_))));
     }
 
     #[test]
@@ -218,7 +218,7 @@ mod tests {
     #[test]
     fn strftime_now_renders_a_four_digit_year() {
         let t = ChatTemplate::new("{{ strftime_now('%Y') }}", None, None).expect("compiles");
-        let year = t.render(&[], false, &json!(null)).expect("renders");
+        let year = t.render::<ChatMessage>(&[], false, &json!(null)).expect("renders");
         assert!(year.len() == 4 && year.chars().all(|c| c.is_ascii_digit()), "{year}");
     }
 

@@ -106,7 +106,8 @@ fn accessors_report_the_gguf_metadata() {
     assert_eq!(tok.id_to_token(byte_token_id(b' ')), Some(byte_char(b' ').to_string()));
     assert_eq!(tok.id_to_token(2).as_deref(), Some(CONTROL_TOKENS[2]));
     assert_eq!(tok.token_to_id(USER_TOKEN), Some(3));
-    let rendered = tok.chat_template().expect("has a template").render(&[], false, &serde_json::Value::Null);
+    let rendered =
+        tok.chat_template().expect("has a template").render::<super::ChatMessage>(&[], false, &serde_json::Value::Null);
     assert_eq!(rendered.expect("renders"), "<|im_start|>|<|im_end|>");
 }
 
@@ -172,7 +173,8 @@ fn hf_directory_supplies_special_tokens_template_and_generation_eos() {
     // A chat_template.jinja file wins over the config's template, as in transformers.
     std::fs::write(dir.0.join("chat_template.jinja"), "jinja:{{ messages | length }}").expect("write template");
     let tok = Tokenizer::from_hf_dir(&dir.0).expect("loads");
-    let rendered = tok.chat_template().expect("template").render(&[], false, &serde_json::Value::Null);
+    let rendered =
+        tok.chat_template().expect("template").render::<super::ChatMessage>(&[], false, &serde_json::Value::Null);
     assert_eq!(rendered.expect("renders"), "jinja:0");
 }
 
