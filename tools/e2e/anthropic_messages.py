@@ -1,5 +1,5 @@
 """End-to-end test of `dflash serve`'s Messages API (`POST /v1/messages`) through the official `anthropic` client:
-whole and streamed answers (the client's own event accumulation), stop sequences, a forced tool call and its
+whole and streamed answers (the client's own event accumulation), token counting, stop sequences, a forced tool call and its
 result, and errors in Anthropic's shape.
 
 Usage: python anthropic_messages.py BASE_URL MODEL     e.g. http://127.0.0.1:8000 dflash-e2e
@@ -139,6 +139,8 @@ def main(argv):
     print(f"whole:  {reference.stop_reason}, {reference.usage.input_tokens}+{reference.usage.output_tokens} "
           f"tokens: {text_of(reference)!r}")
     streamed(client, model, reference)
+    count = client.messages.count_tokens(model=model, messages=[{"role": "user", "content": PROMPT}])
+    check(count.input_tokens == reference.usage.input_tokens, f"count_tokens: {count.input_tokens}")
     stop_sequence(client, model, reference)
     tool_round_trip(client, model)
     errors(client, model)

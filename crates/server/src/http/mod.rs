@@ -98,6 +98,7 @@ pub fn router(engine: Arc<dyn EngineHandle>, cfg: HttpConfig) -> Router {
         .route("/v1/chat/completions", post(routes::chat_completions))
         .route("/v1/completions", post(routes::completions))
         .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/responses", post(openai_responses::responses))
         .route("/v1/models", get(models::list_models))
         // A wildcard: served names often hold a slash (`org/model`).

@@ -198,7 +198,7 @@ async fn several_choices(state: AppState, submitted: Submitted, endpoint: Endpoi
 }
 
 /// Templates and tokenizes off the async workers: long prompts take milliseconds of CPU.
-async fn prompt_ids(engine: Arc<dyn EngineHandle>, prompt: PromptSource) -> Result<Vec<u32>, ApiError> {
+pub(crate) async fn prompt_ids(engine: Arc<dyn EngineHandle>, prompt: PromptSource) -> Result<Vec<u32>, ApiError> {
     if let PromptSource::Ids(ids) = prompt {
         return Ok(ids);
     }

@@ -1,4 +1,4 @@
-//! Anthropic's Messages API, `POST /v1/messages`, over the shared generation path: the body (`types`) is checked
+//! Anthropic's Messages API, `POST /v1/messages` (and `POST /v1/messages/count_tokens`), over the shared generation path: the body (`types`) is checked
 //! into the common request (`validate`), submitted like any other, and answered as a whole `message`
 //! (`response`) or as Anthropic's event stream (`stream`); `tools` map onto the chat endpoint's tool calling. Errors on this route take Anthropic's shape (`errors`).
 
@@ -15,16 +15,19 @@ use std::time::Instant;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use serde_json::{json, Value};
 
 use super::errors::{ApiError, ApiJson};
 use super::responses::fresh_hex;
-use super::routes::{collect, submit, AppState, SubmitLabels};
+use super::routes::{collect, prompt_ids, submit, AppState, SubmitLabels};
 use super::split::AnswerSplitter;
+use super::tools::render::prompt_with_tools;
+use super::validate::check_model;
 pub(crate) use errors::reshape_errors;
 use response::{content_blocks, matched_stop, stop_reason, ContentBlock, MessageBody, MessageUsage};
 use stream::MessageStream;
-use types::MessagesRequest;
-use validate::validate_messages_request;
+use types::{CountTokensRequest, MessagesRequest};
+use validate::{validate_count_request, validate_messages_request};
 
 /// `POST /v1/messages`.
 pub(crate) async fn messages(
@@ -55,4 +58,17 @@ pub(crate) async fn messages(
         ..MessageBody::empty(&meta.id, &meta.model, 0)
     };
     Ok(Json(body).into_response())
+}
+
+/// `POST /v1/messages/count_tokens`: `{"input_tokens"}`, the prompt `/v1/messages` would submit for these fields.
+pub(crate) async fn count_tokens(
+    State(state): State<AppState>,
+    ApiJson(req): ApiJson<CountTokensRequest>,
+) -> Result<Json<Value>, ApiError> {
+    check_model(req.model.as_deref(), state.engine.as_ref())?;
+    let (prompt, tools) = validate_count_request(req)?;
+    let engine = Arc::clone(&state.engine);
+    let prompt = prompt_with_tools(prompt, tools.as_ref(), engine.chat_template_source());
+    let ids = prompt_ids(engine, prompt).await?;
+    Ok(Json(json!({"input_tokens": ids.len()})))
 }

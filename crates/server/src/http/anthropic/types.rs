@@ -25,6 +25,17 @@ pub(crate) struct MessagesRequest {
     pub metadata: Option<Value>,
 }
 
+/// `POST /v1/messages/count_tokens`: the fields that make the prompt.
+#[derive(Clone, Debug, Deserialize)]
+pub(crate) struct CountTokensRequest {
+    pub model: Option<String>,
+    pub messages: Vec<MessageIn>,
+    /// A string or an array of text blocks.
+    pub system: Option<Value>,
+    pub tools: Option<Vec<ToolIn>>,
+    pub tool_choice: Option<ToolChoiceIn>,
+}
+
 /// Who wrote a message; Anthropic puts system text in `system`, never in a message.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]

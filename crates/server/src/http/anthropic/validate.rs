@@ -6,10 +6,11 @@ use serde_json::{json, Map, Value};
 use super::super::engine::{GenerationDefaults, SamplingChoices};
 use super::super::errors::ApiError;
 use super::super::split::forced_call;
+use super::super::tools::ToolRequest;
 use super::super::types::{ChatMessageIn, Role};
 use super::super::validate::{generation_spec, CommonInput, PromptSource, ValidRequest};
 use super::tools::check_tools;
-use super::types::{MessageIn, MessageRole, MessagesRequest};
+use super::types::{CountTokensRequest, MessageIn, MessageRole, MessagesRequest};
 
 /// Most stop sequences per request: each is scanned for at every token.
 const MAX_STOP_SEQUENCES: usize = 16;
@@ -40,10 +41,24 @@ pub(crate) fn validate_messages_request(
     spec.stop = stop_sequences(req.stop_sequences)?;
     spec.tools = check_tools(req.tools, req.tool_choice)?;
     spec.grammar = forced_call(spec.tools.as_ref(), "tool_choice");
-    let mut messages = system_message(req.system)?.into_iter().collect::<Vec<_>>();
-    messages.extend(conversation(req.messages)?);
-    let prompt = PromptSource::Chat { messages, add_generation_prompt: true, kwargs: Value::Object(Map::new()) };
+    let prompt = chat_prompt(req.system, req.messages)?;
     Ok(ValidMessages { request: ValidRequest { model: req.model, prompt, spec } })
+}
+
+/// Checks a token-counting request: the prompt and tools a Messages request with these fields would send.
+///
+/// # Errors
+/// 400 [`ApiError`] naming the first field of the wrong shape or unsupported.
+pub(crate) fn validate_count_request(req: CountTokensRequest) -> Result<(PromptSource, Option<ToolRequest>), ApiError> {
+    let tools = check_tools(req.tools, req.tool_choice)?;
+    Ok((chat_prompt(req.system, req.messages)?, tools))
+}
+
+/// `system` then the conversation, as the chat template's messages, ready for the assistant's turn.
+fn chat_prompt(system: Option<Value>, messages: Vec<MessageIn>) -> Result<PromptSource, ApiError> {
+    let mut out = system_message(system)?.into_iter().collect::<Vec<_>>();
+    out.extend(conversation(messages)?);
+    Ok(PromptSource::Chat { messages: out, add_generation_prompt: true, kwargs: Value::Object(Map::new()) })
 }
 
 /// Anthropic's `top_k` is a count; 0 is read as off, as in the sampler.

@@ -229,3 +229,18 @@ async fn the_anthropic_version_header_is_accepted() {
         .expect("valid request");
     assert_eq!(send(&h.app, req).await.status, StatusCode::OK);
 }
+
+#[tokio::test]
+async fn count_tokens_counts_the_prompt_messages_would_submit() {
+    let h = echo();
+    let body = json!({"model": MODEL, "system": "sys", "messages": [{"role": "user", "content": "hi"}]});
+    let reply = send(&h.app, post("/v1/messages/count_tokens", &body)).await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    assert_eq!(reply.json(), json!({"input_tokens": "[System]sys[User]hi[A]".len()}));
+    let mut with_budget = body.clone();
+    with_budget["max_tokens"] = json!(8);
+    send(&h.app, post("/v1/messages", &with_budget)).await;
+    assert_eq!(h.engine.last_request().prompt.len(), "[System]sys[User]hi[A]".len(), "the same prompt");
+    let reply = send(&h.app, post("/v1/messages/count_tokens", &json!({"messages": []}))).await;
+    anthropic_error(&reply, StatusCode::BAD_REQUEST, "invalid_request_error");
+}

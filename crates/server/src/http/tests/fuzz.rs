@@ -33,7 +33,7 @@ impl Rng {
 }
 
 /// The fields the routes read, and some they do not.
-const KEYS: [&str; 24] = [
+const KEYS: [&str; 33] = [
     "model",
     "messages",
     "prompt",
@@ -58,6 +58,15 @@ const KEYS: [&str; 24] = [
     "content",
     "tokens",
     "unknown_field",
+    "system",
+    "stop_sequences",
+    "tools",
+    "tool_choice",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "text",
+    "type",
 ];
 
 fn random_string(rng: &mut Rng) -> String {
@@ -182,5 +191,50 @@ async fn no_body_gets_a_server_error_or_a_malformed_answer() {
         }
     }
     // Both answers occur, so the bodies reach past the parser.
+    assert!(answered[0] > 0 && answered[1] > 0, "ok / refused: {answered:?}");
+}
+
+/// The Messages and Responses routes under the same bodies: never a 5xx, and every refusal in the route's shape.
+#[tokio::test]
+async fn messages_and_responses_never_answer_a_server_error() {
+    let h = echo();
+    let tool = json!({"name": "f", "input_schema": {"type": "object"}});
+    let valid = [
+        ("/v1/messages", json!({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "tools": [tool]})),
+        (
+            "/v1/messages",
+            json!({"max_tokens": 4, "stream": true, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "hi"}]}]}),
+        ),
+        ("/v1/responses", json!({"input": "hi", "max_output_tokens": 4})),
+        ("/v1/responses", json!({"input": [{"role": "user", "content": "hi"}], "stream": true})),
+    ];
+    let mut rng = Rng(20261205);
+    let mut answered = [0usize; 2];
+    for (route, body) in &valid {
+        for _ in 0..CASES {
+            let bytes = match rng.below(10) {
+                0..=7 => mutate(&mut rng, body.clone()).to_string().into_bytes(),
+                8 => random_value(&mut rng, 0).to_string().into_bytes(),
+                _ => random_bytes(&mut rng, body),
+            };
+            let reply = send(&h.app, post_raw(route, bytes.clone())).await;
+            let what = || format!("{route} {}", String::from_utf8_lossy(&bytes).chars().take(300).collect::<String>());
+            assert!(!reply.status.is_server_error(), "{}: {} {:?}", what(), reply.status, reply.body);
+            if reply.status == StatusCode::OK {
+                answered[0] += 1;
+                continue;
+            }
+            assert!(reply.status.is_client_error(), "{}: {}", what(), reply.status);
+            answered[1] += 1;
+            if *route == "/v1/messages" {
+                let json = reply.json();
+                assert_eq!(json["type"], "error", "{}: {json}", what());
+                assert!(json["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{}: {json}", what());
+            } else {
+                reply.error(reply.status);
+            }
+        }
+    }
     assert!(answered[0] > 0 && answered[1] > 0, "ok / refused: {answered:?}");
 }
