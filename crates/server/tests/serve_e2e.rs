@@ -17,6 +17,8 @@ mod drafter;
 mod errors;
 #[path = "serve_e2e/lifecycle.rs"]
 mod lifecycle;
+#[path = "serve_e2e/messages.rs"]
+mod messages;
 #[path = "serve_e2e/prefix_cache.rs"]
 mod prefix_cache;
 #[path = "serve_e2e/structured.rs"]
