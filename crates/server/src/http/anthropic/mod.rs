@@ -17,7 +17,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::errors::{ApiError, ApiJson};
+use super::errors::ApiError;
+use super::fields::CheckedJson;
 use super::responses::fresh_hex;
 use super::routes::{collect, prompt_ids, submit, AppState, SubmitLabels};
 use super::split::AnswerSplitter;
@@ -32,7 +33,7 @@ use validate::{validate_count_request, validate_messages_request};
 /// `POST /v1/messages`.
 pub(crate) async fn messages(
     State(state): State<AppState>,
-    ApiJson(req): ApiJson<MessagesRequest>,
+    CheckedJson(req): CheckedJson<MessagesRequest>,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
     let valid = validate_messages_request(req, &state.engine.generation_defaults())?;
@@ -63,7 +64,7 @@ pub(crate) async fn messages(
 /// `POST /v1/messages/count_tokens`: `{"input_tokens"}`, the prompt `/v1/messages` would submit for these fields.
 pub(crate) async fn count_tokens(
     State(state): State<AppState>,
-    ApiJson(req): ApiJson<CountTokensRequest>,
+    CheckedJson(req): CheckedJson<CountTokensRequest>,
 ) -> Result<Json<Value>, ApiError> {
     check_model(req.model.as_deref(), state.engine.as_ref())?;
     let (prompt, tools) = validate_count_request(req)?;

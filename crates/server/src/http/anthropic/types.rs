@@ -1,8 +1,11 @@
 //! Messages API request bodies as clients send them. Message and system content arrive as raw JSON and are checked
-//! in `validate`, so their errors name the block at fault; unknown fields are ignored.
+//! in `validate`, so their errors name the block at fault. Fields Anthropic defines that would change the answer
+//! but are not implemented are refused by name (`KnownFields`); others are ignored.
 
 use serde::Deserialize;
 use serde_json::Value;
+
+use super::super::fields::KnownFields;
 
 /// `POST /v1/messages`.
 #[derive(Clone, Debug, Deserialize)]
@@ -20,9 +23,26 @@ pub(crate) struct MessagesRequest {
     pub stream: Option<bool>,
     pub tools: Option<Vec<ToolIn>>,
     pub tool_choice: Option<ToolChoiceIn>,
-    /// Accepted and ignored: it does not change the answer.
-    #[allow(dead_code)]
-    pub metadata: Option<Value>,
+    /// Extended thinking: refused unless `{"type": "disabled"}`.
+    pub thinking: Option<Value>,
+}
+
+/// Messages fields that would change the answer but are not implemented; `metadata`, `service_tier` and the
+/// like change nothing and are ignored.
+const MESSAGES_UNIMPLEMENTED: &[(&str, &str)] = &[
+    ("output_format", "structured outputs are not implemented on this route; use /v1/chat/completions"),
+    ("output_config", "output controls are not implemented"),
+    ("container", "code execution containers are not implemented"),
+    ("mcp_servers", "MCP servers are not implemented"),
+    ("context_management", "context management is not implemented"),
+];
+
+impl KnownFields for MessagesRequest {
+    const UNIMPLEMENTED: &'static [(&'static str, &'static str)] = MESSAGES_UNIMPLEMENTED;
+}
+
+impl KnownFields for CountTokensRequest {
+    const UNIMPLEMENTED: &'static [(&'static str, &'static str)] = MESSAGES_UNIMPLEMENTED;
 }
 
 /// `POST /v1/messages/count_tokens`: the fields that make the prompt.

@@ -29,6 +29,7 @@ pub(crate) fn validate_messages_request(
     req: MessagesRequest,
     defaults: &GenerationDefaults,
 ) -> Result<ValidMessages, ApiError> {
+    refuse_thinking(req.thinking.as_ref())?;
     let sampling = SamplingChoices {
         temperature: req.temperature,
         top_p: req.top_p,
@@ -59,6 +60,18 @@ fn chat_prompt(system: Option<Value>, messages: Vec<MessageIn>) -> Result<Prompt
     let mut out = system_message(system)?.into_iter().collect::<Vec<_>>();
     out.extend(conversation(messages)?);
     Ok(PromptSource::Chat { messages: out, add_generation_prompt: true, kwargs: Value::Object(Map::new()) })
+}
+
+/// Extended thinking is not implemented; only its explicit off switch is accepted.
+fn refuse_thinking(thinking: Option<&Value>) -> Result<(), ApiError> {
+    match thinking {
+        None | Some(Value::Null) => Ok(()),
+        Some(value) if value.get("type").and_then(Value::as_str) == Some("disabled") => Ok(()),
+        Some(_) => Err(ApiError::invalid_param(
+            "thinking",
+            "`thinking` is not supported: extended thinking is not implemented.",
+        )),
+    }
 }
 
 /// Anthropic's `top_k` is a count; 0 is read as off, as in the sampler.

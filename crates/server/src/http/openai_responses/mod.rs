@@ -16,7 +16,8 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
-use super::errors::{ApiError, ApiJson};
+use super::errors::ApiError;
+use super::fields::CheckedJson;
 use super::responses::fresh_hex;
 use super::routes::{collect, submit, AppState, SubmitLabels};
 use super::split::AnswerSplitter;
@@ -28,7 +29,7 @@ use validate::validate_responses_request;
 /// `POST /v1/responses`.
 pub(crate) async fn responses(
     State(state): State<AppState>,
-    ApiJson(req): ApiJson<ResponsesRequest>,
+    CheckedJson(req): CheckedJson<ResponsesRequest>,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
     let valid = validate_responses_request(req, &state.engine.generation_defaults())?;

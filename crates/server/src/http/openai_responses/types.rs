@@ -1,8 +1,12 @@
 //! Responses API request bodies as clients send them. `input` and its items arrive as raw JSON and are checked in
-//! `validate`, so their errors name the item at fault; unknown fields are ignored.
+//! `validate`, so their errors name the item at fault. Fields OpenAI defines that would change the answer but are
+//! not implemented are refused by name (`KnownFields`, or in `validate` where some values are neutral); others are
+//! ignored.
 
 use serde::Deserialize;
 use serde_json::Value;
+
+use super::super::fields::KnownFields;
 
 /// `POST /v1/responses`.
 #[derive(Clone, Debug, Deserialize)]
@@ -22,9 +26,6 @@ pub(crate) struct ResponsesRequest {
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
     pub text: Option<TextConfig>,
-    /// Accepted; nothing is stored either way, and responses say `"store": false`.
-    #[allow(dead_code)]
-    pub store: Option<bool>,
     /// Refused: the server keeps no responses to continue from.
     pub previous_response_id: Option<String>,
     /// Refused: the server keeps no conversations either.
@@ -33,6 +34,23 @@ pub(crate) struct ResponsesRequest {
     pub background: Option<bool>,
     /// Echoed back in the response.
     pub metadata: Option<Value>,
+    /// Extra output to include: refused unless empty.
+    pub include: Option<Vec<String>>,
+    /// Refused unless 0: output logprobs are not implemented on this route.
+    pub top_logprobs: Option<i64>,
+    /// `"disabled"` only: prompts are never truncated (too long a prompt gets a 400).
+    pub truncation: Option<String>,
+}
+
+/// Responses fields that would change the answer but are not implemented. `store` is not among them: it is
+/// accepted, nothing is kept either way, and responses say `"store": false`.
+impl KnownFields for ResponsesRequest {
+    const UNIMPLEMENTED: &'static [(&'static str, &'static str)] = &[
+        ("reasoning", "reasoning controls are not implemented"),
+        ("prompt", "stored prompts are not implemented"),
+        ("max_tool_calls", "a tool call limit is not implemented; use `parallel_tool_calls`"),
+        ("context_management", "context management is not implemented"),
+    ];
 }
 
 /// `text`: the answer's format.

@@ -29,6 +29,7 @@ pub(crate) fn validate_responses_request(
     defaults: &GenerationDefaults,
 ) -> Result<ValidResponses, ApiError> {
     refuse_state(&req)?;
+    refuse_output_options(&req)?;
     let (text_format, format_grammar) = text_format(req.text.and_then(|text| text.format))?;
     let sampling = SamplingChoices { temperature: req.temperature, top_p: req.top_p, ..SamplingChoices::default() };
     let common = CommonInput {
@@ -75,6 +76,23 @@ fn refuse_state(req: &ResponsesRequest) -> Result<(), ApiError> {
         )),
         None => Ok(()),
     }
+}
+
+/// Output options not implemented, whose neutral values are accepted: an empty `include`, `top_logprobs: 0`,
+/// `truncation: "disabled"`.
+fn refuse_output_options(req: &ResponsesRequest) -> Result<(), ApiError> {
+    if req.include.as_ref().is_some_and(|include| !include.is_empty()) {
+        return Err(ApiError::invalid_param("include", "`include` is not supported: no extra output is implemented."));
+    }
+    if req.top_logprobs.is_some_and(|n| n != 0) {
+        let message = "`top_logprobs` is not supported: output logprobs are not implemented on this route.";
+        return Err(ApiError::invalid_param("top_logprobs", message));
+    }
+    if req.truncation.as_deref().is_some_and(|mode| mode != "disabled") {
+        let message = "`truncation` must be \"disabled\": prompts are never truncated; too long a prompt gets a 400.";
+        return Err(ApiError::invalid_param("truncation", message));
+    }
+    Ok(())
 }
 
 /// `text.format`: `text`, `json_object`, or `json_schema` with its `schema` (flat, as the Responses API sends it),

@@ -80,7 +80,7 @@ async fn a_matched_stop_sequence_is_named() {
 async fn system_blocks_and_turns_reach_the_template() {
     let h = echo();
     let body = json!({"max_tokens": 8, "system": [{"type": "text", "text": "be brief"}],
-        "temperature": 0.5, "top_k": 3, "metadata": {"user_id": "u1"},
+        "temperature": 0.5, "top_k": 3, "metadata": {"user_id": "u1"}, "thinking": {"type": "disabled"},
         "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
             {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]});
     let reply = send(&h.app, post("/v1/messages", &body)).await;
@@ -172,6 +172,8 @@ async fn bad_requests_are_400_in_anthropic_shape() {
         (hi(json!({"messages": []})), "messages"),
         (hi(json!({"top_p": 3.0})), "top_p"),
         (hi(json!({"stop_sequences": [""]})), "stop_sequences[0]"),
+        (hi(json!({"thinking": {"type": "enabled", "budget_tokens": 1024}})), "thinking"),
+        (hi(json!({"mcp_servers": [{"type": "url", "url": "https://example.com", "name": "x"}]})), "mcp_servers"),
     ];
     for (body, param) in cases {
         let reply = send(&h.app, post("/v1/messages", &body)).await;

@@ -234,6 +234,11 @@ async fn bad_and_stateful_requests_are_400() {
         (hi(json!({"previous_response_id": "resp_1"})), "previous_response_id"),
         (hi(json!({"conversation": "conv_1"})), "conversation"),
         (hi(json!({"background": true})), "background"),
+        (hi(json!({"include": ["message.output_text.logprobs"]})), "include"),
+        (hi(json!({"top_logprobs": 3})), "top_logprobs"),
+        (hi(json!({"truncation": "auto"})), "truncation"),
+        (hi(json!({"reasoning": {"effort": "high"}})), "reasoning"),
+        (hi(json!({"max_tool_calls": 2})), "max_tool_calls"),
         (hi(json!({"input": []})), "input"),
         (hi(json!({"input": 3})), "input"),
         (
@@ -259,8 +264,10 @@ async fn bad_and_stateful_requests_are_400() {
 }
 
 #[tokio::test]
-async fn store_is_accepted_and_nothing_is_kept() {
+async fn store_and_neutral_options_are_accepted() {
     let h = echo();
-    let json = send(&h.app, post("/v1/responses", &hi(json!({"store": true, "metadata": {"k": "v"}})))).await.json();
+    let neutral = json!({"store": true, "metadata": {"k": "v"}, "include": [], "top_logprobs": 0,
+        "truncation": "disabled", "reasoning": null, "user": "u1", "prompt_cache_key": "k"});
+    let json = send(&h.app, post("/v1/responses", &hi(neutral))).await.json();
     assert_eq!((&json["store"], &json["metadata"]), (&json!(false), &json!({"k": "v"})));
 }
