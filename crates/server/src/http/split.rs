@@ -2,20 +2,9 @@
 //! deltas arrive, for the routes that format their own answers (Messages, Responses). Calls are read with the
 //! chat endpoint's Hermes parser, so every API agrees on what counts as a call.
 
-use super::engine::GrammarSpec;
-use super::structured::OutputGrammar;
-use super::tools::grammar::forced_call_grammar;
 use super::tools::hermes::HermesStream;
 pub(crate) use super::tools::hermes::{ParsedCall as ToolCall, Piece as AnswerPiece};
 use super::tools::ToolRequest;
-
-/// The grammar that makes the model call a tool, when `tools` demands a call; `param` is the field blamed if it
-/// does not compile.
-pub(crate) fn forced_call(tools: Option<&ToolRequest>, param: &'static str) -> Option<OutputGrammar> {
-    let tools = tools.filter(|tools| tools.forces_call())?;
-    let lark = forced_call_grammar(&tools.tools, &tools.choice, tools.parallel);
-    Some(OutputGrammar { spec: GrammarSpec::Lark(lark), param })
-}
 
 /// Splits an answer's deltas; without tools to parse for, every delta is text.
 #[derive(Clone, Debug)]

@@ -5,7 +5,7 @@ use serde_json::{json, Map, Value};
 
 use super::super::engine::{GenerationDefaults, SamplingChoices};
 use super::super::errors::ApiError;
-use super::super::split::forced_call;
+use super::super::tools::grammar::with_forced_call;
 use super::super::tools::ToolRequest;
 use super::super::types::{ChatMessageIn, Role};
 use super::super::validate::{generation_spec, CommonInput, PromptSource, ValidRequest};
@@ -41,7 +41,7 @@ pub(crate) fn validate_messages_request(
     let mut spec = generation_spec(sampling, defaults, common, None, None)?;
     spec.stop = stop_sequences(req.stop_sequences)?;
     spec.tools = check_tools(req.tools, req.tool_choice)?;
-    spec.grammar = forced_call(spec.tools.as_ref(), "tool_choice");
+    spec.grammar = with_forced_call(None, spec.tools.as_ref())?;
     let prompt = chat_prompt(req.system, req.messages)?;
     Ok(ValidMessages { request: ValidRequest { model: req.model, prompt, spec } })
 }

@@ -5,8 +5,8 @@ use serde_json::{json, Map, Value};
 
 use super::super::engine::{GenerationDefaults, GrammarSpec, SamplingChoices};
 use super::super::errors::ApiError;
-use super::super::split::forced_call;
 use super::super::structured::OutputGrammar;
+use super::super::tools::grammar::with_forced_call;
 use super::super::types::{ChatMessageIn, Role};
 use super::super::validate::{generation_spec, CommonInput, PromptSource, ValidRequest};
 use super::response::ResponseEcho;
@@ -39,7 +39,7 @@ pub(crate) fn validate_responses_request(
     };
     let mut spec = generation_spec(sampling, defaults, common, None, None)?;
     spec.tools = check_tools(req.tools.as_deref(), req.tool_choice.as_ref(), req.parallel_tool_calls)?;
-    spec.grammar = one_grammar(format_grammar, forced_call(spec.tools.as_ref(), "tool_choice"))?;
+    spec.grammar = with_forced_call(format_grammar, spec.tools.as_ref())?;
     let mut messages: Vec<ChatMessageIn> =
         req.instructions.clone().map(|text| chat_message(Role::System, text)).into_iter().collect();
     messages.extend(input_messages(req.input)?);
@@ -121,17 +121,6 @@ fn text_format(format: Option<Value>) -> Result<(Value, Option<OutputGrammar>), 
         }
     };
     Ok((format, grammar.map(|spec| OutputGrammar { spec, param: PARAM })))
-}
-
-/// The answer's grammar: a structured format or a forced call, not both.
-fn one_grammar(format: Option<OutputGrammar>, call: Option<OutputGrammar>) -> Result<Option<OutputGrammar>, ApiError> {
-    match (format, call) {
-        (Some(_), Some(_)) => Err(ApiError::invalid_param(
-            "text.format",
-            "`text.format` cannot constrain the answer while `tool_choice` forces a call.",
-        )),
-        (format, call) => Ok(format.or(call)),
-    }
 }
 
 /// `input`: a string is one user message; an array holds messages and tool history items.
@@ -289,6 +278,7 @@ mod tests {
         let body = json!({"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": "required",
             "text": {"format": {"type": "json_object"}}});
         let error = validate(body).expect_err("refused");
-        assert_eq!(error.param.as_deref(), Some("text.format"));
+        assert_eq!(error.param.as_deref(), Some("tool_choice"));
+        assert!(error.message.contains("text.format"), "{}", error.message);
     }
 }
