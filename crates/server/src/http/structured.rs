@@ -208,12 +208,14 @@ fn structured_outputs(value: Value) -> Result<GrammarSpec, ApiError> {
             "grammar" => grammar(P, value)?,
             "json_object" if value == Value::Bool(true) => GrammarSpec::JsonObject,
             "json_object" => continue,
-            other => return Err(ApiError::invalid_param(
-                P,
-                format!(
+            other => {
+                return Err(ApiError::invalid_param(
+                    P,
+                    format!(
                     "`structured_outputs.{other}` is not supported; use json, regex, choice, grammar or json_object."
                 ),
-            )),
+                ))
+            }
         });
     }
     match <[GrammarSpec; 1]>::try_from(specs) {
