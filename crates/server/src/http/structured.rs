@@ -209,12 +209,9 @@ fn structured_outputs(value: Value) -> Result<GrammarSpec, ApiError> {
             "json_object" if value == Value::Bool(true) => GrammarSpec::JsonObject,
             "json_object" => continue,
             other => {
-                return Err(ApiError::invalid_param(
-                    P,
-                    format!(
-                    "`structured_outputs.{other}` is not supported; use json, regex, choice, grammar or json_object."
-                ),
-                ))
+                let message =
+                    format!("`{P}.{other}` is not supported; use json, regex, choice, grammar or json_object.");
+                return Err(ApiError::invalid_param(P, message));
             }
         });
     }
