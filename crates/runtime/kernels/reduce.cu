@@ -94,3 +94,29 @@ extern "C" __global__ void argmax_finish(const float* __restrict__ part_vals, co
     block_argmax(best, idx);
     if (threadIdx.x == 0) out[blockIdx.x] = idx == DF_NO_INDEX ? 0u : idx;
 }
+
+// Masked argmax: one block per masked row. Block m reduces logits row rows[m] (a row of `row_len`) over the ids
+// whose bit is set in masks[m] (`words` 32-bit words, bit i % 32 of word i / 32) and writes the winner to
+// out[rows[m]], keeping the unmasked argmax there when no allowed value is a number. Largest value wins, then the
+// lower id, as in argmax_partial; twin of masked_argmax in src/ops/filter.rs. It runs after the step's argmax
+// (graph or eager), so rows without a mask keep theirs.
+extern "C" __global__ void argmax_masked(const float* __restrict__ logits, const u32* __restrict__ masks,
+                                         const u32* __restrict__ rows, u32* __restrict__ out, u32 row_len,
+                                         u32 words) {
+    const u32 row = rows[blockIdx.x];
+    const float* r = logits + (u64)row * row_len;
+    const u32* m = masks + (u64)blockIdx.x * words;
+    const u32 end = min(row_len, words * 32u);
+    float best = DF_NEG_INF;
+    u32 idx = DF_NO_INDEX;
+    for (u32 i = threadIdx.x; i < end; i += blockDim.x) {
+        if (((m[i >> 5] >> (i & 31u)) & 1u) == 0u) continue;
+        const float v = r[i];
+        if (v > best || (idx == DF_NO_INDEX && v == v)) {
+            best = v;
+            idx = i;
+        }
+    }
+    block_argmax(best, idx);
+    if (threadIdx.x == 0 && idx != DF_NO_INDEX) out[row] = idx;
+}

@@ -365,6 +365,56 @@ fn matmul_dispatch_takes_both_paths() {
 }
 
 #[test]
+fn masked_argmax_matches_cpu_over_random_masks() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(16);
+    let (rows, len) = (9usize, 49_157usize);
+    let words = len.div_ceil(32);
+    let mut logits = rng.vec(rows * len, 20.0);
+    // Row 1: its two largest allowed values tie. Row 2: every allowed value NaN (the unmasked argmax stays).
+    logits[len + 77] = 60.0;
+    logits[len + 40_001] = 60.0;
+    // Masks of every density: a handful of ids, about half, almost all, only NaNs; rows 0, 3, 5, 7 are masked.
+    let masked = [0u32, 1, 2, 3, 5, 7];
+    let mut masks = vec![0u32; masked.len() * words];
+    for (m, &row) in masked.iter().enumerate() {
+        let mask = &mut masks[m * words..(m + 1) * words];
+        for id in 0..len {
+            let keep = match m {
+                0 => id % 997 == 5,
+                1 => id == 77 || id == 40_001 || id % 13 == 0,
+                2 => id % 7 == 0,
+                3 => rng.vec(1, 1.0)[0] > 0.0,
+                _ => id % 50 != 0,
+            };
+            if keep {
+                mask[id / 32] |= 1 << (id % 32);
+            }
+        }
+        if m == 2 {
+            (0..len).filter(|id| id % 7 == 0).for_each(|id| logits[row as usize * len + id] = f32::NAN);
+        }
+    }
+    let unmasked: Vec<u32> = logits.chunks(len).map(cpu::argmax).collect();
+    let mut want = unmasked.clone();
+    for (m, &row) in masked.iter().enumerate() {
+        let row_logits = &logits[row as usize * len..(row as usize + 1) * len];
+        if let Some(id) = cpu::filter::masked_argmax(row_logits, &masks[m * words..(m + 1) * words]) {
+            want[row as usize] = id;
+        }
+    }
+    assert_eq!(want[1], 77, "ties go to the lowest id");
+    assert_eq!(want[2], unmasked[2], "no allowed number leaves the row's argmax");
+    let mut out = dev.upload(&unmasked).expect("ids");
+    let (masks_dev, rows_dev) = (dev.upload(&masks).expect("masks"), dev.upload(&masked).expect("rows"));
+    let logits_dev = dev.upload(&logits).expect("logits");
+    gpu::argmax_rows_masked(dev, &logits_dev, len, (&masks_dev, words), &rows_dev, &mut out).expect("masked argmax");
+    let got = dev.download(&out).expect("download");
+    let mismatches = got.iter().zip(&want).filter(|(g, w)| g != w).count() as f64;
+    check("argmax_rows_masked", &format!("{rows}x{len}"), mismatches, 0.0);
+}
+
+#[test]
 fn bad_shapes_are_errors_not_launches() {
     let Some(dev) = device() else { return };
     let buf = |n: usize| dev.alloc_zeros::<f32>(n).expect("buf");

@@ -105,6 +105,7 @@ pub(crate) struct Kernels {
     pub rope: CudaFunction,
     pub argmax_partial: CudaFunction,
     pub argmax_finish: CudaFunction,
+    pub argmax_masked: CudaFunction,
     /// `gemv[r - 1]` takes `r` input rows.
     pub gemv: Vec<CudaFunction>,
     pub gemv_bf16_ep: CudaFunction,
@@ -225,6 +226,7 @@ impl Kernels {
             rope: get("rope")?,
             argmax_partial: get("argmax_partial")?,
             argmax_finish: get("argmax_finish")?,
+            argmax_masked: get("argmax_masked")?,
             gemv,
             gemv_bf16_ep: big_smem("gemv_bf16_ep")?,
             gemm_f32_rows: F32_ROWS_CHUNKS

@@ -86,6 +86,25 @@ pub fn max_finite_of(values: impl Iterator<Item = f32>) -> f32 {
     values.fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m })
 }
 
+/// Index of the largest value among the ids set in `allowed` (bit `i % 32` of word `i / 32`; ids past it are not
+/// allowed), ties to the lowest index; NaN never wins; `None` when no allowed value is a number. The host twin of
+/// the CUDA `argmax_masked`: the greedy choice of a grammar-constrained row.
+pub fn masked_argmax(values: &[f32], allowed: &[u32]) -> Option<u32> {
+    let mut best: Option<(u32, f32)> = None;
+    for (w, &word) in allowed.iter().enumerate() {
+        let mut bits = word;
+        while bits != 0 {
+            let id = w * 32 + bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            let Some(&v) = values.get(id) else { return best.map(|(id, _)| id) };
+            if !v.is_nan() && best.is_none_or(|(_, top)| v > top) {
+                best = Some((id as u32, v));
+            }
+        }
+    }
+    best.map(|(id, _)| id)
+}
+
 /// Index of the largest value, ties to the lowest index; NaN never wins; 0 when nothing beats -inf.
 pub fn argmax(values: &[f32]) -> u32 {
     let max = max_finite(values);
@@ -276,6 +295,22 @@ fn passes_min_p(scaled: f32, max: f32, log_min_p: f32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn masked_argmax_looks_only_at_allowed_ids() {
+        let values = [0.5, 9.0, f32::NAN, 2.0, 2.0, f32::NEG_INFINITY, 7.0];
+        let bits = |ids: &[usize]| {
+            let mut words = vec![0u32; 2];
+            ids.iter().for_each(|&i| words[i / 32] |= 1 << (i % 32));
+            words
+        };
+        assert_eq!(masked_argmax(&values, &bits(&[0, 3, 4])), Some(3), "ties to the lowest id");
+        assert_eq!(masked_argmax(&values, &bits(&[1, 6])), Some(1));
+        assert_eq!(masked_argmax(&values, &bits(&[2, 5])), Some(5), "NaN never wins; -inf is a number");
+        assert_eq!(masked_argmax(&values, &bits(&[2])), None);
+        assert_eq!(masked_argmax(&values, &bits(&[40])), None, "ids past the values are not allowed");
+        assert_eq!(masked_argmax(&values, &[u32::MAX]), Some(argmax(&values)));
+    }
 
     #[test]
     fn exp_nonpositive_is_accurate_and_flushes_below_range() {

@@ -378,6 +378,44 @@ pub fn argmax_rows<'a>(
     Ok(())
 }
 
+/// For each masked row `m`: `out[rows[m]]` = the argmax of logits row `rows[m]` over the ids set in mask `m`
+/// (ties to the lowest id, NaN never wins), left as it was when no allowed value is a number; twin of
+/// [`crate::ops::filter::masked_argmax`]. Runs after the step's own argmax, so unmasked rows keep theirs.
+///
+/// `logits`: `[*, row_len]`; `masks`: `[rows.len(), words]`; `rows`: `[M]` logits rows; `out`: `[*]`.
+///
+/// # Errors
+/// Lengths that do not form these shapes; a launch failure.
+pub fn argmax_rows_masked<'a>(
+    dev: &CudaDevice,
+    logits: impl DevArg<'a, f32>,
+    row_len: usize,
+    (masks, words): (impl DevArg<'a, u32>, usize),
+    rows: impl DevArg<'a, u32>,
+    out: impl DevArg<'a, u32>,
+) -> Result<()> {
+    let (logits, masks, rows, out) = (logits.dev(), masks.dev(), rows.dev(), out.dev());
+    let count = rows.len();
+    if masks.len() != count * words || row_len == 0 || logits.len() % row_len != 0 {
+        return Err(shape_err(format!(
+            "argmax_rows_masked: {} mask words for {count} rows of {words}, logits {} in rows of {row_len}",
+            masks.len(),
+            logits.len()
+        )));
+    }
+    if count == 0 {
+        return Ok(());
+    }
+    let (row_len, words) = (dim(row_len, "row_len")?, dim(words, "words")?);
+    let mut launch = dev.launch_builder(&dev.kernels.argmax_masked);
+    launch.arg(logits.arg()).arg(masks.arg()).arg(rows.arg()).arg(out.arg()).arg(&row_len).arg(&words);
+    // SAFETY: the arguments match the kernel's signature; every row index is checked by the caller against the
+    // logits' rows and `out` (the kernel reads row `rows[m]` and writes `out[rows[m]]`).
+    unsafe { launch.launch(launch_cfg((dim(count, "rows")?, 1, 1), ROW_BLOCK)) }
+        .map_err(launch_err("argmax_masked"))?;
+    Ok(())
+}
+
 /// `out[i] = bf16(x[i])`, round to nearest even; twin of [`crate::convert::round_to_bf16`] (bit-identical).
 ///
 /// # Errors
