@@ -131,6 +131,25 @@ impl ForwardOut {
         self.ids = Some(logits.chunks_exact(vocab.max(1)).map(dflash_runtime::ops::filter::argmax).collect());
         Ok(self)
     }
+
+    /// Each logit row of `masks` takes its argmax over the tokens its mask allows, from the host logits (kept
+    /// when no allowed logit is a number); the other rows keep theirs. Call after [`Self::with_host_argmax`].
+    ///
+    /// # Errors
+    /// Logits that are not f32.
+    pub fn with_host_masks(mut self, masks: &[crate::RowMask]) -> Result<Self> {
+        let vocab = self.logits.shape().last().copied().unwrap_or(0);
+        let logits = self.logits.as_f32()?;
+        let ids = self.ids.get_or_insert_with(Vec::new);
+        for mask in masks {
+            let row = logits.get(mask.logit_row * vocab..(mask.logit_row + 1) * vocab);
+            let chosen = row.and_then(|row| dflash_runtime::ops::filter::masked_argmax(row, &mask.allowed));
+            if let (Some(id), Some(slot)) = (chosen, ids.get_mut(mask.logit_row)) {
+                *slot = id;
+            }
+        }
+        Ok(self)
+    }
 }
 
 /// The paged KV cache: per layer, K and V as `[num_pages, page_size, kv_heads, head_dim]` f32.

@@ -92,6 +92,23 @@ pub trait Target: Send {
         }
     }
 
+    /// As [`Target::forward_step`] under [`Readout::Argmax`], but each row of `masks` takes its argmax over the
+    /// tokens its mask allows (grammar-constrained greedy rows). The masks are computed on another thread while the
+    /// forward runs; a device target overrides this to launch its forward first, then wait for them and apply them
+    /// on the device. The default reads the logits back and picks on the host.
+    ///
+    /// # Errors
+    /// As [`Target::forward_step`].
+    fn forward_step_masked(
+        &mut self,
+        batch: &ForwardBatch,
+        seqs: &[StepSeq],
+        masks: &crate::RowMasks,
+    ) -> Result<ForwardOut> {
+        let out = self.forward_step(batch, seqs, Readout::Logits)?.with_host_argmax()?;
+        out.with_host_masks(&masks.wait())
+    }
+
     /// After a verify forward of sequence `key`: only its first `kept_rows` rows stay (the anchor and the
     /// accepted drafts). The paged cache needs nothing (the scheduler truncates its length); per-sequence state
     /// rolls back. A target that cannot restore the state fails the sequence's next forward.

@@ -5,7 +5,7 @@ use std::time::Instant;
 use rayon::prelude::*;
 
 use dflash_models::tokenizer::Tokenizer;
-use dflash_models::{ForwardBatch, ForwardOut, Readout, SeqRows};
+use dflash_models::{ForwardBatch, ForwardOut, Readout, RowMask, RowMasks, SeqRows};
 
 use super::Engine;
 use crate::grammar::GrammarState;
@@ -31,7 +31,12 @@ impl Engine {
     /// Builds the flat batch for `items` and runs it; returns the logits of the rows that sample or verify, in
     /// item order (`[L, vocab]`), and the hidden states captured for every row (`[T, taps · hidden]`) when the
     /// target captures any.
-    pub(super) fn forward(&mut self, items: &[StepItem], now: Instant) -> Result<ForwardOut, EngineError> {
+    pub(super) fn forward(
+        &mut self,
+        items: &[StepItem],
+        now: Instant,
+        masks: Option<&RowMasks>,
+    ) -> Result<ForwardOut, EngineError> {
         self.restore_states(items)?;
         let page_size = self.page_size;
         let mut inputs = StepInputs::default();
@@ -78,50 +83,63 @@ impl Engine {
         };
         let keyed: Vec<StepSeq> =
             items.iter().map(|item| StepSeq { key: running[item.seq].key, verifies: item.drafts > 0 }).collect();
-        Ok(self.target.forward_step(&batch, &keyed, self.readout(items))?)
+        Ok(match masks {
+            Some(masks) => self.target.forward_step_masked(&batch, &keyed, masks)?,
+            None => self.target.forward_step(&batch, &keyed, self.readout(items, false))?,
+        })
     }
 
     /// Runs the forward of `items` while another thread computes the grammar masks of their sampled rows, so
-    /// constrained requests add no mask time to the step's critical path.
+    /// constrained requests add no mask time to the step's critical path. When every constrained row is greedy
+    /// (and the step would read back only ids without them), the masks go to the target, which applies them where
+    /// the logits are ([`Target::forward_step_masked`]); otherwise the logits come back and rows are masked here.
     ///
     /// # Errors
     /// The forward's.
     pub(super) fn forward_masked(&mut self, items: &[StepItem], now: Instant) -> Result<ForwardOut, EngineError> {
-        let mut jobs: Vec<(usize, GrammarState, usize, Vec<u32>)> = Vec::new();
-        for item in items.iter().filter(|item| item.samples) {
+        let mut jobs: Vec<MaskJob> = Vec::new();
+        let mut logit_row = 0;
+        for item in items {
             let seq = &mut self.sched.running[item.seq];
-            if let Some(grammar) = seq.grammar.take() {
-                jobs.push((item.seq, grammar, seq.len(), seq.drafts.clone()));
+            if let Some(grammar) = seq.grammar.take_if(|_| item.samples) {
+                let (committed, drafts) = (seq.len(), seq.drafts.clone());
+                jobs.push(MaskJob { seq: item.seq, first_logit_row: logit_row, committed, drafts, grammar });
             }
+            logit_row += if item.drafts > 0 { 1 + item.drafts } else { usize::from(item.samples) };
         }
         if jobs.is_empty() {
-            return self.forward(items, now);
+            return self.forward(items, now, None);
         }
+        let on_device = self.readout(items, true) == Readout::Argmax;
+        let row_masks = RowMasks::default();
         let out = std::thread::scope(|scope| {
             let masking = scope.spawn(|| {
-                jobs.par_iter_mut()
-                    .for_each(|(_, grammar, committed, drafts)| grammar.compute_ahead(*committed, drafts));
+                let publish = PublishOnDrop { masks: &row_masks, rows: Vec::new() };
+                compute_masks(&mut jobs, on_device.then_some(publish));
             });
-            let out = self.forward(items, now);
+            let out = self.forward(items, now, on_device.then_some(&row_masks));
             if masking.join().is_err() {
                 tracing::error!("computing grammar masks ahead panicked; rows compute their masks when sampled");
             }
             out
         });
-        for (i, grammar, ..) in jobs {
-            self.sched.running[i].grammar = Some(grammar);
+        for job in jobs {
+            self.sched.running[job.seq].grammar = Some(job.grammar);
         }
         out
     }
 
     /// What the step reads back of its logit rows: only their argmax when that is every sampling row's whole
-    /// choice (greedy requests without penalties, logprobs or a grammar), so a device target copies back `L` ids
-    /// instead of `L · vocab` logits; else the logits.
-    fn readout(&self, items: &[StepItem]) -> Readout {
+    /// choice (greedy requests without penalties or logprobs, and without a grammar unless `masks_on_device`: the
+    /// target then applies the masks itself), so a device target copies back `L` ids instead of `L · vocab`
+    /// logits; else the logits.
+    fn readout(&self, items: &[StepItem], masks_on_device: bool) -> Readout {
         let running = &self.sched.running;
         let argmax_only = items.iter().filter(|item| item.samples).all(|item| {
-            let request = &running[item.seq].request;
-            request.sampling.picks_argmax() && request.logprobs.is_none() && request.grammar.is_none()
+            let seq = &running[item.seq];
+            let request = &seq.request;
+            let grammar_ok = masks_on_device || request.grammar.is_none();
+            request.sampling.picks_argmax() && request.logprobs.is_none() && grammar_ok
         });
         if argmax_only {
             Readout::Argmax
@@ -148,7 +166,7 @@ impl Engine {
         let mut finished = Vec::new();
         for item in items {
             let one = std::slice::from_ref(item);
-            match self.forward(one, Instant::now()) {
+            match self.forward(one, Instant::now(), None) {
                 Ok(out) => finished.extend(self.sample_and_stream(one, &out)),
                 Err(e) => finished.push((item.seq, self.fail_seq(item.seq, &e.to_string()))),
             }
@@ -336,6 +354,44 @@ impl Engine {
         self.emit_time += emitting.elapsed();
         self.metrics.record_token(ttft, itl);
         (id, finish)
+    }
+}
+
+/// A constrained sequence's grammar, taken out for the step so another thread can compute its masks.
+struct MaskJob {
+    seq: usize,
+    /// Its first row among the step's logit rows.
+    first_logit_row: usize,
+    committed: usize,
+    /// The drafts its step verifies.
+    drafts: Vec<u32>,
+    grammar: GrammarState,
+}
+
+/// Publishes the masks it gathered when dropped, so a target waiting for them is released even if computing
+/// them panicked (rows then go unmasked, and the grammar refuses their tokens: the request fails, not the step).
+struct PublishOnDrop<'a> {
+    masks: &'a RowMasks,
+    rows: Vec<RowMask>,
+}
+
+impl Drop for PublishOnDrop<'_> {
+    fn drop(&mut self) {
+        self.masks.publish(std::mem::take(&mut self.rows));
+    }
+}
+
+/// Computes every job's masks ahead over the thread pool (each row along its sequence's drafts); with `publish`,
+/// hands them to the target as logit-row masks.
+fn compute_masks(jobs: &mut [MaskJob], publish: Option<PublishOnDrop<'_>>) {
+    jobs.par_iter_mut().for_each(|job| job.grammar.compute_ahead(job.committed, &job.drafts));
+    if let Some(mut publish) = publish {
+        for job in jobs.iter() {
+            let rows = job.grammar.ahead_words().enumerate();
+            publish
+                .rows
+                .extend(rows.map(|(j, words)| RowMask { logit_row: job.first_logit_row + j, allowed: words.to_vec() }));
+        }
     }
 }
 

@@ -82,6 +82,12 @@ impl GrammarState {
         }
     }
 
+    /// The masks computed ahead for the coming step's rows, as bit words (`[rows][ceil(vocab / 32)]`): row `j`
+    /// follows drafts `..j`.
+    pub fn ahead_words(&self) -> impl Iterator<Item = &[u32]> {
+        self.ahead.iter().map(|mask| mask.0.as_slice())
+    }
+
     /// The mask of the next token after `committed` committed tokens: computed ahead when it was, else now. A
     /// matcher in an error state allows only end-of-sequence, which ends the output where the grammar broke (and
     /// [`Self::failure`] says why).

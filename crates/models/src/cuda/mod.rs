@@ -28,7 +28,7 @@ pub(crate) use error::Result;
 pub(crate) use linear::{Linear, MatIn, MatOut};
 pub use plan::GRAPH_CONTEXTS;
 pub(crate) use plan::{StepPlan, TileRows};
-pub(crate) use step::{attend, collect_out, Step};
+pub(crate) use step::{apply_masks, attend, collect_out, Step};
 pub(crate) use weights::{upload_norm, DevMatrix, DevProjection, DevWeight, MatrixKind};
 
 use crate::error::ModelError;

@@ -3,8 +3,8 @@
 //! results back after one synchronisation; and the attention core of every attention layer.
 
 use dflash_runtime::cuda::ops::{
-    attention_rope_fits, paged_attention, paged_attention_rope, prompt_attention_tc, rope_kv_write, AttentionArgs,
-    KeySplit, RopeKvArgs,
+    argmax_rows_masked, attention_rope_fits, paged_attention, paged_attention_rope, prompt_attention_tc, rope_kv_write,
+    AttentionArgs, KeySplit, RopeKvArgs,
 };
 use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DevSlice, DeviceBuf};
 use dflash_runtime::Tensor;
@@ -209,6 +209,42 @@ pub(crate) fn collect_out(
     let captured =
         (capture_width > 0).then(|| Tensor::from_f32(&hidden, &[batch.num_tokens(), capture_width])).transpose()?;
     Ok(ForwardOut { logits, ids, captured })
+}
+
+/// Waits for `masks` (the host computes them while the device runs the step just launched), uploads them and
+/// queues the masked argmax of their rows over the step's argmax (`rows`: the device row of each logit row).
+///
+/// # Errors
+/// A mask naming a logit row the step does not have; a device failure.
+pub(crate) fn apply_masks(
+    dev: &CudaDevice,
+    ws: &mut Workspace,
+    vocab: usize,
+    rows: &[usize],
+    masks: &crate::RowMasks,
+) -> Result<()> {
+    let masks = masks.wait();
+    let words = vocab.div_ceil(32);
+    let mut flat = Vec::with_capacity(masks.len() * words);
+    let mut device_rows = Vec::with_capacity(masks.len());
+    for mask in &masks {
+        let Some(&row) = rows.get(mask.logit_row) else {
+            return Err(CudaModelError::Batch(format!("a mask for logit row {} of {}", mask.logit_row, rows.len())));
+        };
+        device_rows.push(row as u32);
+        // Ids past the logits (a tokenizer larger than the LM head) can never be chosen anyway.
+        flat.extend_from_slice(&mask.allowed[..mask.allowed.len().min(words)]);
+        flat.resize(device_rows.len() * words, 0);
+    }
+    if device_rows.is_empty() {
+        return Ok(());
+    }
+    dev.upload_prefix(&flat, &mut ws.masks)?;
+    dev.upload_prefix(&device_rows, &mut ws.mask_rows)?;
+    let masks_view = ws.masks.view().prefix(flat.len())?;
+    let rows_view = ws.mask_rows.view().prefix(device_rows.len())?;
+    argmax_rows_masked(dev, &ws.logits, vocab, (masks_view, words), rows_view, &mut ws.ids)?;
+    Ok(())
 }
 
 /// Queues the copy of the greedy ids of the device rows `rows`: one copy when the rows are contiguous (always,

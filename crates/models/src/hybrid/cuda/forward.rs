@@ -10,7 +10,9 @@ use dflash_runtime::cuda::DevSlice;
 use super::cache::CudaHybridCache;
 use super::{CudaHybridModel, DevAttention, DevFfn, DevGdn, DevMixer, DevMoe, GdnSeq};
 use crate::batch::{ForwardBatch, ForwardOut, Readout};
-use crate::cuda::{attend, collect_out, CudaModelError, DevWeight, Linear, MatIn, MatOut, Result, Step, StepPlan};
+use crate::cuda::{
+    apply_masks, attend, collect_out, CudaModelError, DevWeight, Linear, MatIn, MatOut, Result, Step, StepPlan,
+};
 
 impl CudaHybridModel {
     /// Runs every row of `batch` (as [`crate::hybrid::HybridModel::forward`]), `seqs[i]` naming the state
@@ -39,6 +41,26 @@ impl CudaHybridModel {
         let rows = self.run(batch, cache, seqs, readout)?;
         let width = self.capture_layers.len() * self.cfg.base.hidden_size;
         let out = collect_out(&self.dev, &cache.ws, (self.cfg.base.vocab_size, width), batch, &rows, readout)?;
+        set_pending(batch, cache, seqs);
+        Ok(out)
+    }
+
+    /// As [`CudaHybridModel::forward_as`] under [`Readout::Argmax`], the rows of `masks` taking their argmax over
+    /// the tokens their masks allow (waited for once the step is launched).
+    ///
+    /// # Errors
+    /// As [`CudaHybridModel::forward`]; a mask for a row the step does not have.
+    pub fn forward_masked(
+        &self,
+        batch: &ForwardBatch,
+        cache: &mut CudaHybridCache,
+        seqs: &[GdnSeq],
+        masks: &crate::RowMasks,
+    ) -> Result<ForwardOut> {
+        let rows = self.run(batch, cache, seqs, Readout::Argmax)?;
+        apply_masks(&self.dev, &mut cache.ws, self.cfg.base.vocab_size, &rows, masks)?;
+        let width = self.capture_layers.len() * self.cfg.base.hidden_size;
+        let out = collect_out(&self.dev, &cache.ws, (self.cfg.base.vocab_size, width), batch, &rows, Readout::Argmax)?;
         set_pending(batch, cache, seqs);
         Ok(out)
     }

@@ -83,6 +83,26 @@ impl CudaHybridTarget {
         })
     }
 
+    /// One step of `batch` through `forward` (a readout of the model's), with the verifies of the last step
+    /// resolved first and this step's verifies left pending.
+    fn step_with(
+        &mut self,
+        batch: &ForwardBatch,
+        seqs: &[StepSeq],
+        forward: impl FnOnce(&CudaHybridModel, &mut CudaHybridCache, &[GdnSeq]) -> crate::cuda::Result<ForwardOut>,
+    ) -> Result<ForwardOut> {
+        self.resolve_verifies()?;
+        let gdn = self.slots_for(batch, seqs)?;
+        let out = forward(&self.model, &mut self.cache, &gdn).map_err(device_err)?;
+        self.pending = seqs
+            .iter()
+            .zip(batch.seqs)
+            .filter(|(s, _)| s.verifies)
+            .map(|(s, rows)| PendingVerify { key: s.key, rows: rows.num_rows, kept: None })
+            .collect();
+        Ok(out)
+    }
+
     /// The slot of each batch sequence (taken from the free list for new keys, zeroed at position 0).
     fn slots_for(&mut self, batch: &ForwardBatch, seqs: &[StepSeq]) -> Result<Vec<GdnSeq>> {
         if seqs.len() != batch.seqs.len() {
@@ -170,16 +190,16 @@ impl Target for CudaHybridTarget {
     }
 
     fn forward_step(&mut self, batch: &ForwardBatch, seqs: &[StepSeq], readout: Readout) -> Result<ForwardOut> {
-        self.resolve_verifies()?;
-        let gdn = self.slots_for(batch, seqs)?;
-        let out = self.model.forward_as(batch, &mut self.cache, &gdn, readout).map_err(device_err)?;
-        self.pending = seqs
-            .iter()
-            .zip(batch.seqs)
-            .filter(|(s, _)| s.verifies)
-            .map(|(s, rows)| PendingVerify { key: s.key, rows: rows.num_rows, kept: None })
-            .collect();
-        Ok(out)
+        self.step_with(batch, seqs, |model, cache, gdn| model.forward_as(batch, cache, gdn, readout))
+    }
+
+    fn forward_step_masked(
+        &mut self,
+        batch: &ForwardBatch,
+        seqs: &[StepSeq],
+        masks: &crate::RowMasks,
+    ) -> Result<ForwardOut> {
+        self.step_with(batch, seqs, |model, cache, gdn| model.forward_masked(batch, cache, gdn, masks))
     }
 
     fn verified(&mut self, key: u64, kept_rows: usize) {

@@ -9,8 +9,10 @@ use dflash_runtime::cuda::DeviceBuf;
 use super::model::{CudaLayer, CudaLlamaModel};
 use crate::batch::{ForwardBatch, ForwardOut, Readout};
 use crate::cuda::{
-    attend, collect_out, CudaCache, DevMatrix, DevProjection, DevWeight, Linear, MatIn, MatOut, Result, Step, StepPlan,
+    apply_masks, attend, collect_out, CudaCache, DevMatrix, DevProjection, DevWeight, Linear, MatIn, MatOut, Result,
+    Step, StepPlan,
 };
+use crate::RowMasks;
 
 impl CudaLlamaModel {
     /// Runs every row of `batch` (the same description as [`crate::llama::LlamaModel::forward`]), writing their
@@ -33,6 +35,19 @@ impl CudaLlamaModel {
         let rows = self.run(batch, cache, readout)?;
         let width = self.capture_layers.len() * self.cfg.hidden_size;
         collect_out(&self.dev, &cache.ws, (self.cfg.vocab_size, width), batch, &rows, readout)
+    }
+
+    /// As [`CudaLlamaModel::forward_as`] under [`Readout::Argmax`], the rows of `masks` taking their argmax over
+    /// the tokens their masks allow: the step is launched first, so the masks (computed on another thread) only
+    /// have to be ready when its logits are.
+    ///
+    /// # Errors
+    /// As [`CudaLlamaModel::forward`]; a mask for a row the step does not have.
+    pub fn forward_masked(&self, batch: &ForwardBatch, cache: &mut CudaCache, masks: &RowMasks) -> Result<ForwardOut> {
+        let rows = self.run(batch, cache, Readout::Argmax)?;
+        apply_masks(&self.dev, &mut cache.ws, self.cfg.vocab_size, &rows, masks)?;
+        let width = self.capture_layers.len() * self.cfg.hidden_size;
+        collect_out(&self.dev, &cache.ws, (self.cfg.vocab_size, width), batch, &rows, Readout::Argmax)
     }
 
     /// The argmax of each logit row ([`CudaLlamaModel::forward_as`] with [`Readout::Argmax`]): what the kernel

@@ -58,6 +58,15 @@ impl Target for CudaLlamaTarget {
         self.model.forward_as(batch, &mut self.cache, readout).map_err(device_err)
     }
 
+    fn forward_step_masked(
+        &mut self,
+        batch: &ForwardBatch,
+        _seqs: &[StepSeq],
+        masks: &crate::RowMasks,
+    ) -> Result<ForwardOut> {
+        self.model.forward_masked(batch, &mut self.cache, masks).map_err(device_err)
+    }
+
     fn host_heads(&self) -> Option<Arc<dyn TargetHeads>> {
         self.heads.as_ref().map(|h| Arc::clone(h) as Arc<dyn TargetHeads>)
     }
