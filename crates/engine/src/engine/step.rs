@@ -214,6 +214,9 @@ impl Engine {
             }
         };
         let capture_width = out.captured.as_ref().map_or(0, |c| c.row_len());
+        if let Some(ids) = ids {
+            self.advance_grammars(items, ids);
+        }
         let now = Instant::now();
         let mut finished = Vec::new();
         let (mut row, mut batch_row) = (0, 0);
@@ -251,6 +254,26 @@ impl Engine {
             batch_row += item.rows;
         }
         finished
+    }
+
+    /// Moves the grammars of the plain constrained rows past their chosen tokens (`ids`, one per logit row) over the
+    /// thread pool, ahead of the commits that stream them one sequence after another: llguidance's commit is the
+    /// costly part of a constrained row once its mask is applied on the device. Verify rows commit in turn (which of
+    /// their tokens are kept is known only then).
+    fn advance_grammars(&mut self, items: &[StepItem], ids: &[u32]) {
+        let mut chosen = vec![None; self.sched.running.len()];
+        let mut row = 0;
+        for item in items.iter().filter(|item| item.samples) {
+            if item.drafts == 0 {
+                chosen[item.seq] = ids.get(row).copied();
+            }
+            row += 1 + item.drafts;
+        }
+        self.sched.running.par_iter_mut().zip(chosen).for_each(|(seq, token)| {
+            if let (Some(grammar), Some(token)) = (seq.grammar.as_mut(), token) {
+                grammar.advance_ahead(token);
+            }
+        });
     }
 
     /// Hands a sequence's lane the captured hidden states of its rows that stay in the cache (positions

@@ -49,11 +49,13 @@ pub struct GrammarState {
     /// Why the matcher broke mid-output (a lexer limit, say): the sequence then fails instead of ending as if
     /// complete.
     broken: Option<String>,
+    /// A token the matcher already moved past ([`Self::advance_ahead`]), with how that went, for its commit.
+    advanced: Option<(u32, Result<(), String>)>,
 }
 
 impl GrammarState {
     pub(super) fn new(matcher: Matcher, eos_only: SimpleVob) -> Self {
-        GrammarState { matcher, eos_only, ahead: Vec::new(), ahead_from: usize::MAX, broken: None }
+        GrammarState { matcher, eos_only, ahead: Vec::new(), ahead_from: usize::MAX, broken: None, advanced: None }
     }
 
     /// How many of `drafts` the grammar accepts in order from here; drafts past the first forbidden one could
@@ -110,11 +112,29 @@ impl GrammarState {
     /// # Errors
     /// The matcher's message when the grammar does not allow `token`.
     pub fn commit(&mut self, token: u32) -> Result<(), String> {
+        if let Some((advanced, result)) = self.advanced.take() {
+            if advanced == token {
+                return result.inspect_err(|why| {
+                    self.broken.get_or_insert_with(|| why.clone());
+                });
+            }
+            // Not the token moved past (the sequence stopped first): undo it before committing this one.
+            if result.is_ok() && self.matcher.rollback(1).is_err() {
+                self.broken.get_or_insert_with(|| "the grammar failed: a rollback was refused".into());
+            }
+        }
         self.matcher.consume_token(token).map_err(|e| {
             let why = format!("the grammar failed: {e}");
             self.broken.get_or_insert(why.clone());
             why
         })
+    }
+
+    /// Moves past `token` now, ahead of its [`Self::commit`] (which then only reports how it went): lets a step
+    /// advance many sequences' grammars in parallel before committing their tokens in turn.
+    pub fn advance_ahead(&mut self, token: u32) {
+        let result = self.matcher.consume_token(token).map_err(|e| format!("the grammar failed: {e}"));
+        self.advanced = Some((token, result));
     }
 
     /// Why the grammar broke mid-output, if it did.
