@@ -112,16 +112,23 @@ impl Engine {
         }
         let on_device = self.readout(items, true) == Readout::Argmax;
         let row_masks = RowMasks::default();
-        let out = std::thread::scope(|scope| {
-            let masking = scope.spawn(|| {
-                let publish = PublishOnDrop { masks: &row_masks, rows: Vec::new() };
-                compute_masks(&mut jobs, on_device.then_some(publish));
+        // The masks go to the thread pool (no thread is started per step); this thread runs the forward, which
+        // waits for them only where it applies them. The scope ends once both are done.
+        let jobs_ref = &mut jobs;
+        let masks_ref = &row_masks;
+        let out = rayon::in_place_scope(|scope| {
+            scope.spawn(move |_| {
+                let publish = PublishOnDrop { masks: masks_ref, rows: Vec::new() };
+                // A panic stays here: the rows go unmasked, their grammars refuse the tokens and only their
+                // requests fail.
+                let computed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    compute_masks(jobs_ref, on_device.then_some(publish));
+                }));
+                if computed.is_err() {
+                    tracing::error!("computing grammar masks panicked");
+                }
             });
-            let out = self.forward(items, now, on_device.then_some(&row_masks));
-            if masking.join().is_err() {
-                tracing::error!("computing grammar masks ahead panicked; rows compute their masks when sampled");
-            }
-            out
+            self.forward(items, now, on_device.then_some(&row_masks))
         });
         for job in jobs {
             self.sched.running[job.seq].grammar = Some(job.grammar);
