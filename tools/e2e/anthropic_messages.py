@@ -12,6 +12,8 @@ import sys
 
 import anthropic
 
+from e2e_support import CheckFailure, check
+
 PROMPT = "What is the capital of France?"
 MAX_TOKENS = 16
 # Greedy decoding, so stream and whole agree. Newer clients no longer take `temperature` as an argument; the API
@@ -22,15 +24,6 @@ WEATHER_TOOL = {
     "description": "The current weather in a city.",
     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
-
-
-class CheckFailure(Exception):
-    """A check that did not hold."""
-
-
-def check(condition, message):
-    if not condition:
-        raise CheckFailure(message)
 
 
 def ask(client, model, **extra):

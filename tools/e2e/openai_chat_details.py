@@ -13,24 +13,9 @@ import urllib.request
 
 from openai import NotFoundError, OpenAI
 
+from e2e_support import CheckFailure, check, base_url_from
+
 COUNT_PROMPT = "Count from 1 to 10, separated by commas."
-
-
-class CheckFailure(Exception):
-    """A check that did not hold."""
-
-
-def check(condition, message):
-    if not condition:
-        raise CheckFailure(message)
-
-
-def base_url_from(argv):
-    url = argv[1] if len(argv) > 1 else os.environ.get("DFLASH_BASE_URL", "")
-    if not url:
-        raise SystemExit(__doc__)
-    url = url.rstrip("/")
-    return url if url.endswith("/v1") else url + "/v1"
 
 
 def server_call(base_url, route, body):
@@ -135,7 +120,7 @@ def check_aliases(client, aliases):
 
 
 def main(argv):
-    base_url = base_url_from(argv)
+    base_url = base_url_from(argv, __doc__)
     aliases = argv[2:]
     client = OpenAI(base_url=base_url, api_key=os.environ.get("DFLASH_API_KEY", "none"), max_retries=0)
     model = client.models.list().data[0].id

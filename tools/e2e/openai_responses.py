@@ -14,6 +14,8 @@ import jsonschema
 import openai
 from openai import OpenAI
 
+from e2e_support import CheckFailure, check
+
 PROMPT = "What is the capital of France?"
 MAX_TOKENS = 16
 WEATHER_TOOL = {
@@ -28,15 +30,6 @@ CITY_SCHEMA = {
     "required": ["city", "population"],
     "additionalProperties": False,
 }
-
-
-class CheckFailure(Exception):
-    """A check that did not hold."""
-
-
-def check(condition, message):
-    if not condition:
-        raise CheckFailure(message)
 
 
 def whole(client, model):

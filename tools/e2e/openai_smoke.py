@@ -9,25 +9,10 @@ import sys
 
 from openai import OpenAI
 
+from e2e_support import CheckFailure, check, base_url_from
+
 PROMPT = "What is the capital of France?"
 MAX_TOKENS = 16
-
-
-class SmokeFailure(Exception):
-    """A check that did not hold."""
-
-
-def check(condition, message):
-    if not condition:
-        raise SmokeFailure(message)
-
-
-def base_url_from(argv):
-    url = argv[1] if len(argv) > 1 else os.environ.get("DFLASH_BASE_URL", "")
-    if not url:
-        raise SystemExit(__doc__)
-    url = url.rstrip("/")
-    return url if url.endswith("/v1") else url + "/v1"
 
 
 def check_usage(usage, where):
@@ -86,7 +71,7 @@ def streamed_chat(client, model):
 
 
 def main(argv):
-    base_url = base_url_from(argv)
+    base_url = base_url_from(argv, __doc__)
     api_key = os.environ.get("DFLASH_API_KEY", "no-key")
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
     models = client.models.list().data
@@ -107,6 +92,6 @@ def main(argv):
 if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv))
-    except SmokeFailure as failure:
+    except CheckFailure as failure:
         print(f"openai smoke test FAILED: {failure}", file=sys.stderr)
         sys.exit(1)

@@ -21,6 +21,8 @@ from pathlib import Path
 import jsonschema
 from openai import BadRequestError, OpenAI
 
+from e2e_support import CheckFailure, check, base_url_from
+
 SCHEMAS_PATH = Path(__file__).with_name("schemas.json")
 MAX_TOKENS = 400  # every schema is bounded well below this, so a "length" finish is a failure
 PARALLEL_REQUESTS = 8
@@ -28,23 +30,6 @@ SEEDED_SCHEMAS = 8
 SEED = 1234
 FIELDS_SCHEMA = "person"  # asked under every field name that takes a schema
 STREAMED_SCHEMA = "weather"
-
-
-class SmokeFailure(Exception):
-    """A check that did not hold."""
-
-
-def check(condition, message):
-    if not condition:
-        raise SmokeFailure(message)
-
-
-def base_url_from(argv):
-    url = argv[1] if len(argv) > 1 else os.environ.get("DFLASH_BASE_URL", "")
-    if not url:
-        raise SystemExit(__doc__)
-    url = url.rstrip("/")
-    return url if url.endswith("/v1") else url + "/v1"
 
 
 def schema_format(case):
@@ -231,7 +216,7 @@ def expect_400(client, model, param_choices, where, **kwargs):
         param = body.get("param")
         check(param in param_choices, f"{where}: 400 names param {param!r}, expected one of {param_choices}")
         return param
-    raise SmokeFailure(f"{where}: the request was accepted")
+    raise CheckFailure(f"{where}: the request was accepted")
 
 
 def check_refusals(client, model):
@@ -250,7 +235,7 @@ def check_refusals(client, model):
 
 
 def main(argv):
-    base_url = base_url_from(argv)
+    base_url = base_url_from(argv, __doc__)
     api_key = os.environ.get("DFLASH_API_KEY", "no-key")
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
     model = client.models.list().data[0].id
@@ -283,6 +268,6 @@ def main(argv):
 if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv))
-    except SmokeFailure as failure:
+    except CheckFailure as failure:
         print(f"openai structured-output test FAILED: {failure}", file=sys.stderr)
         sys.exit(1)

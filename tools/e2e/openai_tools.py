@@ -16,6 +16,8 @@ import jsonschema
 import openai
 from openai import OpenAI
 
+from e2e_support import CheckFailure, check, base_url_from
+
 MAX_TOKENS = 96
 WEATHER = {
     "type": "object",
@@ -42,23 +44,6 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 MESSAGES = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
-class ToolsFailure(Exception):
-    """A check that did not hold."""
-
-
-def check(condition, message):
-    if not condition:
-        raise ToolsFailure(message)
-
-
-def base_url_from(argv):
-    url = argv[1] if len(argv) > 1 else os.environ.get("DFLASH_BASE_URL", "")
-    if not url:
-        raise SystemExit(__doc__)
-    url = url.rstrip("/")
-    return url if url.endswith("/v1") else url + "/v1"
-
-
 def check_call(name, arguments, where, expected_name=None):
     """A call names an offered tool (the expected one, if given) and its arguments validate against its schema."""
     check(name in SCHEMAS, f"{where}: unknown function {name!r}")
@@ -67,11 +52,11 @@ def check_call(name, arguments, where, expected_name=None):
     try:
         parsed = json.loads(arguments)
     except json.JSONDecodeError as error:
-        raise ToolsFailure(f"{where}: arguments are not JSON ({error}): {arguments!r}") from error
+        raise CheckFailure(f"{where}: arguments are not JSON ({error}): {arguments!r}") from error
     try:
         jsonschema.validate(parsed, SCHEMAS[name])
     except jsonschema.ValidationError as error:
-        raise ToolsFailure(f"{where}: arguments {parsed} break the schema: {error.message}") from error
+        raise CheckFailure(f"{where}: arguments {parsed} break the schema: {error.message}") from error
     return parsed
 
 
@@ -160,11 +145,11 @@ def unknown_choice_is_refused(client, model):
     except openai.BadRequestError as error:
         check(error.param == "tool_choice", f"refusal: param {error.param!r}")
         return
-    raise ToolsFailure("refusal: a tool_choice naming no offered tool was accepted")
+    raise CheckFailure("refusal: a tool_choice naming no offered tool was accepted")
 
 
 def main(argv):
-    client = OpenAI(base_url=base_url_from(argv), api_key=os.environ.get("DFLASH_API_KEY", "unused"))
+    client = OpenAI(base_url=base_url_from(argv, __doc__), api_key=os.environ.get("DFLASH_API_KEY", "unused"))
     model = client.models.list().data[0].id
     named = {"type": "function", "function": {"name": "get_weather"}}
     calls = forced_whole(client, model, named, "named")
@@ -180,6 +165,6 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv)
-    except ToolsFailure as failure:
+    except CheckFailure as failure:
         print(f"FAILED: {failure}", file=sys.stderr)
         sys.exit(1)
