@@ -11,9 +11,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
-use axum::body::{Body, Bytes};
-use axum::http::{header, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::body::Bytes;
+use axum::http::StatusCode;
+use axum::response::Response;
 use futures_util::Stream;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver as Receiver;
@@ -23,6 +23,7 @@ use super::super::metrics::HttpMetrics;
 use super::super::responses::ResponseMeta;
 use super::super::routes::Submitted;
 use super::super::split::{AnswerPiece, AnswerSplitter};
+use super::super::sse::event_stream_response;
 use super::errors::error_json;
 use super::response::{matched_stop, stop_reason, tool_use_block, MessageBody, ToolUseBlock};
 
@@ -84,13 +85,7 @@ impl MessageStream {
 
     /// The streaming HTTP response.
     pub fn into_response(self) -> Response {
-        let headers = [
-            (header::CONTENT_TYPE, "text/event-stream"),
-            (header::CACHE_CONTROL, "no-cache"),
-            // Tells nginx-style proxies not to buffer the stream.
-            (header::HeaderName::from_static("x-accel-buffering"), "no"),
-        ];
-        (headers, Body::from_stream(self)).into_response()
+        event_stream_response(self)
     }
 
     fn on_event(&mut self, event: EngineEvent) {

@@ -13,9 +13,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
-use axum::body::{Body, Bytes};
-use axum::http::header;
-use axum::response::{IntoResponse, Response};
+use axum::body::Bytes;
+use axum::response::Response;
 use futures_util::Stream;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver as Receiver;
@@ -26,6 +25,7 @@ use super::super::reqlog::RequestLog;
 use super::super::responses::ResponseMeta;
 use super::super::routes::Submitted;
 use super::super::split::{AnswerPiece, AnswerSplitter, ToolCall};
+use super::super::sse::event_stream_response;
 use super::response::{message_id, message_item, response_object, text_part, FunctionCall, ResponseEcho, Status};
 
 /// The message item being streamed: its id, place and text so far.
@@ -78,13 +78,7 @@ impl ResponseStream {
 
     /// The streaming HTTP response.
     pub fn into_response(self) -> Response {
-        let headers = [
-            (header::CONTENT_TYPE, "text/event-stream"),
-            (header::CACHE_CONTROL, "no-cache"),
-            // Tells nginx-style proxies not to buffer the stream.
-            (header::HeaderName::from_static("x-accel-buffering"), "no"),
-        ];
-        (headers, Body::from_stream(self)).into_response()
+        event_stream_response(self)
     }
 
     fn on_event(&mut self, event: EngineEvent) {
