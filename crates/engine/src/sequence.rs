@@ -218,7 +218,12 @@ impl Sequence {
         let cap = self.request.max_tokens.saturating_sub(self.generated() + 1);
         if let Some(lane) = self.lane.as_mut() {
             let input = ProposeInput { tokens: &self.tokens, sampling: &self.request.sampling };
-            self.drafts = lane.draft(&input, cap);
+            // A proposer that panics (a drafter bug) must not take the engine thread, and with it every request,
+            // down: the lane is dropped and the request decodes plain, with the tokens it would have had anyway.
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lane.draft(&input, cap))) {
+                Ok(drafts) => self.drafts = drafts,
+                Err(_) => self.drop_lane("drafting"),
+            }
         }
         if let Some(grammar) = self.grammar.as_mut().filter(|_| !self.drafts.is_empty()) {
             let valid = grammar.valid_drafts(&self.drafts);
@@ -243,6 +248,18 @@ impl Sequence {
     /// fails rather than ending as if its output were complete.
     pub fn grammar_failure(&self) -> Option<String> {
         self.grammar.as_ref().and_then(|g| g.failure()).map(str::to_string)
+    }
+
+    /// Drops a lane whose proposer panicked while `doing`; the sequence goes on without speculation.
+    pub fn drop_lane(&mut self, doing: &str) {
+        if let Some(lane) = self.lane.take() {
+            tracing::error!(
+                "{}: the {} lane panicked while {doing}; decoding on without it",
+                self.request.id,
+                lane.stats.lane
+            );
+        }
+        self.drafts.clear();
     }
 
     /// Whether the sequence is decoding: everything but its last sampled token is in the cache.
@@ -421,5 +438,63 @@ impl std::fmt::Debug for Sequence {
             .field("computed", &self.computed)
             .field("pages", &self.block_table.len())
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod lane_tests {
+    use super::*;
+    use crate::spec::{CostTable, LaneKind, PolicyMode, Proposal, Proposer, SharedCosts, SpecLane};
+
+    struct Panics;
+
+    impl Proposer for Panics {
+        fn kind(&self) -> LaneKind {
+            LaneKind::Dflash
+        }
+
+        fn propose(&mut self, _input: &ProposeInput, _max: usize) -> Proposal {
+            panic!("a drafter bug");
+        }
+    }
+
+    struct Quiet;
+
+    impl EventSink for Quiet {
+        fn send(&mut self, _event: Event) -> bool {
+            true
+        }
+
+        fn is_closed(&self) -> bool {
+            false
+        }
+    }
+
+    #[test]
+    fn a_panicking_proposer_loses_its_lane_not_the_request() {
+        let request = Request {
+            id: "r".into(),
+            prompt: vec![1, 2, 3],
+            sampling: crate::SamplingParams::greedy(),
+            max_tokens: 8,
+            stop: Vec::new(),
+            logprobs: None,
+            ignore_eos: true,
+            enable_pld: None,
+            enable_drafter: None,
+            spec_policy: None,
+            cache_prompt: false,
+            oracle: None,
+            grammar: None,
+        };
+        let mut seq = Sequence::new(request, Box::new(Quiet));
+        let costs = SharedCosts::new(CostTable::new(9));
+        seq.lane = Some(SpecLane::new(Box::new(Panics), 4, 4, PolicyMode::Fixed, costs));
+        seq.advance(2);
+        assert!(seq.is_decoding());
+        seq.prepare_drafts();
+        assert!(seq.lane.is_none() && seq.drafts.is_empty());
+        seq.prepare_drafts();
+        assert!(seq.drafts.is_empty(), "plain from then on");
     }
 }

@@ -287,8 +287,13 @@ impl Engine {
     /// `start ..`), if the lane reads them; prompt rows are also kept to be cached with their pages.
     fn observe(&mut self, i: usize, start: usize, rows: &[f32]) {
         self.sched.keep_capture(i, start, rows);
-        if let Some(lane) = self.sched.running[i].lane.as_mut().filter(|l| l.proposer.observes_target()) {
-            lane.proposer.observe(start, rows);
+        let seq = &mut self.sched.running[i];
+        if let Some(lane) = seq.lane.as_mut().filter(|l| l.proposer.observes_target()) {
+            let observed =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lane.proposer.observe(start, rows)));
+            if observed.is_err() {
+                seq.drop_lane("reading the target's hidden states");
+            }
         }
     }
 
