@@ -70,3 +70,29 @@ fn batched_chunked_and_preempted_sequences_match_their_solo_runs() {
         assert_eq!(g, w, "prompt {i} differs when preempted");
     }
 }
+
+#[test]
+fn verify_rounds_that_run_out_of_pages_mid_step_still_give_every_sequence_its_solo_tokens() {
+    let m = load();
+    let prompts = prompts(&m);
+    let want = alone(&m, &prompts);
+    // Prompt lookup forced on at fixed full widths: every round asks for pages for its drafts too, and 5 pages of 16
+    // for five sequences run out in the middle of verify steps (drafts dropped, sequences preempted).
+    let pld = Some(dflash_engine::spec::NgramConfig { max_draft: 8, min_match: 1, max_match: 4 });
+    let spec = SpecConfig { pld, policy: dflash_engine::spec::PolicyMode::Fixed, dflash_typical: None };
+    let requests = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let mut r = request(i, p.clone(), sampling(i), MAX_TOKENS);
+            r.enable_pld = Some(true);
+            r
+        })
+        .collect();
+    let (outcomes, text) = run_all(&m, config(5, 32, spec), requests);
+    assert!(metric(&text, "dflash_preemptions_total") > 0.0, "expected preemptions:\n{text}");
+    assert!(metric(&text, "dflash_spec_drafted_tokens_total") > 0.0, "expected drafts:\n{text}");
+    for (i, (got, w)) in outcomes.iter().zip(&want).enumerate() {
+        assert_eq!(&got.ids, w, "prompt {i} differs when its verify steps run out of pages");
+    }
+}
