@@ -225,3 +225,52 @@ fn any_text_round_trips_and_any_ids_decode() {
         }
     }
 }
+
+/// Random conversations (every role, text with template syntax, control tokens, multi-byte characters, empty
+/// messages) through a ChatML template with a tools section: rendering never panics, and every message's content
+/// comes out verbatim: a message is data, never template code (`{{ 7 * 7 }}` stays as written). Fixed seed.
+#[test]
+fn any_conversation_renders_with_its_content_verbatim() {
+    const TEMPLATE: &str = "{% if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{% endif %}\
+        {% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endfor %}\
+        {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    const PIECES: [&str; 14] = [
+        "hi",
+        " ",
+        "\n",
+        "{{ 7 * 7 }}",
+        "{% for x in y %}",
+        "{#",
+        "}}",
+        "<|im_end|>",
+        "Привет",
+        "😀",
+        "\0",
+        "\"'",
+        "\\",
+        "",
+    ];
+    const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
+    let template = super::ChatTemplate::new(TEMPLATE, None, None).expect("compiles");
+    let mut state = 5u64;
+    let mut below = |n: usize| {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let z = (state ^ (state >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        ((z ^ (z >> 31)) % n as u64) as usize
+    };
+    for _ in 0..500 {
+        let messages: Vec<super::ChatMessage> = (0..below(6))
+            .map(|_| {
+                let content: String = (0..below(6)).map(|_| PIECES[below(PIECES.len())]).collect();
+                super::ChatMessage::new(ROLES[below(ROLES.len())], content)
+            })
+            .collect();
+        let tools =
+            if below(2) == 0 { serde_json::json!({"tools": [{"name": "{{ f }}"}]}) } else { serde_json::json!({}) };
+        let text = template.render(&messages, below(2) == 0, &tools).expect("renders");
+        for message in &messages {
+            let block = format!("<|im_start|>{}\n{}<|im_end|>", message.role, message.content);
+            assert!(text.contains(&block), "{block:?} not verbatim in {text:?}");
+        }
+    }
+}
