@@ -119,14 +119,7 @@ impl Engine {
         let out = rayon::in_place_scope(|scope| {
             scope.spawn(move |_| {
                 let publish = PublishOnDrop { masks: masks_ref, rows: Vec::new() };
-                // A panic stays here: the rows go unmasked, their grammars refuse the tokens and only their
-                // requests fail.
-                let computed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    compute_masks(jobs_ref, on_device.then_some(publish));
-                }));
-                if computed.is_err() {
-                    tracing::error!("computing grammar masks panicked");
-                }
+                compute_masks_guarded(jobs_ref, on_device.then_some(publish));
             });
             self.forward(items, now, on_device.then_some(&row_masks))
         });
@@ -392,6 +385,9 @@ impl Engine {
     }
 }
 
+/// Up to this many constrained sequences compute their masks on one thread.
+const SERIAL_MASK_JOBS: usize = 4;
+
 /// A constrained sequence's grammar, taken out for the step so another thread can compute its masks.
 struct MaskJob {
     seq: usize,
@@ -416,10 +412,25 @@ impl Drop for PublishOnDrop<'_> {
     }
 }
 
+/// [`compute_masks`], with a panic kept here: the rows go unmasked, their grammars refuse the tokens and only their
+/// requests fail.
+fn compute_masks_guarded(jobs: &mut [MaskJob], publish: Option<PublishOnDrop<'_>>) {
+    let computed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| compute_masks(jobs, publish)));
+    if computed.is_err() {
+        tracing::error!("computing grammar masks panicked");
+    }
+}
+
 /// Computes every job's masks ahead over the thread pool (each row along its sequence's drafts); with `publish`,
 /// hands them to the target as logit-row masks.
 fn compute_masks(jobs: &mut [MaskJob], publish: Option<PublishOnDrop<'_>>) {
-    jobs.par_iter_mut().for_each(|job| job.grammar.compute_ahead(job.committed, &job.drafts));
+    let compute = |job: &mut MaskJob| job.grammar.compute_ahead(job.committed, &job.drafts);
+    // A row's mask takes microseconds: a few are quicker here than handed to the pool.
+    if jobs.len() <= SERIAL_MASK_JOBS {
+        jobs.iter_mut().for_each(compute);
+    } else {
+        jobs.par_iter_mut().for_each(compute);
+    }
     if let Some(mut publish) = publish {
         for job in jobs.iter() {
             let rows = job.grammar.ahead_words().enumerate();

@@ -96,9 +96,9 @@ pub(crate) struct Workspace {
     pub logits: DeviceBuf<f32>,    // [L, vocab]
     pub ids: DeviceBuf<u32>,       // [L]
     pub argmax: ArgmaxScratch,
-    /// Grammar masks of the step's masked rows and which logits rows they are (`[L, ceil(vocab / 32)]`, `[L]`).
+    /// Grammar masks of the step's masked rows, then which logits rows they are (`[M, ceil(vocab / 32)]` then
+    /// `[M]`, M ≤ L).
     pub masks: DeviceBuf<u32>,
-    pub mask_rows: DeviceBuf<u32>,
     pub attn_parts: AttentionScratch,
     /// `[2, slots, kv_heads, head_dim]`: one layer's K and V in bf16 for the tensor-core prompt attention (the
     /// keys its tiles attend, rewritten every layer); one element when prompts take the f32 kernel. A workspace
@@ -200,8 +200,7 @@ impl<X> CudaCache<X> {
             logits: dev.alloc_zeros(l * shape.vocab)?,
             ids: dev.alloc_zeros(l)?,
             argmax: ArgmaxScratch::new(dev, l, shape.vocab)?,
-            masks: dev.alloc_zeros(l * shape.vocab.div_ceil(32))?,
-            mask_rows: dev.alloc_zeros(l)?,
+            masks: dev.alloc_zeros(l * (shape.vocab.div_ceil(32) + 1))?,
             attn_parts: AttentionScratch::new(
                 dev,
                 cfg.max_decode_rows.max(1),

@@ -239,10 +239,12 @@ pub(crate) fn apply_masks(
     if device_rows.is_empty() {
         return Ok(());
     }
+    // One copy: the rows ride behind the masks.
+    let mask_words = flat.len();
+    flat.extend_from_slice(&device_rows);
     dev.upload_prefix(&flat, &mut ws.masks)?;
-    dev.upload_prefix(&device_rows, &mut ws.mask_rows)?;
-    let masks_view = ws.masks.view().prefix(flat.len())?;
-    let rows_view = ws.mask_rows.view().prefix(device_rows.len())?;
+    let masks_view = ws.masks.view().prefix(mask_words)?;
+    let rows_view = ws.masks.view().sub(mask_words, device_rows.len())?;
     argmax_rows_masked(dev, &ws.logits, vocab, (masks_view, words), rows_view, &mut ws.ids)?;
     Ok(())
 }
