@@ -261,15 +261,27 @@ impl Engine {
     /// costly part of a constrained row once its mask is applied on the device. Verify rows commit in turn (which of
     /// their tokens are kept is known only then).
     fn advance_grammars(&mut self, items: &[StepItem], ids: &[u32]) {
-        let mut chosen = vec![None; self.sched.running.len()];
+        let running = &self.sched.running;
+        let mut chosen = Vec::new();
         let mut row = 0;
         for item in items.iter().filter(|item| item.samples) {
-            if item.drafts == 0 {
-                chosen[item.seq] = ids.get(row).copied();
+            if item.drafts == 0 && running[item.seq].grammar.is_some() {
+                chosen.extend(ids.get(row).map(|&token| (item.seq, token)));
             }
             row += 1 + item.drafts;
         }
-        self.sched.running.par_iter_mut().zip(chosen).for_each(|(seq, token)| {
+        // Most steps have no constrained row, and a few are quicker here than handed to the pool.
+        if chosen.len() <= SERIAL_MASK_JOBS {
+            for (i, token) in chosen {
+                if let Some(grammar) = self.sched.running[i].grammar.as_mut() {
+                    grammar.advance_ahead(token);
+                }
+            }
+            return;
+        }
+        let mut tokens = vec![None; running.len()];
+        chosen.into_iter().for_each(|(i, token)| tokens[i] = Some(token));
+        self.sched.running.par_iter_mut().zip(tokens).for_each(|(seq, token)| {
             if let (Some(grammar), Some(token)) = (seq.grammar.as_mut(), token) {
                 grammar.advance_ahead(token);
             }

@@ -18,23 +18,11 @@ impl TokenMask {
         }
     }
 
-    /// The allowed token with the largest finite logit (ties to the lowest id), as `argmax` of the masked row
-    /// would give, without copying the row: the greedy choice of a constrained row. `None` when no allowed token
-    /// has a finite logit.
+    /// The allowed token with the largest logit (ties to the lowest id, NaN never wins), without copying the row:
+    /// the greedy choice of a constrained row, the same as the device's masked argmax. `None` when no allowed
+    /// logit is a number.
     pub fn argmax(&self, logits: &[f32]) -> Option<u32> {
-        let mut best: Option<(u32, f32)> = None;
-        self.0.iter_set_entries(|id| {
-            let Some(&value) = logits.get(id) else { return };
-            if value.is_finite() && best.is_none_or(|(_, top)| value > top) {
-                best = Some((id as u32, value));
-            }
-        });
-        best.map(|(id, _)| id)
-    }
-
-    /// Whether `token` is allowed.
-    pub fn allows(&self, token: u32) -> bool {
-        (token as usize) < self.0.len() && self.0.is_allowed(token)
+        dflash_runtime::ops::filter::masked_argmax(logits, self.0.as_slice())
     }
 }
 
