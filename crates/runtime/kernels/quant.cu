@@ -20,7 +20,8 @@
 //   prologue: the activation rows are RMS-normalised (when `norm_w` is not null) and quantized into
 //             shared memory by every block (rows are short; the weights are what must be streamed);
 //   epilogue: EPI_STORE, EPI_ADD (residual += y) or EPI_SWIGLU (gate and up rows at col and col + n_out).
-// Grid: x strides over output columns (one warp per column), y over chunks of R activation rows.
+// Grid: x strides over output columns (one warp per column, or half a warp in the _r1h kernels), y over chunks of
+// R activation rows.
 // Memory floor: the weight bytes (0.5625 B/elem Q4_0, 0.625 Q4_1, 1.0625 Q8_0).
 
 #define QF_Q4_0 0
@@ -286,10 +287,89 @@ __device__ __forceinline__ void mmvq_r1(const unsigned char* __restrict__ qs, co
     }
 }
 
+// warp_sum's last four steps: the butterfly within each half warp.
+__device__ __forceinline__ float half_warp_sum(float v) {
+#pragma unroll
+    for (int offset = 8; offset > 0; offset >>= 1) v += __shfl_xor_sync(DF_FULL_MASK, v, offset);
+    return v;
+}
+
+// sum_passes for half a warp: lane l holds the tree's leaves l (`lo`) and l + 16 (`hi`) and adds them as
+// warp_sum's first step does, then the half finishes the butterfly; the bits are sum_passes'.
+template <int P>
+__device__ __forceinline__ float half_sum_passes(const float* lo, const float* hi) {
+    float v = half_warp_sum(lo[0] + hi[0]);
+    if (P == 2) v = __fadd_rn(v, half_warp_sum(lo[1] + hi[1]));
+    return v;
+}
+
+// mmvq_two_rows_r1 on half a warp: lane l (of 16) takes the blocks of leaves l and l + 16 (l, l + 32, ... and
+// l + 16, l + 48, ...), each leaf summed in its own chain as the 32-lane form sums it, so a weight row of at most 32
+// blocks (k <= 1024) leaves no lane idle and a warp takes two pairs of rows at once.
+template <int FMT, int P>
+__device__ __forceinline__ void mmvq_two_rows_r1_half(const unsigned char* __restrict__ qs,
+                                                      const unsigned short* __restrict__ sc, u32 a_row,
+                                                      long long b_row, u32 k, const signed char* xq, const float* xd,
+                                                      const float* xs, float& a_acc, float& b_acc, bool use_first,
+                                                      const WBlock a_first, const WBlock b_first) {
+    const u32 l = threadIdx.x & 15u, nb = k >> 5;
+    float a[P], b[P], a_hi[P], b_hi[P];
+#pragma unroll
+    for (int p = 0; p < P; ++p) a[p] = b[p] = a_hi[p] = b_hi[p] = 0.0f;
+    for (u32 blk = l; blk < nb; blk += 32) {
+        const bool first = use_first && blk == l;
+        const WBlock wa = first ? a_first : load_wblock<FMT>(qs, sc, (u64)a_row * nb + blk);
+        WBlock wb = b_first;
+        if (b_row >= 0 && !first) wb = load_wblock<FMT>(qs, sc, (u64)b_row * nb + blk);
+        mmvq_block<FMT, P>(wa, blk, k, xq, xd, xs, a);
+        if (b_row >= 0) mmvq_block<FMT, P>(wb, blk, k, xq, xd, xs, b);
+    }
+    for (u32 blk = l + 16; blk < nb; blk += 32) {
+        const WBlock wa = load_wblock<FMT>(qs, sc, (u64)a_row * nb + blk);
+        mmvq_block<FMT, P>(wa, blk, k, xq, xd, xs, a_hi);
+        if (b_row >= 0) mmvq_block<FMT, P>(load_wblock<FMT>(qs, sc, (u64)b_row * nb + blk), blk, k, xq, xd, xs, b_hi);
+    }
+    a_acc = half_sum_passes<P>(a, a_hi);
+    b_acc = half_sum_passes<P>(b, b_hi);
+}
+
+// mmvq_r1 with half a warp per pair of weight rows: the halves' units are 2 (blockIdx.x * MMVQ_WARPS + warp) + half.
+// The whole warp runs every pass (the butterflies need both halves); a half past the columns computes row 0 and
+// stores nothing.
+template <int FMT, int P>
+__device__ __forceinline__ void mmvq_r1_half(const unsigned char* __restrict__ qs,
+                                             const unsigned short* __restrict__ sc, const signed char* xq,
+                                             const float* xd, const float* xs, float* __restrict__ y, u32 n_out, u32 k,
+                                             u32 epi, u32 unit0, bool prefetched, const WBlock first,
+                                             const WBlock first_b) {
+    const u32 half = (threadIdx.x >> 4) & 1u, units = gridDim.x * MMVQ_WARPS * 2;
+    const bool swiglu = epi == EPI_SWIGLU;
+    for (u32 base = unit0 - half; base < n_out; base += swiglu ? units : 2 * units) {
+        const u32 col = base + half;
+        const bool live = col < n_out;
+        const u32 a_row = live ? col : 0;
+        const long long b_row = swiglu ? (long long)(a_row + n_out)
+                                       : (live && col + units < n_out ? (long long)(col + units) : -1);
+        float a, b;
+        mmvq_two_rows_r1_half<FMT, P>(qs, sc, a_row, b_row, k, xq, xd, xs, a, b, prefetched && col == unit0, first,
+                                      first_b);
+        if ((threadIdx.x & 15u) != 0 || !live) continue;
+        if (swiglu) {
+            y[col] = swiglu_value(a, b);
+        } else if (epi == EPI_ADD) {
+            y[col] = __fadd_rn(y[col], a);
+            if (b_row >= 0) y[b_row] = __fadd_rn(y[b_row], b);
+        } else {
+            y[col] = a;
+            if (b_row >= 0) y[b_row] = b;
+        }
+    }
+}
+
 // y = epilogue(quantize(prologue(x)) . W^T) for rows [blockIdx.y * R, +R) of x, each quantized in P passes.
 //   x [m, x_ld] f32; y [m, y_ld] f32 (columns 0..n_out written); W [n, k] (n = n_out, or 2 n_out for
 //   EPI_SWIGLU). Dynamic shared memory: R * P * k * 1.25 bytes.
-template <int FMT, int R, int P>
+template <int FMT, int R, int P, bool HALF = false>
 __device__ __forceinline__ void mmvq(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc,
                                      const float* __restrict__ x, u32 x_ld, u32 m, const float* __restrict__ norm_w,
                                      float eps, float* __restrict__ y, u32 y_ld, u32 n_out, u32 k, u32 epi) {
@@ -301,21 +381,28 @@ __device__ __forceinline__ void mmvq(const unsigned char* __restrict__ qs, const
     const u32 row0 = blockIdx.y * R;
     const u32 rows = min((u32)R, m - row0);
     const u32 lane = threadIdx.x & 31u;
-    const u32 col0 = blockIdx.x * MMVQ_WARPS + (threadIdx.x >> 5);
+    // HALF (R = 1 only): a half warp per column, units 2 (block warp) + half, lane l of 16 prefetching block l.
+    const u32 col0 = HALF ? (blockIdx.x * MMVQ_WARPS + (threadIdx.x >> 5)) * 2 + ((threadIdx.x >> 4) & 1u)
+                          : blockIdx.x * MMVQ_WARPS + (threadIdx.x >> 5);
+    const u32 units = gridDim.x * MMVQ_WARPS * (HALF ? 2 : 1), first_blk = HALF ? (lane & 15u) : lane;
     // The first column's first weight blocks are loaded before the prologue (for k <= 1024 that is the
     // whole row), so the weights' latency overlaps the activations' norm and quantization.
     WBlock first = {}, first_up = {};
-    const bool prefetch = col0 < n_out && lane < nb;
+    const bool prefetch = col0 < n_out && first_blk < nb;
     // The R = 1 path's second row: the up row for SwiGLU, else the warp's next column.
-    const u32 second = epi == EPI_SWIGLU ? col0 + n_out : col0 + gridDim.x * MMVQ_WARPS;
-    const bool second_ok = epi == EPI_SWIGLU || col0 + gridDim.x * MMVQ_WARPS < n_out;
+    const u32 second = epi == EPI_SWIGLU ? col0 + n_out : col0 + units;
+    const bool second_ok = epi == EPI_SWIGLU || col0 + units < n_out;
     if (prefetch) {
-        first = load_wblock<FMT>(qs, sc, (u64)col0 * nb + lane);
+        first = load_wblock<FMT>(qs, sc, (u64)col0 * nb + first_blk);
         if (R == 1 ? second_ok : epi == EPI_SWIGLU) {
-            first_up = load_wblock<FMT>(qs, sc, (u64)(R == 1 ? second : col0 + n_out) * nb + lane);
+            first_up = load_wblock<FMT>(qs, sc, (u64)(R == 1 ? second : col0 + n_out) * nb + first_blk);
         }
     }
     quantize_rows_smem<R, P>(x + (u64)row0 * x_ld, x_ld, rows, k, norm_w, eps, xq, xd, xs, k);
+    if (R == 1 && HALF) {
+        mmvq_r1_half<FMT, P>(qs, sc, xq, xd, xs, y + (u64)row0 * y_ld, n_out, k, epi, col0, prefetch, first, first_up);
+        return;
+    }
     if (R == 1) {
         mmvq_r1<FMT, P>(qs, sc, xq, xd, xs, y + (u64)row0 * y_ld, n_out, k, epi, col0, prefetch, first, first_up);
         return;
@@ -357,7 +444,19 @@ __device__ __forceinline__ void mmvq(const unsigned char* __restrict__ qs, const
         mmvq<FMT, R, P>(qs, sc, x, x_ld, m, norm_w, eps, y, y_ld, n_out, k, epi);                               \
     }
 
+// NAME_r1h / NAME_r1h_x2: one row, half a warp per column (k <= 1024).
+#define DF_MMVQ_HALF(NAME, FMT, P, SUFFIX)                                                                     \
+    extern "C" __global__ void __launch_bounds__(MMVQ_WARPS * 32, 4)                                            \
+        NAME##_r1h##SUFFIX(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc,         \
+                           const float* __restrict__ x, u32 x_ld, u32 m, const float* __restrict__ norm_w,      \
+                           float eps, float* __restrict__ y, u32 y_ld, u32 n_out, u32 k, u32 epi) {             \
+        DF_GRID_DEPENDENCY();                                                                                   \
+        mmvq<FMT, 1, P, true>(qs, sc, x, x_ld, m, norm_w, eps, y, y_ld, n_out, k, epi);                         \
+    }
+
 #define DF_MMVQ_ALL_R(NAME, FMT)   \
+    DF_MMVQ_HALF(NAME, FMT, 1, )   \
+    DF_MMVQ_HALF(NAME, FMT, 2, _x2) \
     DF_MMVQ(NAME, FMT, 1, 1, )     \
     DF_MMVQ(NAME, FMT, 2, 1, )     \
     DF_MMVQ(NAME, FMT, 4, 1, )     \

@@ -21,6 +21,8 @@ pub struct Switches {
     pub no_fold_rope: bool,
     /// `DFLASH_MMQ=0`: quantized matmuls of many rows stay on the dp4a kernel instead of the tensor cores.
     pub no_mmq: bool,
+    /// `DFLASH_MMVQ_HALF=0`: one-row quantized matmuls of short rows keep a whole warp per column.
+    pub no_mmvq_half: bool,
 }
 
 impl Switches {
@@ -35,6 +37,7 @@ impl Switches {
             no_fold_norm: is("DFLASH_FOLD_NORM", "0"),
             no_fold_rope: is("DFLASH_FOLD_ROPE", "0"),
             no_mmq: is("DFLASH_MMQ", "0"),
+            no_mmvq_half: is("DFLASH_MMVQ_HALF", "0"),
         }
     }
 }
@@ -63,6 +66,7 @@ mod tests {
             ("DFLASH_FOLD_NORM", "0"),
             ("DFLASH_FOLD_ROPE", "0"),
             ("DFLASH_MMQ", "0"),
+            ("DFLASH_MMVQ_HALF", "0"),
         ]));
         let want = Switches {
             simd: Some("avx2".into()),
@@ -72,6 +76,7 @@ mod tests {
             no_fold_norm: true,
             no_fold_rope: true,
             no_mmq: true,
+            no_mmvq_half: true,
         };
         assert_eq!(all, want);
         let other = Switches::from_vars(set(&[("DFLASH_PDL", "1"), ("DFLASH_GEMM_PREFETCH", "all")]));

@@ -58,8 +58,9 @@ fn quantized_matmul_matches_cpu_for_every_format_rows_prologue_and_epilogue() {
         .into_iter()
         .flat_map(|dtype| [ActPrecision::Int8, ActPrecision::Int8x2].map(|act| (dtype, act)));
     for (dtype, act) in cases {
-        // (m, n_out, k): one row (decode), 3 (padded to 4), 8, 13 (two chunks of 8), odd output counts; from 128
-        // rows the tensor-core kernel, with blocks per lane of 1 (k 576), up to 2 (1536) and up to 3 (2112).
+        // (m, n_out, k): up to 16 rows one row per block (decode, verify widths), 24 two per block, 40 four or
+        // eight (padded), odd output counts; from 128 rows the tensor-core kernel, with blocks per lane of 1 (k 576),
+        // up to 2 (1536) and up to 3 (2112).
         let shapes = [
             (1, 37, 576),
             (3, 200, 96),
@@ -67,6 +68,8 @@ fn quantized_matmul_matches_cpu_for_every_format_rows_prologue_and_epilogue() {
             (13, 129, 320),
             (8, 64, 64),
             (8, 64, 128),
+            (24, 48, 576),
+            (40, 33, 320),
             (128, 40, 576),
             (150, 33, 1536),
             (129, 17, 2112),

@@ -76,6 +76,13 @@ pub(crate) const MMQ_COLS_PER_BLOCK: usize = 16;
 /// From this many activation rows the quantized matmul runs on the tensor cores (`mmq_*`, same bits as `mmvq_*`).
 pub(crate) const MMQ_MIN_ROWS: usize = 128;
 
+/// Up to this row length the one-row quantized matmul gives each column half a warp (`mmvq_*_r1h*`): a row of at
+/// most 32 blocks would leave lanes of a whole warp idle.
+pub(crate) const MMVQ_HALF_MAX_K: usize = 1024;
+
+/// From this many activation rows (one per block) the half-warp kernels are used.
+pub(crate) const MMVQ_HALF_MIN_ROWS: usize = 3;
+
 /// The two-pass kernels (`mmvq_*_r{R}_x2`) stop at 4 activation rows: at 8 (16 quantized rows) their
 /// accumulators spilled, and 4-row blocks ran a 16-row verify 21% faster (PERFORMANCE.md entry 35).
 pub(crate) const MMVQ_X2_MAX_ROWS: usize = 4;
@@ -122,6 +129,9 @@ pub(crate) struct Kernels {
     /// `mmvq[format][passes - 1][i]`: format 0 = Q4_0, 1 = Q4_1, 2 = Q8_0; one or two activation passes
     /// (`ActPrecision`); `MMVQ_ROWS[i]` activation rows per block (two passes: up to `MMVQ_X2_MAX_ROWS`).
     pub mmvq: Vec<[Vec<CudaFunction>; 2]>,
+    /// `mmvq_half[format][passes - 1]`: `mmvq_{fmt}_r1h{,_x2}`, one activation row with half a warp per column
+    /// (for `k <= MMVQ_HALF_MAX_K`).
+    pub mmvq_half: Vec<[CudaFunction; 2]>,
     /// `mmq[format][passes - 1]`: `mmq_{fmt}` and `mmq_{fmt}_x2`, the tensor-core matmul of many rows.
     pub mmq: Vec<[CudaFunction; 2]>,
     pub embedding_quant: CudaFunction,
@@ -210,6 +220,10 @@ impl Kernels {
             .iter()
             .map(|fmt| Ok([mmvq_rows(fmt, "", usize::MAX)?, mmvq_rows(fmt, "_x2", MMVQ_X2_MAX_ROWS)?]))
             .collect::<Result<Vec<_>, CudaError>>()?;
+        let mmvq_half = ["q4_0", "q4_1", "q8_0"]
+            .iter()
+            .map(|fmt| Ok([big_smem(&format!("mmvq_{fmt}_r1h"))?, big_smem(&format!("mmvq_{fmt}_r1h_x2"))?]))
+            .collect::<Result<Vec<_>, CudaError>>()?;
         let mmq = ["q4_0", "q4_1", "q8_0"]
             .iter()
             .map(|fmt| Ok([big_smem(&format!("mmq_{fmt}"))?, big_smem(&format!("mmq_{fmt}_x2"))?]))
@@ -243,6 +257,7 @@ impl Kernels {
                 [get("gemm_bf16_small_norm_stream3_t1")?, get("gemm_bf16_small_norm_stream3_t2")?],
             ],
             mmvq,
+            mmvq_half,
             mmq,
             embedding_quant: get("embedding_quant")?,
             rope_kv_write: get("rope_kv_write")?,

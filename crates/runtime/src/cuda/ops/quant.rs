@@ -8,7 +8,8 @@ use super::fused::{fill_random_f16, fill_random_u32, Epilogue};
 use super::{dim, launch_err, shape_err, ROW_BLOCK};
 use crate::cuda::device::{CudaDevice, DeviceBuf};
 use crate::cuda::kernels::{
-    MAX_DYNAMIC_SMEM, MMQ_COLS_PER_BLOCK, MMQ_MIN_ROWS, MMQ_QUANT_ROWS, MMVQ_ROWS, MMVQ_X2_MAX_ROWS,
+    MAX_DYNAMIC_SMEM, MMQ_COLS_PER_BLOCK, MMQ_MIN_ROWS, MMQ_QUANT_ROWS, MMVQ_HALF_MAX_K, MMVQ_HALF_MIN_ROWS, MMVQ_ROWS,
+    MMVQ_X2_MAX_ROWS,
 };
 use crate::cuda::view::{DevArg, DevSlice};
 use crate::cuda::Result;
@@ -138,21 +139,29 @@ impl QuantMatrix {
 }
 
 /// Activation rows per block for `m` rows of length `k` quantized in `passes`: the smallest compiled count
-/// that covers `m`, limited by the shared memory the quantized rows take (and, for two passes, by the
-/// compiled counts).
+/// that covers `m` (up to [`ROWS_PER_BLOCK_BY_STEP`]'s cap for the step's size), limited by the shared memory the
+/// quantized rows take (and, for two passes, by the compiled counts).
 fn rows_per_block(m: usize, k: usize, passes: usize) -> usize {
     let fit = |r: usize| mmvq_smem_bytes(k, r * passes) <= MAX_DYNAMIC_SMEM as usize;
+    let cover = ROWS_PER_BLOCK_BY_STEP.iter().find(|&&(rows, _)| m <= rows).map_or(m, |&(_, cap)| cap.min(m));
     let mut best = MMVQ_ROWS[0];
     for &r in MMVQ_ROWS.iter().filter(|&&r| passes == 1 || r <= MMVQ_X2_MAX_ROWS) {
         if fit(r) {
             best = r;
-            if r >= m {
+            if r >= cover {
                 break;
             }
         }
     }
     best
 }
+
+/// (step rows up to, rows per block at most): small steps give each block fewer rows, so more blocks share the
+/// work and each warp's chain of dependent loads is shorter; the weights are read once per block row chunk, from L2.
+/// Measured on the H200 with the default model's shape (two passes; PERFORMANCE.md entry 67): an 8-row verify
+/// 1.44 ms with 4 rows per block, 1.11 ms with 1; 16 rows 1.75 / 1.32 ms; 32 rows 2.29 ms with 4, 2.07 with 2;
+/// from 33 rows 4 per block is fastest.
+const ROWS_PER_BLOCK_BY_STEP: [(usize, usize); 2] = [(16, 1), (32, 2)];
 
 /// Dynamic shared memory of one quantized-matmul block: `r` quantized rows (activation rows times passes) of
 /// `k` int8 quants plus two f32 per 32-element block.
@@ -237,10 +246,20 @@ pub fn mmvq(dev: &CudaDevice, w: &QuantMatrix, a: MmvqArgs) -> Result<()> {
         let target_blocks = (4 * dev.info().multiprocessors.max(1) as usize).div_ceil(chunks);
         // One-row launches take two columns per warp and pass (the kernel's R = 1 path), except SwiGLU,
         // whose warps take their column's gate and up rows together.
-        let cols_per_block = if r == 1 && a.epi != Epilogue::Swiglu { 16 } else { 8 };
+        let whole_cols = if r == 1 && a.epi != Epilogue::Swiglu { 16 } else { 8 };
+        // From 3 rows, one per block, half warps take twice the columns a pass (rows short enough to leave no lane
+        // idle); at 1 and 2 rows the whole warps' larger grid is faster (PERFORMANCE.md entry 67).
+        let half =
+            r == 1 && a.m >= MMVQ_HALF_MIN_ROWS && k <= MMVQ_HALF_MAX_K && !crate::switches::switches().no_mmvq_half;
+        let cols_per_block = if half { 2 * whole_cols } else { whole_cols };
         let grid_x = n_out.div_ceil(cols_per_block).min(target_blocks.max(1));
         let ri = MMVQ_ROWS.iter().position(|&v| v == r).unwrap_or(0);
-        (&dev.kernels.mmvq[w.format.code()][passes - 1][ri], (grid_x, chunks), mmvq_smem_bytes(k, r * passes))
+        let kernel = if half {
+            &dev.kernels.mmvq_half[w.format.code()][passes - 1]
+        } else {
+            &dev.kernels.mmvq[w.format.code()][passes - 1][ri]
+        };
+        (kernel, (grid_x, chunks), mmvq_smem_bytes(k, r * passes))
     };
     let (qs, sc) = (w.qs.view(), w.scales.view());
     let (norm_ptr, eps) = a.norm.map(|(nw, eps)| (nw.device_ptr(), eps)).unwrap_or((0, 0.0));
@@ -308,16 +327,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rows_per_block_covers_m_within_shared_memory() {
-        assert_eq!(rows_per_block(1, 576, 1), 1);
-        assert_eq!(rows_per_block(3, 576, 1), 4);
-        assert_eq!(rows_per_block(16, 1536, 1), 8);
-        assert_eq!(rows_per_block(16, 1536, 2), 4);
+    fn rows_per_block_splits_small_steps_and_covers_larger_ones_within_shared_memory() {
+        // Up to 16 rows one per block, up to 32 two, whatever the passes.
+        for (m, want) in [(1, 1), (3, 1), (8, 1), (16, 1), (17, 2), (32, 2)] {
+            assert_eq!(rows_per_block(m, 576, 1), want, "{m} rows, one pass");
+            assert_eq!(rows_per_block(m, 1536, 2), want, "{m} rows, two passes");
+        }
+        // From 33 rows: the smallest compiled count covering the step, as shared memory allows.
+        assert_eq!(rows_per_block(33, 1536, 1), 8);
+        assert_eq!(rows_per_block(64, 1536, 2), 4);
         // 14336 columns: 8 rows would take 143 KiB, within the 160 KiB limit; 32K columns only fit 4.
-        assert_eq!(rows_per_block(8, 14336, 1), 8);
-        assert_eq!(rows_per_block(8, 32768, 1), 4);
+        assert_eq!(rows_per_block(40, 14336, 1), 8);
+        assert_eq!(rows_per_block(40, 32768, 1), 4);
         // Two passes double the quantized rows and stop at 4 activation rows; 32K columns fit 2.
-        assert_eq!(rows_per_block(8, 14336, 2), 4);
-        assert_eq!(rows_per_block(8, 32768, 2), 2);
+        assert_eq!(rows_per_block(40, 14336, 2), 4);
+        assert_eq!(rows_per_block(40, 32768, 2), 2);
     }
 }
