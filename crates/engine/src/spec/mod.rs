@@ -334,10 +334,10 @@ impl SpecLane {
         self.round.committed = Some(accepted + 1);
     }
 
-    /// Records the decode step this lane's round ran in: `rows` verify rows (1: plain), and the step's time in ms
-    /// when it says what the round cost (a step with prompt rows in it does not). Returns true when the gate
-    /// paused drafting.
-    pub fn stepped(&mut self, rows: usize, step_ms: Option<f64>) -> bool {
+    /// Records the decode step this lane's round ran in: `rows` verify rows (1: plain), the step's time in ms when
+    /// it says what the round cost (a step with prompt rows in it does not), and the ms every lane of the step spent
+    /// drafting for it (this round waited for all of it). Returns true when the gate paused drafting.
+    pub fn stepped(&mut self, rows: usize, step_ms: Option<f64>, step_draft_ms: f64) -> bool {
         self.stats.record_width(rows);
         if rows <= 1 {
             self.stats.plain_steps += 1;
@@ -346,7 +346,7 @@ impl SpecLane {
         let (Some(tokens), Some(step_ms)) = (self.round.committed.take(), step_ms) else {
             return false;
         };
-        let took_ms = self.round.draft_ms + step_ms;
+        let took_ms = self.round.draft_ms.max(step_draft_ms) + step_ms;
         let paused = self.policy.record_round(&self.costs.lock(), self.round.context, tokens, took_ms);
         self.stats.gate_pauses += u64::from(paused);
         paused
@@ -407,7 +407,7 @@ mod tests {
             let input = ProposeInput { tokens: &tokens, sampling: &sampling };
             assert_eq!(lane.draft(&input, 100).len(), 8);
             lane.verified(8, 0);
-            assert!(!lane.stepped(9, Some(50.0)));
+            assert!(!lane.stepped(9, Some(50.0), 0.0));
         }
         let input = ProposeInput { tokens: &tokens, sampling: &sampling };
         assert_eq!(lane.draft(&input, 3).len(), 3, "capped by the caller");
@@ -430,7 +430,7 @@ mod tests {
                 lane.verified(drafts.len(), 0);
             }
             plain += usize::from(drafts.is_empty());
-            lane.stepped(1 + drafts.len(), Some(10.0 + drafts.len() as f64));
+            lane.stepped(1 + drafts.len(), Some(10.0 + drafts.len() as f64), 0.0);
         }
         // Drafted: the gate's warm-up rounds, then one probe after each doubling pause (2, 4, 8, 16).
         assert!(plain >= 28, "plain rounds: {plain} of 40");

@@ -46,6 +46,9 @@ pub struct CostTable {
     buckets: Vec<Option<Bucket>>,
     /// Per lane kind: ms of a drafting call (moving average) and how many were measured.
     lanes: Vec<LaneRecord>,
+    /// Decoding sequences in the step being drafted for (at least 1): each waits for every drafting call before
+    /// the step runs, so a call's cost to the engine is this many times its time.
+    step_sequences: usize,
 }
 
 /// What the engine knows of one lane kind across its sequences.
@@ -145,7 +148,17 @@ impl CostTable {
         let prior: Vec<f64> =
             (0..max_rows.max(1)).map(|r| PRIOR_PLAIN_MS * (1.0 + PRIOR_ROW_SLOPE * r as f64)).collect();
         let buckets = vec![None; CONTEXT_BUCKETS.len()];
-        CostTable { start: Bucket::from_curve(&prior), probed: false, buckets, lanes: Vec::new() }
+        CostTable { start: Bucket::from_curve(&prior), probed: false, buckets, lanes: Vec::new(), step_sequences: 1 }
+    }
+
+    /// Sets how many decoding sequences the next step holds (the engine, before its lanes draft).
+    pub fn set_step_sequences(&mut self, sequences: usize) {
+        self.step_sequences = sequences.max(1);
+    }
+
+    /// Decoding sequences in the step being drafted for (1 until the engine says otherwise).
+    pub fn step_sequences(&self) -> usize {
+        self.step_sequences
     }
 
     /// Widest round the table covers.

@@ -142,7 +142,8 @@ impl RoundPolicy {
             return RoundPlan::Draft { probe: self.backoff.probing() };
         }
         let accept = self.acceptance(costs, max_drafts, None);
-        let draft_ms = costs.draft_cost(self.lane);
+        // A drafting call holds up every sequence of the step, not only this one.
+        let draft_ms = costs.draft_cost(self.lane) * costs.step_sequences() as f64;
         let cost = |rows: usize| costs.cost(context, rows) + if rows > 1 { draft_ms } else { 0.0 };
         if choose_rows(&accept, max_drafts + 1, cost) == 1 {
             self.backoff.defer(self.probe_spacing(costs, context));
@@ -219,10 +220,12 @@ impl RoundPolicy {
     }
 
     /// How far apart probes are at `context`: at most enough rounds that failed probes cost [`PROBE_SHARE`] of plain
-    /// speed, at least enough that they cost [`PROBE_FLOOR_SHARE`].
+    /// speed, at least enough that they cost [`PROBE_FLOOR_SHARE`]. A probe lengthens its whole step, and in a step
+    /// of N sequences up to N lanes probe in turn, so a probe's extra cost counts N times.
     fn probe_spacing(&self, costs: &CostTable, context: usize) -> Spacing {
         let plain = costs.cost(context, 1);
-        let extra = (costs.cost(context, 2) + costs.draft_cost(self.lane) - plain).max(0.0);
+        let one_probe = (costs.cost(context, 2) + costs.draft_cost(self.lane) - plain).max(0.0);
+        let extra = one_probe * costs.step_sequences() as f64;
         let rounds = |share: f64| {
             let r = (extra / (share * plain)).ceil();
             (r.min(f64::from(backoff::MAX_PERIOD)) as u32).max(backoff::FIRST_PERIOD)

@@ -326,3 +326,79 @@ fn top_probabilities_read_each_slot() {
     assert!((top[0] - 0.25).abs() < 1e-6, "{top:?}");
     assert!(top[1] > 0.99, "{top:?}");
 }
+
+/// `sequences` lanes sharing every step, as the engine runs them: each drafting call holds up the whole step
+/// (the lanes draft one after another before it), and each round is judged by the step's whole time. A step of
+/// `rows` rows in all costs `batch_ms(rows)`; the start-up probe measured one sequence. Returns tokens per ms.
+fn serve_batch(
+    mode: PolicyMode,
+    sequences: usize,
+    rounds: usize,
+    draft_ms: f64,
+    p: f64,
+    batch_ms: impl Fn(usize) -> f64,
+) -> f64 {
+    let (drafts, context) = (7, 100);
+    let mut costs = CostTable::new(drafts + 1);
+    costs.seed(&(1..=drafts + 1).map(&batch_ms).collect::<Vec<_>>());
+    let mut lanes: Vec<RoundPolicy> =
+        (0..sequences).map(|_| RoundPolicy::new(mode, LaneKind::Oracle, drafts)).collect();
+    let mut rng = Rng(11);
+    let (mut tokens, mut elapsed) = (0.0, 0.0);
+    for _ in 0..rounds {
+        costs.set_step_sequences(sequences);
+        let mut keeps = vec![0; sequences];
+        let mut drafting_ms = 0.0;
+        for (lane, keep) in lanes.iter_mut().zip(keeps.iter_mut()) {
+            if let RoundPlan::Draft { .. } = lane.plan(&costs, context, drafts) {
+                drafting_ms += draft_ms;
+                costs.observe_draft(LaneKind::Oracle, draft_ms);
+                *keep = lane.choose(&costs, context, drafts, None, draft_ms);
+            }
+        }
+        let rows: usize = keeps.iter().map(|k| k + 1).sum();
+        let step_ms = batch_ms(rows);
+        costs.observe(context, keeps.iter().max().map_or(1, |k| k + 1), step_ms);
+        elapsed += drafting_ms + step_ms;
+        for (lane, &keep) in lanes.iter_mut().zip(&keeps) {
+            let accepted = (0..keep).take_while(|_| rng.uniform() < p).count();
+            if keep > 0 {
+                lane.record_verified(&mut costs, keep, accepted, None);
+                lane.record_round(&costs, context, accepted + 1, drafting_ms + step_ms);
+            }
+            tokens += (accepted + 1) as f64;
+        }
+    }
+    tokens / elapsed
+}
+
+#[test]
+fn drafting_that_pays_alone_is_not_done_for_a_full_batch() {
+    // A drafter whose call (0.5 ms) pays for one sequence (8 rows cost 1.0 ms against 0.56 for one), but holds up a
+    // step of 32 sequences that takes 2.4 ms: drafting for all of them runs at under half of plain speed.
+    let batch_ms = |rows: usize| 0.5 + 0.06 * rows as f64;
+    let plain_alone = 1.0 / batch_ms(1);
+    let alone = serve_batch(PolicyMode::Adaptive, 1, 400, 0.5, 0.9, batch_ms);
+    assert!(alone >= 1.05 * plain_alone, "one sequence: adaptive {alone:.3} vs plain {plain_alone:.3} tok/ms");
+    let plain_batch = 32.0 / batch_ms(32);
+    let batch = serve_batch(PolicyMode::Adaptive, 32, 400, 0.5, 0.9, batch_ms);
+    assert!(batch >= 0.95 * plain_batch, "32 sequences: adaptive {batch:.3} vs plain {plain_batch:.3} tok/ms");
+    let fixed = serve_batch(PolicyMode::Fixed, 32, 400, 0.5, 0.9, batch_ms);
+    assert!(fixed < 0.5 * plain_batch, "the case is real: drafting every round gives {fixed:.3} tok/ms");
+}
+
+#[test]
+fn probes_space_out_with_the_sequences_they_hold_up() {
+    let mut costs = CostTable::new(8);
+    costs.seed(&[1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7]);
+    costs.observe_draft(LaneKind::Oracle, 0.5);
+    let pause = |sequences: usize| {
+        let mut table = costs.clone();
+        table.set_step_sequences(sequences);
+        let mut policy = RoundPolicy::new(PolicyMode::Adaptive, LaneKind::Oracle, 7);
+        policy.backoff.defer(policy.probe_spacing(&table, 100));
+        policy.backoff().owed()
+    };
+    let (one, many) = (pause(1), pause(16));
+    assert!(many > 4 * one, "owed plain rounds: {one} alone, {many} in a step of 16");
+}
