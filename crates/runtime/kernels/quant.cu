@@ -261,6 +261,21 @@ __device__ __forceinline__ void mmvq_two_rows_r1(const unsigned char* __restrict
     b_acc = sum_passes<P>(b);
 }
 
+// The R = 1 epilogue of a pair of weight rows: SwiGLU of gate `a` and up `b` into column `col`, or `a` into `col`
+// and `b` into `b_row` (when >= 0), stored or added.
+__device__ __forceinline__ void store_r1_pair(float* __restrict__ y, u32 col, long long b_row, float a, float b,
+                                              u32 epi) {
+    if (epi == EPI_SWIGLU) {
+        y[col] = swiglu_value(a, b);
+    } else if (epi == EPI_ADD) {
+        y[col] = __fadd_rn(y[col], a);
+        if (b_row >= 0) y[b_row] = __fadd_rn(y[b_row], b);
+    } else {
+        y[col] = a;
+        if (b_row >= 0) y[b_row] = b;
+    }
+}
+
 // The R = 1 matmul: each warp takes two weight rows per pass (for SwiGLU its column's gate and up rows,
 // otherwise two columns).
 template <int FMT, int P>
@@ -275,15 +290,7 @@ __device__ __forceinline__ void mmvq_r1(const unsigned char* __restrict__ qs, co
         float a, b;
         mmvq_two_rows_r1<FMT, P>(qs, sc, col, b_row, k, xq, xd, xs, a, b, prefetched && col == col0, first, first_b);
         if (lane != 0) continue;
-        if (swiglu) {
-            y[col] = swiglu_value(a, b);
-        } else if (epi == EPI_ADD) {
-            y[col] = __fadd_rn(y[col], a);
-            if (b_row >= 0) y[b_row] = __fadd_rn(y[b_row], b);
-        } else {
-            y[col] = a;
-            if (b_row >= 0) y[b_row] = b;
-        }
+        store_r1_pair(y, col, b_row, a, b, epi);
     }
 }
 
@@ -354,15 +361,7 @@ __device__ __forceinline__ void mmvq_r1_half(const unsigned char* __restrict__ q
         mmvq_two_rows_r1_half<FMT, P>(qs, sc, a_row, b_row, k, xq, xd, xs, a, b, prefetched && col == unit0, first,
                                       first_b);
         if ((threadIdx.x & 15u) != 0 || !live) continue;
-        if (swiglu) {
-            y[col] = swiglu_value(a, b);
-        } else if (epi == EPI_ADD) {
-            y[col] = __fadd_rn(y[col], a);
-            if (b_row >= 0) y[b_row] = __fadd_rn(y[b_row], b);
-        } else {
-            y[col] = a;
-            if (b_row >= 0) y[b_row] = b;
-        }
+        store_r1_pair(y, col, b_row, a, b, epi);
     }
 }
 
