@@ -228,6 +228,11 @@ impl CostTable {
         self.lane(lane).map_or(0.0, |k| k.draft_ms)
     }
 
+    /// Drafting calls of lane kind `lane` measured so far.
+    pub fn draft_samples(&self, lane: LaneKind) -> u64 {
+        self.lane(lane).map_or(0, |k| k.draft_samples)
+    }
+
     /// Drafting costs by lane kind (ms), of the kinds that drafted.
     pub fn draft_costs(&self) -> Vec<(LaneKind, f64)> {
         self.lanes.iter().filter(|k| k.draft_samples > 0).map(|k| (k.kind, k.draft_ms)).collect()

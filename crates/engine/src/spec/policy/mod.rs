@@ -44,6 +44,10 @@ const PROBE_SHARE: f64 = 0.02;
 /// on the host beside its target on an H200 (a probe costs 4.8 plain steps) pauses at least 32 rounds.
 const PROBE_FLOOR_SHARE: f64 = 0.15;
 
+/// Drafting calls of a lane kind measured before the policy trusts their cost enough to stop probing a lane whose
+/// rounds could not pay even if every draft landed (a first call may include one-time set-up).
+const SETTLED_DRAFT_SAMPLES: u64 = 3;
+
 /// How widths are chosen.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum PolicyMode {
@@ -138,13 +142,20 @@ impl RoundPolicy {
         if self.backoff.owes_plain() {
             return RoundPlan::Plain;
         }
+        // A drafting call holds up every sequence of the step, not only this one.
+        let draft_ms = costs.draft_cost(self.lane) * costs.step_sequences() as f64;
+        let cost = |rows: usize| costs.cost(context, rows) + if rows > 1 { draft_ms } else { 0.0 };
+        // Where a round would lose even if every draft landed, a probe can only lose: no probe, no trial.
+        let settled = costs.draft_samples(self.lane) >= SETTLED_DRAFT_SAMPLES;
+        if settled && choose_rows(&vec![1.0; max_drafts], max_drafts + 1, cost) == 1 {
+            self.trial = false;
+            self.backoff.defer(self.probe_spacing(costs, context));
+            return RoundPlan::Plain;
+        }
         if self.backoff.probing() || self.trial {
             return RoundPlan::Draft { probe: self.backoff.probing() };
         }
         let accept = self.acceptance(costs, max_drafts, None);
-        // A drafting call holds up every sequence of the step, not only this one.
-        let draft_ms = costs.draft_cost(self.lane) * costs.step_sequences() as f64;
-        let cost = |rows: usize| costs.cost(context, rows) + if rows > 1 { draft_ms } else { 0.0 };
         if choose_rows(&accept, max_drafts + 1, cost) == 1 {
             self.backoff.defer(self.probe_spacing(costs, context));
             return RoundPlan::Plain;

@@ -402,3 +402,17 @@ fn probes_space_out_with_the_sequences_they_hold_up() {
     let (one, many) = (pause(1), pause(16));
     assert!(many > 4 * one, "owed plain rounds: {one} alone, {many} in a step of 16");
 }
+
+#[test]
+fn a_drafter_that_cannot_pay_even_when_always_right_is_never_probed() {
+    // A drafting call of 20 plain steps (a drafter on the host beside a fast GPU target): even 8 tokens a round
+    // lose, so once the call's cost is known the lane stays plain, probes included.
+    let mut sim = Sim::new(PolicyMode::Adaptive, 7, dense, 200.0);
+    for _ in 0..SETTLED_DRAFT_SAMPLES {
+        sim.costs.observe_draft(LaneKind::Oracle, 200.0);
+    }
+    let w = widths(&mut sim, 0.95, 400);
+    assert!(w.iter().all(|&r| r == 1), "drafted rounds: {:?}", w.iter().filter(|&&r| r > 1).count());
+    let plain_rate = 1.0 / dense(1);
+    assert!(sim.rate() >= 0.999 * plain_rate, "adaptive {:.5} vs plain {plain_rate:.5} tok/ms", sim.rate());
+}
