@@ -269,8 +269,8 @@ impl Engine {
     pub fn step(&mut self) -> Result<(), EngineError> {
         self.drop_abandoned();
         self.probe_round_costs_once();
-        let decoding = self.sched.running.iter().filter(|s| s.is_decoding()).count();
-        self.round_costs.lock().set_step_sequences(decoding);
+        // Every running sequence, prefilling or decoding, waits for the drafting before the step.
+        self.round_costs.lock().set_step_sequences(self.sched.running.len());
         let mut clock = PhaseClock::start();
         for seq in &mut self.sched.running {
             seq.prepare_drafts();
@@ -296,7 +296,7 @@ impl Engine {
         // was accepted and keeping checkpoints. Lanes add their own drafting. All of it is paid per round, so a
         // table of forwards alone would price every round too low, and a few wide rounds too low against narrow.
         let round_ms = started.elapsed().as_secs_f64() * 1e3;
-        self.record_round_times(&items, round_ms, draft.as_secs_f64() * 1e3);
+        self.record_round_times(&items, round_ms);
         self.sched.publish_prompt_pages();
         self.retire(finished);
         #[cfg(debug_assertions)]

@@ -141,15 +141,15 @@ impl Engine {
         Ok(())
     }
 
-    /// After a step that took `step_ms` (its forward, verification and rollback) once its lanes had drafted for
-    /// `draft_ms`: feeds the cost table when the step ran decode and verify rows only, and tells each decoding lane
-    /// its round's width and, for such steps, its cost. Drafting is not in the table: a lane prices its own calls,
-    /// and judges its round by the step's whole drafting, which every sequence of the step waited for.
+    /// After a step that took `step_ms` (its forward, verification and rollback): feeds the cost table when the
+    /// step ran decode and verify rows only, and tells each decoding lane its round's width and, for such steps,
+    /// its cost. Drafting is not in it: that is the lane's, timed on its own and charged to every sequence of the
+    /// step.
     ///
     /// A batched step's time is attributed to its widest round: every sequence in it waits for the whole step, so
     /// that is what the widest round cost, and it is what a lane choosing that width would pay again. Steps with
     /// prompt rows say nothing about a round's cost and are left out.
-    pub(super) fn record_round_times(&mut self, items: &[StepItem], step_ms: f64, draft_ms: f64) {
+    pub(super) fn record_round_times(&mut self, items: &[StepItem], step_ms: f64) {
         let decoding = |i: &&StepItem| i.samples && i.rows == 1 + i.drafts;
         let decode_only = items.iter().all(|i| decoding(&i));
         if decode_only && !items.is_empty() {
@@ -170,7 +170,7 @@ impl Engine {
         let timing = decode_only.then_some(step_ms);
         for item in items.iter().filter(decoding) {
             if let Some(lane) = self.sched.running[item.seq].lane.as_mut() {
-                let paused = lane.stepped(item.rows, timing, draft_ms);
+                let paused = lane.stepped(item.rows, timing);
                 self.metrics.record_spec_width(item.rows, paused);
             }
         }

@@ -334,10 +334,10 @@ impl SpecLane {
         self.round.committed = Some(accepted + 1);
     }
 
-    /// Records the decode step this lane's round ran in: `rows` verify rows (1: plain), the step's time in ms when
-    /// it says what the round cost (a step with prompt rows in it does not), and the ms every lane of the step spent
-    /// drafting for it (this round waited for all of it). Returns true when the gate paused drafting.
-    pub fn stepped(&mut self, rows: usize, step_ms: Option<f64>, step_draft_ms: f64) -> bool {
+    /// Records the decode step this lane's round ran in: `rows` verify rows (1: plain), and the step's time in ms
+    /// when it says what the round cost (a step with prompt rows in it does not). Returns true when the gate paused
+    /// drafting.
+    pub fn stepped(&mut self, rows: usize, step_ms: Option<f64>) -> bool {
         self.stats.record_width(rows);
         if rows <= 1 {
             self.stats.plain_steps += 1;
@@ -346,8 +346,12 @@ impl SpecLane {
         let (Some(tokens), Some(step_ms)) = (self.round.committed.take(), step_ms) else {
             return false;
         };
-        let took_ms = self.round.draft_ms.max(step_draft_ms) + step_ms;
-        let paused = self.policy.record_round(&self.costs.lock(), self.round.context, tokens, took_ms);
+        let costs = self.costs.lock();
+        // This lane's drafting held up every sequence of the step: charged as many times, as the plan charged it.
+        // (Other lanes' drafting is theirs: this round would have waited for it as a plain one too.)
+        let took_ms = self.round.draft_ms * costs.step_sequences() as f64 + step_ms;
+        let paused = self.policy.record_round(&costs, self.round.context, tokens, took_ms);
+        drop(costs);
         self.stats.gate_pauses += u64::from(paused);
         paused
     }
@@ -407,12 +411,65 @@ mod tests {
             let input = ProposeInput { tokens: &tokens, sampling: &sampling };
             assert_eq!(lane.draft(&input, 100).len(), 8);
             lane.verified(8, 0);
-            assert!(!lane.stepped(9, Some(50.0), 0.0));
+            assert!(!lane.stepped(9, Some(50.0)));
         }
         let input = ProposeInput { tokens: &tokens, sampling: &sampling };
         assert_eq!(lane.draft(&input, 3).len(), 3, "capped by the caller");
         assert_eq!(lane.stats.widths[8], 40);
         assert_eq!((lane.stats.gate_pauses, lane.stats.plain_steps), (0, 0));
+    }
+
+    /// Proposes the same drafts every round, after spinning for at least `spin` (a drafting call of known least cost).
+    struct Slow(Vec<u32>, std::time::Duration);
+
+    impl Proposer for Slow {
+        fn kind(&self) -> LaneKind {
+            LaneKind::Dflash
+        }
+
+        fn propose(&mut self, _input: &ProposeInput, max: usize) -> Proposal {
+            let started = std::time::Instant::now();
+            while started.elapsed() < self.1 {
+                std::hint::spin_loop();
+            }
+            self.0.iter().copied().take(max).collect::<Vec<_>>().into()
+        }
+    }
+
+    /// Rounds of a lane whose drafts are all accepted, in steps that take 10 ms plus 1 ms a verify row, drafted as
+    /// if alone but judged in steps of `sequences` sequences; returns how many times the gate paused it.
+    fn pauses_when_judged_in_steps_of(sequences: usize) -> u64 {
+        let mut table = CostTable::new(9);
+        table.seed(&[10.0, 11.0, 12.0, 13.0, 14.0, 15.0, 16.0, 17.0, 18.0]);
+        let costs = SharedCosts::new(table);
+        let mut lane = SpecLane::new(
+            Box::new(Slow(vec![5; 8], std::time::Duration::from_micros(10))),
+            8,
+            0,
+            PolicyMode::Fixed,
+            costs.clone(),
+        );
+        lane.policy = RoundPolicy::new(PolicyMode::Adaptive, LaneKind::Dflash, 8);
+        let sampling = SamplingParams::greedy();
+        let tokens = [1, 2, 3];
+        for _ in 0..40 {
+            costs.lock().set_step_sequences(1);
+            let drafts = lane.draft(&ProposeInput { tokens: &tokens, sampling: &sampling }, 100);
+            if !drafts.is_empty() {
+                lane.verified(drafts.len(), drafts.len());
+            }
+            costs.lock().set_step_sequences(sequences);
+            lane.stepped(1 + drafts.len(), Some(10.0 + drafts.len() as f64));
+        }
+        lane.stats.gate_pauses
+    }
+
+    #[test]
+    fn a_lane_is_charged_its_drafting_once_for_every_sequence_its_step_holds_up() {
+        // Alone, 9 tokens in 18 ms plus a few microseconds of drafting beat 90 ms of plain steps: never paused. In a
+        // step of a million sequences each microsecond of drafting is a second of theirs: paused.
+        assert_eq!(pauses_when_judged_in_steps_of(1), 0);
+        assert!(pauses_when_judged_in_steps_of(1_000_000) > 0);
     }
 
     #[test]
@@ -430,7 +487,7 @@ mod tests {
                 lane.verified(drafts.len(), 0);
             }
             plain += usize::from(drafts.is_empty());
-            lane.stepped(1 + drafts.len(), Some(10.0 + drafts.len() as f64), 0.0);
+            lane.stepped(1 + drafts.len(), Some(10.0 + drafts.len() as f64));
         }
         // Drafted: the gate's warm-up rounds, then one probe after each doubling pause (2, 4, 8, 16).
         assert!(plain >= 28, "plain rounds: {plain} of 40");

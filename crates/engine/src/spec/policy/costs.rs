@@ -46,7 +46,7 @@ pub struct CostTable {
     buckets: Vec<Option<Bucket>>,
     /// Per lane kind: ms of a drafting call (moving average) and how many were measured.
     lanes: Vec<LaneRecord>,
-    /// Decoding sequences in the step being drafted for (at least 1): each waits for every drafting call before
+    /// Running sequences in the step being drafted for (at least 1): each waits for every drafting call before
     /// the step runs, so a call's cost to the engine is this many times its time.
     step_sequences: usize,
 }
@@ -55,9 +55,10 @@ pub struct CostTable {
 #[derive(Clone, Debug, PartialEq)]
 struct LaneRecord {
     kind: LaneKind,
-    /// Moving average of a drafting call (ms), and how many were measured.
+    /// Moving average of a drafting call (ms), how many were measured, and the fastest.
     draft_ms: f64,
     draft_samples: u64,
+    fastest_draft_ms: f64,
     /// Conditional acceptance by draft position over every sequence's verified rounds.
     acceptance: PositionAcceptance,
 }
@@ -151,12 +152,12 @@ impl CostTable {
         CostTable { start: Bucket::from_curve(&prior), probed: false, buckets, lanes: Vec::new(), step_sequences: 1 }
     }
 
-    /// Sets how many decoding sequences the next step holds (the engine, before its lanes draft).
+    /// Sets how many running sequences the next step holds (the engine, before its lanes draft).
     pub fn set_step_sequences(&mut self, sequences: usize) {
         self.step_sequences = sequences.max(1);
     }
 
-    /// Decoding sequences in the step being drafted for (1 until the engine says otherwise).
+    /// Running sequences in the step being drafted for (1 until the engine says otherwise).
     pub fn step_sequences(&self) -> usize {
         self.step_sequences
     }
@@ -221,6 +222,7 @@ impl CostTable {
             n => blend(kind.draft_ms.max(1e-3), ms, n, LEVEL_WEIGHT),
         };
         kind.draft_samples += 1;
+        kind.fastest_draft_ms = kind.fastest_draft_ms.min(ms);
     }
 
     /// Expected ms of a drafting call of lane kind `lane` (0 until one was measured).
@@ -231,6 +233,12 @@ impl CostTable {
     /// Drafting calls of lane kind `lane` measured so far.
     pub fn draft_samples(&self, lane: LaneKind) -> u64 {
         self.lane(lane).map_or(0, |k| k.draft_samples)
+    }
+
+    /// The fastest drafting call of lane kind `lane` measured (ms; 0 before any): unlike the average, a slow first
+    /// call (one-time set-up) or a busy moment does not raise it.
+    pub fn fastest_draft(&self, lane: LaneKind) -> f64 {
+        self.lane(lane).filter(|k| k.draft_samples > 0).map_or(0.0, |k| k.fastest_draft_ms)
     }
 
     /// Drafting costs by lane kind (ms), of the kinds that drafted.
@@ -258,7 +266,14 @@ impl CostTable {
             Some(index) => index,
             None => {
                 let acceptance = PositionAcceptance::typical(self.max_rows().saturating_sub(1));
-                self.lanes.push(LaneRecord { kind: lane, draft_ms: 0.0, draft_samples: 0, acceptance });
+                let record = LaneRecord {
+                    kind: lane,
+                    draft_ms: 0.0,
+                    draft_samples: 0,
+                    fastest_draft_ms: f64::INFINITY,
+                    acceptance,
+                };
+                self.lanes.push(record);
                 self.lanes.len() - 1
             }
         };

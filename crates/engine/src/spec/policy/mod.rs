@@ -44,8 +44,8 @@ const PROBE_SHARE: f64 = 0.02;
 /// on the host beside its target on an H200 (a probe costs 4.8 plain steps) pauses at least 32 rounds.
 const PROBE_FLOOR_SHARE: f64 = 0.15;
 
-/// Drafting calls of a lane kind measured before the policy trusts their cost enough to stop probing a lane whose
-/// rounds could not pay even if every draft landed (a first call may include one-time set-up).
+/// Drafting calls of a lane kind measured before the policy stops probing a lane whose rounds could not pay even if
+/// every draft landed at the fastest call's cost.
 const SETTLED_DRAFT_SAMPLES: u64 = 3;
 
 /// How widths are chosen.
@@ -143,11 +143,16 @@ impl RoundPolicy {
             return RoundPlan::Plain;
         }
         // A drafting call holds up every sequence of the step, not only this one.
-        let draft_ms = costs.draft_cost(self.lane) * costs.step_sequences() as f64;
+        let sequences = costs.step_sequences() as f64;
+        let draft_ms = costs.draft_cost(self.lane) * sequences;
         let cost = |rows: usize| costs.cost(context, rows) + if rows > 1 { draft_ms } else { 0.0 };
-        // Where a round would lose even if every draft landed, a probe can only lose: no probe, no trial.
+        // Where a round would lose even if every draft landed and drafting were as fast as it ever was, a probe can
+        // only lose: no probe, no trial. (The fastest call, not the average: a slow first call cannot lock a lane
+        // kind out, and the estimate cannot go stale upwards while nothing drafts.)
+        let fastest = costs.fastest_draft(self.lane) * sequences;
+        let best_case = |rows: usize| costs.cost(context, rows) + if rows > 1 { fastest } else { 0.0 };
         let settled = costs.draft_samples(self.lane) >= SETTLED_DRAFT_SAMPLES;
-        if settled && choose_rows(&vec![1.0; max_drafts], max_drafts + 1, cost) == 1 {
+        if settled && choose_rows(&vec![1.0; max_drafts], max_drafts + 1, best_case) == 1 {
             self.trial = false;
             self.backoff.defer(self.probe_spacing(costs, context));
             return RoundPlan::Plain;
