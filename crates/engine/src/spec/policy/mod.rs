@@ -236,12 +236,13 @@ impl RoundPolicy {
     }
 
     /// How far apart probes are at `context`: at most enough rounds that failed probes cost [`PROBE_SHARE`] of plain
-    /// speed, at least enough that they cost [`PROBE_FLOOR_SHARE`]. A probe lengthens its whole step, and in a step
-    /// of N sequences up to N lanes probe in turn, so a probe's extra cost counts N times.
+    /// speed, at least enough that they cost [`PROBE_FLOOR_SHARE`]. A probe's drafting call holds up every sequence
+    /// of its step, so it counts once per sequence; its second row is priced by the table, whose steps are whole
+    /// steps already.
     fn probe_spacing(&self, costs: &CostTable, context: usize) -> Spacing {
         let plain = costs.cost(context, 1);
-        let one_probe = (costs.cost(context, 2) + costs.draft_cost(self.lane) - plain).max(0.0);
-        let extra = one_probe * costs.step_sequences() as f64;
+        let draft = costs.draft_cost(self.lane) * costs.step_sequences() as f64;
+        let extra = (costs.cost(context, 2) + draft - plain).max(0.0);
         let rounds = |share: f64| {
             let r = (extra / (share * plain)).ceil();
             (r.min(f64::from(backoff::MAX_PERIOD)) as u32).max(backoff::FIRST_PERIOD)
