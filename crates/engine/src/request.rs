@@ -36,6 +36,43 @@ pub struct Request {
     pub grammar: Option<crate::grammar::Grammar>,
 }
 
+#[cfg(test)]
+impl Request {
+    /// A greedy request that ignores end-of-sequence and may use the prefix cache, every other option at its default
+    /// (the crate's unit tests).
+    pub(crate) fn for_test(id: &str, prompt: Vec<u32>, max_tokens: usize) -> Self {
+        Request {
+            id: id.into(),
+            prompt,
+            sampling: SamplingParams::greedy(),
+            max_tokens,
+            stop: Vec::new(),
+            logprobs: None,
+            ignore_eos: true,
+            enable_pld: None,
+            enable_drafter: None,
+            spec_policy: None,
+            cache_prompt: true,
+            oracle: None,
+            grammar: None,
+        }
+    }
+}
+
+/// An event sink that takes every event and never closes (the crate's unit tests).
+#[cfg(test)]
+pub(crate) struct NullSink;
+
+#[cfg(test)]
+impl EventSink for NullSink {
+    fn send(&mut self, _: Event) -> bool {
+        true
+    }
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
 /// Where a sequence's events go. The engine calls it from its own thread.
 pub trait EventSink: Send {
     /// Delivers one event; false when the receiver is gone, which cancels the sequence.

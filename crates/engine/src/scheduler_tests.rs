@@ -1,38 +1,12 @@
 use super::*;
-use crate::request::{Event, EventSink, Request};
-use crate::sampler::SamplingParams;
-
-struct NullSink;
-
-impl EventSink for NullSink {
-    fn send(&mut self, _: Event) -> bool {
-        true
-    }
-    fn is_closed(&self) -> bool {
-        false
-    }
-}
+use crate::request::{NullSink, Request};
 
 fn seq(id: &str, prompt_len: usize) -> Sequence {
     seq_with(id, (0..prompt_len as u32).collect(), true)
 }
 
 fn seq_with(id: &str, prompt: Vec<u32>, cache_prompt: bool) -> Sequence {
-    let request = Request {
-        id: id.into(),
-        prompt,
-        sampling: SamplingParams::greedy(),
-        max_tokens: 100,
-        stop: Vec::new(),
-        logprobs: None,
-        ignore_eos: true,
-        enable_pld: None,
-        enable_drafter: None,
-        spec_policy: None,
-        cache_prompt,
-        oracle: None,
-        grammar: None,
-    };
+    let request = Request { cache_prompt, ..Request::for_test(id, prompt, 100) };
     Sequence::new(request, Box::new(NullSink))
 }
 

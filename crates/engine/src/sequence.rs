@@ -458,36 +458,10 @@ mod lane_tests {
         }
     }
 
-    struct Quiet;
-
-    impl EventSink for Quiet {
-        fn send(&mut self, _event: Event) -> bool {
-            true
-        }
-
-        fn is_closed(&self) -> bool {
-            false
-        }
-    }
-
     #[test]
     fn a_panicking_proposer_loses_its_lane_not_the_request() {
-        let request = Request {
-            id: "r".into(),
-            prompt: vec![1, 2, 3],
-            sampling: crate::SamplingParams::greedy(),
-            max_tokens: 8,
-            stop: Vec::new(),
-            logprobs: None,
-            ignore_eos: true,
-            enable_pld: None,
-            enable_drafter: None,
-            spec_policy: None,
-            cache_prompt: false,
-            oracle: None,
-            grammar: None,
-        };
-        let mut seq = Sequence::new(request, Box::new(Quiet));
+        let request = Request { cache_prompt: false, ..Request::for_test("r", vec![1, 2, 3], 8) };
+        let mut seq = Sequence::new(request, Box::new(crate::request::NullSink));
         let costs = SharedCosts::new(CostTable::new(9));
         seq.lane = Some(SpecLane::new(Box::new(Panics), 4, 4, PolicyMode::Fixed, costs));
         seq.advance(2);

@@ -163,36 +163,9 @@ fn take(engine: &mut Engine, cmd: Command, in_flight: &AtomicUsize, deadline: &m
 mod tests {
     use super::*;
     use crate::metrics::Gauges;
-    use crate::request::Event;
-    use crate::sampler::SamplingParams;
-
-    struct Discard;
-
-    impl EventSink for Discard {
-        fn send(&mut self, _: Event) -> bool {
-            true
-        }
-        fn is_closed(&self) -> bool {
-            false
-        }
-    }
 
     fn request() -> Request {
-        Request {
-            id: "r".into(),
-            prompt: vec![1, 2, 3],
-            sampling: SamplingParams::greedy(),
-            max_tokens: 4,
-            stop: Vec::new(),
-            logprobs: None,
-            ignore_eos: false,
-            enable_pld: None,
-            enable_drafter: None,
-            spec_policy: None,
-            cache_prompt: true,
-            oracle: None,
-            grammar: None,
-        }
+        Request { ignore_eos: false, ..Request::for_test("r", vec![1, 2, 3], 4) }
     }
 
     /// A client of a server that runs up to `max_running` sequences and queues `max_queue` more, whose engine
@@ -220,7 +193,7 @@ mod tests {
     /// How many of `n` submissions are accepted before the first refusal, which must be `Busy`.
     fn accepted(client: &EngineClient, n: usize) -> usize {
         for i in 0..n {
-            match client.submit(request(), Box::new(Discard)) {
+            match client.submit(request(), Box::new(crate::request::NullSink)) {
                 Ok(()) => {}
                 Err(e) => {
                     assert_eq!(e, SubmitError::Busy);
@@ -250,6 +223,6 @@ mod tests {
         assert_eq!(accepted(&full, 5), 2);
         drop(rx);
         full.metrics.publish(Gauges::default());
-        assert_eq!(full.submit(request(), Box::new(Discard)), Err(SubmitError::ShuttingDown));
+        assert_eq!(full.submit(request(), Box::new(crate::request::NullSink)), Err(SubmitError::ShuttingDown));
     }
 }
