@@ -48,6 +48,9 @@ const PROBE_FLOOR_SHARE: f64 = 0.15;
 /// every draft landed at the fastest call's cost.
 const SETTLED_DRAFT_SAMPLES: u64 = 3;
 
+/// Acceptance of a round whose every draft lands (longer than any block), read without allocating each round.
+const ALWAYS_ACCEPTED: [f64; 64] = [1.0; 64];
+
 /// How widths are chosen.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum PolicyMode {
@@ -152,7 +155,9 @@ impl RoundPolicy {
         let fastest = costs.fastest_draft(self.lane) * sequences;
         let best_case = |rows: usize| costs.cost(context, rows) + if rows > 1 { fastest } else { 0.0 };
         let settled = costs.draft_samples(self.lane) >= SETTLED_DRAFT_SAMPLES;
-        if settled && choose_rows(&vec![1.0; max_drafts], max_drafts + 1, best_case) == 1 {
+        if settled
+            && choose_rows(&ALWAYS_ACCEPTED[..max_drafts.min(ALWAYS_ACCEPTED.len())], max_drafts + 1, best_case) == 1
+        {
             self.trial = false;
             self.backoff.defer(self.probe_spacing(costs, context));
             return RoundPlan::Plain;
