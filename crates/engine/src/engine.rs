@@ -122,6 +122,17 @@ impl Engine {
                     wanted: d.model.target_layer_ids().to_vec(),
                 });
             }
+            let taps = d.model.target_layer_ids().len();
+            let wanted = d.model.capture_layout().captured_width(taps, target.config().hidden_size);
+            if wanted != target.capture_width() {
+                return Err(EngineError::Target(format!(
+                    "the drafter reads captured rows of {wanted} values ({taps} taps, {:?}); the target captures {} \
+                     ({:?})",
+                    d.model.capture_layout(),
+                    target.capture_width(),
+                    target.stream_tap()
+                )));
+            }
             if target.host_heads().is_none() {
                 return Err(EngineError::Target(format!(
                     "block drafters run on the CPU and read the target's embedding and LM head; the target on {} has no host copy",
@@ -140,7 +151,7 @@ impl Engine {
                 target.device()
             )));
         }
-        let capture_width = target.capture_layers().len() * target.config().hidden_size;
+        let capture_width = target.capture_width();
         let stride = checkpoint_stride(target.as_ref(), cfg.page_size, cfg.state_checkpoint_stride);
         let budget = PrefixBudget::plan(cfg.prefix_cache_pages, target.as_ref(), cfg.page_size, stride);
         let sched_cfg = SchedulerConfig {
@@ -187,6 +198,11 @@ impl Engine {
             ))
         })?;
         mtp.head.check_target(heads.embedding(), heads.lm_head())?;
+        if let Some(tap) = self.target.stream_tap().filter(|&t| t != dflash_models::StreamTap::Head) {
+            return Err(EngineError::Target(format!(
+                "the MTP head reads the head's collapse of the target's streams; the target's taps read {tap:?}"
+            )));
+        }
         let last = self.target.config().num_layers - 1;
         if !self.target.capture_layers().contains(&last) {
             return Err(EngineError::CaptureMismatch {
@@ -559,7 +575,7 @@ impl PrefixBudget {
         }
         let c = target.config();
         let kv_bytes = KvCache::bytes_per_token(target.kv_layers(), c.num_kv_heads, c.head_dim) * page_size;
-        let row_bytes = target.capture_layers().len() * c.hidden_size * std::mem::size_of::<f32>() * page_size;
+        let row_bytes = target.capture_width() * std::mem::size_of::<f32>() * page_size;
         if kv_pages == 0 || row_bytes + snapshot_bytes == 0 {
             return PrefixBudget { pages: kv_pages, checkpoints: 0 };
         }

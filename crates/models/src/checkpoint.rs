@@ -11,6 +11,7 @@ use crate::family::{read_family, Family, RawConfig};
 use crate::gguf::GgufFile;
 use crate::resolve::ModelSource;
 use crate::safetensors_dir::{read_json, SafetensorsDir};
+use crate::streams::StreamTap;
 use crate::tokenizer::Tokenizer;
 use crate::weights::{WeightFile, WeightStore};
 
@@ -19,6 +20,8 @@ use crate::weights::{WeightFile, WeightStore};
 pub struct LoadOptions {
     /// Layers whose outputs every forward captures (drafters' taps).
     pub capture_layers: Vec<usize>,
+    /// How a tap of a stream target reads its streams (ignored by targets without hyper-connections).
+    pub stream_tap: StreamTap,
     /// JSON merged into the model's config before it is read (`--config-overrides`; the families' own loaders
     /// read it, [`Checkpoint::open`] takes it as an argument).
     pub config_overrides: Option<Value>,

@@ -5,6 +5,7 @@ use serde_json::Value;
 
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
+use crate::streams::StreamConfig;
 
 /// The target architectures this crate can run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,6 +38,8 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// Hyper-connection residual streams (`hc_mult` and its siblings); `None` for a plain residual.
+    pub streams: Option<StreamConfig>,
 }
 
 impl ModelConfig {
@@ -69,6 +72,7 @@ impl ModelConfig {
             tie_word_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
             bos_token_id: v.get("bos_token_id").and_then(Value::as_u64).map(|x| x as u32),
             eos_token_ids: ids(v.get("eos_token_id")),
+            streams: StreamConfig::from_hf(v)?,
         };
         cfg.validate()
     }
@@ -114,6 +118,7 @@ impl ModelConfig {
                 .and_then(|v| v.as_u64())
                 .map(|x| vec![x as u32])
                 .unwrap_or_default(),
+            streams: None,
         };
         cfg.validate()
     }
@@ -130,6 +135,11 @@ impl ModelConfig {
             return bad(format!("head_dim {} is odd", self.head_dim));
         }
         Ok(self)
+    }
+
+    /// Residual streams per token (1 without hyper-connections).
+    pub fn residual_streams(&self) -> usize {
+        self.streams.map_or(1, |s| s.count)
     }
 
     /// Width of the fused q/k/v projection output.

@@ -63,6 +63,18 @@ impl SafetensorsDir {
         self.names.keys().map(String::as_str)
     }
 
+    /// A tensor's shape, read from its header without copying it.
+    ///
+    /// # Errors
+    /// `MissingTensor`, or a malformed file.
+    pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
+        let &i = self.names.get(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+        let (path, map) = &self.shards[i];
+        let st = SafeTensors::deserialize(map).map_err(|e| ModelError::format(path, e.to_string()))?;
+        let view = st.tensor(name).map_err(|e| ModelError::format(path, e.to_string()))?;
+        Ok(view.shape().to_vec())
+    }
+
     /// Copies a tensor out in its stored dtype (f32, f16 or bf16).
     ///
     /// # Errors

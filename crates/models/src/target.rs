@@ -46,6 +46,16 @@ pub trait Target: Send {
     /// The layers whose outputs every forward captures (fixed at load).
     fn capture_layers(&self) -> &[usize];
 
+    /// Values of one captured row: `hidden` per tap, or on a stream target what [`Target::stream_tap`] reads.
+    fn capture_width(&self) -> usize {
+        self.capture_layers().len() * self.config().hidden_size
+    }
+
+    /// How taps read a stream target's hyper-connection streams; `None` for a target without streams.
+    fn stream_tap(&self) -> Option<crate::StreamTap> {
+        None
+    }
+
     /// Tokens per KV page.
     fn page_size(&self) -> usize;
 
@@ -53,7 +63,7 @@ pub trait Target: Send {
     fn num_pages(&self) -> usize;
 
     /// Runs one step's rows (see [`ForwardBatch`]): writes their K/V into the cache and returns the logits of
-    /// the batch's logit rows (`[L, vocab]`) and the captured hidden states (`[T, taps · hidden]`).
+    /// the batch's logit rows (`[L, vocab]`) and the captured hidden states (`[T, capture width]`).
     ///
     /// # Errors
     /// An inconsistent batch or a backend failure; the rows' cache contents are then unspecified.

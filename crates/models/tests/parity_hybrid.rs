@@ -5,10 +5,12 @@
 //!   decode steps (recurrent rule) and after an 80-token prefill (two chunks); chunked prefill within tolerance.
 //! * tiny-qwen3-moe: logits and every layer's output.
 //! * Rollback: for every accepted count, verify + rollback leaves the states (and the next step) bit-identical
-//!   to a forward over the kept rows, and to decoding them one at a time; batching does not change any bit.
+//!   to a forward over the kept rows, and to decoding them one at a time (with and without hyper-connection
+//!   streams); batching does not change any bit.
 
 mod common;
 
+use common::hybrid::{tokens_of, Seq, PAGE_SIZE};
 use common::{assert_close, fixtures, read_golden, Golden};
 use dflash_models::hybrid::{load_hybrid_weights, HybridModel, HybridState};
 use dflash_models::LoadOptions;
@@ -16,7 +18,6 @@ use dflash_models::{ForwardBatch, KvCache, SeqRows};
 use std::collections::HashMap;
 
 const TOL: f32 = 1e-4;
-const PAGE_SIZE: usize = 4;
 
 fn load(name: &str, capture: Vec<usize>) -> HybridModel {
     let opts = LoadOptions { capture_layers: capture, ..Default::default() };
@@ -25,65 +26,6 @@ fn load(name: &str, capture: Vec<usize>) -> HybridModel {
 
 fn golden(name: &str) -> HashMap<String, Golden> {
     read_golden(&fixtures().join(name).join("golden.safetensors"))
-}
-
-/// One sequence's cache, state and length, fed through single-sequence forwards.
-struct Seq {
-    kv: KvCache,
-    state: HybridState,
-    table: Vec<u32>,
-    len: usize,
-    prompt_len: usize,
-}
-
-/// What one forward returned: every row's logits and captured taps.
-struct Rows {
-    logits: Vec<f32>,
-    captured: Vec<f32>,
-}
-
-impl Seq {
-    fn new(model: &HybridModel, capacity: usize, prompt_len: usize) -> Self {
-        let pages = capacity.div_ceil(PAGE_SIZE);
-        // A reversed, offset block table: attention must follow it.
-        let table: Vec<u32> = (0..pages as u32).map(|p| pages as u32 + 1 - p).collect();
-        let kv = model.new_kv_cache(pages + 2, PAGE_SIZE).expect("cache");
-        Seq { kv, state: model.new_state(), table, len: 0, prompt_len }
-    }
-
-    fn forward(&mut self, model: &HybridModel, tokens: &[u32]) -> Rows {
-        let n = tokens.len();
-        let positions: Vec<u32> = (self.len..self.len + n).map(|p| p as u32).collect();
-        let slots: Vec<u32> = (self.len..self.len + n)
-            .map(|p| self.table[p / PAGE_SIZE] * PAGE_SIZE as u32 + (p % PAGE_SIZE) as u32)
-            .collect();
-        let rows: Vec<u32> = (0..n as u32).collect();
-        let seqs =
-            [SeqRows { num_rows: n, context_len: self.len, block_table: &self.table, prompt_len: self.prompt_len }];
-        let batch = ForwardBatch { tokens, positions: &positions, seqs: &seqs, slots: &slots, logit_rows: &rows };
-        let out = model.forward(&batch, &mut self.kv, &mut [&mut self.state]).expect("forward");
-        self.len += n;
-        Rows {
-            logits: out.logits.as_f32().expect("f32").to_vec(),
-            captured: out.captured.map(|c| c.as_f32().expect("f32").to_vec()).unwrap_or_default(),
-        }
-    }
-
-    /// Forwards `tokens` in pieces of `chunk` rows, concatenating what they return.
-    fn feed(&mut self, model: &HybridModel, tokens: &[u32], chunk: usize) -> Rows {
-        let mut all = Rows { logits: Vec::new(), captured: Vec::new() };
-        for part in tokens.chunks(chunk) {
-            let r = self.forward(model, part);
-            all.logits.extend(r.logits);
-            all.captured.extend(r.captured);
-        }
-        all
-    }
-}
-
-fn tokens_of(g: &Golden, row: usize) -> Vec<u32> {
-    let len = g.shape[g.shape.len() - 1];
-    g.data[row * len..(row + 1) * len].iter().map(|&x| x as u32).collect()
 }
 
 /// Every GDN layer's conv and ssm state against `{prefix}conv.layer{L}` / `{prefix}ssm.layer{L}` (item `item`).
@@ -223,8 +165,15 @@ fn prefilled(model: &HybridModel, prompt: &[u32], room: usize) -> Seq {
 
 #[test]
 fn verify_then_rollback_equals_a_forward_over_the_kept_rows() {
-    let model = load("tiny-qwen3-next", vec![]);
-    let g = golden("tiny-qwen3-next");
+    // With hyper-connection streams too: they live within a forward, so the recurrent state's rollback suffices.
+    for name in ["tiny-qwen3-next", "tiny-qwen3-next-hc"] {
+        verify_then_rollback(name);
+    }
+}
+
+fn verify_then_rollback(name: &str) {
+    let model = load(name, vec![]);
+    let g = golden(name);
     let prompt = tokens_of(&g["input_ids"], 0);
     let vocab = model.config().base.vocab_size;
     // An anchor and drafts; widths on both sides of the exact-matmul group of 8 rows.
@@ -233,7 +182,7 @@ fn verify_then_rollback_equals_a_forward_over_the_kept_rows() {
         let verify = &drafts[..width];
         for accepted in 0..width {
             let kept = accepted + 1;
-            let what = format!("width {width}, kept {kept}");
+            let what = format!("{name}: width {width}, kept {kept}");
             let mut spec = prefilled(&model, &prompt, width + 1);
             spec.state.begin_verify();
             let verified = spec.forward(&model, verify);

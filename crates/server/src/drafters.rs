@@ -17,7 +17,7 @@ use dflash_models::dflash::{DraftConfig, DraftModel, DraftVocab, TargetShape, Vo
 use dflash_models::mtp::{TrunkNorm, PREFIX as MTP_PREFIX};
 use dflash_models::resolve::{ModelSource, DEFAULT_MODEL_FILE};
 use dflash_models::safetensors_dir::read_json;
-use dflash_models::{Checkpoint, MtpHead, OpenedTarget, TargetHeads};
+use dflash_models::{Checkpoint, ModelConfig, MtpHead, OpenedTarget, StreamTap, TargetHeads};
 
 use crate::assets::assets_dir;
 use crate::cli::{DraftVocabSize, ModelArgs, SpecArgs};
@@ -74,6 +74,19 @@ impl DrafterPlan {
             DrafterPlan::None => Vec::new(),
             DrafterPlan::Mtp { last_layer, .. } => vec![*last_layer],
             DrafterPlan::Block { config, .. } => config.target_layer_ids.clone(),
+        }
+    }
+
+    /// How a stream target's taps read its streams for this drafter: the head's collapse for an MTP head, the stream
+    /// mean or the raw streams for a block drafter as its `fc` width says. Targets without streams ignore it.
+    pub fn stream_tap(&self, target: &ModelConfig) -> StreamTap {
+        match self {
+            DrafterPlan::Mtp { .. } => StreamTap::Head,
+            // A width that fits neither is refused with its reason when the drafter loads.
+            DrafterPlan::Block { dir, .. } if target.streams.is_some() => {
+                DraftModel::stream_tap_for(dir, &TargetShape::of(target)).unwrap_or_default()
+            }
+            DrafterPlan::Block { .. } | DrafterPlan::None => StreamTap::default(),
         }
     }
 

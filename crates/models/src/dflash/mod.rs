@@ -70,6 +70,18 @@ impl DraftModel {
         Ok(model)
     }
 
+    /// How a stream target must capture for the drafter in `dir`, decided as loading will decide it (from the
+    /// `fc.weight` width), before the target loads. Targets without streams ignore it.
+    ///
+    /// # Errors
+    /// Unreadable files, or an `fc.weight` width that fits neither the target's stream means nor its raw streams.
+    pub fn stream_tap_for(dir: &Path, target: &TargetShape) -> Result<crate::StreamTap> {
+        let cfg = DraftConfig::from_json(&read_json(&dir.join("config.json"))?)?;
+        let shape = SafetensorsDir::open(dir)?.shape("fc.weight")?;
+        let fc_in = shape.get(1).copied().unwrap_or(0);
+        Ok(CaptureLayout::from_fc_width(fc_in, cfg.target_layer_ids.len(), target)?.stream_tap())
+    }
+
     /// Builds a drafter from a parsed config and a weight store, taking every tensor the config implies (the
     /// caller runs [`WeightStore::finish`] to reject leftovers).
     ///

@@ -2,6 +2,7 @@
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::streams::StreamTap;
 
 use super::config::{DraftConfig, DraftKind};
 
@@ -14,23 +15,22 @@ pub struct TargetShape {
     pub vocab_size: usize,
     /// Decoder layers of the target.
     pub num_layers: usize,
-    /// Parallel residual streams per token (hyper-connection targets keep several; Llama and Qwen3 keep 1). The
-    /// target's captured rows then hold `taps × residual_streams × hidden_size` values, tap-major.
+    /// Parallel residual streams per token (hyper-connection targets keep several, plain ones 1).
     pub residual_streams: usize,
 }
 
 impl TargetShape {
-    /// The shape of a Llama / Qwen3 target (one residual stream).
+    /// The shape of a target of `cfg` (its hyper-connection streams included).
     pub fn of(cfg: &ModelConfig) -> Self {
         TargetShape {
             hidden_size: cfg.hidden_size,
             vocab_size: cfg.vocab_size,
             num_layers: cfg.num_layers,
-            residual_streams: 1,
+            residual_streams: cfg.residual_streams(),
         }
     }
 
-    /// Width of one captured row for `taps` tapped layers.
+    /// Width of one captured row of raw streams for `taps` tapped layers.
     pub fn captured_width(&self, taps: usize) -> usize {
         taps * self.residual_streams * self.hidden_size
     }
@@ -39,12 +39,11 @@ impl TargetShape {
 /// How the target's captured rows become the drafter's `fc` input, decided by the `fc` input width.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CaptureLayout {
-    /// One stream: the taps, concatenated in `target_layer_ids` order, are the `fc` input.
+    /// `fc` takes `taps × hidden`: the taps, concatenated in `target_layer_ids` order. On a stream target each tap
+    /// is the per-token mean of its streams, which the target computes ([`StreamTap::Mean`]).
     Plain,
-    /// The target keeps `streams` residual streams and `fc` takes `taps × hidden`: each tap is the per-token
-    /// mean of its streams (the convention of the serving engines that pool hyper-connection streams).
-    StreamMean { streams: usize },
-    /// `fc` takes every stream of every tap as captured (`taps × streams × hidden`).
+    /// `fc` takes every stream of every tap as the target keeps them (`taps × streams × hidden`,
+    /// [`StreamTap::Raw`]).
     StreamConcat { streams: usize },
 }
 
@@ -52,13 +51,13 @@ impl CaptureLayout {
     /// Decides the layout from the checkpoint's `fc` input width.
     ///
     /// # Errors
-    /// `Config` explaining the mismatch: a width that is no multiple of `taps × hidden`, or one that implies a
-    /// number of hyper-connection streams other than the target's.
+    /// `Config` naming both widths: one that is no multiple of `taps × hidden`, or one that implies a number of
+    /// hyper-connection streams other than the target's.
     pub fn from_fc_width(fc_in: usize, taps: usize, target: &TargetShape) -> Result<Self> {
         let per_stream = taps * target.hidden_size;
         let streams = target.residual_streams;
         if fc_in == per_stream {
-            return Ok(if streams > 1 { CaptureLayout::StreamMean { streams } } else { CaptureLayout::Plain });
+            return Ok(CaptureLayout::Plain);
         }
         if per_stream > 0 && fc_in.is_multiple_of(per_stream) {
             let m = fc_in / per_stream;
@@ -67,8 +66,11 @@ impl CaptureLayout {
             }
             return Err(ModelError::Config(format!(
                 "drafter fc.weight takes {fc_in} inputs = {taps} taps x {m} streams x {} hidden: it was trained on \
-                 a target whose residual has {m} hyper-connection streams, concatenated per tap; this target has {}",
-                target.hidden_size, streams
+                 a target whose residual has {m} hyper-connection streams, concatenated per tap; this target has {} \
+                 (its taps give {per_stream} values as stream means, or {} as raw streams)",
+                target.hidden_size,
+                streams,
+                target.captured_width(taps)
             )));
         }
         Err(ModelError::Config(format!(
@@ -81,29 +83,16 @@ impl CaptureLayout {
     pub fn captured_width(&self, taps: usize, hidden: usize) -> usize {
         match *self {
             CaptureLayout::Plain => taps * hidden,
-            CaptureLayout::StreamMean { streams } | CaptureLayout::StreamConcat { streams } => taps * streams * hidden,
+            CaptureLayout::StreamConcat { streams } => taps * streams * hidden,
         }
     }
 
-    /// Turns captured rows (`[m, captured_width]`) into `fc` input rows, averaging streams where needed.
-    pub(crate) fn fc_input(&self, captured: &[f32], taps: usize, hidden: usize) -> Vec<f32> {
-        let CaptureLayout::StreamMean { streams } = *self else { return captured.to_vec() };
-        let row_in = taps * streams * hidden;
-        let mut out = Vec::with_capacity(captured.len() / streams.max(1));
-        for row in captured.chunks_exact(row_in) {
-            for tap in row.chunks_exact(streams * hidden) {
-                let first = out.len();
-                out.extend_from_slice(&tap[..hidden]);
-                for stream in tap.chunks_exact(hidden).skip(1) {
-                    for (o, &x) in out[first..].iter_mut().zip(stream) {
-                        *o += x;
-                    }
-                }
-                let inv = 1.0 / streams as f32;
-                out[first..].iter_mut().for_each(|o| *o *= inv);
-            }
+    /// How a stream target's taps must read its streams for this layout.
+    pub fn stream_tap(&self) -> StreamTap {
+        match self {
+            CaptureLayout::Plain => StreamTap::Mean,
+            CaptureLayout::StreamConcat { .. } => StreamTap::Raw,
         }
-        out
     }
 }
 
@@ -159,25 +148,15 @@ mod tests {
     #[test]
     fn layout_follows_the_fc_width() {
         assert_eq!(CaptureLayout::from_fc_width(8, 2, &target(1)).expect("plain"), CaptureLayout::Plain);
-        assert_eq!(
-            CaptureLayout::from_fc_width(8, 2, &target(3)).expect("mean"),
-            CaptureLayout::StreamMean { streams: 3 }
-        );
-        assert_eq!(
-            CaptureLayout::from_fc_width(24, 2, &target(3)).expect("concat"),
-            CaptureLayout::StreamConcat { streams: 3 }
-        );
+        let mean = CaptureLayout::from_fc_width(8, 2, &target(3)).expect("stream mean");
+        assert_eq!((mean, mean.stream_tap()), (CaptureLayout::Plain, StreamTap::Mean));
+        let concat = CaptureLayout::from_fc_width(24, 2, &target(3)).expect("concat");
+        assert_eq!((concat, concat.stream_tap()), (CaptureLayout::StreamConcat { streams: 3 }, StreamTap::Raw));
+        assert_eq!(concat.captured_width(2, 4), 24);
         let e = CaptureLayout::from_fc_width(32, 2, &target(1)).expect_err("4 streams on a 1-stream target");
         assert!(e.to_string().contains("4 hyper-connection streams"), "{e}");
+        let e = CaptureLayout::from_fc_width(16, 2, &target(3)).expect_err("2 streams on a 3-stream target");
+        assert!(e.to_string().contains("8 values as stream means, or 24 as raw streams"), "{e}");
         assert!(CaptureLayout::from_fc_width(10, 2, &target(1)).is_err());
-    }
-
-    #[test]
-    fn stream_mean_averages_each_tap() {
-        let layout = CaptureLayout::StreamMean { streams: 2 };
-        // One row, 2 taps x 2 streams x hidden 2.
-        let row = [1.0, 2.0, 3.0, 4.0, 10.0, 20.0, 30.0, 40.0];
-        assert_eq!(layout.fc_input(&row, 2, 2), vec![2.0, 3.0, 20.0, 30.0]);
-        assert_eq!(CaptureLayout::Plain.fc_input(&row, 4, 2), row.to_vec());
     }
 }

@@ -47,7 +47,8 @@ impl Family for HybridFamily {
 
     /// The checkpoint's own MTP head (`mtp.*`) is left for the head's loader, as transformers leaves it.
     fn open(&self, weights: &mut WeightStore, device: Device, opts: &TargetOptions) -> Result<Box<dyn Target>> {
-        let model = HybridModel::load(self.config.clone(), weights, &opts.load.capture_layers)?;
+        let load = &opts.load;
+        let model = HybridModel::load(self.config.clone(), weights, &load.capture_layers, load.stream_tap)?;
         weights.ignore_under(crate::mtp::PREFIX);
         match device {
             Device::Cpu => {

@@ -11,6 +11,9 @@
 //! ([`HybridState::begin_verify`], then [`HybridState::rollback_to`]), bit-identical to a forward over the kept
 //! rows alone.
 //!
+//! With hyper-connection streams (`hc_mult` in the config) every block enters and leaves through its connection
+//! (`crate::streams`); the streams live within one forward, so rollback needs nothing more.
+//!
 //! Design notes and costs: docs/MODELS.md, "Hybrid targets".
 
 pub(crate) mod attention;
@@ -41,6 +44,7 @@ use crate::checkpoint::LoadOptions;
 use crate::config::merge_json;
 use crate::error::{ModelError, Result};
 use crate::safetensors_dir::{read_json, SafetensorsDir};
+use crate::streams::{ModelStreams, StreamResidual, StreamTap};
 use crate::target::TargetHeads;
 use crate::weights::{WeightFile, WeightStore};
 
@@ -75,14 +79,21 @@ pub struct HybridModel {
     pub(crate) lm_head: Option<Tensor>, // [vocab, hidden]; None = tied
     pub(crate) rope: RopeTable,
     pub(crate) capture_layers: Vec<usize>,
+    pub(crate) streams: Option<ModelStreams>,
 }
 
 impl HybridModel {
-    /// Builds the model from a weight store, taking every tensor the config implies.
+    /// Builds the model from a weight store, taking every tensor the config implies. `stream_tap` says how taps
+    /// read a stream target's streams.
     ///
     /// # Errors
     /// Missing or misshapen tensors (named), capture layers out of range, bad RoPE settings.
-    pub fn load(cfg: HybridConfig, store: &mut WeightStore, capture_layers: &[usize]) -> Result<Self> {
+    pub fn load(
+        cfg: HybridConfig,
+        store: &mut WeightStore,
+        capture_layers: &[usize],
+        stream_tap: StreamTap,
+    ) -> Result<Self> {
         let n = cfg.num_layers();
         if let Some(&l) = capture_layers.iter().find(|&&l| l >= n) {
             return Err(ModelError::Config(format!("capture layer {l} >= {n} layers")));
@@ -99,7 +110,9 @@ impl HybridModel {
         };
         let b = &cfg.base;
         let rope = RopeTable::new(cfg.rotary_dim, b.rope_theta, &b.rope_scaling, RopeStyle::Neox)?;
-        Ok(HybridModel { cfg, embed, layers, final_norm, lm_head, rope, capture_layers: capture_layers.to_vec() })
+        let streams = ModelStreams::load(store, b.streams, n, h, capture_layers, stream_tap)?;
+        let capture_layers = capture_layers.to_vec();
+        Ok(HybridModel { cfg, embed, layers, final_norm, lm_head, rope, capture_layers, streams })
     }
 
     pub fn config(&self) -> &HybridConfig {
@@ -109,6 +122,17 @@ impl HybridModel {
     /// The layers whose outputs every forward captures, fixed at load.
     pub fn capture_layers(&self) -> &[usize] {
         &self.capture_layers
+    }
+
+    /// Values of one captured row: `hidden` per tap, or what the stream tap reads on a stream target.
+    pub fn capture_width(&self) -> usize {
+        let (taps, h) = (self.capture_layers.len(), self.cfg.base.hidden_size);
+        self.streams.as_ref().map_or(taps * h, |s| s.capture_width(taps, h))
+    }
+
+    /// How taps read the streams, on a stream target.
+    pub fn stream_tap(&self) -> Option<StreamTap> {
+        self.streams.as_ref().map(|s| s.tap)
     }
 
     /// The token embedding table (shared with drafters).
@@ -131,7 +155,7 @@ impl HybridModel {
     /// routed experts per sparse layer (the decode bandwidth floor).
     pub fn active_weight_bytes(&self) -> usize {
         let layers: usize = self.layers.iter().map(|l| l.ffn.active_bytes() + mixer_bytes(&l.mixer)).sum();
-        layers + self.lm_head().byte_len()
+        layers + self.lm_head().byte_len() + self.streams.as_ref().map_or(0, ModelStreams::weight_bytes)
     }
 
     /// Allocates a KV cache for the attention layers only.
@@ -207,34 +231,86 @@ impl HybridModel {
         kv: &mut KvCache,
         states: &mut [&mut HybridState],
     ) -> Result<ForwardOut> {
-        let (t, h, eps) = (batch.num_tokens(), self.cfg.base.hidden_size, self.cfg.base.rms_norm_eps);
+        let (t, h) = (batch.num_tokens(), self.cfg.base.hidden_size);
         let plan = RowPlan::from_batch(batch);
         let mut residual = Tensor::zeros(DType::F32, &[t, h])?; // [T, hidden]
         ops::embedding(&self.embed, batch.tokens, &mut residual)?;
-        let mut normed = Tensor::zeros(DType::F32, &[t, h])?;
-        let mut delta = Tensor::zeros(DType::F32, &[t, h])?;
         let taps = self.capture_layers.len();
-        let mut captured = (taps > 0).then(|| Tensor::zeros(DType::F32, &[t, taps * h])).transpose()?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            if i == 0 {
-                ops::rms_norm(&residual, &layer.attn_norm, eps, &mut normed)?;
-            }
-            match &layer.mixer {
-                Mixer::Attention(slot, a) => a.forward(&plan, batch, kv, *slot, &self.rope, &normed, &mut delta)?,
-                Mixer::Gdn(slot, g) => g.forward(&plan, batch, states, *slot, &normed, &mut delta)?,
-            }
-            ops::add_rms_norm(&mut residual, &delta, &layer.ffn_norm, eps, &mut normed)?;
-            layer.ffn.forward(&plan, &normed, &mut delta)?;
-            match self.layers.get(i + 1) {
-                Some(next) => ops::add_rms_norm(&mut residual, &delta, &next.attn_norm, eps, &mut normed)?,
-                None => ops::add_in_place(&mut residual, &delta)?,
-            }
-            if let (Some(tap), Some(cap)) = (self.capture_layers.iter().position(|&l| l == i), captured.as_mut()) {
-                copy_columns(&residual, cap, tap * h)?;
-            }
+        let mut captured = (taps > 0).then(|| Tensor::zeros(DType::F32, &[t, self.capture_width()])).transpose()?;
+        let mut run = LayerRun { plan: &plan, batch, kv, states, captured: captured.as_mut() };
+        match &self.streams {
+            None => self.plain_layers(&mut residual, &mut run)?,
+            Some(streams) => self.stream_layers(streams, &mut residual, &mut run)?,
         }
         let logits = self.logits(&plan, &residual, batch.logit_rows)?;
         Ok(ForwardOut { logits, ids: None, captured })
+    }
+
+    /// The layers over one residual stream, each add fused with the next norm. Leaves the last layer's output in
+    /// `residual` (`[T, hidden]`).
+    fn plain_layers(&self, residual: &mut Tensor, run: &mut LayerRun<'_, '_, '_>) -> Result<()> {
+        let (h, eps) = (self.cfg.base.hidden_size, self.cfg.base.rms_norm_eps);
+        let mut normed = Tensor::zeros(DType::F32, residual.shape())?;
+        let mut delta = Tensor::zeros(DType::F32, residual.shape())?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            if i == 0 {
+                ops::rms_norm(residual, &layer.attn_norm, eps, &mut normed)?;
+            }
+            self.mixer_block(layer, run, &normed, &mut delta)?;
+            ops::add_rms_norm(residual, &delta, &layer.ffn_norm, eps, &mut normed)?;
+            layer.ffn.forward(run.plan, &normed, &mut delta)?;
+            match self.layers.get(i + 1) {
+                Some(next) => ops::add_rms_norm(residual, &delta, &next.attn_norm, eps, &mut normed)?,
+                None => ops::add_in_place(residual, &delta)?,
+            }
+            if let (Some(tap), Some(cap)) = (self.capture_layers.iter().position(|&l| l == i), run.captured.as_mut()) {
+                copy_columns(residual, cap, tap * h)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The layers over hyper-connection streams. Leaves the head's collapse in `residual` (`[T, hidden]`: the
+    /// embedding on entry).
+    fn stream_layers(
+        &self,
+        streams: &ModelStreams,
+        residual: &mut Tensor,
+        run: &mut LayerRun<'_, '_, '_>,
+    ) -> Result<()> {
+        let eps = self.cfg.base.rms_norm_eps;
+        let mut res = StreamResidual::from_embedding(residual, streams.cfg, eps)?;
+        let mut collapsed = Tensor::zeros(DType::F32, residual.shape())?;
+        let mut normed = Tensor::zeros(DType::F32, residual.shape())?;
+        let mut delta = Tensor::zeros(DType::F32, residual.shape())?;
+        for (i, (layer, hc)) in self.layers.iter().zip(&streams.layers).enumerate() {
+            res.enter(&hc.attn, &mut collapsed)?;
+            ops::rms_norm(&collapsed, &layer.attn_norm, eps, &mut normed)?;
+            self.mixer_block(layer, run, &normed, &mut delta)?;
+            res.leave(&delta)?;
+            res.enter(&hc.ffn, &mut collapsed)?;
+            ops::rms_norm(&collapsed, &layer.ffn_norm, eps, &mut normed)?;
+            layer.ffn.forward(run.plan, &normed, &mut delta)?;
+            res.leave(&delta)?;
+            if let (Some(tap), Some(cap)) = (self.capture_layers.iter().position(|&l| l == i), run.captured.as_mut()) {
+                res.write_tap(streams.tap, &streams.head, cap, tap)?;
+            }
+        }
+        res.collapse_with(&streams.head, residual)
+    }
+
+    /// A layer's token mixer of `normed` into `delta` (both `[T, hidden]`).
+    fn mixer_block(
+        &self,
+        layer: &Layer,
+        run: &mut LayerRun<'_, '_, '_>,
+        normed: &Tensor,
+        delta: &mut Tensor,
+    ) -> Result<()> {
+        match &layer.mixer {
+            Mixer::Attention(slot, a) => a.forward(run.plan, run.batch, run.kv, *slot, &self.rope, normed, delta),
+            Mixer::Gdn(slot, g) => g.forward(run.plan, run.batch, run.states, *slot, normed, delta),
+        }
     }
 
     /// Final norm and LM head for the requested rows only (generated rows row-exact).
@@ -265,6 +341,15 @@ impl TargetHeads for HybridModel {
     fn final_norm(&self) -> (&Tensor, f32) {
         (&self.final_norm, self.cfg.base.rms_norm_eps)
     }
+}
+
+/// What every layer of one forward reads and writes besides the residual.
+struct LayerRun<'a, 'b, 's> {
+    plan: &'a RowPlan,
+    batch: &'a ForwardBatch<'b>,
+    kv: &'a mut KvCache,
+    states: &'a mut [&'s mut HybridState],
+    captured: Option<&'a mut Tensor>, // [T, capture width]
 }
 
 fn mixer_bytes(m: &Mixer) -> usize {
@@ -330,7 +415,7 @@ pub fn load_hybrid_weights(dir: &Path, opts: &LoadOptions) -> Result<HybridModel
     let cfg = HybridConfig::from_hf(&config)?;
     let files = SafetensorsDir::open(dir)?;
     let mut store = WeightStore::new(WeightFile::Hf(files)).widen_to_f32(opts.f32_weights);
-    let model = HybridModel::load(cfg, &mut store, &opts.capture_layers)?;
+    let model = HybridModel::load(cfg, &mut store, &opts.capture_layers, opts.stream_tap)?;
     store.ignore_under(crate::mtp::PREFIX);
     store.finish()?;
     Ok(model)

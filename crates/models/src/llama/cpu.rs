@@ -2,7 +2,9 @@
 //!
 //! Per layer: `h = x + o_proj(attn(rope(q), rope(k), v))`, `x' = h + down(silu(gate(n)) * up(n))` with pre-RMSNorms.
 //! Qwen3 adds a per-head RMSNorm on q and k before RoPE. q/k/v and gate/up are fused into one matmul each at
-//! load when their dtypes agree (they always do in HF checkpoints and in the default GGUF).
+//! load when their dtypes agree (they always do in HF checkpoints and in the default GGUF). With hyper-connection
+//! streams (`hc_mult` in the config) each block enters and leaves through its connection instead of a plain
+//! residual add (`crate::streams`).
 
 use dflash_runtime::ops::{self, AttnSeq, RopeTable};
 use dflash_runtime::{DType, Tensor};
@@ -11,6 +13,7 @@ use super::weights::{take_heads, take_layer, LayerTensors};
 use crate::batch::{ForwardBatch, ForwardOut, KvCache};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::streams::{ModelStreams, StreamResidual, StreamTap};
 use crate::target::TargetHeads;
 use crate::weights::WeightStore;
 
@@ -80,14 +83,21 @@ pub struct LlamaModel {
     lm_head: Option<Tensor>, // [vocab, hidden]; None = tied to `embed`
     rope: RopeTable,
     capture_layers: Vec<usize>,
+    streams: Option<ModelStreams>,
 }
 
 impl LlamaModel {
-    /// Builds the model from a weight store, taking every tensor the config implies.
+    /// Builds the model from a weight store, taking every tensor the config implies. `stream_tap` says how taps
+    /// read a stream target's streams.
     ///
     /// # Errors
     /// Missing, misshapen or unexpected tensors (named), capture layers out of range, bad rope settings.
-    pub fn load(cfg: ModelConfig, store: &mut WeightStore, capture_layers: &[usize]) -> Result<Self> {
+    pub fn load(
+        cfg: ModelConfig,
+        store: &mut WeightStore,
+        capture_layers: &[usize],
+        stream_tap: StreamTap,
+    ) -> Result<Self> {
         if let Some(&l) = capture_layers.iter().find(|&&l| l >= cfg.num_layers) {
             return Err(ModelError::Config(format!("capture layer {l} >= {} layers", cfg.num_layers)));
         }
@@ -95,7 +105,10 @@ impl LlamaModel {
         let heads = take_heads(&cfg, store)?;
         let (embed, lm_head, final_norm) = (heads.embed, heads.lm_head, dense_f32(heads.final_norm)?);
         let rope = RopeTable::new(cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling, cfg.rope_style)?;
-        Ok(LlamaModel { cfg, embed, layers, final_norm, lm_head, rope, capture_layers: capture_layers.to_vec() })
+        let (n, h) = (cfg.num_layers, cfg.hidden_size);
+        let streams = ModelStreams::load(store, cfg.streams, n, h, capture_layers, stream_tap)?;
+        let capture_layers = capture_layers.to_vec();
+        Ok(LlamaModel { cfg, embed, layers, final_norm, lm_head, rope, capture_layers, streams })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -105,6 +118,17 @@ impl LlamaModel {
     /// The layers whose outputs every forward captures, fixed at load.
     pub fn capture_layers(&self) -> &[usize] {
         &self.capture_layers
+    }
+
+    /// Values of one captured row: `hidden` per tap, or what the stream tap reads on a stream target.
+    pub fn capture_width(&self) -> usize {
+        let (taps, h) = (self.capture_layers.len(), self.cfg.hidden_size);
+        self.streams.as_ref().map_or(taps * h, |s| s.capture_width(taps, h))
+    }
+
+    /// How taps read the streams, on a stream target.
+    pub fn stream_tap(&self) -> Option<StreamTap> {
+        self.streams.as_ref().map(|s| s.tap)
     }
 
     /// The token embedding table (shared with drafters).
@@ -125,7 +149,7 @@ impl LlamaModel {
         };
         let layers: usize =
             self.layers.iter().map(|l| proj(&l.qkv) + proj(&l.gate_up) + l.o_proj.byte_len() + l.down.byte_len()).sum();
-        layers + self.lm_head().byte_len()
+        layers + self.lm_head().byte_len() + self.streams.as_ref().map_or(0, ModelStreams::weight_bytes)
     }
 
     /// Allocates a KV cache shaped for this model.
@@ -150,47 +174,70 @@ impl LlamaModel {
         let t = batch.num_tokens();
         let mut residual = Tensor::zeros(DType::F32, &[t, cfg.hidden_size])?; // [T, hidden]
         ops::embedding(&self.embed, batch.tokens, &mut residual)?;
-        let mut normed = Tensor::zeros(DType::F32, &[t, cfg.hidden_size])?;
         let mut bufs = Buffers::new(cfg, t)?;
         let taps = self.capture_layers.len();
-        let mut captured = (taps > 0).then(|| Tensor::zeros(DType::F32, &[t, taps * cfg.hidden_size])).transpose()?;
-        let attn_seqs = batch.attention_seqs();
-        for (i, layer) in self.layers.iter().enumerate() {
-            if i == 0 {
-                ops::rms_norm(&residual, &layer.attn_norm, cfg.rms_norm_eps, &mut normed)?;
-            }
-            self.attention_block(i, layer, batch, &attn_seqs, kv, &mut normed, &mut bufs)?;
-            // residual += attn; normed = ffn_norm(residual)
-            ops::add_rms_norm(&mut residual, &bufs.attn_out, &layer.ffn_norm, cfg.rms_norm_eps, &mut normed)?;
-            layer.gate_up.apply(&normed, &mut bufs.gate_up)?;
-            ops::swiglu_fused(&bufs.gate_up, &mut bufs.act)?;
-            ops::matmul(&bufs.act, &layer.down, &mut bufs.attn_out)?;
-            match self.layers.get(i + 1) {
-                Some(next) => {
-                    ops::add_rms_norm(&mut residual, &bufs.attn_out, &next.attn_norm, cfg.rms_norm_eps, &mut normed)?
-                }
-                None => ops::add_in_place(&mut residual, &bufs.attn_out)?,
-            }
-            if let (Some(tap), Some(cap)) = (self.capture_layers.iter().position(|&l| l == i), captured.as_mut()) {
-                copy_columns(&residual, cap, tap * cfg.hidden_size)?;
-            }
+        let mut captured = (taps > 0).then(|| Tensor::zeros(DType::F32, &[t, self.capture_width()])).transpose()?;
+        let mut run =
+            LayerRun { batch, seqs: batch.attention_seqs(), kv, bufs: &mut bufs, captured: captured.as_mut() };
+        match &self.streams {
+            None => self.plain_layers(&mut residual, &mut run)?,
+            Some(streams) => self.stream_layers(streams, &mut residual, &mut run)?,
         }
         let logits = self.logits(&residual, batch.logit_rows)?;
         Ok(ForwardOut { logits, ids: None, captured })
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn attention_block(
-        &self,
-        i: usize,
-        layer: &Layer,
-        batch: &ForwardBatch,
-        seqs: &[AttnSeq],
-        kv: &mut KvCache,
-        normed: &mut Tensor, // [T, hidden]
-        bufs: &mut Buffers,
-    ) -> Result<()> {
+    /// The layers over one residual stream, each add fused with the next norm. Leaves the last layer's output in
+    /// `residual` (`[T, hidden]`).
+    fn plain_layers(&self, residual: &mut Tensor, run: &mut LayerRun<'_, '_>) -> Result<()> {
+        let (h, eps) = (self.cfg.hidden_size, self.cfg.rms_norm_eps);
+        let mut normed = Tensor::zeros(DType::F32, &[residual.rows(), h])?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            if i == 0 {
+                ops::rms_norm(residual, &layer.attn_norm, eps, &mut normed)?;
+            }
+            self.attention_block(i, layer, run, &mut normed)?;
+            // residual += attn; normed = ffn_norm(residual)
+            ops::add_rms_norm(residual, &run.bufs.attn_out, &layer.ffn_norm, eps, &mut normed)?;
+            mlp_block(layer, &normed, run.bufs)?;
+            match self.layers.get(i + 1) {
+                Some(next) => ops::add_rms_norm(residual, &run.bufs.attn_out, &next.attn_norm, eps, &mut normed)?,
+                None => ops::add_in_place(residual, &run.bufs.attn_out)?,
+            }
+            if let (Some(tap), Some(cap)) = (self.capture_layers.iter().position(|&l| l == i), run.captured.as_mut()) {
+                copy_columns(residual, cap, tap * h)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The layers over hyper-connection streams. Leaves the head's collapse in `residual` (`[T, hidden]`: the
+    /// embedding on entry).
+    fn stream_layers(&self, streams: &ModelStreams, residual: &mut Tensor, run: &mut LayerRun<'_, '_>) -> Result<()> {
+        let eps = self.cfg.rms_norm_eps;
+        let mut res = StreamResidual::from_embedding(residual, streams.cfg, eps)?;
+        let mut collapsed = Tensor::zeros(DType::F32, residual.shape())?;
+        let mut normed = Tensor::zeros(DType::F32, residual.shape())?;
+        for (i, (layer, hc)) in self.layers.iter().zip(&streams.layers).enumerate() {
+            res.enter(&hc.attn, &mut collapsed)?;
+            ops::rms_norm(&collapsed, &layer.attn_norm, eps, &mut normed)?;
+            self.attention_block(i, layer, run, &mut normed)?;
+            res.leave(&run.bufs.attn_out)?;
+            res.enter(&hc.ffn, &mut collapsed)?;
+            ops::rms_norm(&collapsed, &layer.ffn_norm, eps, &mut normed)?;
+            mlp_block(layer, &normed, run.bufs)?;
+            res.leave(&run.bufs.attn_out)?;
+            if let (Some(tap), Some(cap)) = (self.capture_layers.iter().position(|&l| l == i), run.captured.as_mut()) {
+                res.write_tap(streams.tap, &streams.head, cap, tap)?;
+            }
+        }
+        res.collapse_with(&streams.head, residual)
+    }
+
+    /// Layer `i`'s attention of `normed` (`[T, hidden]`) into `run.bufs.attn_out`.
+    fn attention_block(&self, i: usize, layer: &Layer, run: &mut LayerRun<'_, '_>, normed: &mut Tensor) -> Result<()> {
         let cfg = &self.cfg;
+        let (batch, kv, bufs) = (run.batch, &mut *run.kv, &mut *run.bufs);
         layer.qkv.apply(normed, &mut bufs.qkv)?;
         split_qkv(&bufs.qkv, &mut bufs.q, &mut bufs.k, &mut bufs.v)?;
         if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
@@ -205,7 +252,7 @@ impl LlamaModel {
             &bufs.q,
             &kv.k[i],
             &kv.v[i],
-            seqs,
+            &run.seqs,
             cfg.num_heads,
             cfg.num_kv_heads,
             cfg.head_dim,
@@ -253,6 +300,22 @@ impl TargetHeads for LlamaModel {
     fn final_norm(&self) -> (&Tensor, f32) {
         (&self.final_norm, self.cfg.rms_norm_eps)
     }
+}
+
+/// What every layer of one forward reads and writes besides the residual.
+struct LayerRun<'a, 'b> {
+    batch: &'a ForwardBatch<'b>,
+    seqs: Vec<AttnSeq<'b>>,
+    kv: &'a mut KvCache,
+    bufs: &'a mut Buffers,
+    captured: Option<&'a mut Tensor>, // [T, capture width]
+}
+
+/// The feed-forward block of `normed` (`[T, hidden]`) into `bufs.attn_out`.
+fn mlp_block(layer: &Layer, normed: &Tensor, bufs: &mut Buffers) -> Result<()> {
+    layer.gate_up.apply(normed, &mut bufs.gate_up)?;
+    ops::swiglu_fused(&bufs.gate_up, &mut bufs.act)?;
+    Ok(ops::matmul(&bufs.act, &layer.down, &mut bufs.attn_out)?)
 }
 
 /// Per-forward activation buffers, sized for `t` rows.

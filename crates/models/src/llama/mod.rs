@@ -59,13 +59,20 @@ impl Family for LlamaFamily {
         self.config.num_layers
     }
 
+    fn gpu_on_auto(&self) -> bool {
+        self.config.streams.is_none()
+    }
+
     fn open(&self, weights: &mut WeightStore, device: Device, opts: &TargetOptions) -> Result<Box<dyn Target>> {
         let taps = &opts.load.capture_layers;
         match device {
             Device::Cpu => {
-                let model = LlamaModel::load(self.config.clone(), weights, taps)?;
+                let model = LlamaModel::load(self.config.clone(), weights, taps, opts.load.stream_tap)?;
                 let cache = &opts.cache;
                 Ok(Box::new(LlamaTarget::new(Arc::new(model), cache.fixed_pages()?, cache.page_size)?))
+            }
+            Device::Cuda(_) if self.config.streams.is_some() => {
+                Err(ModelError::Unsupported(self.config.streams.map(|s| s.cpu_only()).unwrap_or_default()))
             }
             Device::Cuda(ordinal) => open_cuda(&self.config, weights, ordinal, opts),
         }
@@ -115,7 +122,7 @@ pub fn load_model(source: &ModelSource, opts: &LoadOptions) -> Result<LoadedMode
     }
     let cfg = checkpoint.config().clone();
     let (info, mut store) = checkpoint.into_parts(opts.f32_weights);
-    let model = LlamaModel::load(cfg, &mut store, &opts.capture_layers)?;
+    let model = LlamaModel::load(cfg, &mut store, &opts.capture_layers, opts.stream_tap)?;
     store.finish()?;
     Ok(LoadedModel { name: info.name, model, tokenizer: info.tokenizer })
 }
@@ -139,7 +146,7 @@ pub fn load_gguf_weights(path: &Path, opts: &LoadOptions) -> Result<LlamaModel> 
 /// Takes every tensor the config implies and checks nothing is left over.
 fn build(source: &ModelSource, opts: &LoadOptions) -> Result<LlamaModel> {
     let (cfg, mut store) = weights_only(source, opts)?;
-    let model = LlamaModel::load(cfg, &mut store, &opts.capture_layers)?;
+    let model = LlamaModel::load(cfg, &mut store, &opts.capture_layers, opts.stream_tap)?;
     store.finish()?;
     Ok(model)
 }

@@ -8,6 +8,8 @@ use dflash_models::llama::LlamaModel;
 use dflash_models::{ForwardBatch, ForwardOut, KvCache, SeqRows};
 use safetensors::{Dtype, SafeTensors};
 
+pub mod hybrid;
+
 /// Writes one line straight to stderr, past the harness's capture (tables and SKIP notices show without
 /// `--nocapture`).
 pub fn say(line: &str) {

@@ -68,7 +68,8 @@ pub struct LayerTrace {
 impl DraftModel {
     /// Projects captured target rows into the drafter's context features `C = hidden_norm(fc(taps))`.
     ///
-    /// `captured`: `[m, taps × streams × Ht]` f32, taps in `target_layer_ids` order.
+    /// `captured`: `[m, capture width]` f32 (`taps × Ht`, or `taps × streams × Ht` raw), taps in
+    /// `target_layer_ids` order.
     ///
     /// # Errors
     /// A row width that does not match the target's captures, or an op failure.
@@ -83,18 +84,15 @@ impl DraftModel {
             )));
         }
         let rows = captured.rows();
-        let fc_in = self.weights.fc.row_len();
-        let input = self.weights.layout.fc_input(captured.as_f32()?, taps, ht);
-        let input = Tensor::from_f32(&input, &[rows, fc_in])?;
         let mut projected = Tensor::zeros(DType::F32, &[rows, h])?;
-        ops::matmul(&input, &self.weights.fc, &mut projected)?;
+        ops::matmul(captured, &self.weights.fc, &mut projected)?;
         let mut normed = Tensor::zeros(DType::F32, &[rows, h])?;
         ops::rms_norm(&projected, &self.weights.hidden_norm, self.eps(), &mut normed)?;
         Ok(normed)
     }
 
     /// Appends committed positions to a sequence's context: `captured` holds the target's captured rows of
-    /// positions `first_position ..`, row-major `[m, taps × streams × Ht]` (prefill rows, or the accepted rows of
+    /// positions `first_position ..`, row-major `[m, capture width]` (prefill rows, or the accepted rows of
     /// a verify: the anchor and the accepted drafts; a batch's rows can be passed as a slice of
     /// `ForwardOut::captured`). Rows of positions the context already holds are skipped (they cannot differ: K/V
     /// depend on the position's target state only), so re-running committed rows after a recompute is harmless.

@@ -112,6 +112,9 @@ impl CudaHybridModel {
 
 fn check_config(cfg: &HybridConfig) -> Result<()> {
     let b = &cfg.base;
+    if let Some(streams) = b.streams {
+        return Err(CudaModelError::Unsupported(streams.cpu_only()));
+    }
     let group = b.num_heads / b.num_kv_heads.max(1);
     let bad_attn = b.head_dim > MAX_HEAD_DIM || !b.head_dim.is_multiple_of(4) || group > ATTN_MAX_QUERIES;
     let bad_gdn = cfg.gdn.is_some_and(|d| d.k_head_dim > GDN_MAX_K_HEAD_DIM || d.conv_kernel > GDN_MAX_CONV_KERNEL);

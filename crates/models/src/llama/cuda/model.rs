@@ -245,6 +245,9 @@ impl CudaLlamaModel {
 }
 
 fn check_config(cfg: &ModelConfig, capture_layers: &[usize]) -> Result<()> {
+    if let Some(streams) = cfg.streams {
+        return Err(CudaModelError::Unsupported(streams.cpu_only()));
+    }
     if let Some(&l) = capture_layers.iter().find(|&&l| l >= cfg.num_layers) {
         return Err(CudaModelError::Unsupported(format!("capture layer {l} >= {} layers", cfg.num_layers)));
     }
