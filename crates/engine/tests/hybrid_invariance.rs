@@ -10,106 +10,17 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use common::{metric, request, Recorder, Session};
-use dflash_engine::spec::{DrafterConfig, MtpDepth, MtpLaneConfig, NgramConfig, OracleDraft, PolicyMode, SpecConfig};
-use dflash_engine::{Engine, EngineConfig, EngineMetrics, Request, SamplingParams};
+use common::lanes::{engine, fixture, hybrid, hybrid_capturing, last_layer, mtp, outcomes, requests, run, spec, Setup};
+use common::{metric, request, Recorder};
+use dflash_engine::spec::{DrafterConfig, MtpDepth, MtpLaneConfig, OracleDraft, PolicyMode, SpecConfig};
+use dflash_engine::{EngineConfig, EngineMetrics, Request, SamplingParams};
 use dflash_models::dflash::{DraftConfig, DraftModel, TargetShape};
-use dflash_models::hybrid::HybridTarget;
-use dflash_models::hybrid::{load_hybrid_weights, HybridModel};
 use dflash_models::llama::load_hf_weights;
-use dflash_models::resolve::ModelSource;
 use dflash_models::tokenizer::Tokenizer;
 use dflash_models::Target;
-use dflash_models::{LoadOptions, MtpHead};
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures").join(name)
-}
-
-/// Builds a fresh target for an engine config.
-type MakeTarget = Box<dyn Fn(&EngineConfig) -> Box<dyn Target>>;
-
-/// How the engine under test is built: a target, and optionally the MTP lane.
-struct Setup {
-    target: MakeTarget,
-    tokenizer: Arc<Tokenizer>,
-    mtp: Option<MtpLaneConfig>,
-}
-
-/// tiny-qwen3-next (or -moe) capturing its last layer (for the MTP lane).
-fn hybrid(name: &str) -> Setup {
-    hybrid_capturing(name, vec![last_layer(&fixture(name))]).0
-}
-
-/// A hybrid fixture capturing `taps`, and its model.
-fn hybrid_capturing(name: &str, taps: Vec<usize>) -> (Setup, Arc<HybridModel>) {
-    dflash_runtime::threads::init(Some(2));
-    let opts = LoadOptions { capture_layers: taps, ..LoadOptions::default() };
-    let model = Arc::new(load_hybrid_weights(&fixture(name), &opts).expect("target"));
-    let handle = Arc::clone(&model);
-    let target = move |cfg: &EngineConfig| -> Box<dyn Target> {
-        Box::new(HybridTarget::new(Arc::clone(&model), cfg.num_pages, cfg.page_size).expect("hybrid target"))
-    };
-    let tokenizer = Arc::new(Tokenizer::from_hf_dir(&fixture("tiny-qwen3")).expect("byte tokenizer"));
-    (Setup { target: Box::new(target), tokenizer, mtp: None }, handle)
-}
-
-fn last_layer(dir: &Path) -> usize {
-    let config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).expect("config")).expect("json");
-    config["num_hidden_layers"].as_u64().expect("layers") as usize - 1
-}
-
-/// The MTP lane with the head in `head_dir` for the target in `target_dir`.
-fn mtp(head_dir: &Path, target_dir: &Path, depth: MtpDepth) -> MtpLaneConfig {
-    let trunk = common::trunk_norm(&ModelSource::HfDir(target_dir.to_path_buf()));
-    let head = MtpHead::load(head_dir, trunk, false).expect("mtp head");
-    MtpLaneConfig { head: Arc::new(head), depth, typical: None }
-}
-
-fn spec(pld: Option<usize>) -> SpecConfig {
-    let pld = pld.map(|max_draft| NgramConfig { max_draft, min_match: 1, max_match: 3 });
-    SpecConfig { pld, policy: PolicyMode::Fixed, dflash_typical: None }
-}
-
-fn engine(setup: &Setup, cfg: EngineConfig, metrics: &Arc<EngineMetrics>) -> Engine {
-    let target = (setup.target)(&cfg);
-    let engine = Engine::new(target, Arc::clone(&setup.tokenizer), cfg, Arc::clone(metrics)).expect("engine");
-    match &setup.mtp {
-        Some(m) => engine.with_mtp(m.clone()).expect("mtp lane"),
-        None => engine,
-    }
-}
-
-/// Runs `requests` together to completion; returns each recorder and the metrics text.
-fn run(setup: &Setup, cfg: EngineConfig, requests: Vec<Request>) -> (Vec<Recorder>, String) {
-    let metrics = Arc::new(EngineMetrics::default());
-    Session { engine: engine(setup, cfg, &metrics), metrics }.run_together(requests)
-}
-
-fn outcomes(recorders: &[Recorder]) -> Vec<common::Outcome> {
-    recorders.iter().map(Recorder::outcome).collect()
-}
-
-/// Five prompts of ids below 256 (repeating, so prompt lookup drafts), each greedy and seeded-sampled; `pld`
-/// turns prompt lookup on for every one of them.
-fn requests(max_tokens: usize, pld: bool) -> Vec<Request> {
-    let sampled = |seed| SamplingParams { temperature: 0.9, top_p: 0.95, seed, ..SamplingParams::greedy() };
-    let mut out = Vec::new();
-    for p in 0..5u32 {
-        let len = 4 + 6 * p as usize;
-        let prompt: Vec<u32> = (0..len as u32).map(|i| 3 + (i % (3 + p)) * 41 % 250 + p).collect();
-        for sampling in [SamplingParams::greedy(), sampled(u64::from(p) + 5)] {
-            let mut r = request(out.len(), prompt.clone(), sampling, max_tokens);
-            r.enable_pld = Some(pld);
-            out.push(r);
-        }
-    }
-    out
-}
+use dflash_models::{LoadOptions, StreamTap};
 
 #[test]
 fn qwen3_next_lanes_equal_plain_decoding() {
@@ -144,7 +55,7 @@ fn a_dflash_drafter_reading_gdn_layers_equals_plain_decoding() {
     let dir = fixture("dflash-next");
     let json = std::fs::read_to_string(dir.join("config.json")).expect("drafter config");
     let cfg = DraftConfig::from_json(&serde_json::from_str(&json).expect("json")).expect("drafter config");
-    let (setup, model) = hybrid_capturing("tiny-qwen3-next", cfg.target_layer_ids.clone());
+    let (setup, model) = hybrid_capturing("tiny-qwen3-next", cfg.target_layer_ids.clone(), StreamTap::default());
     let plain = outcomes(&run(&setup, common::config(64, 64, spec(None)), requests(20, false)).0);
     let drafter = Arc::new(DraftModel::load(&dir, &TargetShape::of(&model.config().base)).expect("drafter"));
     for block in [2, 4, 8] {

@@ -4,7 +4,8 @@
 //! while idle pages and checkpoints are evicted under memory pressure; an MTP lane drafts from the cached context
 //! on a warm turn as on the cold one. A target without recurrent layers reuses pages with no checkpoint at all.
 //!
-//! Runs tiny-qwen3-next (Gated DeltaNet and gated attention layers, its own random `mtp.*` head) with pages of 16
+//! Runs tiny-qwen3-next (Gated DeltaNet and gated attention layers, its own random `mtp.*` head; and its twin with
+//! four hyper-connection streams, tiny-qwen3-next-hc, where the streams matter) with pages of 16
 //! tokens and checkpoints every 64 (the smallest stride: the recurrence's chunk), so prompts of a few hundred
 //! tokens cross several checkpoints. Debug builds also audit the page states after every step.
 
@@ -20,7 +21,7 @@ use dflash_models::hybrid::HybridTarget;
 use dflash_models::hybrid::{load_hybrid_weights, HybridModel};
 use dflash_models::resolve::ModelSource;
 use dflash_models::tokenizer::Tokenizer;
-use dflash_models::{LoadOptions, MtpHead};
+use dflash_models::{LoadOptions, MtpHead, StreamTap};
 
 const PAGE: usize = 16;
 const STRIDE: usize = 64;
@@ -44,7 +45,8 @@ fn load(name: &str) -> Hybrid {
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).expect("config")).expect("json");
     let last = config["num_hidden_layers"].as_u64().expect("layers") as usize - 1;
-    let opts = LoadOptions { capture_layers: vec![last], ..LoadOptions::default() };
+    // On a stream target the MTP head reads the head's collapse of the last layer's streams.
+    let opts = LoadOptions { capture_layers: vec![last], stream_tap: StreamTap::Head, ..LoadOptions::default() };
     let model = Arc::new(load_hybrid_weights(&dir, &opts).expect("hybrid target"));
     let tokenizer = Arc::new(Tokenizer::from_hf_dir(&fixture("tiny-qwen3")).expect("byte tokenizer"));
     Hybrid { model, tokenizer, dir }
@@ -144,7 +146,14 @@ fn serve(s: &mut Session, requests: &[Request]) -> (Vec<Answer>, Vec<usize>) {
 
 #[test]
 fn requests_sharing_a_prefix_resume_from_the_deepest_checkpoint_within_the_match() {
-    let h = load("tiny-qwen3-next");
+    // With hyper-connection streams too: checkpoints hold the recurrent state, the streams live within a forward.
+    for name in ["tiny-qwen3-next", "tiny-qwen3-next-hc"] {
+        resume_from_the_deepest_checkpoint(name);
+    }
+}
+
+fn resume_from_the_deepest_checkpoint(name: &str) {
+    let h = load(name);
     let base = tokens(230, 1);
     let mut warm = Session::new(&h, 64, WIDE, true, None);
     let first = ask(0, base.clone(), SamplingParams::greedy(), 8);
@@ -261,7 +270,14 @@ fn lane_counts(rec: &Recorder) -> (u64, u64, u64) {
 
 #[test]
 fn an_mtp_lane_drafts_a_warm_turn_from_the_cached_context_as_the_cold_turn() {
-    let h = load("tiny-qwen3-next");
+    // On the stream target the cached rows are the head's collapse of the streams.
+    for name in ["tiny-qwen3-next", "tiny-qwen3-next-hc"] {
+        mtp_warm_turn(name);
+    }
+}
+
+fn mtp_warm_turn(name: &str) {
+    let h = load(name);
     // 150 tokens: the warm turn resumes at the checkpoint at 128 (the MTP head reads those positions' cached
     // hidden states) and recomputes the last 22 rows.
     let prompt = tokens(150, 50);
@@ -272,7 +288,7 @@ fn an_mtp_lane_drafts_a_warm_turn_from_the_cached_context_as_the_cold_turn() {
         warm.run();
         let warm_turn = warm.submit(ask(2, prompt.clone(), sampling.clone(), 24));
         warm.run();
-        let case = if sampling.is_greedy() { "greedy" } else { "seeded" };
+        let case = format!("{name}, {}", if sampling.is_greedy() { "greedy" } else { "seeded" });
         assert_eq!((cold_turn.cached_tokens(), warm_turn.cached_tokens()), (0, 128), "{case}");
         assert_eq!(answer(&cold_turn), plain, "{case}: the cold turn differs from plain decoding");
         assert_eq!(answer(&warm_turn), plain, "{case}: the warm turn differs from plain decoding");

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod hooked;
+pub mod lanes;
 pub mod shipped;
 
 use std::sync::atomic::{AtomicBool, Ordering};
