@@ -491,3 +491,110 @@ mod tests {
         close("expanded", res.streams.as_f32().expect("f32"), &get("expanded"));
     }
 }
+
+/// The CUDA kernels (`streams.cu`) against this module on random streams and weights, and a row alone against the
+/// same row in a batch (bit for bit: batch invariance). Skips without a device.
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_twins {
+    use dflash_runtime::cuda::ops::{
+        streams_broadcast, streams_collapse, streams_expand, streams_head, streams_mean, StreamConnection, StreamDims,
+        StreamMix,
+    };
+    use dflash_runtime::cuda::CudaDevice;
+
+    use super::*;
+
+    const N: usize = 4;
+    const H: usize = 96;
+    const ROWS: usize = 5;
+
+    fn values(n: usize, seed: u64, scale: f32, offset: f32) -> Vec<f32> {
+        let mut z = seed;
+        (0..n)
+            .map(|_| {
+                z = z.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                offset + scale * ((z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
+            })
+            .collect()
+    }
+
+    fn close(what: &str, got: &[f32], want: &[f32]) {
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "{what}[{i}]: {g} vs {w}");
+        }
+    }
+
+    #[test]
+    fn kernels_match_the_cpu() {
+        let dev = match CudaDevice::new(0) {
+            Ok(dev) => dev,
+            Err(e) if e.is_no_device() => return eprintln!("SKIP streams kernels: no CUDA device ({e})"),
+            Err(e) => panic!("CUDA device: {e}"),
+        };
+        let cfg = StreamConfig { count: N, sinkhorn_iters: 20, eps: 1e-6 };
+        let m = cfg.mix_width();
+        let hc = HyperConnection {
+            proj: Tensor::from_f32(&values(m * N * H, 1, 0.1, 0.0), &[m, N * H]).expect("proj"),
+            base: values(m, 2, 0.5, 0.0),
+            scale: [1.1, 0.7, 1.3],
+        };
+        let head = StreamHead {
+            proj: Tensor::from_f32(&values(N * N * H, 3, 0.1, 0.0), &[N, N * H]).expect("head"),
+            base: values(N, 4, 0.5, 0.0),
+            scale: 0.9,
+        };
+        let embedded = Tensor::from_f32(&values(ROWS * H, 5, 1.0, 0.0), &[ROWS, H]).expect("x");
+        let block_out = Tensor::from_f32(&values(ROWS * H, 6, 1.0, 0.0), &[ROWS, H]).expect("out");
+        // The CPU: broadcast, one block through the connection, the head, the mean tap.
+        let mut cpu = StreamResidual::from_embedding(&embedded, cfg, 1e-6).expect("residual");
+        // Streams that differ, as after a layer.
+        cpu.streams.as_f32_mut().expect("f32").copy_from_slice(&values(ROWS * N * H, 7, 1.0, 0.1));
+        let start = cpu.streams.as_f32().expect("f32").to_vec();
+        let mut collapsed = Tensor::zeros(DType::F32, &[ROWS, H]).expect("collapsed");
+        cpu.enter(&hc, &mut collapsed).expect("enter");
+        cpu.leave(&block_out).expect("leave");
+        let mut head_out = Tensor::zeros(DType::F32, &[ROWS, H]).expect("head out");
+        cpu.collapse_with(&head, &mut head_out).expect("head");
+        let mut mean = Tensor::zeros(DType::F32, &[ROWS, 2 * H]).expect("mean");
+        cpu.write_tap(StreamTap::Mean, &head, &mut mean, 1).expect("tap");
+
+        let d = StreamDims { streams: N, hidden: H, sinkhorn_iters: 20, eps: 1e-6, norm_eps: 1e-6 };
+        let up = |v: &[f32]| dev.upload(v).expect("upload");
+        let (proj, base, scale) = (up(hc.proj.as_f32().expect("f32")), up(&hc.base), up(&hc.scale));
+        let conn = StreamConnection { proj: proj.view(), base: base.view(), scale: scale.view() };
+        let (hproj, hbase, hscale) = (up(head.proj.as_f32().expect("f32")), up(&head.base), up(&[head.scale]));
+        let hconn = StreamConnection { proj: hproj.view(), base: hbase.view(), scale: hscale.view() };
+        let streams = up(&start);
+        let (post, comb) = (up(&[0.0; ROWS * N]), up(&[0.0; ROWS * N * N]));
+        let mix = StreamMix { post: post.view(), comb: comb.view() };
+        let gpu_collapsed = up(&[0.0; ROWS * H]);
+        streams_collapse(&dev, &d, &streams, &conn, &gpu_collapsed, &mix).expect("collapse");
+        let collapsed_after_enter = dev.download(&gpu_collapsed).expect("download");
+        close("post", &dev.download(&post).expect("post"), &cpu.post);
+        close("comb", &dev.download(&comb).expect("comb"), &cpu.comb);
+        close("collapsed", &collapsed_after_enter, collapsed.as_f32().expect("f32"));
+        streams_expand(&dev, &d, &streams, &up(block_out.as_f32().expect("f32")), &mix).expect("expand");
+        close("expanded", &dev.download(&streams).expect("streams"), cpu.streams.as_f32().expect("f32"));
+        let gpu_head = up(&[0.0; ROWS * H]);
+        streams_head(&dev, &d, &streams, &hconn, &gpu_head).expect("head");
+        close("head", &dev.download(&gpu_head).expect("head"), head_out.as_f32().expect("f32"));
+        let gpu_mean = up(&[0.0; ROWS * 2 * H]);
+        streams_mean(&dev, &d, &streams, &gpu_mean, 2 * H, H).expect("mean");
+        let got = dev.download(&gpu_mean).expect("mean");
+        let column = |v: &[f32]| v.chunks_exact(2 * H).flat_map(|r| r[H..].to_vec()).collect::<Vec<f32>>();
+        close("mean tap", &column(&got), &column(mean.as_f32().expect("f32")));
+        let copies = up(&[0.0; ROWS * N * H]);
+        streams_broadcast(&dev, &d, &up(embedded.as_f32().expect("f32")), &copies).expect("broadcast");
+        let want: Vec<f32> = embedded.as_f32().expect("f32").chunks_exact(H).flat_map(|r| r.repeat(N)).collect();
+        assert_eq!(dev.download(&copies).expect("copies"), want, "N copies of each row");
+
+        // Row 3 alone gives the bits it got in the batch.
+        let alone = up(&start[3 * N * H..4 * N * H]);
+        let (post1, comb1, out1) = (up(&[0.0; N]), up(&[0.0; N * N]), up(&[0.0; H]));
+        let mix1 = StreamMix { post: post1.view(), comb: comb1.view() };
+        streams_collapse(&dev, &d, &alone, &conn, &out1, &mix1).expect("collapse alone");
+        let got = dev.download(&out1).expect("alone");
+        assert_eq!(got, collapsed_after_enter[3 * H..4 * H], "a row's collapse does not depend on the batch");
+    }
+}

@@ -13,7 +13,7 @@ use super::compile::{self, CompileReport};
 use super::CudaError;
 
 /// The kernel sources in the order they are compiled.
-const SOURCES: [(&str, &str); 13] = [
+const SOURCES: [(&str, &str); 14] = [
     ("prelude.cuh", include_str!("../../kernels/prelude.cuh")),
     ("elementwise.cu", include_str!("../../kernels/elementwise.cu")),
     ("norm.cu", include_str!("../../kernels/norm.cu")),
@@ -27,6 +27,7 @@ const SOURCES: [(&str, &str); 13] = [
     ("misc.cu", include_str!("../../kernels/misc.cu")),
     ("gdn.cu", include_str!("../../kernels/gdn.cu")),
     ("moe.cu", include_str!("../../kernels/moe.cu")),
+    ("streams.cu", include_str!("../../kernels/streams.cu")),
 ];
 
 /// NVRTC options beyond the architecture. NVRTC's defaults keep IEEE division and square root and allow
@@ -86,6 +87,10 @@ pub(crate) const MMVQ_HALF_MIN_ROWS: usize = 3;
 /// The two-pass kernels (`mmvq_*_r{R}_x2`) stop at 4 activation rows: at 8 (16 quantized rows) their
 /// accumulators spilled, and 4-row blocks ran a 16-row verify 21% faster (PERFORMANCE.md entry 35).
 pub(crate) const MMVQ_X2_MAX_ROWS: usize = 4;
+
+/// The most hyper-connection streams the stream kernels take (`STREAMS_MAX` in streams.cu: their mix weights
+/// live in shared memory).
+pub const STREAMS_MAX: usize = 8;
 
 /// The whole program: every source, each preceded by a `#line` so compiler errors name the file.
 pub fn program_source() -> String {
@@ -152,6 +157,11 @@ pub(crate) struct Kernels {
     pub prompt_attention_tc_d128: CudaFunction,
     pub gather_rms_norm: CudaFunction,
     pub copy_columns: CudaFunction,
+    pub streams_collapse: CudaFunction,
+    pub streams_head: CudaFunction,
+    pub streams_expand: CudaFunction,
+    pub streams_broadcast: CudaFunction,
+    pub streams_mean: CudaFunction,
     pub fill_random_bf16: CudaFunction,
     pub fill_random_f32: CudaFunction,
     pub fill_random_u32: CudaFunction,
@@ -273,6 +283,11 @@ impl Kernels {
             prompt_attention_tc_d128: big_smem("prompt_attention_tc_d128")?,
             gather_rms_norm: get("gather_rms_norm")?,
             copy_columns: get("copy_columns")?,
+            streams_collapse: get("streams_collapse")?,
+            streams_head: get("streams_head")?,
+            streams_expand: get("streams_expand")?,
+            streams_broadcast: get("streams_broadcast")?,
+            streams_mean: get("streams_mean")?,
             fill_random_bf16: get("fill_random_bf16")?,
             fill_random_f32: get("fill_random_f32")?,
             fill_random_u32: get("fill_random_u32")?,

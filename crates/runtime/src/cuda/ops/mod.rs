@@ -16,6 +16,7 @@ mod gdn;
 mod matmul;
 mod moe;
 mod quant;
+mod streams;
 
 pub use attention::{
     attention_rope_fits, attn_max_splits, attn_split_keys, paged_attention, paged_attention_rope, prompt_attention_tc,
@@ -34,6 +35,10 @@ pub use gdn::{
 pub use matmul::{gemm_bf16, gemv_bf16, matmul_bf16};
 pub use moe::{moe_forward, ExpertWeights, MoeArgs, MoeScratch, MOE_SMALL_BATCH};
 pub use quant::{embedding_quant, mmvq, mmvq_smem_bytes, MmvqArgs, QuantFormat, QuantMatrix};
+pub use streams::{
+    streams_broadcast, streams_collapse, streams_expand, streams_head, streams_mean, StreamConnection, StreamDims,
+    StreamMix,
+};
 
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 use half::bf16;
