@@ -50,11 +50,6 @@ impl StreamConfig {
         Ok(Some(cfg))
     }
 
-    /// Why a device without stream kernels refuses this checkpoint.
-    pub fn cpu_only(&self) -> String {
-        format!("hyper-connection streams (hc_mult {}) run on the CPU only so far: pass --device cpu", self.count)
-    }
-
     /// Outputs of a connection's projection: `pre` and `post` (`N` each) and `comb` (`N × N`).
     fn mix_width(&self) -> usize {
         (2 + self.count) * self.count
@@ -118,6 +113,12 @@ impl LayerStreams {
 }
 
 impl HyperConnection {
+    /// The weights as uploaded: projection `[(2 + N) · N, N · H]`, base, the three scales.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn parts(&self) -> (&Tensor, &[f32], &[f32]) {
+        (&self.proj, &self.base, &self.scale)
+    }
+
     fn load(store: &mut WeightStore, prefix: &str, cfg: &StreamConfig, hidden: usize) -> Result<Self> {
         let (m, n) = (cfg.mix_width(), cfg.count);
         let proj = f32_tensor(store.take(&format!("{prefix}.fn"), &[m, n * hidden])?)?;
@@ -136,6 +137,12 @@ pub(crate) struct StreamHead {
 }
 
 impl StreamHead {
+    /// The weights as uploaded: projection `[N, N · H]`, base, the scale.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn parts(&self) -> (&Tensor, &[f32], f32) {
+        (&self.proj, &self.base, self.scale)
+    }
+
     /// Takes `model.hc_head.{hc_fn, hc_base, hc_scale}`.
     ///
     /// # Errors

@@ -1,5 +1,6 @@
 //! The CUDA forward against the CPU forward ([`LlamaModel`]) on the tiny parity fixtures (f32 sharded
-//! Llama, bf16 Qwen3, mixed-quantization GGUF Llama) and on the default model when it is present:
+//! Llama, bf16 Qwen3, Qwen3 with four hyper-connection streams widened to f32, mixed-quantization GGUF Llama) and
+//! on the default model when it is present:
 //! logits and captured hidden states of whole and chunked runs, decode through CUDA graphs, greedy
 //! tokens, and batched runs against solo runs.
 //!
@@ -56,6 +57,8 @@ fn tiny_pairs(dev: &Arc<CudaDevice>) -> Vec<Pair> {
     let llama_dir = fixtures().join("tiny-llama");
     let qwen_dir = fixtures().join("tiny-qwen3");
     let gguf = fixtures().join("tiny-llama-gguf/tiny.gguf");
+    let streams_dir = fixtures().join("tiny-qwen3-hc");
+    let streams_opts = LoadOptions { capture_layers: vec![0, 2], f32_weights: true, ..Default::default() };
     let gpu = |source: ModelSource, opts: &LoadOptions| {
         CudaLlamaModel::from_source(dev.clone(), &source, opts).expect("cuda model")
     };
@@ -73,6 +76,13 @@ fn tiny_pairs(dev: &Arc<CudaDevice>) -> Vec<Pair> {
             gpu: gpu(ModelSource::HfDir(qwen_dir.clone()), &qwen_opts),
             tol: 3e-2,
             invariant: false,
+        },
+        Pair {
+            name: "tiny-qwen3-hc f32",
+            cpu: load_hf_weights(&streams_dir, &streams_opts).expect("cpu"),
+            gpu: gpu(ModelSource::HfDir(streams_dir.clone()), &streams_opts),
+            tol: 1e-4,
+            invariant: true,
         },
         Pair {
             name: "tiny gguf mixed quant",
@@ -183,6 +193,7 @@ fn tiny_models_match_the_cpu_forward() {
         let dir = match pair.name {
             "tiny-qwen3 bf16" => "tiny-qwen3",
             "tiny-llama f32" => "tiny-llama",
+            "tiny-qwen3-hc f32" => "tiny-qwen3-hc",
             _ => "tiny-llama-gguf",
         };
         // Longer than one attention split (64 keys) for the decode rows.

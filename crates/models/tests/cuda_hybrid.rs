@@ -1,5 +1,6 @@
 //! The CUDA hybrid forward against the CPU one ([`HybridModel`]) on the tiny parity fixtures
-//! (tiny-qwen3-next: GDN + gated attention + MoE with a shared expert + a dense layer; tiny-qwen3-moe):
+//! (tiny-qwen3-next: GDN + gated attention + MoE with a shared expert + a dense layer; tiny-qwen3-moe; and
+//! tiny-qwen3-next-hc, the first with four hyper-connection streams, its taps read as the streams' mean):
 //! logits, captured hidden states and the GDN states after a prefill and after decode steps (eager and
 //! graph-replayed), and the rollback contract: a verify of `w` rows then `rollback(kept)` leaves the state of a
 //! forward over the kept rows, for every kept count.
@@ -121,9 +122,12 @@ fn prompt() -> Vec<u32> {
 #[test]
 fn prefill_and_decode_match_the_cpu() {
     let Some(dev) = device() else { return };
-    for (name, f32_weights, tol) in
-        [("tiny-qwen3-next", true, 1e-4), ("tiny-qwen3-next", false, 0.5), ("tiny-qwen3-moe", true, 1e-4)]
-    {
+    for (name, f32_weights, tol) in [
+        ("tiny-qwen3-next", true, 1e-4),
+        ("tiny-qwen3-next", false, 0.5),
+        ("tiny-qwen3-moe", true, 1e-4),
+        ("tiny-qwen3-next-hc", true, 1e-4),
+    ] {
         let cpu = load_cpu(name, f32_weights);
         let gpu = CudaHybridModel::from_host(dev.clone(), &cpu).expect("upload");
         for graphs in [false, true] {
@@ -166,7 +170,13 @@ fn prefill_and_decode_match_the_cpu() {
 #[test]
 fn rollback_after_a_verify_equals_a_forward_over_the_kept_rows() {
     let Some(dev) = device() else { return };
-    let cpu = load_cpu("tiny-qwen3-next", true);
+    for name in ["tiny-qwen3-next", "tiny-qwen3-next-hc"] {
+        rollback_after_a_verify(&dev, name);
+    }
+}
+
+fn rollback_after_a_verify(dev: &Arc<CudaDevice>, name: &str) {
+    let cpu = load_cpu(name, true);
     let gpu = CudaHybridModel::from_host(dev.clone(), &cpu).expect("upload");
     let p = prompt();
     let tab = table(3);

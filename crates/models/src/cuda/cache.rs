@@ -104,7 +104,13 @@ pub(crate) struct Workspace {
     /// keys its tiles attend, rewritten every layer); one element when prompts take the f32 kernel. A workspace
     /// like the others, outside the KV budget: 1 / (2 · layers) of the pages' bytes.
     pub kv_bf16: DeviceBuf<bf16>,
-    pub captured: DeviceBuf<f32>, // [T, taps * hidden]
+    pub captured: DeviceBuf<f32>, // [T, capture width]
+    /// Hyper-connection streams (one element each without them): the streams, a block's output, and the mix
+    /// weights a block's collapse leaves for its expand.
+    pub streams: DeviceBuf<f32>, // [T, streams * hidden]
+    pub delta: DeviceBuf<f32>,    // [T, hidden]
+    pub stream_post: DeviceBuf<f32>, // [T, streams]
+    pub stream_comb: DeviceBuf<f32>, // [T, streams * streams]
 }
 
 /// Which graph a uniform decode / verify step replays: sequences (a bucket, padded), rows per sequence, and whether
@@ -132,8 +138,10 @@ pub(crate) struct WorkspaceShape {
     /// The widest matmul input given to cuBLAS as bf16 (0: no dense weights, so no cuBLAS).
     pub bf16_width: usize,
     pub vocab: usize,
-    /// Captured hidden states per row (taps · hidden).
+    /// Captured values per row (taps · hidden, or what a stream target's taps read).
     pub capture_width: usize,
+    /// Hyper-connection streams per token (0: a plain residual).
+    pub residual_streams: usize,
     pub num_heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
@@ -210,6 +218,10 @@ impl<X> CudaCache<X> {
             )?,
             kv_bf16: dev.alloc_zeros(1)?,
             captured: dev.alloc_zeros((t * shape.capture_width).max(1))?,
+            streams: dev.alloc_zeros((t * shape.residual_streams * h).max(1))?,
+            delta: dev.alloc_zeros(if shape.residual_streams > 0 { t * h } else { 1 })?,
+            stream_post: dev.alloc_zeros((t * shape.residual_streams).max(1))?,
+            stream_comb: dev.alloc_zeros((t * shape.residual_streams * shape.residual_streams).max(1))?,
         };
         if shape.bf16_width > 0 {
             // Made now: the handle allocates, which a graph capture must not do.

@@ -14,6 +14,7 @@ mod error;
 mod linear;
 mod plan;
 mod step;
+mod streams;
 mod weights;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,6 +30,7 @@ pub(crate) use linear::{Linear, MatIn, MatOut};
 pub use plan::GRAPH_CONTEXTS;
 pub(crate) use plan::{StepPlan, TileRows};
 pub(crate) use step::{apply_masks, attend, collect_out, Step};
+pub(crate) use streams::{Block, DevStreams};
 pub(crate) use weights::{upload_norm, DevMatrix, DevProjection, DevWeight, MatrixKind};
 
 use crate::error::ModelError;

@@ -59,6 +59,8 @@ impl Family for LlamaFamily {
         self.config.num_layers
     }
 
+    /// Stream targets stay on the CPU under `--device auto` until their GPU forward has been measured against the
+    /// CPU one; `--device cuda` puts them on the GPU.
     fn gpu_on_auto(&self) -> bool {
         self.config.streams.is_none()
     }
@@ -70,9 +72,6 @@ impl Family for LlamaFamily {
                 let model = LlamaModel::load(self.config.clone(), weights, taps, opts.load.stream_tap)?;
                 let cache = &opts.cache;
                 Ok(Box::new(LlamaTarget::new(Arc::new(model), cache.fixed_pages()?, cache.page_size)?))
-            }
-            Device::Cuda(_) if self.config.streams.is_some() => {
-                Err(ModelError::Unsupported(self.config.streams.map(|s| s.cpu_only()).unwrap_or_default()))
             }
             Device::Cuda(ordinal) => open_cuda(&self.config, weights, ordinal, opts),
         }
@@ -89,7 +88,8 @@ fn open_cuda(
     let started = std::time::Instant::now();
     let dev = crate::cuda::open_device(ordinal)?;
     let taps = &opts.load.capture_layers;
-    let (model, heads) = cuda::CudaLlamaModel::load(dev, cfg.clone(), weights, taps, opts.host_heads)
+    let tap = opts.load.stream_tap;
+    let (model, heads) = cuda::CudaLlamaModel::load(dev, cfg.clone(), weights, taps, tap, opts.host_heads)
         .map_err(crate::target::device_err)?;
     crate::cuda::log_upload(model.device(), model.weight_bytes(), started);
     let cache = crate::cuda::CudaCacheConfig::plan(&opts.cache);

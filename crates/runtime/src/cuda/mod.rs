@@ -26,7 +26,7 @@ mod view;
 pub use compile::CompileReport;
 pub use device::{device_count, CudaDevice, DeviceBuf, DeviceInfo};
 pub use graph::StepGraph;
-pub use kernels::{program_source, COMPILE_OPTIONS, GEMV_DISPATCH_MAX_ROWS, GEMV_MAX_ROWS};
+pub use kernels::{program_source, COMPILE_OPTIONS, GEMV_DISPATCH_MAX_ROWS, GEMV_MAX_ROWS, STREAMS_MAX};
 pub use rope_table::CudaRopeTable;
 pub use view::{DevArg, DevSlice};
 

@@ -2,16 +2,17 @@
 //! replayed), the per-sequence GDN runs riding in the step's one input copy, and the rollback replay.
 
 use dflash_runtime::cuda::ops::{
-    self as gpu, copy_columns, embedding_quant, gather_rms_norm, gdn_conv, gdn_gated_norm, gdn_prep, gdn_rule,
-    moe_forward, sigmoid_gate_mul, GdnConvArgs, GdnPrepArgs, GdnRuleArgs, GdnRuns, GdnStateView, MoeArgs,
+    self as gpu, copy_columns, embedding_quant, fill_random_f32, gather_rms_norm, gdn_conv, gdn_gated_norm, gdn_prep,
+    gdn_rule, moe_forward, sigmoid_gate_mul, GdnConvArgs, GdnPrepArgs, GdnRuleArgs, GdnRuns, GdnStateView, MoeArgs,
 };
 use dflash_runtime::cuda::DevSlice;
 
 use super::cache::CudaHybridCache;
-use super::{CudaHybridModel, DevAttention, DevFfn, DevGdn, DevMixer, DevMoe, GdnSeq};
+use super::{CudaHybridModel, DevAttention, DevFfn, DevGdn, DevHybridLayer, DevMixer, DevMoe, GdnSeq};
 use crate::batch::{ForwardBatch, ForwardOut, Readout};
 use crate::cuda::{
-    apply_masks, attend, collect_out, CudaModelError, DevWeight, Linear, MatIn, MatOut, Result, Step, StepPlan,
+    apply_masks, attend, collect_out, Block, CudaModelError, DevStreams, DevWeight, Linear, MatIn, MatOut, Result,
+    Step, StepPlan,
 };
 
 impl CudaHybridModel {
@@ -39,7 +40,7 @@ impl CudaHybridModel {
         readout: Readout,
     ) -> Result<ForwardOut> {
         let rows = self.run(batch, cache, seqs, readout)?;
-        let width = self.capture_layers.len() * self.cfg.base.hidden_size;
+        let width = self.capture_width();
         let out = collect_out(&self.dev, &cache.ws, (self.cfg.base.vocab_size, width), batch, &rows, readout)?;
         set_pending(batch, cache, seqs);
         Ok(out)
@@ -59,7 +60,7 @@ impl CudaHybridModel {
     ) -> Result<ForwardOut> {
         let rows = self.run(batch, cache, seqs, Readout::Argmax)?;
         apply_masks(&self.dev, &mut cache.ws, self.cfg.base.vocab_size, &rows, masks)?;
-        let width = self.capture_layers.len() * self.cfg.base.hidden_size;
+        let width = self.capture_width();
         let out = collect_out(&self.dev, &cache.ws, (self.cfg.base.vocab_size, width), batch, &rows, Readout::Argmax)?;
         set_pending(batch, cache, seqs);
         Ok(out)
@@ -272,25 +273,9 @@ impl CudaHybridModel {
             DevWeight::Quant(table) => embedding_quant(&self.dev, table, tokens, residual)?,
         }
         let runs = GdnRuns { runs: inputs.sub(runs_at, 4 * lay.seqs)?, rows: t };
-        for (i, layer) in self.layers.iter().enumerate() {
-            let normed = MatIn::Normed { x: residual, w: layer.attn_norm.view() };
-            match &layer.mixer {
-                DevMixer::Attention(slot, a) => self.attention(cache, plan, *slot, a, normed)?,
-                DevMixer::Gdn(slot, g) => self.gdn(cache, t, *slot, g, normed, runs)?,
-            }
-            let normed = MatIn::Normed { x: residual, w: layer.ffn_norm.view() };
-            match &layer.ffn {
-                DevFfn::Dense { gate_up, down } => {
-                    let act = ws.act.view().prefix(t * down.k)?;
-                    self.linear().matmul(ws, t, normed, gate_up, MatOut::Swiglu(act))?;
-                    self.linear().matmul(ws, t, MatIn::Plain(act), down, MatOut::Add { y: residual, sum_sq: None })?;
-                }
-                DevFfn::Sparse(m) => self.moe(cache, t, m, layer.ffn_norm.view())?,
-            }
-            if let Some(tap) = self.capture_layers.iter().position(|&l| l == i) {
-                let width = self.capture_layers.len() * h;
-                copy_columns(&self.dev, residual, h, ws.captured.view().prefix(t * width)?, width, tap * h)?;
-            }
+        match &self.streams {
+            None => self.plain_layers(cache, plan, runs)?,
+            Some(streams) => self.stream_layers(cache, plan, runs, streams)?,
         }
         let l = lay.l;
         let logits_in = ws.logits_in.view().prefix(l * h)?;
@@ -305,8 +290,91 @@ impl CudaHybridModel {
         Ok(())
     }
 
+    /// The layers over one residual stream, each block adding to `residual`.
+    fn plain_layers(&self, cache: &CudaHybridCache, plan: &StepPlan, runs: GdnRuns) -> Result<()> {
+        let (ws, t, h) = (&cache.ws, plan.layout.t, self.cfg.base.hidden_size);
+        let residual = ws.residual.view().prefix(t * h)?;
+        let out = BlockOut { y: residual, add: true };
+        let width = self.capture_width();
+        for (i, layer) in self.layers.iter().enumerate() {
+            self.mixer_block(cache, plan, runs, layer, out)?;
+            self.ffn_block(cache, t, layer, out)?;
+            if let Some(tap) = self.capture_layers.iter().position(|&l| l == i) {
+                copy_columns(&self.dev, residual, h, ws.captured.view().prefix(t * width)?, width, tap * h)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The layers over hyper-connection streams: each block enters through its connection (its input collapsed
+    /// into `residual`), writes its output to `delta` and leaves by mixing it back; the head's collapse ends in
+    /// `residual` for the final norm.
+    fn stream_layers(
+        &self,
+        cache: &CudaHybridCache,
+        plan: &StepPlan,
+        runs: GdnRuns,
+        streams: &DevStreams,
+    ) -> Result<()> {
+        let (ws, t, h) = (&cache.ws, plan.layout.t, self.cfg.base.hidden_size);
+        let out = BlockOut { y: ws.delta.view().prefix(t * h)?, add: false };
+        let width = self.capture_width();
+        streams.enter_model(&self.dev, ws, t)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            streams.enter(&self.dev, ws, t, i, Block::Mixer)?;
+            self.mixer_block(cache, plan, runs, layer, out)?;
+            streams.leave(&self.dev, ws, t)?;
+            streams.enter(&self.dev, ws, t, i, Block::Ffn)?;
+            self.ffn_block(cache, t, layer, out)?;
+            streams.leave(&self.dev, ws, t)?;
+            if let Some(tap) = self.capture_layers.iter().position(|&l| l == i) {
+                streams.write_tap(&self.dev, ws, t, tap, width)?;
+            }
+        }
+        streams.finish(&self.dev, ws, t)
+    }
+
+    /// A layer's token mixer on `residual` (normed by the layer's input norm) into `out`.
+    fn mixer_block(
+        &self,
+        cache: &CudaHybridCache,
+        plan: &StepPlan,
+        runs: GdnRuns,
+        layer: &DevHybridLayer,
+        out: BlockOut,
+    ) -> Result<()> {
+        let (t, h) = (plan.layout.t, self.cfg.base.hidden_size);
+        let residual = cache.ws.residual.view().prefix(t * h)?;
+        let normed = MatIn::Normed { x: residual, w: layer.attn_norm.view() };
+        match &layer.mixer {
+            DevMixer::Attention(slot, a) => self.attention(cache, plan, *slot, a, normed, out.mat(h)),
+            DevMixer::Gdn(slot, g) => self.gdn(cache, t, *slot, g, normed, runs, out.mat(h)),
+        }
+    }
+
+    /// A layer's feed-forward block on `residual` (normed by the layer's post-attention norm) into `out`.
+    fn ffn_block(&self, cache: &CudaHybridCache, t: usize, layer: &DevHybridLayer, out: BlockOut) -> Result<()> {
+        let (ws, h) = (&cache.ws, self.cfg.base.hidden_size);
+        let residual = ws.residual.view().prefix(t * h)?;
+        match &layer.ffn {
+            DevFfn::Dense { gate_up, down } => {
+                let act = ws.act.view().prefix(t * down.k)?;
+                let normed = MatIn::Normed { x: residual, w: layer.ffn_norm.view() };
+                self.linear().matmul(ws, t, normed, gate_up, MatOut::Swiglu(act))?;
+                self.linear().matmul(ws, t, MatIn::Plain(act), down, out.mat(h))
+            }
+            DevFfn::Sparse(m) => {
+                if !out.add {
+                    // The experts' weighted sum accumulates into its output.
+                    fill_random_f32(&self.dev, out.y, 0, 0.0, 0.0)?;
+                }
+                self.moe(cache, t, m, layer.ffn_norm.view(), out.y)
+            }
+        }
+    }
+
     /// A (gated) attention layer: projection, q/k norm + RoPE + KV write, attention, the output gate, o_proj
-    /// added to the residual.
+    /// into `out`.
     fn attention(
         &self,
         cache: &CudaHybridCache,
@@ -314,9 +382,10 @@ impl CudaHybridModel {
         slot: usize,
         a: &DevAttention,
         normed: MatIn,
+        out: MatOut,
     ) -> Result<()> {
         let (b, ws, t) = (&self.cfg.base, &cache.ws, p.layout.t);
-        let (h, hd) = (b.hidden_size, b.head_dim);
+        let hd = b.head_dim;
         let (qd, kd) = (b.num_heads * hd, b.num_kv_heads * hd);
         let w = a.qkv.n;
         let qkv = ws.qkv.view().prefix(t * w)?;
@@ -326,13 +395,22 @@ impl CudaHybridModel {
         if a.gated {
             sigmoid_gate_mul(&self.dev, attn, qd, qkv.sub(qd + 2 * kd, t * w - qd - 2 * kd)?, w)?;
         }
-        let residual = ws.residual.view().prefix(t * h)?;
-        self.linear().matmul(ws, t, MatIn::Plain(attn), &a.o_proj, MatOut::Add { y: residual, sum_sq: None })
+        self.linear().matmul(ws, t, MatIn::Plain(attn), &a.o_proj, out)
     }
 
     /// A Gated DeltaNet layer (GDN layer `g`): projection into the layer's own buffer (kept for a
-    /// rollback), conv, rule inputs, the recurrent rule, the gated norm, out_proj added to the residual.
-    fn gdn(&self, cache: &CudaHybridCache, t: usize, g: usize, w: &DevGdn, normed: MatIn, runs: GdnRuns) -> Result<()> {
+    /// rollback), conv, rule inputs, the recurrent rule, the gated norm, out_proj into `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn gdn(
+        &self,
+        cache: &CudaHybridCache,
+        t: usize,
+        g: usize,
+        w: &DevGdn,
+        normed: MatIn,
+        runs: GdnRuns,
+        out: MatOut,
+    ) -> Result<()> {
         let d = self.gdn_dims()?;
         let (sz, hy, ws) = (cache.extra.gdn, &cache.extra.hy, &cache.ws);
         let t_cap = cache.cfg.max_tokens;
@@ -396,13 +474,19 @@ impl CudaHybridModel {
             hv,
             self.cfg.base.rms_norm_eps,
         )?;
-        let residual = ws.residual.view().prefix(t * self.cfg.base.hidden_size)?;
-        self.linear().matmul(ws, t, MatIn::Plain(core), &w.out_proj, MatOut::Add { y: residual, sum_sq: None })
+        self.linear().matmul(ws, t, MatIn::Plain(core), &w.out_proj, out)
     }
 
     /// A sparse MoE block: the pre-norm once, the router (and shared gate) logits, the shared expert, then
-    /// routing, the routed experts and the weighted sum added to the residual.
-    fn moe(&self, cache: &CudaHybridCache, t: usize, m: &DevMoe, norm: DevSlice<'_, f32>) -> Result<()> {
+    /// routing, the routed experts and the weighted sum added to `y` (`[t, hidden]`).
+    fn moe(
+        &self,
+        cache: &CudaHybridCache,
+        t: usize,
+        m: &DevMoe,
+        norm: DevSlice<'_, f32>,
+        y: DevSlice<'_, f32>,
+    ) -> Result<()> {
         let (b, ws, hy) = (&self.cfg.base, &cache.ws, &cache.extra.hy);
         let dims = self.cfg.moe.ok_or_else(|| CudaModelError::Unsupported("a sparse layer without MoE dims".into()))?;
         let h = b.hidden_size;
@@ -433,9 +517,25 @@ impl CudaHybridModel {
             hidden: h,
             inter: dims.expert_intermediate,
             shared,
-            residual,
+            residual: y,
         };
         Ok(moe_forward(&self.dev, args, scratch)?)
+    }
+}
+
+/// Where a layer's blocks put their outputs: added to the residual (`add`), or stored in `delta` for the streams.
+#[derive(Clone, Copy)]
+struct BlockOut<'a> {
+    y: DevSlice<'a, f32>,
+    add: bool,
+}
+
+impl<'a> BlockOut<'a> {
+    fn mat(self, hidden: usize) -> MatOut<'a> {
+        match self.add {
+            true => MatOut::Add { y: self.y, sum_sq: None },
+            false => MatOut::Store { y: self.y, ld: hidden, col: 0 },
+        }
     }
 }
 

@@ -6,12 +6,12 @@ use std::sync::Arc;
 use dflash_runtime::cuda::ops::{
     fill_random_bf16, fill_random_f32, ATTN_MAX_QUERIES, GDN_MAX_CONV_KERNEL, GDN_MAX_K_HEAD_DIM,
 };
-use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DeviceBuf};
+use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DeviceBuf, STREAMS_MAX};
 use dflash_runtime::ops::{RopeStyle, RopeTable};
 use dflash_runtime::Tensor;
 
 use super::{CudaHybridModel, DevAttention, DevExperts, DevFfn, DevGdn, DevHybridLayer, DevMixer, DevMoe};
-use crate::cuda::{next_model_id, upload_norm, CudaModelError, DevMatrix, DevWeight, MatrixKind, Result};
+use crate::cuda::{next_model_id, upload_norm, CudaModelError, DevMatrix, DevStreams, DevWeight, MatrixKind, Result};
 use crate::hybrid::attention::Attention;
 use crate::hybrid::gdn::GatedDeltaNet;
 use crate::hybrid::moe::{Ffn, Mlp, SparseMoe};
@@ -33,6 +33,8 @@ impl CudaHybridModel {
         let layers =
             host.layers.iter().enumerate().map(|(i, l)| upload_layer(&dev, &cfg, i, l)).collect::<Result<_>>()?;
         let lm_head = host.lm_head.as_ref().map(|t| DevMatrix::upload(&dev, "lm_head.weight", t)).transpose()?;
+        let (h, eps) = (cfg.base.hidden_size, cfg.base.rms_norm_eps);
+        let streams = host.streams.as_ref().map(|s| DevStreams::upload(&dev, s, h, eps)).transpose()?;
         Ok(CudaHybridModel {
             embed: DevMatrix::upload(&dev, "model.embed_tokens.weight", &host.embed)?,
             layers,
@@ -40,6 +42,7 @@ impl CudaHybridModel {
             lm_head,
             rope: CudaRopeTable::new(&dev, &host.rope, cfg.base.max_position_embeddings.max(1))?,
             capture_layers: host.capture_layers.clone(),
+            streams,
             id: next_model_id(),
             cfg,
             dev,
@@ -101,6 +104,7 @@ impl CudaHybridModel {
             rope: CudaRopeTable::new(&dev, &rope, b.max_position_embeddings.max(1))?,
             layers,
             capture_layers: Vec::new(),
+            streams: None,
             id: next_model_id(),
             cfg,
             dev: dev.clone(),
@@ -112,8 +116,11 @@ impl CudaHybridModel {
 
 fn check_config(cfg: &HybridConfig) -> Result<()> {
     let b = &cfg.base;
-    if let Some(streams) = b.streams {
-        return Err(CudaModelError::Unsupported(streams.cpu_only()));
+    if let Some(s) = b.streams.filter(|s| s.count > STREAMS_MAX) {
+        return Err(CudaModelError::Unsupported(format!(
+            "{} hyper-connection streams (at most {STREAMS_MAX})",
+            s.count
+        )));
     }
     let group = b.num_heads / b.num_kv_heads.max(1);
     let bad_attn = b.head_dim > MAX_HEAD_DIM || !b.head_dim.is_multiple_of(4) || group > ATTN_MAX_QUERIES;

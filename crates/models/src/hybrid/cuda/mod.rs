@@ -126,6 +126,8 @@ pub struct CudaHybridModel {
     pub(super) lm_head: Option<DevMatrix>, // [vocab, hidden]; None = tied
     pub(super) rope: CudaRopeTable,
     pub(super) capture_layers: Vec<usize>,
+    /// Hyper-connection streams, when the config has them.
+    pub(super) streams: Option<crate::cuda::DevStreams>,
     pub(super) id: u64,
 }
 
@@ -141,6 +143,17 @@ impl CudaHybridModel {
     /// The layers whose outputs every forward captures, fixed at load.
     pub fn capture_layers(&self) -> &[usize] {
         &self.capture_layers
+    }
+
+    /// Values of one captured row: `hidden` per tap, or what a stream target's taps read.
+    pub fn capture_width(&self) -> usize {
+        let taps = self.capture_layers.len();
+        self.streams.as_ref().map_or(taps * self.cfg.base.hidden_size, |s| s.capture_width(taps))
+    }
+
+    /// How taps read the streams, on a stream target.
+    pub fn stream_tap(&self) -> Option<crate::StreamTap> {
+        self.streams.as_ref().map(|s| s.tap)
     }
 
     /// Bytes of weights one decode row reads: the dense matrices, the router and shared expert, `top_k`
@@ -166,7 +179,7 @@ impl CudaHybridModel {
                 mixer + ffn
             })
             .sum();
-        layers + self.lm_head().bytes()
+        layers + self.lm_head().bytes() + self.streams.as_ref().map_or(0, crate::cuda::DevStreams::weight_bytes)
     }
 
     /// Bytes of one state slot's recurrent and conv state over every GDN layer.

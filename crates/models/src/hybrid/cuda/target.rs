@@ -154,6 +154,14 @@ impl Target for CudaHybridTarget {
         self.model.capture_layers()
     }
 
+    fn capture_width(&self) -> usize {
+        self.model.capture_width()
+    }
+
+    fn stream_tap(&self) -> Option<crate::StreamTap> {
+        self.model.stream_tap()
+    }
+
     fn page_size(&self) -> usize {
         self.cache.config().page_size
     }

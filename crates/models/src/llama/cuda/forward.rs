@@ -9,8 +9,8 @@ use dflash_runtime::cuda::DeviceBuf;
 use super::model::{CudaLayer, CudaLlamaModel};
 use crate::batch::{ForwardBatch, ForwardOut, Readout};
 use crate::cuda::{
-    apply_masks, attend, collect_out, CudaCache, DevMatrix, DevProjection, DevWeight, Linear, MatIn, MatOut, Result,
-    Step, StepPlan,
+    apply_masks, attend, collect_out, Block, CudaCache, DevMatrix, DevProjection, DevStreams, DevWeight, Linear, MatIn,
+    MatOut, Result, Step, StepPlan,
 };
 use crate::RowMasks;
 
@@ -33,8 +33,7 @@ impl CudaLlamaModel {
     /// As [`CudaLlamaModel::forward`].
     pub fn forward_as(&self, batch: &ForwardBatch, cache: &mut CudaCache, readout: Readout) -> Result<ForwardOut> {
         let rows = self.run(batch, cache, readout)?;
-        let width = self.capture_layers.len() * self.cfg.hidden_size;
-        collect_out(&self.dev, &cache.ws, (self.cfg.vocab_size, width), batch, &rows, readout)
+        collect_out(&self.dev, &cache.ws, (self.cfg.vocab_size, self.capture_width()), batch, &rows, readout)
     }
 
     /// As [`CudaLlamaModel::forward_as`] under [`Readout::Argmax`], the rows of `masks` taking their argmax over
@@ -46,7 +45,7 @@ impl CudaLlamaModel {
     pub fn forward_masked(&self, batch: &ForwardBatch, cache: &mut CudaCache, masks: &RowMasks) -> Result<ForwardOut> {
         let rows = self.run(batch, cache, Readout::Argmax)?;
         apply_masks(&self.dev, &mut cache.ws, self.cfg.vocab_size, &rows, masks)?;
-        let width = self.capture_layers.len() * self.cfg.hidden_size;
+        let width = self.capture_width();
         collect_out(&self.dev, &cache.ws, (self.cfg.vocab_size, width), batch, &rows, Readout::Argmax)
     }
 
@@ -84,13 +83,9 @@ impl CudaLlamaModel {
             DevWeight::F32(table) => gpu::embedding_f32(&self.dev, table, tokens, residual)?,
             DevWeight::Quant(table) => embedding_quant(&self.dev, table, tokens, residual)?,
         }
-        let fold = self.folds_norms(t);
-        for (i, layer) in self.layers.iter().enumerate() {
-            self.layer(cache, p, i, layer, fold)?;
-            if let Some(tap) = self.capture_layers.iter().position(|&l| l == i) {
-                let width = self.capture_layers.len() * h;
-                copy_columns(&self.dev, residual, h, ws.captured.view().prefix(t * width)?, width, tap * h)?;
-            }
+        match &self.streams {
+            None => self.plain_layers(cache, p)?,
+            Some(streams) => self.stream_layers(cache, p, streams)?,
         }
         let l = lay.l;
         let logits_in = ws.logits_in.view().prefix(l * h)?;
@@ -110,6 +105,64 @@ impl CudaLlamaModel {
         Ok(())
     }
 
+    /// The layers over one residual stream, each block adding to `residual`.
+    fn plain_layers(&self, cache: &CudaCache, p: &StepPlan) -> Result<()> {
+        let (ws, t, h) = (&cache.ws, p.layout.t, self.cfg.hidden_size);
+        let residual = ws.residual.view().prefix(t * h)?;
+        let fold = self.folds_norms(t);
+        let width = self.capture_width();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let add = MatOut::Add {
+                y: residual,
+                sum_sq: fold.then(|| ws.sum_sq.view().prefix(t * sum_sq_slots(h))).transpose()?,
+            };
+            self.layer(cache, p, i, layer, fold, add)?;
+            if let Some(tap) = self.capture_layers.iter().position(|&l| l == i) {
+                copy_columns(&self.dev, residual, h, ws.captured.view().prefix(t * width)?, width, tap * h)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The layers over hyper-connection streams: each block enters through its connection (its input collapsed
+    /// into `residual`), writes its output to `delta` and leaves by mixing it back; the head's collapse ends in
+    /// `residual` for the final norm. No norm folding (the blocks' inputs are not the matmuls' residual).
+    fn stream_layers(&self, cache: &CudaCache, p: &StepPlan, streams: &DevStreams) -> Result<()> {
+        let (ws, t, h) = (&cache.ws, p.layout.t, self.cfg.hidden_size);
+        let store = MatOut::Store { y: ws.delta.view().prefix(t * h)?, ld: h, col: 0 };
+        let width = self.capture_width();
+        streams.enter_model(&self.dev, ws, t)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            self.stream_layer(cache, p, streams, i, layer, store)?;
+            if let Some(tap) = self.capture_layers.iter().position(|&l| l == i) {
+                streams.write_tap(&self.dev, ws, t, tap, width)?;
+            }
+        }
+        streams.finish(&self.dev, ws, t)
+    }
+
+    /// One decoder layer between its two connections.
+    fn stream_layer<'a>(
+        &'a self,
+        cache: &'a CudaCache,
+        p: &StepPlan,
+        streams: &DevStreams,
+        i: usize,
+        layer: &'a CudaLayer,
+        out: MatOut<'a>,
+    ) -> Result<()> {
+        let (ws, t, h) = (&cache.ws, p.layout.t, self.cfg.hidden_size);
+        let residual = ws.residual.view().prefix(t * h)?;
+        streams.enter(&self.dev, ws, t, i, Block::Mixer)?;
+        self.attention_block(cache, p, i, layer, MatIn::Normed { x: residual, w: layer.attn_norm.view() }, out)?;
+        streams.leave(&self.dev, ws, t)?;
+        streams.enter(&self.dev, ws, t, i, Block::Ffn)?;
+        let act = ws.act.view().prefix(t * self.cfg.intermediate_size)?;
+        let input = MatIn::Normed { x: residual, w: layer.ffn_norm.view() };
+        self.linear().mlp(ws, t, input, (&layer.gate_up, &layer.down), act, out)?;
+        streams.leave(&self.dev, ws, t)
+    }
+
     /// One decoder layer on the step's rows. With `fold`, the pre-norms run inside the matmuls after them, from
     /// the sums of squares the residual's last matmul left (the first layer's attention norm, after the
     /// embedding, keeps its kernel).
@@ -120,6 +173,7 @@ impl CudaLlamaModel {
         i: usize,
         layer: &'a CudaLayer,
         fold: bool,
+        add: MatOut<'a>,
     ) -> Result<()> {
         let (cfg, ws, lay) = (&self.cfg, &cache.ws, &p.layout);
         let (t, h) = (lay.t, cfg.hidden_size);
@@ -130,17 +184,29 @@ impl CudaLlamaModel {
             true => MatIn::Folded { x: residual, w: norm.view(), sum_sq },
             false => MatIn::Normed { x: residual, w: norm.view() },
         };
-        let add = MatOut::Add { y: residual, sum_sq: fold.then_some(sum_sq) };
-        let qkv_w = cfg.qkv_width();
-        let qkv = ws.qkv.view().prefix(t * qkv_w)?;
-        let attn_in = pre_norm(&layer.attn_norm, i > 0);
-        self.linear().project(ws, t, attn_in, &layer.qkv, MatOut::Store { y: qkv, ld: qkv_w, col: 0 })?;
-        let norms = (layer.q_norm.as_ref().map(|n| n.view()), layer.k_norm.as_ref().map(|n| n.view()));
-        let attn = attend(&self.dev, cache, p, i, (qkv, qkv_w), &self.rope, norms, cfg)?;
-        self.linear().matmul(ws, t, MatIn::Plain(attn), &layer.o_proj, add)?;
+        self.attention_block(cache, p, i, layer, pre_norm(&layer.attn_norm, i > 0), add)?;
         let act = ws.act.view().prefix(t * f)?;
         let mlp = (&layer.gate_up, &layer.down);
         self.linear().mlp(ws, t, pre_norm(&layer.ffn_norm, true), mlp, act, add)
+    }
+
+    /// Layer `i`'s attention of `input` (`[t, hidden]`, normed as it says) into `out`.
+    fn attention_block<'a>(
+        &'a self,
+        cache: &'a CudaCache,
+        p: &StepPlan,
+        i: usize,
+        layer: &'a CudaLayer,
+        input: MatIn<'a>,
+        out: MatOut<'a>,
+    ) -> Result<()> {
+        let (cfg, ws, t) = (&self.cfg, &cache.ws, p.layout.t);
+        let qkv_w = cfg.qkv_width();
+        let qkv = ws.qkv.view().prefix(t * qkv_w)?;
+        self.linear().project(ws, t, input, &layer.qkv, MatOut::Store { y: qkv, ld: qkv_w, col: 0 })?;
+        let norms = (layer.q_norm.as_ref().map(|n| n.view()), layer.k_norm.as_ref().map(|n| n.view()));
+        let attn = attend(&self.dev, cache, p, i, (qkv, qkv_w), &self.rope, norms, cfg)?;
+        self.linear().matmul(ws, t, MatIn::Plain(attn), &layer.o_proj, out)
     }
 
     /// Whether a step of `t` rows folds the pre-norms into its matmuls: every layer matrix bf16 and small enough

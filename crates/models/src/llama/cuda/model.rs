@@ -3,18 +3,19 @@
 use std::sync::Arc;
 
 use dflash_runtime::cuda::ops::{fill_random_f32, QuantFormat, ATTN_MAX_QUERIES};
-use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DeviceBuf};
+use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DeviceBuf, STREAMS_MAX};
 use dflash_runtime::ops::RopeTable;
 use dflash_runtime::Tensor;
 
 use crate::checkpoint::LoadOptions;
 use crate::config::{Architecture, ModelConfig};
 use crate::cuda::{
-    next_model_id, upload_norm, CudaCache, CudaCacheConfig, CudaModelError, DevMatrix, DevProjection, DevWeight,
-    MatrixKind, Result, TileRows, WorkspaceShape,
+    next_model_id, upload_norm, CudaCache, CudaCacheConfig, CudaModelError, DevMatrix, DevProjection, DevStreams,
+    DevWeight, MatrixKind, Result, TileRows, WorkspaceShape,
 };
 use crate::llama::weights::{take_heads, take_layer, LayerTensors};
 use crate::resolve::ModelSource;
+use crate::streams::{ModelStreams, StreamTap};
 use crate::target::HostHeads;
 use crate::weights::WeightStore;
 
@@ -46,6 +47,8 @@ pub struct CudaLlamaModel {
     pub(super) lm_head: Option<DevMatrix>, // [vocab, hidden]; None = tied to `embed`
     pub(super) rope: CudaRopeTable,
     pub(super) capture_layers: Vec<usize>,
+    /// Hyper-connection streams, when the config has them.
+    pub(super) streams: Option<DevStreams>,
     /// Ties caches (whose graphs hold this model's weight addresses) to this model.
     pub(super) id: u64,
 }
@@ -64,7 +67,7 @@ impl CudaLlamaModel {
     /// Builds the model from a weight store, taking every tensor the config implies (the family's layout,
     /// shared with [`crate::llama::LlamaModel::load`]) and uploading each once. RoPE positions are tabulated up to
     /// the config's context window. With `host_heads`, also returns host copies of the embedding, LM head and
-    /// final norm for drafters.
+    /// final norm for drafters. `stream_tap` says how taps read a stream target's streams.
     ///
     /// # Errors
     /// Missing, misshapen or unexpected tensors, capture layers out of range, a dtype or head size the
@@ -74,6 +77,7 @@ impl CudaLlamaModel {
         cfg: ModelConfig,
         store: &mut WeightStore,
         capture_layers: &[usize],
+        stream_tap: StreamTap,
         host_heads: bool,
     ) -> Result<(Self, Option<HostHeads>)> {
         check_config(&cfg, capture_layers)?;
@@ -85,6 +89,10 @@ impl CudaLlamaModel {
         let final_norm = upload_norm(&dev, &heads.final_norm)?;
         let lm_head = heads.lm_head.as_ref().map(|w| DevMatrix::upload(&dev, "lm_head.weight", w)).transpose()?;
         let rope = rope_table(&dev, &cfg)?;
+        let (n, h) = (cfg.num_layers, cfg.hidden_size);
+        let streams = ModelStreams::load(store, cfg.streams, n, h, capture_layers, stream_tap)?
+            .map(|s| DevStreams::upload(&dev, &s, h, cfg.rms_norm_eps))
+            .transpose()?;
         let host = match host_heads {
             true => Some(HostHeads {
                 final_norm: heads.final_norm.to_f32()?,
@@ -103,6 +111,7 @@ impl CudaLlamaModel {
             lm_head,
             rope,
             capture_layers: capture_layers.to_vec(),
+            streams,
             id: next_model_id(),
         };
         Ok((model, host))
@@ -115,7 +124,7 @@ impl CudaLlamaModel {
     /// As [`CudaLlamaModel::load`], unreadable files, another family's checkpoint.
     pub fn from_source(dev: Arc<CudaDevice>, source: &ModelSource, opts: &LoadOptions) -> Result<Self> {
         let (cfg, mut store) = crate::llama::weights_only(source, opts)?;
-        let (model, _) = Self::load(dev, cfg, &mut store, &opts.capture_layers, false)?;
+        let (model, _) = Self::load(dev, cfg, &mut store, &opts.capture_layers, opts.stream_tap, false)?;
         store.finish()?;
         Ok(model)
     }
@@ -169,6 +178,7 @@ impl CudaLlamaModel {
             lm_head,
             rope,
             capture_layers: Vec::new(),
+            streams: None,
             id: next_model_id(),
         })
     }
@@ -186,12 +196,23 @@ impl CudaLlamaModel {
         &self.capture_layers
     }
 
+    /// Values of one captured row: `hidden` per tap, or what a stream target's taps read.
+    pub fn capture_width(&self) -> usize {
+        let taps = self.capture_layers.len();
+        self.streams.as_ref().map_or(taps * self.cfg.hidden_size, |s| s.capture_width(taps))
+    }
+
+    /// How taps read the streams, on a stream target.
+    pub fn stream_tap(&self) -> Option<StreamTap> {
+        self.streams.as_ref().map(|s| s.tap)
+    }
+
     /// Bytes of weights one decode step reads: every layer matrix and the LM head (the floor of a
     /// memory-bound step, with the KV cache read on top).
     pub fn weight_bytes(&self) -> usize {
         let layers: usize =
             self.layers.iter().map(|l| l.qkv.bytes() + l.gate_up.bytes() + l.o_proj.bytes() + l.down.bytes()).sum();
-        layers + self.lm_head().bytes()
+        layers + self.lm_head().bytes() + self.streams.as_ref().map_or(0, DevStreams::weight_bytes)
     }
 
     pub(super) fn lm_head(&self) -> &DevMatrix {
@@ -212,7 +233,8 @@ impl CudaLlamaModel {
             ffn_width: f,
             bf16_width: if self.has_dense_weights() { h.max(f).max(qd) } else { 0 },
             vocab: c.vocab_size,
-            capture_width: self.capture_layers.len() * h,
+            capture_width: self.capture_width(),
+            residual_streams: c.streams.map_or(0, |s| s.count),
             num_heads: c.num_heads,
             kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
@@ -245,8 +267,11 @@ impl CudaLlamaModel {
 }
 
 fn check_config(cfg: &ModelConfig, capture_layers: &[usize]) -> Result<()> {
-    if let Some(streams) = cfg.streams {
-        return Err(CudaModelError::Unsupported(streams.cpu_only()));
+    if let Some(s) = cfg.streams.filter(|s| s.count > STREAMS_MAX) {
+        return Err(CudaModelError::Unsupported(format!(
+            "{} hyper-connection streams (at most {STREAMS_MAX})",
+            s.count
+        )));
     }
     if let Some(&l) = capture_layers.iter().find(|&&l| l >= cfg.num_layers) {
         return Err(CudaModelError::Unsupported(format!("capture layer {l} >= {} layers", cfg.num_layers)));

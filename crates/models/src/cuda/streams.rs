@@ -1,0 +1,127 @@
+//! Hyper-connection streams in a CUDA step: the connections' weights on the device and the calls a family's step
+//! makes around its blocks (the CPU twin is [`crate::streams`]). The streams, the block outputs and the mix weights
+//! live in the workspace; a block reads its collapsed input from `residual` and writes its output to `delta`.
+
+use dflash_runtime::cuda::ops::{
+    copy_columns, streams_broadcast, streams_collapse, streams_expand, streams_head, streams_mean, StreamConnection,
+    StreamDims, StreamMix,
+};
+use dflash_runtime::cuda::{CudaDevice, DeviceBuf};
+
+use super::cache::Workspace;
+use super::error::Result;
+use crate::streams::{HyperConnection, ModelStreams, StreamHead, StreamTap};
+
+/// One connection's weights on the device.
+#[derive(Debug)]
+struct DevConnection {
+    proj: DeviceBuf<f32>,
+    base: DeviceBuf<f32>,
+    scale: DeviceBuf<f32>,
+}
+
+impl DevConnection {
+    fn view(&self) -> StreamConnection<'_> {
+        StreamConnection { proj: self.proj.view(), base: self.base.view(), scale: self.scale.view() }
+    }
+}
+
+/// Which connection of a layer a block enters through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Block {
+    Mixer,
+    Ffn,
+}
+
+/// A stream target's connections on the device.
+#[derive(Debug)]
+pub(crate) struct DevStreams {
+    pub dims: StreamDims,
+    /// Per layer: the token mixer's and the feed-forward's connection.
+    layers: Vec<[DevConnection; 2]>,
+    head: DevConnection,
+    pub tap: StreamTap,
+}
+
+impl DevStreams {
+    /// Uploads a loaded model's connections (`norm_eps`: the model's `rms_norm_eps`).
+    ///
+    /// # Errors
+    /// Out of device memory.
+    pub(crate) fn upload(dev: &CudaDevice, host: &ModelStreams, hidden: usize, norm_eps: f32) -> Result<Self> {
+        let up = |hc: &HyperConnection| -> Result<DevConnection> {
+            let (proj, base, scale) = hc.parts();
+            Ok(DevConnection { proj: dev.upload(proj.as_f32()?)?, base: dev.upload(base)?, scale: dev.upload(scale)? })
+        };
+        let layers = host.layers.iter().map(|l| Ok([up(&l.attn)?, up(&l.ffn)?])).collect::<Result<Vec<_>>>()?;
+        let head: &StreamHead = &host.head;
+        let (proj, base, scale) = head.parts();
+        let head =
+            DevConnection { proj: dev.upload(proj.as_f32()?)?, base: dev.upload(base)?, scale: dev.upload(&[scale])? };
+        let c = host.cfg;
+        let dims = StreamDims { streams: c.count, hidden, sinkhorn_iters: c.sinkhorn_iters, eps: c.eps, norm_eps };
+        Ok(DevStreams { dims, layers, head, tap: host.tap })
+    }
+
+    /// Values of one captured row for `taps` taps.
+    pub(crate) fn capture_width(&self, taps: usize) -> usize {
+        taps * self.tap.width(self.dims.streams, self.dims.hidden)
+    }
+
+    /// Bytes of the connections' weights.
+    pub(crate) fn weight_bytes(&self) -> usize {
+        let conn = |c: &DevConnection| 4 * (c.proj.len() + c.base.len() + c.scale.len());
+        self.layers.iter().flatten().map(conn).sum::<usize>() + conn(&self.head)
+    }
+
+    /// The embedded rows (`residual`, `[t, hidden]`) enter as `N` copies.
+    pub(crate) fn enter_model(&self, dev: &CudaDevice, ws: &Workspace, t: usize) -> Result<()> {
+        let h = self.dims.hidden;
+        Ok(streams_broadcast(dev, &self.dims, ws.residual.view().prefix(t * h)?, self.streams(ws, t)?)?)
+    }
+
+    /// Layer `layer`'s `block` enters: its collapsed input goes to `residual` (`[t, hidden]`).
+    pub(crate) fn enter(&self, dev: &CudaDevice, ws: &Workspace, t: usize, layer: usize, block: Block) -> Result<()> {
+        let conn = self.layers[layer][block as usize].view();
+        let collapsed = ws.residual.view().prefix(t * self.dims.hidden)?;
+        Ok(streams_collapse(dev, &self.dims, self.streams(ws, t)?, &conn, collapsed, &self.mix(ws, t)?)?)
+    }
+
+    /// The block leaves: its output in `delta` (`[t, hidden]`) mixed back into the streams.
+    pub(crate) fn leave(&self, dev: &CudaDevice, ws: &Workspace, t: usize) -> Result<()> {
+        let out = ws.delta.view().prefix(t * self.dims.hidden)?;
+        Ok(streams_expand(dev, &self.dims, self.streams(ws, t)?, out, &self.mix(ws, t)?)?)
+    }
+
+    /// Writes tap `tap` of the step's rows into `captured` (`[t, width]`) as the taps read the streams.
+    pub(crate) fn write_tap(&self, dev: &CudaDevice, ws: &Workspace, t: usize, tap: usize, width: usize) -> Result<()> {
+        let (n, h) = (self.dims.streams, self.dims.hidden);
+        let captured = ws.captured.view().prefix(t * width)?;
+        let streams = self.streams(ws, t)?;
+        match self.tap {
+            StreamTap::Mean => Ok(streams_mean(dev, &self.dims, streams, captured, width, tap * h)?),
+            StreamTap::Raw => Ok(copy_columns(dev, streams, n * h, captured, width, tap * n * h)?),
+            StreamTap::Head => {
+                // `delta` is free between blocks.
+                let collapsed = ws.delta.view().prefix(t * h)?;
+                streams_head(dev, &self.dims, streams, &self.head.view(), collapsed)?;
+                Ok(copy_columns(dev, collapsed, h, captured, width, tap * h)?)
+            }
+        }
+    }
+
+    /// The head's collapse of the last layer's streams into `residual`, the final norm's input.
+    pub(crate) fn finish(&self, dev: &CudaDevice, ws: &Workspace, t: usize) -> Result<()> {
+        let out = ws.residual.view().prefix(t * self.dims.hidden)?;
+        Ok(streams_head(dev, &self.dims, self.streams(ws, t)?, &self.head.view(), out)?)
+    }
+
+    fn streams<'w>(&self, ws: &'w Workspace, t: usize) -> Result<dflash_runtime::cuda::DevSlice<'w, f32>> {
+        Ok(ws.streams.view().prefix(t * self.dims.row())?)
+    }
+
+    fn mix<'w>(&self, ws: &'w Workspace, t: usize) -> Result<StreamMix<'w>> {
+        let n = self.dims.streams;
+        Ok(StreamMix { post: ws.stream_post.view().prefix(t * n)?, comb: ws.stream_comb.view().prefix(t * n * n)? })
+    }
+}
