@@ -3,8 +3,8 @@
 //! live in the workspace; a block reads its collapsed input from `residual` and writes its output to `delta`.
 
 use dflash_runtime::cuda::ops::{
-    copy_columns, streams_broadcast, streams_collapse, streams_expand, streams_head, streams_mean, StreamConnection,
-    StreamDims, StreamMix,
+    copy_columns, fill_random_f32, streams_broadcast, streams_collapse, streams_expand, streams_head, streams_mean,
+    StreamConnection, StreamDims, StreamMix,
 };
 use dflash_runtime::cuda::{CudaDevice, DeviceBuf};
 
@@ -61,6 +61,40 @@ impl DevStreams {
         let c = host.cfg;
         let dims = StreamDims { streams: c.count, hidden, sinkhorn_iters: c.sinkhorn_iters, eps: c.eps, norm_eps };
         Ok(DevStreams { dims, layers, head, tap: host.tap })
+    }
+
+    /// Random connections made on the device for a model of `layers` layers (benchmarks of shapes no checkpoint
+    /// here has): projections uniform in `±1/√(N·H)`, biases in `±0.5`, scales near 1, so the mix weights are
+    /// spread as a trained model's are; taps read the streams' mean.
+    ///
+    /// # Errors
+    /// Out of device memory, a launch failure.
+    pub(crate) fn random(
+        dev: &CudaDevice,
+        cfg: crate::StreamConfig,
+        layers: usize,
+        dims: (usize, f32),
+        mut next_seed: impl FnMut() -> u64,
+    ) -> Result<Self> {
+        let (hidden, norm_eps) = dims;
+        let (n, row) = (cfg.count, cfg.count * hidden);
+        let mut f32s = |len: usize, scale: f32, offset: f32| -> Result<DeviceBuf<f32>> {
+            let buf = dev.alloc_zeros(len)?;
+            fill_random_f32(dev, &buf, next_seed(), scale, offset)?;
+            Ok(buf)
+        };
+        let mut conn = |mixes: usize, scales: usize| -> Result<DevConnection> {
+            Ok(DevConnection {
+                proj: f32s(mixes * row, 1.0 / (row as f32).sqrt(), 0.0)?,
+                base: f32s(mixes, 0.5, 0.0)?,
+                scale: f32s(scales, 0.1, 1.0)?,
+            })
+        };
+        let mix = (2 + n) * n;
+        let layers = (0..layers).map(|_| Ok([conn(mix, 3)?, conn(mix, 3)?])).collect::<Result<Vec<_>>>()?;
+        let head = conn(n, 1)?;
+        let dims = StreamDims { streams: n, hidden, sinkhorn_iters: cfg.sinkhorn_iters, eps: cfg.eps, norm_eps };
+        Ok(DevStreams { dims, layers, head, tap: StreamTap::Mean })
     }
 
     /// Values of one captured row for `taps` taps.

@@ -13,12 +13,27 @@ use anyhow::{bail, Result};
 use crate::cli::{HybridArgs, ModelArgs};
 use dflash_models::hybrid::HybridConfig;
 
-/// Qwen3-Next-80B-A3B's shapes (its config.json), `layers` deep: the target of `bench hybrid` and of
-/// `bench lanes --random-hybrid`.
+/// The random-weight hybrid target of `bench hybrid` and `bench lanes --random-hybrid`, `layers` deep: without
+/// streams Qwen3-Next-80B-A3B's shapes (its config.json); with `streams` hyper-connection streams, the sparse
+/// stream hybrid of our reference design (hidden 2560, vocabulary 248,320, `streams` streams) on Qwen3-Next's
+/// layer shapes otherwise.
 ///
 /// # Errors
 /// A layer count that is not a positive multiple of 4.
-pub fn qwen3_next_80b_config(layers: usize) -> Result<HybridConfig> {
+pub fn random_hybrid_config(layers: usize, streams: usize) -> Result<HybridConfig> {
+    let mut v = qwen3_next_80b_json(layers)?;
+    if streams > 0 {
+        v["hidden_size"] = 2560.into();
+        v["vocab_size"] = 248_320.into();
+        v["hc_mult"] = streams.into();
+        v["hc_sinkhorn_iters"] = 20.into();
+        v["hc_eps"] = 1e-6.into();
+    }
+    Ok(HybridConfig::from_hf(&v)?)
+}
+
+/// Qwen3-Next-80B-A3B's config.json, `layers` deep.
+fn qwen3_next_80b_json(layers: usize) -> Result<serde_json::Value> {
     if layers == 0 || !layers.is_multiple_of(4) {
         bail!("--layers must be a positive multiple of 4, got {layers}");
     }
@@ -34,7 +49,7 @@ pub fn qwen3_next_80b_config(layers: usize) -> Result<HybridConfig> {
         "shared_expert_intermediate_size": 512, "norm_topk_prob": true, "decoder_sparse_step": 1,
         "mlp_only_layers": [], "hidden_act": "silu", "attention_bias": false,
     });
-    Ok(HybridConfig::from_hf(&v)?)
+    Ok(v)
 }
 
 /// Runs the benchmark on the GPU.
@@ -75,7 +90,7 @@ mod gpu {
     pub fn run(ordinal: usize, a: &HybridArgs) -> Result<()> {
         let dev = Arc::new(CudaDevice::new(ordinal)?);
         println!("device {} ({} SMs)", dev.info().name, dev.info().multiprocessors);
-        let cfg = super::qwen3_next_80b_config(a.layers)?;
+        let cfg = super::random_hybrid_config(a.layers, a.streams)?;
         let t = Instant::now();
         let model = CudaHybridModel::random(dev.clone(), cfg, 7)?;
         let max_len = a.context + a.steps + 64;
@@ -213,13 +228,15 @@ mod tests {
 
     #[test]
     fn the_qwen3_next_shape_keeps_three_gdn_layers_per_attention_layer() {
-        let cfg = qwen3_next_80b_config(16).expect("16 layers");
+        let cfg = random_hybrid_config(16, 0).expect("16 layers");
         assert_eq!(cfg.num_layers(), 16);
         assert_eq!(cfg.attention_layers(), vec![3, 7, 11, 15]);
         assert_eq!(cfg.gdn_layers().len(), 12);
         assert_eq!((cfg.base.vocab_size, cfg.base.hidden_size), (151_936, 2048));
         let moe = cfg.moe.expect("routed experts");
         assert_eq!((moe.num_experts, moe.top_k, moe.expert_intermediate), (512, 10, 512));
-        assert!(qwen3_next_80b_config(6).is_err() && qwen3_next_80b_config(0).is_err());
+        assert!(random_hybrid_config(6, 0).is_err() && random_hybrid_config(0, 0).is_err());
+        let streams = random_hybrid_config(8, 4).expect("a stream hybrid");
+        assert_eq!((streams.base.hidden_size, streams.base.residual_streams()), (2560, 4));
     }
 }

@@ -106,6 +106,10 @@ pub struct LanesArgs {
     /// The tokenizer (an HF directory with tokenizer.json) that encodes the prompts of a `--random-hybrid` run.
     #[arg(long, value_name = "DIR")]
     pub tokenizer: Option<PathBuf>,
+    /// With `--random-hybrid`: hyper-connection streams (0: Qwen3-Next-80B's shapes; N: the stream hybrid of the
+    /// reference design, hidden 2560, N streams; see `bench hybrid --streams`).
+    #[arg(long, default_value_t = 0, requires = "random_hybrid")]
+    pub streams: usize,
 }
 
 /// `dflash bench prefix` flags.
@@ -171,6 +175,10 @@ pub struct HybridArgs {
     /// Context (prompt tokens) before the decode and verify steps.
     #[arg(long, default_value_t = 128)]
     pub context: usize,
+    /// Hyper-connection streams: 0 for Qwen3-Next-80B's shapes, N for the stream hybrid of the reference design
+    /// (hidden 2560, N streams).
+    #[arg(long, default_value_t = 0)]
+    pub streams: usize,
 }
 
 /// `dflash bench serve` flags.

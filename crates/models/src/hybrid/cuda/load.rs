@@ -50,7 +50,8 @@ impl CudaHybridModel {
     }
 
     /// A model of `cfg`'s shapes with random bf16 weights made on the device (matrices uniform in `±1/√k`,
-    /// norms near 1, decays in a realistic range); nothing is uploaded.
+    /// norms near 1, decays in a realistic range; hyper-connections when the config has streams); nothing is
+    /// uploaded.
     ///
     /// # Errors
     /// Shapes the kernels do not take, out of device memory, a launch failure.
@@ -97,6 +98,8 @@ impl CudaHybridModel {
             layers.push(DevHybridLayer { attn_norm: r.norm(h, next())?, mixer, ffn_norm: r.norm(h, next())?, ffn });
         }
         let rope = RopeTable::new(cfg.rotary_dim, b.rope_theta, &b.rope_scaling, RopeStyle::Neox)?;
+        let dims = (h, b.rms_norm_eps);
+        let streams = b.streams.map(|s| DevStreams::random(&dev, s, cfg.num_layers(), dims, &mut next)).transpose()?;
         let model = CudaHybridModel {
             embed: r.matrix(v, h, next())?,
             lm_head: (!b.tie_word_embeddings).then(|| r.matrix(v, h, next())).transpose()?,
@@ -104,7 +107,7 @@ impl CudaHybridModel {
             rope: CudaRopeTable::new(&dev, &rope, b.max_position_embeddings.max(1))?,
             layers,
             capture_layers: Vec::new(),
-            streams: None,
+            streams,
             id: next_model_id(),
             cfg,
             dev: dev.clone(),
