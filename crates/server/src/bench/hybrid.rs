@@ -13,18 +13,29 @@ use anyhow::{bail, Result};
 use crate::cli::{HybridArgs, ModelArgs};
 use dflash_models::hybrid::HybridConfig;
 
-/// The random-weight hybrid target of `bench hybrid` and `bench lanes --random-hybrid`, `layers` deep: without
-/// streams Qwen3-Next-80B-A3B's shapes (its config.json); with `streams` hyper-connection streams, the sparse
-/// stream hybrid of our reference design (hidden 2560, vocabulary 248,320, `streams` streams) on Qwen3-Next's
-/// layer shapes otherwise.
+/// The shapes of a random-weight hybrid target.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum HybridShape {
+    /// Qwen3-Next-80B-A3B's (its config.json).
+    #[value(name = "qwen3-next-80b")]
+    Qwen3Next80b,
+    /// The sparse hybrid of our reference design: hidden 2560, vocabulary 248,320, Qwen3-Next's layer shapes
+    /// otherwise.
+    ReferenceHybrid,
+}
+
+/// The random-weight hybrid target of `bench hybrid` and `bench lanes --random-hybrid`: `shape`, `layers` deep,
+/// with `streams` hyper-connection streams (0: a plain residual).
 ///
 /// # Errors
 /// A layer count that is not a positive multiple of 4.
-pub fn random_hybrid_config(layers: usize, streams: usize) -> Result<HybridConfig> {
+pub fn random_hybrid_config(shape: HybridShape, layers: usize, streams: usize) -> Result<HybridConfig> {
     let mut v = qwen3_next_80b_json(layers)?;
-    if streams > 0 {
+    if shape == HybridShape::ReferenceHybrid {
         v["hidden_size"] = 2560.into();
         v["vocab_size"] = 248_320.into();
+    }
+    if streams > 0 {
         v["hc_mult"] = streams.into();
         v["hc_sinkhorn_iters"] = 20.into();
         v["hc_eps"] = 1e-6.into();
@@ -90,7 +101,7 @@ mod gpu {
     pub fn run(ordinal: usize, a: &HybridArgs) -> Result<()> {
         let dev = Arc::new(CudaDevice::new(ordinal)?);
         println!("device {} ({} SMs)", dev.info().name, dev.info().multiprocessors);
-        let cfg = super::random_hybrid_config(a.layers, a.streams)?;
+        let cfg = super::random_hybrid_config(a.shape, a.layers, a.streams)?;
         let t = Instant::now();
         let model = CudaHybridModel::random(dev.clone(), cfg, 7)?;
         let max_len = a.context + a.steps + 64;
@@ -228,15 +239,16 @@ mod tests {
 
     #[test]
     fn the_qwen3_next_shape_keeps_three_gdn_layers_per_attention_layer() {
-        let cfg = random_hybrid_config(16, 0).expect("16 layers");
+        let cfg = random_hybrid_config(HybridShape::Qwen3Next80b, 16, 0).expect("16 layers");
         assert_eq!(cfg.num_layers(), 16);
         assert_eq!(cfg.attention_layers(), vec![3, 7, 11, 15]);
         assert_eq!(cfg.gdn_layers().len(), 12);
         assert_eq!((cfg.base.vocab_size, cfg.base.hidden_size), (151_936, 2048));
         let moe = cfg.moe.expect("routed experts");
         assert_eq!((moe.num_experts, moe.top_k, moe.expert_intermediate), (512, 10, 512));
-        assert!(random_hybrid_config(6, 0).is_err() && random_hybrid_config(0, 0).is_err());
-        let streams = random_hybrid_config(8, 4).expect("a stream hybrid");
+        let shape = HybridShape::Qwen3Next80b;
+        assert!(random_hybrid_config(shape, 6, 0).is_err() && random_hybrid_config(shape, 0, 0).is_err());
+        let streams = random_hybrid_config(HybridShape::ReferenceHybrid, 8, 4).expect("a stream hybrid");
         assert_eq!((streams.base.hidden_size, streams.base.residual_streams()), (2560, 4));
     }
 }

@@ -101,7 +101,9 @@ pub fn run(model: &ModelArgs, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
     }
     let window = context_window(args.context, args.max_tokens);
     let (mut engines, tokenizer) = match (args.random_hybrid, &args.tokenizer) {
-        (Some(layers), Some(dir)) => random_engine(model, spec, &kinds, window, (layers, args.streams), dir)?,
+        (Some(layers), Some(dir)) => {
+            random_engine(model, spec, &kinds, window, (args.hybrid_shape, layers, args.streams), dir)?
+        }
         (Some(_), None) => bail!("--random-hybrid needs --tokenizer DIR"),
         (None, _) => engines(model, spec, &kinds, window)?,
     };
@@ -203,7 +205,7 @@ fn random_engine(
     spec: &SpecArgs,
     kinds: &[BenchLane],
     window: usize,
-    (layers, streams): (usize, usize),
+    (shape, layers, streams): (super::hybrid::HybridShape, usize, usize),
     tokenizer_dir: &Path,
 ) -> Result<(Engines, Arc<Tokenizer>)> {
     if let Some(k) = kinds.iter().find(|k| matches!(k, BenchLane::Dflash | BenchLane::Mtp)) {
@@ -214,7 +216,7 @@ fn random_engine(
         Tokenizer::from_hf_dir(tokenizer_dir)
             .with_context(|| format!("reading the tokenizer in {}", tokenizer_dir.display()))?,
     );
-    let config = super::hybrid::random_hybrid_config(layers, streams)?;
+    let config = super::hybrid::random_hybrid_config(shape, layers, streams)?;
     let plan = engine_plan(spec, window)?;
     let device = match model.device {
         DeviceArg::Exact(device) => device,

@@ -18,6 +18,8 @@ mod load_report;
 mod prefix;
 mod shapes;
 
+pub use hybrid::HybridShape;
+
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 

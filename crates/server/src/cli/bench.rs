@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use clap::{Args, Subcommand};
 
 use super::{ModelArgs, SpecArgs};
+use crate::bench::HybridShape;
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -106,8 +107,10 @@ pub struct LanesArgs {
     /// The tokenizer (an HF directory with tokenizer.json) that encodes the prompts of a `--random-hybrid` run.
     #[arg(long, value_name = "DIR")]
     pub tokenizer: Option<PathBuf>,
-    /// With `--random-hybrid`: hyper-connection streams (0: Qwen3-Next-80B's shapes; N: the stream hybrid of the
-    /// reference design, hidden 2560, N streams; see `bench hybrid --streams`).
+    /// With `--random-hybrid`: the target's shapes (see `bench hybrid --shape`).
+    #[arg(long, value_enum, default_value = "qwen3-next-80b", requires = "random_hybrid")]
+    pub hybrid_shape: HybridShape,
+    /// With `--random-hybrid`: hyper-connection streams (0: a plain residual).
     #[arg(long, default_value_t = 0, requires = "random_hybrid")]
     pub streams: usize,
 }
@@ -175,8 +178,10 @@ pub struct HybridArgs {
     /// Context (prompt tokens) before the decode and verify steps.
     #[arg(long, default_value_t = 128)]
     pub context: usize,
-    /// Hyper-connection streams: 0 for Qwen3-Next-80B's shapes, N for the stream hybrid of the reference design
-    /// (hidden 2560, N streams).
+    /// The target's shapes.
+    #[arg(long, value_enum, default_value = "qwen3-next-80b")]
+    pub shape: HybridShape,
+    /// Hyper-connection streams (0: a plain residual; the reference design has 4).
     #[arg(long, default_value_t = 0)]
     pub streams: usize,
 }
