@@ -164,6 +164,30 @@ fn prefill_and_decode_match_the_cpu() {
     }
 }
 
+/// A prompt chunk that samples no row (a prompt longer than a step, on bf16 weights) runs, and the chunk after it
+/// gives the logits of a run whose first chunk asked for a logit row, bit for bit. (The bf16 LM head once sent
+/// zero rows to the one-row GEMV, which read a row of the empty input.)
+#[test]
+fn a_prompt_chunk_without_logit_rows_runs_on_bf16_weights() {
+    let Some(dev) = device() else { return };
+    let cpu = load_cpu("tiny-qwen3-next", false);
+    let gpu = CudaHybridModel::from_host(dev.clone(), &cpu).expect("upload");
+    let (p, tab) = (prompt(), table(3));
+    let run = |cache: &mut CudaHybridCache, tokens: &[u32], pos: usize, logit_rows: &[u32]| -> Vec<f32> {
+        let (positions, slots, _) = batch_parts(tokens, pos, &tab);
+        let seqs = [SeqRows { num_rows: tokens.len(), context_len: pos, block_table: &tab, prompt_len: p.len() }];
+        let batch = ForwardBatch { tokens, positions: &positions, seqs: &seqs, slots: &slots, logit_rows };
+        let out = gpu.forward(&batch, cache, &[GdnSeq { slot: 1, verify: false }]).expect("forward");
+        out.logits.as_f32().expect("f32").to_vec()
+    };
+    let (mut a, mut b) = (cache(&gpu, false), cache(&gpu, false));
+    assert!(run(&mut a, &p[..20], 0, &[]).is_empty(), "no logit rows, no logits");
+    run(&mut b, &p[..20], 0, &[19]);
+    let rest: Vec<u32> = (0..17).collect();
+    let (got, want) = (run(&mut a, &p[20..], 20, &rest), run(&mut b, &p[20..], 20, &rest));
+    assert_eq!(got, want, "the rest of the prompt after a chunk without logit rows");
+}
+
 /// Verify `w` rows, roll back to `kept`: the verify leaves the state alone and blocks the next step until
 /// resolved; committed whole it equals a plain forward of the same rows bit for bit; for every kept count
 /// the state and the next step's logits equal a forward over the kept rows (see the module docs).

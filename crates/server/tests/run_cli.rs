@@ -75,3 +75,26 @@ fn bad_arguments_fail_with_a_clear_message() {
         assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
     }
 }
+
+/// `bench lanes` on a random-weight hybrid target whose prompts are longer than a step, so their first chunk samples
+/// no row: the command that once failed on the GPU (the bf16 LM head sent zero rows to the one-row kernel). Needs a
+/// CUDA build and device; skips otherwise.
+#[cfg(feature = "cuda")]
+#[test]
+fn random_hybrid_lanes_with_long_prompts_run_on_the_gpu() {
+    if dflash_models::family::cuda_devices() == 0 {
+        eprintln!("SKIP random-hybrid lanes: no CUDA device");
+        return;
+    }
+    let tokenizer = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tests/fixtures/tiny-qwen3-next");
+    let out_dir = std::env::temp_dir().join(format!("dflash-random-hybrid-{}", std::process::id()));
+    let out = dflash()
+        .args(["bench", "--device", "cuda", "lanes", "--random-hybrid", "4", "--tokenizer", tokenizer])
+        .args(["--context", "300", "--per-group", "1", "--max-tokens", "8", "--repeat", "1", "--lanes", "plain"])
+        .arg("--out-dir")
+        .arg(&out_dir)
+        .output()
+        .expect("spawn dflash");
+    let _ = std::fs::remove_dir_all(&out_dir);
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+}

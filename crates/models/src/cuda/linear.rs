@@ -87,6 +87,11 @@ impl Linear<'_> {
     /// Sums of squares asked of a matmul other than the small bf16 one, shapes the kernels refuse, a launch
     /// failure.
     pub(crate) fn matmul(&self, ws: &Workspace, m: usize, input: MatIn, w: &DevMatrix, out: MatOut) -> Result<()> {
+        // No rows (the LM head of a prompt chunk that samples no row): nothing to do. The bf16 GEMV arm below takes
+        // any row count the small matmul and cuBLAS refuse, 0 included, and would read a row of `x`.
+        if m == 0 {
+            return Ok(());
+        }
         let dev = self.dev;
         let (epi, y, y_ld, sum_sq_out) = match out {
             MatOut::Store { y, ld, col } => (Epilogue::Store, y.sub(col, y.len() - col)?, ld, None),
