@@ -511,8 +511,6 @@ mod cuda_twins {
 
     use super::*;
 
-    const N: usize = 4;
-    const H: usize = 96;
     const ROWS: usize = 5;
 
     fn values(n: usize, seed: u64, scale: f32, offset: f32) -> Vec<f32> {
@@ -532,6 +530,8 @@ mod cuda_twins {
         }
     }
 
+    /// Four streams of 96 (the fixtures' regime), three of 320 (more than one column block of the expand, uneven
+    /// strides) and the most the kernels take (8 of 64).
     #[test]
     fn kernels_match_the_cpu() {
         let dev = match CudaDevice::new(0) {
@@ -539,69 +539,82 @@ mod cuda_twins {
             Err(e) if e.is_no_device() => return eprintln!("SKIP streams kernels: no CUDA device ({e})"),
             Err(e) => panic!("CUDA device: {e}"),
         };
-        let cfg = StreamConfig { count: N, sinkhorn_iters: 20, eps: 1e-6 };
+        for (n, h) in [(4, 96), (3, 320), (8, 64)] {
+            twin(&dev, n, h);
+        }
+    }
+
+    fn twin(dev: &CudaDevice, n: usize, h: usize) {
+        let cfg = StreamConfig { count: n, sinkhorn_iters: 20, eps: 1e-6 };
         let m = cfg.mix_width();
         let hc = HyperConnection {
-            proj: Tensor::from_f32(&values(m * N * H, 1, 0.1, 0.0), &[m, N * H]).expect("proj"),
+            proj: Tensor::from_f32(&values(m * n * h, 1, 0.1, 0.0), &[m, n * h]).expect("proj"),
             base: values(m, 2, 0.5, 0.0),
             scale: [1.1, 0.7, 1.3],
         };
         let head = StreamHead {
-            proj: Tensor::from_f32(&values(N * N * H, 3, 0.1, 0.0), &[N, N * H]).expect("head"),
-            base: values(N, 4, 0.5, 0.0),
+            proj: Tensor::from_f32(&values(n * n * h, 3, 0.1, 0.0), &[n, n * h]).expect("head"),
+            base: values(n, 4, 0.5, 0.0),
             scale: 0.9,
         };
-        let embedded = Tensor::from_f32(&values(ROWS * H, 5, 1.0, 0.0), &[ROWS, H]).expect("x");
-        let block_out = Tensor::from_f32(&values(ROWS * H, 6, 1.0, 0.0), &[ROWS, H]).expect("out");
-        // The CPU: broadcast, one block through the connection, the head, the mean tap.
+        let embedded = Tensor::from_f32(&values(ROWS * h, 5, 1.0, 0.0), &[ROWS, h]).expect("x");
+        let block_out = Tensor::from_f32(&values(ROWS * h, 6, 1.0, 0.0), &[ROWS, h]).expect("out");
+        // The CPU: one block through the connection, the head, the mean tap, on streams that differ (as after a
+        // layer).
         let mut cpu = StreamResidual::from_embedding(&embedded, cfg, 1e-6).expect("residual");
-        // Streams that differ, as after a layer.
-        cpu.streams.as_f32_mut().expect("f32").copy_from_slice(&values(ROWS * N * H, 7, 1.0, 0.1));
+        cpu.streams.as_f32_mut().expect("f32").copy_from_slice(&values(ROWS * n * h, 7, 1.0, 0.1));
         let start = cpu.streams.as_f32().expect("f32").to_vec();
-        let mut collapsed = Tensor::zeros(DType::F32, &[ROWS, H]).expect("collapsed");
+        let mut collapsed = Tensor::zeros(DType::F32, &[ROWS, h]).expect("collapsed");
         cpu.enter(&hc, &mut collapsed).expect("enter");
         cpu.leave(&block_out).expect("leave");
-        let mut head_out = Tensor::zeros(DType::F32, &[ROWS, H]).expect("head out");
+        let mut head_out = Tensor::zeros(DType::F32, &[ROWS, h]).expect("head out");
         cpu.collapse_with(&head, &mut head_out).expect("head");
-        let mut mean = Tensor::zeros(DType::F32, &[ROWS, 2 * H]).expect("mean");
+        let mut mean = Tensor::zeros(DType::F32, &[ROWS, 2 * h]).expect("mean");
         cpu.write_tap(StreamTap::Mean, &head, &mut mean, 1).expect("tap");
 
-        let d = StreamDims { streams: N, hidden: H, sinkhorn_iters: 20, eps: 1e-6, norm_eps: 1e-6 };
+        let what = |s: &str| format!("{n} streams of {h}: {s}");
+        let d = StreamDims { streams: n, hidden: h, sinkhorn_iters: 20, eps: 1e-6, norm_eps: 1e-6 };
         let up = |v: &[f32]| dev.upload(v).expect("upload");
+        let zeros = |len: usize| up(&vec![0.0; len]);
         let (proj, base, scale) = (up(hc.proj.as_f32().expect("f32")), up(&hc.base), up(&hc.scale));
         let conn = StreamConnection { proj: proj.view(), base: base.view(), scale: scale.view() };
         let (hproj, hbase, hscale) = (up(head.proj.as_f32().expect("f32")), up(&head.base), up(&[head.scale]));
         let hconn = StreamConnection { proj: hproj.view(), base: hbase.view(), scale: hscale.view() };
         let streams = up(&start);
-        let (post, comb) = (up(&[0.0; ROWS * N]), up(&[0.0; ROWS * N * N]));
-        let mix = StreamMix { post: post.view(), comb: comb.view() };
-        let gpu_collapsed = up(&[0.0; ROWS * H]);
-        streams_collapse(&dev, &d, &streams, &conn, &gpu_collapsed, &mix).expect("collapse");
+        let (mixes, post, comb) = (zeros(ROWS * m), zeros(ROWS * n), zeros(ROWS * n * n));
+        let mix = StreamMix { mixes: mixes.view(), post: post.view(), comb: comb.view() };
+        let gpu_collapsed = zeros(ROWS * h);
+        streams_collapse(dev, &d, &streams, &conn, &gpu_collapsed, &mix).expect("collapse");
         let collapsed_after_enter = dev.download(&gpu_collapsed).expect("download");
-        close("post", &dev.download(&post).expect("post"), &cpu.post);
-        close("comb", &dev.download(&comb).expect("comb"), &cpu.comb);
-        close("collapsed", &collapsed_after_enter, collapsed.as_f32().expect("f32"));
-        streams_expand(&dev, &d, &streams, &up(block_out.as_f32().expect("f32")), &mix).expect("expand");
-        close("expanded", &dev.download(&streams).expect("streams"), cpu.streams.as_f32().expect("f32"));
-        let gpu_head = up(&[0.0; ROWS * H]);
-        streams_head(&dev, &d, &streams, &hconn, &gpu_head).expect("head");
-        close("head", &dev.download(&gpu_head).expect("head"), head_out.as_f32().expect("f32"));
-        let gpu_mean = up(&[0.0; ROWS * 2 * H]);
-        streams_mean(&dev, &d, &streams, &gpu_mean, 2 * H, H).expect("mean");
+        close(&what("post"), &dev.download(&post).expect("post"), &cpu.post);
+        close(&what("comb"), &dev.download(&comb).expect("comb"), &cpu.comb);
+        close(&what("collapsed"), &collapsed_after_enter, collapsed.as_f32().expect("f32"));
+        streams_expand(dev, &d, &streams, &up(block_out.as_f32().expect("f32")), &mix).expect("expand");
+        close(&what("expanded"), &dev.download(&streams).expect("streams"), cpu.streams.as_f32().expect("f32"));
+        let gpu_head = zeros(ROWS * h);
+        streams_head(dev, &d, &streams, &hconn, mixes.view(), &gpu_head).expect("head");
+        close(&what("head"), &dev.download(&gpu_head).expect("head"), head_out.as_f32().expect("f32"));
+        let gpu_mean = zeros(ROWS * 2 * h);
+        streams_mean(dev, &d, &streams, &gpu_mean, 2 * h, h).expect("mean");
         let got = dev.download(&gpu_mean).expect("mean");
-        let column = |v: &[f32]| v.chunks_exact(2 * H).flat_map(|r| r[H..].to_vec()).collect::<Vec<f32>>();
-        close("mean tap", &column(&got), &column(mean.as_f32().expect("f32")));
-        let copies = up(&[0.0; ROWS * N * H]);
-        streams_broadcast(&dev, &d, &up(embedded.as_f32().expect("f32")), &copies).expect("broadcast");
-        let want: Vec<f32> = embedded.as_f32().expect("f32").chunks_exact(H).flat_map(|r| r.repeat(N)).collect();
-        assert_eq!(dev.download(&copies).expect("copies"), want, "N copies of each row");
+        let column = |v: &[f32]| v.chunks_exact(2 * h).flat_map(|r| r[h..].to_vec()).collect::<Vec<f32>>();
+        close(&what("mean tap"), &column(&got), &column(mean.as_f32().expect("f32")));
+        let copies = zeros(ROWS * n * h);
+        streams_broadcast(dev, &d, &up(embedded.as_f32().expect("f32")), &copies).expect("broadcast");
+        let want: Vec<f32> = embedded.as_f32().expect("f32").chunks_exact(h).flat_map(|r| r.repeat(n)).collect();
+        assert_eq!(dev.download(&copies).expect("copies"), want, "{}", what("N copies of each row"));
 
         // Row 3 alone gives the bits it got in the batch.
-        let alone = up(&start[3 * N * H..4 * N * H]);
-        let (post1, comb1, out1) = (up(&[0.0; N]), up(&[0.0; N * N]), up(&[0.0; H]));
-        let mix1 = StreamMix { post: post1.view(), comb: comb1.view() };
-        streams_collapse(&dev, &d, &alone, &conn, &out1, &mix1).expect("collapse alone");
+        let alone = up(&start[3 * n * h..4 * n * h]);
+        let (mixes1, post1, comb1, out1) = (zeros(m), zeros(n), zeros(n * n), zeros(h));
+        let mix1 = StreamMix { mixes: mixes1.view(), post: post1.view(), comb: comb1.view() };
+        streams_collapse(dev, &d, &alone, &conn, &out1, &mix1).expect("collapse alone");
         let got = dev.download(&out1).expect("alone");
-        assert_eq!(got, collapsed_after_enter[3 * H..4 * H], "a row's collapse does not depend on the batch");
+        assert_eq!(
+            got,
+            collapsed_after_enter[3 * h..4 * h],
+            "{}",
+            what("a row's collapse does not depend on the batch")
+        );
     }
 }

@@ -26,8 +26,8 @@ use dflash_models::llama::cuda::CudaLlamaModel;
 use dflash_models::llama::LlamaModel;
 use dflash_models::llama::{load_gguf_weights, load_hf_weights};
 use dflash_models::resolve::{default_model_path, ModelSource};
-use dflash_models::LoadOptions;
 use dflash_models::{ForwardBatch, SeqRows};
+use dflash_models::{LoadOptions, StreamTap};
 use dflash_runtime::cuda::CudaDevice;
 use dflash_runtime::ops::{argmax, top_k};
 
@@ -59,6 +59,9 @@ fn tiny_pairs(dev: &Arc<CudaDevice>) -> Vec<Pair> {
     let gguf = fixtures().join("tiny-llama-gguf/tiny.gguf");
     let streams_dir = fixtures().join("tiny-qwen3-hc");
     let streams_opts = LoadOptions { capture_layers: vec![0, 2], f32_weights: true, ..Default::default() };
+    let raw_opts = LoadOptions { capture_layers: vec![0, 2], stream_tap: StreamTap::Raw, ..Default::default() };
+    let head_opts =
+        LoadOptions { capture_layers: vec![2], stream_tap: StreamTap::Head, f32_weights: true, ..Default::default() };
     let gpu = |source: ModelSource, opts: &LoadOptions| {
         CudaLlamaModel::from_source(dev.clone(), &source, opts).expect("cuda model")
     };
@@ -81,6 +84,20 @@ fn tiny_pairs(dev: &Arc<CudaDevice>) -> Vec<Pair> {
             name: "tiny-qwen3-hc f32",
             cpu: load_hf_weights(&streams_dir, &streams_opts).expect("cpu"),
             gpu: gpu(ModelSource::HfDir(streams_dir.clone()), &streams_opts),
+            tol: 1e-4,
+            invariant: true,
+        },
+        Pair {
+            name: "tiny-qwen3-hc bf16 raw taps",
+            cpu: load_hf_weights(&streams_dir, &raw_opts).expect("cpu"),
+            gpu: gpu(ModelSource::HfDir(streams_dir.clone()), &raw_opts),
+            tol: 3e-2,
+            invariant: false,
+        },
+        Pair {
+            name: "tiny-qwen3-hc f32 head tap",
+            cpu: load_hf_weights(&streams_dir, &head_opts).expect("cpu"),
+            gpu: gpu(ModelSource::HfDir(streams_dir.clone()), &head_opts),
             tol: 1e-4,
             invariant: true,
         },
@@ -193,7 +210,7 @@ fn tiny_models_match_the_cpu_forward() {
         let dir = match pair.name {
             "tiny-qwen3 bf16" => "tiny-qwen3",
             "tiny-llama f32" => "tiny-llama",
-            "tiny-qwen3-hc f32" => "tiny-qwen3-hc",
+            name if name.starts_with("tiny-qwen3-hc") => "tiny-qwen3-hc",
             _ => "tiny-llama-gguf",
         };
         // Longer than one attention split (64 keys) for the decode rows.

@@ -252,7 +252,14 @@ fn rollback_after_a_verify(dev: &Arc<CudaDevice>, name: &str) {
 #[test]
 fn bf16_verify_rows_equal_decode_steps_bit_for_bit() {
     let Some(dev) = device() else { return };
-    let cpu = load_cpu("tiny-qwen3-next", false);
+    // With hyper-connection streams too: lossless speculation on a stream target rests on the same property.
+    for name in ["tiny-qwen3-next", "tiny-qwen3-next-hc"] {
+        bf16_verify_rows_equal_decode_steps(&dev, name);
+    }
+}
+
+fn bf16_verify_rows_equal_decode_steps(dev: &Arc<CudaDevice>, name: &str) {
+    let cpu = load_cpu(name, false);
     let gpu = CudaHybridModel::from_host(dev.clone(), &cpu).expect("upload");
     let (p, tab) = (prompt(), table(3));
     let run = |cache: &mut CudaHybridCache, tokens: &[u32], pos: usize, verify: bool| -> Vec<f32> {

@@ -8,23 +8,6 @@
 
 __device__ __forceinline__ float streams_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// mix[m] = rms(s) . proj[m] for m < n_mix, rms over the whole flat row of w values (no weight). One warp per
-// output in turn; the caller syncs before reading mix.
-__device__ __forceinline__ void streams_project(const float* __restrict__ s, const float* __restrict__ proj, u32 w,
-                                               u32 n_mix, float norm_eps, float* mix, float* scratch) {
-    float ss = 0.0f;
-    for (u32 i = threadIdx.x; i < w; i += blockDim.x) ss = fmaf(s[i], s[i], ss);
-    const float inv = 1.0f / sqrtf(block_sum(ss, scratch) / (float)w + norm_eps);
-    const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-    for (u32 m = warp; m < n_mix; m += warps) {
-        const float* p = proj + (u64)m * w;
-        float acc = 0.0f;
-        for (u32 i = lane; i < w; i += 32) acc = fmaf(s[i] * inv, p[i], acc);
-        acc = warp_sum(acc);
-        if (lane == 0) mix[m] = acc;
-    }
-}
-
 // out[d] = sum_k pre[k] * s[k * hidden + d] for this row.
 __device__ __forceinline__ void streams_weighted_sum(const float* __restrict__ s, const float* pre, u32 n, u32 hidden,
                                                     float* __restrict__ out) {
@@ -67,53 +50,69 @@ __device__ void streams_sinkhorn(float* comb, u32 n, u32 iters, float eps) {
     }
 }
 
-// A block's entry through its hyper-connection, one block per row: from the streams s [T, n * hidden], the
-// projection proj [(2 + n) * n, n * hidden], base [(2 + n) * n] and scale [3] (pre, post, comb), writes the block's
-// input collapsed [T, hidden] = sum_k pre_k * s_k, and post [T, n], comb [T, n * n] for streams_expand.
-// pre = sigmoid(.) + eps, post = 2 sigmoid(.), comb = Sinkhorn(softmax(.) + eps).
-extern "C" __global__ void streams_collapse(const float* __restrict__ streams, const float* __restrict__ proj,
-                                           const float* __restrict__ base, const float* __restrict__ scale,
-                                           float* __restrict__ collapsed, float* __restrict__ post_out,
-                                           float* __restrict__ comb_out, u32 n, u32 hidden, u32 iters, float eps,
-                                           float norm_eps) {
+// The connection's projection of the RMS-normalised flat streams, one block per (row, output):
+// mixes[r, m] = rms(s_r) . proj[m] for s_r [n * hidden] (no weight; eps norm_eps). Spread over blocks so a decode
+// step's projection (n_mix rows of n * hidden f32 weights: 1 MB at n = 4, hidden = 2560) is read by many SMs. Each
+// block sums the row's squares itself (the same order in every block) rather than waiting for another.
+extern "C" __global__ void streams_project(const float* __restrict__ streams, const float* __restrict__ proj,
+                                          float* __restrict__ mixes, u32 width, u32 n_mix, float norm_eps) {
     DF_GRID_DEPENDENCY();
     __shared__ float scratch[32];
-    __shared__ float mix[STREAMS_MAX_MIX];
-    const u32 w = n * hidden, n_mix = (2 + n) * n;
-    const float* s = streams + (u64)blockIdx.x * w;
-    streams_project(s, proj, w, n_mix, norm_eps, mix, scratch);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float* post = post_out + (u64)blockIdx.x * n;
-        float* comb = comb_out + (u64)blockIdx.x * n * n;
-        for (u32 k = 0; k < n; ++k) {
-            post[k] = 2.0f * streams_sigmoid(mix[n + k] * scale[1] + base[n + k]);
-            mix[k] = streams_sigmoid(mix[k] * scale[0] + base[k]) + eps;  // pre, in place
-        }
-        for (u32 c = 0; c < n * n; ++c) comb[c] = mix[2 * n + c] * scale[2] + base[2 * n + c];
-        streams_sinkhorn(comb, n, iters, eps);
+    const u64 r = blockIdx.x;
+    const u32 m = blockIdx.y;
+    const float* s = streams + r * width;
+    const float* p = proj + (u64)m * width;
+    float ss = 0.0f, dot = 0.0f;
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
+        ss = fmaf(s[i], s[i], ss);
+        dot = fmaf(s[i], p[i], dot);
     }
-    __syncthreads();
-    streams_weighted_sum(s, mix, n, hidden, collapsed + (u64)blockIdx.x * hidden);
+    const float inv = 1.0f / sqrtf(block_sum(ss, scratch) / (float)width + norm_eps);
+    const float total = block_sum(dot, scratch);
+    if (threadIdx.x == 0) mixes[r * n_mix + m] = total * inv;
 }
 
-// The head's collapse (model.hc_head), one block per row: out [T, hidden] = sum_k pre_k * s_k with
-// pre = sigmoid(rms(s) . proj[k] * scale + base[k]) + eps; proj [n, n * hidden], base [n], scale [1].
-extern "C" __global__ void streams_head(const float* __restrict__ streams, const float* __restrict__ proj,
-                                       const float* __restrict__ base, const float* __restrict__ scale,
-                                       float* __restrict__ out, u32 n, u32 hidden, float eps, float norm_eps) {
+// A block's entry through its hyper-connection, one block per row, from streams_project's mixes [T, (2 + n) * n]:
+// writes the block's input collapsed [T, hidden] = sum_k pre_k * s_k, and post [T, n], comb [T, n * n] for
+// streams_expand. With base [(2 + n) * n] and scale [3] (pre, post, comb): pre = sigmoid(.) + eps,
+// post = 2 sigmoid(.), comb = Sinkhorn(softmax(.) + eps), worked in shared memory.
+extern "C" __global__ void streams_collapse(const float* __restrict__ streams, const float* __restrict__ mixes,
+                                           const float* __restrict__ base, const float* __restrict__ scale,
+                                           float* __restrict__ collapsed, float* __restrict__ post_out,
+                                           float* __restrict__ comb_out, u32 n, u32 hidden, u32 iters, float eps) {
     DF_GRID_DEPENDENCY();
-    __shared__ float scratch[32];
-    __shared__ float mix[STREAMS_MAX];
-    const u32 w = n * hidden;
-    const float* s = streams + (u64)blockIdx.x * w;
-    streams_project(s, proj, w, n, norm_eps, mix, scratch);
+    __shared__ float mix[STREAMS_MAX_MIX];
+    const u32 n_mix = (2 + n) * n;
+    const u64 r = blockIdx.x;
+    const float* s = streams + r * n * hidden;
+    for (u32 m = threadIdx.x; m < n_mix; m += blockDim.x) mix[m] = mixes[r * n_mix + m];
     __syncthreads();
     if (threadIdx.x == 0) {
-        for (u32 k = 0; k < n; ++k) mix[k] = streams_sigmoid(mix[k] * scale[0] + base[k]) + eps;
+        float* comb = mix + 2 * n;
+        for (u32 k = 0; k < n; ++k) {
+            post_out[r * n + k] = 2.0f * streams_sigmoid(mix[n + k] * scale[1] + base[n + k]);
+            mix[k] = streams_sigmoid(mix[k] * scale[0] + base[k]) + eps;  // pre, in place
+        }
+        for (u32 c = 0; c < n * n; ++c) comb[c] = comb[c] * scale[2] + base[2 * n + c];
+        streams_sinkhorn(comb, n, iters, eps);
+        for (u32 c = 0; c < n * n; ++c) comb_out[r * n * n + c] = comb[c];
     }
     __syncthreads();
-    streams_weighted_sum(s, mix, n, hidden, out + (u64)blockIdx.x * hidden);
+    streams_weighted_sum(s, mix, n, hidden, collapsed + r * hidden);
+}
+
+// The head's collapse (model.hc_head), one block per row, from streams_project's mixes [T, n]:
+// out [T, hidden] = sum_k pre_k * s_k with pre = sigmoid(mixes[k] * scale + base[k]) + eps; base [n], scale [1].
+extern "C" __global__ void streams_head(const float* __restrict__ streams, const float* __restrict__ mixes,
+                                       const float* __restrict__ base, const float* __restrict__ scale,
+                                       float* __restrict__ out, u32 n, u32 hidden, float eps) {
+    DF_GRID_DEPENDENCY();
+    __shared__ float pre[STREAMS_MAX];
+    const u64 r = blockIdx.x;
+    const u32 k = threadIdx.x;
+    if (k < n) pre[k] = streams_sigmoid(mixes[r * n + k] * scale[0] + base[k]) + eps;
+    __syncthreads();
+    streams_weighted_sum(streams + r * n * hidden, pre, n, hidden, out + r * hidden);
 }
 
 // A block's exit: s'_k = post_k * out + sum_j comb[j, k] * s_j, in place. Grid (T, column blocks); a thread owns

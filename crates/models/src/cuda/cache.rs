@@ -109,6 +109,7 @@ pub(crate) struct Workspace {
     /// weights a block's collapse leaves for its expand.
     pub streams: DeviceBuf<f32>, // [T, streams * hidden]
     pub delta: DeviceBuf<f32>,    // [T, hidden]
+    pub stream_mixes: DeviceBuf<f32>, // [T, (2 + streams) * streams]: a connection's projection
     pub stream_post: DeviceBuf<f32>, // [T, streams]
     pub stream_comb: DeviceBuf<f32>, // [T, streams * streams]
 }
@@ -220,6 +221,7 @@ impl<X> CudaCache<X> {
             captured: dev.alloc_zeros((t * shape.capture_width).max(1))?,
             streams: dev.alloc_zeros((t * shape.residual_streams * h).max(1))?,
             delta: dev.alloc_zeros(if shape.residual_streams > 0 { t * h } else { 1 })?,
+            stream_mixes: dev.alloc_zeros((t * (2 + shape.residual_streams) * shape.residual_streams).max(1))?,
             stream_post: dev.alloc_zeros((t * shape.residual_streams).max(1))?,
             stream_comb: dev.alloc_zeros((t * shape.residual_streams * shape.residual_streams).max(1))?,
         };

@@ -138,7 +138,7 @@ impl DevStreams {
             StreamTap::Head => {
                 // `delta` is free between blocks.
                 let collapsed = ws.delta.view().prefix(t * h)?;
-                streams_head(dev, &self.dims, streams, &self.head.view(), collapsed)?;
+                streams_head(dev, &self.dims, streams, &self.head.view(), self.mix(ws, t)?.mixes, collapsed)?;
                 Ok(copy_columns(dev, collapsed, h, captured, width, tap * h)?)
             }
         }
@@ -147,7 +147,8 @@ impl DevStreams {
     /// The head's collapse of the last layer's streams into `residual`, the final norm's input.
     pub(crate) fn finish(&self, dev: &CudaDevice, ws: &Workspace, t: usize) -> Result<()> {
         let out = ws.residual.view().prefix(t * self.dims.hidden)?;
-        Ok(streams_head(dev, &self.dims, self.streams(ws, t)?, &self.head.view(), out)?)
+        let mixes = self.mix(ws, t)?.mixes;
+        Ok(streams_head(dev, &self.dims, self.streams(ws, t)?, &self.head.view(), mixes, out)?)
     }
 
     fn streams<'w>(&self, ws: &'w Workspace, t: usize) -> Result<dflash_runtime::cuda::DevSlice<'w, f32>> {
@@ -156,6 +157,10 @@ impl DevStreams {
 
     fn mix<'w>(&self, ws: &'w Workspace, t: usize) -> Result<StreamMix<'w>> {
         let n = self.dims.streams;
-        Ok(StreamMix { post: ws.stream_post.view().prefix(t * n)?, comb: ws.stream_comb.view().prefix(t * n * n)? })
+        Ok(StreamMix {
+            mixes: ws.stream_mixes.view().prefix(t * (2 + n) * n)?,
+            post: ws.stream_post.view().prefix(t * n)?,
+            comb: ws.stream_comb.view().prefix(t * n * n)?,
+        })
     }
 }

@@ -99,7 +99,7 @@ impl CudaHybridModel {
             bf16_width: h.max(f).max(qd).max(vd),
             vocab: b.vocab_size,
             capture_width: self.capture_width(),
-            residual_streams: b.streams.map_or(0, |s| s.count),
+            residual_streams: self.streams.as_ref().map_or(0, |s| s.dims.streams),
             num_heads: b.num_heads,
             kv_heads: b.num_kv_heads,
             head_dim: b.head_dim,

@@ -234,7 +234,7 @@ impl CudaLlamaModel {
             bf16_width: if self.has_dense_weights() { h.max(f).max(qd) } else { 0 },
             vocab: c.vocab_size,
             capture_width: self.capture_width(),
-            residual_streams: c.streams.map_or(0, |s| s.count),
+            residual_streams: self.streams.as_ref().map_or(0, |s| s.dims.streams),
             num_heads: c.num_heads,
             kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,

@@ -25,10 +25,10 @@ impl StreamDims {
     }
 
     fn check(&self, what: &str) -> Result<(u32, u32)> {
-        if self.streams == 0 || self.streams > STREAMS_MAX || self.hidden == 0 {
+        if self.streams == 0 || self.streams > STREAMS_MAX || self.hidden == 0 || self.sinkhorn_iters == 0 {
             return Err(shape_err(format!(
-                "{what}: {} streams of {} (1 to {STREAMS_MAX} streams)",
-                self.streams, self.hidden
+                "{what}: {} streams of {}, {} Sinkhorn iterations (1 to {STREAMS_MAX} streams, at least one iteration)",
+                self.streams, self.hidden, self.sinkhorn_iters
             )));
         }
         Ok((dim(self.streams, "streams")?, dim(self.hidden, "hidden")?))
@@ -58,24 +58,48 @@ impl StreamConnection<'_> {
     }
 }
 
-/// What a collapse leaves for its expand: `post` `[T, N]` and `comb` `[T, N · N]`.
+/// A connection's per-row scratch and what a collapse leaves for its expand: `mixes` `[T, (2 + N) · N]` (the
+/// projection), `post` `[T, N]` and `comb` `[T, N · N]`.
 #[derive(Clone, Copy, Debug)]
 pub struct StreamMix<'a> {
+    pub mixes: DevSlice<'a, f32>,
     pub post: DevSlice<'a, f32>,
     pub comb: DevSlice<'a, f32>,
 }
 
 impl StreamMix<'_> {
     fn check(&self, rows: usize, n: usize, what: &str) -> Result<()> {
-        if self.post.len() < rows * n || self.comb.len() < rows * n * n {
+        let fits =
+            self.mixes.len() >= rows * (2 + n) * n && self.post.len() >= rows * n && self.comb.len() >= rows * n * n;
+        if !fits {
             return Err(shape_err(format!(
-                "{what}: post {} and comb {} for {rows} rows of {n} streams",
+                "{what}: mixes {}, post {} and comb {} for {rows} rows of {n} streams",
+                self.mixes.len(),
                 self.post.len(),
                 self.comb.len()
             )));
         }
         Ok(())
     }
+}
+
+/// `mixes[r, m] = rms(streams[r]) · proj[m]` for the `n_mix` rows of `proj`: one block per (row, output).
+fn project(
+    dev: &CudaDevice,
+    d: &StreamDims,
+    streams: DevSlice<'_, f32>,
+    proj: DevSlice<'_, f32>,
+    mixes: DevSlice<'_, f32>,
+    rows: usize,
+    n_mix: usize,
+) -> Result<()> {
+    let grid = (dim(rows, "rows")?, dim(n_mix, "mix outputs")?, 1);
+    let (width, n_mix) = (dim(d.row(), "row")?, dim(n_mix, "mix outputs")?);
+    let mut launch = dev.launch_builder(&dev.kernels.streams_project);
+    launch.arg(streams.arg()).arg(proj.arg()).arg(mixes.arg()).arg(&width).arg(&n_mix).arg(&d.norm_eps);
+    // SAFETY: the arguments match the kernel's signature; the callers checked the shapes.
+    unsafe { launch.launch(launch_cfg(grid, ROW_BLOCK)) }.map_err(launch_err("streams_project"))?;
+    Ok(())
 }
 
 /// A block's entry through its connection: `collapsed` `[T, H]` = `Σₖ preₖ · Sₖ`, and `mix` for
@@ -102,17 +126,19 @@ pub fn streams_collapse<'a>(
     if rows == 0 {
         return Ok(());
     }
+    project(dev, d, streams, hc.proj, mix.mixes, rows, (2 + d.streams) * d.streams)?;
     let (grid, iters) = (dim(rows, "rows")?, dim(d.sinkhorn_iters, "sinkhorn iterations")?);
     let mut launch = dev.launch_builder(&dev.kernels.streams_collapse);
-    launch.arg(streams.arg()).arg(hc.proj.arg()).arg(hc.base.arg()).arg(hc.scale.arg());
+    launch.arg(streams.arg()).arg(mix.mixes.arg()).arg(hc.base.arg()).arg(hc.scale.arg());
     launch.arg(collapsed.arg()).arg(mix.post.arg()).arg(mix.comb.arg());
-    launch.arg(&n).arg(&hidden).arg(&iters).arg(&d.eps).arg(&d.norm_eps);
+    launch.arg(&n).arg(&hidden).arg(&iters).arg(&d.eps);
     // SAFETY: the arguments match the kernel's signature; the shapes were checked above.
     unsafe { launch.launch(launch_cfg((grid, 1, 1), ROW_BLOCK)) }.map_err(launch_err("streams_collapse"))?;
     Ok(())
 }
 
-/// The head's collapse (`model.hc_head`): `out` `[T, H]` = `Σₖ preₖ · Sₖ` with the head's `pre`.
+/// The head's collapse (`model.hc_head`): `out` `[T, H]` = `Σₖ preₖ · Sₖ` with the head's `pre` (`mixes`:
+/// scratch of at least `[T, N]`).
 ///
 /// # Errors
 /// As [`streams_collapse`].
@@ -121,22 +147,27 @@ pub fn streams_head<'a>(
     d: &StreamDims,
     streams: impl DevArg<'a, f32>,
     head: &StreamConnection<'_>,
+    mixes: DevSlice<'_, f32>,
     out: impl DevArg<'a, f32>,
 ) -> Result<()> {
     let (streams, out) = (streams.dev(), out.dev());
     let (n, hidden) = d.check("streams_head")?;
     let rows = rows_of(streams.len(), d.row(), "streams_head streams")?;
     head.check(d.streams, 1, d.row(), "streams_head")?;
+    if mixes.len() < rows * d.streams {
+        return Err(shape_err(format!("streams_head: mixes {} for {rows} rows", mixes.len())));
+    }
     if out.len() < rows * d.hidden {
         return Err(shape_err(format!("streams_head: out {} for {rows} rows", out.len())));
     }
     if rows == 0 {
         return Ok(());
     }
+    project(dev, d, streams, head.proj, mixes, rows, d.streams)?;
     let grid = dim(rows, "rows")?;
     let mut launch = dev.launch_builder(&dev.kernels.streams_head);
-    launch.arg(streams.arg()).arg(head.proj.arg()).arg(head.base.arg()).arg(head.scale.arg()).arg(out.arg());
-    launch.arg(&n).arg(&hidden).arg(&d.eps).arg(&d.norm_eps);
+    launch.arg(streams.arg()).arg(mixes.arg()).arg(head.base.arg()).arg(head.scale.arg()).arg(out.arg());
+    launch.arg(&n).arg(&hidden).arg(&d.eps);
     // SAFETY: the arguments match the kernel's signature; the shapes were checked above.
     unsafe { launch.launch(launch_cfg((grid, 1, 1), ROW_BLOCK)) }.map_err(launch_err("streams_head"))?;
     Ok(())
