@@ -277,7 +277,10 @@ impl SpecLane {
         costs: SharedCosts,
     ) -> Self {
         let stats = SpecStats { lane: proposer.kind(), policy: mode, block_size, ..SpecStats::default() };
-        let remembered = costs.lock().gate_period(proposer.kind());
+        let remembered = match dflash_runtime::switches::switches().no_gate_memory {
+            true => None,
+            false => costs.lock().gate_period(proposer.kind()),
+        };
         let policy = RoundPolicy::new(mode, proposer.kind(), max_draft).resuming_gate(remembered);
         SpecLane { proposer, policy, stats, costs, max_draft, round: RoundInFlight::default() }
     }
