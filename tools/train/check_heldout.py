@@ -60,13 +60,20 @@ def eval_prompts() -> dict[str, list[str]]:
     return out
 
 
+def user_text(record: dict) -> str:
+    """Everything a training record's user says: the prompt and, in a conversation, the follow-up turns."""
+    return "\n\n".join([record["prompt"], *record.get("followups", [])])
+
+
 def overlap_findings(evals: dict[str, list[str]], train: list[dict]) -> list[str]:
-    train_norm = {" ".join(words(r["prompt"])): r["id"] for r in train}
+    # Each user turn is compared on its own (a held-out prompt could match a conversation's first turn).
+    turns = [(text, r["id"]) for r in train for text in [r["prompt"], *r.get("followups", [])]]
+    train_norm = {" ".join(words(text)): rid for text, rid in turns}
     train_shingles: dict[int, str] = {}
     for r in train:
-        for s in shingles(words(r["prompt"])):
+        for s in shingles(words(user_text(r))):
             train_shingles.setdefault(s, r["id"])
-    short_train = [(set(words(r["prompt"])), r["id"]) for r in train if len(words(r["prompt"])) < 2 * SHORT_WORDS]
+    short_train = [(set(words(text)), rid) for text, rid in turns if len(words(text)) < 2 * SHORT_WORDS]
     findings = []
     for name, texts in evals.items():
         for i, text in enumerate(texts):
@@ -93,8 +100,10 @@ def source_findings(train: list[dict]) -> list[str]:
         kind, _, name = r["source"].partition(":")
         if kind == "code" and any(is_heldout_module(name.rsplit(".", k)[0]) for k in range(name.count(".") + 1)):
             out.append(f"training prompt {r['id']} comes from reserved code {name}")
-        elif kind == "module" and is_heldout_module(name):
+        elif kind in ("module", "apidoc") and is_heldout_module(name):
             out.append(f"training prompt {r['id']} comes from reserved module {name}")
+        elif kind == "source" and is_heldout_module(name.partition(":")[0]):
+            out.append(f"training prompt {r['id']} comes from the source of reserved module {name}")
         elif kind == "topic" and name in HELDOUT_TOPICS:
             out.append(f"training prompt {r['id']} comes from reserved topic {name}")
     return out

@@ -8,9 +8,10 @@ training set. check_heldout.py verifies both directions.
 from __future__ import annotations
 
 # Standard-library modules (and their submodules) reserved for evaluation. `json` is also the passage of
-# bench/prompts/summarise-1000.txt; `pdb` shares its text with the `debugger` pydoc topic.
+# bench/prompts/summarise-1000.txt; `pdb` and `bdb` (pdb's base class) share text with the `debugger` topic.
 HELDOUT_MODULES: tuple[str, ...] = (
     "argparse",
+    "bdb",
     "bisect",
     "calendar",
     "cmd",

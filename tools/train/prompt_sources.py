@@ -2,7 +2,10 @@
 
 * Code items: public functions, classes and methods defined in stdlib modules, with their docstrings, signatures
   and (for pure-Python ones) source code, via `inspect`.
-* Passages: module docstrings and the language-reference topics that `pydoc` ships (`pydoc_data.topics`).
+* Passages: module docstrings, the language-reference topics that `pydoc` ships (`pydoc_data.topics`), and
+  per-module API documentation (the documented items' signatures and docstrings, one after the other).
+* Source excerpts: runs of whole top-level statements (imports, functions, classes) of pure-Python stdlib
+  modules, for "explain this source file" tasks.
 
 Everything is enumerated in sorted order so that a seeded selection is reproducible for a given Python version.
 Modules are imported with their output silenced; modules that open windows, browsers or print on import, and
@@ -50,8 +53,21 @@ class CodeItem:
 
 @dataclass(frozen=True)
 class Passage:
-    source: str  # "module:NAME" or "topic:NAME"
+    source: str  # "module:NAME", "topic:NAME" or "apidoc:NAME"
     text: str
+
+
+@dataclass(frozen=True)
+class SourceExcerpt:
+    module: str
+    path: str  # the file inside the standard library, e.g. "email/utils.py"
+    first_line: int
+    last_line: int
+    text: str
+
+    @property
+    def label(self) -> str:
+        return f"source:{self.module}:{self.first_line}-{self.last_line}"
 
 
 def import_quietly(name: str):
@@ -91,7 +107,8 @@ def _default_text(value) -> str:
     """
     if value is None or isinstance(value, (bool, int, float)):
         return repr(value)
-    if isinstance(value, str) and len(value) <= 30 and value.isprintable():
+    # Paths are machine state too (a default of sys.executable would name this interpreter's location).
+    if isinstance(value, str) and len(value) <= 30 and value.isprintable() and "/" not in value and "\\" not in value:
         return repr(value)
     return "..."
 
@@ -122,6 +139,13 @@ def short_source(obj) -> str | None:
     return "\n".join(lines)
 
 
+def own_doc(obj) -> str:
+    """The object's own docstring, cleaned; never one inherited from a base class (inspect.getdoc would return
+    those, and a base class may live in a module reserved for evaluation)."""
+    doc = vars(obj).get("__doc__") if inspect.isclass(obj) else getattr(obj, "__doc__", None)
+    return inspect.cleandoc(doc) if isinstance(doc, str) else ""
+
+
 def _items_of(module_name: str, module) -> list[CodeItem]:
     items = []
     for name, obj in inspect.getmembers(module):
@@ -133,7 +157,7 @@ def _items_of(module_name: str, module) -> list[CodeItem]:
             kind = "class"
         else:
             continue
-        doc = inspect.getdoc(obj) or ""
+        doc = own_doc(obj)
         if len(doc) >= 40:
             items.append(CodeItem(module_name, name, kind, _signature(obj), doc, short_source(obj)))
         if kind == "class":
@@ -146,7 +170,7 @@ def _methods_of(module_name: str, class_name: str, cls) -> list[CodeItem]:
     for name, obj in sorted(vars(cls).items()):
         if name.startswith("_") or not inspect.isfunction(obj):
             continue
-        doc = inspect.getdoc(obj) or ""
+        doc = own_doc(obj)
         if len(doc) >= 40:
             qual = f"{class_name}.{name}"
             items.append(CodeItem(module_name, qual, "method", _signature(obj), doc, short_source(obj)))
@@ -230,3 +254,70 @@ def first_paragraph(doc: str, max_words: int = 120) -> str:
     para = paragraphs(doc)[0] if doc.strip() else ""
     words = para.split()
     return " ".join(words[:max_words]) + (" ..." if len(words) > max_words else "")
+
+
+def api_passages(items: list[CodeItem], min_words: int = 120) -> list[Passage]:
+    """Per module, its documented items' signatures and docstrings in name order (an API reference page)."""
+    by_module: dict[str, list[CodeItem]] = {}
+    for item in items:
+        by_module.setdefault(item.module, []).append(item)
+    out = []
+    for module in sorted(by_module):
+        entries = [f"{i.qualname}{i.signature}\n\n{i.doc.strip()}" for i in sorted(by_module[module],
+                                                                                 key=lambda i: i.qualname)]
+        text = "\n\n".join(entries)
+        if len(text.split()) >= min_words:
+            out.append(Passage(f"apidoc:{module}", text))
+    return out
+
+
+def _module_path(name: str, module) -> str:
+    file = getattr(module, "__file__", "") or ""
+    tail = "/__init__.py" if file.endswith("__init__.py") else ".py"
+    return name.replace(".", "/") + tail
+
+
+def _top_level_spans(source: str) -> list[tuple[int, int, bool]]:
+    """(first line, last line, defines something) of every top-level statement, decorators included."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    spans = []
+    for node in tree.body:
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        defines = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        spans.append((first, node.end_lineno or node.lineno, defines))
+    return spans
+
+
+def source_excerpts(modules: list[str], line_targets: tuple[int, ...], seed: str,
+                    max_lines: int = 140) -> list[SourceExcerpt]:
+    """Consecutive whole top-level statements of each pure-Python module, cut into excerpts of about a target
+    length (drawn per excerpt from line_targets), each with at least one function or class; statements longer
+    than max_lines are left out."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for name in modules:
+        module = import_quietly(name)
+        try:
+            source = inspect.getsource(module) if module is not None else ""
+        except (OSError, TypeError):
+            continue
+        lines = source.splitlines()
+        current: list[tuple[int, int, bool]] = []
+        target = rng.choice(line_targets)
+        for span in _top_level_spans(source) + [(0, 0, False)]:  # the sentinel flushes the last excerpt
+            size = span[1] - current[0][0] + 1 if current else span[1] - span[0] + 1
+            if current and (span == (0, 0, False) or size > max_lines or
+                            current[-1][1] - current[0][0] + 1 >= target):
+                if any(d for _, _, d in current):
+                    first, last = current[0][0], current[-1][1]
+                    out.append(SourceExcerpt(name, _module_path(name, module), first, last,
+                                             "\n".join(lines[first - 1: last]).rstrip()))
+                current, target = [], rng.choice(line_targets)
+            if span != (0, 0, False) and span[1] - span[0] + 1 <= max_lines:
+                current.append(span)
+    return out

@@ -3,15 +3,19 @@
 
 Groups (default counts; the provenance of each is in README.md):
     code       coding tasks over documented stdlib functions, classes and methods (docstrings, signatures, source)
-    summarise  summaries of passages: stdlib module docstrings and pydoc's language-reference topics
+    source     "explain this source file" tasks over excerpts of pure-Python stdlib modules
+    summarise  summaries of passages: module docstrings, pydoc's language-reference topics, API documentation
     rewrite    rewriting paragraphs of the same passages (plain English, shorter, bullets, typo fixing, ...)
-    math       word problems and arithmetic with seeded numbers
+    math       word problems and exercises with seeded numbers
     chat       general instructions from templates over word lists
+    multiturn  a chat, math or code question and one or two follow-up turns (the target answers each turn)
 
 Material reserved for evaluation (partition.py) and everything under bench/prompts/ is never used. Output is
 deterministic for a given seed and Python version (the stdlib is the material); the committed file was built
 with the interpreter named in its manifest, and generate.py reads that file, so training does not depend on the
-Python version of the machine it runs on.
+Python version of the machine it runs on. Records: id, group, template, source, prompt, and for multi-turn ones
+followups (the later user turns). Within a group, prompts over the same material get consecutive ids, so the
+compressor sees repeated material close together.
 
     python tools/train/prompts.py                 # rebuild the committed file (~1 minute)
     python tools/train/prompts.py --smoke --out /tmp/p.jsonl.gz   # a few prompts from a few modules
@@ -31,14 +35,21 @@ from pathlib import Path
 
 import prompt_sources as src
 from chat_templates import chat_prompt
-from templates import code_prompt, math_prompt, rewrite_prompt, summary_prompt
+from math_templates import math_prompt
+from multiturn_templates import followups
+from templates import FILE_TASKS, code_prompt, code_task_names, rewrite_prompt, source_file_prompt, summary_prompt
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_OUT = DATA_DIR / "prompts.jsonl.gz"
-DEFAULT_COUNTS = {"code": 2200, "summarise": 700, "rewrite": 400, "math": 900, "chat": 1000}
-SMOKE_COUNTS = {"code": 3, "summarise": 2, "rewrite": 1, "math": 2, "chat": 2}
+DEFAULT_COUNTS = {"code": 12000, "source": 2200, "summarise": 4000, "rewrite": 4000, "math": 10000, "chat": 10000,
+                  "multiturn": 6000}
+SMOKE_COUNTS = {"code": 3, "source": 1, "summarise": 2, "rewrite": 1, "math": 2, "chat": 2, "multiturn": 2}
 SMOKE_MODULES = ["base64", "colorsys", "glob", "string", "uu"]
-PASSAGE_WORDS = (120, 250, 400, 600, 900, 1200)
+PASSAGE_WORDS = (120, 250, 400, 600, 900)
+SOURCE_LINES = (30, 45, 60, 80, 110)
+MULTITURN_KINDS = ("chat", "chat", "chat", "math", "code")
+# Short code questions that open a conversation (the long source-code tasks stay single-turn).
+MULTITURN_CODE_TASKS = ("write_function", "usage_example", "when_to_use", "common_mistakes")
 
 
 def _group_rng(seed: int, group: str) -> random.Random:
@@ -46,21 +57,52 @@ def _group_rng(seed: int, group: str) -> random.Random:
     return random.Random(f"{seed}:{group}")
 
 
-def _code_prompts(rng: random.Random, items: list[src.CodeItem], count: int) -> list[dict]:
-    order = list(range(len(items)))
+def _round_robin(rng: random.Random, materials: list, choices) -> list[tuple[int, str]]:
+    """(material index, template name) pairs: every material once with one of its templates, then again with
+    another one, ... (templates without repeats per material, random order)."""
+    order = list(range(len(materials)))
     rng.shuffle(order)
-    out, seen = [], set()
-    # Up to four passes: a second prompt for an item uses another random template.
-    for _ in range(4):
-        for i in order:
-            if len(out) == count:
-                return out
-            item = items[i]
-            template, text = code_prompt(rng, item)
-            if text not in seen:
-                seen.add(text)
-                out.append({"template": template, "source": f"code:{item.module}.{item.qualname}", "prompt": text})
+    queues = {}
+    for i in order:
+        names = list(choices(materials[i]))
+        rng.shuffle(names)
+        queues[i] = names
+    out, depth = [], 0
+    while any(len(q) > depth for q in queues.values()):
+        out += [(i, queues[i][depth]) for i in order if depth < len(queues[i])]
+        depth += 1
     return out
+
+
+def _unique(candidates, count: int) -> list[dict]:
+    """The first count candidates with distinct text (two items can share their source code, say)."""
+    out, seen = [], set()
+    for record in candidates:
+        if len(out) == count:
+            break
+        key = (record["prompt"], *record.get("followups", ()))
+        if key not in seen:
+            seen.add(key)
+            out.append(record)
+    return out
+
+
+def _code_prompts(rng: random.Random, items: list[src.CodeItem], count: int) -> list[dict]:
+    def records():
+        for i, name in _round_robin(rng, items, code_task_names):
+            template, text = code_prompt(rng, items[i], name)
+            yield {"template": template, "source": f"code:{items[i].module}.{items[i].qualname}", "prompt": text}
+
+    return _unique(records(), count)
+
+
+def _source_prompts(rng: random.Random, excerpts: list[src.SourceExcerpt], count: int) -> list[dict]:
+    def records():
+        for i, name in _round_robin(rng, excerpts, lambda _: [n for n, _ in FILE_TASKS]):
+            template, text = source_file_prompt(rng, excerpts[i], name)
+            yield {"template": template, "source": excerpts[i].label, "prompt": text}
+
+    return _unique(records(), count)
 
 
 def _passage_chunks(rng: random.Random, passages: list[src.Passage]) -> list[tuple[str, str]]:
@@ -72,27 +114,35 @@ def _passage_chunks(rng: random.Random, passages: list[src.Passage]) -> list[tup
     return chunks
 
 
+def _repeat_over(rng: random.Random, materials: list, count: int, make, passes: int = 8) -> list[dict]:
+    """count distinct prompts over the materials, each used once per pass in a fresh random order (at most
+    `passes` passes); make(rng, m) -> dict."""
+    def records():
+        order = list(range(len(materials)))
+        for _ in range(passes):
+            rng.shuffle(order)
+            yield from (make(rng, materials[i]) for i in order)
+
+    return _unique(records(), count)
+
+
 def _summary_prompts(rng: random.Random, chunks: list[tuple[str, str]], count: int) -> list[dict]:
-    out = []
-    order = list(range(len(chunks)))
-    while len(out) < count and order:
-        rng.shuffle(order)
-        for i in order[: count - len(out)]:
-            source, chunk = chunks[i]
-            template, text = summary_prompt(rng, chunk)
-            out.append({"template": template, "source": source, "prompt": text})
-    return out
+    def make(r, chunk):
+        template, text = summary_prompt(r, chunk[1])
+        return {"template": template, "source": chunk[0], "prompt": text}
+
+    return _repeat_over(rng, chunks, count, make)
 
 
 def _rewrite_prompts(rng: random.Random, passages: list[src.Passage], count: int) -> list[dict]:
     paras = [(p.source, para) for p in passages for para in src.paragraphs(p.text)
              if 30 <= len(para.split()) <= 160 and not para.startswith(">>>")]
-    rng.shuffle(paras)
-    out = []
-    for source, para in paras[:count]:
-        template, text = rewrite_prompt(rng, para)
-        out.append({"template": template, "source": source, "prompt": text})
-    return out
+
+    def make(r, para):
+        template, text = rewrite_prompt(r, para[1])
+        return {"template": template, "source": para[0], "prompt": text}
+
+    return _repeat_over(rng, paras, count, make)
 
 
 def _generated_prompts(rng: random.Random, make, count: int, group: str) -> list[dict]:
@@ -107,26 +157,65 @@ def _generated_prompts(rng: random.Random, make, count: int, group: str) -> list
     return out
 
 
+def _first_turn(rng: random.Random, kind: str, items: list[src.CodeItem]) -> tuple[str, str, str]:
+    """(template, source, text) of a conversation's opening question."""
+    if kind == "chat":
+        template, text = chat_prompt(rng)
+        return template, "chat:generated", text
+    if kind == "math":
+        template, text = math_prompt(rng)
+        return template, "math:generated", text
+    item = rng.choice(items)
+    names = [n for n in code_task_names(item) if n in MULTITURN_CODE_TASKS]
+    template, text = code_prompt(rng, item, rng.choice(names))
+    return template, f"code:{item.module}.{item.qualname}", text
+
+
+def _multiturn_prompts(rng: random.Random, items: list[src.CodeItem], count: int) -> list[dict]:
+    out, seen = [], set()
+    for _ in range(count * 20):
+        if len(out) == count:
+            break
+        kind = rng.choice(MULTITURN_KINDS)
+        template, source, first = _first_turn(rng, kind, items)
+        names, turns = followups(rng, kind)
+        key = (first, *turns)
+        if key not in seen:
+            seen.add(key)
+            out.append({"template": "+".join([template, *names]), "source": source, "prompt": first,
+                        "followups": turns})
+    return out
+
+
+def _numbered(group: str, prompts: list[dict], by_material: bool) -> list[dict]:
+    if by_material:  # prompts over the same material side by side (a gzip window is only 32 KiB)
+        prompts = sorted(prompts, key=lambda p: (p["source"], p["template"], p["prompt"]))
+    return [{"id": f"{group}-{i:05d}", "group": group, **p} for i, p in enumerate(prompts)]
+
+
 def build(seed: int, counts: dict[str, int], smoke: bool = False) -> list[dict]:
-    """The training prompts: dicts with id, group, template, source, prompt; sorted by id."""
+    """The training prompts: dicts with id, group, template, source, prompt (and followups); sorted by id."""
     modules = SMOKE_MODULES if smoke else src.stdlib_module_names()
     items = src.code_items(modules)
     passages = src.module_passages(modules) + ([] if smoke else src.topic_passages())
     if smoke:
         passages += src.topic_passages(names=("lambda", "pass", "while"))
+    passages += src.api_passages(items)
+    excerpts = src.source_excerpts(modules, SOURCE_LINES, f"{seed}:excerpts")
     groups = {
         "code": _code_prompts(_group_rng(seed, "code"), items, counts["code"]),
+        "source": _source_prompts(_group_rng(seed, "source"), excerpts, counts["source"]),
         "summarise": _summary_prompts(
             _group_rng(seed, "summarise"), _passage_chunks(_group_rng(seed, "chunks"), passages), counts["summarise"]
         ),
         "rewrite": _rewrite_prompts(_group_rng(seed, "rewrite"), passages, counts["rewrite"]),
         "math": _generated_prompts(_group_rng(seed, "math"), math_prompt, counts["math"], "math"),
         "chat": _generated_prompts(_group_rng(seed, "chat"), chat_prompt, counts["chat"], "chat"),
+        "multiturn": _multiturn_prompts(_group_rng(seed, "multiturn"), items, counts["multiturn"]),
     }
     records = []
     for group, prompts in groups.items():
-        for i, p in enumerate(prompts):
-            records.append({"id": f"{group}-{i:05d}", "group": group, **p})
+        records += _numbered(group, prompts, by_material=group in ("code", "source", "summarise", "rewrite"))
     return sorted(records, key=lambda r: r["id"])
 
 
