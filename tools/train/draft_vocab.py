@@ -13,8 +13,9 @@ as its whole forward. The ranking is every token id of the target, ordered:
 
 File layout (safetensors): `token_ids` int32 [vocab], most useful first; metadata `format`
 (`dflash-draft-vocab`), `default_size` (the N the server uses unless `--draft-vocab` says otherwise; chosen by
-measuring tok/s on the held-out prompts), `ranking` (the order above in words), `samples_sha256`,
-`response_tokens`, `coverage` (JSON: the share of response tokens the first N ids cover, for a few N).
+measuring tok/s on the held-out prompts), `ranking` (the order above in words), `samples_sha256` (or, when the
+counts come from a training checkpoint, which accumulates them over its runs: `counts_from`), `response_tokens`,
+`coverage` (JSON: the share of response tokens the first N ids cover, for a few N).
 
     python tools/train/draft_vocab.py --samples OUT/data/samples.npz --out OUT/export/drafter
     python tools/train/draft_vocab.py --samples S.npz --out DIR --default-size 8192 --gguf target.gguf
@@ -84,14 +85,25 @@ def write(out_dir: Path, ranking: np.ndarray, default_size: int, meta: dict[str,
 
 
 def build(samples: Path, gguf_path: Path, out_dir: Path, default_size: int = DEFAULT_SIZE) -> dict:
-    """Ranks, writes the file and returns its summary (for export.py's metrics)."""
-    vocab, control = target_vocab(gguf_path)
+    """Ranks the tokens of generate.py's samples, writes the file and returns its summary."""
+    vocab, _ = target_vocab(gguf_path)
     response, prompt = token_counts(samples, vocab)
+    source = {"samples_sha256": hashlib.sha256(samples.read_bytes()).hexdigest()}
+    return build_from_counts(response, prompt, gguf_path, out_dir, default_size, source)
+
+
+def build_from_counts(response: np.ndarray, prompt: np.ndarray, gguf_path: Path, out_dir: Path,
+                      default_size: int = DEFAULT_SIZE, source: dict | None = None) -> dict:
+    """Ranks by token counts (a training checkpoint accumulates them over all its runs' data), writes the file
+    and returns its summary."""
+    vocab, control = target_vocab(gguf_path)
+    if len(response) != vocab:
+        raise SystemExit(f"token counts cover {len(response)} ids, the target has {vocab}")
     ranking = rank(response, prompt, control)
     cov = coverage(ranking, response)
     meta = {
         "ranking": "control tokens first; then response-token count, prompt-token count (descending), token id",
-        "samples_sha256": hashlib.sha256(samples.read_bytes()).hexdigest(),
+        **(source or {}),
         "response_tokens": str(int(response.sum())),
         "coverage": json.dumps(cov),
     }

@@ -11,18 +11,20 @@ training is ours. It packs many anchored blocks of one sequence into a single pa
   block boundary), exactly as the inference forward does for its single block;
 * slot k >= 1 predicts the token at `a+k` (same-position prediction); slot 0 carries no loss.
 
-Losses: cross-entropy per slot weighted by `exp(-(k-1)/gamma)`; the DFlash2 candidate selector's K-way
-cross-entropy over the top-K candidates of the (detached) unary logits, with the gold predecessor (teacher
-forcing), rows whose gold token is outside the top-K left out.
+Losses (distill.py): per slot, the KL from the target's own distribution (or, as an option, the cross-entropy
+against the greedy token), weighted by `exp(-(k-1)/gamma)`; slots >= 2 only where the block sits on a greedy
+chain. The DFlash2 candidate selector's K-way cross-entropy over the top-K candidates of the (detached) unary
+logits, with the gold predecessor (teacher forcing), on greedy rows whose gold token is inside the top-K.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+import distill
 from target import TargetConfig
 
 
@@ -116,20 +118,40 @@ def init_drafter(model, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
 
 
-def block_layout(ids: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor, block: int, mask_id: int):
-    """Block tokens, positions and labels for anchors [b, N] (-1 = none) over ids [b, S].
+@dataclass
+class BlockLayout:
+    """Anchored blocks over a batch: N anchors per sequence, B slots each.
 
-    Returns block_ids [b, N*B], block_pos [b, N*B], labels [b, N, B] (-100 where no loss: slot 0, past the
-    sequence end, or an empty anchor).
+    ids [b, N*B] block tokens ([x_a, MASK x (B-1)]); pos [b, N*B] their positions (a .. a+B-1); labels
+    [b, N, B] the token each slot predicts (x_{a+k}; -100 for slot 0, past the sequence end or an empty anchor);
+    kd_rows / ce_rows [b, N, B] the rows that may take the teacher's distribution / a hard label (distill.py:
+    slots >= 2 only on greedy chains); teacher_pos [b, N, B] the position whose teacher distribution labels the
+    slot (a+k-1).
     """
+
+    ids: torch.Tensor
+    pos: torch.Tensor
+    labels: torch.Tensor
+    kd_rows: torch.Tensor
+    ce_rows: torch.Tensor
+    teacher_pos: torch.Tensor
+
+
+def block_layout(ids: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor, block: int, mask_id: int,
+                 greedy: torch.Tensor | None = None) -> BlockLayout:
+    """The blocks of anchors [b, N] (-1 = none) over ids [b, S]; greedy [b, S] marks the tokens the target
+    chose greedily (None: every token is)."""
     b, n = anchors.shape
     slot = torch.arange(block, device=ids.device)
     pos = anchors.clamp_min(0)[:, :, None] + slot  # [b, N, B]
-    inside = (pos < lengths[:, None, None]) & (anchors[:, :, None] >= 0)
-    gathered = ids.gather(1, pos.clamp_max(ids.shape[1] - 1).view(b, -1)).view(b, n, block)
-    labels = torch.where(inside & (slot > 0), gathered, torch.full_like(gathered, -100))
+    inside = (pos < lengths[:, None, None]) & (anchors[:, :, None] >= 0) & (slot > 0)
+    flat_pos = pos.clamp_max(ids.shape[1] - 1).view(b, -1)
+    gathered = ids.gather(1, flat_pos).view(b, n, block)
+    labels = torch.where(inside, gathered, torch.full_like(gathered, -100))
     block_ids = torch.where(slot == 0, gathered, torch.full_like(gathered, mask_id))
-    return block_ids.view(b, -1), pos.view(b, -1), labels
+    greedy_at = inside if greedy is None else greedy.gather(1, flat_pos).view(b, n, block)
+    kd_rows, ce_rows = distill.chain_rows(greedy_at, inside)
+    return BlockLayout(block_ids.view(b, -1), pos.view(b, -1), labels, kd_rows, ce_rows, (pos - 1).clamp_min(0))
 
 
 def attention_mask(anchors: torch.Tensor, lengths: torch.Tensor, seq_len: int, block: int) -> torch.Tensor:
@@ -201,44 +223,46 @@ def selector_scores(selector, hidden: torch.Tensor, unary: torch.Tensor, candida
     return unary + torch.einsum("nr,nkr->nk", left, right)
 
 
-def drafter_losses(model, hidden: torch.Tensor, labels: torch.Tensor, block_ids: torch.Tensor,
-                   embed: torch.Tensor, gamma: float, top_k: int, stop_gradient: bool = True) -> dict:
-    """Decayed CE over slots, the selector CE, and per-row correctness for metrics.
+def drafter_losses(model, hidden: torch.Tensor, layout: BlockLayout, embed: torch.Tensor, gamma: float,
+                   top_k: int, loss: distill.LossConfig, teacher: distill.Teacher | None = None,
+                   stop_gradient: bool = True) -> dict:
+    """The token loss over slots (KD and/or CE, decayed by slot), the selector CE, and per-row correctness.
 
-    hidden [b, N*B, H]; labels [b, N, B]; block_ids [b, N*B] (slot 0 holds the anchor); embed [V, H] (the
-    target's tied embedding = LM head).
+    hidden [b, N*B, H]; embed [V, H] (the target's tied embedding = LM head); teacher is required for KD.
+    Rows: layout.kd_rows for KD (a superset of ce_rows), layout.ce_rows for CE only. Correctness is against the
+    data token and meaningful on ce_rows (greedy labels); on pure greedy samples both sets are every labelled row.
     """
-    b, n, block = labels.shape
-    flat_labels = labels.reshape(-1)
-    rows = flat_labels >= 0
-    slot = torch.arange(block, device=labels.device).repeat(b * n)[rows]
-    h = hidden.reshape(-1, hidden.shape[-1])[rows]
-    gold = flat_labels[rows]
+    b, n, block = layout.labels.shape
+    rows = layout.kd_rows if loss.uses_kd else layout.ce_rows
+    batch_index = torch.arange(b, device=rows.device)[:, None, None].expand(b, n, block)[rows]
+    slot = torch.arange(block, device=rows.device).expand(b, n, block)[rows]
+    h = hidden.view(b, n, block, -1)[rows]
+    gold = layout.labels[rows]
+    ce_rows = layout.ce_rows[rows]
     logits = F.linear(h, embed.to(h.dtype)).float()  # [R, V]
-    weights = slot_weights(block, gamma, labels.device)[slot]
-    ce = F.cross_entropy(logits, gold, reduction="none")
-    token_loss = (weights * ce).sum() / weights.sum().clamp_min(1e-6)
-    # The gold predecessor: the anchor for slot 1, the previous label otherwise.
-    anchor = block_ids.view(b, n, block)[:, :, :1]
-    # Slot 0 (no loss) and slot 1 follow the anchor; slot k >= 2 follows the label of slot k-1.
-    previous = torch.cat([anchor, anchor, labels[:, :, 1:-1]], dim=2).reshape(-1)[rows]
+    weights = slot_weights(block, gamma, rows.device)[slot]
+    targets = teacher.rows(batch_index, layout.teacher_pos[rows]) if loss.uses_kd else None
+    out = distill.token_loss(logits, gold, targets, weights, ce_rows, loss)
+    # The selector learns to pick the greedy token among the unary top-K given the gold predecessor: the anchor
+    # for slot 1, the previous slot's label otherwise (greedy, since ce rows sit on greedy chains).
+    anchor = layout.ids.view(b, n, block)[:, :, :1]
+    previous = torch.cat([anchor, anchor, layout.labels[:, :, 1:-1].clamp_min(0)], dim=2)[rows]
     unary, candidates = torch.topk(logits.detach(), top_k, dim=-1)
     hit = candidates == gold[:, None]
-    in_top = hit.any(-1)
     scores = selector_scores(model.candidate_selector, h.detach() if stop_gradient else h,
                              unary.to(h.dtype) if stop_gradient else logits.gather(1, candidates).to(h.dtype),
                              candidates, previous).float()
     sel_ce = F.cross_entropy(scores, hit.float().argmax(-1), reduction="none")
-    sel_w = weights * in_top
-    selector_loss = (sel_w * sel_ce).sum() / sel_w.sum().clamp_min(1e-6)
-    unary_correct = logits.argmax(-1) == gold
-    walk_correct = candidates.gather(1, scores.argmax(-1, keepdim=True))[:, 0] == gold
+    selector_loss = distill.weighted_mean(sel_ce, weights * (hit.any(-1) & ce_rows))
     return {
-        "token_loss": token_loss,
+        "token_loss": out["loss"],
+        "kd": out.get("kd"),
+        "ce": out.get("ce"),
         "selector_loss": selector_loss,
-        "rows": rows.view(b, n, block),
-        "unary_correct": unary_correct,
-        "walk_correct": walk_correct,
+        "rows": rows,
+        "ce_rows": ce_rows,
+        "unary_correct": (logits.argmax(-1) == gold) & ce_rows,
+        "walk_correct": (candidates.gather(1, scores.argmax(-1, keepdim=True))[:, 0] == gold) & ce_rows,
         "slot": slot,
     }
 
@@ -286,11 +310,3 @@ def all_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, start: int, coun
 
 def param_count(model) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def cosine_lr(progress: float, peak: float, warmup: float, floor_ratio: float) -> float:
-    """Linear warm-up over the first `warmup` fraction of progress, then cosine down to floor_ratio * peak."""
-    if progress < warmup:
-        return peak * max(progress, 1e-3) / warmup
-    t = min(1.0, (progress - warmup) / max(1e-6, 1.0 - warmup))
-    return peak * (floor_ratio + (1 - floor_ratio) * 0.5 * (1 + math.cos(math.pi * t)))

@@ -5,19 +5,21 @@
     OUT/drafter/model.safetensors   bf16; tensor names as the reference expects, the selector codebooks without a
                                     `.weight` suffix (dflash-spec.md §1.3)
     OUT/drafter/draft_vocab.safetensors
-                                    with --samples: the token ranking of the draft vocabulary (draft_vocab.py)
+                                    the token ranking of the draft vocabulary (draft_vocab.py), from the token
+                                    counts the checkpoint accumulated over its runs (or from --samples)
     OUT/mtp/config.json             the target's geometry plus mtp_num_hidden_layers and the head's conventions
     OUT/mtp/model.safetensors       bf16; `mtp.*` tensors (Qwen3-Next layout, see mtp.py)
     OUT/metrics.json                training metrics, sizes, and the reference check's results
 
-Together the two safetensors files must stay under 30 MB (checked). The check (reference_check.py) loads the
-drafter with the reference `dflash` package, compares its tensors and its forward with the training forward,
-drafts greedily with the reference decode loop on bench/prompts/heldout-small.json (the output must equal plain
-greedy decoding), and measures both drafters' greedy acceptance.
+Together the two safetensors files must stay under 40 MB (checked). The checkpoint may be either form that train.py
+writes (train_state.pt or the compact resume.pt): the exported bf16 weights are the same. The check
+(reference_check.py) loads the drafter with the reference `dflash` package, compares its tensors and its forward
+with the training forward, drafts greedily with the reference decode loop on bench/prompts/heldout-small.json (the
+output must equal plain greedy decoding), and measures both drafters' greedy acceptance.
 
-    python tools/train/export.py --ckpt OUT/ckpt/train_state.pt --out OUT/export --samples OUT/data/samples.npz
+    python tools/train/export.py --ckpt OUT/ckpt/resume.pt --out OUT/export
     python tools/train/export.py --check-only OUT/export          # re-check an export (e.g. after fetching it)
-    python tools/train/export.py --smoke --ckpt /tmp/smoke/ckpt/train_state.pt --out /tmp/smoke/export
+    python tools/train/export.py --smoke --ckpt /tmp/smoke/ckpt/resume.pt --out /tmp/smoke/export
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+import checkpoint as ckpt
 import draft_vocab
+import tiny_target
 from target import DEFAULT_GGUF
 
-SIZE_LIMIT_BYTES = 30_000_000
+SIZE_LIMIT_BYTES = 40_000_000  # both heads together (the drafters' size budget)
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
 
@@ -115,20 +119,46 @@ def write_export(state: dict, out: Path, smoke: bool) -> dict:
     return sizes
 
 
+def run_overview(runs: list[dict]) -> list[dict]:
+    """Per run of the checkpoint's series: steps, data and held-out acceptance (metrics.jsonl has the rest)."""
+    out = []
+    for r in runs:
+        walk = r.get("eval", {}).get("bench", {}).get("dflash_greedy_walk", {})
+        out.append({"run": r["run"], "steps": r["steps"], "trained": r["trained"],
+                    "response_tokens": (r.get("data") or {}).get("response_tokens"),
+                    "bench_tokens_per_round": walk.get("tokens_per_round")})
+    return out
+
+
+def write_draft_vocab(state: dict, args, drafter_dir: Path) -> dict | None:
+    if args.samples is not None:
+        summary = draft_vocab.build(args.samples, args.gguf, drafter_dir)
+    elif state.get("token_counts") is not None:
+        counts = state["token_counts"]
+        summary = draft_vocab.build_from_counts(counts["response"].numpy(), counts["prompt"].numpy(), args.gguf,
+                                                drafter_dir, source={"counts_from": f"training step {state['step']}"})
+    else:
+        return None
+    log(f"draft vocabulary ranking written (default size {summary['default_size']})")
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt", type=Path, help="train_state.pt from train.py")
     parser.add_argument("--out", type=Path, help="export directory")
     parser.add_argument("--check-only", type=Path, help="check an existing export directory, write nothing else")
     parser.add_argument("--no-check", action="store_true", help="only write the files")
-    parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
+    parser.add_argument("--gguf", type=Path, default=None, help=f"the target (default {DEFAULT_GGUF})")
     parser.add_argument("--samples", type=Path,
-                        help="generate.py's samples .npz: also write the drafter's draft vocabulary from them")
+                        help="rank the draft vocabulary from these samples instead of the checkpoint's counts")
     parser.add_argument("--prompts", type=Path, help="held-out prompts for the check (default heldout-small.json)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--smoke", action="store_true", help="CPU, two short prompts, 12 tokens")
     args = parser.parse_args()
+    if args.gguf is None:
+        args.gguf = tiny_target.ensure() if args.smoke else DEFAULT_GGUF
     import reference_check
 
     if args.check_only:
@@ -136,13 +166,12 @@ def main() -> None:
     else:
         if args.ckpt is None or args.out is None:
             parser.error("--ckpt and --out are required unless --check-only is given")
-        state = torch.load(args.ckpt, map_location="cpu", weights_only=False)
+        state = ckpt.load(args.ckpt)
         out = args.out
         report = {"sizes": write_export(state, out, args.smoke), "train_metrics": state["metrics"],
+                  "step": state["step"], "schedule": state["schedule"], "runs": run_overview(state["runs"]),
                   "data": state.get("data"), "train_args": state.get("args")}
-        if args.samples is not None:
-            report["draft_vocab"] = draft_vocab.build(args.samples, args.gguf, out / "drafter")
-            log(f"draft vocabulary ranking written (default size {report['draft_vocab']['default_size']})")
+        report["draft_vocab"] = write_draft_vocab(state, args, out / "drafter")
     if not args.no_check:
         report["reference_check"] = reference_check.run(out, args.gguf, args.prompts, args.max_new_tokens,
                                                         torch.device("cpu" if args.smoke else args.device),

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import distill
 from target import DecoderLayer, RmsNorm, TargetConfig, rope_cos_sin
 
 
@@ -85,31 +86,57 @@ def depth_mask(s: int, depth: int, device) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
-def mtp_losses(head: MtpHead, embed: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor,
-               loss_mask: torch.Tensor, lengths: torch.Tensor, weights: list[float]) -> dict:
-    """Weighted CE over depths and per-entry correctness.
+def chain_greedy(greedy: torch.Tensor, depth: int) -> torch.Tensor:
+    """[b, S]: at entry j, the depth-`depth` chain's intermediate tokens x_{j-depth+3} .. x_{j+1} (drafted by the
+    earlier depths at inference) were all chosen greedily. Always true at depth 1, which has none."""
+    if depth == 1:
+        return torch.ones_like(greedy)
+    b, s = greedy.shape
+    sampled = torch.cat([torch.zeros_like(greedy[:, :1], dtype=torch.int64),
+                         (~greedy).to(torch.int64).cumsum(dim=1)], dim=1)  # sampled[p]: non-greedy among < p
+    pos = torch.arange(s, device=greedy.device)
+    hi = (pos + 2).clamp(max=s)  # one past x_{j+1}
+    lo = (pos - depth + 3).clamp(min=0, max=s)
+    return (sampled[:, hi] - sampled[:, lo]) == 0
 
-    ids [b, S]; hidden [b, S, H] target final-normed hidden; loss_mask [b, S] marks response tokens; labels are
-    token j+2 at entry j, counted where that token is a response token inside the sequence.
+
+def mtp_losses(head: MtpHead, embed: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor,
+               loss_mask: torch.Tensor, lengths: torch.Tensor, weights: list[float], loss: distill.LossConfig,
+               greedy: torch.Tensor | None = None, teacher: distill.Teacher | None = None) -> dict:
+    """The configured loss (distill.py) over depths, and per-entry correctness.
+
+    ids [b, S]; hidden [b, S, H] target final-normed hidden; loss_mask [b, S] marks response tokens; greedy
+    [b, S] the greedily chosen tokens (None: all). Entry j of depth d predicts token j+2 (teacher position j+1)
+    where that token is a response token inside the sequence and the chain's intermediate tokens are greedy; a
+    hard label also needs token j+2 greedy. Correctness is against the data token on those hard-label rows.
     """
     b, s = ids.shape
     depth = len(weights)
+    greedy = loss_mask.bool() if greedy is None else greedy
     next_ids = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
     outputs = head.forward_depths(F.embedding(next_ids, embed), hidden, depth)
     pos = torch.arange(s, device=ids.device)
     label_pos = (pos + 2).clamp_max(s - 1)
     labels = ids[:, label_pos]
     base_valid = (pos[None, :] + 2 < lengths[:, None]) & loss_mask.bool()[:, label_pos]
+    label_greedy = greedy[:, label_pos]
+    batch_index = torch.arange(b, device=ids.device)[:, None].expand(b, s)
+    teacher_pos = (pos + 1).clamp_max(s - 1).expand(b, s)
     total, norm, correct = 0.0, 0.0, []
     for d, (w, out) in enumerate(zip(weights, outputs, strict=True), start=1):
-        valid = base_valid & (pos[None, :] >= d - 1)
-        logits = F.linear(out[valid], embed.to(out.dtype)).float()
-        gold = labels[valid]
-        total = total + w * F.cross_entropy(logits, gold, reduction="sum")
-        norm += w * float(valid.sum().item())
+        kd_rows = base_valid & (pos[None, :] >= d - 1) & chain_greedy(greedy, d)
+        ce_rows = kd_rows & label_greedy
+        rows = kd_rows if loss.uses_kd else ce_rows
+        logits = F.linear(out[rows], embed.to(out.dtype)).float()
+        targets = teacher.rows(batch_index[rows], teacher_pos[rows]) if loss.uses_kd else None
+        count = float(rows.sum().item())
+        ones = torch.ones(logits.shape[0], device=ids.device)
+        part = distill.token_loss(logits, labels[rows], targets, ones, ce_rows[rows], loss)["loss"]
+        total = total + w * part * count
+        norm += w * count
         hit = torch.zeros(b, s, dtype=torch.bool, device=ids.device)
-        hit[valid] = logits.argmax(-1) == gold
-        correct.append((hit, valid))
+        hit[rows] = logits.argmax(-1) == labels[rows]
+        correct.append((hit & ce_rows, ce_rows))
     return {"loss": total / max(norm, 1.0), "correct": correct}
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+import distill
 import drafter as dfl
 import mtp as mtp_mod
 from target import REPO_ROOT, LlamaTarget, build_tokenizer, read_gguf, render_chat, to_hf_llama
@@ -93,10 +94,11 @@ def forward_parity(model, target: LlamaTarget, seq: list[int], prompt_len: int) 
     anchors = [a for a in (prompt_len, prompt_len + 1, prompt_len + 5) if a < len(seq) - 1]
     anchor_t = torch.tensor([anchors], device=device)
     lengths = torch.tensor([len(seq)], device=device)
-    block_ids, block_pos, _ = dfl.block_layout(ids, lengths, anchor_t, block, int(cfg["mask_token_id"]))
+    layout = dfl.block_layout(ids, lengths, anchor_t, block, int(cfg["mask_token_id"]))
+    block_ids = layout.ids
     mask = dfl.attention_mask(anchor_t, lengths, len(seq), block)
     with torch.no_grad():
-        ours = dfl.packed_forward(model, taps, target.embed_tokens(block_ids), block_pos, mask, block)
+        ours = dfl.packed_forward(model, taps, target.embed_tokens(block_ids), layout.pos, mask, block)
         worst = 0.0
         for i, a in enumerate(anchors):
             rows = slice(i * block, (i + 1) * block)
@@ -206,10 +208,11 @@ def teacher_forced(model, head, target, sequences, cfg, device, depth: int) -> d
     """train_eval's exact greedy acceptance over the plain greedy continuations."""
     kept = [(p, c) for p, c in sequences if len(c) > 1]
     seqs = [np.array(p + c, dtype=np.int64) for p, c in kept]
-    samples = Samples(seqs, np.array([len(p) for p, _ in kept]), np.zeros(len(seqs)),
-                      [str(i) for i in range(len(seqs))], {})
+    prompt_len = np.array([len(p) for p, _ in kept])
+    samples = Samples(seqs, prompt_len, prompt_len.copy(), np.zeros(len(seqs), dtype=np.int64), {})
     d = model.config.dflash_config
     opts = {"block_size": int(d["block_size"]), "target_layer_ids": list(d["target_layer_ids"]),
             "mask_token_id": int(d["mask_token_id"]), "selector_top_k": int(d["selector_top_k"]), "loss_gamma": 4.0,
-            "mtp_weights": [1.0] * depth, "pad_id": cfg.eos_id, "eval_batch": 1, "eval_anchor_chunk": 64}
+            "mtp_weights": [1.0] * depth, "pad_id": cfg.eos_id, "eval_batch": 1, "eval_anchor_chunk": 64,
+            "loss": distill.LossConfig(mode="ce")}
     return evaluate(target, model, head, samples, list(range(len(seqs))), opts, device)

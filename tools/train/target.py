@@ -145,8 +145,12 @@ def _compiled_template(template: str):
 
 def render_chat(template: str, user_text: str) -> str:
     """The chat-templated prompt for one user message, ready for the assistant's reply."""
-    return _compiled_template(template).render(messages=[{"role": "user", "content": user_text}],
-                                               add_generation_prompt=True)
+    return render_messages(template, [{"role": "user", "content": user_text}])
+
+
+def render_messages(template: str, messages: list[dict]) -> str:
+    """The chat-templated conversation (user and assistant turns), ready for the assistant's next reply."""
+    return _compiled_template(template).render(messages=messages, add_generation_prompt=True)
 
 
 class RmsNorm(nn.Module):
@@ -365,11 +369,11 @@ def pick_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gener
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
-def configure_torch(device: torch.device, smoke: bool) -> None:
-    """TF32 matmuls on GPU; one CPU thread for smoke runs (on a small shared machine, small matmuls spend
-    more time in thread hand-off than in arithmetic)."""
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
+def configure_torch(device: torch.device, smoke: bool, tf32: bool = True) -> None:
+    """TF32 matmuls on GPU unless tf32 is False (training's labels are f32); one CPU thread for smoke runs (on a
+    small shared machine, small matmuls spend more time in thread hand-off than in arithmetic)."""
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
     if smoke and device.type == "cpu":
         torch.set_num_threads(1)
 

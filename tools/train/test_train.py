@@ -51,12 +51,13 @@ def tiny_target(seed: int = 0) -> LlamaTarget:
 class DrafterLayoutTests(unittest.TestCase):
     def test_block_layout_labels_are_same_position_tokens(self):
         ids = torch.arange(10, 20)[None]
-        block_ids, block_pos, labels = dfl.block_layout(ids, torch.tensor([8]), torch.tensor([[3, 6, -1]]), 4, 99)
-        self.assertEqual(block_ids.view(3, 4)[0].tolist(), [13, 99, 99, 99])
-        self.assertEqual(block_pos.view(3, 4)[1].tolist(), [6, 7, 8, 9])
-        self.assertEqual(labels[0, 0].tolist(), [-100, 14, 15, 16])
-        self.assertEqual(labels[0, 1].tolist(), [-100, 17, -100, -100])  # the sequence has 8 tokens
-        self.assertEqual(labels[0, 2].tolist(), [-100] * 4)
+        layout = dfl.block_layout(ids, torch.tensor([8]), torch.tensor([[3, 6, -1]]), 4, 99)
+        self.assertEqual(layout.ids.view(3, 4)[0].tolist(), [13, 99, 99, 99])
+        self.assertEqual(layout.pos.view(3, 4)[1].tolist(), [6, 7, 8, 9])
+        self.assertEqual(layout.labels[0, 0].tolist(), [-100, 14, 15, 16])
+        self.assertEqual(layout.labels[0, 1].tolist(), [-100, 17, -100, -100])  # the sequence has 8 tokens
+        self.assertEqual(layout.labels[0, 2].tolist(), [-100] * 4)
+        self.assertEqual(layout.kd_rows.tolist(), (layout.labels >= 0).tolist())  # all greedy: every label
 
     def test_attention_mask_sees_strictly_earlier_context_and_own_block(self):
         mask = dfl.attention_mask(torch.tensor([[2, 5, -1]]), torch.tensor([6]), 8, 2)[0, 0]
@@ -99,10 +100,11 @@ class DrafterParityTests(unittest.TestCase):
         embed = torch.randn(128, TINY.hidden_size, generator=gen)
         anchors = torch.tensor([[3, 4, 11, 16]])
         lengths = torch.tensor([s])
-        block_ids, block_pos, _ = dfl.block_layout(ids, lengths, anchors, block, 5)
+        layout = dfl.block_layout(ids, lengths, anchors, block, 5)
+        block_ids = layout.ids
         mask = dfl.attention_mask(anchors, lengths, s, block)
         with torch.no_grad():
-            packed = dfl.packed_forward(model, taps, embed[block_ids], block_pos, mask, block)
+            packed = dfl.packed_forward(model, taps, embed[block_ids], layout.pos, mask, block)
             for i, a in enumerate(anchors[0].tolist()):
                 rows = slice(i * block, (i + 1) * block)
                 ref = model(position_ids=torch.arange(a + block)[None], noise_embedding=embed[block_ids[:, rows]],
@@ -215,6 +217,14 @@ class EvalAndDataTests(unittest.TestCase):
         b = prompts.build(0, prompts.SMOKE_COUNTS, smoke=True)
         self.assertEqual(prompts.sha256_of(a), prompts.sha256_of(b))
         self.assertEqual({r["group"] for r in a}, set(prompts.SMOKE_COUNTS))
+        conversations = [r for r in a if r["group"] == "multiturn"]
+        self.assertTrue(conversations and all(1 <= len(r["followups"]) <= 2 for r in conversations))
+        self.assertTrue(all(r["source"].startswith("source:") for r in a if r["group"] == "source"))
+
+    def test_overlap_check_reads_follow_up_turns(self):
+        train = [{"id": "m", "prompt": "Tell me about tides.", "followups": ["Why do cats purr when happy and calm?"]}]
+        found = check_heldout.overlap_findings({"x.json": ["why do cats purr when happy and calm?"]}, train)
+        self.assertTrue(any("x.json[0]" in f and "equals" in f for f in found))
 
     def test_export_names(self):
         state = {"candidate_selector.predecessor_codebook.weight": torch.zeros(2, 2), "fc.weight": torch.ones(2, 2)}

@@ -1,4 +1,12 @@
-"""Training data: the generated samples, a held-out split by prompt, and length-bucketed batches."""
+"""Training data: the generated samples, their train / evaluation split, and length-bucketed batches.
+
+A sample is prompt + response token ids. Its response may start with a few tokens sampled at some temperature
+(a sampled prefix, which varies the context) and continue greedily: `greedy_start` is the first position whose
+token the target chose greedily, and every later response token is greedy (pure greedy samples start at the
+prompt's end; an old-format sampled response never becomes greedy). `split` comes from generate.py: 0 train,
+1 held-out training-distribution prompts (the same few hundred prompts in every run, so runs compare), 2 the
+hand-written out-of-distribution prompts of bench/prompts/heldout.json.
+"""
 
 from __future__ import annotations
 
@@ -11,17 +19,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
+SPLIT_TRAIN, SPLIT_HELDOUT, SPLIT_BENCH = 0, 1, 2
+SPLIT_NAMES = {SPLIT_HELDOUT: "heldout", SPLIT_BENCH: "bench"}
+
 
 @dataclass
 class Samples:
     sequences: list[np.ndarray]  # prompt + response token ids
     prompt_len: np.ndarray
-    temperature: np.ndarray
-    prompt_ids: list[str]
+    greedy_start: np.ndarray  # first position of the greedy part of the response
+    split: np.ndarray
     info: dict
 
     def __len__(self) -> int:
         return len(self.sequences)
+
+    def is_pure_greedy(self, i: int) -> bool:
+        return int(self.greedy_start[i]) == int(self.prompt_len[i])
 
 
 def load_samples(path: Path) -> Samples:
@@ -29,28 +43,33 @@ def load_samples(path: Path) -> Samples:
     offsets = data["offsets"]
     tokens = data["tokens"].astype(np.int64)
     sequences = [tokens[offsets[i]: offsets[i + 1]] for i in range(len(offsets) - 1)]
+    prompt_len = data["prompt_len"].astype(np.int64)
+    if "greedy_from" in data:
+        greedy_start = prompt_len + data["greedy_from"].astype(np.int64)
+        split = data["split"].astype(np.int64)
+    else:  # first-generation files: greedy or fully sampled, split by a hash of the prompt id
+        greedy_start = np.where(data["temperature"] == 0, prompt_len, offsets[1:] - offsets[:-1])
+        split = np.zeros(len(sequences), dtype=np.int64)
     info = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
-    return Samples(sequences, data["prompt_len"], data["temperature"], info["prompt_ids"], info)
+    return Samples(sequences, prompt_len, greedy_start, split, info)
 
 
-def split_by_prompt(samples: Samples, eval_frac: float, min_eval: int = 1) -> tuple[list[int], list[int]]:
-    """(train, eval) sample indices; all samples of one prompt fall on the same side (hash of the prompt id)."""
-    def bucket(prompt_id: str) -> float:
-        return int(hashlib.sha256(prompt_id.encode()).hexdigest()[:8], 16) / 16**8
+def data_id(samples: Samples) -> str:
+    """A short fingerprint of the samples (the data cursor of a checkpoint belongs to one data set)."""
+    h = hashlib.sha256()
+    h.update(np.asarray([len(s) for s in samples.sequences], dtype=np.int64).tobytes())
+    for seq in samples.sequences[:: max(1, len(samples) // 256)]:
+        h.update(np.asarray(seq, dtype=np.int64).tobytes())
+    return h.hexdigest()[:16]
 
+
+def split_indices(samples: Samples) -> dict[str, list[int]]:
+    """{'train': [...], 'heldout': [...], 'bench': [...]}: samples with at least one trainable response token."""
     usable = [i for i in range(len(samples)) if len(samples.sequences[i]) > samples.prompt_len[i] + 1]
-    evals = [i for i in usable if bucket(samples.prompt_ids[i]) < eval_frac]
-    if len(evals) < min_eval and len(usable) > min_eval:
-        # Tiny runs: take whole prompts (lowest hash first) until there are enough.
-        ids = sorted({samples.prompt_ids[i] for i in usable}, key=bucket)
-        chosen = set()
-        for pid in ids:
-            chosen.add(pid)
-            if sum(samples.prompt_ids[i] in chosen for i in usable) >= min_eval:
-                break
-        evals = [i for i in usable if samples.prompt_ids[i] in chosen]
-    eval_set = set(evals)
-    return [i for i in usable if i not in eval_set], evals
+    out = {"train": [i for i in usable if samples.split[i] == SPLIT_TRAIN]}
+    for value, name in SPLIT_NAMES.items():
+        out[name] = [i for i in usable if samples.split[i] == value]
+    return out
 
 
 def make_batches(samples: Samples, indices: list[int], batch_tokens: int, batch_anchors: int,
@@ -74,19 +93,68 @@ def make_batches(samples: Samples, indices: list[int], batch_tokens: int, batch_
     return batches
 
 
+class BatchCursor:
+    """Epochs of batches over one data set, resumable: epoch e's order depends only on (seed, data id, e), so
+    (epoch, next batch) is the whole cursor."""
+
+    def __init__(self, samples: Samples, indices: list[int], seed: int, sizes: dict, cursor: dict | None = None):
+        self.samples, self.indices, self.seed, self.sizes = samples, indices, seed, sizes
+        self.data_id = data_id(samples)
+        same_data = cursor is not None and cursor.get("data_id") == self.data_id
+        self.epoch = int(cursor["epoch"]) if same_data else 0
+        self.position = int(cursor["batch"]) if same_data else 0
+        self._batches: list[list[int]] | None = None
+
+    def _epoch_batches(self) -> list[list[int]]:
+        if self._batches is None:
+            rng = random.Random(f"{self.seed}:{self.data_id}:{self.epoch}")
+            self._batches = make_batches(self.samples, self.indices, self.sizes["batch_tokens"],
+                                         self.sizes["batch_anchors"], self.sizes["anchors_per_seq"], rng)
+            if not self._batches:
+                raise ValueError("no training batches: the data has no trainable sample")
+        return self._batches
+
+    def next(self) -> list[int]:
+        while self.position >= len(self._epoch_batches()):
+            self.epoch, self.position, self._batches = self.epoch + 1, 0, None
+        batch = self._epoch_batches()[self.position]
+        self.position += 1
+        return batch
+
+    def state(self) -> dict:
+        return {"data_id": self.data_id, "epoch": self.epoch, "batch": self.position}
+
+    def epochs_done(self) -> float:
+        return self.epoch + self.position / max(1, len(self._epoch_batches()))
+
+
 def device_batch(samples: Samples, indices: list[int], pad_id: int, device) -> dict:
-    """ids [b, S] (right-padded with pad_id), lengths [b], loss_mask [b, S] (1 on response tokens)."""
+    """ids [b, S] (right-padded with pad_id), lengths [b], loss_mask [b, S] (response tokens), greedy [b, S]
+    (response tokens the target chose greedily), prompt_len [b]."""
     lengths = [len(samples.sequences[i]) for i in indices]
     s = max(lengths)
     ids = np.full((len(indices), s), pad_id, dtype=np.int64)
     mask = np.zeros((len(indices), s), dtype=bool)
+    greedy = np.zeros((len(indices), s), dtype=bool)
     for row, i in enumerate(indices):
         seq = samples.sequences[i]
         ids[row, : len(seq)] = seq
         mask[row, int(samples.prompt_len[i]): len(seq)] = True
+        greedy[row, int(samples.greedy_start[i]): len(seq)] = True
     return {
         "ids": torch.from_numpy(ids).to(device),
         "lengths": torch.tensor(lengths, device=device),
         "loss_mask": torch.from_numpy(mask).to(device),
+        "greedy": torch.from_numpy(greedy).to(device),
         "prompt_len": torch.tensor([int(samples.prompt_len[i]) for i in indices], device=device),
     }
+
+
+def token_counts(samples: Samples, indices: list[int], vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """(response counts, prompt counts) per token id over the given samples (for the draft vocabulary)."""
+    empty = np.zeros(0, dtype=np.int64)
+    responses = [samples.sequences[i][int(samples.prompt_len[i]):] for i in indices]
+    prompts = [samples.sequences[i][: int(samples.prompt_len[i])] for i in indices]
+    response = np.bincount(np.concatenate(responses or [empty]), minlength=vocab)[:vocab]
+    prompt = np.bincount(np.concatenate(prompts or [empty]), minlength=vocab)[:vocab]
+    return response.astype(np.int64), prompt.astype(np.int64)

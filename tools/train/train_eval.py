@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+import distill
 import drafter as dfl
 import mtp as mtp_mod
 from train_data import Samples, device_batch
@@ -60,34 +61,43 @@ class SlotCounter:
 
 @torch.no_grad()
 def evaluate(target, drafter, head, samples: Samples, indices: list[int], opts: dict, device) -> dict:
-    """Metrics on the held-out split (greedy samples give the acceptance figures; all give accuracies)."""
+    """Metrics on held-out samples (pure greedy samples give the acceptance figures; all give accuracies).
+
+    opts: block_size, target_layer_ids, mask_token_id, selector_top_k, loss_gamma, mtp_weights, pad_id,
+    eval_batch, eval_anchor_chunk, and optionally loss (distill.LossConfig; the KD loss is then reported too).
+    """
     drafter.eval()
     if head is not None:
         head.eval()
     block, depth = opts["block_size"], len(opts["mtp_weights"])
-    taps_ids = opts["target_layer_ids"]
+    loss_cfg = opts.get("loss") or distill.LossConfig(mode="ce")
     unary, walk, depth_acc = SlotCounter(block), SlotCounter(block), SlotCounter(depth + 1)
     rounds = {"dflash_walk": [], "dflash_unary": [], "mtp": []}
-    losses = []
+    losses: dict[str, list[float]] = {"dflash": [], "mtp": []}
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     for start in range(0, len(indices), opts["eval_batch"]):
         chunk = indices[start: start + opts["eval_batch"]]
         batch = device_batch(samples, chunk, opts["pad_id"], device)
-        final, taps = target.capture(batch["ids"], taps_ids)
+        final, taps = target.capture(batch["ids"], opts["target_layer_ids"])
+        teacher = None
+        if loss_cfg.uses_kd:
+            teacher = distill.Teacher(final, target.embed_tokens.weight, distill.label_positions(batch["loss_mask"]),
+                                      loss_cfg.kd_top_k)
         accept_walk, accept_unary = _dflash_accepts(drafter, target, batch, torch.cat(taps, -1), opts, autocast,
-                                                    unary, walk, losses)
+                                                    (unary, walk), losses["dflash"], (loss_cfg, teacher))
         accept_mtp = None
         if head is not None:
             with autocast:
                 out = mtp_mod.mtp_losses(head, target.embed_tokens.weight, batch["ids"], final, batch["loss_mask"],
-                                         batch["lengths"], opts["mtp_weights"])
+                                         batch["lengths"], opts["mtp_weights"], loss_cfg, batch["greedy"], teacher)
+            losses["mtp"].append(float(out["loss"]))
             for d, (hit, valid) in enumerate(out["correct"], start=1):
                 depth_acc.add(torch.full((int(valid.sum()),), d, device=device), hit[valid])
             accepted, _ = mtp_mod.chain_accept(out["correct"])
             # A round that commits x_n starts its chain at entry n-1.
             accept_mtp = torch.cat([torch.zeros_like(accepted[:, :1]), accepted[:, :-1]], dim=1).cpu().numpy()
         for row, i in enumerate(chunk):
-            if samples.temperature[i] != 0:
+            if not samples.is_pure_greedy(i):
                 continue
             begin, end = int(samples.prompt_len[i]), len(samples.sequences[i])
             rounds["dflash_walk"] += simulate_rounds(accept_walk[row], begin, end, block - 1)
@@ -99,8 +109,10 @@ def evaluate(target, drafter, head, samples: Samples, indices: list[int], opts: 
         head.train()
     return {
         "eval_samples": len(indices),
-        "eval_greedy_samples": int(sum(samples.temperature[i] == 0 for i in indices)),
-        "token_loss": round(float(np.mean(losses)), 4) if losses else None,
+        "eval_greedy_samples": int(sum(samples.is_pure_greedy(i) for i in indices)),
+        "loss": loss_cfg.mode,
+        "token_loss": _mean(losses["dflash"]),
+        "mtp_loss": _mean(losses["mtp"]),
         "dflash_slot_accuracy_unary": unary.rates(first=1),
         "dflash_slot_accuracy_walk": walk.rates(first=1),
         "dflash_greedy_walk": summarise_rounds(rounds["dflash_walk"], block - 1),
@@ -110,9 +122,14 @@ def evaluate(target, drafter, head, samples: Samples, indices: list[int], opts: 
     }
 
 
-def _dflash_accepts(drafter, target, batch, taps, opts, autocast, unary, walk, losses):
+def _mean(values: list[float]) -> float | None:
+    return round(float(np.mean(values)), 4) if values else None
+
+
+def _dflash_accepts(drafter, target, batch, taps, opts, autocast, counters, losses, loss_and_teacher):
     """Leading-correct counts [b, S] (walk and unary) for an anchor at every response position."""
     ids, lengths, loss_mask = batch["ids"], batch["lengths"], batch["loss_mask"]
+    loss_cfg, teacher = loss_and_teacher
     b, s = ids.shape
     block = opts["block_size"]
     accept_walk = np.zeros((b, s), dtype=np.int64)
@@ -122,16 +139,17 @@ def _dflash_accepts(drafter, target, batch, taps, opts, autocast, unary, walk, l
         anchors = dfl.all_anchors(loss_mask, lengths, begin, opts["eval_anchor_chunk"])
         if bool((anchors < 0).all()):
             continue
-        block_ids, block_pos, labels = dfl.block_layout(ids, lengths, anchors, block, opts["mask_token_id"])
+        layout = dfl.block_layout(ids, lengths, anchors, block, opts["mask_token_id"], batch["greedy"])
         mask = dfl.attention_mask(anchors, lengths, s, block)
         with autocast:
-            emb = target.embed_tokens(block_ids)
-            hidden = dfl.packed_forward(drafter, taps, emb, block_pos, mask, block)
-            out = dfl.drafter_losses(drafter, hidden, labels, block_ids, target.embed_tokens.weight,
-                                     opts["loss_gamma"], opts["selector_top_k"])
+            emb = target.embed_tokens(layout.ids)
+            hidden = dfl.packed_forward(drafter, taps, emb, layout.pos, mask, block)
+            out = dfl.drafter_losses(drafter, hidden, layout, target.embed_tokens.weight, opts["loss_gamma"],
+                                     opts["selector_top_k"], loss_cfg, teacher)
         losses.append(float(out["token_loss"]))
-        unary.add(out["slot"], out["unary_correct"])
-        walk.add(out["slot"], out["walk_correct"])
+        ce = out["ce_rows"]
+        counters[0].add(out["slot"][ce], out["unary_correct"][ce])
+        counters[1].add(out["slot"][ce], out["walk_correct"][ce])
         lw = dfl.leading_correct(out["rows"], out["walk_correct"]).cpu().numpy()
         lu = dfl.leading_correct(out["rows"], out["unary_correct"]).cpu().numpy()
         a = anchors.cpu().numpy()

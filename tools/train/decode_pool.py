@@ -1,0 +1,232 @@
+"""Continuous-batching generation with a static KV cache: the data generator's engine.
+
+A pool of R rows shares one preallocated cache [layers, R, kv heads, T, head dim] (bf16 on GPU). Every row holds
+one request: its prompt sits at cache slots 0..p-1 (no padding, positions = slots), and each decode step feeds
+every row's last token at its own slot. When a row ends (EOS, or max_new tokens), it is refilled with the next
+request at the next check (every `check_every` steps, the only host-device synchronisation of the loop), so
+the GPU keeps working on full batches while requests of very different lengths come and go. Prompts of a refill
+are prefilled together (right-padded, causal) and copied into their rows. The attention of a decode step reads
+slots 0..max(row length) only; callers sort requests by prompt length so the rows of a pool stay alike.
+
+A request may sample its first `sampled` response tokens at a temperature and continue greedily (a sampled
+prefix varies the context; the greedy rest is a chain that greedy verification would accept). The LM head runs
+in f32, so the greedy choice is not made on bf16 logits.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from target import KvCache, LlamaTarget, rope_cos_sin
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: list[int]
+    sampled: int = 0  # leading response tokens sampled at `temperature`; the rest is greedy
+    temperature: float = 0.7
+
+
+@dataclass
+class Finished:
+    tokens: list[int]  # new tokens, ending with EOS when one came
+    ended: bool  # ended with EOS (not cut at max_new)
+
+
+class DecodePool:
+    def __init__(self, model: LlamaTarget, rows: int, max_prompt: int, max_new: int, seed: int = 0,
+                 check_every: int = 8, prefill_tokens: int = 1 << 16):
+        self.model, self.cfg = model, model.cfg
+        self.device = model.embed_tokens.weight.device
+        self.max_new, self.check_every, self.prefill_tokens = max_new, check_every, prefill_tokens
+        self.slots = max_prompt + max_new + check_every + 1  # a finished row runs on for up to check_every steps
+        dtype = model.embed_tokens.weight.dtype
+        self.cache = KvCache(len(model.layers), rows, self.cfg.num_kv_heads, self.slots, self.cfg.head_dim, dtype,
+                             self.device)
+        self.head = model.embed_tokens.weight.float()  # f32 LM head (tied embedding)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._reset_rows(rows)
+
+    def _reset_rows(self, rows: int) -> None:
+        dev = self.device
+        self.rows = rows
+        self.job_of_row = np.full(rows, -1, dtype=np.int64)
+        self.n_new = np.zeros(rows, dtype=np.int64)  # tokens generated so far (host mirror, no sync needed)
+        self.length = np.zeros(rows, dtype=np.int64)  # the slot of the row's last token
+        self.active = np.zeros(rows, dtype=bool)
+        self.prefix = np.zeros(rows, dtype=np.int64)  # the row's job's sampled-prefix length
+        self.temperature = np.zeros(rows, dtype=np.float32)
+        self.all_rows = torch.arange(rows, device=dev)
+        self.prefix_dev = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.temperature_dev = torch.ones(rows, dtype=torch.float32, device=dev)
+        self.cur = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.count = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.out = torch.zeros(rows, self.max_new + self.check_every, dtype=torch.long, device=dev)
+        self.eos = torch.zeros(rows, dtype=torch.bool, device=dev)
+
+    # ------------------------------------------------------------------------------------------- forward passes
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(hidden).float() @ self.head.t()
+
+    @torch.no_grad()
+    def _prefill(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Runs the prompts into their rows' cache slots; returns each prompt's last logits [n, V] (f32)."""
+        n, p = len(prompts), max(len(x) for x in prompts)
+        ids = torch.full((n, p), self.cfg.eos_id, dtype=torch.long)
+        for i, x in enumerate(prompts):
+            ids[i, : len(x)] = torch.tensor(x)
+        ids = ids.to(self.device)
+        lengths = torch.tensor([len(x) for x in prompts], device=self.device)
+        row_index = torch.tensor(rows, device=self.device)
+        x = self.model.embed_tokens(ids)
+        positions = torch.arange(p, device=self.device).expand(n, p)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            q, k, v = layer.qkv(layer.input_layernorm(x), cos, sin)
+            # Right padding: every real position attends causally to real positions only.
+            self.cache.k[i][row_index, :, :p] = k
+            self.cache.v[i][row_index, :, :p] = v
+            x = layer.finish(x, layer.attend(q, k, v, is_causal=True))
+        return self._logits(x[torch.arange(n, device=self.device), lengths - 1])
+
+    @torch.no_grad()
+    def _decode(self, end: int) -> torch.Tensor:
+        """One step for every row: feeds self.cur at self.pos; returns next-token logits [R, V] (f32)."""
+        x = self.model.embed_tokens(self.cur[:, None])
+        cos, sin = rope_cos_sin(self.pos[:, None], self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        keys = torch.arange(end, device=self.device)
+        mask = (keys[None, :] <= self.pos[:, None])[:, None, None, :]
+        for i, layer in enumerate(self.model.layers):
+            q, k, v = layer.qkv(layer.input_layernorm(x), cos, sin)
+            self.cache.k[i][self.all_rows, :, self.pos] = k[:, :, 0]
+            self.cache.v[i][self.all_rows, :, self.pos] = v[:, :, 0]
+            attn = layer.attend(q, self.cache.k[i][:, :, :end], self.cache.v[i][:, :, :end], mask=mask)
+            x = layer.finish(x, attn)
+        return self._logits(x[:, -1])
+
+    # ------------------------------------------------------------------------------------------- token choice
+
+    def _choose(self, logits: torch.Tensor, rows: np.ndarray, row_index: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens for `rows`, except rows still inside their sampled prefix: those sample at their
+        temperature (plain temperature sampling, no top-k / top-p). The choice happens on the device (Gumbel-max
+        over all rows, kept where a row samples), so a step never waits for the device; the host only checks its
+        own mirror to skip the sampling when no row needs it."""
+        tokens = logits.argmax(-1)
+        if not bool((self.active[rows] & (self.n_new[rows] < self.prefix[rows])).any()):
+            return tokens
+        uniform = torch.rand(logits.shape, generator=self.generator, device=self.device).clamp_(min=1e-30)
+        scaled = logits / self.temperature_dev[row_index][:, None]
+        sampled = (scaled - torch.log(-torch.log(uniform))).argmax(-1)
+        return torch.where(self.count[row_index] < self.prefix_dev[row_index], sampled, tokens)
+
+    # ------------------------------------------------------------------------------------------- bookkeeping
+
+    def _start(self, free: list[int], jobs: list[Job], start: int) -> int:
+        """Prefills jobs[start:] into the free rows (in sub-batches of <= prefill_tokens); returns jobs taken."""
+        taken = 0
+        while taken < len(free) and start + taken < len(jobs):
+            group = [start + taken]
+            longest = len(jobs[group[0]].prompt)
+            while taken + len(group) < len(free) and group[-1] + 1 < len(jobs):
+                longest = max(longest, len(jobs[group[-1] + 1].prompt))
+                if (len(group) + 1) * longest > self.prefill_tokens:
+                    break
+                group.append(group[-1] + 1)
+            rows = np.array(free[taken: taken + len(group)])
+            logits = self._prefill(rows.tolist(), [jobs[j].prompt for j in group])
+            self.job_of_row[rows] = group
+            self.active[rows] = True
+            self.n_new[rows] = 0
+            self.prefix[rows] = [jobs[j].sampled for j in group]
+            self.temperature[rows] = [jobs[j].temperature for j in group]
+            self.length[rows] = [len(jobs[j].prompt) for j in group]
+            row_index = torch.from_numpy(rows).to(self.device)
+            self.count[row_index] = 0
+            self.eos[row_index] = False
+            self.pos[row_index] = torch.from_numpy(self.length[rows]).to(self.device)
+            self.prefix_dev[row_index] = torch.from_numpy(self.prefix[rows]).to(self.device)
+            # Greedy jobs never sample; 1.0 keeps their (unused) scaled logits finite.
+            temps = np.where(self.prefix[rows] > 0, self.temperature[rows], 1.0).astype(np.float32)
+            self.temperature_dev[row_index] = torch.from_numpy(temps).to(self.device)
+            self._record(rows, row_index, self._choose(logits, rows, row_index))
+            taken += len(group)
+        return taken
+
+    def _record(self, rows: np.ndarray, row_index: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Stores the rows' new tokens and makes them the next input."""
+        self.out[row_index, self.count[row_index].clamp_max(self.out.shape[1] - 1)] = tokens
+        self.count[row_index] += 1
+        self.cur[row_index] = tokens
+        self.eos[row_index] |= tokens == self.cfg.eos_id
+        self.n_new[rows] += 1
+
+    def _collect(self, results: list[Finished | None]) -> None:
+        """Moves finished rows' tokens to `results` and frees the rows (one sync)."""
+        eos = self.eos.cpu().numpy()
+        done = np.nonzero(self.active & (eos | (self.n_new >= self.max_new)))[0]
+        if len(done) == 0:
+            return
+        tokens = self.out[torch.tensor(done, device=self.device)].cpu().numpy()
+        for row, toks in zip(done, tokens, strict=True):
+            seq = toks[: min(self.n_new[row], self.max_new)].tolist()
+            ended = self.cfg.eos_id in seq
+            if ended:
+                seq = seq[: seq.index(self.cfg.eos_id) + 1]
+            results[self.job_of_row[row]] = Finished(seq, ended)
+        self.finished += len(done)
+        self.active[done] = False
+        self.job_of_row[done] = -1
+
+    def _compact(self) -> None:
+        """Keeps only the active rows (the tail of a run, when no job is left to refill freed rows)."""
+        keep = np.nonzero(self.active)[0]
+        index = torch.tensor(keep, device=self.device)
+        self.cache.k, self.cache.v = self.cache.k[:, index].contiguous(), self.cache.v[:, index].contiguous()
+        state = (self.job_of_row[keep], self.n_new[keep], self.length[keep], self.prefix[keep],
+                 self.temperature[keep], self.cur[index], self.pos[index], self.count[index], self.out[index],
+                 self.eos[index], self.prefix_dev[index], self.temperature_dev[index])
+        self._reset_rows(len(keep))
+        (self.job_of_row, self.n_new, self.length, self.prefix, self.temperature, self.cur, self.pos, self.count,
+         self.out, self.eos, self.prefix_dev, self.temperature_dev) = state
+        self.active[:] = True
+
+    # ------------------------------------------------------------------------------------------- the loop
+
+    def run(self, jobs: list[Job], deadline: float = float("inf"), progress=None) -> list[Finished | None]:
+        """Generates every job (in order of start) until done or, after the deadline, until the running rows end;
+        jobs never started are None. progress(done, started, new_tokens) is called at every check."""
+        results: list[Finished | None] = [None] * len(jobs)
+        self.finished = 0
+        next_job = self._start(list(range(self.rows)), jobs, 0)
+        steps = 0
+        while self.active.any():
+            self._step()
+            steps += 1
+            if steps % self.check_every:
+                continue
+            self._collect(results)
+            free = [int(r) for r in np.nonzero(~self.active)[0]]
+            if next_job < len(jobs) and time.time() < deadline and free and (
+                    len(free) * 8 >= self.rows or not self.active.any()):
+                next_job += self._start(free, jobs, next_job)
+            elif (next_job >= len(jobs) or time.time() >= deadline) and self.active.sum() * 2 <= self.rows:
+                if self.active.any():
+                    self._compact()
+            if progress is not None:
+                progress(self.finished, next_job, int(self.n_new[self.active].sum()))
+        self._collect(results)
+        return results
+
+    def _step(self) -> None:
+        end = int(self.length[self.active].max()) + 1
+        logits = self._decode(end)
+        rows = np.arange(self.rows)
+        self._record(rows, self.all_rows, self._choose(logits, rows, self.all_rows))
+        self.pos = (self.pos + 1).clamp_max(self.slots - 1)
+        self.length = np.minimum(self.length + 1, self.slots - 1)
