@@ -13,9 +13,10 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use common::{metric, request, Recorder, Session};
+use common::lanes::requests;
+use common::{metric, Recorder, Session};
 use dflash_engine::spec::{NgramConfig, OracleDraft, PolicyMode, SpecConfig};
-use dflash_engine::{Engine, EngineConfig, EngineMetrics, Request, SamplingParams};
+use dflash_engine::{Engine, EngineConfig, EngineMetrics, Request};
 use dflash_models::resolve::ModelSource;
 use dflash_models::tokenizer::Tokenizer;
 use dflash_models::{
@@ -28,19 +29,6 @@ fn fixture(name: &str) -> PathBuf {
 
 fn spec() -> SpecConfig {
     SpecConfig { pld: None::<NgramConfig>, policy: PolicyMode::Fixed, dflash_typical: None }
-}
-
-fn requests(max_tokens: usize) -> Vec<Request> {
-    let sampled = |seed| SamplingParams { temperature: 0.9, top_p: 0.95, seed, ..SamplingParams::greedy() };
-    let mut out = Vec::new();
-    for p in 0..5u32 {
-        let len = 4 + 6 * p as usize;
-        let prompt: Vec<u32> = (0..len as u32).map(|i| 3 + (i % (3 + p)) * 41 % 250 + p).collect();
-        for sampling in [SamplingParams::greedy(), sampled(u64::from(p) + 5)] {
-            out.push(request(out.len(), prompt.clone(), sampling, max_tokens));
-        }
-    }
-    out
 }
 
 fn run(target: Box<dyn Target>, cfg: EngineConfig, requests: Vec<Request>) -> (Vec<Vec<u32>>, String) {
@@ -78,11 +66,11 @@ fn the_gpu_hybrid_target_decodes_as_the_cpu_one_with_and_without_the_oracle_lane
         }
         Err(e) => panic!("the CUDA target failed to open: {e}"),
     };
-    let (cpu, _) = run(target(Device::Cpu, &cfg).expect("cpu target"), cfg.clone(), requests(20));
-    let (gpu, _) = run(gpu_target, cfg.clone(), requests(20));
+    let (cpu, _) = run(target(Device::Cpu, &cfg).expect("cpu target"), cfg.clone(), requests(20, false));
+    let (gpu, _) = run(gpu_target, cfg.clone(), requests(20, false));
     assert_eq!(gpu, cpu, "plain decoding on the GPU differs from the CPU");
     for policy in [PolicyMode::Fixed, PolicyMode::Adaptive] {
-        let with_oracle: Vec<Request> = requests(20)
+        let with_oracle: Vec<Request> = requests(20, false)
             .into_iter()
             .zip(&cpu)
             .map(|(mut r, want)| {
