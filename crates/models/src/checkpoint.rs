@@ -104,6 +104,7 @@ impl Checkpoint {
         match &self.files {
             WeightFile::Hf(d) => d.names().any(|n| n.starts_with(prefix)),
             WeightFile::Gguf(g) => g.tensor_infos().iter().any(|t| t.name.starts_with(prefix)),
+            WeightFile::Random { .. } => false,
         }
     }
 

@@ -13,6 +13,40 @@ use crate::safetensors_dir::SafetensorsDir;
 pub enum WeightFile {
     Gguf(GgufFile),
     Hf(SafetensorsDir),
+    /// Seeded random tensors of whatever name and shape a loader asks for: benchmarks of real shapes no checkpoint
+    /// here has ([`random_tensor`]). Holds every name.
+    Random {
+        seed: u64,
+    },
+}
+
+/// The tensor a [`WeightFile::Random`] store gives for `name` and `shape`: norm weights (`*norm.weight`) f32 in
+/// `1 ± 0.1`, other vectors f32 in `± 0.1`, matrices bf16 uniform in `± 1/√k` (`k` the row length), so activations
+/// keep their scale through a model's layers. A pure function of `(seed, name)`.
+///
+/// # Errors
+/// A shape too large to allocate.
+pub fn random_tensor(seed: u64, name: &str, shape: &[usize]) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let name_seed =
+        name.bytes().fold(seed ^ 0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+    let uniform = |i: usize| {
+        let mut z = name_seed.wrapping_add((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    };
+    if shape.len() < 2 {
+        let (scale, offset) = if name.ends_with("norm.weight") { (0.1, 1.0) } else { (0.1, 0.0) };
+        let v: Vec<f32> = (0..n).map(|i| offset + scale * uniform(i)).collect();
+        return Ok(Tensor::from_f32(&v, shape)?);
+    }
+    let scale = 1.0 / (shape[shape.len() - 1].max(1) as f32).sqrt();
+    let bytes: Vec<u8> = {
+        use rayon::prelude::*;
+        (0..n).into_par_iter().flat_map_iter(|i| half::bf16::from_f32(scale * uniform(i)).to_le_bytes()).collect()
+    };
+    Ok(Tensor::from_bytes(dflash_runtime::DType::BF16, shape, &bytes)?)
 }
 
 /// Hands out tensors by HF name and remembers which were used.
@@ -37,7 +71,7 @@ impl WeightStore {
     /// The file's own name for an HF tensor name.
     fn native_name(&self, hf: &str) -> String {
         match &self.file {
-            WeightFile::Hf(_) => hf.to_string(),
+            WeightFile::Hf(_) | WeightFile::Random { .. } => hf.to_string(),
             WeightFile::Gguf(_) => gguf_name(hf),
         }
     }
@@ -48,6 +82,7 @@ impl WeightStore {
         match &self.file {
             WeightFile::Gguf(g) => g.tensor_info(&n).is_some(),
             WeightFile::Hf(d) => d.names().any(|x| x == n),
+            WeightFile::Random { .. } => true,
         }
     }
 
@@ -60,6 +95,7 @@ impl WeightStore {
         let t = match &self.file {
             WeightFile::Gguf(g) => g.tensor(&name)?,
             WeightFile::Hf(d) => d.tensor(&name)?,
+            WeightFile::Random { seed } => random_tensor(*seed, &name, shape)?,
         };
         // A 1-d GGUF/HF vector may be stored as [n]; compare element layout exactly otherwise.
         if t.shape() != shape {
@@ -93,6 +129,8 @@ impl WeightStore {
         match &self.file {
             WeightFile::Gguf(g) => g.tensor_infos().iter().map(|t| t.name.clone()).collect(),
             WeightFile::Hf(d) => d.names().map(str::to_string).collect(),
+            // Only the tensors taken exist.
+            WeightFile::Random { .. } => self.used.iter().cloned().collect(),
         }
     }
 
@@ -150,5 +188,29 @@ mod tests {
         assert_eq!(gguf_name("model.layers.12.self_attn.k_proj.weight"), "blk.12.attn_k.weight");
         assert_eq!(gguf_name("model.layers.0.mlp.down_proj.weight"), "blk.0.ffn_down.weight");
         assert_eq!(gguf_name("lm_head.weight"), "output.weight");
+    }
+}
+
+#[cfg(test)]
+mod random_tests {
+    use super::*;
+
+    #[test]
+    fn random_tensors_keep_their_scale_and_repeat() {
+        let norm = random_tensor(3, "model.norm.weight", &[64]).expect("norm");
+        assert!(norm.as_f32().expect("f32").iter().all(|&x| (0.9..=1.1).contains(&x)));
+        let w = random_tensor(3, "layers.0.mlp.up_proj.weight", &[8, 100]).expect("matrix");
+        assert_eq!(w.dtype(), dflash_runtime::DType::BF16);
+        let values = w.to_f32().expect("widen");
+        let values = values.as_f32().expect("f32");
+        assert!(values.iter().all(|x| x.abs() <= 0.1001) && values.iter().any(|x| x.abs() > 0.05));
+        let again = random_tensor(3, "layers.0.mlp.up_proj.weight", &[8, 100]).expect("again");
+        assert_eq!(again.bytes().expect("bytes"), w.bytes().expect("bytes"));
+        let other = random_tensor(3, "layers.1.mlp.up_proj.weight", &[8, 100]).expect("other");
+        assert_ne!(other.bytes().expect("bytes"), w.bytes().expect("bytes"));
+        let mut store = WeightStore::new(WeightFile::Random { seed: 3 });
+        assert!(store.contains("anything"));
+        store.take("x.weight", &[4, 4]).expect("take");
+        store.finish().expect("a random store holds only what was taken");
     }
 }

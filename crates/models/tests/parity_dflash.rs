@@ -296,6 +296,26 @@ fn stream_mean_drafters_read_the_targets_mean_taps() {
     assert!(pooled.project_context(&Tensor::from_f32(&raw, &[rows_n, 384]).expect("t")).is_err(), "raw rows");
 }
 
+/// A drafter of a config's shapes with random weights (benchmarks of real shapes) loads against its target and drafts a
+/// block; the same seed gives the same drafts, another seed other ones.
+#[test]
+fn random_drafters_of_a_config_load_and_draft() {
+    let (model, target, g) = load_pair("dflash-v2");
+    let (taps, anchor) = prompt_taps(&g);
+    let drafts = |seed: u64| {
+        let random = DraftModel::random(model.config().clone(), model.target(), seed).expect("random drafter");
+        let mut ctx = random.new_context().expect("context");
+        random.append_context(&mut ctx, 0, &taps).expect("rows");
+        let (embed, lm_head) = (target.embedding(), target.lm_head());
+        random.draft(&mut ctx, anchor, 8, embed, lm_head, DraftSampling::Greedy).expect("draft").tokens
+    };
+    let a = drafts(1);
+    assert_eq!(a.len(), 7, "a block of 8: the anchor and 7 drafts");
+    assert!(a.iter().all(|&t| (t as usize) < model.target().vocab_size));
+    assert_eq!(drafts(1), a, "a pure function of the seed");
+    assert_ne!(drafts(2), a, "another seed, other weights");
+}
+
 /// Prompt taps of a fixture (`[12, taps·H]` rows for positions 0..12) and the round-0 anchor.
 fn prompt_taps(g: &HashMap<String, Golden>) -> (Vec<f32>, u32) {
     (g["r0.ctx_taps"].data.clone(), ints(&g["r0.block_tokens"])[0])

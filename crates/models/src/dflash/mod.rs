@@ -70,6 +70,16 @@ impl DraftModel {
         Ok(model)
     }
 
+    /// A drafter of `cfg`'s shapes with seeded random weights ([`crate::weights::random_tensor`]): what a real
+    /// drafter of that shape costs to run, for benchmarks of shapes no checkpoint here has. Its drafts mean nothing.
+    ///
+    /// # Errors
+    /// A config that does not fit `target`.
+    pub fn random(cfg: DraftConfig, target: &TargetShape, seed: u64) -> Result<Self> {
+        let mut store = WeightStore::new(WeightFile::Random { seed });
+        Self::from_store(cfg, target, &mut store)
+    }
+
     /// How a stream target must capture for the drafter in `dir`, decided as loading will decide it (from the
     /// `fc.weight` width), before the target loads. Targets without streams ignore it.
     ///
