@@ -16,7 +16,7 @@ use crate::scheduler::{Scheduler, SchedulerConfig, StepItem};
 use crate::sequence::{Outcome, Sequence};
 use crate::spec::{
     prompt_gate_passes, CostTable, DflashProposer, DrafterConfig, MtpLaneConfig, MtpProposer, NgramProposer,
-    OracleProposer, SharedCosts, SpecConfig, SpecLane,
+    OracleDraft, OracleProposer, Proposer, SharedCosts, SpecConfig, SpecLane,
 };
 use crate::EngineError;
 
@@ -361,8 +361,11 @@ impl Engine {
     fn arm_lane(&self, req: &Request) -> Option<SpecLane> {
         if let Some(draft) = &req.oracle {
             let max = draft.max_draft;
-            let proposer = Box::new(OracleProposer::new(draft.clone(), req.prompt.len()));
-            return Some(SpecLane::new(proposer, max, 0, self.policy_for(req), self.round_costs.clone()));
+            let proposer = match self.paying_drafter(req, draft) {
+                Some(drafter) => OracleProposer::paying(draft.clone(), req.prompt.len(), drafter),
+                None => OracleProposer::new(draft.clone(), req.prompt.len()),
+            };
+            return Some(SpecLane::new(Box::new(proposer), max, 0, self.policy_for(req), self.round_costs.clone()));
         }
         if let Some(lane) = self.arm_mtp(req).or_else(|| self.arm_drafter(req)) {
             return Some(lane);
@@ -408,6 +411,18 @@ impl Engine {
             }
             Err(e) => {
                 tracing::warn!("{}: no drafter context ({e}); drafting off for this request", req.id);
+                None
+            }
+        }
+    }
+
+    /// The block drafter an oracle lane with `drafter_pays` runs for its cost, when the engine has one.
+    fn paying_drafter(&self, req: &Request, draft: &OracleDraft) -> Option<Box<dyn Proposer>> {
+        let drafter = self.drafter.as_ref().filter(|_| draft.drafter_pays)?;
+        match DflashProposer::new(drafter, self.target.host_heads()?) {
+            Ok(proposer) => Some(Box::new(proposer)),
+            Err(e) => {
+                tracing::warn!("{}: no drafter context for the oracle to pay ({e})", req.id);
                 None
             }
         }

@@ -80,6 +80,7 @@ fn the_gpu_hybrid_target_decodes_as_the_cpu_one_with_and_without_the_oracle_lane
                     max_draft: 4,
                     seed: 3,
                     vocab: 256,
+                    drafter_pays: false,
                 });
                 r.spec_policy = Some(policy);
                 r

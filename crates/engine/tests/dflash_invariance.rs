@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use common::{metric, request, run_all, Model};
-use dflash_engine::spec::{DrafterConfig, PolicyMode, SpecConfig};
+use dflash_engine::spec::{DrafterConfig, OracleDraft, PolicyMode, SpecConfig};
 use dflash_engine::SamplingParams;
 use dflash_models::dflash::{DraftConfig, DraftModel, DraftVocab, TargetShape};
 use dflash_models::llama::load_hf_weights;
@@ -156,4 +156,39 @@ fn the_lossy_typical_rule_leaves_greedy_requests_alone_and_accepts_more_sampled_
     };
     let (exact, lossy) = (accept_rate(spec()), accept_rate(typical));
     assert!(lossy > exact, "typical acceptance {lossy:.3} should exceed exact {exact:.3}");
+}
+
+/// An oracle lane that pays a real drafter (the projection bench's lane): its drafter runs every round beside the
+/// target's rows, the oracle decides the drafts, and the output is plain decoding's; a perfect oracle has every draft
+/// accepted whatever the drafter would have proposed.
+#[test]
+fn an_oracle_paying_a_random_drafter_equals_plain_decoding() {
+    let max_tokens = 20;
+    let plain = run_all(&tiny_target(&[]), common::config(64, 64, spec()), requests(max_tokens)).0;
+    let (m, fixture_drafter) = with_drafter("dflash-v2", 8);
+    let random = DraftModel::random(fixture_drafter.model.config().clone(), fixture_drafter.model.target(), 5)
+        .expect("random drafter");
+    let drafter = DrafterConfig::new(Arc::new(random), Some(8), None).expect("block size");
+    let reqs: Vec<_> = requests(max_tokens)
+        .into_iter()
+        .zip(&plain)
+        .map(|(mut r, want)| {
+            r.oracle = Some(OracleDraft {
+                continuation: Arc::new(want.ids.clone()),
+                acceptance: vec![1.0],
+                max_draft: 7,
+                seed: 3,
+                vocab: 256,
+                drafter_pays: true,
+            });
+            r
+        })
+        .collect();
+    let mut cfg = common::config(64, 64, spec());
+    cfg.drafter = Some(drafter);
+    let (got, text) = run_all(&m, cfg, reqs);
+    assert_eq!(got, plain, "the paying oracle changed the output");
+    let (drafted, accepted) =
+        (metric(&text, "dflash_spec_drafted_tokens_total"), metric(&text, "dflash_spec_accepted_tokens_total"));
+    assert!(drafted > 0.0 && accepted == drafted, "{accepted} of {drafted}");
 }

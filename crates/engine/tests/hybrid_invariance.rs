@@ -102,6 +102,7 @@ fn the_oracle_lane_equals_plain_decoding_and_accepts_as_set() {
                         max_draft: 3,
                         seed: 11,
                         vocab: 256,
+                        drafter_pays: false,
                     });
                     r.spec_policy = Some(policy);
                     r

@@ -108,7 +108,14 @@ fn the_oracle_lane_equals_plain_decoding() {
             .map(|(mut r, w)| {
                 let continuation = Arc::new(w.ids.clone());
                 let acceptance = acceptance.clone();
-                r.oracle = Some(OracleDraft { continuation, acceptance, max_draft: 4, seed: 3, vocab: 256 });
+                r.oracle = Some(OracleDraft {
+                    continuation,
+                    acceptance,
+                    max_draft: 4,
+                    seed: 3,
+                    vocab: 256,
+                    drafter_pays: false,
+                });
                 r.spec_policy = Some(policy);
                 r
             })

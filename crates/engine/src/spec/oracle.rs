@@ -10,6 +10,10 @@
 //!
 //! The draws are a pure function of (seed, position, draft index), so a run repeats exactly, and lanes with other
 //! width policies see the same drafts at the same positions.
+//!
+//! With `drafter_pays`, the lane also runs the engine's block drafter every round (its context kept from the
+//! target's captured rows, its drafts discarded): the round pays a real drafter's cost while the oracle decides
+//! acceptance, which is what a projection of a target / drafter pair of real shapes needs.
 
 use std::sync::Arc;
 
@@ -28,18 +32,28 @@ pub struct OracleDraft {
     pub seed: u64,
     /// The vocabulary wrong drafts are drawn from.
     pub vocab: usize,
+    /// Run the engine's block drafter every round too, for its cost (its drafts are discarded).
+    pub drafter_pays: bool,
 }
 
 /// The oracle lane of one sequence.
 pub struct OracleProposer {
     draft: OracleDraft,
     prompt_len: usize,
+    /// The drafter whose cost every round pays (`drafter_pays`).
+    paying: Option<Box<dyn Proposer>>,
 }
 
 impl OracleProposer {
     /// The lane of a request whose prompt is `prompt_len` tokens long.
     pub fn new(draft: OracleDraft, prompt_len: usize) -> Self {
-        OracleProposer { draft, prompt_len }
+        OracleProposer { draft, prompt_len, paying: None }
+    }
+
+    /// The lane of a request whose rounds also run `drafter` (kept up to date with the target's rows, its drafts
+    /// discarded), so they cost what that drafter costs.
+    pub fn paying(draft: OracleDraft, prompt_len: usize, drafter: Box<dyn Proposer>) -> Self {
+        OracleProposer { draft, prompt_len, paying: Some(drafter) }
     }
 
     /// The chance that the draft at index `j` is right.
@@ -54,7 +68,27 @@ impl Proposer for OracleProposer {
         LaneKind::Oracle
     }
 
+    fn observes_target(&self) -> bool {
+        self.paying.as_ref().is_some_and(|d| d.observes_target())
+    }
+
+    fn observe(&mut self, first_position: usize, captured: &[f32]) {
+        if let Some(d) = self.paying.as_mut() {
+            d.observe(first_position, captured);
+        }
+    }
+
+    fn on_verified(&mut self, drafted: usize, accepted: usize) {
+        if let Some(d) = self.paying.as_mut() {
+            d.on_verified(drafted, accepted);
+        }
+    }
+
     fn propose(&mut self, input: &ProposeInput, max: usize) -> Proposal {
+        if let Some(d) = self.paying.as_mut() {
+            // Its cost is the point; its drafts are not.
+            let _ = d.propose(input, max);
+        }
         // The round's anchor is the last committed token; its drafts are the continuation's next tokens.
         let Some(next) = input.tokens.len().checked_sub(self.prompt_len) else {
             return Proposal::default();
@@ -102,8 +136,14 @@ mod tests {
 
     fn oracle(acceptance: Vec<f32>) -> OracleProposer {
         let continuation: Vec<u32> = (100..400).collect();
-        let draft =
-            OracleDraft { continuation: Arc::new(continuation), acceptance, max_draft: 7, seed: 9, vocab: 1000 };
+        let draft = OracleDraft {
+            continuation: Arc::new(continuation),
+            acceptance,
+            max_draft: 7,
+            seed: 9,
+            vocab: 1000,
+            drafter_pays: false,
+        };
         OracleProposer::new(draft, 3)
     }
 
@@ -136,6 +176,7 @@ mod tests {
             max_draft: 3,
             seed: 5,
             vocab: 1000,
+            drafter_pays: false,
         };
         let mut o = OracleProposer::new(draft, 3);
         let (mut first, mut second) = (0usize, 0usize);
@@ -151,5 +192,54 @@ mod tests {
         let p1 = second as f64 / first as f64;
         assert!((p0 - 0.8).abs() < 0.03, "first position {p0}");
         assert!((p1 - 0.5).abs() < 0.04, "second given the first {p1}");
+    }
+
+    /// Counts what the engine asks of it.
+    #[derive(Default)]
+    struct Counting {
+        proposed: Arc<std::sync::atomic::AtomicUsize>,
+        observed: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl Proposer for Counting {
+        fn kind(&self) -> LaneKind {
+            LaneKind::Dflash2
+        }
+
+        fn propose(&mut self, _input: &ProposeInput, _max: usize) -> Proposal {
+            self.proposed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Proposal { tokens: vec![1, 1, 1], confidence: None }
+        }
+
+        fn observes_target(&self) -> bool {
+            true
+        }
+
+        fn observe(&mut self, _first_position: usize, captured: &[f32]) {
+            self.observed.fetch_add(captured.len(), std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    #[test]
+    fn a_paying_oracle_runs_its_drafter_every_round_and_drafts_its_own_tokens() {
+        let counting = Counting::default();
+        let (proposed, observed) = (counting.proposed.clone(), counting.observed.clone());
+        let draft = OracleDraft {
+            continuation: Arc::new((100..400).collect()),
+            acceptance: vec![1.0],
+            max_draft: 7,
+            seed: 9,
+            vocab: 1000,
+            drafter_pays: true,
+        };
+        let mut o = OracleProposer::paying(draft, 3, Box::new(counting));
+        assert!(o.observes_target(), "the drafter's context follows the target's rows");
+        o.observe(0, &[0.5; 12]);
+        let count = |c: &Arc<std::sync::atomic::AtomicUsize>| c.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(count(&observed), 12);
+        assert_eq!(propose(&mut o, 3, 4), vec![100, 101, 102, 103], "the oracle's drafts, not the drafter's");
+        assert_eq!(propose(&mut o, 5, 4), vec![102, 103, 104, 105]);
+        assert_eq!(count(&proposed), 2, "the drafter ran every round");
+        assert_eq!(o.kind(), LaneKind::Oracle);
     }
 }

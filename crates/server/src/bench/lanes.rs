@@ -131,6 +131,7 @@ pub fn run(model: &ModelArgs, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
                             max_draft: block - 1,
                             seed: (SEED_BASE + i as u64) ^ args.oracle_seed.rotate_left(32),
                             vocab: tokenizer.vocab_size(),
+                            drafter_pays: false,
                         }),
                         _ => None,
                     };
