@@ -23,9 +23,6 @@ pub struct Switches {
     pub no_mmq: bool,
     /// `DFLASH_MMVQ_HALF=0`: one-row quantized matmuls of short rows keep a whole warp per column.
     pub no_mmvq_half: bool,
-    /// `DFLASH_GATE_MEMORY=0`: a new speculation lane's gate learns afresh instead of starting where its kind's
-    /// earlier lanes left it.
-    pub no_gate_memory: bool,
 }
 
 impl Switches {
@@ -41,7 +38,6 @@ impl Switches {
             no_fold_rope: is("DFLASH_FOLD_ROPE", "0"),
             no_mmq: is("DFLASH_MMQ", "0"),
             no_mmvq_half: is("DFLASH_MMVQ_HALF", "0"),
-            no_gate_memory: is("DFLASH_GATE_MEMORY", "0"),
         }
     }
 }
@@ -71,7 +67,6 @@ mod tests {
             ("DFLASH_FOLD_ROPE", "0"),
             ("DFLASH_MMQ", "0"),
             ("DFLASH_MMVQ_HALF", "0"),
-            ("DFLASH_GATE_MEMORY", "0"),
         ]));
         let want = Switches {
             simd: Some("avx2".into()),
@@ -82,7 +77,6 @@ mod tests {
             no_fold_rope: true,
             no_mmq: true,
             no_mmvq_half: true,
-            no_gate_memory: true,
         };
         assert_eq!(all, want);
         let other = Switches::from_vars(set(&[("DFLASH_PDL", "1"), ("DFLASH_GEMM_PREFETCH", "all")]));

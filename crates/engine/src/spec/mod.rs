@@ -277,11 +277,7 @@ impl SpecLane {
         costs: SharedCosts,
     ) -> Self {
         let stats = SpecStats { lane: proposer.kind(), policy: mode, block_size, ..SpecStats::default() };
-        let remembered = match dflash_runtime::switches::switches().no_gate_memory {
-            true => None,
-            false => costs.lock().gate_period(proposer.kind()),
-        };
-        let policy = RoundPolicy::new(mode, proposer.kind(), max_draft).resuming_gate(remembered);
+        let policy = RoundPolicy::new(mode, proposer.kind(), max_draft);
         SpecLane { proposer, policy, stats, costs, max_draft, round: RoundInFlight::default() }
     }
 
@@ -294,26 +290,18 @@ impl SpecLane {
         if max == 0 {
             return Vec::new();
         }
-        let mut costs = self.costs.lock();
-        if let RoundPlan::Plain = self.policy.plan(&costs, context, max) {
+        if let RoundPlan::Plain = self.policy.plan(&self.costs.lock(), context, max) {
             self.round.gated = true;
-            if self.policy.backoff().owed() > 0 {
-                costs.remember_gate(self.stats.lane, self.policy.backoff().period());
-            }
             return Vec::new();
         }
-        drop(costs);
         let (Proposal { mut tokens, confidence }, draft_ms) = self.timed_proposal(input, max);
         tokens.truncate(max);
         if tokens.is_empty() {
             return tokens;
         }
         let confidence = confidence.filter(|c| c.len() >= tokens.len());
-        let mut costs = self.costs.lock();
+        let costs = self.costs.lock();
         let keep = self.policy.choose(&costs, context, tokens.len(), confidence.as_deref(), draft_ms);
-        if keep == 0 && self.policy.backoff().owed() > 0 {
-            costs.remember_gate(self.stats.lane, self.policy.backoff().period());
-        }
         drop(costs);
         tokens.truncate(keep);
         self.round.gated = tokens.is_empty();
@@ -358,12 +346,11 @@ impl SpecLane {
         let (Some(tokens), Some(step_ms)) = (self.round.committed.take(), step_ms) else {
             return false;
         };
-        let mut costs = self.costs.lock();
+        let costs = self.costs.lock();
         // This lane's drafting held up every sequence of the step: charged as many times, as the plan charged it.
         // (Other lanes' drafting is theirs: this round would have waited for it as a plain one too.)
         let took_ms = self.round.draft_ms * costs.step_sequences() as f64 + step_ms;
         let paused = self.policy.record_round(&costs, self.round.context, tokens, took_ms);
-        costs.remember_gate(self.stats.lane, self.policy.backoff().period());
         drop(costs);
         self.stats.gate_pauses += u64::from(paused);
         paused
@@ -430,30 +417,6 @@ mod tests {
         assert_eq!(lane.draft(&input, 3).len(), 3, "capped by the caller");
         assert_eq!(lane.stats.widths[8], 40);
         assert_eq!((lane.stats.gate_pauses, lane.stats.plain_steps), (0, 0));
-    }
-
-    /// A lane's gate verdicts go to its kind's record; a later lane of that kind starts from them.
-    #[test]
-    fn a_new_lane_starts_from_the_gate_its_kinds_last_lane_left() {
-        let mut table = CostTable::new(9);
-        // Steep rows and a proposal that is never worth a row: every round defers, and the pauses grow.
-        table.seed(&[10.0, 40.0, 45.0, 50.0, 55.0, 60.0, 65.0, 70.0, 75.0]);
-        let costs = SharedCosts::new(table);
-        let sampling = SamplingParams::greedy();
-        let tokens = [1, 2, 3];
-        let mut first = SpecLane::new(Box::new(Echo(vec![5; 8])), 8, 0, PolicyMode::Adaptive, costs.clone());
-        assert_eq!(costs.lock().gate_period(LaneKind::Pld), None, "no verdict yet");
-        for _ in 0..60 {
-            first.draft(&ProposeInput { tokens: &tokens, sampling: &sampling }, 100);
-            first.stepped(1, Some(10.0));
-        }
-        let left = costs.lock().gate_period(LaneKind::Pld).expect("a remembered period");
-        assert!(left > policy::backoff::FIRST_PERIOD, "{left}");
-        let second = SpecLane::new(Box::new(Echo(vec![5; 8])), 8, 0, PolicyMode::Adaptive, costs.clone());
-        assert_eq!(second.policy.backoff().period(), left);
-        let fresh =
-            SpecLane::new(Box::new(Echo(vec![5; 8])), 8, 0, PolicyMode::Adaptive, SharedCosts::new(CostTable::new(9)));
-        assert_eq!(fresh.policy.backoff().period(), policy::backoff::FIRST_PERIOD, "another engine learns afresh");
     }
 
     /// Proposes the same drafts every round, after spinning for at least `spin` (a drafting call of known least cost).

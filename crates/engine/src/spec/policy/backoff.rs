@@ -64,12 +64,6 @@ impl Default for Backoff {
 }
 
 impl Backoff {
-    /// A gate that starts from `period` (what earlier lanes of its kind were left with): its first pause lasts that
-    /// long instead of growing from [`FIRST_PERIOD`] again. Nothing is owed yet.
-    pub fn resuming(period: u32) -> Self {
-        Backoff { period: period.clamp(FIRST_PERIOD, MAX_PERIOD), ..Backoff::default() }
-    }
-
     /// Whether this round must be plain (paying one owed round if so). The round after the last owed one is a
     /// probe.
     pub fn owes_plain(&mut self) -> bool {

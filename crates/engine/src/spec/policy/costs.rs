@@ -61,9 +61,6 @@ struct LaneRecord {
     fastest_draft_ms: f64,
     /// Conditional acceptance by draft position over every sequence's verified rounds.
     acceptance: PositionAcceptance,
-    /// The gate's period (plain rounds between probes) the kind's lanes last left, once a verdict set it: a new
-    /// lane starts from it rather than learning again what its kind already learned on this engine.
-    gate_period: Option<u32>,
 }
 
 /// One context bucket: a step of `r` rows costs `level * shape[r - 1]` ms.
@@ -260,17 +257,6 @@ impl CostTable {
         self.lane(lane).filter(|k| k.acceptance.is_observed()).map(|k| k.acceptance.conditionals(n, None))
     }
 
-    /// Remembers the gate period a lane of kind `lane` was left with by a verdict (a pause, a deferred round, a
-    /// judged round).
-    pub fn remember_gate(&mut self, lane: LaneKind, period: u32) {
-        self.lane_mut(lane).gate_period = Some(period);
-    }
-
-    /// The gate period the kind's lanes last left on this engine, if any verdict set one.
-    pub fn gate_period(&self, lane: LaneKind) -> Option<u32> {
-        self.lane(lane).and_then(|k| k.gate_period)
-    }
-
     fn lane(&self, lane: LaneKind) -> Option<&LaneRecord> {
         self.lanes.iter().find(|k| k.kind == lane)
     }
@@ -286,7 +272,6 @@ impl CostTable {
                     draft_samples: 0,
                     fastest_draft_ms: f64::INFINITY,
                     acceptance,
-                    gate_period: None,
                 };
                 self.lanes.push(record);
                 self.lanes.len() - 1

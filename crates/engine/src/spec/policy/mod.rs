@@ -125,16 +125,6 @@ impl RoundPolicy {
         }
     }
 
-    /// The policy of a new lane whose kind's earlier lanes on this engine left their gate at `period`: it pauses
-    /// that long at its first loss or deferred round rather than learning from short pauses again (the learning
-    /// probes cost a few percent of every short request; docs/PERFORMANCE.md, entry 69).
-    pub fn resuming_gate(mut self, period: Option<u32>) -> Self {
-        if let Some(period) = period {
-            self.backoff = Backoff::resuming(period);
-        }
-        self
-    }
-
     pub fn mode(&self) -> PolicyMode {
         self.mode
     }

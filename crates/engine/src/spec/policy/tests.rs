@@ -429,24 +429,3 @@ fn a_slow_first_drafting_call_does_not_lock_a_lane_kind_out() {
     let drafted = late.iter().filter(|&&r| r > 1).count();
     assert!(drafted >= 800, "drafted rounds in the last 1000: {drafted}");
 }
-
-/// This CPU's ladder (entry 69) and a block drafter of 4 ms accepted 45% of the time: no width pays, so a lane's cost
-/// is its probes, most of them while its gate learns. A request whose lane resumes the gate its kind's earlier
-/// request left probes less and runs nearer plain speed than one that learns again.
-#[test]
-fn a_new_lane_resuming_its_kinds_gate_probes_less_than_one_learning_again() {
-    let cpu = |rows: usize| [7.5, 11.0, 12.5, 13.6, 15.5, 16.5, 17.6, 18.9][rows - 1];
-    let request = |sim: &mut Sim| widths(sim, 0.45, 128).iter().filter(|&&w| w > 1).count();
-    let mut first = Sim::new(PolicyMode::Adaptive, 7, cpu, 4.0);
-    let learning_rounds = request(&mut first);
-    let left = first.policy.backoff().period();
-    let mut learning = Sim::new(PolicyMode::Adaptive, 7, cpu, 4.0);
-    learning.costs = first.costs.clone();
-    let mut resuming = Sim::new(PolicyMode::Adaptive, 7, cpu, 4.0);
-    resuming.costs = first.costs.clone();
-    resuming.policy = RoundPolicy::new(PolicyMode::Adaptive, LaneKind::Oracle, 7).resuming_gate(Some(left));
-    let (again, resumed) = (request(&mut learning), request(&mut resuming));
-    assert!(left > backoff::FIRST_PERIOD, "the first request's gate grew: {left}");
-    assert!(resumed < again, "drafted rounds: resumed {resumed}, learning again {again} (first {learning_rounds})");
-    assert!(resuming.rate() > learning.rate(), "{:.4} vs {:.4} tok/ms", resuming.rate(), learning.rate());
-}
