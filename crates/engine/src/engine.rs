@@ -124,7 +124,10 @@ impl Engine {
             }
             let taps = d.model.target_layer_ids().len();
             let wanted = d.model.capture_layout().captured_width(taps, target.config().hidden_size);
-            if wanted != target.capture_width() {
+            // Widths alone cannot tell a stream mean from the head's collapse: on a stream target the reading must
+            // match too.
+            let reads = target.stream_tap().map(|tap| tap == d.model.capture_layout().stream_tap()).unwrap_or(true);
+            if wanted != target.capture_width() || !reads {
                 return Err(EngineError::Target(format!(
                     "the drafter reads captured rows of {wanted} values ({taps} taps, {:?}); the target captures {} \
                      ({:?})",
@@ -699,6 +702,12 @@ mod tests {
         }
         fn capture_layers(&self) -> &[usize] {
             self.0.capture_layers()
+        }
+        fn capture_width(&self) -> usize {
+            self.0.capture_width()
+        }
+        fn stream_tap(&self) -> Option<dflash_models::StreamTap> {
+            self.0.stream_tap()
         }
         fn page_size(&self) -> usize {
             self.0.page_size()

@@ -35,6 +35,14 @@ impl Target for Recording {
         self.inner.capture_layers()
     }
 
+    fn capture_width(&self) -> usize {
+        self.inner.capture_width()
+    }
+
+    fn stream_tap(&self) -> Option<dflash_models::StreamTap> {
+        self.inner.stream_tap()
+    }
+
     fn page_size(&self) -> usize {
         self.inner.page_size()
     }

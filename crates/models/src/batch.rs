@@ -116,8 +116,9 @@ pub struct ForwardOut {
     pub logits: Tensor, // [L, vocab]
     /// Each logit row's argmax, under [`Readout::Argmax`].
     pub ids: Option<Vec<u32>>, // [L]
-    /// Hidden states at the load-time capture layers, concatenated per row (empty when none are captured).
-    pub captured: Option<Tensor>, // [T, taps * hidden]
+    /// Hidden states at the load-time capture layers, concatenated per row (empty when none are captured): `hidden`
+    /// values a tap, or on a stream target what its taps read (`Target::capture_width`).
+    pub captured: Option<Tensor>, // [T, capture width]
 }
 
 impl ForwardOut {

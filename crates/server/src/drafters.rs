@@ -79,14 +79,24 @@ impl DrafterPlan {
 
     /// How a stream target's taps read its streams for this drafter: the head's collapse for an MTP head, the stream
     /// mean or the raw streams for a block drafter as its `fc` width says. Targets without streams ignore it.
-    pub fn stream_tap(&self, target: &ModelConfig) -> StreamTap {
+    ///
+    /// # Errors
+    /// A given drafter whose `fc` width fits neither the target's stream means nor its raw streams (refused before
+    /// the target loads; a shipped drafter only warns, and is refused with the same reason when it loads).
+    pub fn stream_tap(&self, target: &ModelConfig) -> Result<StreamTap> {
         match self {
-            DrafterPlan::Mtp { .. } => StreamTap::Head,
-            // A width that fits neither is refused with its reason when the drafter loads.
-            DrafterPlan::Block { dir, .. } if target.streams.is_some() => {
-                DraftModel::stream_tap_for(dir, &TargetShape::of(target)).unwrap_or_default()
+            DrafterPlan::Mtp { .. } => Ok(StreamTap::Head),
+            DrafterPlan::Block { dir, shipped, .. } if target.streams.is_some() => {
+                match DraftModel::stream_tap_for(dir, &TargetShape::of(target)) {
+                    Ok(tap) => Ok(tap),
+                    Err(e) if *shipped => {
+                        tracing::warn!("the default drafter does not fit this stream target ({e})");
+                        Ok(StreamTap::default())
+                    }
+                    Err(e) => Err(e).with_context(|| format!("the drafter in {}", dir.display())),
+                }
             }
-            DrafterPlan::Block { .. } | DrafterPlan::None => StreamTap::default(),
+            DrafterPlan::Block { .. } | DrafterPlan::None => Ok(StreamTap::default()),
         }
     }
 

@@ -133,7 +133,7 @@ impl Startup {
         let opts = TargetOptions {
             load: LoadOptions {
                 capture_layers: drafter.capture_layers(),
-                stream_tap: drafter.stream_tap(checkpoint.config()),
+                stream_tap: drafter.stream_tap(checkpoint.config())?,
                 config_overrides: None,
                 f32_weights: args.f32_weights,
             },

@@ -84,9 +84,11 @@ impl DraftModel {
     /// `fc.weight` width), before the target loads. Targets without streams ignore it.
     ///
     /// # Errors
-    /// Unreadable files, or an `fc.weight` width that fits neither the target's stream means nor its raw streams.
+    /// Unreadable files, a drafter that does not fit the target (sizes, vocabulary, taps), or an `fc.weight` width
+    /// that fits neither the target's stream means nor its raw streams.
     pub fn stream_tap_for(dir: &Path, target: &TargetShape) -> Result<crate::StreamTap> {
         let cfg = DraftConfig::from_json(&read_json(&dir.join("config.json"))?)?;
+        target_shape::check_pairing(&cfg, target)?;
         let shape = SafetensorsDir::open(dir)?.shape("fc.weight")?;
         let fc_in = shape.get(1).copied().unwrap_or(0);
         Ok(CaptureLayout::from_fc_width(fc_in, cfg.target_layer_ids.len(), target)?.stream_tap())
