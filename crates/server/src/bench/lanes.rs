@@ -112,6 +112,10 @@ pub fn run(model: &ModelArgs, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
         n => Some(document(&tokenizer, &args.context_text, n)?),
     };
     let lossy = spec.dflash_typical.is_some() || spec.mtp.mtp_typical.is_some();
+    let oracle_acceptance = args.oracle_profile.map_or_else(|| args.oracle_acceptance.clone(), |p| p.acceptance());
+    if args.oracle_pays_drafter && !engines.main.has_drafter() {
+        bail!("--oracle-pays-drafter needs a block drafter on the target: --drafter DIR (the default model has one)");
+    }
     let mut results = Vec::new();
     for (i, entry) in entries.iter().enumerate() {
         let text = match &document {
@@ -127,11 +131,11 @@ pub fn run(model: &ModelArgs, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
                     let oracle = match kind {
                         BenchLane::Oracle(block) => Some(OracleDraft {
                             continuation: Arc::new(plain_ids.clone()),
-                            acceptance: args.oracle_acceptance.clone(),
+                            acceptance: oracle_acceptance.clone(),
                             max_draft: block - 1,
                             seed: (SEED_BASE + i as u64) ^ args.oracle_seed.rotate_left(32),
                             vocab: tokenizer.vocab_size(),
-                            drafter_pays: false,
+                            drafter_pays: args.oracle_pays_drafter,
                         }),
                         _ => None,
                     };

@@ -70,9 +70,19 @@ pub struct LanesArgs {
     #[arg(long, value_delimiter = ',', default_value = "plain,pld")]
     pub lanes: Vec<String>,
     /// The oracle lanes' chance of a right draft at each draft position (given the earlier ones were right); the
-    /// last value holds for later positions.
+    /// last value holds for later positions. Overridden by `--oracle-profile`.
     #[arg(long, value_delimiter = ',', default_value = "0.8,0.6,0.5,0.4")]
     pub oracle_acceptance: Vec<f32>,
+    /// A named acceptance profile for the oracle lanes instead of `--oracle-acceptance`: `paper` (0.86 at every
+    /// position: about 6.4 tokens a round at block 16, the DFlash paper's Qwen3-8B figure), `high`, `mid`, `low`
+    /// (docs/BENCHMARKS.md, "The round-policy table").
+    #[arg(long, value_enum)]
+    pub oracle_profile: Option<OracleProfile>,
+    /// The oracle lanes also run the engine's block drafter every round (its drafts discarded), so their rounds pay a
+    /// real drafter's cost while the oracle decides acceptance: a projection of what the drafter would give at the
+    /// profile's acceptance.
+    #[arg(long)]
+    pub oracle_pays_drafter: bool,
     /// Which set of draws the oracle lanes read: their drafts are keyed by prompt, position and draft index, so
     /// every run of a table reads the same ones; another value gives other draws (more of them across runs).
     #[arg(long, default_value_t = 0)]
@@ -113,6 +123,27 @@ pub struct LanesArgs {
     /// With `--random-hybrid`: hyper-connection streams (0: a plain residual).
     #[arg(long, default_value_t = 0, requires = "random_hybrid")]
     pub streams: usize,
+}
+
+/// The oracle lanes' named acceptance profiles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OracleProfile {
+    Paper,
+    High,
+    Mid,
+    Low,
+}
+
+impl OracleProfile {
+    /// Conditional acceptance at draft positions 1, 2, ... (the last value holds for later positions).
+    pub fn acceptance(self) -> Vec<f32> {
+        match self {
+            OracleProfile::Paper => vec![0.86],
+            OracleProfile::High => vec![0.9, 0.85, 0.8, 0.75, 0.7],
+            OracleProfile::Mid => vec![0.8, 0.6, 0.5, 0.4],
+            OracleProfile::Low => vec![0.5, 0.3, 0.2, 0.1],
+        }
+    }
 }
 
 /// `dflash bench prefix` flags.
