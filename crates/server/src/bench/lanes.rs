@@ -43,7 +43,7 @@ struct PromptEntry {
 
 /// What a lane name asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum BenchLane {
+pub(super) enum BenchLane {
     Plain,
     Pld,
     Dflash,
@@ -77,9 +77,9 @@ fn lane_kind(lane: &str) -> Result<(BenchLane, Option<PolicyMode>)> {
 
 /// The engines the lanes run on: the target with the block drafter (plain, pld and dflash lanes), and a second
 /// copy of it with the MTP head when an `mtp` lane is asked for.
-struct Engines {
-    main: Engine,
-    mtp: Option<Engine>,
+pub(super) struct Engines {
+    pub(super) main: Engine,
+    pub(super) mtp: Option<Engine>,
 }
 
 impl Engines {
@@ -100,12 +100,16 @@ pub fn run(model: &ModelArgs, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
         bail!("the first lane must be `plain`: the other lanes' tokens and speedups are checked against it");
     }
     let window = context_window(args.context, args.max_tokens);
-    let (mut engines, tokenizer) = match (args.random_hybrid, &args.tokenizer) {
-        (Some(layers), Some(dir)) => {
+    let (mut engines, tokenizer) = match (args.random_hybrid, &args.random_target, &args.tokenizer) {
+        (Some(layers), _, Some(dir)) => {
             random_engine(model, spec, &kinds, window, (args.hybrid_shape, layers, args.streams), dir)?
         }
-        (Some(_), None) => bail!("--random-hybrid needs --tokenizer DIR"),
-        (None, _) => engines(model, spec, &kinds, window)?,
+        (None, Some(shape), Some(dir)) => {
+            let target = (shape.as_str(), args.random_drafter);
+            super::projection::random_target_engine(model, spec, (&kinds, window), target, dir)?
+        }
+        (Some(_), _, None) | (None, Some(_), None) => bail!("--random-hybrid and --random-target need --tokenizer DIR"),
+        (None, None, _) => engines(model, spec, &kinds, window)?,
     };
     let document = match args.context {
         0 => None,
@@ -255,7 +259,7 @@ fn random_engine(
 }
 
 /// The widest verify an oracle lane asks for (1 without oracle lanes).
-fn oracle_rows(kinds: &[BenchLane]) -> usize {
+pub(super) fn oracle_rows(kinds: &[BenchLane]) -> usize {
     kinds.iter().map(|k| if let BenchLane::Oracle(block) = k { *block } else { 1 }).max().unwrap_or(1)
 }
 
@@ -292,7 +296,7 @@ fn document(tokenizer: &Tokenizer, path: &Path, tokens: usize) -> Result<String>
 
 /// One sequence at a time, prompts prefilled in chunks of 512, no prefix cache: every prompt runs once per lane,
 /// and each lane must prefill it cold.
-fn engine_plan(spec: &SpecArgs, window: usize) -> Result<EnginePlan> {
+pub(super) fn engine_plan(spec: &SpecArgs, window: usize) -> Result<EnginePlan> {
     let spec: SpecConfig = spec.config()?;
     Ok(EnginePlan {
         context_window: window,
@@ -304,7 +308,7 @@ fn engine_plan(spec: &SpecArgs, window: usize) -> Result<EnginePlan> {
     })
 }
 
-fn metrics() -> Arc<EngineMetrics> {
+pub(super) fn metrics() -> Arc<EngineMetrics> {
     Arc::new(EngineMetrics::default())
 }
 

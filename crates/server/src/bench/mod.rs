@@ -16,6 +16,7 @@ mod lanes_report;
 mod load;
 mod load_report;
 mod prefix;
+mod projection;
 mod shapes;
 
 pub use hybrid::HybridShape;

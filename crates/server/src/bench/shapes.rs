@@ -10,7 +10,8 @@
 //! printed with the bytes a step must read (weights + KV) and the ratio of the floor (those bytes at 4.3 TB/s) to
 //! the time.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
+use dflash_models::ModelConfig;
 
 use crate::cli::{ModelArgs, ShapesArgs};
 
@@ -29,19 +30,54 @@ pub fn run(model: &ModelArgs, args: &ShapesArgs) -> Result<()> {
     }
 }
 
+/// The config of a named real shape with no checkpoint here (random weights: `bench shapes`, `bench lanes
+/// --random-target`).
+///
+/// # Errors
+/// An unknown shape.
+pub(super) fn shape_config(shape: &str) -> Result<ModelConfig> {
+    let v = match shape {
+        "smollm2" => serde_json::json!({
+            "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+            "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "rms_norm_eps": 1e-5,
+            "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": true,
+        }),
+        "llama3-8b" => serde_json::json!({
+            "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": false,
+        }),
+        // Qwen3 dense shapes (q/k norm, head_dim 128 decoupled from hidden / heads).
+        "qwen3-0.6b" => serde_json::json!({
+            "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+            "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 8192,
+            "tie_word_embeddings": true,
+        }),
+        "qwen3-8b" => serde_json::json!({
+            "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 8192,
+            "tie_word_embeddings": false,
+        }),
+        other => bail!("unknown shape {other} (smollm2, llama3-8b, qwen3-0.6b, qwen3-8b)"),
+    };
+    Ok(ModelConfig::from_hf(&v)?)
+}
+
 #[cfg(feature = "cuda")]
 mod gpu {
     use std::sync::Arc;
     use std::time::Instant;
 
-    use anyhow::{bail, Result};
+    use anyhow::Result;
 
     use crate::cli::ShapesArgs;
     use dflash_models::cuda::{CudaCache, CudaCacheConfig};
     use dflash_models::llama::cuda::{CudaLlamaModel, RandomWeights};
     use dflash_models::resolve::ModelSource;
     use dflash_models::LoadOptions;
-    use dflash_models::{ForwardBatch, ModelConfig, Readout, SeqRows};
+    use dflash_models::{ForwardBatch, Readout, SeqRows};
     use dflash_runtime::cuda::ops::QuantFormat;
     use dflash_runtime::cuda::CudaDevice;
 
@@ -49,36 +85,6 @@ mod gpu {
     const FLOOR_BYTES_PER_S: f64 = 4.3e12;
     const PAGE: usize = 16;
     const PROMPT: usize = 128;
-
-    fn config(shape: &str) -> Result<ModelConfig> {
-        let v = match shape {
-            "smollm2" => serde_json::json!({
-                "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-                "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "rms_norm_eps": 1e-5,
-                "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": true,
-            }),
-            "llama3-8b" => serde_json::json!({
-                "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-                "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "rms_norm_eps": 1e-5,
-                "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": false,
-            }),
-            // Qwen3 dense shapes (q/k norm, head_dim 128 decoupled from hidden / heads).
-            "qwen3-0.6b" => serde_json::json!({
-                "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-                "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-                "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 8192,
-                "tie_word_embeddings": true,
-            }),
-            "qwen3-8b" => serde_json::json!({
-                "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-                "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-                "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 8192,
-                "tie_word_embeddings": false,
-            }),
-            other => bail!("unknown shape {other} (smollm2, llama3-8b, qwen3-0.6b, qwen3-8b)"),
-        };
-        Ok(ModelConfig::from_hf(&v)?)
-    }
 
     /// Runs the benchmark.
     ///
@@ -97,7 +103,7 @@ mod gpu {
             t0.elapsed().as_secs_f64() * 1e3
         );
         for shape in &a.shapes {
-            let cfg = config(shape)?;
+            let cfg = super::shape_config(shape)?;
             let weights = if shape == "smollm2" {
                 RandomWeights::Quant { layers: QuantFormat::Q4_1, head: QuantFormat::Q8_0 }
             } else {

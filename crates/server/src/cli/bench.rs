@@ -117,12 +117,29 @@ pub struct LanesArgs {
     /// The tokenizer (an HF directory with tokenizer.json) that encodes the prompts of a `--random-hybrid` run.
     #[arg(long, value_name = "DIR")]
     pub tokenizer: Option<PathBuf>,
+    /// Instead of `--model`: a dense target of this real shape (smollm2, qwen3-0.6b, qwen3-8b, llama3-8b) with random
+    /// weights, on `--device` (the projection of a target / drafter pair: see `--random-drafter`). Needs
+    /// `--tokenizer`.
+    #[arg(long, value_name = "SHAPE", requires = "tokenizer", conflicts_with = "random_hybrid")]
+    pub random_target: Option<String>,
+    /// With `--random-target`: a random block drafter of the matching real shape (the public Qwen3-8B DFlash
+    /// drafter's layout: 5 layers, block 16, five taps), run every round by the oracle lanes with
+    /// `--oracle-pays-drafter`.
+    #[arg(long, value_enum, requires = "random_target")]
+    pub random_drafter: Option<RandomDrafter>,
     /// With `--random-hybrid`: the target's shapes (see `bench hybrid --shape`).
     #[arg(long, value_enum, default_value = "qwen3-next-80b", requires = "random_hybrid")]
     pub hybrid_shape: HybridShape,
     /// With `--random-hybrid`: hyper-connection streams (0: a plain residual).
     #[arg(long, default_value_t = 0, requires = "random_hybrid")]
     pub streams: usize,
+}
+
+/// The random drafters of `bench lanes --random-drafter`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum RandomDrafter {
+    Dflash,
+    Dflash2,
 }
 
 /// The oracle lanes' named acceptance profiles.

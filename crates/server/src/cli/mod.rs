@@ -12,7 +12,7 @@ use dflash_models::{Device, GenerationDefaults};
 
 use crate::http::ToolCallParser;
 
-pub use bench::{BenchArgs, HybridArgs, LanesArgs, LoadArgs, PrefixArgs, Scenario, ShapesArgs};
+pub use bench::{BenchArgs, HybridArgs, LanesArgs, LoadArgs, PrefixArgs, RandomDrafter, Scenario, ShapesArgs};
 
 #[derive(Parser, Debug)]
 #[command(name = "dflash", version, about = "LLM inference with speculative decoding")]

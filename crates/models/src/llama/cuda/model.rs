@@ -129,6 +129,16 @@ impl CudaLlamaModel {
         Ok(model)
     }
 
+    /// The model capturing `taps` at every forward (a random-weight model starts with none).
+    ///
+    /// # Errors
+    /// A tap past the last layer.
+    pub fn with_capture_layers(mut self, taps: &[usize]) -> Result<Self> {
+        check_config(&self.cfg, taps)?;
+        self.capture_layers = taps.to_vec();
+        Ok(self)
+    }
+
     /// A model of `cfg`'s shapes with random weights made on the device (benchmarks of real shapes):
     /// matrices uniform in `±1/√k` (bf16) or random quants, norms near 1.
     ///
