@@ -220,46 +220,77 @@ fn random_engine(
     if let Some(k) = kinds.iter().find(|k| matches!(k, BenchLane::Dflash | BenchLane::Mtp)) {
         bail!("--random-hybrid: the {k:?} lane needs a drafter trained for the target; use plain, pld and oracleN");
     }
-    crate::setup::process_state(model);
-    let tokenizer = Arc::new(
-        Tokenizer::from_hf_dir(tokenizer_dir)
-            .with_context(|| format!("reading the tokenizer in {}", tokenizer_dir.display()))?,
-    );
+    let run = RandomRun::prepare(model, spec, window, tokenizer_dir)?;
     let config = super::hybrid::random_hybrid_config(shape, layers, streams)?;
-    let plan = engine_plan(spec, window)?;
-    let device = match model.device {
-        DeviceArg::Exact(device) => device,
-        DeviceArg::Auto => dflash_models::Device::Cuda(0),
-    };
-    let num_pages = window / PAGE_SIZE;
-    let cache = CachePlan {
-        pages: KvPages::Fixed(num_pages),
-        page_size: PAGE_SIZE,
-        max_batch_tokens: plan.max_batch_tokens,
-        max_seqs: plan.max_running,
-        context_window: plan.context_window,
-    };
-    let target = dflash_models::hybrid::open_random(config, device, &cache, 7)?;
-    let cfg = EngineConfig {
-        context_window: plan.context_window,
-        num_pages,
-        page_size: PAGE_SIZE,
-        max_running: plan.max_running,
-        max_batch_tokens: plan.max_batch_tokens,
-        eos_ids: tokenizer.eos_ids().to_vec(),
-        spec: plan.spec,
-        prefix_cache_pages: 0,
-        drafter: None,
-        state_checkpoint_stride: model.state_checkpoint_stride,
-    };
-    let mut main = Engine::new(target, Arc::clone(&tokenizer), cfg, metrics())?;
-    main.widen_rounds(oracle_rows(kinds));
-    main.probe_round_costs()?;
-    Ok((Engines { main, mtp: None }, tokenizer))
+    let target = dflash_models::hybrid::open_random(config, run.device, &run.cache, 7)?;
+    run.engines(model, target, None, kinds)
+}
+
+/// What a run on a random-weight target shares: the tokenizer that encodes its prompts, the device, the cache and
+/// the engine's plan.
+pub(super) struct RandomRun {
+    pub(super) tokenizer: Arc<Tokenizer>,
+    pub(super) device: dflash_models::Device,
+    pub(super) cache: CachePlan,
+    num_pages: usize,
+    plan: EnginePlan,
+}
+
+impl RandomRun {
+    /// Reads the tokenizer in `tokenizer_dir` and plans one sequence at a time in `window` tokens on `--device`
+    /// (`auto`: the first GPU).
+    pub(super) fn prepare(model: &ModelArgs, spec: &SpecArgs, window: usize, tokenizer_dir: &Path) -> Result<Self> {
+        crate::setup::process_state(model);
+        let tokenizer = Arc::new(
+            Tokenizer::from_hf_dir(tokenizer_dir)
+                .with_context(|| format!("reading the tokenizer in {}", tokenizer_dir.display()))?,
+        );
+        let plan = engine_plan(spec, window)?;
+        let device = match model.device {
+            DeviceArg::Exact(device) => device,
+            DeviceArg::Auto => dflash_models::Device::Cuda(0),
+        };
+        let num_pages = window / PAGE_SIZE;
+        let cache = CachePlan {
+            pages: KvPages::Fixed(num_pages),
+            page_size: PAGE_SIZE,
+            max_batch_tokens: plan.max_batch_tokens,
+            max_seqs: plan.max_running,
+            context_window: plan.context_window,
+        };
+        Ok(RandomRun { tokenizer, device, cache, num_pages, plan })
+    }
+
+    /// The engine over `target` (with `drafter`), its rounds widened for the oracle lanes and its costs probed.
+    pub(super) fn engines(
+        self,
+        model: &ModelArgs,
+        target: Box<dyn dflash_models::Target>,
+        drafter: Option<dflash_engine::spec::DrafterConfig>,
+        kinds: &[BenchLane],
+    ) -> Result<(Engines, Arc<Tokenizer>)> {
+        let plan = self.plan;
+        let cfg = EngineConfig {
+            context_window: plan.context_window,
+            num_pages: self.num_pages,
+            page_size: PAGE_SIZE,
+            max_running: plan.max_running,
+            max_batch_tokens: plan.max_batch_tokens,
+            eos_ids: self.tokenizer.eos_ids().to_vec(),
+            spec: plan.spec,
+            prefix_cache_pages: 0,
+            drafter,
+            state_checkpoint_stride: model.state_checkpoint_stride,
+        };
+        let mut main = Engine::new(target, Arc::clone(&self.tokenizer), cfg, metrics())?;
+        main.widen_rounds(oracle_rows(kinds));
+        main.probe_round_costs()?;
+        Ok((Engines { main, mtp: None }, self.tokenizer))
+    }
 }
 
 /// The widest verify an oracle lane asks for (1 without oracle lanes).
-pub(super) fn oracle_rows(kinds: &[BenchLane]) -> usize {
+fn oracle_rows(kinds: &[BenchLane]) -> usize {
     kinds.iter().map(|k| if let BenchLane::Oracle(block) = k { *block } else { 1 }).max().unwrap_or(1)
 }
 
@@ -296,7 +327,7 @@ fn document(tokenizer: &Tokenizer, path: &Path, tokens: usize) -> Result<String>
 
 /// One sequence at a time, prompts prefilled in chunks of 512, no prefix cache: every prompt runs once per lane,
 /// and each lane must prefill it cold.
-pub(super) fn engine_plan(spec: &SpecArgs, window: usize) -> Result<EnginePlan> {
+fn engine_plan(spec: &SpecArgs, window: usize) -> Result<EnginePlan> {
     let spec: SpecConfig = spec.config()?;
     Ok(EnginePlan {
         context_window: window,
@@ -308,7 +339,7 @@ pub(super) fn engine_plan(spec: &SpecArgs, window: usize) -> Result<EnginePlan> 
     })
 }
 
-pub(super) fn metrics() -> Arc<EngineMetrics> {
+fn metrics() -> Arc<EngineMetrics> {
     Arc::new(EngineMetrics::default())
 }
 

@@ -8,16 +8,14 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use dflash_engine::spec::DrafterConfig;
-use dflash_engine::{Engine, EngineConfig};
 use dflash_models::dflash::{DraftConfig, DraftModel, TargetShape};
 use dflash_models::tokenizer::Tokenizer;
 use dflash_models::{CachePlan, Device, KvPages, ModelConfig, Target};
 
-use super::lanes::{metrics, BenchLane, Engines};
-use crate::cli::{DeviceArg, ModelArgs, RandomDrafter, SpecArgs};
-use crate::setup::PAGE_SIZE;
+use super::lanes::{BenchLane, Engines, RandomRun};
+use crate::cli::{ModelArgs, RandomDrafter, SpecArgs};
 
 /// Layers and block of the public Qwen3-8B DFlash drafter.
 const DRAFTER_LAYERS: usize = 5;
@@ -31,45 +29,13 @@ pub(super) fn random_target_engine(
     (shape, drafter): (&str, Option<RandomDrafter>),
     tokenizer_dir: &Path,
 ) -> Result<(Engines, Arc<Tokenizer>)> {
-    crate::setup::process_state(model);
-    let tokenizer = Arc::new(
-        Tokenizer::from_hf_dir(tokenizer_dir)
-            .with_context(|| format!("reading the tokenizer in {}", tokenizer_dir.display()))?,
-    );
+    let run = RandomRun::prepare(model, spec, window, tokenizer_dir)?;
     let cfg = super::shapes::shape_config(shape)?;
     let draft = drafter.map(|kind| random_drafter(&cfg, kind)).transpose()?.map(Arc::new);
     let taps = draft.as_ref().map(|d| d.target_layer_ids().to_vec()).unwrap_or_default();
-    let plan = super::lanes::engine_plan(spec, window)?;
-    let device = match model.device {
-        DeviceArg::Exact(device) => device,
-        DeviceArg::Auto => Device::Cuda(0),
-    };
-    let num_pages = window / PAGE_SIZE;
-    let cache = CachePlan {
-        pages: KvPages::Fixed(num_pages),
-        page_size: PAGE_SIZE,
-        max_batch_tokens: plan.max_batch_tokens,
-        max_seqs: plan.max_running,
-        context_window: plan.context_window,
-    };
-    let target = random_target(cfg, device, &cache, &taps)?;
+    let target = random_target(cfg, run.device, &run.cache, &taps)?;
     let drafter = draft.map(|d| DrafterConfig::new(d, None, None)).transpose()?;
-    let engine_cfg = EngineConfig {
-        context_window: plan.context_window,
-        num_pages,
-        page_size: PAGE_SIZE,
-        max_running: plan.max_running,
-        max_batch_tokens: plan.max_batch_tokens,
-        eos_ids: tokenizer.eos_ids().to_vec(),
-        spec: plan.spec,
-        prefix_cache_pages: 0,
-        drafter,
-        state_checkpoint_stride: model.state_checkpoint_stride,
-    };
-    let mut main = Engine::new(target, Arc::clone(&tokenizer), engine_cfg, metrics())?;
-    main.widen_rounds(super::lanes::oracle_rows(kinds));
-    main.probe_round_costs()?;
-    Ok((Engines { main, mtp: None }, tokenizer))
+    run.engines(model, target, drafter, kinds)
 }
 
 /// A drafter of `kind` for a target of `cfg` with random weights.
