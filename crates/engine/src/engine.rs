@@ -213,7 +213,7 @@ impl Engine {
                 wanted: vec![last],
             });
         }
-        let widest = self.round_costs.lock().max_rows().max(mtp.depth.max() + 1);
+        let widest = self.round_costs.lock().widest_round().max(mtp.depth.max() + 1);
         self.round_costs = SharedCosts::new(CostTable::new(widest));
         self.mtp = Some(mtp);
         Ok(self)
@@ -222,7 +222,7 @@ impl Engine {
     /// Makes the round-cost table cover rounds of up to `rows` verify rows (for lanes the configuration does not
     /// show, such as a benchmark's oracle lanes); call it before the cost probe.
     pub fn widen_rounds(&mut self, rows: usize) {
-        let widest = self.round_costs.lock().max_rows().max(rows);
+        let widest = self.round_costs.lock().widest_round().max(rows);
         self.round_costs = SharedCosts::new(CostTable::new(widest));
     }
 
@@ -288,11 +288,18 @@ impl Engine {
     pub fn step(&mut self) -> Result<(), EngineError> {
         self.drop_abandoned();
         self.probe_round_costs_once();
-        // Every running sequence, prefilling or decoding, waits for the drafting before the step.
-        self.round_costs.lock().set_step_sequences(self.sched.running.len());
+        // Lanes draft one after another, each pricing its round as part of the whole step so far.
+        let decoding = self.sched.running.iter().filter(|s| s.is_decoding()).count();
+        self.round_costs.lock().begin_step(decoding);
         let mut clock = PhaseClock::start();
         for seq in &mut self.sched.running {
             seq.prepare_drafts();
+            if let Some(lane) = seq.lane.as_ref().filter(|_| seq.is_decoding()) {
+                // A grammar may have cut the drafts the lane chose.
+                let mut share = lane.round_share();
+                share.extra_rows = share.extra_rows.min(seq.drafts.len());
+                self.round_costs.lock().add_to_step(share);
+            }
         }
         let draft = clock.lap();
         let items = self.sched.plan();

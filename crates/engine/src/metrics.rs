@@ -328,12 +328,12 @@ impl EngineMetrics {
             return;
         };
         let name = "dflash_spec_round_cost_ms";
-        let _ = writeln!(out, "# HELP {name} Expected ms of a step by verify rows and context bucket (tokens below).");
+        let _ = writeln!(out, "# HELP {name} Expected ms of a step by its rows and context bucket (tokens below).");
         let _ = writeln!(out, "# TYPE {name} gauge");
         for view in costs.buckets() {
             let context = view.context_below.map_or("+Inf".to_string(), |c| c.to_string());
-            for (r, ms) in view.ms.iter().enumerate() {
-                let _ = writeln!(out, "{name}{{context_below=\"{context}\",rows=\"{}\"}} {ms:.3}", r + 1);
+            for (rows, ms) in view.rows.iter().zip(&view.ms) {
+                let _ = writeln!(out, "{name}{{context_below=\"{context}\",rows=\"{rows}\"}} {ms:.3}");
             }
         }
         let name = "dflash_spec_draft_cost_ms";

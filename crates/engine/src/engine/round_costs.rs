@@ -7,7 +7,7 @@ use dflash_models::{ForwardBatch, SeqRows};
 
 use super::Engine;
 use crate::scheduler::StepItem;
-use crate::spec::{CostTable, PolicyMode};
+use crate::spec::{CostTable, PolicyMode, StepTiming};
 use crate::EngineError;
 
 /// Widest step the probe times; wider rounds are extrapolated along the last measured segment.
@@ -27,7 +27,7 @@ impl Engine {
     /// A target failure.
     pub fn probe_round_costs(&mut self) -> Result<Vec<f64>, EngineError> {
         self.costs_probed = true;
-        let rows_max = self.round_costs.lock().max_rows().min(PROBE_MAX_ROWS);
+        let rows_max = self.round_costs.lock().widest_round().min(PROBE_MAX_ROWS);
         let mut pages = Vec::new();
         if !self.sched.pages.reserve(&mut pages, rows_max, self.page_size) {
             return Ok(Vec::new());
@@ -143,21 +143,22 @@ impl Engine {
 
     /// After a step that took `step_ms` (its forward, verification and rollback): feeds the cost table when the
     /// step ran decode and verify rows only, and tells each decoding lane its round's width and, for such steps,
-    /// its cost. Drafting is not in it: that is the lane's, timed on its own and charged to every sequence of the
-    /// step.
+    /// the step's timing. Drafting is not in it: that is the lanes', timed on their own.
     ///
-    /// A batched step's time is attributed to its widest round: every sequence in it waits for the whole step, so
-    /// that is what the widest round cost, and it is what a lane choosing that width would pay again. Steps with
-    /// prompt rows say nothing about a round's cost and are left out.
+    /// The table's cells are whole steps by their rows in all: every sequence in a step waits for all of it, and a
+    /// lane choosing a width pays what the step's rows with its round cost against the step's rows without. Steps
+    /// with prompt rows say nothing about a round's cost and are left out.
     pub(super) fn record_round_times(&mut self, items: &[StepItem], step_ms: f64) {
         let decoding = |i: &&StepItem| i.samples && i.rows == 1 + i.drafts;
         let decode_only = items.iter().all(|i| decoding(&i));
+        let rows: usize = items.iter().map(|i| i.rows).sum();
         if decode_only && !items.is_empty() {
-            let rows = items.iter().map(|i| i.rows).max().unwrap_or(1);
             let context = items.iter().map(|i| self.sched.running[i.seq].len()).max().unwrap_or(0);
             tracing::debug!(
                 target: "dflash::rounds",
                 rows,
+                sequences = items.len(),
+                widest = items.iter().map(|i| i.rows).max().unwrap_or(1),
                 context,
                 generated = items.iter().map(|i| self.sched.running[i.seq].generated()).max().unwrap_or(0),
                 step_ms,
@@ -167,7 +168,11 @@ impl Engine {
             costs.observe(context, rows, step_ms);
             self.metrics.publish_round_costs(&costs);
         }
-        let timing = decode_only.then_some(step_ms);
+        let timing = decode_only.then_some(StepTiming {
+            step_ms,
+            sequences: items.len(),
+            extra_rows: rows.saturating_sub(items.len()),
+        });
         for item in items.iter().filter(decoding) {
             if let Some(lane) = self.sched.running[item.seq].lane.as_mut() {
                 let paused = lane.stepped(item.rows, timing);

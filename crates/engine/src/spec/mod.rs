@@ -22,9 +22,10 @@ pub use gate::prompt_gate_passes;
 pub use mtp::{MtpDepth, MtpLaneConfig, MtpProposer};
 pub use ngram::{NgramConfig, NgramProposer};
 pub use oracle::{OracleDraft, OracleProposer};
-pub use policy::{CostTable, PolicyMode, RoundPlan, RoundPolicy, SharedCosts};
+pub use policy::{CostTable, PolicyMode, RoundPlan, RoundPolicy, RoundShare, SharedCosts};
 
 use crate::sampler::SamplingParams;
+use policy::RoundTiming;
 
 /// What a proposer sees of its sequence when asked for drafts.
 pub struct ProposeInput<'a> {
@@ -248,12 +249,32 @@ struct RoundInFlight {
     context: usize,
     /// Time the proposer took (ms).
     draft_ms: f64,
+    /// What the round adds to its step beyond a plain row, as the policy expected it.
+    share: RoundShare,
     /// The drafter's confidence in the drafts sent to verification.
     confidence: Option<Vec<f32>>,
     /// The policy made the round plain.
     gated: bool,
     /// Tokens the verified round committed.
     committed: Option<usize>,
+}
+
+/// A decode step as a lane's round saw it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepTiming {
+    /// The step's time (ms): its forward, verification and rollback.
+    pub step_ms: f64,
+    /// Decoding sequences in the step.
+    pub sequences: usize,
+    /// Verify rows past one per sequence, every lane's together.
+    pub extra_rows: usize,
+}
+
+impl StepTiming {
+    /// A step of one sequence verifying `rows` rows.
+    pub fn alone(rows: usize, step_ms: f64) -> Self {
+        StepTiming { step_ms, sequences: 1, extra_rows: rows.saturating_sub(1) }
+    }
 }
 
 /// A sequence's armed lane: its proposer, round policy and stats, and the engine's cost table.
@@ -301,8 +322,11 @@ impl SpecLane {
         }
         let confidence = confidence.filter(|c| c.len() >= tokens.len());
         let costs = self.costs.lock();
-        let keep = self.policy.choose(&costs, context, tokens.len(), confidence.as_deref(), draft_ms);
+        let choice = self.policy.choose(&costs, context, tokens.len(), confidence.as_deref(), draft_ms);
         drop(costs);
+        let keep = choice.drafts;
+        self.round.share =
+            RoundShare { extra_rows: keep, extra_tokens: choice.expected_tokens - 1.0, draft_ms: self.round.draft_ms };
         tokens.truncate(keep);
         self.round.gated = tokens.is_empty();
         self.round.confidence = confidence.map(|mut c| {
@@ -325,6 +349,12 @@ impl SpecLane {
         (proposal, draft_ms)
     }
 
+    /// What this step's round adds to the step beyond a plain row (rows, expected tokens, drafting), for the lanes
+    /// that decide after it ([`CostTable::add_to_step`]).
+    pub fn round_share(&self) -> RoundShare {
+        self.round.share
+    }
+
     /// Records a verified round.
     pub fn verified(&mut self, drafted: usize, accepted: usize) {
         self.stats.record_round(drafted, accepted);
@@ -334,23 +364,29 @@ impl SpecLane {
         self.round.committed = Some(accepted + 1);
     }
 
-    /// Records the decode step this lane's round ran in: `rows` verify rows (1: plain), and the step's time in ms
-    /// when it says what the round cost (a step with prompt rows in it does not). Returns true when the gate paused
+    /// Records the decode step this lane's round ran in: `rows` verify rows (1: plain), and the step's timing when
+    /// it says what the round cost (a step with prompt rows in it does not). Returns true when the gate paused
     /// drafting.
-    pub fn stepped(&mut self, rows: usize, step_ms: Option<f64>) -> bool {
+    pub fn stepped(&mut self, rows: usize, timing: Option<StepTiming>) -> bool {
         self.stats.record_width(rows);
         if rows <= 1 {
             self.stats.plain_steps += 1;
             self.stats.gated_steps += u64::from(self.round.gated);
         }
-        let (Some(tokens), Some(step_ms)) = (self.round.committed.take(), step_ms) else {
+        let (Some(tokens), Some(step)) = (self.round.committed.take(), timing) else {
             return false;
         };
         let costs = self.costs.lock();
-        // This lane's drafting held up every sequence of the step: charged as many times, as the plan charged it.
-        // (Other lanes' drafting is theirs: this round would have waited for it as a plain one too.)
-        let took_ms = self.round.draft_ms * costs.step_sequences() as f64 + step_ms;
-        let paused = self.policy.record_round(&costs, self.round.context, tokens, took_ms);
+        let context = self.round.context;
+        // The round's part of the step: a plain row's share, the step's time past a plain step of as many
+        // sequences in proportion to its extra rows, and its drafting, which held up every sequence (other lanes'
+        // drafting is theirs: this round would have waited for it as a plain one too).
+        let plain_step = costs.cost(context, step.sequences);
+        let plain_ms = plain_step / step.sequences.max(1) as f64;
+        let extra_share = if step.extra_rows > 0 { (rows - 1) as f64 / step.extra_rows as f64 } else { 0.0 };
+        let took_ms = plain_ms + (step.step_ms - plain_step) * extra_share + self.round.draft_ms;
+        let round = RoundTiming { tokens, took_ms, plain_ms };
+        let paused = self.policy.record_round(&costs, context, round);
         drop(costs);
         self.stats.gate_pauses += u64::from(paused);
         paused
@@ -411,7 +447,7 @@ mod tests {
             let input = ProposeInput { tokens: &tokens, sampling: &sampling };
             assert_eq!(lane.draft(&input, 100).len(), 8);
             lane.verified(8, 0);
-            assert!(!lane.stepped(9, Some(50.0)));
+            assert!(!lane.stepped(9, Some(StepTiming::alone(9, 50.0))));
         }
         let input = ProposeInput { tokens: &tokens, sampling: &sampling };
         assert_eq!(lane.draft(&input, 3).len(), 3, "capped by the caller");
@@ -436,14 +472,15 @@ mod tests {
         }
     }
 
-    /// Rounds of a lane whose drafts are all accepted, in steps that take 10 ms plus 1 ms a verify row, drafted as
-    /// if alone but judged in steps of `sequences` sequences; returns how many times the gate paused it.
-    fn pauses_when_judged_in_steps_of(sequences: usize) -> u64 {
+    /// Rounds of a lane whose drafts are all accepted and whose drafting call takes 1 ms, in steps of `sequences`
+    /// sequences that take 10 ms plus a microsecond a row (a GPU target far from its compute bound), judged by the
+    /// gate; returns how many times it paused the lane.
+    fn pauses_in_steps_of(sequences: usize) -> u64 {
         let mut table = CostTable::new(9);
-        table.seed(&[10.0, 11.0, 12.0, 13.0, 14.0, 15.0, 16.0, 17.0, 18.0]);
+        table.seed(&(0..9).map(|r| 10.0 + 0.001 * r as f64).collect::<Vec<_>>());
         let costs = SharedCosts::new(table);
         let mut lane = SpecLane::new(
-            Box::new(Slow(vec![5; 8], std::time::Duration::from_micros(10))),
+            Box::new(Slow(vec![5; 8], std::time::Duration::from_millis(1))),
             8,
             0,
             PolicyMode::Fixed,
@@ -453,23 +490,23 @@ mod tests {
         let sampling = SamplingParams::greedy();
         let tokens = [1, 2, 3];
         for _ in 0..40 {
-            costs.lock().set_step_sequences(1);
             let drafts = lane.draft(&ProposeInput { tokens: &tokens, sampling: &sampling }, 100);
             if !drafts.is_empty() {
                 lane.verified(drafts.len(), drafts.len());
             }
-            costs.lock().set_step_sequences(sequences);
-            lane.stepped(1 + drafts.len(), Some(10.0 + drafts.len() as f64));
+            let step_ms = costs.lock().cost(3, sequences + drafts.len());
+            let timing = StepTiming { step_ms, sequences, extra_rows: drafts.len() };
+            lane.stepped(1 + drafts.len(), Some(timing));
         }
         lane.stats.gate_pauses
     }
 
     #[test]
-    fn a_lane_is_charged_its_drafting_once_for_every_sequence_its_step_holds_up() {
-        // Alone, 9 tokens in 18 ms plus a few microseconds of drafting beat 90 ms of plain steps: never paused. In a
-        // step of a million sequences each microsecond of drafting is a second of theirs: paused.
-        assert_eq!(pauses_when_judged_in_steps_of(1), 0);
-        assert!(pauses_when_judged_in_steps_of(1_000_000) > 0);
+    fn a_lane_is_charged_its_drafting_as_time_every_sequence_of_its_step_waits() {
+        // Alone, 9 tokens in about 11 ms beat 90 ms of plain steps: never paused. In a step of a thousand sequences
+        // a plain token costs 11 microseconds, and the 1 ms call that bought 8 more held up a thousand: paused.
+        assert_eq!(pauses_in_steps_of(1), 0);
+        assert!(pauses_in_steps_of(1000) > 0);
     }
 
     #[test]
@@ -487,7 +524,7 @@ mod tests {
                 lane.verified(drafts.len(), 0);
             }
             plain += usize::from(drafts.is_empty());
-            lane.stepped(1 + drafts.len(), Some(10.0 + drafts.len() as f64));
+            lane.stepped(1 + drafts.len(), Some(StepTiming::alone(1 + drafts.len(), 10.0 + drafts.len() as f64)));
         }
         // Drafted: the gate's warm-up rounds, then one probe after each doubling pause (2, 4, 8, 16).
         assert!(plain >= 28, "plain rounds: {plain} of 40");

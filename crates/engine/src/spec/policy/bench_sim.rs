@@ -91,14 +91,14 @@ impl Engine {
             return (1, 1, self.step(1));
         }
         self.costs.observe_draft(LaneKind::Oracle, DRAFT_MS);
-        let keep = policy.choose(&self.costs, self.context, cap, None, DRAFT_MS);
+        let keep = policy.choose(&self.costs, self.context, cap, None, DRAFT_MS).drafts;
         if keep == 0 {
             return (1, 1, DRAFT_MS + self.step(1));
         }
         let accepted = (0..keep).take_while(|&j| draft_right(key, generated, j, self.accept[j])).count();
         policy.record_verified(&mut self.costs, keep, accepted, None);
         let ms = DRAFT_MS + self.step(keep + 1);
-        policy.record_round(&self.costs, self.context, accepted + 1, ms);
+        policy.record_round(&self.costs, self.context, RoundTiming::alone(&self.costs, self.context, accepted + 1, ms));
         (keep + 1, accepted + 1, ms)
     }
 

@@ -26,10 +26,23 @@ pub fn expected_tokens(accept: &[f64], rows: usize) -> f64 {
 /// The rows (1..=`max_rows`) maximising `expected_tokens / cost(rows)`, preferring the cheapest within
 /// [`TIE_MARGIN`] of the best. 1 means a plain round. `cost` is in any positive unit (ms).
 pub fn choose_rows(accept: &[f64], max_rows: usize, cost: impl Fn(usize) -> f64) -> usize {
-    let rates: Vec<f64> =
-        (1..=max_rows.max(1)).map(|rows| expected_tokens(accept, rows) / cost(rows).max(f64::MIN_POSITIVE)).collect();
-    let best = rates.iter().copied().fold(0.0, f64::max);
-    rates.iter().position(|&rate| rate >= best * (1.0 - TIE_MARGIN)).map_or(1, |i| i + 1)
+    choose_rows_in_step(accept, max_rows, 0.0, cost)
+}
+
+/// The rows (1..=`max_rows`) of one round maximising its step's tokens per ms, `(base_tokens + expected_tokens) /
+/// cost(rows)`, where the step's other rows are expected to commit `base_tokens` and `cost` prices the whole step.
+/// Near ties go to the cheaper width: a width counts as the best when its round's own tokens, raised by
+/// [`TIE_MARGIN`], would make it so (for a lone round, within the margin of the best rate).
+pub fn choose_rows_in_step(accept: &[f64], max_rows: usize, base_tokens: f64, cost: impl Fn(usize) -> f64) -> usize {
+    let base = base_tokens.max(0.0);
+    let costs: Vec<f64> = (1..=max_rows.max(1)).map(|rows| cost(rows).max(f64::MIN_POSITIVE)).collect();
+    let own = |rows: usize| expected_tokens(accept, rows);
+    let best = costs.iter().enumerate().map(|(i, c)| (base + own(i + 1)) / c).fold(0.0, f64::max);
+    costs
+        .iter()
+        .enumerate()
+        .position(|(i, c)| (base + own(i + 1) / (1.0 - TIE_MARGIN)) / c >= best)
+        .map_or(1, |i| i + 1)
 }
 
 #[cfg(test)]
@@ -81,5 +94,19 @@ mod tests {
         // margin: taking 4 there (no margin) gains 0.3 points in the simulated table and costs as much where
         // content changes (entry 39).
         assert_eq!(choose_rows(&[0.90, 0.84, 0.77, 0.72, 0.67, 0.67, 0.67], 8, cost), 3);
+    }
+
+    #[test]
+    fn a_round_beside_other_rows_must_beat_the_steps_own_rate() {
+        // Rows cost 1 ms each on a 10 ms step. Alone, three drafts at 0.8 more than pay for their rows.
+        let step = |base_rows: usize| move |rows: usize| 10.0 + (base_rows + rows) as f64;
+        let accept = [0.8; 3];
+        assert_eq!(choose_rows_in_step(&accept, 4, 0.0, step(0)), 4);
+        // Beside 63 plain rows the step commits 63 tokens in 74 ms, 0.85 a ms; the drafts add 1.95 tokens for
+        // 3 ms, 0.65 a ms: below the step's rate, so the round goes plain.
+        assert_eq!(choose_rows_in_step(&accept, 4, 63.0, step(63)), 1);
+        // On a flat step (0.01 ms a row) the same drafts are nearly free beside the same 63 rows.
+        let flat = |rows: usize| 10.0 + 0.01 * (63 + rows) as f64;
+        assert_eq!(choose_rows_in_step(&accept, 4, 63.0, flat), 4);
     }
 }

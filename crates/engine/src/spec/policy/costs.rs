@@ -1,9 +1,11 @@
-//! What a round costs on this target and device: milliseconds per step by verify rows and context length.
+//! What a round costs on this target and device: milliseconds per step by the step's rows and context length.
 //!
-//! One table per engine (one target on one device), shared by every lane. Each context bucket models a step as
-//! `level x shape[rows]`: the level is how fast the machine runs right now (ms of a one-row step), the shape how
-//! much each extra verify row adds relative to it. A start-up probe gives the first shape (ms for 1..B rows at a
-//! short context). The bucket's most measured width (its anchor) moves the level quickly; every other width
+//! One table per engine (one target on one device), shared by every lane. A cell is a whole step of `rows` rows,
+//! whichever sequences they belong to: one sequence verifying 8 rows and 8 sequences decoding one each read the
+//! weights alike, and a lane's extra verify rows cost the step what moving from its rows to the wider cell costs.
+//! Each context bucket models a step as `level x shape[rows]`: the level is how fast the machine runs right now,
+//! the shape how much each extra row adds relative to it. A start-up probe gives the first shape (ms for 1..B rows
+//! at a short context); steps wider than any cell extend the shape along its last segment. The bucket's most measured width (its anchor) moves the level quickly; every other width
 //! learns its own shape cell slowly against that level. Both are clamped moving averages: a shared machine that
 //! slows down for a while slows every width alike, and one stalled step must not rewrite the table. A width's
 //! first few rounds price it by their middle one, so one slow round among them does not price it out. A bucket
@@ -34,8 +36,55 @@ const PRIOR_PLAIN_MS: f64 = 10.0;
 const PRIOR_ROW_SLOPE: f64 = 0.1;
 /// Costs are never taken below this (a zero would make every rate infinite).
 const MIN_MS: f64 = 1e-3;
+/// The widest step a bucket keeps a cell for; wider ones are priced along the last segment and not learned.
+const MAX_STEP_ROWS: usize = 8192;
 
-/// Milliseconds per step by verify rows (1..=`max_rows`) and context bucket.
+/// The step the lanes are drafting for, as they decide one after another: what it holds before the next lane adds
+/// its round. A lane prices its widths as the whole step's tokens per millisecond, so a round that pays alone but
+/// not beside many plain rows (its rows and drafting hold every sequence up) is not run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepOutlook {
+    /// Decoding sequences in the step (at least 1).
+    pub sequences: usize,
+    /// Rows so far: one per decoding sequence plus the verify rows earlier lanes added.
+    pub rows: usize,
+    /// Expected tokens so far: one per decoding sequence plus what earlier lanes' drafts are expected to add.
+    pub tokens: f64,
+    /// Drafting calls already made for the step (ms): every sequence waits for them.
+    pub draft_ms: f64,
+}
+
+impl Default for StepOutlook {
+    /// A step of one decoding sequence.
+    fn default() -> Self {
+        StepOutlook::of(1)
+    }
+}
+
+impl StepOutlook {
+    /// A step of `sequences` decoding sequences before any lane drafted.
+    pub fn of(sequences: usize) -> Self {
+        let sequences = sequences.max(1);
+        StepOutlook { sequences, rows: sequences, tokens: sequences as f64, draft_ms: 0.0 }
+    }
+
+    /// Adds a lane's round: `extra_rows` verify rows expected to commit `extra_tokens` more, drafted in `draft_ms`.
+    pub fn add(&mut self, round: RoundShare) {
+        self.rows += round.extra_rows;
+        self.tokens += round.extra_tokens.max(0.0);
+        self.draft_ms += round.draft_ms.max(0.0);
+    }
+}
+
+/// What one lane's round adds to its step beyond a plain row.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RoundShare {
+    pub extra_rows: usize,
+    pub extra_tokens: f64,
+    pub draft_ms: f64,
+}
+
+/// Milliseconds per step by rows and context bucket.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CostTable {
     /// What buckets start from: the probe's curve, or the prior.
@@ -46,9 +95,10 @@ pub struct CostTable {
     buckets: Vec<Option<Bucket>>,
     /// Per lane kind: ms of a drafting call (moving average) and how many were measured.
     lanes: Vec<LaneRecord>,
-    /// Running sequences in the step being drafted for (at least 1): each waits for every drafting call before
-    /// the step runs, so a call's cost to the engine is this many times its time.
-    step_sequences: usize,
+    /// The widest round a lane may verify (the start curve's cells; the probe times these).
+    widest_round: usize,
+    /// The step being drafted for.
+    step: StepOutlook,
 }
 
 /// What the engine knows of one lane kind across its sequences.
@@ -85,10 +135,31 @@ impl Bucket {
     }
 
     fn cost(&self, r: usize) -> f64 {
-        (self.level * self.shape[r]).max(MIN_MS)
+        (self.level * self.shape_at(r)).max(MIN_MS)
+    }
+
+    /// The shape of `r + 1` rows: a cell's, or past the last cell along the last segment.
+    fn shape_at(&self, r: usize) -> f64 {
+        let last = self.shape.len() - 1;
+        if r <= last {
+            return self.shape[r];
+        }
+        let slope = if last > 0 { (self.shape[last] - self.shape[last - 1]).max(0.0) } else { 0.0 };
+        self.shape[last] + slope * (r - last) as f64
+    }
+
+    /// Cells up to `r` (extended along the last segment, unmeasured).
+    fn extend_to(&mut self, r: usize) {
+        while self.shape.len() <= r {
+            let next = self.shape_at(self.shape.len());
+            self.shape.push(next);
+            self.samples.push(0);
+            self.young.push([0.0; YOUNG_SAMPLES]);
+        }
     }
 
     fn observe(&mut self, r: usize, ms: f64) {
+        self.extend_to(r);
         let n = self.samples[r];
         self.samples[r] = n + 1;
         // The bucket's most measured width (the anchor) moves the level and keeps its shape; every other width
@@ -127,14 +198,17 @@ fn blend(current: f64, x: f64, n: u64, settled: f64) -> f64 {
     current + weight * (x.clamp(current * lo, current * hi) - current)
 }
 
-/// One context bucket of the table, for metrics and logs.
+/// One context bucket of the table, for metrics and logs: the cells of every width a lane may verify, and the
+/// measured ones past them (batched steps).
 #[derive(Clone, Debug, PartialEq)]
 pub struct BucketView {
     /// Contexts below this many tokens (`None`: the open last bucket).
     pub context_below: Option<usize>,
-    /// ms by rows (`ms[r - 1]`).
+    /// The cells' rows, ascending.
+    pub rows: Vec<usize>,
+    /// ms of each cell.
     pub ms: Vec<f64>,
-    /// Measured steps by rows.
+    /// Measured steps of each cell.
     pub samples: Vec<u64>,
 }
 
@@ -144,27 +218,33 @@ pub fn bucket_of(context: usize) -> usize {
 }
 
 impl CostTable {
-    /// A table for rounds of up to `max_rows` verify rows (at least 1), holding the prior until probed.
-    pub fn new(max_rows: usize) -> Self {
-        let prior: Vec<f64> =
-            (0..max_rows.max(1)).map(|r| PRIOR_PLAIN_MS * (1.0 + PRIOR_ROW_SLOPE * r as f64)).collect();
+    /// A table for rounds of up to `widest_round` verify rows (at least 1), holding the prior until probed.
+    pub fn new(widest_round: usize) -> Self {
+        let widest_round = widest_round.max(1);
+        let prior: Vec<f64> = (0..widest_round).map(|r| PRIOR_PLAIN_MS * (1.0 + PRIOR_ROW_SLOPE * r as f64)).collect();
         let buckets = vec![None; CONTEXT_BUCKETS.len()];
-        CostTable { start: Bucket::from_curve(&prior), probed: false, buckets, lanes: Vec::new(), step_sequences: 1 }
+        let start = Bucket::from_curve(&prior);
+        CostTable { start, probed: false, buckets, lanes: Vec::new(), widest_round, step: StepOutlook::default() }
     }
 
-    /// Sets how many running sequences the next step holds (the engine, before its lanes draft).
-    pub fn set_step_sequences(&mut self, sequences: usize) {
-        self.step_sequences = sequences.max(1);
+    /// Starts the step of `sequences` decoding sequences the lanes are about to draft for (the engine).
+    pub fn begin_step(&mut self, sequences: usize) {
+        self.step = StepOutlook::of(sequences);
     }
 
-    /// Running sequences in the step being drafted for (1 until the engine says otherwise).
-    pub fn step_sequences(&self) -> usize {
-        self.step_sequences
+    /// Adds a lane's round to the step being drafted for (the engine, after each lane drafted).
+    pub fn add_to_step(&mut self, round: RoundShare) {
+        self.step.add(round);
     }
 
-    /// Widest round the table covers.
-    pub fn max_rows(&self) -> usize {
-        self.start.shape.len()
+    /// The step being drafted for (a lone sequence's until the engine says otherwise).
+    pub fn step(&self) -> StepOutlook {
+        self.step
+    }
+
+    /// Widest round a lane may verify.
+    pub fn widest_round(&self) -> usize {
+        self.widest_round
     }
 
     /// Whether a probe seeded the table.
@@ -179,35 +259,43 @@ impl CostTable {
         if ms_by_rows.is_empty() || !ms_by_rows.iter().all(|m| m.is_finite() && *m > 0.0) {
             return;
         }
-        let n = ms_by_rows.len().min(self.max_rows());
+        let n = ms_by_rows.len().min(self.widest_round);
         let last = ms_by_rows[n - 1];
         let slope = if n >= 2 { (last - ms_by_rows[n - 2]).max(0.0) } else { 0.0 };
-        let curve: Vec<f64> = (0..self.max_rows())
+        let curve: Vec<f64> = (0..self.widest_round)
             .map(|r| ms_by_rows.get(r).copied().unwrap_or_else(|| last + slope * (r + 1 - n) as f64))
             .collect();
         self.start = Bucket::from_curve(&curve);
         self.probed = true;
     }
 
-    /// Feeds a measured step of `rows` rows (clamped to the table) at `context` tokens that took `ms`.
+    /// Feeds a measured step of `rows` rows in all at `context` tokens that took `ms`.
     pub fn observe(&mut self, context: usize, rows: usize, ms: f64) {
-        if rows == 0 || !(ms.is_finite() && ms > 0.0) {
+        if rows == 0 || rows > MAX_STEP_ROWS || !(ms.is_finite() && ms > 0.0) {
             return;
         }
         let b = bucket_of(context);
-        let r = rows.min(self.max_rows()) - 1;
         let bucket = match self.buckets[b].take() {
             Some(bucket) => bucket,
             // A new context range: start from the curve below, with nothing measured here yet.
-            None => Bucket { samples: vec![0; self.max_rows()], ..self.fallback(b).clone() },
+            None => {
+                let below = self.fallback(b);
+                let cells = below.shape.len();
+                Bucket { samples: vec![0; cells], young: vec![[0.0; YOUNG_SAMPLES]; cells], ..below.clone() }
+            }
         };
-        self.buckets[b].insert(bucket).observe(r, ms);
+        self.buckets[b].insert(bucket).observe(rows - 1, ms);
     }
 
-    /// Expected ms of a step of `rows` rows (clamped to 1..=max_rows) at `context` tokens.
+    /// Expected ms of a step of `rows` rows in all (at least 1) at `context` tokens.
     pub fn cost(&self, context: usize, rows: usize) -> f64 {
         let b = bucket_of(context);
-        self.buckets[b].as_ref().unwrap_or_else(|| self.fallback(b)).cost(rows.clamp(1, self.max_rows()) - 1)
+        self.buckets[b].as_ref().unwrap_or_else(|| self.fallback(b)).cost(rows.max(1) - 1)
+    }
+
+    /// What `extra` more rows add to a step of `rows` rows at `context` tokens (ms).
+    pub fn added_cost(&self, context: usize, rows: usize, extra: usize) -> f64 {
+        self.cost(context, rows + extra) - self.cost(context, rows)
     }
 
     /// Feeds a drafting call of lane kind `lane` that took `ms`.
@@ -265,7 +353,7 @@ impl CostTable {
         let index = match self.lanes.iter().position(|k| k.kind == lane) {
             Some(index) => index,
             None => {
-                let acceptance = PositionAcceptance::typical(self.max_rows().saturating_sub(1));
+                let acceptance = PositionAcceptance::typical(self.widest_round.saturating_sub(1));
                 let record = LaneRecord {
                     kind: lane,
                     draft_ms: 0.0,
@@ -296,10 +384,15 @@ impl CostTable {
                     None if b == 0 && self.probed => &self.start,
                     None => return None,
                 };
+                let cells: Vec<usize> = (0..bucket.shape.len())
+                    .filter(|&r| r < self.widest_round || bucket.samples[r] > 0)
+                    .chain(bucket.shape.len()..self.widest_round)
+                    .collect();
                 Some(BucketView {
                     context_below: CONTEXT_BUCKETS.get(b).copied().filter(|&c| c != usize::MAX),
-                    ms: (0..self.max_rows()).map(|r| bucket.cost(r)).collect(),
-                    samples: bucket.samples.clone(),
+                    rows: cells.iter().map(|r| r + 1).collect(),
+                    ms: cells.iter().map(|&r| bucket.cost(r)).collect(),
+                    samples: cells.iter().map(|&r| bucket.samples.get(r).copied().unwrap_or(0)).collect(),
                 })
             })
             .collect()
@@ -311,8 +404,8 @@ impl CostTable {
         for view in self.buckets() {
             let bound = view.context_below.map_or("inf".to_string(), |c| c.to_string());
             let _ = write!(out, " ctx<{bound}:");
-            for (r, (ms, n)) in view.ms.iter().zip(&view.samples).enumerate() {
-                let _ = write!(out, " {}={ms:.2}{}", r + 1, if *n > 0 { "*" } else { "" });
+            for ((rows, ms), n) in view.rows.iter().zip(&view.ms).zip(&view.samples) {
+                let _ = write!(out, " {rows}={ms:.2}{}", if *n > 0 { "*" } else { "" });
             }
         }
         for (lane, ms) in self.draft_costs() {
@@ -372,7 +465,7 @@ mod tests {
         assert!(t.is_probed() && t.is_calibrated(0) && !t.is_calibrated(5000));
         let row: Vec<f64> = (1..=6).map(|r| t.cost(0, r)).collect();
         assert_eq!(row, vec![10.0, 11.0, 13.0, 15.0, 17.0, 19.0]);
-        assert_eq!(t.cost(0, 60), 19.0, "rows past the table cost the widest round");
+        assert!(close(t.cost(0, 60), 127.0), "steps wider than the cells continue the last segment");
         t.seed(&[1.0, f64::NAN]);
         assert_eq!(t.cost(0, 1), 10.0, "a broken probe is ignored");
     }
@@ -392,6 +485,25 @@ mod tests {
         assert!(close(t.cost(2000, 2), 30.0));
         assert!(close(t.cost(2000, 4), 40.0));
         assert!(t.is_calibrated(2000));
+    }
+
+    #[test]
+    fn batched_steps_learn_their_own_cells_past_the_widest_round() {
+        // The probe timed one sequence's rounds of 1..4 rows; a server then runs steps of 64 sequences.
+        let mut t = CostTable::new(4);
+        t.seed(&[1.0, 1.1, 1.2, 1.3]);
+        assert!(close(t.cost(0, 64), 7.3), "priced along the probe's last segment first");
+        for _ in 0..50 {
+            t.observe(0, 64, 4.0);
+        }
+        assert!((t.cost(0, 64) - 4.0).abs() < 0.05, "{}", t.cost(0, 64));
+        assert!(t.cost(0, 70) >= t.cost(0, 64), "wider steps follow from the widest measured one");
+        let view = &t.buckets()[0];
+        assert_eq!(view.rows, vec![1, 2, 3, 4, 64], "cells of rounds a lane may verify, and measured steps");
+        assert_eq!(view.samples, vec![0, 0, 0, 0, 50]);
+        assert!(t.summary().contains(" 64=4.00*"), "{}", t.summary());
+        t.observe(0, MAX_STEP_ROWS + 1, 1.0);
+        assert_eq!(t.buckets()[0].rows.len(), 5, "absurd widths are not kept");
     }
 
     #[test]

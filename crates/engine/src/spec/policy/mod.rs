@@ -31,8 +31,8 @@ use super::LaneKind;
 
 pub use acceptance::{ConfidenceCalibration, PositionAcceptance};
 pub use backoff::{Backoff, Spacing};
-pub use choice::{choose_rows, expected_tokens};
-pub use costs::{BucketView, CostTable, SharedCosts, CONTEXT_BUCKETS};
+pub use choice::{choose_rows, choose_rows_in_step, expected_tokens};
+pub use costs::{BucketView, CostTable, RoundShare, SharedCosts, StepOutlook, CONTEXT_BUCKETS};
 
 /// Failed probes may cost at most this share of plain decoding speed: a probe's extra cost (a second row plus
 /// drafting) over a plain step, divided by this, caps the rounds between probes. Where a second row adds 16% of a
@@ -43,6 +43,10 @@ const PROBE_SHARE: f64 = 0.02;
 /// ratio floors every pause. Cheap probes keep the first pause of 2 rounds; the default model's block drafter run
 /// on the host beside its target on an H200 (a probe costs 4.8 plain steps) pauses at least 32 rounds.
 const PROBE_FLOOR_SHARE: f64 = 0.15;
+
+/// How much a probe must beat plain decoding by to start a trial: a landed probe alone wins by 40-100% of a plain
+/// token; in a step of 64 sequences on the GPU by under 10%.
+const TRIAL_MARGIN: f64 = 0.25;
 
 /// Drafting calls of a lane kind measured before the policy stops probing a lane whose rounds could not pay even if
 /// every draft landed at the fastest call's cost.
@@ -97,6 +101,32 @@ pub enum RoundPlan {
     Draft { probe: bool },
 }
 
+/// How many drafts a round verifies, and the tokens it is expected to commit (the target's own included).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RoundChoice {
+    pub drafts: usize,
+    pub expected_tokens: f64,
+}
+
+/// What a verified round cost and would have cost plain, for the gate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RoundTiming {
+    /// Tokens the round committed.
+    pub tokens: usize,
+    /// The round's part of its step (ms): a plain row's share of the step, the step's time beyond plain in
+    /// proportion to the round's extra rows, and its drafting call, which held every sequence up.
+    pub took_ms: f64,
+    /// What a token cost in a plain step of as many sequences (ms).
+    pub plain_ms: f64,
+}
+
+impl RoundTiming {
+    /// A round that had its step to itself: drafting and step took `took_ms`, a plain step costs what the table says.
+    pub fn alone(costs: &CostTable, context: usize, tokens: usize, took_ms: f64) -> Self {
+        RoundTiming { tokens, took_ms, plain_ms: costs.cost(context, 1) }
+    }
+}
+
 /// One lane's policy state (acceptance statistics and gate); the costs are the engine's.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RoundPolicy {
@@ -134,7 +164,9 @@ impl RoundPolicy {
         &self.backoff
     }
 
-    /// Before drafting: whether this round drafts (at most `max_drafts`, `context` tokens committed).
+    /// Before drafting: whether this round drafts (at most `max_drafts`, `context` tokens committed). Widths are
+    /// priced as the whole step the engine is drafting for ([`CostTable::step`]): its rows and drafting so far,
+    /// this round's rows on top, and this lane's drafting call, which holds up every sequence of the step.
     pub fn plan(&mut self, costs: &CostTable, context: usize, max_drafts: usize) -> RoundPlan {
         if max_drafts == 0 {
             return RoundPlan::Plain;
@@ -145,19 +177,18 @@ impl RoundPolicy {
         if self.backoff.owes_plain() {
             return RoundPlan::Plain;
         }
-        // A drafting call holds up every sequence of the step, not only this one.
-        let sequences = costs.step_sequences() as f64;
-        let draft_ms = costs.draft_cost(self.lane) * sequences;
-        let cost = |rows: usize| costs.cost(context, rows) + if rows > 1 { draft_ms } else { 0.0 };
+        let step = costs.step();
+        let base = step.tokens - 1.0;
+        let step_cost = |rows: usize, draft_ms: f64| {
+            step.draft_ms + costs.cost(context, step.rows - 1 + rows) + if rows > 1 { draft_ms } else { 0.0 }
+        };
         // Where a round would lose even if every draft landed and drafting were as fast as it ever was, a probe can
         // only lose: no probe, no trial. (The fastest call, not the average: a slow first call cannot lock a lane
         // kind out, and the estimate cannot go stale upwards while nothing drafts.)
-        let fastest = costs.fastest_draft(self.lane) * sequences;
-        let best_case = |rows: usize| costs.cost(context, rows) + if rows > 1 { fastest } else { 0.0 };
+        let fastest = costs.fastest_draft(self.lane);
         let settled = costs.draft_samples(self.lane) >= SETTLED_DRAFT_SAMPLES;
-        if settled
-            && choose_rows(&ALWAYS_ACCEPTED[..max_drafts.min(ALWAYS_ACCEPTED.len())], max_drafts + 1, best_case) == 1
-        {
+        let always = &ALWAYS_ACCEPTED[..max_drafts.min(ALWAYS_ACCEPTED.len())];
+        if settled && choose_rows_in_step(always, max_drafts + 1, base, |rows| step_cost(rows, fastest)) == 1 {
             self.trial = false;
             self.backoff.defer(self.probe_spacing(costs, context));
             return RoundPlan::Plain;
@@ -166,7 +197,8 @@ impl RoundPolicy {
             return RoundPlan::Draft { probe: self.backoff.probing() };
         }
         let accept = self.acceptance(costs, max_drafts, None);
-        if choose_rows(&accept, max_drafts + 1, cost) == 1 {
+        let draft_ms = costs.draft_cost(self.lane);
+        if choose_rows_in_step(&accept, max_drafts + 1, base, |rows| step_cost(rows, draft_ms)) == 1 {
             self.backoff.defer(self.probe_spacing(costs, context));
             return RoundPlan::Plain;
         }
@@ -174,9 +206,10 @@ impl RoundPolicy {
     }
 
     /// After drafting `drafted` tokens (in `draft_ms`, spent whatever is verified; with the drafter's `confidence`
-    /// per draft when it reports one): how many of them to verify. A probe verifies one (the cheapest test that
-    /// drafting pays again), a trial round at least one. A drafted round whose drafts turn out not worth a row
-    /// backs the lane off ([`Backoff::defer`]), as does a round predicted plain before drafting.
+    /// per draft when it reports one): how many of them to verify, priced as the whole step like [`Self::plan`]. A
+    /// probe verifies one (the cheapest test that drafting pays again), a trial round at least one. A drafted round
+    /// whose drafts turn out not worth a row backs the lane off ([`Backoff::defer`]), as does a round predicted
+    /// plain before drafting.
     pub fn choose(
         &mut self,
         costs: &CostTable,
@@ -184,24 +217,27 @@ impl RoundPolicy {
         drafted: usize,
         confidence: Option<&[f32]>,
         draft_ms: f64,
-    ) -> usize {
+    ) -> RoundChoice {
+        let accept = self.acceptance(costs, drafted, confidence);
+        let chosen = |drafts: usize| RoundChoice { drafts, expected_tokens: expected_tokens(&accept, drafts + 1) };
         if self.mode == PolicyMode::Fixed || drafted == 0 {
-            return drafted;
+            return chosen(drafted);
         }
         if self.backoff.probing() {
-            return 1;
+            return chosen(1);
         }
-        let accept = self.acceptance(costs, drafted, confidence);
-        // The drafting time is spent whatever is verified: it is part of every width's round.
+        // The drafting time is spent whatever is verified: it is part of every width's step.
         let sunk = if draft_ms.is_finite() { draft_ms.max(0.0) } else { 0.0 };
-        let keep = choose_rows(&accept, drafted + 1, |rows| sunk + costs.cost(context, rows)) - 1;
+        let step = costs.step();
+        let step_cost = |rows: usize| step.draft_ms + sunk + costs.cost(context, step.rows - 1 + rows);
+        let keep = choose_rows_in_step(&accept, drafted + 1, step.tokens - 1.0, step_cost) - 1;
         if self.trial {
-            return keep.max(1);
+            return chosen(keep.max(1));
         }
         if keep == 0 {
             self.backoff.defer(self.probe_spacing(costs, context));
         }
-        keep
+        chosen(keep)
     }
 
     /// Feeds what a verified round accepted (`confidence`: of the verified drafts, when the lane reports it), to
@@ -224,32 +260,35 @@ impl RoundPolicy {
         self.trial &= accepted > 0;
     }
 
-    /// Feeds the time a verified drafted round took (drafting plus its step, ms) and the tokens it committed, at
-    /// `context` tokens; the gate judges it against the measured cost of plain rounds there. Returns true when
-    /// the gate paused drafting. Not judged while no plain cost was measured or probed at that context.
-    pub fn record_round(&mut self, costs: &CostTable, context: usize, tokens: usize, took_ms: f64) -> bool {
+    /// Feeds what a verified drafted round cost and committed, at `context` tokens; the gate judges it against
+    /// plain decoding in a step of as many sequences. Returns true when the gate paused drafting. Not judged while
+    /// no plain cost was measured or probed at that context.
+    pub fn record_round(&mut self, costs: &CostTable, context: usize, round: RoundTiming) -> bool {
         if self.mode == PolicyMode::Fixed || !costs.is_calibrated(context) {
             return false;
         }
         let was_probing = self.backoff.probing();
-        let replaced_ms = tokens as f64 * costs.cost(context, 1);
-        let paused = self.backoff.judge(replaced_ms, took_ms, self.probe_spacing(costs, context));
-        if was_probing && !paused {
+        let replaced_ms = round.tokens as f64 * round.plain_ms;
+        let paused = self.backoff.judge(replaced_ms, round.took_ms, self.probe_spacing(costs, context));
+        // A trial overrides the estimates, so only a clear win starts one: beside many plain rows a landed probe
+        // beats plain by little (its row costs nearly a plain token), and a trial on such a win runs rows that
+        // lose on average.
+        if was_probing && !paused && replaced_ms >= round.took_ms * (1.0 + TRIAL_MARGIN) {
             self.trial = true;
         }
         paused
     }
 
     /// How far apart probes are at `context`: at most enough rounds that failed probes cost [`PROBE_SHARE`] of plain
-    /// speed, at least enough that they cost [`PROBE_FLOOR_SHARE`]. A probe's drafting call holds up every sequence
-    /// of its step, so it counts once per sequence; its second row is priced by the table, whose steps are whole
-    /// steps already.
+    /// speed, at least enough that they cost [`PROBE_FLOOR_SHARE`]. A probe adds a row and a drafting call to a step
+    /// that every sequence waits for, and each of them may probe: its cost to the step counts once per sequence.
     fn probe_spacing(&self, costs: &CostTable, context: usize) -> Spacing {
-        let plain = costs.cost(context, 1);
-        let draft = costs.draft_cost(self.lane) * costs.step_sequences() as f64;
-        let extra = (costs.cost(context, 2) + draft - plain).max(0.0);
+        let step = costs.step();
+        let plain = costs.cost(context, step.sequences);
+        let extra = (costs.added_cost(context, step.sequences, 1) + costs.draft_cost(self.lane)).max(0.0);
+        let held_up = extra * step.sequences as f64;
         let rounds = |share: f64| {
-            let r = (extra / (share * plain)).ceil();
+            let r = (held_up / (share * plain)).ceil();
             (r.min(f64::from(backoff::MAX_PERIOD)) as u32).max(backoff::FIRST_PERIOD)
         };
         Spacing { floor: rounds(PROBE_FLOOR_SHARE), cap: rounds(PROBE_SHARE) }
