@@ -87,9 +87,13 @@ fn random_hybrid_lanes_with_long_prompts_run_on_the_gpu() {
         return;
     }
     let tokenizer = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tests/fixtures/tiny-qwen3-next");
+    // Tests run in the crate's folder: the prompt files are named from the repository's root.
+    let prompts = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench/prompts/lanes.json");
+    let context_text = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench/prompts/summarise-1000.txt");
     let out_dir = std::env::temp_dir().join(format!("dflash-random-hybrid-{}", std::process::id()));
     let out = dflash()
         .args(["bench", "--device", "cuda", "lanes", "--random-hybrid", "4", "--tokenizer", tokenizer])
+        .args(["--prompts", prompts, "--context-text", context_text])
         .args(["--context", "300", "--per-group", "1", "--max-tokens", "8", "--repeat", "1", "--lanes", "plain"])
         .arg("--out-dir")
         .arg(&out_dir)
