@@ -36,7 +36,7 @@ const PAGE: usize = 4;
 /// One forward: the logits of its logit rows and the captured hidden states, both flattened.
 type RunStep<'a> = dyn FnMut(&ForwardBatch) -> (Vec<f32>, Vec<f32>) + 'a;
 
-fn device() -> Option<Arc<CudaDevice>> {
+fn device() -> Option<common::DeviceTurn> {
     common::cuda_device("cuda forward tests")
 }
 
@@ -408,7 +408,7 @@ fn default_model_greedy_and_logits_match_the_cpu() {
     }
     let source = ModelSource::GgufFile(path.clone());
     let cpu = load_gguf_weights(&path, &LoadOptions::default()).expect("cpu model");
-    let gpu = CudaLlamaModel::from_source(dev, &source, &LoadOptions::default()).expect("cuda model");
+    let gpu = CudaLlamaModel::from_source(dev.clone(), &source, &LoadOptions::default()).expect("cuda model");
     let golden: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fixtures().join("smollm2/golden.json")).expect("golden"))
             .expect("json");

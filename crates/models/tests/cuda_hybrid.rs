@@ -27,7 +27,7 @@ use dflash_runtime::cuda::CudaDevice;
 
 const PAGE: usize = 4;
 
-fn device() -> Option<Arc<CudaDevice>> {
+fn device() -> Option<common::DeviceTurn> {
     common::cuda_device("cuda hybrid tests")
 }
 

@@ -19,34 +19,44 @@ __device__ __forceinline__ void streams_weighted_sum(const float* __restrict__ s
 }
 
 // Softmax of each row of comb [n, n], + eps, then Sinkhorn: columns, then iters - 1 times rows and columns, each
-// divided by its sum + eps. One thread (n <= 8: 64 values).
+// divided by its sum + eps. Thread t < n * n owns comb[t] (row t / n, column t % n); each thread sums its row or
+// column itself, in ascending order as the CPU twin does, so every owner of a row or column gets the same sum. The
+// whole block must call it (it synchronises).
 __device__ void streams_sinkhorn(float* comb, u32 n, u32 iters, float eps) {
-    for (u32 j = 0; j < n; ++j) {
-        float* row = comb + j * n;
+    const u32 t = threadIdx.x;
+    const bool owns = t < n * n;
+    const u32 j = owns ? t / n : 0, k = owns ? t % n : 0;
+    float v = 0.0f;
+    if (owns) {
+        const float* row = comb + j * n;
         float mx = row[0];
-        for (u32 k = 1; k < n; ++k) mx = fmaxf(mx, row[k]);
+        for (u32 i = 1; i < n; ++i) mx = fmaxf(mx, row[i]);
         float sum = 0.0f;
-        for (u32 k = 0; k < n; ++k) {
-            row[k] = expf(row[k] - mx);
-            sum += row[k];
-        }
-        for (u32 k = 0; k < n; ++k) row[k] = row[k] / sum + eps;
+        for (u32 i = 0; i < n; ++i) sum += expf(row[i] - mx);
+        v = expf(row[k] - mx) / sum + eps;
     }
+    __syncthreads();
+    if (owns) comb[t] = v;
+    __syncthreads();
     for (u32 it = 0; it < iters; ++it) {
         if (it > 0) {
-            for (u32 j = 0; j < n; ++j) {
+            if (owns) {
                 float sum = 0.0f;
-                for (u32 k = 0; k < n; ++k) sum += comb[j * n + k];
-                sum += eps;
-                for (u32 k = 0; k < n; ++k) comb[j * n + k] /= sum;
+                for (u32 i = 0; i < n; ++i) sum += comb[j * n + i];
+                v = comb[t] / (sum + eps);
             }
+            __syncthreads();
+            if (owns) comb[t] = v;
+            __syncthreads();
         }
-        for (u32 k = 0; k < n; ++k) {
+        if (owns) {
             float sum = 0.0f;
-            for (u32 j = 0; j < n; ++j) sum += comb[j * n + k];
-            sum += eps;
-            for (u32 j = 0; j < n; ++j) comb[j * n + k] /= sum;
+            for (u32 i = 0; i < n; ++i) sum += comb[i * n + k];
+            v = comb[t] / (sum + eps);
         }
+        __syncthreads();
+        if (owns) comb[t] = v;
+        __syncthreads();
     }
 }
 
@@ -63,9 +73,23 @@ extern "C" __global__ void streams_project(const float* __restrict__ streams, co
     const float* s = streams + r * width;
     const float* p = proj + (u64)m * width;
     float ss = 0.0f, dot = 0.0f;
-    for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
-        ss = fmaf(s[i], s[i], ss);
-        dot = fmaf(s[i], p[i], dot);
+    // Four values a load where both rows allow it (the same in every block of a launch, so a row's sums keep their
+    // order whatever else is in the batch).
+    const u64 addresses = reinterpret_cast<u64>(streams) | reinterpret_cast<u64>(proj);
+    const bool vec = (width & 3u) == 0 && (addresses & 15u) == 0;
+    if (vec) {
+        const float4* s4 = reinterpret_cast<const float4*>(s);
+        const float4* p4 = reinterpret_cast<const float4*>(p);
+        for (u32 i = threadIdx.x; i < width / 4; i += blockDim.x) {
+            const float4 a = s4[i], b = p4[i];
+            ss = fmaf(a.x, a.x, fmaf(a.y, a.y, fmaf(a.z, a.z, fmaf(a.w, a.w, ss))));
+            dot = fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, fmaf(a.w, b.w, dot))));
+        }
+    } else {
+        for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
+            ss = fmaf(s[i], s[i], ss);
+            dot = fmaf(s[i], p[i], dot);
+        }
     }
     const float inv = 1.0f / sqrtf(block_sum(ss, scratch) / (float)width + norm_eps);
     const float total = block_sum(dot, scratch);
@@ -87,17 +111,20 @@ extern "C" __global__ void streams_collapse(const float* __restrict__ streams, c
     const float* s = streams + r * n * hidden;
     for (u32 m = threadIdx.x; m < n_mix; m += blockDim.x) mix[m] = mixes[r * n_mix + m];
     __syncthreads();
-    if (threadIdx.x == 0) {
-        float* comb = mix + 2 * n;
-        for (u32 k = 0; k < n; ++k) {
-            post_out[r * n + k] = 2.0f * streams_sigmoid(mix[n + k] * scale[1] + base[n + k]);
-            mix[k] = streams_sigmoid(mix[k] * scale[0] + base[k]) + eps;  // pre, in place
-        }
-        for (u32 c = 0; c < n * n; ++c) comb[c] = comb[c] * scale[2] + base[2 * n + c];
-        streams_sinkhorn(comb, n, iters, eps);
-        for (u32 c = 0; c < n * n; ++c) comb_out[r * n * n + c] = comb[c];
+    float* comb = mix + 2 * n;
+    const u32 t = threadIdx.x;
+    float pre = 0.0f, logit = 0.0f;
+    if (t < n) {
+        post_out[r * n + t] = 2.0f * streams_sigmoid(mix[n + t] * scale[1] + base[n + t]);
+        pre = streams_sigmoid(mix[t] * scale[0] + base[t]) + eps;
     }
+    if (t < n * n) logit = comb[t] * scale[2] + base[2 * n + t];
     __syncthreads();
+    if (t < n) mix[t] = pre;
+    if (t < n * n) comb[t] = logit;
+    __syncthreads();
+    streams_sinkhorn(comb, n, iters, eps);
+    if (t < n * n) comb_out[r * n * n + t] = comb[t];
     streams_weighted_sum(s, mix, n, hidden, collapsed + r * hidden);
 }
 

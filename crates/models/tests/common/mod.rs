@@ -17,12 +17,14 @@ pub fn say(line: &str) {
     let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
 }
 
-/// CUDA device 0, opened once per test binary; without one, `None` after a SKIP notice naming `tests`.
+/// CUDA device 0, opened once per test binary and lent to one test at a time (see [`DeviceTurn`]); without one,
+/// `None` after a SKIP notice naming `tests`.
 #[cfg(feature = "cuda")]
-pub fn cuda_device(tests: &str) -> Option<std::sync::Arc<dflash_runtime::cuda::CudaDevice>> {
-    use std::sync::{Arc, OnceLock};
+pub fn cuda_device(tests: &str) -> Option<DeviceTurn> {
+    use std::sync::{Arc, Mutex, OnceLock, PoisonError};
     static DEVICE: OnceLock<Option<Arc<dflash_runtime::cuda::CudaDevice>>> = OnceLock::new();
-    DEVICE
+    static TURN: Mutex<()> = Mutex::new(());
+    let dev = DEVICE
         .get_or_init(|| match dflash_runtime::cuda::CudaDevice::new(0) {
             Ok(dev) => Some(Arc::new(dev)),
             Err(e) if e.is_no_device() => {
@@ -31,7 +33,27 @@ pub fn cuda_device(tests: &str) -> Option<std::sync::Arc<dflash_runtime::cuda::C
             }
             Err(e) => panic!("the CUDA device failed to open: {e}"),
         })
-        .clone()
+        .clone()?;
+    // A test that failed while holding the turn leaves the device usable.
+    let turn = TURN.lock().unwrap_or_else(PoisonError::into_inner);
+    Some(DeviceTurn { _turn: turn, dev })
+}
+
+/// The shared device while a test holds it: every test works on the device's one stream, and a test that captures
+/// a graph while another launches on that stream has its capture invalidated.
+#[cfg(feature = "cuda")]
+pub struct DeviceTurn {
+    _turn: std::sync::MutexGuard<'static, ()>,
+    dev: std::sync::Arc<dflash_runtime::cuda::CudaDevice>,
+}
+
+#[cfg(feature = "cuda")]
+impl std::ops::Deref for DeviceTurn {
+    type Target = std::sync::Arc<dflash_runtime::cuda::CudaDevice>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.dev
+    }
 }
 
 pub fn fixtures() -> PathBuf {
