@@ -16,6 +16,7 @@ in f32, so the greedy choice is not made on bf16 logits.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,8 +40,9 @@ class Finished:
 
 class DecodePool:
     def __init__(self, model: LlamaTarget, rows: int, max_prompt: int, max_new: int, seed: int = 0,
-                 check_every: int = 8, prefill_tokens: int = 1 << 16):
+                 check_every: int = 8, prefill_tokens: int = 1 << 16, profile_steps: int = 0):
         self.model, self.cfg = model, model.cfg
+        self.profile_steps = profile_steps  # decode steps to profile once the pool is warm (0: none)
         self.device = model.embed_tokens.weight.device
         self.max_new, self.check_every, self.prefill_tokens = max_new, check_every, prefill_tokens
         self.slots = max_prompt + max_new + check_every + 1  # a finished row runs on for up to check_every steps
@@ -205,8 +207,10 @@ class DecodePool:
         self.finished = 0
         next_job = self._start(list(range(self.rows)), jobs, 0)
         steps = 0
+        profile = StepProfile(self.profile_steps, self.device)
         while self.active.any():
-            self._step()
+            with profile.around(steps):
+                self._step()
             steps += 1
             if steps % self.check_every:
                 continue
@@ -220,6 +224,7 @@ class DecodePool:
                     self._compact()
             if progress is not None:
                 progress(self.finished, next_job, int(self.n_new[self.active].sum()))
+        profile.finish(steps)
         self._collect(results)
         return results
 
@@ -230,3 +235,60 @@ class DecodePool:
         self._record(rows, self.all_rows, self._choose(logits, rows, self.all_rows))
         self.pos = (self.pos + 1).clamp_max(self.slots - 1)
         self.length = np.minimum(self.length + 1, self.slots - 1)
+
+
+class StepProfile:
+    """Profiles `steps` decode steps of a warm pool (from step WARM_STEPS) with torch.profiler and prints where their
+    time went: the operators by device time, and the wall time per step."""
+
+    WARM_STEPS = 64
+
+    def __init__(self, steps: int, device: torch.device):
+        self.steps, self.device = steps, device
+        self.profiler = None
+        self.started = 0.0
+
+    def around(self, step: int):
+        first, last = self.WARM_STEPS, self.WARM_STEPS + self.steps - 1
+        if self.steps <= 0 or not first <= step <= last:
+            return nullcontext()
+        return _Profiled(self, step == first, step == last)
+
+    def _begin(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.synchronize(self.device)
+        self.profiler = torch.profiler.profile(activities=activities)
+        self.profiler.__enter__()
+        self.started = time.time()
+
+    def finish(self, steps_run: int) -> None:
+        """Ends a profile the pool's last step left open (the pool ran out of work inside it)."""
+        if self.profiler is not None:
+            self._end(steps_run - self.WARM_STEPS)
+
+    def _end(self, steps: int | None = None) -> None:
+        steps = steps or self.steps
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        ms = (time.time() - self.started) * 1e3 / steps
+        self.profiler.__exit__(None, None, None)
+        key = "cuda_time_total" if self.device.type == "cuda" else "cpu_time_total"
+        print(f"[decode_pool] profile of {steps} decode steps: {ms:.2f} ms a step (wall, profiled)")
+        print(self.profiler.key_averages().table(sort_by=key, row_limit=20), flush=True)
+        self.profiler = None
+
+
+class _Profiled:
+    def __init__(self, profile: StepProfile, first: bool, last: bool):
+        self.profile, self.first, self.last = profile, first, last
+
+    def __enter__(self):
+        if self.first:
+            self.profile._begin()
+
+    def __exit__(self, *exc):
+        if self.last:
+            self.profile._end()
+        return False

@@ -162,7 +162,7 @@ def generate_all(model, tokenizer, cfg, records: list[dict], args, deadline: flo
 def run_pool(model, cfg, jobs: list[Job], args, seed: int, deadline: float):
     """One decode pool over the jobs; its KV cache is freed on return (before the next turn's is allocated)."""
     pool = DecodePool(model, pool_rows(cfg, args), args.max_prompt_tokens, args.max_new_tokens, seed=seed,
-                      prefill_tokens=args.prefill_tokens)
+                      prefill_tokens=args.prefill_tokens, profile_steps=args.profile_steps)
     return pool.run(jobs, deadline, progress_logger(time.time(), len(jobs)))
 
 
@@ -251,6 +251,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-gib", type=float, default=64.0, help="KV cache budget of the decode pool")
     p.add_argument("--max-rows", type=int, default=1024, help="decode pool rows at most")
     p.add_argument("--prefill-tokens", type=int, default=1 << 16, help="tokens per prefill sub-batch")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="profile this many decode steps of the first pool once warm (torch.profiler table)")
     p.add_argument("--chunk-jobs", type=int, default=4096, help="length-sorted jobs per shuffled chunk")
     p.add_argument("--dtype", default=None, choices=("bf16", "f32"), help="weights and KV (default: bf16 on GPU)")
     p.add_argument("--limit", type=int, default=0, help="use only the first N selected prompts (0: all)")

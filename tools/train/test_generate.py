@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import tempfile
 import unittest
+from unittest import mock
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,16 @@ class DecodePoolTests(unittest.TestCase):
         results = DecodePool(model, rows=3, max_prompt=16, max_new=10, check_every=2).run([Job(p) for p in prompts])
         self.assertEqual([r.tokens for r in results], reference)
         self.assertEqual([r.ended for r in results], [r[-1] == model.cfg.eos_id for r in reference])
+
+    def test_a_profiled_pool_gives_the_same_tokens(self):
+        model = tiny_target(1)
+        prompts = random_prompts(6, seed=3)
+        plain = DecodePool(model, rows=2, max_prompt=16, max_new=40, check_every=2).run([Job(p) for p in prompts])
+        profiled = DecodePool(model, rows=2, max_prompt=16, max_new=40, check_every=2, profile_steps=3)
+        with mock.patch("builtins.print") as printed:
+            results = profiled.run([Job(p) for p in prompts])
+        self.assertEqual([r.tokens for r in results], [r.tokens for r in plain])
+        self.assertIn("profile of 3 decode steps", printed.call_args_list[0].args[0])
 
     def test_sampled_prefix_then_greedy(self):
         model = tiny_target(1)
