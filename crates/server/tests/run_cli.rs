@@ -102,3 +102,28 @@ fn random_hybrid_lanes_with_long_prompts_run_on_the_gpu() {
     let _ = std::fs::remove_dir_all(&out_dir);
     assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// `bench lanes --concurrency`: copies of each request batched together give one another's tokens and plain
+/// decoding's, on every lane.
+#[test]
+fn lanes_with_concurrent_copies_give_plain_tokens_on_every_lane() {
+    let dir = std::env::temp_dir().join(format!("dflash-lanes-copies-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let prompts = dir.join("prompts.json");
+    let list = r#"[{"group": "chat", "prompt": "Name three colours of the rainbow."},
+                   {"group": "code", "prompt": "Write a Python function that adds two numbers."}]"#;
+    std::fs::write(&prompts, list).expect("prompts");
+    let out = dflash()
+        .args(["bench", "--device", "cpu", "--threads", "2", "lanes"])
+        .arg("--prompts")
+        .arg(&prompts)
+        .args(["--max-tokens", "12", "--repeat", "1", "--concurrency", "3", "--lanes", "plain,pld,oracle4-fixed"])
+        .arg("--out-dir")
+        .arg(dir.join("out"))
+        .output()
+        .expect("spawn dflash");
+    let _ = std::fs::remove_dir_all(&dir);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("| all | 0 | oracle4-fixed |"), "{stdout}");
+}

@@ -99,17 +99,18 @@ pub fn run(model: &ModelArgs, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
     if kinds.first() != Some(&BenchLane::Plain) {
         bail!("the first lane must be `plain`: the other lanes' tokens and speedups are checked against it");
     }
-    let window = context_window(args.context, args.max_tokens);
+    let copies = args.concurrency.max(1);
+    let sizing = Sizing { window: context_window(args.context, args.max_tokens), sequences: copies };
     let (mut engines, tokenizer) = match (args.random_hybrid, &args.random_target, &args.tokenizer) {
         (Some(layers), _, Some(dir)) => {
-            random_engine(model, spec, &kinds, window, (args.hybrid_shape, layers, args.streams), dir)?
+            random_engine(model, spec, &kinds, sizing, (args.hybrid_shape, layers, args.streams), dir)?
         }
         (None, Some(shape), Some(dir)) => {
             let target = (shape.as_str(), args.random_drafter);
-            super::projection::random_target_engine(model, spec, (&kinds, window), target, dir)?
+            super::projection::random_target_engine(model, spec, (&kinds, sizing), target, dir)?
         }
         (Some(_), _, None) | (None, Some(_), None) => bail!("--random-hybrid and --random-target need --tokenizer DIR"),
-        (None, None, _) => engines(model, spec, &kinds, window)?,
+        (None, None, _) => engines(model, spec, &kinds, sizing)?,
     };
     let document = match args.context {
         0 => None,
@@ -146,7 +147,7 @@ pub fn run(model: &ModelArgs, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
                     let engine = engines.for_lane(kind)?;
                     let lane_choice = (lane.as_str(), kind, policy, oracle);
                     let (usage, ttft_ms, ids) =
-                        run_one(engine, &prompt, lane_choice, sampling.clone(), args.max_tokens)?;
+                        run_copies(engine, &prompt, lane_choice, sampling.clone(), args.max_tokens, copies)?;
                     if kind == BenchLane::Plain {
                         plain_ids = ids;
                     } else if ids != plain_ids && !(lossy && temperature > 0.0) {
@@ -180,16 +181,23 @@ pub fn run(model: &ModelArgs, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
     Ok(())
 }
 
+/// How big the bench's engines are: a sequence's context window, and how many sequences run at once.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Sizing {
+    pub(super) window: usize,
+    pub(super) sequences: usize,
+}
+
 /// Opens the target once per engine the lanes need and probes each engine's round costs.
 fn engines(
     model: &ModelArgs,
     spec: &SpecArgs,
     kinds: &[BenchLane],
-    window: usize,
+    sizing: Sizing,
 ) -> Result<(Engines, Arc<Tokenizer>)> {
     let main_spec =
         SpecArgs { mtp: crate::cli::MtpArgs { mtp: None, no_mtp: true, ..spec.mtp.clone() }, ..spec.clone() };
-    let built = Startup::begin(model, &main_spec)?.build(engine_plan(spec, window)?, metrics())?;
+    let built = Startup::begin(model, &main_spec)?.build(engine_plan(spec, sizing)?, metrics())?;
     let (mut main, tokenizer) = (built.engine, built.tokenizer);
     if kinds.contains(&BenchLane::Dflash) && !main.has_drafter() {
         bail!("the dflash lane needs a drafter: --drafter DIR (the default model has one shipped)");
@@ -198,7 +206,7 @@ fn engines(
     main.probe_round_costs()?;
     let mtp = if kinds.contains(&BenchLane::Mtp) {
         let mut e =
-            Startup::begin(model, &mtp_spec(model, spec)?)?.build(engine_plan(spec, window)?, metrics())?.engine;
+            Startup::begin(model, &mtp_spec(model, spec)?)?.build(engine_plan(spec, sizing)?, metrics())?.engine;
         e.probe_round_costs()?;
         Some(e)
     } else {
@@ -213,14 +221,14 @@ fn random_engine(
     model: &ModelArgs,
     spec: &SpecArgs,
     kinds: &[BenchLane],
-    window: usize,
+    sizing: Sizing,
     (shape, layers, streams): (super::hybrid::HybridShape, usize, usize),
     tokenizer_dir: &Path,
 ) -> Result<(Engines, Arc<Tokenizer>)> {
     if let Some(k) = kinds.iter().find(|k| matches!(k, BenchLane::Dflash | BenchLane::Mtp)) {
         bail!("--random-hybrid: the {k:?} lane needs a drafter trained for the target; use plain, pld and oracleN");
     }
-    let run = RandomRun::prepare(model, spec, window, tokenizer_dir)?;
+    let run = RandomRun::prepare(model, spec, sizing, tokenizer_dir)?;
     let config = super::hybrid::random_hybrid_config(shape, layers, streams)?;
     let target = dflash_models::hybrid::open_random(config, run.device, &run.cache, 7)?;
     run.engines(model, target, None, kinds)
@@ -237,20 +245,19 @@ pub(super) struct RandomRun {
 }
 
 impl RandomRun {
-    /// Reads the tokenizer in `tokenizer_dir` and plans one sequence at a time in `window` tokens on `--device`
-    /// (`auto`: the first GPU).
-    pub(super) fn prepare(model: &ModelArgs, spec: &SpecArgs, window: usize, tokenizer_dir: &Path) -> Result<Self> {
+    /// Reads the tokenizer in `tokenizer_dir` and plans `sizing` on `--device` (`auto`: the first GPU).
+    pub(super) fn prepare(model: &ModelArgs, spec: &SpecArgs, sizing: Sizing, tokenizer_dir: &Path) -> Result<Self> {
         crate::setup::process_state(model);
         let tokenizer = Arc::new(
             Tokenizer::from_hf_dir(tokenizer_dir)
                 .with_context(|| format!("reading the tokenizer in {}", tokenizer_dir.display()))?,
         );
-        let plan = engine_plan(spec, window)?;
+        let plan = engine_plan(spec, sizing)?;
         let device = match model.device {
             DeviceArg::Exact(device) => device,
             DeviceArg::Auto => dflash_models::Device::Cuda(0),
         };
-        let num_pages = window / PAGE_SIZE;
+        let num_pages = sizing.sequences * sizing.window / PAGE_SIZE;
         let cache = CachePlan {
             pages: KvPages::Fixed(num_pages),
             page_size: PAGE_SIZE,
@@ -325,14 +332,14 @@ fn document(tokenizer: &Tokenizer, path: &Path, tokens: usize) -> Result<String>
     Ok(tokenizer.decode(&ids, true)?)
 }
 
-/// One sequence at a time, prompts prefilled in chunks of 512, no prefix cache: every prompt runs once per lane,
-/// and each lane must prefill it cold.
-fn engine_plan(spec: &SpecArgs, window: usize) -> Result<EnginePlan> {
+/// `sizing.sequences` at a time, prompts prefilled in chunks of 512, no prefix cache: every prompt runs once per
+/// lane (and copy), and each lane must prefill it cold.
+fn engine_plan(spec: &SpecArgs, sizing: Sizing) -> Result<EnginePlan> {
     let spec: SpecConfig = spec.config()?;
     Ok(EnginePlan {
-        context_window: window,
-        pages: KvPages::Fixed(window / PAGE_SIZE),
-        max_running: 1,
+        context_window: sizing.window,
+        pages: KvPages::Fixed(sizing.sequences * sizing.window / PAGE_SIZE),
+        max_running: sizing.sequences,
         max_batch_tokens: 512,
         prefix_cache: PrefixCacheArgs { prefix_cache_mem: None, no_prefix_cache: true },
         spec,
@@ -421,45 +428,64 @@ impl EventSink for UsageProbe {
     }
 }
 
-/// One request through `engine` on `lane` (its name, kind and width policy); returns its usage, TTFT in ms and
-/// tokens.
-fn run_one(
+/// `copies` identical requests through `engine` at once on `lane` (its name, kind and width policy); returns the
+/// first one's usage, TTFT in ms and tokens. Every copy must give the same tokens: a row's result never depends on
+/// the rest of its batch.
+fn run_copies(
     engine: &mut Engine,
     prompt: &[u32],
     (lane, kind, spec_policy, oracle): (&str, BenchLane, Option<PolicyMode>, Option<OracleDraft>),
     sampling: SamplingParams,
     max_tokens: usize,
+    copies: usize,
 ) -> Result<(Usage, f64, Vec<u32>)> {
-    let probe = UsageProbe::default();
-    let request = Request {
-        id: format!("bench-{lane}"),
-        prompt: prompt.to_vec(),
-        sampling,
-        max_tokens,
-        stop: Vec::new(),
-        logprobs: None,
-        ignore_eos: false,
-        // plain forces every lane off; pld follows the engine's setting, prompt gate included, as served; dflash
-        // and mtp draft with the engine's drafter or head; the oracle lane replaces them all.
-        enable_pld: (kind != BenchLane::Pld).then_some(false),
-        enable_drafter: Some(matches!(kind, BenchLane::Dflash | BenchLane::Mtp)),
-        spec_policy,
-        cache_prompt: false,
-        oracle,
-        grammar: None,
-    };
+    let probes: Vec<UsageProbe> = (0..copies.max(1)).map(|_| UsageProbe::default()).collect();
     let started = Instant::now();
-    engine.add(request, Box::new(probe.clone()));
+    for (copy, probe) in probes.iter().enumerate() {
+        let request = Request {
+            id: format!("bench-{lane}-{copy}"),
+            prompt: prompt.to_vec(),
+            sampling: sampling.clone(),
+            max_tokens,
+            stop: Vec::new(),
+            logprobs: None,
+            ignore_eos: false,
+            // plain forces every lane off; pld follows the engine's setting, prompt gate included, as served;
+            // dflash and mtp draft with the engine's drafter or head; the oracle lane replaces them all.
+            enable_pld: (kind != BenchLane::Pld).then_some(false),
+            enable_drafter: Some(matches!(kind, BenchLane::Dflash | BenchLane::Mtp)),
+            spec_policy,
+            cache_prompt: false,
+            oracle: oracle.clone(),
+            grammar: None,
+        };
+        engine.add(request, Box::new(probe.clone()));
+    }
     while engine.has_work() {
         engine.step()?;
     }
-    let mut seen = probe.0.lock().map_err(|_| anyhow::anyhow!("poisoned probe"))?;
-    let ttft_ms = seen.first.map(|t| t.duration_since(started).as_secs_f64() * 1e3).unwrap_or(0.0);
-    match seen.end.take() {
-        Some(Ok(usage)) => Ok((usage, ttft_ms, std::mem::take(&mut seen.ids))),
-        Some(Err(m)) => bail!("request failed: {m}"),
-        None => bail!("request did not finish"),
+    let mut first = None;
+    for (copy, probe) in probes.iter().enumerate() {
+        let mut seen = probe.0.lock().map_err(|_| anyhow::anyhow!("poisoned probe"))?;
+        let ttft_ms = seen.first.map(|t| t.duration_since(started).as_secs_f64() * 1e3).unwrap_or(0.0);
+        let usage = match seen.end.take() {
+            Some(Ok(usage)) => usage,
+            Some(Err(m)) => bail!("request failed: {m}"),
+            None => bail!("request did not finish"),
+        };
+        let ids = std::mem::take(&mut seen.ids);
+        match &first {
+            None => first = Some((usage, ttft_ms, ids)),
+            Some((_, _, want)) if ids != *want => {
+                bail!(
+                    "copy {copy} of the {lane} run gave other tokens than copy 0 (first difference at token {})",
+                    first_difference(&ids, want)
+                )
+            }
+            Some(_) => {}
+        }
     }
+    first.ok_or_else(|| anyhow::anyhow!("no request ran"))
 }
 
 #[cfg(test)]

@@ -25,11 +25,11 @@ const DRAFTER_BLOCK: usize = 16;
 pub(super) fn random_target_engine(
     model: &ModelArgs,
     spec: &SpecArgs,
-    (kinds, window): (&[BenchLane], usize),
+    (kinds, sizing): (&[BenchLane], super::lanes::Sizing),
     (shape, drafter): (&str, Option<RandomDrafter>),
     tokenizer_dir: &Path,
 ) -> Result<(Engines, Arc<Tokenizer>)> {
-    let run = RandomRun::prepare(model, spec, window, tokenizer_dir)?;
+    let run = RandomRun::prepare(model, spec, sizing, tokenizer_dir)?;
     let cfg = super::shapes::shape_config(shape)?;
     let draft = drafter.map(|kind| random_drafter(&cfg, kind)).transpose()?.map(Arc::new);
     let taps = draft.as_ref().map(|d| d.target_layer_ids().to_vec()).unwrap_or_default();

@@ -106,6 +106,10 @@ pub struct LanesArgs {
     /// Runs of every (prompt, temperature, lane); medians are reported.
     #[arg(long, default_value_t = 2)]
     pub repeat: usize,
+    /// Copies of every request run at once (the same prompt, lane and sampling), as a server with that many
+    /// concurrent requests would batch them; the figures are the first copy's, and every copy must give its tokens.
+    #[arg(long, default_value_t = 1)]
+    pub concurrency: usize,
     /// Where the JSON goes.
     #[arg(long, default_value = "bench/out")]
     pub out_dir: PathBuf,
