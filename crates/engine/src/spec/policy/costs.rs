@@ -384,15 +384,14 @@ impl CostTable {
                     None if b == 0 && self.probed => &self.start,
                     None => return None,
                 };
-                let cells: Vec<usize> = (0..bucket.shape.len())
-                    .filter(|&r| r < self.widest_round || bucket.samples[r] > 0)
-                    .chain(bucket.shape.len()..self.widest_round)
-                    .collect();
+                // Every bucket holds at least the widest round's cells (the start curve's); wider ones only grow.
+                let cells: Vec<usize> =
+                    (0..bucket.shape.len()).filter(|&r| r < self.widest_round || bucket.samples[r] > 0).collect();
                 Some(BucketView {
                     context_below: CONTEXT_BUCKETS.get(b).copied().filter(|&c| c != usize::MAX),
                     rows: cells.iter().map(|r| r + 1).collect(),
                     ms: cells.iter().map(|&r| bucket.cost(r)).collect(),
-                    samples: cells.iter().map(|&r| bucket.samples.get(r).copied().unwrap_or(0)).collect(),
+                    samples: cells.iter().map(|&r| bucket.samples[r]).collect(),
                 })
             })
             .collect()
