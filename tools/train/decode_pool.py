@@ -16,7 +16,6 @@ in f32, so the greedy choice is not made on bf16 logits.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -209,8 +208,9 @@ class DecodePool:
         steps = 0
         profile = StepProfile(self.profile_steps, self.device)
         while self.active.any():
-            with profile.around(steps):
-                self._step()
+            profile.before(steps)
+            self._step()
+            profile.after()
             steps += 1
             if steps % self.check_every:
                 continue
@@ -224,7 +224,7 @@ class DecodePool:
                     self._compact()
             if progress is not None:
                 progress(self.finished, next_job, int(self.n_new[self.active].sum()))
-        profile.finish(steps)
+        profile.end()  # the pool may run out of work inside the profile
         self._collect(results)
         return results
 
@@ -246,15 +246,12 @@ class StepProfile:
     def __init__(self, steps: int, device: torch.device):
         self.steps, self.device = steps, device
         self.profiler = None
+        self.profiled = 0
         self.started = 0.0
 
-    def around(self, step: int):
-        first, last = self.WARM_STEPS, self.WARM_STEPS + self.steps - 1
-        if self.steps <= 0 or not first <= step <= last:
-            return nullcontext()
-        return _Profiled(self, step == first, step == last)
-
-    def _begin(self) -> None:
+    def before(self, step: int) -> None:
+        if self.steps <= 0 or step != self.WARM_STEPS:
+            return
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -263,32 +260,22 @@ class StepProfile:
         self.profiler.__enter__()
         self.started = time.time()
 
-    def finish(self, steps_run: int) -> None:
-        """Ends a profile the pool's last step left open (the pool ran out of work inside it)."""
-        if self.profiler is not None:
-            self._end(steps_run - self.WARM_STEPS)
+    def after(self) -> None:
+        if self.profiler is None:
+            return
+        self.profiled += 1
+        if self.profiled == self.steps:
+            self.end()
 
-    def _end(self, steps: int | None = None) -> None:
-        steps = steps or self.steps
+    def end(self) -> None:
+        """Closes the profile (if one is open) and prints it."""
+        if self.profiler is None:
+            return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        ms = (time.time() - self.started) * 1e3 / steps
+        ms = (time.time() - self.started) * 1e3 / self.profiled
         self.profiler.__exit__(None, None, None)
         key = "cuda_time_total" if self.device.type == "cuda" else "cpu_time_total"
-        print(f"[decode_pool] profile of {steps} decode steps: {ms:.2f} ms a step (wall, profiled)")
+        print(f"[decode_pool] profile of {self.profiled} decode steps: {ms:.2f} ms a step (wall, profiled)")
         print(self.profiler.key_averages().table(sort_by=key, row_limit=20), flush=True)
         self.profiler = None
-
-
-class _Profiled:
-    def __init__(self, profile: StepProfile, first: bool, last: bool):
-        self.profile, self.first, self.last = profile, first, last
-
-    def __enter__(self):
-        if self.first:
-            self.profile._begin()
-
-    def __exit__(self, *exc):
-        if self.last:
-            self.profile._end()
-        return False
