@@ -14,6 +14,7 @@ from safetensors import safe_open
 HC = {"hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-04}
 HIDDEN = 32
 
+
 def next_config_json() -> dict:
     """tiny-qwen3-next's config.json (as 4.57's save_pretrained writes it for hybrid_fixtures.py's config) + hc keys."""
     return {
@@ -26,7 +27,7 @@ def next_config_json() -> dict:
         "eos_token_id": 2,
         "head_dim": 16,
         "hidden_act": "silu",
-        "hidden_size": 32,
+        "hidden_size": HIDDEN,
         "initializer_range": 0.02,
         "intermediate_size": 32,
         "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"],
@@ -71,7 +72,7 @@ def dense_config_json() -> dict:
         "eos_token_id": 2,
         "head_dim": 16,
         "hidden_act": "silu",
-        "hidden_size": 32,
+        "hidden_size": HIDDEN,
         "initializer_range": 0.02,
         "intermediate_size": 64,
         "layer_types": ["full_attention"] * 3,
