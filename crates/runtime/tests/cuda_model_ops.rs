@@ -659,3 +659,65 @@ fn captured_graph_replays_with_new_inputs() {
         check("graph replay vs eager", &format!("round {round}"), bit_mismatches(&replayed, &eager), 0.0);
     }
 }
+
+/// DFlash2's convolution, written as its CPU twin computes it (models crate, `DynamicConv`): tap by tap, the base
+/// product then the dynamic one, each added to the row's sum, taps restarting at every block's first row.
+fn dflash_conv_reference(
+    x: &[f32],
+    dynamic: &[f32],
+    base: &[f32],
+    starts: &[u32],
+    (h, taps, groups): (usize, usize, usize),
+) -> Vec<f32> {
+    let (ld, coefs) = (2 * taps * groups, taps * groups);
+    let mut out = vec![0f32; x.len()];
+    for (row, &start) in starts.iter().enumerate() {
+        for c in 0..h {
+            let mut acc = 0f32;
+            for t in 0..taps.min(row - start as usize + 1) {
+                let xv = x[(row - t) * h + c];
+                acc += base[t * h + c] * xv;
+                acc += dynamic[row * ld + coefs + t * groups + c / (h / groups)] * xv;
+            }
+            out[row * h + c] = acc;
+        }
+    }
+    out
+}
+
+#[test]
+fn dflash_conv_matches_its_cpu_twin_bit_for_bit() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(31);
+    // (hidden, taps, groups, blocks' widths): the default drafter's shape and an odd one.
+    for (h, taps, groups, widths) in [(576, 2, 36, vec![8, 3, 5]), (200, 3, 5, vec![1, 7])] {
+        let starts: Vec<u32> = widths
+            .iter()
+            .scan(0u32, |at, &w| {
+                let first = *at;
+                *at += w as u32;
+                Some(std::iter::repeat_n(first, w))
+            })
+            .flatten()
+            .collect();
+        let rows = starts.len();
+        let (x, dynamic, base) =
+            (rng.vec(rows * h, 1.0), rng.vec(rows * 2 * taps * groups, 0.5), rng.vec(2 * taps * h, 1.0));
+        let (dx, ddyn, dbase) =
+            (dev.upload(&x).expect("x"), dev.upload(&dynamic).expect("dyn"), dev.upload(&base).expect("base"));
+        let dstarts = dev.upload(&starts).expect("starts");
+        let out = poisoned(dev, rows * h);
+        let side = gpu::ConvSide {
+            base: dbase.view().sub(taps * h, taps * h).expect("finish side"),
+            dynamic: ddyn.view(),
+            dyn_ld: 2 * taps * groups,
+            dyn_col: taps * groups,
+            taps,
+            groups,
+        };
+        gpu::dflash_conv(dev, &dx, side, &dstarts, &out).expect("dflash_conv");
+        let got = dev.download(&out).expect("download");
+        let want = dflash_conv_reference(&x, &dynamic, &base[taps * h..], &starts, (h, taps, groups));
+        check("dflash_conv", &format!("{rows}x{h}, {taps} taps, {groups} groups"), bit_mismatches(&got, &want), 0.0);
+    }
+}

@@ -262,6 +262,21 @@ impl CudaDevice {
         self.stream.memcpy_htod(host, &mut view).map_err(CudaError::driver("cuMemcpyHtoDAsync"))
     }
 
+    /// Copies all of `src` into the first `src.len()` elements of `dst` on the device (queued on the stream).
+    ///
+    /// # Errors
+    /// `src` longer than `dst`, or the copy failing.
+    pub fn copy_prefix<T: DeviceRepr>(&self, src: &DeviceBuf<T>, dst: &mut DeviceBuf<T>) -> Result<()> {
+        if src.len() > dst.len() {
+            return Err(CudaError::Shape(format!("copy of {} elements into a buffer of {}", src.len(), dst.len())));
+        }
+        if src.is_empty() {
+            return Ok(());
+        }
+        let mut view = dst.slice.slice_mut(0..src.len());
+        self.stream.memcpy_dtod(&src.slice, &mut view).map_err(CudaError::driver("cuMemcpyDtoDAsync"))
+    }
+
     /// Copies elements `offset .. offset + host.len()` of `src` into `host`, in stream order (after all
     /// queued work). Into pageable host memory the copy is complete when this returns; call
     /// [`CudaDevice::synchronize`] before relying on that elsewhere.

@@ -179,6 +179,7 @@ pub(crate) struct Kernels {
     pub gdn_rule: CudaFunction,
     pub gdn_gated_norm: CudaFunction,
     pub sigmoid_gate_mul: CudaFunction,
+    pub dflash_conv: CudaFunction,
 }
 
 impl Kernels {
@@ -309,6 +310,7 @@ impl Kernels {
             gdn_rule: get("gdn_rule")?,
             gdn_gated_norm: get("gdn_gated_norm")?,
             sigmoid_gate_mul: get("sigmoid_gate_mul")?,
+            dflash_conv: get("dflash_conv")?,
         })
     }
 }

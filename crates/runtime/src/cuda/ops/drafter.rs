@@ -1,0 +1,84 @@
+//! Kernels only block drafters use: DFlash2's grouped dynamic convolution.
+
+use super::{dim, launch_cfg, launch_err, shape_err, ROW_BLOCK};
+use crate::cuda::device::CudaDevice;
+use crate::cuda::view::{DevArg, DevSlice};
+use crate::cuda::Result;
+
+/// One side of a DFlash2 convolution: its learned base kernel and where its dynamic coefficients sit.
+#[derive(Clone, Copy, Debug)]
+pub struct ConvSide<'a> {
+    /// `[taps, hidden]`: this side's base kernel.
+    pub base: DevSlice<'a, f32>,
+    /// `[rows, dyn_ld]`: every row's coefficients of both sides, this side's `taps · groups` from column `dyn_col`.
+    pub dynamic: DevSlice<'a, f32>,
+    pub dyn_ld: usize,
+    pub dyn_col: usize,
+    pub taps: usize,
+    pub groups: usize,
+}
+
+/// `out[i, c] = Σ_t (base[t, c] + δ[i, t, c / (hidden / groups)]) · x[i − t, c]` over the taps that stay within
+/// row `i`'s block (`block_start[i]` is the block's first row); twin of the models crate's `DynamicConv`
+/// convolution, rounded as it rounds.
+///
+/// `x`, `out`: `[rows, hidden]`; `block_start`: `[rows]`.
+///
+/// # Errors
+/// Lengths that do not form these shapes, groups that do not divide `hidden`; a launch failure.
+pub fn dflash_conv<'a>(
+    dev: &CudaDevice,
+    x: impl DevArg<'a, f32>,
+    side: ConvSide<'a>,
+    block_start: impl DevArg<'a, u32>,
+    out: impl DevArg<'a, f32>,
+) -> Result<()> {
+    let (x, block_start, out) = (x.dev(), block_start.dev(), out.dev());
+    let rows = block_start.len();
+    let hidden = side.base.len().checked_div(side.taps).unwrap_or(0);
+    let coefs = side.taps * side.groups;
+    if side.taps == 0
+        || side.groups == 0
+        || hidden == 0
+        || !hidden.is_multiple_of(side.groups)
+        || side.base.len() != side.taps * hidden
+        || x.len() != rows * hidden
+        || out.len() != x.len()
+        || side.dyn_col + coefs > side.dyn_ld
+        || side.dynamic.len() < rows * side.dyn_ld
+    {
+        return Err(shape_err(format!(
+            "dflash_conv: x {} / out {} for {rows} rows, base {} of {} taps, {} groups, dynamic {} (ld {}, column {})",
+            x.len(),
+            out.len(),
+            side.base.len(),
+            side.taps,
+            side.groups,
+            side.dynamic.len(),
+            side.dyn_ld,
+            side.dyn_col
+        )));
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    let grid = (dim(hidden.div_ceil(ROW_BLOCK as usize), "hidden")?, dim(rows, "rows")?, 1);
+    let (dyn_ld, dyn_col) = (dim(side.dyn_ld, "dyn_ld")?, dim(side.dyn_col, "dyn_col")?);
+    let (hidden, taps, groups) = (dim(hidden, "hidden")?, dim(side.taps, "taps")?, dim(side.groups, "groups")?);
+    let mut launch = dev.launch_builder(&dev.kernels.dflash_conv);
+    launch
+        .arg(x.arg())
+        .arg(side.dynamic.arg())
+        .arg(&dyn_ld)
+        .arg(&dyn_col)
+        .arg(side.base.arg())
+        .arg(block_start.arg())
+        .arg(out.arg())
+        .arg(&hidden)
+        .arg(&taps)
+        .arg(&groups);
+    // SAFETY: the arguments match the kernel's signature; the shapes were checked above (the kernel reads rows
+    // `min(block_start[i], i) ..= i` of x).
+    unsafe { launch.launch(launch_cfg(grid, ROW_BLOCK)) }.map_err(launch_err("dflash_conv"))?;
+    Ok(())
+}
