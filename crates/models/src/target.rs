@@ -82,6 +82,13 @@ pub trait Target: Send {
         &[]
     }
 
+    /// The CUDA device the target runs on (drafters put their passes on it, so both queue on one stream); `None`
+    /// for a target on the CPU.
+    #[cfg(feature = "cuda")]
+    fn cuda_device(&self) -> Option<Arc<dflash_runtime::cuda::CudaDevice>> {
+        None
+    }
+
     /// The host copies of the embedding, LM head and final norm that drafters (block drafters, MTP heads) read,
     /// when the target keeps them ([`crate::TargetOptions::host_heads`]; a CPU target always has them).
     fn host_heads(&self) -> Option<Arc<dyn TargetHeads>>;

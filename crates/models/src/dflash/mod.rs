@@ -14,7 +14,10 @@
 //! The decode-side contract (what the engine does) and design notes: docs/MODELS.md, "DFlash drafters".
 
 mod config;
+mod context;
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod sampling;
 mod target_shape;
 mod vocab;
@@ -29,7 +32,7 @@ use crate::safetensors_dir::{read_json, SafetensorsDir};
 use crate::weights::{WeightFile, WeightStore};
 
 pub use config::{build_target_layer_ids, Dflash2Config, DraftConfig, DraftKind, LayerAttention};
-pub use cpu::context::DrafterContext;
+pub use context::DrafterContext;
 pub use cpu::draft::{Draft, DraftProbs, DraftSampling};
 pub use cpu::forward::{BlockOutput, BlockRequest, BlockTrace, LayerTrace};
 pub use cpu::selector::{CandidateSelector, Candidates, Walk, WalkMode};
@@ -47,6 +50,9 @@ pub struct DraftModel {
     weights: DraftWeights,
     /// The drafter's own RoPE (neox layout, its own theta and scaling), applied to block and context rows.
     rope: RopeTable,
+    /// Set by [`DraftModel::to_cuda`]: the passes run on that device.
+    #[cfg(feature = "cuda")]
+    cuda: Option<std::sync::Arc<cuda::CudaDrafter>>,
 }
 
 impl DraftModel {
@@ -104,7 +110,14 @@ impl DraftModel {
         let weights = DraftWeights::load(&cfg, target, store)?;
         let b = &cfg.backbone;
         let rope = RopeTable::new(b.head_dim, b.rope_theta, &b.rope_scaling, RopeStyle::Neox)?;
-        Ok(DraftModel { cfg, target: target.clone(), weights, rope })
+        Ok(DraftModel {
+            cfg,
+            target: target.clone(),
+            weights,
+            rope,
+            #[cfg(feature = "cuda")]
+            cuda: None,
+        })
     }
 
     pub fn config(&self) -> &DraftConfig {
@@ -152,13 +165,23 @@ impl DraftModel {
         self.weights.selector.as_ref()
     }
 
-    /// An empty context for one sequence.
+    /// An empty context for one sequence, on the drafter's device.
     ///
     /// # Errors
     /// Allocation failure.
     pub fn new_context(&self) -> Result<DrafterContext> {
+        #[cfg(feature = "cuda")]
+        if let Some(ctx) = self.device_context()? {
+            return Ok(ctx);
+        }
         let b = &self.cfg.backbone;
         DrafterContext::new(b.num_layers, b.num_kv_heads, b.head_dim)
+    }
+
+    /// Where the drafter's passes run.
+    #[cfg(not(feature = "cuda"))]
+    pub fn device(&self) -> String {
+        "cpu".into()
     }
 
     fn eps(&self) -> f32 {

@@ -45,6 +45,24 @@ impl DynamicConv {
         Ok(DynamicConv { base: base.as_f32()?.to_vec(), projection, taps, groups, hidden })
     }
 
+    /// `[2, kc, H]`: the base kernels, prepare side first.
+    #[cfg(feature = "cuda")]
+    pub fn base(&self) -> &[f32] {
+        &self.base
+    }
+
+    /// `[2 · kc · G, H]`: the dynamic coefficients' projection.
+    #[cfg(feature = "cuda")]
+    pub fn projection(&self) -> &Tensor {
+        &self.projection
+    }
+
+    /// `(kc, G)`: taps and groups.
+    #[cfg(feature = "cuda")]
+    pub fn taps_and_groups(&self) -> (usize, usize) {
+        (self.taps, self.groups)
+    }
+
     /// Builds a convolution from f32 parts (tests).
     #[cfg(test)]
     pub fn from_parts(base: Vec<f32>, projection: Tensor, taps: usize, groups: usize, hidden: usize) -> Self {

@@ -11,10 +11,10 @@ use dflash_runtime::{ops, Tensor};
 
 use crate::error::{ModelError, Result};
 
-use super::context::DrafterContext;
 use super::forward::{BlockOutput, BlockRequest};
 use super::selector::WalkMode;
 use crate::dflash::config::DraftKind;
+use crate::dflash::context::DrafterContext;
 use crate::dflash::sampling::{filtered_probs, Draw, SamplingFilter};
 use crate::dflash::vocab::{target_id, DraftHead};
 use crate::dflash::DraftModel;

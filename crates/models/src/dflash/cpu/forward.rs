@@ -14,7 +14,7 @@ use dflash_runtime::{DType, Tensor};
 
 use crate::error::{ModelError, Result};
 
-use super::context::DrafterContext;
+use crate::dflash::context::DrafterContext;
 use crate::dflash::vocab::DraftHead;
 use crate::dflash::weights::DraftLayer;
 use crate::dflash::DraftModel;
@@ -118,19 +118,35 @@ impl DraftModel {
             return Ok(());
         }
         let new_rows = total - skip;
-        let c = self.project_context(&Tensor::from_f32(&captured[skip * width..], &[new_rows, width])?)?;
-        let positions: Vec<u32> = (len..len + new_rows).map(|p| p as u32).collect();
         ctx.reserve(len + new_rows)?;
+        let rows = &captured[skip * width..];
+        #[cfg(feature = "cuda")]
+        if let Some(device) = &self.cuda {
+            device.append_context(self, ctx, rows, new_rows)?;
+            ctx.commit(new_rows);
+            return Ok(());
+        }
+        self.append_on_host(ctx, rows, new_rows)?;
+        ctx.commit(new_rows);
+        Ok(())
+    }
+
+    /// The host side of [`DraftModel::append_context`]: `rows` (`[new_rows, capture width]`) at the context's end.
+    fn append_on_host(&self, ctx: &mut DrafterContext, rows: &[f32], new_rows: usize) -> Result<()> {
+        let b = &self.cfg.backbone;
+        let len = ctx.len();
+        let c = self.project_context(&Tensor::from_f32(rows, &[new_rows, rows.len() / new_rows])?)?;
+        let positions: Vec<u32> = (len..len + new_rows).map(|p| p as u32).collect();
         let kd = b.num_kv_heads * b.head_dim;
         let mut kv = Tensor::zeros(DType::F32, &[new_rows, 2 * kd])?;
+        let cache = ctx.host_mut()?;
         for (l, layer) in self.weights.layers.iter().enumerate() {
             ops::matmul(&c, &layer.kv, &mut kv)?;
             let (mut k, v) = split_columns(&kv, kd)?;
             ops::head_rms_norm(&mut k, b.head_dim, &layer.k_norm, self.eps())?;
             ops::rope(&mut k, b.head_dim, &positions, &self.rope)?;
-            ops::kv_write(&mut ctx.k[l], &mut ctx.v[l], &k, &v, &positions)?;
+            ops::kv_write(&mut cache.k[l], &mut cache.v[l], &k, &v, &positions)?;
         }
-        ctx.commit(new_rows);
         Ok(())
     }
 
@@ -152,6 +168,13 @@ impl DraftModel {
     ) -> Result<Vec<BlockOutput>> {
         let head = lm_head.into();
         self.check_requests(requests, embed, head)?;
+        #[cfg(feature = "cuda")]
+        if let Some(device) = &self.cuda {
+            if trace.is_some() {
+                return Err(ModelError::Unsupported("block traces of a drafter on a device".into()));
+            }
+            return device.forward_blocks(self, requests, embed, head);
+        }
         dflash_runtime::threads::install(|| self.forward_checked(requests, embed, head, trace))
     }
 
@@ -197,22 +220,8 @@ impl DraftModel {
         mut trace: Option<&mut BlockTrace>,
     ) -> Result<Vec<BlockOutput>> {
         let h = self.cfg.hidden_size();
-        let mut blocks = Vec::with_capacity(requests.len()); // (first row, width)
-        let (mut tokens, mut positions) = (Vec::new(), Vec::new());
-        for r in requests.iter_mut() {
-            let start = r.ctx.len();
-            blocks.push((tokens.len(), r.width));
-            tokens.push(r.anchor);
-            tokens.extend(std::iter::repeat_n(self.cfg.mask_token_id, r.width - 1));
-            positions.extend((start..start + r.width).map(|p| p as u32));
-            r.ctx.reserve(start + r.width)?;
-        }
-        let rows = tokens.len();
-        let mut x = Tensor::zeros(DType::F32, &[rows, h])?; // [rows, H]: the residual stream
-        ops::embedding(embed, &tokens, &mut x)?;
-        if self.cfg.input_embedding_scale != 1.0 {
-            x.as_f32_mut()?.iter_mut().for_each(|v| *v *= self.cfg.input_embedding_scale);
-        }
+        let BlockLayout { blocks, positions, mut x } = self.block_layout(requests, embed)?;
+        let rows = positions.len();
         if let Some(t) = trace.as_deref_mut() {
             t.layers.clear();
         }
@@ -228,6 +237,27 @@ impl DraftModel {
             t.final_hidden = out.as_f32()?.to_vec();
         }
         self.draft_logits(&out, requests, &blocks, head)
+    }
+
+    /// Lays the blocks out as rows (`[anchor, mask × (w − 1)]` each, at the context's next positions), makes room
+    /// for them in every context, and embeds them: the residual stream the block pass starts from.
+    pub(crate) fn block_layout(&self, requests: &mut [BlockRequest<'_>], embed: &Tensor) -> Result<BlockLayout> {
+        let mut blocks = Vec::with_capacity(requests.len());
+        let (mut tokens, mut positions) = (Vec::new(), Vec::new());
+        for r in requests.iter_mut() {
+            let start = r.ctx.len();
+            blocks.push((tokens.len(), r.width));
+            tokens.push(r.anchor);
+            tokens.extend(std::iter::repeat_n(self.cfg.mask_token_id, r.width - 1));
+            positions.extend((start..start + r.width).map(|p| p as u32));
+            r.ctx.reserve(start + r.width)?;
+        }
+        let mut x = Tensor::zeros(DType::F32, &[tokens.len(), self.cfg.hidden_size()])?;
+        ops::embedding(embed, &tokens, &mut x)?;
+        if self.cfg.input_embedding_scale != 1.0 {
+            x.as_f32_mut()?.iter_mut().for_each(|v| *v *= self.cfg.input_embedding_scale);
+        }
+        Ok(BlockLayout { blocks, positions, x })
     }
 
     /// One decoder layer over all rows, in place on the residual `x`; returns the layer's trace.
@@ -303,8 +333,8 @@ impl DraftModel {
         let scale = 1.0 / (hd as f32).sqrt();
         let mut attended = vec![0f32; rows * qd];
         for (r, &(first, width)) in requests.iter_mut().zip(blocks) {
-            let ctx = &mut *r.ctx;
-            let start = ctx.len();
+            let start = r.ctx.len();
+            let ctx = r.ctx.host_mut()?;
             let slots = &positions[first..first + width];
             ops::kv_write(
                 &mut ctx.k[l],
@@ -393,7 +423,7 @@ impl DraftModel {
     }
 
     /// R1 `compute_logits`: `l · m`, then `tanh(l / c) · c` when a softcap `c` is set.
-    fn scale_logits(&self, logits: &mut [f32]) {
+    pub(crate) fn scale_logits(&self, logits: &mut [f32]) {
         let m = self.cfg.output_multiplier;
         if m != 1.0 {
             logits.iter_mut().for_each(|l| *l *= m);
@@ -404,8 +434,18 @@ impl DraftModel {
     }
 }
 
+/// The rows of a block pass.
+pub(crate) struct BlockLayout {
+    /// `(first row, width)` of each request's block.
+    pub blocks: Vec<(usize, usize)>,
+    /// `[rows]`: each row's position.
+    pub positions: Vec<u32>,
+    /// `[rows, H]`: the embedded rows (the residual stream's start).
+    pub x: Tensor,
+}
+
 /// Rows `first .. first + n` of an f32 `[rows, w]` tensor, copied.
-fn row_range(t: &Tensor, first: usize, n: usize) -> Result<Tensor> {
+pub(crate) fn row_range(t: &Tensor, first: usize, n: usize) -> Result<Tensor> {
     let w = t.row_len();
     let src = t.as_f32()?;
     let end = (first + n) * w;

@@ -34,6 +34,10 @@ impl Target for CudaLlamaTarget {
         format!("cuda:{} ({})", info.ordinal, info.name)
     }
 
+    fn cuda_device(&self) -> Option<Arc<dflash_runtime::cuda::CudaDevice>> {
+        Some(Arc::clone(self.model.device()))
+    }
+
     fn config(&self) -> &ModelConfig {
         self.model.config()
     }

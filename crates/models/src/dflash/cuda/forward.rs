@@ -1,0 +1,452 @@
+//! The CUDA block pass and context append; the CPU's (`../cpu/forward.rs`) step for step.
+
+use dflash_runtime::cuda::ops::{
+    add_rms_norm, attn_split_keys, dflash_conv, gemm, paged_attention, rms_norm, rope_kv_write, swiglu_fused,
+    AttentionArgs, AttentionScratch, ConvSide, GemmArgs, KeySplit, RopeKvArgs, ATTN_MAX_QUERIES,
+};
+use dflash_runtime::cuda::{CudaDevice, DevSlice, DeviceBuf};
+use dflash_runtime::Tensor;
+
+use super::weights::{DeviceConv, DeviceLayer};
+use super::{CudaDrafter, DeviceKv};
+use crate::dflash::context::{ContextKv, DrafterContext, PAGE_SIZE};
+use crate::dflash::cpu::forward::{BlockLayout, BlockOutput, BlockRequest};
+use crate::dflash::vocab::DraftHead;
+use crate::dflash::DraftModel;
+use crate::error::{ModelError, Result};
+use crate::target::device_err;
+
+/// Device buffers of one pass, grown to the largest pass so far (a pass allocates nothing once warm).
+#[derive(Debug, Default)]
+pub(super) struct Workspace {
+    /// Rows every `[rows, ·]` buffer holds.
+    rows: usize,
+    x: Option<DeviceBuf<f32>>, // [rows, H]: the residual stream (an append's projected rows)
+    normed: Option<DeviceBuf<f32>>, // [rows, H]
+    conv: Option<DeviceBuf<f32>>, // [rows, H]: a convolution's output
+    delta: Option<DeviceBuf<f32>>, // [rows, H]: a sublayer's output
+    dynamic: Option<DeviceBuf<f32>>, // [rows, 2 · kc · G]
+    qkv: Option<DeviceBuf<f32>>, // [rows, qd + 2 · kd]
+    q: Option<DeviceBuf<f32>>, // [rows, qd]
+    attended: Option<DeviceBuf<f32>>, // [rows, qd]
+    gate_up: Option<DeviceBuf<f32>>, // [rows, 2 · I]
+    act: Option<DeviceBuf<f32>>, // [rows, I]
+    logits: Option<DeviceBuf<f32>>, // [rows, head rows]
+    captured: Option<DeviceBuf<f32>>, // [rows, fc_in]
+    ints: Option<DeviceBuf<u32>>,
+    scratch: Option<(AttentionScratch, usize)>, // and the partial states it holds
+}
+
+/// The buffer behind an `Option` filled by [`Workspace::ensure`].
+fn buf<T>(b: &Option<DeviceBuf<T>>) -> Result<&DeviceBuf<T>> {
+    b.as_ref().ok_or_else(|| ModelError::Device("drafter workspace used before it was sized".into()))
+}
+
+fn buf_mut<T>(b: &mut Option<DeviceBuf<T>>) -> Result<&mut DeviceBuf<T>> {
+    b.as_mut().ok_or_else(|| ModelError::Device("drafter workspace used before it was sized".into()))
+}
+
+/// Elements `first .. first + len` of a buffer.
+fn part(b: &DeviceBuf<f32>, first: usize, len: usize) -> Result<DevSlice<'_, f32>> {
+    b.view().sub(first, len).map_err(device_err)
+}
+
+/// [`part`] of the u32 inputs.
+fn ints_part(b: &DeviceBuf<u32>, first: usize, len: usize) -> Result<DevSlice<'_, u32>> {
+    b.view().sub(first, len).map_err(device_err)
+}
+
+impl Workspace {
+    /// Makes every buffer hold `rows` rows of `model`'s pass (and `ints` u32s), reallocating what is too small.
+    fn ensure(
+        &mut self,
+        dev: &CudaDevice,
+        model: &DraftModel,
+        head_rows: usize,
+        rows: usize,
+        ints: usize,
+    ) -> Result<()> {
+        let alloc = |n: usize| dev.alloc_zeros::<f32>(n.max(1)).map_err(device_err);
+        if rows > self.rows {
+            let rows = rows.next_power_of_two().max(16);
+            let b = &model.cfg.backbone;
+            let (h, qd, kd, f) =
+                (b.hidden_size, b.num_heads * b.head_dim, b.num_kv_heads * b.head_dim, b.intermediate_size);
+            let coefs = model.cfg.dflash2.map_or(0, |d| 2 * d.conv_kernel_size * model.cfg.conv_groups().unwrap_or(0));
+            let fc_in = model.weights.fc.row_len();
+            self.x = Some(alloc(rows * h)?);
+            self.normed = Some(alloc(rows * h)?);
+            self.conv = Some(alloc(rows * h)?);
+            self.delta = Some(alloc(rows * h)?);
+            self.dynamic = Some(alloc(rows * coefs)?);
+            self.qkv = Some(alloc(rows * (qd + 2 * kd))?);
+            self.q = Some(alloc(rows * qd)?);
+            self.attended = Some(alloc(rows * qd)?);
+            self.gate_up = Some(alloc(rows * 2 * f)?);
+            self.act = Some(alloc(rows * f)?);
+            self.logits = Some(alloc(rows * head_rows)?);
+            self.captured = Some(alloc(rows * fc_in)?);
+            self.rows = rows;
+        }
+        if self.ints.as_ref().is_none_or(|b| b.len() < ints) {
+            self.ints = Some(dev.alloc_zeros::<u32>(ints.next_power_of_two().max(256)).map_err(device_err)?);
+        }
+        Ok(())
+    }
+
+    /// An attention scratch for `rows` rows of `splits` key splits.
+    fn scratch(
+        &mut self,
+        dev: &CudaDevice,
+        model: &DraftModel,
+        rows: usize,
+        splits: usize,
+    ) -> Result<&AttentionScratch> {
+        let need = rows * splits;
+        if self.scratch.as_ref().is_none_or(|(_, held)| *held < need) {
+            let b = &model.cfg.backbone;
+            let held = need.next_power_of_two();
+            let scratch = AttentionScratch::new(dev, held, b.num_heads, b.head_dim, 1).map_err(device_err)?;
+            self.scratch = Some((scratch, held));
+        }
+        self.scratch.as_ref().map(|(s, _)| s).ok_or_else(|| ModelError::Device("no attention scratch".into()))
+    }
+}
+
+/// A context's device K/V.
+fn device_kv(ctx: &DrafterContext) -> Result<&DeviceKv> {
+    match &ctx.storage {
+        ContextKv::Cuda(kv) => Ok(kv),
+        ContextKv::Host(_) => Err(ModelError::Batch("a host drafter context used by the CUDA drafter".into())),
+    }
+}
+
+/// `y[m, n] = x[m, k] · W[n, k]ᵀ` in f32.
+fn matmul(dev: &CudaDevice, w: DevSlice<f32>, n: usize, x: DevSlice<f32>, m: usize, y: DevSlice<f32>) -> Result<()> {
+    let k = w.len().checked_div(n).unwrap_or(0);
+    gemm(dev, GemmArgs::f32(w, n, k, x, m, y, n, false)).map_err(device_err)
+}
+
+impl CudaDrafter {
+    /// [`DraftModel::append_context`] on the device: `rows` (`[m, capture width]`) become positions
+    /// `ctx.len() ..` of every layer's context K/V (room already reserved).
+    pub(crate) fn append_context(
+        &self,
+        model: &DraftModel,
+        ctx: &mut DrafterContext,
+        rows: &[f32],
+        m: usize,
+    ) -> Result<()> {
+        let b = &model.cfg.backbone;
+        let (h, hd, qd, kd) = (b.hidden_size, b.head_dim, b.num_heads * b.head_dim, b.num_kv_heads * b.head_dim);
+        let dev = &*self.dev;
+        let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
+        work.ensure(dev, model, self.head.rows, m, m)?;
+        let start = ctx.len() as u32;
+        let positions: Vec<u32> = (start..start + m as u32).collect();
+        let w = &mut *work;
+        dev.upload_prefix(rows, buf_mut(&mut w.captured)?).map_err(device_err)?;
+        dev.upload_prefix(&positions, buf_mut(&mut w.ints)?).map_err(device_err)?;
+        let (x, normed, kv_rows) = (part(buf(&w.x)?, 0, m * h)?, part(buf(&w.normed)?, 0, m * h)?, buf(&w.qkv)?);
+        let wt = &self.weights;
+        matmul(dev, wt.fc.view(), h, part(buf(&w.captured)?, 0, rows.len())?, m, x)?;
+        rms_norm(dev, x, &wt.hidden_norm, b.rms_norm_eps, normed).map_err(device_err)?;
+        let positions = ints_part(buf(&w.ints)?, 0, m)?;
+        let kv = device_kv(ctx)?;
+        for (l, layer) in wt.layers.iter().enumerate() {
+            let kv_out = part(kv_rows, 0, m * 2 * kd)?;
+            matmul(dev, part(&layer.qkv, qd * h, 2 * kd * h)?, 2 * kd, normed, m, kv_out)?;
+            rope_kv_write(
+                dev,
+                RopeKvArgs {
+                    qkv: kv_out,
+                    qkv_ld: 2 * kd,
+                    q_out: part(kv_rows, 0, 0)?,
+                    k_cache: kv.k[l].view(),
+                    v_cache: kv.v[l].view(),
+                    positions,
+                    slots: positions,
+                    rope: &self.rope,
+                    q_norm: None,
+                    k_norm: Some(layer.k_norm.view()),
+                    eps: b.rms_norm_eps,
+                    num_heads: 0,
+                    kv_heads: b.num_kv_heads,
+                    head_dim: hd,
+                },
+            )
+            .map_err(device_err)?;
+        }
+        Ok(())
+    }
+
+    /// [`DraftModel::forward_blocks`] on the device (requests and head already checked against the model).
+    pub(crate) fn forward_blocks(
+        &self,
+        model: &DraftModel,
+        requests: &mut [BlockRequest<'_>],
+        embed: &Tensor,
+        head: DraftHead<'_>,
+    ) -> Result<Vec<BlockOutput>> {
+        self.check_head(head)?;
+        let BlockLayout { blocks, positions, x } = model.block_layout(requests, embed)?;
+        let rows = positions.len();
+        let h = model.cfg.hidden_size();
+        let plan = IntPlan::new(model, requests, &blocks, &positions);
+        let dev = &*self.dev;
+        let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
+        work.ensure(dev, model, self.head.rows, rows, plan.ints.len())?;
+        dev.upload_prefix(x.as_f32()?, buf_mut(&mut work.x)?).map_err(device_err)?;
+        dev.upload_prefix(&plan.ints, buf_mut(&mut work.ints)?).map_err(device_err)?;
+        let max_splits = plan.seqs.iter().map(|s| s.splits).max().unwrap_or(1);
+        let max_width = blocks.iter().map(|b| b.1).max().unwrap_or(1);
+        work.scratch(dev, model, max_width, max_splits)?;
+        let pass = Pass { drafter: self, model, work: &work, plan: &plan, rows };
+        for (l, layer) in self.weights.layers.iter().enumerate() {
+            let next_norm = self.weights.layers.get(l + 1).map_or(&self.weights.norm, |n| &n.input_norm);
+            pass.layer(l, layer, next_norm, requests)?;
+        }
+        let n = self.head.rows;
+        let drafts = rows - blocks.len();
+        let (normed, logits) = (buf(&work.normed)?, buf(&work.logits)?);
+        let mut at = 0;
+        for &(first, width) in &blocks {
+            let hidden = part(normed, (first + 1) * h, (width - 1) * h)?;
+            matmul(dev, self.head.w.view(), n, hidden, width - 1, part(logits, at * n, (width - 1) * n)?)?;
+            at += width - 1;
+        }
+        let mut hidden = vec![0f32; rows * h];
+        let mut scores = vec![0f32; drafts * n];
+        dev.download_into(normed, 0, &mut hidden).map_err(device_err)?;
+        dev.download_into(logits, 0, &mut scores).map_err(device_err)?;
+        drop(work);
+        model.scale_logits(&mut scores);
+        let mut outputs = Vec::with_capacity(blocks.len());
+        let mut at = 0;
+        for (r, &(first, width)) in requests.iter().zip(&blocks) {
+            outputs.push(BlockOutput {
+                start: r.ctx.len(),
+                hidden: Tensor::from_f32(&hidden[(first + 1) * h..(first + width) * h], &[width - 1, h])?,
+                logits: Tensor::from_f32(&scores[at * n..(at + width - 1) * n], &[width - 1, n])?,
+                token_ids: head.token_ids(),
+            });
+            at += width - 1;
+        }
+        Ok(outputs)
+    }
+}
+
+/// The u32 inputs of a pass, uploaded at once: positions and block starts of every row, then per sequence its
+/// key counts, attention tiles and page table.
+struct IntPlan {
+    ints: Vec<u32>,
+    seqs: Vec<SeqInts>,
+}
+
+/// Where one sequence's u32 inputs sit in [`IntPlan::ints`], and how its attention cuts its keys.
+struct SeqInts {
+    first: usize,
+    width: usize,
+    /// Offsets of the key counts of full and of causal attention.
+    row_keys: [usize; 2],
+    tiles: (usize, usize), // offset, count
+    table: (usize, usize), // offset, pages
+    split_keys: usize,
+    splits: usize,
+}
+
+impl IntPlan {
+    fn new(model: &DraftModel, requests: &[BlockRequest<'_>], blocks: &[(usize, usize)], positions: &[u32]) -> Self {
+        let b = &model.cfg.backbone;
+        let rows = positions.len();
+        let mut ints = positions.to_vec();
+        for &(first, width) in blocks {
+            ints.extend(std::iter::repeat_n(first as u32, width));
+        }
+        debug_assert_eq!(ints.len(), 2 * rows);
+        let group = b.num_heads / b.num_kv_heads.max(1);
+        let tile_rows = (ATTN_MAX_QUERIES / group.max(1)).max(1);
+        let mut seqs = Vec::with_capacity(blocks.len());
+        for (r, &(first, width)) in requests.iter().zip(blocks) {
+            let start = r.ctx.len();
+            // Full attention: every row sees the context and the whole block; causal: the block up to its own row.
+            let row_keys = [ints.len(), ints.len() + width];
+            ints.extend(std::iter::repeat_n((start + width) as u32, width));
+            ints.extend((0..width).map(|i| (start + i + 1) as u32));
+            let tiles_at = ints.len();
+            let mut count = 0;
+            for t in (0..width).step_by(tile_rows) {
+                ints.extend([0, t as u32, tile_rows.min(width - t) as u32, t as u32]);
+                count += 1;
+            }
+            let pages = (start + width).div_ceil(PAGE_SIZE);
+            let table_at = ints.len();
+            ints.extend(0..pages as u32);
+            let keys = start + width;
+            let split_keys = attn_split_keys(keys, b.num_kv_heads);
+            seqs.push(SeqInts {
+                first,
+                width,
+                row_keys,
+                tiles: (tiles_at, count),
+                table: (table_at, pages),
+                split_keys,
+                splits: keys.div_ceil(split_keys),
+            });
+        }
+        IntPlan { ints, seqs }
+    }
+}
+
+/// One block pass in flight: the buffers and inputs its layers read.
+struct Pass<'a> {
+    drafter: &'a CudaDrafter,
+    model: &'a DraftModel,
+    work: &'a Workspace,
+    plan: &'a IntPlan,
+    rows: usize,
+}
+
+impl Pass<'_> {
+    fn rows_of<'b>(&self, b: &'b Option<DeviceBuf<f32>>, width: usize) -> Result<DevSlice<'b, f32>> {
+        part(buf(b)?, 0, self.rows * width)
+    }
+
+    /// One decoder layer in place on the residual; leaves `normed` = the residual normed by `next_norm` (the next
+    /// layer's input norm, or the final norm).
+    fn layer(
+        &self,
+        l: usize,
+        layer: &DeviceLayer,
+        next_norm: &DeviceBuf<f32>,
+        requests: &[BlockRequest<'_>],
+    ) -> Result<()> {
+        let dev = &*self.drafter.dev;
+        let b = &self.model.cfg.backbone;
+        let (h, qd, kd, f) =
+            (b.hidden_size, b.num_heads * b.head_dim, b.num_kv_heads * b.head_dim, b.intermediate_size);
+        let w = self.work;
+        let (x, normed, delta) = (self.rows_of(&w.x, h)?, self.rows_of(&w.normed, h)?, self.rows_of(&w.delta, h)?);
+        let eps = b.rms_norm_eps;
+        if l == 0 {
+            rms_norm(dev, x, &layer.input_norm, eps, normed).map_err(device_err)?;
+        }
+        let convs = layer.convs.as_ref();
+        let attn_in = match convs {
+            Some([conv, _]) => self.conv_prepare(conv, normed)?,
+            None => normed,
+        };
+        let qkv = self.rows_of(&w.qkv, qd + 2 * kd)?;
+        matmul(dev, layer.qkv.view(), qd + 2 * kd, attn_in, self.rows, qkv)?;
+        self.attention(l, layer, requests)?;
+        let attended = self.rows_of(&w.attended, qd)?;
+        matmul(dev, layer.o.view(), h, attended, self.rows, delta)?;
+        let attn_out = match convs {
+            Some([conv, _]) => self.conv_finish(conv, delta)?,
+            None => delta,
+        };
+        add_rms_norm(dev, x, attn_out, &layer.post_norm, eps, normed).map_err(device_err)?;
+        let mlp_in = match convs {
+            Some([_, conv]) => self.conv_prepare(conv, normed)?,
+            None => normed,
+        };
+        let (gate_up, act) = (self.rows_of(&w.gate_up, 2 * f)?, self.rows_of(&w.act, f)?);
+        matmul(dev, layer.gate_up.view(), 2 * f, mlp_in, self.rows, gate_up)?;
+        swiglu_fused(dev, gate_up, act, self.rows).map_err(device_err)?;
+        matmul(dev, layer.down.view(), h, act, self.rows, delta)?;
+        let mlp_out = match convs {
+            Some([_, conv]) => self.conv_finish(conv, delta)?,
+            None => delta,
+        };
+        add_rms_norm(dev, x, mlp_out, next_norm, eps, normed).map_err(device_err)
+    }
+
+    /// The prepare side: the dynamic coefficients of both sides into `dynamic`, the convolved input into `conv`.
+    fn conv_prepare(&self, conv: &DeviceConv, input: DevSlice<'_, f32>) -> Result<DevSlice<'_, f32>> {
+        let coefs = 2 * conv.taps * conv.groups;
+        let dynamic = self.rows_of(&self.work.dynamic, coefs)?;
+        matmul(&self.drafter.dev, conv.projection.view(), coefs, input, self.rows, dynamic)?;
+        self.convolve(conv, 0, input)
+    }
+
+    /// The finish side over a sublayer's output, with the coefficients `conv_prepare` left.
+    fn conv_finish(&self, conv: &DeviceConv, output: DevSlice<'_, f32>) -> Result<DevSlice<'_, f32>> {
+        self.convolve(conv, 1, output)
+    }
+
+    fn convolve(&self, conv: &DeviceConv, side: usize, x: DevSlice<'_, f32>) -> Result<DevSlice<'_, f32>> {
+        let h = self.model.cfg.hidden_size();
+        let coefs = conv.taps * conv.groups;
+        let out = self.rows_of(&self.work.conv, h)?;
+        let conv_side = ConvSide {
+            base: part(&conv.base, side * conv.taps * h, conv.taps * h)?,
+            dynamic: self.rows_of(&self.work.dynamic, 2 * coefs)?,
+            dyn_ld: 2 * coefs,
+            dyn_col: side * coefs,
+            taps: conv.taps,
+            groups: conv.groups,
+        };
+        let block_start = ints_part(buf(&self.work.ints)?, self.rows, self.rows)?;
+        dflash_conv(&self.drafter.dev, x, conv_side, block_start, out).map_err(device_err)?;
+        Ok(out)
+    }
+
+    /// Every sequence's block rows: q, k and v through the head norms and RoPE (k and v into the context at the
+    /// block's positions, scratch past its length), then attention over the context and the block.
+    fn attention(&self, l: usize, layer: &DeviceLayer, requests: &[BlockRequest<'_>]) -> Result<()> {
+        let dev = &*self.drafter.dev;
+        let b = &self.model.cfg.backbone;
+        let (hd, qd, kd) = (b.head_dim, b.num_heads * b.head_dim, b.num_kv_heads * b.head_dim);
+        let w = self.work;
+        let ints = buf(&w.ints)?;
+        let causal = self.model.cfg.attention[l].causal;
+        let scratch = &w.scratch.as_ref().ok_or_else(|| ModelError::Device("no attention scratch".into()))?.0;
+        for (seq, r) in self.plan.seqs.iter().zip(requests) {
+            let kv = device_kv(&*r.ctx)?;
+            let (first, width) = (seq.first, seq.width);
+            let positions = ints_part(ints, first, width)?;
+            let q = part(buf(&w.q)?, first * qd, width * qd)?;
+            rope_kv_write(
+                dev,
+                RopeKvArgs {
+                    qkv: part(buf(&w.qkv)?, first * (qd + 2 * kd), width * (qd + 2 * kd))?,
+                    qkv_ld: qd + 2 * kd,
+                    q_out: q,
+                    k_cache: kv.k[l].view(),
+                    v_cache: kv.v[l].view(),
+                    positions,
+                    slots: positions,
+                    rope: &self.drafter.rope,
+                    q_norm: Some(layer.q_norm.view()),
+                    k_norm: Some(layer.k_norm.view()),
+                    eps: b.rms_norm_eps,
+                    num_heads: b.num_heads,
+                    kv_heads: b.num_kv_heads,
+                    head_dim: hd,
+                },
+            )
+            .map_err(device_err)?;
+            let row_keys = ints_part(ints, seq.row_keys[usize::from(causal)], width)?;
+            let group = b.num_heads / b.num_kv_heads;
+            let args = AttentionArgs {
+                q,
+                k_cache: kv.k[l].view(),
+                v_cache: kv.v[l].view(),
+                row_keys,
+                tiles: ints_part(ints, seq.tiles.0, 4 * seq.tiles.1)?,
+                max_tile_rows: (ATTN_MAX_QUERIES / group).max(1).min(width),
+                tables: ints_part(ints, seq.table.0, seq.table.1)?,
+                table_stride: seq.table.1,
+                page_size: PAGE_SIZE,
+                out: part(buf(&w.attended)?, first * qd, width * qd)?,
+                num_heads: b.num_heads,
+                kv_heads: b.num_kv_heads,
+                head_dim: hd,
+                scale: 1.0 / (hd as f32).sqrt(),
+                split: KeySplit::Fixed { keys: seq.split_keys, max_splits: seq.splits, partial_rows: width },
+            };
+            paged_attention(dev, args, scratch).map_err(device_err)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,106 @@
+//! The drafters' CUDA forward: the same context appends and block passes as the CPU's (`../cpu/forward.rs`), on
+//! device weights widened to f32 and device-resident contexts, with the LM head (or a draft vocabulary's rows of
+//! it) on the device too. What comes back per block is what the CPU pass returns: the draft rows' final hidden
+//! states and their logits, so choosing drafts (argmax, sampling, DFlash2's selector walk) stays one code path.
+//!
+//! Captured target rows still arrive from the host (the target's step copies them out); sequences draft one
+//! block pass each. docs/MODELS.md, "DFlash drafters on CUDA", says what is not on the device yet.
+
+mod context;
+mod forward;
+mod weights;
+
+use std::sync::{Arc, Mutex};
+
+use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DeviceBuf};
+
+pub(crate) use context::DeviceKv;
+
+use crate::dflash::vocab::DraftHead;
+use crate::dflash::{DraftModel, DrafterContext};
+use crate::error::{ModelError, Result};
+use crate::target::device_err;
+use weights::{f32_upload, DeviceWeights};
+
+/// A drafter's device half: weights, the LM head rows it scores, the RoPE table and a reusable workspace.
+#[derive(Debug)]
+pub(crate) struct CudaDrafter {
+    dev: Arc<CudaDevice>,
+    weights: DeviceWeights,
+    head: DeviceHead,
+    rope: CudaRopeTable,
+    work: Mutex<forward::Workspace>,
+}
+
+/// The LM head the drafter scores with: the target's whole head, or a draft vocabulary's rows.
+#[derive(Debug)]
+struct DeviceHead {
+    w: DeviceBuf<f32>, // [rows, Ht]
+    rows: usize,
+    /// A draft vocabulary's target ids; `None`: the whole head.
+    ids: Option<Arc<[u32]>>,
+}
+
+impl CudaDrafter {
+    fn new(model: &DraftModel, dev: Arc<CudaDevice>, head: DraftHead<'_>, max_positions: usize) -> Result<Self> {
+        if let Some(l) = model.cfg.attention.iter().position(|a| a.window.is_some()) {
+            return Err(ModelError::Unsupported(format!(
+                "drafter layer {l} attends through a sliding window; the CUDA drafter takes full attention only"
+            )));
+        }
+        dev.init_blas().map_err(device_err)?;
+        let matrix = head.matrix();
+        let head = DeviceHead { w: f32_upload(&dev, matrix)?, rows: matrix.rows(), ids: head.token_ids() };
+        let rope = CudaRopeTable::new(&dev, &model.rope, max_positions.max(1)).map_err(device_err)?;
+        let weights = DeviceWeights::upload(&dev, &model.weights)?;
+        tracing::info!(
+            "drafter on cuda:{}: {} MiB of f32 weights, a {}-row LM head",
+            dev.info().ordinal,
+            (weights.bytes() + 4 * head.w.len()) >> 20,
+            head.rows
+        );
+        Ok(CudaDrafter { dev, weights, head, rope, work: Mutex::new(forward::Workspace::default()) })
+    }
+
+    /// Whether `head` is the head this drafter scores with on the device.
+    fn check_head(&self, head: DraftHead<'_>) -> Result<()> {
+        let same = head.matrix().rows() == self.head.rows && head.token_ids().as_deref() == self.head.ids.as_deref();
+        if !same {
+            return Err(ModelError::Batch(format!(
+                "the drafter scores a {}-row head on the device; a pass asked for a {}-row one",
+                self.head.rows,
+                head.matrix().rows()
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl DraftModel {
+    /// Moves the drafter's passes to CUDA device `dev` (the target's, so both queue on one stream): weights,
+    /// contexts and `head` (the target's LM head, or the draft vocabulary the lanes will pass) go to the device,
+    /// widened to f32. Contexts made afterwards live there; RoPE covers positions `0..max_positions`.
+    ///
+    /// # Errors
+    /// A sliding-window layer (not on CUDA yet), out of device memory, a driver failure.
+    pub fn to_cuda(mut self, dev: Arc<CudaDevice>, head: DraftHead<'_>, max_positions: usize) -> Result<Self> {
+        self.cuda = Some(Arc::new(CudaDrafter::new(&self, dev, head, max_positions)?));
+        Ok(self)
+    }
+
+    /// Where the drafter's passes run: `cpu` or `cuda:N`.
+    pub fn device(&self) -> String {
+        match &self.cuda {
+            Some(c) => format!("cuda:{}", c.dev.info().ordinal),
+            None => "cpu".into(),
+        }
+    }
+
+    /// A context on the drafter's device.
+    pub(crate) fn device_context(&self) -> Result<Option<DrafterContext>> {
+        let Some(cuda) = &self.cuda else { return Ok(None) };
+        let b = &self.cfg.backbone;
+        let kv = DeviceKv::new(&cuda.dev, b.num_layers, b.num_kv_heads * b.head_dim)?;
+        Ok(Some(DrafterContext::on_device(b.num_layers, b.num_kv_heads, b.head_dim, kv)))
+    }
+}

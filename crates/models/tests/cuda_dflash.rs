@@ -1,0 +1,162 @@
+//! The DFlash v1 and DFlash2 drafters on CUDA against the same drafters on the CPU (the CPU pass is held to the
+//! reference package by parity_dflash): context appends in pieces that grow the device context past its first
+//! pages, block passes of every width, batched passes, a draft vocabulary's head; the final hidden rows and logits
+//! to 1e-4 relative, and the drafts (greedy, sampled, DFlash2's selector walk) identical.
+//!
+//! Without a CUDA device every test prints a SKIP notice and passes.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::{assert_close, cuda_device, fixtures};
+use dflash_models::config::ModelConfig;
+use dflash_models::dflash::{
+    BlockOutput, BlockRequest, DraftHead, DraftModel, DraftSampling, DraftVocab, DrafterContext, InverseCdf,
+    SamplingFilter, TargetShape,
+};
+use dflash_models::llama::{load_hf_weights, LlamaModel};
+use dflash_models::safetensors_dir::read_json;
+use dflash_models::LoadOptions;
+
+const TOL: f32 = 1e-4;
+/// Context positions of the synthetic captured rows: past two of the context's 64-slot pages.
+const POSITIONS: usize = 150;
+
+fn target_shape() -> TargetShape {
+    let json = read_json(&fixtures().join("tiny-qwen3/config.json")).expect("target config");
+    TargetShape::of(&ModelConfig::from_hf(&json).expect("target config parses"))
+}
+
+/// The CPU drafter `name`, its target, and made-up captured rows for [`POSITIONS`] positions.
+fn cpu_pair(name: &str) -> (DraftModel, LlamaModel, Vec<f32>) {
+    let model = DraftModel::load(&fixtures().join(name), &target_shape()).expect("drafter");
+    let target = load_hf_weights(&fixtures().join("tiny-qwen3"), &LoadOptions::default()).expect("target");
+    let width = model.target_layer_ids().len() * target.config().hidden_size;
+    let rows = (0..POSITIONS * width).map(|i| ((i * 53 % 97) as f32 - 48.0) / 24.0).collect();
+    (model, target, rows)
+}
+
+/// Appends `rows` in pieces of uneven sizes, as the engine's flushes would.
+fn append_in_pieces(model: &DraftModel, ctx: &mut DrafterContext, rows: &[f32], width: usize) {
+    let mut at = 0;
+    for piece in [37, 64, 1, 48] {
+        let end = (at + piece).min(rows.len() / width);
+        model.append_context(ctx, at, &rows[at * width..end * width]).expect("append");
+        at = end;
+    }
+    assert_eq!(ctx.len(), rows.len() / width);
+}
+
+fn check_block(what: &str, got: &BlockOutput, want: &BlockOutput) {
+    assert_eq!(got.start, want.start, "{what}: start");
+    assert_eq!(got.logits.shape(), want.logits.shape(), "{what}: logits shape");
+    assert_close(&format!("{what} hidden"), got.hidden.as_f32().expect("f32"), want.hidden.as_f32().expect("f32"), TOL);
+    assert_close(&format!("{what} logits"), got.logits.as_f32().expect("f32"), want.logits.as_f32().expect("f32"), TOL);
+}
+
+#[test]
+fn cuda_drafters_match_the_cpu_drafters_at_every_width() {
+    let Some(dev) = cuda_device("cuda_dflash") else { return };
+    for name in ["dflash-v1", "dflash-v2"] {
+        let (cpu, target, rows) = cpu_pair(name);
+        let (embed, lm_head) = (target.embedding(), target.lm_head());
+        let gpu = DraftModel::load(&fixtures().join(name), cpu.target())
+            .expect("drafter")
+            .to_cuda(dev.clone(), DraftHead::Full(lm_head), 1024)
+            .expect("to cuda");
+        assert!(gpu.device().starts_with("cuda:"), "{}", gpu.device());
+        let width = rows.len() / POSITIONS;
+        let (mut cpu_ctx, mut gpu_ctx) = (cpu.new_context().expect("cpu"), gpu.new_context().expect("gpu"));
+        append_in_pieces(&cpu, &mut cpu_ctx, &rows, width);
+        append_in_pieces(&gpu, &mut gpu_ctx, &rows, width);
+        for w in 2..=cpu.block_size() {
+            let anchor = 17 + 31 * w as u32;
+            let pass = |model: &DraftModel, ctx: &mut DrafterContext| {
+                let mut requests = [BlockRequest { ctx, anchor, width: w }];
+                model.forward_blocks(&mut requests, embed, lm_head, None).expect("pass").remove(0)
+            };
+            let (want, got) = (pass(&cpu, &mut cpu_ctx), pass(&gpu, &mut gpu_ctx));
+            check_block(&format!("{name} width {w}"), &got, &want);
+            let greedy =
+                |model: &DraftModel, block| model.propose(block, anchor, DraftSampling::Greedy).expect("greedy");
+            assert_eq!(greedy(&gpu, got).tokens, greedy(&cpu, want).tokens, "{name} width {w}: greedy drafts");
+            let uniforms: Vec<f32> = (0..w).map(|i| (i as f32 * 0.37 + 0.11) % 1.0).collect();
+            let filter = SamplingFilter { temperature: 0.8, top_k: 20, top_p: 0.9 };
+            let sampled = |model: &DraftModel, ctx: &mut DrafterContext| {
+                let draw = &mut InverseCdf::new(uniforms.clone());
+                model.draft(ctx, anchor, w, embed, lm_head, DraftSampling::Sample { filter, draw }).expect("sampled")
+            };
+            let (want, got) = (sampled(&cpu, &mut cpu_ctx), sampled(&gpu, &mut gpu_ctx));
+            assert_eq!(got.tokens, want.tokens, "{name} width {w}: sampled drafts");
+        }
+        // Block rows were scratch: one more committed row overwrites them, and the next pass sees it.
+        let row = &rows[..width];
+        cpu.append_context(&mut cpu_ctx, POSITIONS, row).expect("cpu append");
+        gpu.append_context(&mut gpu_ctx, POSITIONS, row).expect("gpu append");
+        let w = cpu.block_size();
+        let pass = |model: &DraftModel, ctx: &mut DrafterContext| {
+            let mut requests = [BlockRequest { ctx, anchor: 5, width: w }];
+            model.forward_blocks(&mut requests, embed, lm_head, None).expect("pass").remove(0)
+        };
+        let (want, got) = (pass(&cpu, &mut cpu_ctx), pass(&gpu, &mut gpu_ctx));
+        check_block(&format!("{name} after a new row"), &got, &want);
+    }
+}
+
+#[test]
+fn cuda_batched_passes_match_single_passes() {
+    let Some(dev) = cuda_device("cuda_dflash") else { return };
+    let (cpu, target, rows) = cpu_pair("dflash-v2");
+    let (embed, lm_head) = (target.embedding(), target.lm_head());
+    let gpu = DraftModel::load(&fixtures().join("dflash-v2"), cpu.target())
+        .expect("drafter")
+        .to_cuda(dev.clone(), DraftHead::Full(lm_head), 1024)
+        .expect("to cuda");
+    let width = rows.len() / POSITIONS;
+    let short = &rows[..70 * width];
+    let context = |model: &DraftModel, rows: &[f32]| {
+        let mut ctx = model.new_context().expect("context");
+        model.append_context(&mut ctx, 0, rows).expect("append");
+        ctx
+    };
+    let (mut a, mut b) = (context(&gpu, &rows), context(&gpu, short));
+    let mut requests =
+        [BlockRequest { ctx: &mut a, anchor: 9, width: 8 }, BlockRequest { ctx: &mut b, anchor: 200, width: 3 }];
+    let both = gpu.forward_blocks(&mut requests, embed, lm_head, None).expect("batched pass");
+    for (i, (rows, anchor, w)) in [(&rows[..], 9, 8), (short, 200, 3)].into_iter().enumerate() {
+        let mut ctx = context(&cpu, rows);
+        let mut requests = [BlockRequest { ctx: &mut ctx, anchor, width: w }];
+        let want = cpu.forward_blocks(&mut requests, embed, lm_head, None).expect("cpu pass").remove(0);
+        check_block(&format!("batched request {i}"), &both[i], &want);
+    }
+}
+
+#[test]
+fn cuda_drafters_score_a_draft_vocabulary() {
+    let Some(dev) = cuda_device("cuda_dflash") else { return };
+    let (cpu, target, rows) = cpu_pair("dflash-v2");
+    let (embed, lm_head) = (target.embedding(), target.lm_head());
+    let ids: Vec<u32> = (0..256).filter(|i| i % 3 == 0 || i % 7 == 2).collect();
+    let vocab = DraftVocab::gather(lm_head, &ids).expect("vocab");
+    let gpu = DraftModel::load(&fixtures().join("dflash-v2"), cpu.target())
+        .expect("drafter")
+        .to_cuda(dev.clone(), DraftHead::Vocab(&vocab), 1024)
+        .expect("to cuda");
+    let (mut cpu_ctx, mut gpu_ctx) = (cpu.new_context().expect("cpu"), gpu.new_context().expect("gpu"));
+    cpu.append_context(&mut cpu_ctx, 0, &rows).expect("append");
+    gpu.append_context(&mut gpu_ctx, 0, &rows).expect("append");
+    let greedy = DraftSampling::Greedy;
+    let want = cpu.draft(&mut cpu_ctx, 42, 8, embed, DraftHead::Vocab(&vocab), DraftSampling::Greedy).expect("cpu");
+    let got = gpu.draft(&mut gpu_ctx, 42, 8, embed, DraftHead::Vocab(&vocab), greedy).expect("gpu");
+    assert_eq!(got.logits.shape(), &[7, vocab.len()]);
+    assert_close("draft vocabulary logits", got.logits.as_f32().expect("f32"), want.logits.as_f32().expect("f32"), TOL);
+    assert_eq!(got.tokens, want.tokens, "drafts over the draft vocabulary");
+    assert_eq!(got.token_ids.as_deref(), Some(vocab.ids()));
+    let err = gpu.draft(&mut gpu_ctx, 42, 8, embed, lm_head, DraftSampling::Greedy).expect_err("another head");
+    assert!(err.to_string().contains("head"), "{err}");
+    let mut host_ctx = cpu.new_context().expect("host context");
+    assert!(
+        gpu.draft(&mut host_ctx, 42, 8, embed, DraftHead::Vocab(&vocab), DraftSampling::Greedy).is_err(),
+        "a host context"
+    );
+}
