@@ -13,14 +13,16 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use dflash_engine::spec::{DrafterConfig, MtpDepth, MtpLaneConfig};
-use dflash_models::dflash::{DraftConfig, DraftModel, DraftVocab, TargetShape, VocabRanking, DRAFT_VOCAB_FILE};
+use dflash_models::dflash::{
+    DraftConfig, DraftHead, DraftModel, DraftVocab, TargetShape, VocabRanking, DRAFT_VOCAB_FILE,
+};
 use dflash_models::mtp::{TrunkNorm, PREFIX as MTP_PREFIX};
 use dflash_models::resolve::{ModelSource, DEFAULT_MODEL_FILE};
 use dflash_models::safetensors_dir::read_json;
-use dflash_models::{Checkpoint, ModelConfig, MtpHead, OpenedTarget, StreamTap, TargetHeads};
+use dflash_models::{Checkpoint, ModelConfig, MtpHead, OpenedTarget, StreamTap, Target, TargetHeads};
 
 use crate::assets::assets_dir;
-use crate::cli::{DraftVocabSize, ModelArgs, SpecArgs};
+use crate::cli::{DraftVocabSize, DrafterDevice, ModelArgs, SpecArgs};
 
 /// The default model's drafter, relative to the assets directory.
 pub const DEFAULT_DRAFTER: &str = "drafters/smollm2-135m-instruct";
@@ -110,7 +112,14 @@ impl DrafterPlan {
     /// # Errors
     /// A drafter or head that cannot be loaded or does not fit the target (a shipped drafter only warns), a bad
     /// block size, a `--draft-vocab N` without a ranking.
-    pub fn load(self, spec: &SpecArgs, f32_weights: bool, opened: &OpenedTarget) -> Result<Drafters> {
+    /// `context_window` bounds the positions a drafter on a device is prepared for.
+    pub fn load(
+        self,
+        spec: &SpecArgs,
+        f32_weights: bool,
+        opened: &OpenedTarget,
+        context_window: usize,
+    ) -> Result<Drafters> {
         let heads = || opened.target.host_heads().context("the target keeps no host copy of the heads drafters read");
         match self {
             DrafterPlan::None => {
@@ -121,18 +130,20 @@ impl DrafterPlan {
                 let mtp = load_mtp(spec, &head_dir, f32_weights, heads()?.as_ref())?;
                 Ok(Drafters { block: None, mtp: Some(mtp) })
             }
-            DrafterPlan::Block { dir, shipped, .. } => match load_block(&dir, spec, opened, heads()?.as_ref()) {
-                Ok(d) => {
-                    log_lanes(spec, Some((&d, &dir, shipped)));
-                    Ok(Drafters { block: Some(d), mtp: None })
+            DrafterPlan::Block { dir, shipped, .. } => {
+                match load_block(&dir, spec, opened, heads()?.as_ref(), context_window) {
+                    Ok(d) => {
+                        log_lanes(spec, Some((&d, &dir, shipped)));
+                        Ok(Drafters { block: Some(d), mtp: None })
+                    }
+                    Err(e) if shipped => {
+                        tracing::warn!("the default drafter is unusable ({e:#}); going on without it");
+                        log_lanes(spec, None);
+                        Ok(Drafters::default())
+                    }
+                    Err(e) => Err(e),
                 }
-                Err(e) if shipped => {
-                    tracing::warn!("the default drafter is unusable ({e:#}); going on without it");
-                    log_lanes(spec, None);
-                    Ok(Drafters::default())
-                }
-                Err(e) => Err(e),
-            },
+            }
         }
     }
 }
@@ -233,14 +244,60 @@ fn read_draft_config(dir: &Path) -> Result<DraftConfig> {
 }
 
 /// The drafter in `dir`, checked against the opened target, with its block size and draft vocabulary.
-fn load_block(dir: &Path, spec: &SpecArgs, opened: &OpenedTarget, heads: &dyn TargetHeads) -> Result<DrafterConfig> {
+fn load_block(
+    dir: &Path,
+    spec: &SpecArgs,
+    opened: &OpenedTarget,
+    heads: &dyn TargetHeads,
+    context_window: usize,
+) -> Result<DrafterConfig> {
     let config = opened.info.config();
     let drafter = DraftModel::load(dir, &TargetShape::of(config))
         .with_context(|| format!("loading the drafter {}", dir.display()))?;
     let mut always = opened.info.tokenizer.eos_ids().to_vec();
     always.extend(&config.eos_token_ids);
     let draft_vocab = load_draft_vocab(dir, spec.draft_vocab, &always, config.vocab_size, heads)?.map(Arc::new);
+    let head = match &draft_vocab {
+        Some(vocab) => DraftHead::Vocab(vocab),
+        None => DraftHead::Full(heads.lm_head()),
+    };
+    let drafter = place_drafter(drafter, spec.drafter_device, opened.target.as_ref(), head, context_window)?;
     Ok(DrafterConfig::new(Arc::new(drafter), spec.draft_block_size, draft_vocab)?)
+}
+
+/// Puts the drafter's passes where `--drafter-device` says: `auto` is the target's device.
+///
+/// # Errors
+/// The device refusing the drafter (memory, a layer kind it does not run).
+#[cfg(feature = "cuda")]
+pub fn place_drafter(
+    drafter: DraftModel,
+    device: DrafterDevice,
+    target: &dyn Target,
+    head: DraftHead<'_>,
+    context_window: usize,
+) -> Result<DraftModel> {
+    match (device, target.cuda_device()) {
+        (DrafterDevice::Auto, Some(dev)) => {
+            Ok(drafter.to_cuda(dev, head, context_window).context("putting the drafter on the target's GPU")?)
+        }
+        _ => Ok(drafter),
+    }
+}
+
+/// Without CUDA every drafter runs on the CPU.
+///
+/// # Errors
+/// Never.
+#[cfg(not(feature = "cuda"))]
+pub fn place_drafter(
+    drafter: DraftModel,
+    _device: DrafterDevice,
+    _target: &dyn Target,
+    _head: DraftHead<'_>,
+    _context_window: usize,
+) -> Result<DraftModel> {
+    Ok(drafter)
 }
 
 /// The draft vocabulary `requested` asks for (default: the size recorded with the drafter's ranking, else all),

@@ -150,7 +150,7 @@ impl Startup {
         let opened =
             open_target(checkpoint, device, &opts).with_context(|| format!("opening the target on {device}"))?;
         tracing::info!("target on {} in {:.0} ms", opened.target.device(), t0.elapsed().as_secs_f64() * 1e3);
-        let drafters = drafter.load(&spec, args.f32_weights, &opened)?;
+        let drafters = drafter.load(&spec, args.f32_weights, &opened, plan.context_window)?;
         let num_pages = opened.target.num_pages();
         let page_bytes = kv_bytes_per_token(opened.info.family.as_ref()) * PAGE_SIZE as u64;
         let config = opened.info.config();

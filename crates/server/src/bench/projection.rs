@@ -10,12 +10,13 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use dflash_engine::spec::DrafterConfig;
-use dflash_models::dflash::{DraftConfig, DraftModel, TargetShape};
+use dflash_models::dflash::{DraftConfig, DraftHead, DraftModel, TargetShape};
 use dflash_models::tokenizer::Tokenizer;
 use dflash_models::{CachePlan, Device, KvPages, ModelConfig, Target};
 
 use super::lanes::{BenchLane, Engines, RandomRun};
 use crate::cli::{ModelArgs, RandomDrafter, SpecArgs};
+use crate::drafters::place_drafter;
 
 /// Layers and block of the public Qwen3-8B DFlash drafter.
 const DRAFTER_LAYERS: usize = 5;
@@ -31,10 +32,18 @@ pub(super) fn random_target_engine(
 ) -> Result<(Engines, Arc<Tokenizer>)> {
     let run = RandomRun::prepare(model, spec, sizing, tokenizer_dir)?;
     let cfg = super::shapes::shape_config(shape)?;
-    let draft = drafter.map(|kind| random_drafter(&cfg, kind)).transpose()?.map(Arc::new);
+    let draft = drafter.map(|kind| random_drafter(&cfg, kind)).transpose()?;
     let taps = draft.as_ref().map(|d| d.target_layer_ids().to_vec()).unwrap_or_default();
     let target = random_target(cfg, run.device, &run.cache, &taps)?;
-    let drafter = draft.map(|d| DrafterConfig::new(d, None, None)).transpose()?;
+    let drafter = match (draft, target.host_heads()) {
+        (Some(d), Some(heads)) => {
+            let head = DraftHead::Full(heads.lm_head());
+            let d = place_drafter(d, spec.drafter_device, target.as_ref(), head, run.cache.context_window)?;
+            Some(DrafterConfig::new(Arc::new(d), None, None)?)
+        }
+        (Some(d), None) => Some(DrafterConfig::new(Arc::new(d), None, None)?),
+        (None, _) => None,
+    };
     run.engines(model, target, drafter, kinds)
 }
 

@@ -223,8 +223,21 @@ pub struct SpecArgs {
     /// the maximum draft length). Requests may override it with `spec_policy`.
     #[arg(long, default_value = "adaptive", value_parser = parse_spec_policy())]
     pub spec_policy: PolicyMode,
+    /// Where the block drafter's passes run: `auto` puts them on the target's device (a CUDA target's drafter runs
+    /// on its GPU), `cpu` keeps them on the host. Drafts are the same up to the order of float sums.
+    #[arg(long, value_enum, default_value_t = DrafterDevice::Auto)]
+    pub drafter_device: DrafterDevice,
     #[command(flatten)]
     pub mtp: MtpArgs,
+}
+
+/// `--drafter-device`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DrafterDevice {
+    /// The target's device.
+    Auto,
+    /// The host's CPU, whatever the target's device.
+    Cpu,
 }
 
 fn parse_spec_policy() -> impl clap::builder::TypedValueParser<Value = PolicyMode> {
