@@ -337,10 +337,11 @@ fn log_lanes(spec: &SpecArgs, drafter: Option<(&DrafterConfig, &Path, bool)>) {
         None => "full vocabulary".to_string(),
     };
     tracing::info!(
-        "speculation: {origin}{:?} drafter from {} (block {} of {} trained, taps {:?}, {vocab}); prompt lookup {pld} \
-         for requests that opt out of the drafter (--no-drafter to turn it off)",
+        "speculation: {origin}{:?} drafter from {} on {} (block {} of {} trained, taps {:?}, {vocab}); prompt lookup \
+         {pld} for requests that opt out of the drafter (--no-drafter to turn it off)",
         d.model.kind(),
         dir.display(),
+        d.model.device(),
         d.block_size,
         d.model.block_size(),
         d.model.target_layer_ids(),

@@ -103,6 +103,38 @@ fn random_hybrid_lanes_with_long_prompts_run_on_the_gpu() {
     assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// The shipped DFlash2 drafter on the GPU (the default for a CUDA target), on the host, and off give the same
+/// text, greedy and seeded: speculation stays lossless with the drafter's passes on the device. Needs a CUDA build
+/// and device; skips otherwise.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_drafter_on_the_gpu_gives_plain_decodings_text() {
+    if dflash_models::family::cuda_devices() == 0 {
+        eprintln!("SKIP the drafter on the GPU: no CUDA device");
+        return;
+    }
+    let run = |drafter: &[&str], sampling: &[&str]| {
+        let out = dflash()
+            .args(["run", "--device", "cuda", "-p", "Write a Python function that reverses a list.", "-n", "64"])
+            .args(["--ignore-eos", "--spec-policy", "fixed"])
+            .args(drafter)
+            .args(sampling)
+            .output()
+            .expect("spawn dflash");
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{stderr}");
+        (String::from_utf8(out.stdout).expect("utf-8 stdout"), stderr)
+    };
+    for sampling in [&[][..], &["--temperature", "0.8", "--seed", "11"][..]] {
+        let (plain, _) = run(&["--no-drafter", "--no-pld"], sampling);
+        let (on_gpu, log) = run(&["--no-pld"], sampling);
+        assert!(log.contains("drafter on cuda:"), "the drafter stayed on the host: {log}");
+        let (on_host, _) = run(&["--no-pld", "--drafter-device", "cpu"], sampling);
+        assert_eq!(on_gpu, plain, "drafter on the GPU, {sampling:?}");
+        assert_eq!(on_host, plain, "drafter on the host, {sampling:?}");
+    }
+}
+
 /// `bench lanes --concurrency`: copies of each request batched together give one another's tokens and plain
 /// decoding's, on every lane.
 #[test]
