@@ -8,6 +8,7 @@ use dflash_models::tokenizer::Tokenizer;
 use dflash_models::{KvCache, ResumeState, Target};
 
 pub(crate) mod round_costs;
+mod shared_pass;
 mod step;
 
 use crate::metrics::{EngineMetrics, Gauges, StepPhase};
@@ -19,6 +20,7 @@ use crate::spec::{
     OracleDraft, OracleProposer, Proposer, SharedCosts, SpecConfig, SpecLane,
 };
 use crate::EngineError;
+use shared_pass::add_round_to_step;
 
 /// How the engine is sized.
 #[derive(Clone, Debug)]
@@ -292,15 +294,14 @@ impl Engine {
         let decoding = self.sched.running.iter().filter(|s| s.is_decoding()).count();
         self.round_costs.lock().begin_step(decoding);
         let mut clock = PhaseClock::start();
-        for seq in &mut self.sched.running {
-            seq.prepare_drafts();
-            if let Some(lane) = seq.lane.as_ref().filter(|_| seq.is_decoding()) {
-                // A grammar may have cut the drafts the lane chose.
-                let mut share = lane.round_share();
-                share.extra_rows = share.extra_rows.min(seq.drafts.len());
-                self.round_costs.lock().add_to_step(share);
+        let mut shared = Vec::new();
+        for (i, seq) in self.sched.running.iter_mut().enumerate() {
+            match seq.prepare_drafts() {
+                Some(max) => shared.push((i, max)),
+                None => add_round_to_step(&self.round_costs, seq),
             }
         }
+        self.draft_in_one_pass(&shared);
         let draft = clock.lap();
         let items = self.sched.plan();
         if items.is_empty() {

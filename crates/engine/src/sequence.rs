@@ -9,7 +9,7 @@ use dflash_models::tokenizer::{DecodeState, Tokenizer};
 use crate::grammar::GrammarState;
 use crate::request::{Event, EventSink, FinishReason, Request, TokenLogprob, Usage};
 use crate::sampler::TokenHistory;
-use crate::spec::{ProposeInput, SpecLane};
+use crate::spec::{DflashProposer, Proposal, ProposeInput, SpecLane};
 use crate::stop::{Scan, StopScanner};
 
 /// How a sequence ended, for metrics.
@@ -209,22 +209,56 @@ impl Sequence {
     }
 
     /// Asks the armed lane, if any, for this step's drafts (none unless the sequence is decoding). Drafts never
-    /// run past `max_tokens`: a round commits at most drafts + 1 tokens.
-    pub fn prepare_drafts(&mut self) {
+    /// run past `max_tokens`: a round commits at most drafts + 1 tokens. A lane whose block drafter drafts in the
+    /// step's shared pass only plans its round here: `Some(max)` says it will propose at most `max` drafts, and
+    /// [`Self::finish_shared_drafts`] ends the round with the pass's proposal.
+    pub fn prepare_drafts(&mut self) -> Option<usize> {
         self.drafts.clear();
         if !self.is_decoding() {
-            return;
+            return None;
         }
         let cap = self.request.max_tokens.saturating_sub(self.generated() + 1);
-        if let Some(lane) = self.lane.as_mut() {
-            let input = ProposeInput { tokens: &self.tokens, sampling: &self.request.sampling };
-            // A proposer that panics (a drafter bug) must not take the engine thread, and with it every request,
-            // down: the lane is dropped and the request decodes plain, with the tokens it would have had anyway.
-            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lane.draft(&input, cap))) {
-                Ok(drafts) => self.drafts = drafts,
-                Err(_) => self.drop_lane("drafting"),
-            }
+        let lane = self.lane.as_mut()?;
+        let input = ProposeInput { tokens: &self.tokens, sampling: &self.request.sampling };
+        let shared = lane.proposer.block_drafter().is_some();
+        // A proposer that panics (a drafter bug) must not take the engine thread, and with it every request,
+        // down: the lane is dropped and the request decodes plain, with the tokens it would have had anyway.
+        let planned = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match shared {
+            true => (lane.plan_round(&input, cap), Vec::new()),
+            false => (None, lane.draft(&input, cap)),
+        }));
+        match planned {
+            Ok((Some(max), _)) => return Some(max),
+            Ok((None, drafts)) => self.drafts = drafts,
+            Err(_) => self.drop_lane("drafting"),
         }
+        self.cut_drafts_by_grammar();
+        None
+    }
+
+    /// The lane's block drafter and its round's input, for the step's shared drafter pass.
+    pub fn shared_pass_member(&mut self) -> Option<(&mut DflashProposer, ProposeInput<'_>)> {
+        let drafter = self.lane.as_mut()?.proposer.block_drafter()?;
+        Some((drafter, ProposeInput { tokens: &self.tokens, sampling: &self.request.sampling }))
+    }
+
+    /// Ends a round [`Self::prepare_drafts`] planned with the shared pass's proposal for it (`draft_ms`: this
+    /// lane's share of the pass).
+    pub fn finish_shared_drafts(&mut self, max: usize, drafted: Proposal, draft_ms: f64) {
+        let Some(lane) = self.lane.as_mut() else { return };
+        let input = ProposeInput { tokens: &self.tokens, sampling: &self.request.sampling };
+        let finished = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            lane.shared_proposal(&input, max, drafted, draft_ms)
+        }));
+        match finished {
+            Ok(drafts) => self.drafts = drafts,
+            Err(_) => self.drop_lane("drafting"),
+        }
+        self.cut_drafts_by_grammar();
+    }
+
+    /// Cuts the drafts at the first token the sequence's grammar forbids.
+    fn cut_drafts_by_grammar(&mut self) {
         if let Some(grammar) = self.grammar.as_mut().filter(|_| !self.drafts.is_empty()) {
             let valid = grammar.valid_drafts(&self.drafts);
             self.drafts.truncate(valid);

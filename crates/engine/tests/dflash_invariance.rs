@@ -195,3 +195,41 @@ fn an_oracle_paying_a_random_drafter_equals_plain_decoding() {
         (metric(&text, "dflash_spec_drafted_tokens_total"), metric(&text, "dflash_spec_accepted_tokens_total"));
     assert!(drafted > 0.0 && accepted == drafted, "{accepted} of {drafted}");
 }
+
+/// The step's shared drafter pass proposes for each lane exactly what a lone call would (contexts of different
+/// lengths, different widths, greedy and seeded sampling, a lane with nothing to draft in between).
+#[test]
+fn a_shared_pass_proposes_what_lone_passes_propose() {
+    use dflash_engine::spec::{DflashProposer, Proposal, ProposeInput, Proposer};
+    let (m, cfg) = with_drafter("dflash-v2", 8);
+    let heads: Arc<dyn dflash_models::TargetHeads> = m.model.clone();
+    let width = cfg.model.target_layer_ids().len() * m.model.config().hidden_size;
+    let lane = |positions: usize| {
+        let mut p = DflashProposer::new(&cfg, Arc::clone(&heads)).expect("lane");
+        let rows: Vec<f32> = (0..positions * width).map(|i| ((i * 29 % 83) as f32 - 41.0) / 20.0).collect();
+        p.observe(0, &rows);
+        p
+    };
+    let greedy = SamplingParams::greedy();
+    let sampled = SamplingParams { temperature: 0.8, top_p: 0.95, seed: 5, ..SamplingParams::greedy() };
+    let tokens: Vec<Vec<u32>> =
+        [12usize, 40, 1, 70].iter().map(|&n| (0..n as u32).map(|i| 3 + i * 7 % 250).collect()).collect();
+    // (context rows observed, sampling, most drafts); the third lane's context lags its tokens: no round.
+    let cases = [(11, &greedy, 7), (39, &sampled, 3), (5, &greedy, 7), (69, &sampled, 6)];
+    let alone: Vec<Proposal> = cases
+        .iter()
+        .zip(&tokens)
+        .map(|(&(ctx, sampling, max), t)| lane(ctx).propose(&ProposeInput { tokens: t, sampling }, max))
+        .collect();
+    let mut lanes: Vec<DflashProposer> = cases.iter().map(|&(ctx, _, _)| lane(ctx)).collect();
+    let mut members: Vec<_> = lanes
+        .iter_mut()
+        .zip(&cases)
+        .zip(&tokens)
+        .map(|((l, &(_, sampling, max)), t)| (l, ProposeInput { tokens: t, sampling }, max))
+        .collect();
+    let together = DflashProposer::propose_batch(&mut members);
+    assert_eq!(together, alone);
+    assert!(together[2].tokens.is_empty(), "a lane whose context lags its tokens drafts nothing");
+    assert_eq!(together.iter().map(|p| p.tokens.len()).collect::<Vec<_>>(), [7, 3, 0, 6]);
+}

@@ -10,11 +10,13 @@
 
 use std::sync::Arc;
 
-use dflash_models::dflash::{DraftHead, DraftModel, DraftSampling, DraftVocab, Draw, SamplingFilter};
+use dflash_models::dflash::{
+    BlockOutput, BlockRequest, DraftHead, DraftModel, DraftSampling, DraftVocab, Draw, SamplingFilter,
+};
 use dflash_models::{DrafterContext, ModelError, TargetHeads};
 
 use super::{policy, LaneKind, Proposal, ProposeInput, Proposer};
-use crate::sampler::{gumbel, keyed_uniform, STREAM_TARGET};
+use crate::sampler::{gumbel, keyed_uniform, SamplingParams, STREAM_TARGET};
 
 /// Observed rows held back at most before they enter the drafter's context in one pass (bounds the buffer at
 /// `rows × taps × hidden` floats: 1.2 MB for the default model's drafter).
@@ -111,22 +113,19 @@ impl DflashProposer {
     }
 }
 
-impl Proposer for DflashProposer {
-    fn kind(&self) -> LaneKind {
-        self.kind
-    }
-
-    fn propose(&mut self, input: &ProposeInput, max: usize) -> Proposal {
+impl DflashProposer {
+    /// The round's anchor and block width, once the context holds every position before the anchor (`None`: no
+    /// round: nothing to anchor, a block below 2 rows, or a broken lane).
+    fn block_of(&mut self, input: &ProposeInput, max: usize) -> Option<(u32, usize)> {
         let width = self.block_size.min(max + 1);
-        let Some((&anchor, before)) = input.tokens.split_last() else {
-            return Proposal::default();
-        };
+        let (&anchor, before) = input.tokens.split_last()?;
         self.flush();
         // The context must hold every position before the anchor (the engine observes each computed row).
-        if self.broken || width < 2 || self.ctx.len() != before.len() {
-            return Proposal::default();
-        }
-        let params = input.sampling;
+        (!self.broken && width >= 2 && self.ctx.len() == before.len()).then_some((anchor, width))
+    }
+
+    /// The drafts of a block pass's output, chosen as the request samples.
+    fn proposal(&mut self, block: BlockOutput, anchor: u32, params: &SamplingParams) -> Proposal {
         let mut draw = KeyedDraw { seed: params.seed };
         let sampling = if params.is_greedy() {
             DraftSampling::Greedy
@@ -134,17 +133,99 @@ impl Proposer for DflashProposer {
             let filter = SamplingFilter { temperature: params.temperature, top_k: params.top_k, top_p: params.top_p };
             DraftSampling::Sample { filter, draw: &mut draw }
         };
-        let head = match &self.draft_vocab {
-            Some(vocab) => DraftHead::Vocab(vocab),
-            None => DraftHead::Full(self.target.lm_head()),
-        };
-        match self.model.draft(&mut self.ctx, anchor, width, self.target.embedding(), head, sampling) {
+        match self.model.propose(block, anchor, sampling) {
             Ok(draft) => Proposal { confidence: policy::top_probabilities(&draft.logits), tokens: draft.tokens },
             Err(e) => {
                 self.fail("draft", &e);
                 Proposal::default()
             }
         }
+    }
+
+    /// Proposes for several lanes in one drafter pass (`lanes[i]`: a lane, its round's input and most drafts): the
+    /// same proposals as one call each, since a block pass computes each block as it would alone. Lanes of other
+    /// drafters than the first's, or with no round to draft, are proposed for one at a time (or not at all).
+    pub fn propose_batch(lanes: &mut [(&mut DflashProposer, ProposeInput<'_>, usize)]) -> Vec<Proposal> {
+        let mut proposals = vec![Proposal::default(); lanes.len()];
+        let mut blocks = Vec::new(); // (lane, anchor, width)
+        for (i, (lane, input, max)) in lanes.iter_mut().enumerate() {
+            if let Some((anchor, width)) = lane.block_of(input, *max) {
+                blocks.push((i, anchor, width));
+            }
+        }
+        let Some(&(first, _, _)) = blocks.first() else { return proposals };
+        let shares_pass = |l: &DflashProposer, f: &DflashProposer| {
+            Arc::ptr_eq(&l.model, &f.model)
+                && Arc::ptr_eq(&l.target, &f.target)
+                && match (&l.draft_vocab, &f.draft_vocab) {
+                    (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                    (None, None) => true,
+                    _ => false,
+                }
+        };
+        let (model, target, vocab) =
+            (Arc::clone(&lanes[first].0.model), Arc::clone(&lanes[first].0.target), lanes[first].0.draft_vocab.clone());
+        let (together, alone): (Vec<_>, Vec<_>) =
+            blocks.into_iter().partition(|&(i, _, _)| shares_pass(lanes[i].0, lanes[first].0));
+        for (i, _, _) in alone {
+            let (lane, input, max) = &mut lanes[i];
+            proposals[i] = lane.propose(input, *max);
+        }
+        let head = match &vocab {
+            Some(v) => DraftHead::Vocab(v),
+            None => DraftHead::Full(target.lm_head()),
+        };
+        let outputs = {
+            // `together` is in lane order: walk the lanes once, taking each one's context.
+            let mut wanted = together.iter().peekable();
+            let mut requests = Vec::with_capacity(together.len());
+            for (i, (lane, _, _)) in lanes.iter_mut().enumerate() {
+                if let Some(&(_, anchor, width)) = wanted.next_if(|&&(j, _, _)| j == i) {
+                    requests.push(BlockRequest { ctx: &mut lane.ctx, anchor, width });
+                }
+            }
+            model.forward_blocks(&mut requests, target.embedding(), head, None)
+        };
+        match outputs {
+            Ok(outputs) => {
+                for (block, &(i, anchor, _)) in outputs.into_iter().zip(&together) {
+                    let (lane, input, _) = &mut lanes[i];
+                    proposals[i] = lane.proposal(block, anchor, input.sampling);
+                }
+            }
+            Err(e) => together.iter().for_each(|&(i, _, _)| lanes[i].0.fail("shared draft", &e)),
+        }
+        proposals
+    }
+}
+
+impl Proposer for DflashProposer {
+    fn kind(&self) -> LaneKind {
+        self.kind
+    }
+
+    fn propose(&mut self, input: &ProposeInput, max: usize) -> Proposal {
+        let Some((anchor, width)) = self.block_of(input, max) else {
+            return Proposal::default();
+        };
+        let mut requests = [BlockRequest { ctx: &mut self.ctx, anchor, width }];
+        let embed = self.target.embedding();
+        let head = match &self.draft_vocab {
+            Some(vocab) => DraftHead::Vocab(vocab),
+            None => DraftHead::Full(self.target.lm_head()),
+        };
+        match self.model.forward_blocks(&mut requests, embed, head, None) {
+            Ok(mut out) if out.len() == 1 => self.proposal(out.remove(0), anchor, input.sampling),
+            Ok(_) => Proposal::default(),
+            Err(e) => {
+                self.fail("draft", &e);
+                Proposal::default()
+            }
+        }
+    }
+
+    fn block_drafter(&mut self) -> Option<&mut DflashProposer> {
+        Some(self)
     }
 
     fn observes_target(&self) -> bool {

@@ -107,6 +107,18 @@ pub trait Proposer: Send {
 
     /// Told after each verified round how many of the `drafted` tokens were accepted (learned drafters adapt).
     fn on_verified(&mut self, _drafted: usize, _accepted: usize) {}
+
+    /// The block drafter this lane runs every drafting round, when it has one: the engine then drafts the step's
+    /// block-drafting lanes together, in one drafter pass ([`DflashProposer::propose_batch`]), and hands each lane
+    /// its drafter's proposal through [`Proposer::proposal_from_shared_pass`] instead of calling [`Proposer::propose`].
+    fn block_drafter(&mut self) -> Option<&mut DflashProposer> {
+        None
+    }
+
+    /// This round's proposal when the lane's block drafter ran in a shared pass and proposed `drafted`.
+    fn proposal_from_shared_pass(&mut self, _input: &ProposeInput, _max: usize, drafted: Proposal) -> Proposal {
+        drafted
+    }
 }
 
 /// Speculation settings of the server (or one request).
@@ -305,17 +317,41 @@ impl SpecLane {
     /// Drafts for the next round (at most `cap`): none when the policy makes it plain, else the prefix of the
     /// proposal the policy chooses to verify.
     pub fn draft(&mut self, input: &ProposeInput, cap: usize) -> Vec<u32> {
+        match self.plan_round(input, cap) {
+            Some(max) => {
+                let (proposal, draft_ms) = self.timed_proposal(input, max);
+                self.finish_round(proposal, max, draft_ms)
+            }
+            None => Vec::new(),
+        }
+    }
+
+    /// Starts the next round: `Some(max)` when the lane drafts at most `max` tokens, `None` when the round is plain.
+    pub fn plan_round(&mut self, input: &ProposeInput, cap: usize) -> Option<usize> {
         let context = input.tokens.len();
         let max = cap.min(self.max_draft);
         self.round = RoundInFlight { context, ..RoundInFlight::default() };
         if max == 0 {
-            return Vec::new();
+            return None;
         }
         if let RoundPlan::Plain = self.policy.plan(&self.costs.lock(), context, max) {
             self.round.gated = true;
-            return Vec::new();
+            return None;
         }
-        let (Proposal { mut tokens, confidence }, draft_ms) = self.timed_proposal(input, max);
+        Some(max)
+    }
+
+    /// The round's drafts from a proposal of a shared drafter pass whose cost was `draft_ms` per lane.
+    pub fn shared_proposal(&mut self, input: &ProposeInput, max: usize, drafted: Proposal, draft_ms: f64) -> Vec<u32> {
+        let proposal = self.proposer.proposal_from_shared_pass(input, max, drafted);
+        self.record_draft_ms(draft_ms);
+        self.finish_round(proposal, max, draft_ms)
+    }
+
+    /// Ends a planned round with its proposal: the prefix the policy chooses to verify.
+    fn finish_round(&mut self, proposal: Proposal, max: usize, draft_ms: f64) -> Vec<u32> {
+        let Proposal { mut tokens, confidence } = proposal;
+        let context = self.round.context;
         tokens.truncate(max);
         if tokens.is_empty() {
             return tokens;
@@ -342,11 +378,16 @@ impl SpecLane {
         let started = Instant::now();
         let proposal = self.proposer.propose(input, max);
         let draft_ms = started.elapsed().as_secs_f64() * 1e3;
+        self.record_draft_ms(draft_ms);
+        (proposal, draft_ms)
+    }
+
+    /// Records a drafting call of `draft_ms` (this lane's share of a shared pass).
+    fn record_draft_ms(&mut self, draft_ms: f64) {
         self.round.draft_ms = draft_ms;
         self.stats.draft_calls += 1;
         self.stats.draft_us += (draft_ms * 1e3) as u64;
         self.costs.lock().observe_draft(self.stats.lane, draft_ms);
-        (proposal, draft_ms)
     }
 
     /// What this step's round adds to the step beyond a plain row (rows, expected tokens, drafting), for the lanes

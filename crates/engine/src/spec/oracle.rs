@@ -89,6 +89,21 @@ impl Proposer for OracleProposer {
             // Its cost is the point; its drafts are not.
             let _ = d.propose(input, max);
         }
+        self.oracle_proposal(input, max)
+    }
+
+    fn block_drafter(&mut self) -> Option<&mut super::DflashProposer> {
+        self.paying.as_mut()?.block_drafter()
+    }
+
+    fn proposal_from_shared_pass(&mut self, input: &ProposeInput, max: usize, _drafted: Proposal) -> Proposal {
+        self.oracle_proposal(input, max)
+    }
+}
+
+impl OracleProposer {
+    /// The oracle's own drafts for the round.
+    fn oracle_proposal(&self, input: &ProposeInput, max: usize) -> Proposal {
         // The round's anchor is the last committed token; its drafts are the continuation's next tokens.
         let Some(next) = input.tokens.len().checked_sub(self.prompt_len) else {
             return Proposal::default();

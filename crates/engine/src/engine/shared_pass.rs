@@ -1,0 +1,53 @@
+//! The step's shared drafter pass: the block-drafting lanes that planned a round draft together, in one pass of
+//! their drafter (its matmuls over every lane's block at once), instead of one pass each.
+
+use std::time::Instant;
+
+use super::Engine;
+use crate::sequence::Sequence;
+use crate::spec::{DflashProposer, SharedCosts};
+
+impl Engine {
+    /// Drafts the rounds `planned` (`(index into the running sequences, most drafts)`, in order) in one drafter
+    /// pass; each lane is charged an equal share of its time. A pass that panics drops those lanes (their requests
+    /// decode on, plain).
+    pub(super) fn draft_in_one_pass(&mut self, planned: &[(usize, usize)]) {
+        if planned.is_empty() {
+            return;
+        }
+        let started = Instant::now();
+        let mut members = Vec::with_capacity(planned.len());
+        let proposals = {
+            let mut lanes = Vec::with_capacity(planned.len());
+            let mut wanted = planned.iter().peekable();
+            for (i, seq) in self.sched.running.iter_mut().enumerate() {
+                let Some(&(_, max)) = wanted.next_if(|&&(j, _)| j == i) else { continue };
+                if let Some((drafter, input)) = seq.shared_pass_member() {
+                    lanes.push((drafter, input, max));
+                    members.push((i, max));
+                }
+            }
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| DflashProposer::propose_batch(&mut lanes)))
+        };
+        let share_ms = started.elapsed().as_secs_f64() * 1e3 / members.len().max(1) as f64;
+        match proposals {
+            Ok(proposals) => {
+                for (&(i, max), proposal) in members.iter().zip(proposals) {
+                    let seq = &mut self.sched.running[i];
+                    seq.finish_shared_drafts(max, proposal, share_ms);
+                    add_round_to_step(&self.round_costs, seq);
+                }
+            }
+            Err(_) => members.iter().for_each(|&(i, _)| self.sched.running[i].drop_lane("drafting in a shared pass")),
+        }
+    }
+}
+
+/// Adds a decoding sequence's round to the step being drafted for, as far as its grammar let its drafts go.
+pub(super) fn add_round_to_step(costs: &SharedCosts, seq: &Sequence) {
+    if let Some(lane) = seq.lane.as_ref().filter(|_| seq.is_decoding()) {
+        let mut share = lane.round_share();
+        share.extra_rows = share.extra_rows.min(seq.drafts.len());
+        costs.lock().add_to_step(share);
+    }
+}
