@@ -1,7 +1,8 @@
 //! The DFlash v1 and DFlash2 drafters on CUDA against the same drafters on the CPU (the CPU pass is held to the
-//! reference package by parity_dflash): context appends in pieces that grow the device context past its first
-//! pages, block passes of every width, batched passes, a draft vocabulary's head; the final hidden rows and logits
-//! to 1e-4 relative, and the drafts (greedy, sampled, DFlash2's selector walk) identical.
+//! reference package by parity_dflash): context appends in pieces that take the context past its first pages,
+//! block passes of every width, batched passes (with the context page pool grown under them), a draft
+//! vocabulary's head; the final hidden rows and logits to 1e-4 relative, and the drafts (greedy, sampled,
+//! DFlash2's selector walk) identical.
 //!
 //! Without a CUDA device every test prints a SKIP notice and passes.
 #![cfg(feature = "cuda")]
@@ -120,6 +121,9 @@ fn cuda_batched_passes_match_single_passes() {
         ctx
     };
     let (mut a, mut b) = (context(&gpu, &rows), context(&gpu, short));
+    // More contexts than the page pool first holds (64 pages; these take 3 each): it grows, keeping a's and b's.
+    let fillers: Vec<DrafterContext> = (0..25).map(|_| context(&gpu, &rows)).collect();
+    drop(fillers);
     let mut requests =
         [BlockRequest { ctx: &mut a, anchor: 9, width: 8 }, BlockRequest { ctx: &mut b, anchor: 200, width: 3 }];
     let both = gpu.forward_blocks(&mut requests, embed, lm_head, None).expect("batched pass");

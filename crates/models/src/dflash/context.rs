@@ -74,7 +74,7 @@ impl HostKv {
 }
 
 /// Pages after growing `pages` to hold `positions`: at least double.
-pub(crate) fn grown_pages(pages: usize, positions: usize) -> usize {
+fn grown_pages(pages: usize, positions: usize) -> usize {
     positions.div_ceil(PAGE_SIZE).max(2 * pages)
 }
 

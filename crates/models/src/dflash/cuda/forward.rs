@@ -7,6 +7,7 @@ use dflash_runtime::cuda::ops::{
 use dflash_runtime::cuda::{CudaDevice, DevSlice, DeviceBuf};
 use dflash_runtime::Tensor;
 
+use super::context::Pages;
 use super::weights::{DeviceConv, DeviceLayer};
 use super::{CudaDrafter, DeviceKv};
 use crate::dflash::context::{ContextKv, DrafterContext, PAGE_SIZE};
@@ -113,10 +114,11 @@ impl Workspace {
     }
 }
 
-/// A context's device K/V.
-fn device_kv(ctx: &DrafterContext) -> Result<&DeviceKv> {
+/// A context's device K/V, which must be in this drafter's pool.
+fn device_kv<'c>(ctx: &'c DrafterContext, drafter: &CudaDrafter) -> Result<&'c DeviceKv> {
     match &ctx.storage {
-        ContextKv::Cuda(kv) => Ok(kv),
+        ContextKv::Cuda(kv) if kv.is_in(&drafter.pool) => Ok(kv),
+        ContextKv::Cuda(_) => Err(ModelError::Batch("a drafter context of another CUDA drafter".into())),
         ContextKv::Host(_) => Err(ModelError::Batch("a host drafter context used by the CUDA drafter".into())),
     }
 }
@@ -140,19 +142,21 @@ impl CudaDrafter {
         let b = &model.cfg.backbone;
         let (h, hd, qd, kd) = (b.hidden_size, b.head_dim, b.num_heads * b.head_dim, b.num_kv_heads * b.head_dim);
         let dev = &*self.dev;
+        let kv = device_kv(ctx, self)?;
+        let start = ctx.len();
+        let mut ints: Vec<u32> = (start..start + m).map(|p| p as u32).collect();
+        ints.extend((start..start + m).map(|p| kv.slot(p)));
         let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
-        work.ensure(dev, model, self.head.rows, m, m)?;
-        let start = ctx.len() as u32;
-        let positions: Vec<u32> = (start..start + m as u32).collect();
+        work.ensure(dev, model, self.head.rows, m, ints.len())?;
         let w = &mut *work;
         dev.upload_prefix(rows, buf_mut(&mut w.captured)?).map_err(device_err)?;
-        dev.upload_prefix(&positions, buf_mut(&mut w.ints)?).map_err(device_err)?;
+        dev.upload_prefix(&ints, buf_mut(&mut w.ints)?).map_err(device_err)?;
         let (x, normed, kv_rows) = (part(buf(&w.x)?, 0, m * h)?, part(buf(&w.normed)?, 0, m * h)?, buf(&w.qkv)?);
         let wt = &self.weights;
         matmul(dev, wt.fc.view(), h, part(buf(&w.captured)?, 0, rows.len())?, m, x)?;
         rms_norm(dev, x, &wt.hidden_norm, b.rms_norm_eps, normed).map_err(device_err)?;
-        let positions = ints_part(buf(&w.ints)?, 0, m)?;
-        let kv = device_kv(ctx)?;
+        let (positions, slots) = (ints_part(buf(&w.ints)?, 0, m)?, ints_part(buf(&w.ints)?, m, m)?);
+        let pages = self.pool.lock();
         for (l, layer) in wt.layers.iter().enumerate() {
             let kv_out = part(kv_rows, 0, m * 2 * kd)?;
             matmul(dev, part(&layer.qkv, qd * h, 2 * kd * h)?, 2 * kd, normed, m, kv_out)?;
@@ -162,10 +166,10 @@ impl CudaDrafter {
                     qkv: kv_out,
                     qkv_ld: 2 * kd,
                     q_out: part(kv_rows, 0, 0)?,
-                    k_cache: kv.k[l].view(),
-                    v_cache: kv.v[l].view(),
+                    k_cache: pages.k[l].view(),
+                    v_cache: pages.v[l].view(),
                     positions,
-                    slots: positions,
+                    slots,
                     rope: &self.rope,
                     q_norm: None,
                     k_norm: Some(layer.k_norm.view()),
@@ -192,20 +196,20 @@ impl CudaDrafter {
         let BlockLayout { blocks, positions, x } = model.block_layout(requests, embed)?;
         let rows = positions.len();
         let h = model.cfg.hidden_size();
-        let plan = IntPlan::new(model, requests, &blocks, &positions);
+        let plan = IntPlan::new(model, self, requests, &blocks, &positions)?;
         let dev = &*self.dev;
         let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
         work.ensure(dev, model, self.head.rows, rows, plan.ints.len())?;
         dev.upload_prefix(x.as_f32()?, buf_mut(&mut work.x)?).map_err(device_err)?;
         dev.upload_prefix(&plan.ints, buf_mut(&mut work.ints)?).map_err(device_err)?;
-        let max_splits = plan.seqs.iter().map(|s| s.splits).max().unwrap_or(1);
-        let max_width = blocks.iter().map(|b| b.1).max().unwrap_or(1);
-        work.scratch(dev, model, max_width, max_splits)?;
-        let pass = Pass { drafter: self, model, work: &work, plan: &plan, rows };
+        work.scratch(dev, model, rows, plan.splits)?;
+        let pages = self.pool.lock();
+        let pass = Pass { drafter: self, model, work: &work, plan: &plan, pages: &pages, rows };
         for (l, layer) in self.weights.layers.iter().enumerate() {
             let next_norm = self.weights.layers.get(l + 1).map_or(&self.weights.norm, |n| &n.input_norm);
-            pass.layer(l, layer, next_norm, requests)?;
+            pass.layer(l, layer, next_norm)?;
         }
+        drop(pages);
         let n = self.head.rows;
         let drafts = rows - blocks.len();
         let (normed, logits) = (buf(&work.normed)?, buf(&work.logits)?);
@@ -236,65 +240,85 @@ impl CudaDrafter {
     }
 }
 
-/// The u32 inputs of a pass, uploaded at once: positions and block starts of every row, then per sequence its
-/// key counts, attention tiles and page table.
+/// The u32 inputs of a pass, uploaded at once, each `[rows]` or per sequence: see the offsets.
 struct IntPlan {
     ints: Vec<u32>,
-    seqs: Vec<SeqInts>,
-}
-
-/// Where one sequence's u32 inputs sit in [`IntPlan::ints`], and how its attention cuts its keys.
-struct SeqInts {
-    first: usize,
-    width: usize,
-    /// Offsets of the key counts of full and of causal attention.
+    /// Offsets in `ints`: block starts `[rows]`, cache slots `[rows]`, key counts of full and of causal attention
+    /// `[rows]` each, attention tiles `[4 · tiles]`, page tables `[sequences, table_stride]`.
+    block_start: usize,
+    slots: usize,
     row_keys: [usize; 2],
     tiles: (usize, usize), // offset, count
-    table: (usize, usize), // offset, pages
+    tables: usize,
+    table_stride: usize,
+    sequences: usize,
+    /// Keys per split and splits of the longest row.
     split_keys: usize,
     splits: usize,
+    max_tile_rows: usize,
 }
 
 impl IntPlan {
-    fn new(model: &DraftModel, requests: &[BlockRequest<'_>], blocks: &[(usize, usize)], positions: &[u32]) -> Self {
+    fn new(
+        model: &DraftModel,
+        drafter: &CudaDrafter,
+        requests: &[BlockRequest<'_>],
+        blocks: &[(usize, usize)],
+        positions: &[u32],
+    ) -> Result<Self> {
         let b = &model.cfg.backbone;
         let rows = positions.len();
+        let kvs = requests.iter().map(|r| device_kv(r.ctx, drafter)).collect::<Result<Vec<_>>>()?;
         let mut ints = positions.to_vec();
+        let block_start = ints.len();
         for &(first, width) in blocks {
             ints.extend(std::iter::repeat_n(first as u32, width));
         }
-        debug_assert_eq!(ints.len(), 2 * rows);
+        let slots = ints.len();
+        for (kv, r) in kvs.iter().zip(requests) {
+            let start = r.ctx.len();
+            ints.extend((0..r.width).map(|i| kv.slot(start + i)));
+        }
+        // Full attention: every row sees the context and its whole block; causal: its block up to its own row.
+        let row_keys = [ints.len(), ints.len() + rows];
+        for r in requests {
+            ints.extend(std::iter::repeat_n((r.ctx.len() + r.width) as u32, r.width));
+        }
+        for r in requests {
+            ints.extend((0..r.width).map(|i| (r.ctx.len() + i + 1) as u32));
+        }
         let group = b.num_heads / b.num_kv_heads.max(1);
         let tile_rows = (ATTN_MAX_QUERIES / group.max(1)).max(1);
-        let mut seqs = Vec::with_capacity(blocks.len());
-        for (r, &(first, width)) in requests.iter().zip(blocks) {
-            let start = r.ctx.len();
-            // Full attention: every row sees the context and the whole block; causal: the block up to its own row.
-            let row_keys = [ints.len(), ints.len() + width];
-            ints.extend(std::iter::repeat_n((start + width) as u32, width));
-            ints.extend((0..width).map(|i| (start + i + 1) as u32));
-            let tiles_at = ints.len();
-            let mut count = 0;
+        let tiles_at = ints.len();
+        let mut tiles = 0;
+        for (seq, &(first, width)) in blocks.iter().enumerate() {
             for t in (0..width).step_by(tile_rows) {
-                ints.extend([0, t as u32, tile_rows.min(width - t) as u32, t as u32]);
-                count += 1;
+                let row = (first + t) as u32;
+                ints.extend([seq as u32, row, tile_rows.min(width - t) as u32, row]);
+                tiles += 1;
             }
-            let pages = (start + width).div_ceil(PAGE_SIZE);
-            let table_at = ints.len();
-            ints.extend(0..pages as u32);
-            let keys = start + width;
-            let split_keys = attn_split_keys(keys, b.num_kv_heads);
-            seqs.push(SeqInts {
-                first,
-                width,
-                row_keys,
-                tiles: (tiles_at, count),
-                table: (table_at, pages),
-                split_keys,
-                splits: keys.div_ceil(split_keys),
-            });
         }
-        IntPlan { ints, seqs }
+        let table_stride = kvs.iter().map(|kv| kv.table.len()).max().unwrap_or(1).max(1);
+        let tables = ints.len();
+        for kv in &kvs {
+            ints.extend(kv.table.iter().copied().chain(std::iter::repeat(0)).take(table_stride));
+        }
+        let max_keys = requests.iter().map(|r| r.ctx.len() + r.width).max().unwrap_or(1);
+        let split_keys = attn_split_keys(max_keys, b.num_kv_heads);
+        let max_width = blocks.iter().map(|b| b.1).max().unwrap_or(1);
+        Ok(IntPlan {
+            ints,
+            block_start,
+            slots,
+            row_keys,
+            tiles: (tiles_at, tiles),
+            tables,
+            table_stride,
+            sequences: requests.len(),
+            split_keys,
+            splits: max_keys.div_ceil(split_keys),
+            max_tile_rows: tile_rows.min(max_width),
+        })
     }
 }
 
@@ -304,6 +328,8 @@ struct Pass<'a> {
     model: &'a DraftModel,
     work: &'a Workspace,
     plan: &'a IntPlan,
+    /// The context pages, locked for the pass.
+    pages: &'a Pages,
     rows: usize,
 }
 
@@ -314,13 +340,7 @@ impl Pass<'_> {
 
     /// One decoder layer in place on the residual; leaves `normed` = the residual normed by `next_norm` (the next
     /// layer's input norm, or the final norm).
-    fn layer(
-        &self,
-        l: usize,
-        layer: &DeviceLayer,
-        next_norm: &DeviceBuf<f32>,
-        requests: &[BlockRequest<'_>],
-    ) -> Result<()> {
+    fn layer(&self, l: usize, layer: &DeviceLayer, next_norm: &DeviceBuf<f32>) -> Result<()> {
         let dev = &*self.drafter.dev;
         let b = &self.model.cfg.backbone;
         let (h, qd, kd, f) =
@@ -338,7 +358,7 @@ impl Pass<'_> {
         };
         let qkv = self.rows_of(&w.qkv, qd + 2 * kd)?;
         matmul(dev, layer.qkv.view(), qd + 2 * kd, attn_in, self.rows, qkv)?;
-        self.attention(l, layer, requests)?;
+        self.attention(l, layer)?;
         let attended = self.rows_of(&w.attended, qd)?;
         matmul(dev, layer.o.view(), h, attended, self.rows, delta)?;
         let attn_out = match convs {
@@ -386,67 +406,62 @@ impl Pass<'_> {
             taps: conv.taps,
             groups: conv.groups,
         };
-        let block_start = ints_part(buf(&self.work.ints)?, self.rows, self.rows)?;
+        let block_start = ints_part(buf(&self.work.ints)?, self.plan.block_start, self.rows)?;
         dflash_conv(&self.drafter.dev, x, conv_side, block_start, out).map_err(device_err)?;
         Ok(out)
     }
 
-    /// Every sequence's block rows: q, k and v through the head norms and RoPE (k and v into the context at the
-    /// block's positions, scratch past its length), then attention over the context and the block.
-    fn attention(&self, l: usize, layer: &DeviceLayer, requests: &[BlockRequest<'_>]) -> Result<()> {
+    /// Every sequence's block rows: q, k and v through the head norms and RoPE (k and v into each context at its
+    /// block's positions, scratch past its length), then attention over each context and its block: one launch of
+    /// each for every sequence.
+    fn attention(&self, l: usize, layer: &DeviceLayer) -> Result<()> {
         let dev = &*self.drafter.dev;
         let b = &self.model.cfg.backbone;
         let (hd, qd, kd) = (b.head_dim, b.num_heads * b.head_dim, b.num_kv_heads * b.head_dim);
-        let w = self.work;
+        let (w, plan, rows) = (self.work, self.plan, self.rows);
         let ints = buf(&w.ints)?;
-        let causal = self.model.cfg.attention[l].causal;
         let scratch = &w.scratch.as_ref().ok_or_else(|| ModelError::Device("no attention scratch".into()))?.0;
-        for (seq, r) in self.plan.seqs.iter().zip(requests) {
-            let kv = device_kv(&*r.ctx)?;
-            let (first, width) = (seq.first, seq.width);
-            let positions = ints_part(ints, first, width)?;
-            let q = part(buf(&w.q)?, first * qd, width * qd)?;
-            rope_kv_write(
-                dev,
-                RopeKvArgs {
-                    qkv: part(buf(&w.qkv)?, first * (qd + 2 * kd), width * (qd + 2 * kd))?,
-                    qkv_ld: qd + 2 * kd,
-                    q_out: q,
-                    k_cache: kv.k[l].view(),
-                    v_cache: kv.v[l].view(),
-                    positions,
-                    slots: positions,
-                    rope: &self.drafter.rope,
-                    q_norm: Some(layer.q_norm.view()),
-                    k_norm: Some(layer.k_norm.view()),
-                    eps: b.rms_norm_eps,
-                    num_heads: b.num_heads,
-                    kv_heads: b.num_kv_heads,
-                    head_dim: hd,
-                },
-            )
-            .map_err(device_err)?;
-            let row_keys = ints_part(ints, seq.row_keys[usize::from(causal)], width)?;
-            let group = b.num_heads / b.num_kv_heads;
-            let args = AttentionArgs {
-                q,
-                k_cache: kv.k[l].view(),
-                v_cache: kv.v[l].view(),
-                row_keys,
-                tiles: ints_part(ints, seq.tiles.0, 4 * seq.tiles.1)?,
-                max_tile_rows: (ATTN_MAX_QUERIES / group).max(1).min(width),
-                tables: ints_part(ints, seq.table.0, seq.table.1)?,
-                table_stride: seq.table.1,
-                page_size: PAGE_SIZE,
-                out: part(buf(&w.attended)?, first * qd, width * qd)?,
+        let q = part(buf(&w.q)?, 0, rows * qd)?;
+        let (positions, slots) = (ints_part(ints, 0, rows)?, ints_part(ints, plan.slots, rows)?);
+        let (k_cache, v_cache) = (self.pages.k[l].view(), self.pages.v[l].view());
+        rope_kv_write(
+            dev,
+            RopeKvArgs {
+                qkv: part(buf(&w.qkv)?, 0, rows * (qd + 2 * kd))?,
+                qkv_ld: qd + 2 * kd,
+                q_out: q,
+                k_cache,
+                v_cache,
+                positions,
+                slots,
+                rope: &self.drafter.rope,
+                q_norm: Some(layer.q_norm.view()),
+                k_norm: Some(layer.k_norm.view()),
+                eps: b.rms_norm_eps,
                 num_heads: b.num_heads,
                 kv_heads: b.num_kv_heads,
                 head_dim: hd,
-                scale: 1.0 / (hd as f32).sqrt(),
-                split: KeySplit::Fixed { keys: seq.split_keys, max_splits: seq.splits, partial_rows: width },
-            };
-            paged_attention(dev, args, scratch).map_err(device_err)?;
-        }
-        Ok(())
+            },
+        )
+        .map_err(device_err)?;
+        let causal = self.model.cfg.attention[l].causal;
+        let args = AttentionArgs {
+            q,
+            k_cache,
+            v_cache,
+            row_keys: ints_part(ints, plan.row_keys[usize::from(causal)], rows)?,
+            tiles: ints_part(ints, plan.tiles.0, 4 * plan.tiles.1)?,
+            max_tile_rows: plan.max_tile_rows,
+            tables: ints_part(ints, plan.tables, plan.sequences * plan.table_stride)?,
+            table_stride: plan.table_stride,
+            page_size: PAGE_SIZE,
+            out: part(buf(&w.attended)?, 0, rows * qd)?,
+            num_heads: b.num_heads,
+            kv_heads: b.num_kv_heads,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+            split: KeySplit::Fixed { keys: plan.split_keys, max_splits: plan.splits, partial_rows: rows },
+        };
+        paged_attention(dev, args, scratch).map_err(device_err)
     }
 }

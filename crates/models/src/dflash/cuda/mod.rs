@@ -3,8 +3,9 @@
 //! it) on the device too. What comes back per block is what the CPU pass returns: the draft rows' final hidden
 //! states and their logits, so choosing drafts (argmax, sampling, DFlash2's selector walk) stays one code path.
 //!
-//! Captured target rows still arrive from the host (the target's step copies them out); sequences draft one
-//! block pass each. docs/MODELS.md, "DFlash drafters on CUDA", says what is not on the device yet.
+//! Contexts keep their K/V in one page pool per drafter, so a pass over many sequences attends in one launch per
+//! layer. Captured target rows still arrive from the host (the target's step copies them out). docs/MODELS.md,
+//! "DFlash drafters on CUDA", says what is not on the device yet.
 
 mod context;
 mod forward;
@@ -15,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DeviceBuf};
 
 pub(crate) use context::DeviceKv;
+use context::PagePool;
 
 use crate::dflash::vocab::DraftHead;
 use crate::dflash::{DraftModel, DrafterContext};
@@ -29,6 +31,8 @@ pub(crate) struct CudaDrafter {
     weights: DeviceWeights,
     head: DeviceHead,
     rope: CudaRopeTable,
+    /// The pages of every context made for this drafter.
+    pool: Arc<PagePool>,
     work: Mutex<forward::Workspace>,
 }
 
@@ -53,13 +57,16 @@ impl CudaDrafter {
         let head = DeviceHead { w: f32_upload(&dev, matrix)?, rows: matrix.rows(), ids: head.token_ids() };
         let rope = CudaRopeTable::new(&dev, &model.rope, max_positions.max(1)).map_err(device_err)?;
         let weights = DeviceWeights::upload(&dev, &model.weights)?;
+        let b = &model.cfg.backbone;
+        let pool = Arc::new(PagePool::new(&dev, b.num_layers, b.num_kv_heads * b.head_dim)?);
         tracing::info!(
-            "drafter on cuda:{}: {} MiB of f32 weights, a {}-row LM head",
+            "drafter on cuda:{}: {} MiB of f32 weights, a {}-row LM head, {} MiB of context pages to start",
             dev.info().ordinal,
             (weights.bytes() + 4 * head.w.len()) >> 20,
-            head.rows
+            head.rows,
+            pool.bytes() >> 20
         );
-        Ok(CudaDrafter { dev, weights, head, rope, work: Mutex::new(forward::Workspace::default()) })
+        Ok(CudaDrafter { dev, weights, head, rope, pool, work: Mutex::new(forward::Workspace::default()) })
     }
 
     /// Whether `head` is the head this drafter scores with on the device.
@@ -100,7 +107,7 @@ impl DraftModel {
     pub(crate) fn device_context(&self) -> Result<Option<DrafterContext>> {
         let Some(cuda) = &self.cuda else { return Ok(None) };
         let b = &self.cfg.backbone;
-        let kv = DeviceKv::new(&cuda.dev, b.num_layers, b.num_kv_heads * b.head_dim)?;
+        let kv = DeviceKv::new(&cuda.pool);
         Ok(Some(DrafterContext::on_device(b.num_layers, b.num_kv_heads, b.head_dim, kv)))
     }
 }
