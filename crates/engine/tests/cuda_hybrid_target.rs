@@ -1,5 +1,6 @@
 //! The engine on a hybrid target on the GPU against the same engine on the CPU, both opened through the one door
-//! ([`open_target`]): tiny-qwen3-next with its weights widened to f32, five prompts greedy and seeded-sampled
+//! ([`open_target`]): tiny-qwen3-next, without and with hyper-connection streams (`-hc`), weights widened to f32,
+//! five prompts greedy and seeded-sampled
 //! at once, plain decoding and the oracle lane (fixed and adaptive widths, so every rollback length runs on the
 //! device). Outputs must match the CPU's token for token (the two forwards agree to ~1e-6 on this model, far
 //! inside its top-2 gaps), and the oracle lane must give plain decoding's output on the GPU.
@@ -39,9 +40,12 @@ fn run(target: Box<dyn Target>, cfg: EngineConfig, requests: Vec<Request>) -> (V
     (recorders.iter().map(Recorder::ids).collect(), text)
 }
 
-/// tiny-qwen3-next with f32 weights on `device`, with a cache for `cfg`.
-fn target(device: Device, cfg: &EngineConfig) -> Result<Box<dyn Target>, ModelError> {
-    let checkpoint = Checkpoint::open(&ModelSource::HfDir(fixture("tiny-qwen3-next")), None)?;
+/// The hybrid fixtures: without streams, and with four hyper-connection streams.
+const FIXTURES: [&str; 2] = ["tiny-qwen3-next", "tiny-qwen3-next-hc"];
+
+/// Hybrid fixture `name` with f32 weights on `device`, with a cache for `cfg`.
+fn target(name: &str, device: Device, cfg: &EngineConfig) -> Result<Box<dyn Target>, ModelError> {
+    let checkpoint = Checkpoint::open(&ModelSource::HfDir(fixture(name)), None)?;
     let cache = CachePlan {
         pages: KvPages::Fixed(cfg.num_pages),
         page_size: cfg.page_size,
@@ -56,19 +60,28 @@ fn target(device: Device, cfg: &EngineConfig) -> Result<Box<dyn Target>, ModelEr
 
 #[test]
 fn the_gpu_hybrid_target_decodes_as_the_cpu_one_with_and_without_the_oracle_lane() {
+    for name in FIXTURES {
+        if !decodes_as_the_cpu_one(name) {
+            return;
+        }
+    }
+}
+
+/// The engine on the GPU target against the CPU one (false: no device, skipped).
+fn decodes_as_the_cpu_one(name: &str) -> bool {
     let mut cfg = common::config(64, 64, spec());
     cfg.max_running = 16;
-    let gpu_target = match target(Device::Cuda(0), &cfg) {
+    let gpu_target = match target(name, Device::Cuda(0), &cfg) {
         Ok(target) => target,
         Err(ModelError::NoDevice(e)) => {
             let _ = writeln!(std::io::stderr(), "SKIP cuda hybrid target: {e}");
-            return;
+            return false;
         }
-        Err(e) => panic!("the CUDA target failed to open: {e}"),
+        Err(e) => panic!("{name}: the CUDA target failed to open: {e}"),
     };
-    let (cpu, _) = run(target(Device::Cpu, &cfg).expect("cpu target"), cfg.clone(), requests(20, false));
+    let (cpu, _) = run(target(name, Device::Cpu, &cfg).expect("cpu target"), cfg.clone(), requests(20, false));
     let (gpu, _) = run(gpu_target, cfg.clone(), requests(20, false));
-    assert_eq!(gpu, cpu, "plain decoding on the GPU differs from the CPU");
+    assert_eq!(gpu, cpu, "{name}: plain decoding on the GPU differs from the CPU");
     for policy in [PolicyMode::Fixed, PolicyMode::Adaptive] {
         let with_oracle: Vec<Request> = requests(20, false)
             .into_iter()
@@ -86,11 +99,12 @@ fn the_gpu_hybrid_target_decodes_as_the_cpu_one_with_and_without_the_oracle_lane
                 r
             })
             .collect();
-        let (got, text) = run(target(Device::Cuda(0), &cfg).expect("cuda target"), cfg.clone(), with_oracle);
-        assert_eq!(got, cpu, "{policy:?}: the oracle lane changed the output on the GPU");
+        let (got, text) = run(target(name, Device::Cuda(0), &cfg).expect("cuda target"), cfg.clone(), with_oracle);
+        assert_eq!(got, cpu, "{name} {policy:?}: the oracle lane changed the output on the GPU");
         let accepted = metric(&text, "dflash_spec_accepted_tokens_total");
         let drafted = metric(&text, "dflash_spec_drafted_tokens_total");
         assert!(policy == PolicyMode::Adaptive || (accepted > 0.0 && accepted < drafted), "{accepted} of {drafted}");
-        let _ = writeln!(std::io::stderr(), "oracle {policy:?} on the GPU: {accepted} of {drafted} drafts accepted");
+        let _ = writeln!(std::io::stderr(), "{name} oracle {policy:?} on the GPU: {accepted} of {drafted} accepted");
     }
+    true
 }

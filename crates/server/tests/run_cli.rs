@@ -103,7 +103,7 @@ fn random_hybrid_lanes_with_long_prompts_run_on_the_gpu() {
     assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
 }
 
-/// The shipped DFlash2 drafter on the GPU (the default for a CUDA target), on the host, and off give the same
+/// The shipped DFlash2 drafter on the GPU (`--drafter-device auto`), on the host, and off give the same
 /// text, greedy and seeded: speculation stays lossless with the drafter's passes on the device. Needs a CUDA build
 /// and device; skips otherwise.
 #[cfg(feature = "cuda")]
@@ -127,7 +127,7 @@ fn the_drafter_on_the_gpu_gives_plain_decodings_text() {
     };
     for sampling in [&[][..], &["--temperature", "0.8", "--seed", "11"][..]] {
         let (plain, _) = run(&["--no-drafter", "--no-pld"], sampling);
-        let (on_gpu, log) = run(&["--no-pld"], sampling);
+        let (on_gpu, log) = run(&["--no-pld", "--drafter-device", "auto"], sampling);
         assert!(log.contains("drafter on cuda:"), "the drafter stayed on the host: {log}");
         let (on_host, _) = run(&["--no-pld", "--drafter-device", "cpu"], sampling);
         assert_eq!(on_gpu, plain, "drafter on the GPU, {sampling:?}");

@@ -223,9 +223,10 @@ pub struct SpecArgs {
     /// the maximum draft length). Requests may override it with `spec_policy`.
     #[arg(long, default_value = "adaptive", value_parser = parse_spec_policy())]
     pub spec_policy: PolicyMode,
-    /// Where the block drafter's passes run: `auto` puts them on the target's device (a CUDA target's drafter runs
-    /// on its GPU), `cpu` keeps them on the host. Drafts are the same up to the order of float sums.
-    #[arg(long, value_enum, default_value_t = DrafterDevice::Auto)]
+    /// Where the block drafter's passes run: `cpu` on the host, `auto` on the target's device (a CUDA target's
+    /// drafter on its GPU). Drafts are the same up to the order of float sums. The host is the default until the
+    /// CUDA drafter has passed its tests on a GPU.
+    #[arg(long, value_enum, default_value_t = DrafterDevice::Cpu)]
     pub drafter_device: DrafterDevice,
     #[command(flatten)]
     pub mtp: MtpArgs,
