@@ -142,9 +142,10 @@ impl DflashProposer {
         }
     }
 
-    /// Proposes for several lanes in one drafter pass (`lanes[i]`: a lane, its round's input and most drafts): the
-    /// same proposals as one call each, since a block pass computes each block as it would alone. Lanes of other
-    /// drafters than the first's, or with no round to draft, are proposed for one at a time (or not at all).
+    /// Proposes for several lanes in one drafter pass (`lanes[i]`: a lane, its round's input and most drafts): on the
+    /// CPU the same proposals as one call each, since a block pass computes each block as it would alone (on CUDA
+    /// up to the order of float sums, which cuBLAS picks by the pass's rows). Lanes of other drafters than the
+    /// first's are proposed for one at a time, lanes with no round to draft not at all.
     pub fn propose_batch(lanes: &mut [(&mut DflashProposer, ProposeInput<'_>, usize)]) -> Vec<Proposal> {
         let mut proposals = vec![Proposal::default(); lanes.len()];
         let mut blocks = Vec::new(); // (lane, anchor, width)
@@ -193,7 +194,15 @@ impl DflashProposer {
                     proposals[i] = lane.proposal(block, anchor, input.sampling);
                 }
             }
-            Err(e) => together.iter().for_each(|&(i, _, _)| lanes[i].0.fail("shared draft", &e)),
+            Err(e) => {
+                // One lane's fault (a context of another drafter, a device out of memory) must not end the others'
+                // drafting: each tries alone, and only a lane that fails alone is broken.
+                tracing::warn!("a shared drafter pass failed ({e}); its lanes draft one at a time");
+                for &(i, _, _) in &together {
+                    let (lane, input, max) = &mut lanes[i];
+                    proposals[i] = lane.propose(input, *max);
+                }
+            }
         }
         proposals
     }

@@ -17,6 +17,10 @@ use crate::dflash::DraftModel;
 use crate::error::{ModelError, Result};
 use crate::target::device_err;
 
+/// Rows a context append projects at once (the engine's flushes are at most about this many; a long cached prompt is
+/// cut into such pieces).
+const APPEND_CHUNK: usize = 256;
+
 /// Device buffers of one pass, grown to the largest pass so far (a pass allocates nothing once warm).
 #[derive(Debug, Default)]
 pub(super) struct Workspace {
@@ -58,15 +62,9 @@ fn ints_part(b: &DeviceBuf<u32>, first: usize, len: usize) -> Result<DevSlice<'_
 }
 
 impl Workspace {
-    /// Makes every buffer hold `rows` rows of `model`'s pass (and `ints` u32s), reallocating what is too small.
-    fn ensure(
-        &mut self,
-        dev: &CudaDevice,
-        model: &DraftModel,
-        head_rows: usize,
-        rows: usize,
-        ints: usize,
-    ) -> Result<()> {
+    /// Makes every row buffer hold `rows` rows of `model`'s pass (and `ints` u32s), reallocating what is too small.
+    /// The logits are sized by [`Workspace::ensure_logits`]: an append has none.
+    fn ensure(&mut self, dev: &CudaDevice, model: &DraftModel, rows: usize, ints: usize) -> Result<()> {
         let alloc = |n: usize| dev.alloc_zeros::<f32>(n.max(1)).map_err(device_err);
         if rows > self.rows {
             let rows = rows.next_power_of_two().max(16);
@@ -85,12 +83,19 @@ impl Workspace {
             self.attended = Some(alloc(rows * qd)?);
             self.gate_up = Some(alloc(rows * 2 * f)?);
             self.act = Some(alloc(rows * f)?);
-            self.logits = Some(alloc(rows * head_rows)?);
             self.captured = Some(alloc(rows * fc_in)?);
             self.rows = rows;
         }
         if self.ints.as_ref().is_none_or(|b| b.len() < ints) {
             self.ints = Some(dev.alloc_zeros::<u32>(ints.next_power_of_two().max(256)).map_err(device_err)?);
+        }
+        Ok(())
+    }
+
+    /// Makes the logits buffer hold `len` floats.
+    fn ensure_logits(&mut self, dev: &CudaDevice, len: usize) -> Result<()> {
+        if self.logits.as_ref().is_none_or(|b| b.len() < len) {
+            self.logits = Some(dev.alloc_zeros::<f32>(len.next_power_of_two()).map_err(device_err)?);
         }
         Ok(())
     }
@@ -131,7 +136,8 @@ fn matmul(dev: &CudaDevice, w: DevSlice<f32>, n: usize, x: DevSlice<f32>, m: usi
 
 impl CudaDrafter {
     /// [`DraftModel::append_context`] on the device: `rows` (`[m, capture width]`) become positions
-    /// `ctx.len() ..` of every layer's context K/V (room already reserved).
+    /// `ctx.len() ..` of every layer's context K/V (room already reserved), [`APPEND_CHUNK`] rows at a time, so a
+    /// long prompt's rows do not size the workspace.
     pub(crate) fn append_context(
         &self,
         model: &DraftModel,
@@ -139,15 +145,30 @@ impl CudaDrafter {
         rows: &[f32],
         m: usize,
     ) -> Result<()> {
+        let width = rows.len() / m.max(1);
+        for (i, chunk) in rows.chunks(APPEND_CHUNK * width.max(1)).enumerate() {
+            self.append_chunk(model, ctx, ctx.len() + i * APPEND_CHUNK, chunk, chunk.len() / width.max(1))?;
+        }
+        Ok(())
+    }
+
+    /// Rows `[m, capture width]` as positions `start ..`.
+    fn append_chunk(
+        &self,
+        model: &DraftModel,
+        ctx: &DrafterContext,
+        start: usize,
+        rows: &[f32],
+        m: usize,
+    ) -> Result<()> {
         let b = &model.cfg.backbone;
         let (h, hd, qd, kd) = (b.hidden_size, b.head_dim, b.num_heads * b.head_dim, b.num_kv_heads * b.head_dim);
         let dev = &*self.dev;
         let kv = device_kv(ctx, self)?;
-        let start = ctx.len();
         let mut ints: Vec<u32> = (start..start + m).map(|p| p as u32).collect();
         ints.extend((start..start + m).map(|p| kv.slot(p)));
         let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
-        work.ensure(dev, model, self.head.rows, m, ints.len())?;
+        work.ensure(dev, model, m, ints.len())?;
         let w = &mut *work;
         dev.upload_prefix(rows, buf_mut(&mut w.captured)?).map_err(device_err)?;
         dev.upload_prefix(&ints, buf_mut(&mut w.ints)?).map_err(device_err)?;
@@ -199,7 +220,8 @@ impl CudaDrafter {
         let plan = IntPlan::new(model, self, requests, &blocks, &positions)?;
         let dev = &*self.dev;
         let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
-        work.ensure(dev, model, self.head.rows, rows, plan.ints.len())?;
+        work.ensure(dev, model, rows, plan.ints.len())?;
+        work.ensure_logits(dev, rows * self.head.rows)?;
         dev.upload_prefix(x.as_f32()?, buf_mut(&mut work.x)?).map_err(device_err)?;
         dev.upload_prefix(&plan.ints, buf_mut(&mut work.ints)?).map_err(device_err)?;
         work.scratch(dev, model, rows, plan.splits)?;
@@ -210,31 +232,26 @@ impl CudaDrafter {
             pass.layer(l, layer, next_norm)?;
         }
         drop(pages);
+        // Every row through the head at once (the anchors' rows too): one read of the head for the whole pass.
         let n = self.head.rows;
-        let drafts = rows - blocks.len();
         let (normed, logits) = (buf(&work.normed)?, buf(&work.logits)?);
-        let mut at = 0;
-        for &(first, width) in &blocks {
-            let hidden = part(normed, (first + 1) * h, (width - 1) * h)?;
-            matmul(dev, self.head.w.view(), n, hidden, width - 1, part(logits, at * n, (width - 1) * n)?)?;
-            at += width - 1;
-        }
+        matmul(dev, self.head.w.view(), n, part(normed, 0, rows * h)?, rows, part(logits, 0, rows * n)?)?;
         let mut hidden = vec![0f32; rows * h];
-        let mut scores = vec![0f32; drafts * n];
+        let mut scores = vec![0f32; rows * n];
         dev.download_into(normed, 0, &mut hidden).map_err(device_err)?;
         dev.download_into(logits, 0, &mut scores).map_err(device_err)?;
         drop(work);
-        model.scale_logits(&mut scores);
         let mut outputs = Vec::with_capacity(blocks.len());
-        let mut at = 0;
         for (r, &(first, width)) in requests.iter().zip(&blocks) {
+            let drafts = (first + 1)..(first + width);
+            let block_scores = &mut scores[drafts.start * n..drafts.end * n];
+            model.scale_logits(block_scores);
             outputs.push(BlockOutput {
                 start: r.ctx.len(),
-                hidden: Tensor::from_f32(&hidden[(first + 1) * h..(first + width) * h], &[width - 1, h])?,
-                logits: Tensor::from_f32(&scores[at * n..(at + width - 1) * n], &[width - 1, n])?,
+                hidden: Tensor::from_f32(&hidden[drafts.start * h..drafts.end * h], &[width - 1, h])?,
+                logits: Tensor::from_f32(block_scores, &[width - 1, n])?,
                 token_ids: head.token_ids(),
             });
-            at += width - 1;
         }
         Ok(outputs)
     }

@@ -62,9 +62,10 @@ impl DeviceWeights {
     pub fn bytes(&self) -> usize {
         let layer = |l: &DeviceLayer| {
             let convs: usize = l.convs.iter().flatten().map(|c| c.base.len() + c.projection.len()).sum();
-            l.qkv.len() + l.o.len() + l.gate_up.len() + l.down.len() + convs + 2 * l.input_norm.len()
+            let norms = l.input_norm.len() + l.post_norm.len() + l.q_norm.len() + l.k_norm.len();
+            l.qkv.len() + l.o.len() + l.gate_up.len() + l.down.len() + convs + norms
         };
-        4 * (self.fc.len() + self.layers.iter().map(layer).sum::<usize>())
+        4 * (self.fc.len() + self.hidden_norm.len() + self.norm.len() + self.layers.iter().map(layer).sum::<usize>())
     }
 }
 
