@@ -6,7 +6,8 @@ every row's last token at its own slot. When a row ends (EOS, or max_new tokens)
 request at the next check (every `check_every` steps, the only host-device synchronisation of the loop), so
 the GPU keeps working on full batches while requests of very different lengths come and go. Prompts of a refill
 are prefilled together (right-padded, causal) and copied into their rows. The attention of a decode step reads
-slots 0..max(row length) only; callers sort requests by prompt length so the rows of a pool stay alike.
+slots 0..max(row length), rounded up to a multiple of KEY_BUCKET (so step shapes repeat), and masks each row's
+slots past its own length; callers sort requests by prompt length so the rows of a pool stay alike.
 
 A request may sample its first `sampled` response tokens at a temperature and continue greedily (a sampled
 prefix varies the context; the greedy rest is a chain that greedy verification would accept). The LM head runs
@@ -16,12 +17,20 @@ in f32, so the greedy choice is not made on bf16 logits.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from target import KvCache, LlamaTarget, rope_cos_sin
+
+# Every SDPA backend but cuDNN, whose plans are built per key length: a step's key length changes as rows grow.
+# Flash takes no mask, so the decode step's masked attention runs on the memory-efficient kernel (math as the
+# fallback); the unmasked causal prefill keeps flash.
+ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+KEY_BUCKET = 128  # decode key lengths are rounded up to a multiple of this, so a step's shapes repeat
 
 
 @dataclass(frozen=True)
@@ -39,7 +48,8 @@ class Finished:
 
 class DecodePool:
     def __init__(self, model: LlamaTarget, rows: int, max_prompt: int, max_new: int, seed: int = 0,
-                 check_every: int = 8, prefill_tokens: int = 1 << 16, profile_steps: int = 0):
+                 check_every: int = 8, prefill_tokens: int = 1 << 16, profile_steps: int = 0,
+                 cuda_graphs: bool = False):
         self.model, self.cfg = model, model.cfg
         self.profile_steps = profile_steps  # decode steps to profile once the pool is warm (0: none)
         self.device = model.embed_tokens.weight.device
@@ -50,6 +60,8 @@ class DecodePool:
                              self.device)
         self.head = model.embed_tokens.weight.float()  # f32 LM head (tied embedding)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        graphed = cuda_graphs and self.device.type == "cuda"
+        self.decode = DecodeGraphs(self._decode) if graphed else self._decode  # the decode step, maybe replayed
         self._reset_rows(rows)
 
     def _reset_rows(self, rows: int) -> None:
@@ -62,6 +74,11 @@ class DecodePool:
         self.prefix = np.zeros(rows, dtype=np.int64)  # the row's job's sampled-prefix length
         self.temperature = np.zeros(rows, dtype=np.float32)
         self.all_rows = torch.arange(rows, device=dev)
+        # The cache entry of (row, kv head) at slot 0, in the cache's [layers, R*kv heads*slots, hd] view.
+        heads = self.cfg.num_kv_heads
+        self.row_head_entry = torch.arange(rows * heads, device=dev).view(rows, heads) * self.slots
+        if isinstance(self.decode, DecodeGraphs):
+            self.decode.reset()
         self.prefix_dev = torch.zeros(rows, dtype=torch.long, device=dev)
         self.temperature_dev = torch.ones(rows, dtype=torch.float32, device=dev)
         self.cur = torch.zeros(rows, dtype=torch.long, device=dev)
@@ -76,6 +93,7 @@ class DecodePool:
         return self.model.norm(hidden).float() @ self.head.t()
 
     @torch.no_grad()
+    @sdpa_kernel(ATTENTION_BACKENDS)
     def _prefill(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
         """Runs the prompts into their rows' cache slots; returns each prompt's last logits [n, V] (f32)."""
         n, p = len(prompts), max(len(x) for x in prompts)
@@ -97,18 +115,23 @@ class DecodePool:
         return self._logits(x[torch.arange(n, device=self.device), lengths - 1])
 
     @torch.no_grad()
-    def _decode(self, end: int) -> torch.Tensor:
-        """One step for every row: feeds self.cur at self.pos; returns next-token logits [R, V] (f32)."""
-        x = self.model.embed_tokens(self.cur[:, None])
-        cos, sin = rope_cos_sin(self.pos[:, None], self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        keys = torch.arange(end, device=self.device)
-        mask = (keys[None, :] <= self.pos[:, None])[:, None, None, :]
+    @sdpa_kernel(ATTENTION_BACKENDS)
+    def _decode(self, cur: torch.Tensor, pos: torch.Tensor, end: int) -> torch.Tensor:
+        """One step for every row: feeds cur at pos and attends to slots 0..end-1 (end: a key-length bucket);
+        returns next-token logits [R, V] (f32)."""
+        x = self.model.embed_tokens(cur[:, None])
+        cos, sin = rope_cos_sin(pos[:, None], self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        mask = decode_mask(pos, end, x.dtype)
+        # Each (row, kv head)'s new entry goes to one row of the cache seen as [layers, R*kv heads*slots, hd]:
+        # one index_copy_ per tensor and layer.
+        entry = (self.row_head_entry + pos[:, None]).view(-1)
+        k_entries, v_entries = (c.view(c.shape[0], -1, c.shape[-1]) for c in (self.cache.k, self.cache.v))
+        k_read, v_read = self.cache.k[:, :, :, :end], self.cache.v[:, :, :, :end]
         for i, layer in enumerate(self.model.layers):
             q, k, v = layer.qkv(layer.input_layernorm(x), cos, sin)
-            self.cache.k[i][self.all_rows, :, self.pos] = k[:, :, 0]
-            self.cache.v[i][self.all_rows, :, self.pos] = v[:, :, 0]
-            attn = layer.attend(q, self.cache.k[i][:, :, :end], self.cache.v[i][:, :, :end], mask=mask)
-            x = layer.finish(x, attn)
+            k_entries[i].index_copy_(0, entry, k.reshape(entry.shape[0], -1))
+            v_entries[i].index_copy_(0, entry, v.reshape(entry.shape[0], -1))
+            x = layer.finish(x, layer.attend(q, k_read[i], v_read[i], mask=mask))
         return self._logits(x[:, -1])
 
     # ------------------------------------------------------------------------------------------- token choice
@@ -228,18 +251,87 @@ class DecodePool:
         self._collect(results)
         return results
 
-    def _step(self) -> None:
+    def _key_length(self) -> int:
+        """Slots the step attends to: past every active row's new slot, rounded up to a bucket."""
         end = int(self.length[self.active].max()) + 1
-        logits = self._decode(end)
+        return min(-(-end // KEY_BUCKET) * KEY_BUCKET, self.slots)
+
+    def _step(self) -> None:
+        logits = self.decode(self.cur, self.pos, self._key_length())
         rows = np.arange(self.rows)
         self._record(rows, self.all_rows, self._choose(logits, rows, self.all_rows))
         self.pos = (self.pos + 1).clamp_max(self.slots - 1)
         self.length = np.minimum(self.length + 1, self.slots - 1)
 
 
+class DecodeGraphs:
+    """The decode step as CUDA graphs, one per key-length bucket of the pool's current rows, captured on first use.
+
+    A step is host-bound in eager mode (~1,300 kernel launches for 30 layers); a replay launches them all at once.
+    The inputs are copied into static tensors before a replay; the logits come back in the graph's own output
+    tensor, valid until the next replay (the pool consumes them at once). The graphs share one memory pool (they
+    never run concurrently); each keeps its [R, V] f32 logits (200 MB at 1,024 rows). A failed capture warns and
+    leaves the pool decoding eagerly.
+    """
+
+    def __init__(self, decode):
+        self.eager = decode  # (cur, pos, end) -> logits; graphed, it must only read its inputs and the pool's state
+        self.failed = False
+        self.reset()
+
+    def reset(self) -> None:
+        """Drops the graphs: they hold the addresses of the pool's cache and row tensors, which a compaction
+        replaces. A failed capture stays failed."""
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.cur = self.pos = self.memory = None
+
+    def __call__(self, cur: torch.Tensor, pos: torch.Tensor, end: int) -> torch.Tensor:
+        if self.failed:
+            return self.eager(cur, pos, end)
+        if self.cur is None:
+            self.cur, self.pos = torch.empty_like(cur), torch.empty_like(pos)
+        self.cur.copy_(cur)
+        self.pos.copy_(pos)
+        if end not in self.graphs:
+            try:
+                self.graphs[end] = self._capture(end)
+            except RuntimeError as err:
+                warnings.warn(f"decode pool: CUDA graph capture failed, decoding eagerly: {err}")
+                self.failed, self.graphs = True, {}
+                return self.eager(cur, pos, end)
+        graph, logits = self.graphs[end]
+        graph.replay()
+        return logits
+
+    def _capture(self, end: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warms up on a side stream (as capture requires), then captures. Both run the real step: it is
+        idempotent (the same K/V land in the same cache entries), so the replay that follows gives its logits."""
+        if self.memory is None:
+            self.memory = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.eager(self.cur, self.pos, end)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.memory):
+            logits = self.eager(self.cur, self.pos, end)
+        return graph, logits
+
+
+def decode_mask(pos: torch.Tensor, end: int, dtype: torch.dtype) -> torch.Tensor:
+    """[R, 1, 1, end] additive mask: 0 at slots <= the row's position, -inf after (exp(-inf) is 0, so slots past a
+    row's end, stale or not, contribute nothing). Additive rather than boolean: SDPA would convert a boolean mask
+    in every layer."""
+    keys = torch.arange(end, device=pos.device)
+    mask = torch.zeros(pos.shape[0], end, dtype=dtype, device=pos.device)
+    return mask.masked_fill_(keys[None, :] > pos[:, None], float("-inf"))[:, None, None, :]
+
+
 class StepProfile:
     """Profiles `steps` decode steps of a warm pool (from step WARM_STEPS) with torch.profiler and prints where their
-    time went: the operators by device time, and the wall time per step."""
+    time went: the wall time per step, the host's time inside the step (launching its work), the step's summed
+    kernel time (a step is host-bound when that is well below the wall time), and the operators by device time."""
 
     WARM_STEPS = 64
 
@@ -247,22 +339,26 @@ class StepProfile:
         self.steps, self.device = steps, device
         self.profiler = None
         self.profiled = 0
-        self.started = 0.0
+        self.started = self.step_started = self.host_s = 0.0
 
     def before(self, step: int) -> None:
-        if self.steps <= 0 or step != self.WARM_STEPS:
-            return
+        if self.profiler is None and self.steps > 0 and step == self.WARM_STEPS:
+            self._open()
+        self.step_started = time.perf_counter()
+
+    def _open(self) -> None:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.synchronize(self.device)
         self.profiler = torch.profiler.profile(activities=activities)
         self.profiler.__enter__()
-        self.started = time.time()
+        self.started = time.perf_counter()
 
     def after(self) -> None:
         if self.profiler is None:
             return
+        self.host_s += time.perf_counter() - self.step_started
         self.profiled += 1
         if self.profiled == self.steps:
             self.end()
@@ -273,9 +369,16 @@ class StepProfile:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        ms = (time.time() - self.started) * 1e3 / self.profiled
+        ms = (time.perf_counter() - self.started) * 1e3 / self.profiled
         self.profiler.__exit__(None, None, None)
-        key = "cuda_time_total" if self.device.type == "cuda" else "cpu_time_total"
-        print(f"[decode_pool] profile of {self.profiled} decode steps: {ms:.2f} ms a step (wall, profiled)")
+        line = (f"[decode_pool] profile of {self.profiled} decode steps: {ms:.2f} ms a step (wall, profiled), "
+                f"{self.host_s * 1e3 / self.profiled:.2f} ms of it on the host inside the step")
+        key = "cpu_time_total"
+        if self.device.type == "cuda":
+            key = "cuda_time_total"
+            kernels = sum(e.time_range.elapsed_us() for e in self.profiler.events()
+                          if e.device_type == torch.autograd.DeviceType.CUDA)
+            line += f", {kernels / 1e3 / self.profiled:.2f} ms of kernels (summed device time)"
+        print(line)
         print(self.profiler.key_averages().table(sort_by=key, row_limit=20), flush=True)
         self.profiler = None

@@ -162,7 +162,8 @@ def generate_all(model, tokenizer, cfg, records: list[dict], args, deadline: flo
 def run_pool(model, cfg, jobs: list[Job], args, seed: int, deadline: float):
     """One decode pool over the jobs; its KV cache is freed on return (before the next turn's is allocated)."""
     pool = DecodePool(model, pool_rows(cfg, args), args.max_prompt_tokens, args.max_new_tokens, seed=seed,
-                      prefill_tokens=args.prefill_tokens, profile_steps=args.profile_steps)
+                      prefill_tokens=args.prefill_tokens, profile_steps=args.profile_steps,
+                      cuda_graphs=args.cuda_graphs)
     return pool.run(jobs, deadline, progress_logger(time.time(), len(jobs)))
 
 
@@ -253,6 +254,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-tokens", type=int, default=1 << 16, help="tokens per prefill sub-batch")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="profile this many decode steps of the first pool once warm (torch.profiler table)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
+                   help="replay the decode step as CUDA graphs, one per key-length bucket (on CUDA only; a failed "
+                        "capture falls back to eager with a warning). Off until a GPU run checks it against eager")
     p.add_argument("--chunk-jobs", type=int, default=4096, help="length-sorted jobs per shuffled chunk")
     p.add_argument("--dtype", default=None, choices=("bf16", "f32"), help="weights and KV (default: bf16 on GPU)")
     p.add_argument("--limit", type=int, default=0, help="use only the first N selected prompts (0: all)")

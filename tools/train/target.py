@@ -160,11 +160,9 @@ class RmsNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as transformers' LlamaRMSNorm: normalise in f32, cast back, then scale.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # Same op order as transformers' LlamaRMSNorm: normalise in f32, cast back, then scale (F.rms_norm's
+        # weight would be applied before the cast). On CUDA F.rms_norm is one fused kernel instead of five.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -176,11 +174,15 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, heads, s, hd]; cos/sin [b, s, hd]."""
+    """x [b, heads, s, hd]; cos/sin [b, s, hd]: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1].
+
+    The rotated half-products are added into x * cos in place (three kernels; no rotated copy of x)."""
     cos, sin = cos[:, None], sin[:, None]
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    out = x * cos
+    out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+    out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+    return out
 
 
 class DecoderLayer(nn.Module):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import tempfile
 import unittest
+import warnings
 from unittest import mock
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 
 import generate
-from decode_pool import DecodePool, Job
+from decode_pool import KEY_BUCKET, DecodeGraphs, DecodePool, Job, decode_mask
 from test_train import tiny_target
 from train_data import SPLIT_HELDOUT, SPLIT_TRAIN, load_samples
 
@@ -48,6 +49,28 @@ class DecodePoolTests(unittest.TestCase):
         self.assertEqual([r.tokens for r in results], [r.tokens for r in plain])
         self.assertIn("profile of 3 decode steps", printed.call_args_list[0].args[0])
 
+    def test_graphed_decode_replays_from_static_inputs_and_falls_back_to_eager(self):
+        # No CUDA here: a stand-in graph reruns the step from the static inputs into its static output, as a
+        # replay does; compactions (new rows) capture anew; a failed capture warns once and stays eager.
+        def stand_in(graphs, end):
+            logits = graphs.eager(graphs.cur, graphs.pos, end)
+            return mock.Mock(replay=lambda: logits.copy_(graphs.eager(graphs.cur, graphs.pos, end))), logits
+
+        def failing(graphs, end):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        model = tiny_target(1)
+        jobs = [Job(p) for p in random_prompts(7, seed=4)]
+        plain = DecodePool(model, rows=4, max_prompt=16, max_new=12, check_every=2).run(jobs)
+        for capture in (stand_in, failing):
+            with mock.patch.object(DecodeGraphs, "_capture", capture), warnings.catch_warnings(record=True) as warned:
+                warnings.simplefilter("always")
+                pool = DecodePool(model, rows=4, max_prompt=16, max_new=12, check_every=2)
+                pool.decode = DecodeGraphs(pool._decode)
+                results = pool.run(jobs)
+            self.assertEqual([r.tokens for r in results], [r.tokens for r in plain])
+            self.assertEqual(len(warned), 0 if capture is stand_in else 1)
+
     def test_sampled_prefix_then_greedy(self):
         model = tiny_target(1)
         prompts = random_prompts(6, seed=1)
@@ -61,6 +84,27 @@ class DecodePoolTests(unittest.TestCase):
                 continue
             continuation = model.generate([prompt + prefix], 7, 0.0)[0]
             self.assertEqual(result.tokens[3:], continuation)
+
+    def test_bucketed_key_length_attends_like_the_exact_one(self):
+        layer = tiny_target(1).layers[0]
+        gen = torch.Generator().manual_seed(2)
+        pos = torch.tensor([3, 40, 129, 7])
+        keys, values = (torch.randn(4, 2, 256, 16, generator=gen) * 1e3 for _ in range(2))  # stale past pos
+        q = torch.randn(4, 4, 1, 16, generator=gen)
+        exact = layer.attend(q, keys[:, :, :130], values[:, :, :130], mask=decode_mask(pos, 130, torch.float32))
+        bucketed = layer.attend(q, keys, values, mask=decode_mask(pos, 256, torch.float32))
+        torch.testing.assert_close(bucketed, exact, atol=1e-6, rtol=1e-6)
+        for row, p in enumerate(pos.tolist()):  # each row sees exactly its slots 0..pos
+            alone = layer.attend(q[row:row + 1], keys[row:row + 1, :, : p + 1], values[row:row + 1, :, : p + 1])
+            torch.testing.assert_close(bucketed[row:row + 1], alone, atol=1e-6, rtol=1e-6)
+
+    def test_key_length_rounds_up_to_a_bucket_within_the_cache(self):
+        pool = DecodePool(tiny_target(1), rows=3, max_prompt=300, max_new=10, check_every=2)
+        pool.active[:] = [True, True, False]
+        for longest, expected in ((0, KEY_BUCKET), (KEY_BUCKET - 1, KEY_BUCKET), (KEY_BUCKET, 2 * KEY_BUCKET),
+                                  (pool.slots - 1, pool.slots)):
+            pool.length[:] = [longest, 1, pool.slots - 1]  # an inactive row's length does not count
+            self.assertEqual(pool._key_length(), expected)
 
     def test_deadline_leaves_jobs_unstarted(self):
         model = tiny_target(1)

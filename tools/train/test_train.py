@@ -17,7 +17,7 @@ import drafter as dfl
 import mtp as mtp_mod
 import prompts
 from export import drafter_tensors, mtp_tensors
-from target import LlamaTarget, TargetConfig, rope_cos_sin, to_hf_llama
+from target import LlamaTarget, RmsNorm, TargetConfig, apply_rope, rope_cos_sin, to_hf_llama
 from train_eval import simulate_rounds
 
 TINY = TargetConfig(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
@@ -193,6 +193,19 @@ class TargetTests(unittest.TestCase):
         batched = model.generate(prompts_, 6, 0.0)
         single = [model.generate([p], 6, 0.0)[0] for p in prompts_]
         self.assertEqual(batched, single)
+
+    def test_rms_norm_and_rope_equal_the_textbook_formulas(self):
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(3, 5, 64, generator=gen) * 4
+        norm = RmsNorm(64, 1e-5)
+        norm.weight.data = torch.randn(64, generator=gen)
+        expected = norm.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        torch.testing.assert_close(norm(x), expected, atol=1e-6, rtol=1e-6)
+        q = torch.randn(3, 4, 5, 64, generator=gen)
+        cos, sin = rope_cos_sin(torch.randint(0, 2048, (3, 5), generator=gen), 64, 100000.0, torch.float32)
+        rotated = torch.cat([-q[..., 32:], q[..., :32]], dim=-1)  # rotate_half
+        torch.testing.assert_close(apply_rope(q, cos, sin), q * cos[:, None] + rotated * sin[:, None],
+                                   atol=1e-6, rtol=1e-6)
 
 
 class EvalAndDataTests(unittest.TestCase):
