@@ -265,11 +265,12 @@ fn load_block(
     Ok(DrafterConfig::new(Arc::new(drafter), spec.draft_block_size, draft_vocab)?)
 }
 
-/// Puts the drafter's passes where `--drafter-device` says: `auto` is the target's device.
+/// Puts the drafter's passes where `--drafter-device` says: `auto` is the target's device (the CPU in a build
+/// without CUDA).
 ///
 /// # Errors
 /// The device refusing the drafter (memory, a layer kind it does not run).
-#[cfg(feature = "cuda")]
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
 pub fn place_drafter(
     drafter: DraftModel,
     device: DrafterDevice,
@@ -277,26 +278,10 @@ pub fn place_drafter(
     head: DraftHead<'_>,
     context_window: usize,
 ) -> Result<DraftModel> {
-    match (device, target.cuda_device()) {
-        (DrafterDevice::Auto, Some(dev)) => {
-            Ok(drafter.to_cuda(dev, head, context_window).context("putting the drafter on the target's GPU")?)
-        }
-        _ => Ok(drafter),
+    #[cfg(feature = "cuda")]
+    if let (DrafterDevice::Auto, Some(dev)) = (device, target.cuda_device()) {
+        return drafter.to_cuda(dev, head, context_window).context("putting the drafter on the target's GPU");
     }
-}
-
-/// Without CUDA every drafter runs on the CPU.
-///
-/// # Errors
-/// Never.
-#[cfg(not(feature = "cuda"))]
-pub fn place_drafter(
-    drafter: DraftModel,
-    _device: DrafterDevice,
-    _target: &dyn Target,
-    _head: DraftHead<'_>,
-    _context_window: usize,
-) -> Result<DraftModel> {
     Ok(drafter)
 }
 

@@ -172,10 +172,7 @@ impl DflashProposer {
             let (lane, input, max) = &mut lanes[i];
             proposals[i] = lane.propose(input, *max);
         }
-        let head = match &vocab {
-            Some(v) => DraftHead::Vocab(v),
-            None => DraftHead::Full(target.lm_head()),
-        };
+        let head = draft_head(vocab.as_deref(), target.as_ref());
         let outputs = {
             // `together` is in lane order: walk the lanes once, taking each one's context.
             let mut wanted = together.iter().peekable();
@@ -219,10 +216,7 @@ impl Proposer for DflashProposer {
         };
         let mut requests = [BlockRequest { ctx: &mut self.ctx, anchor, width }];
         let embed = self.target.embedding();
-        let head = match &self.draft_vocab {
-            Some(vocab) => DraftHead::Vocab(vocab),
-            None => DraftHead::Full(self.target.lm_head()),
-        };
+        let head = draft_head(self.draft_vocab.as_deref(), self.target.as_ref());
         match self.model.forward_blocks(&mut requests, embed, head, None) {
             Ok(mut out) if out.len() == 1 => self.proposal(out.remove(0), anchor, input.sampling),
             Ok(_) => Proposal::default(),
@@ -257,6 +251,14 @@ impl Proposer for DflashProposer {
         if self.pending_rows() >= MAX_PENDING_ROWS {
             self.flush();
         }
+    }
+}
+
+/// The head a lane's drafter scores: its draft vocabulary's rows, or the target's whole LM head.
+fn draft_head<'a>(vocab: Option<&'a DraftVocab>, target: &'a dyn TargetHeads) -> DraftHead<'a> {
+    match vocab {
+        Some(vocab) => DraftHead::Vocab(vocab),
+        None => DraftHead::Full(target.lm_head()),
     }
 }
 
