@@ -7,6 +7,7 @@ use std::time::Instant;
 use dflash_models::tokenizer::Tokenizer;
 use dflash_models::{KvCache, ResumeState, Target};
 
+mod draws;
 pub(crate) mod round_costs;
 mod shared_pass;
 mod step;

@@ -6,45 +6,15 @@
 //! positions are sampled, and whether or not speculative decoding ran: the verifier can recompute
 //! exactly the draw the plain decoder would have made at that position.
 
-mod kernels;
-
-use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 
 use dflash_models::GenerationDefaults;
 
-use dflash_runtime::ops::filter::{
-    argmax, by_value_desc, filter_ids, max_finite, max_finite_of, softmax, sum_exp, top_k_ids,
+use dflash_runtime::ops::filter::{argmax, filter_ids, softmax};
+use dflash_runtime::ops::sample::{self as keyed, AdjustKind, Adjustment, Draw, GREEDY_TEMPERATURE};
+pub use dflash_runtime::ops::sample::{
+    gumbel, keyed_uniform, log_softmax, logprobs_top, mix64, top_n, STREAM_DRAFT, STREAM_TARGET,
 };
-use kernels::gumbel_argmax;
-
-/// Key stream for the target model's draws.
-pub const STREAM_TARGET: u64 = 0x9E37_79B9_7F4A_7C15;
-/// Key stream for the draft model's draws; distinct from [`STREAM_TARGET`] so the two never share
-/// noise.
-pub const STREAM_DRAFT: u64 = 0xD1B5_4A32_D192_ED03;
-
-/// Temperatures below this are treated as greedy (dividing by them would overflow the logits).
-const GREEDY_TEMPERATURE: f32 = 1e-5;
-
-/// The splitmix64 finaliser: a bijective 64-bit mix with full avalanche.
-pub fn mix64(x: u64) -> u64 {
-    let mut z = x;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// A uniform draw in the open interval (0, 1) keyed by (seed, pos, token, stream); never exactly 0
-/// or 1, so [`gumbel`] of it is always finite.
-pub fn keyed_uniform(seed: u64, pos: u64, token: u32, stream: u64) -> f64 {
-    kernels::uniform_from_bits(kernels::keyed_bits(seed, pos, token, stream))
-}
-
-/// Standard Gumbel noise from a uniform draw in (0, 1).
-pub fn gumbel(u: f64) -> f64 {
-    -(-u.ln()).ln()
-}
 
 /// Why a [`SamplingParams`] was rejected.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -195,12 +165,39 @@ impl SamplingParams {
         self.is_greedy() && !self.has_penalties() && self.logit_bias.is_empty()
     }
 
-    fn has_penalties(&self) -> bool {
+    pub(crate) fn has_penalties(&self) -> bool {
         self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
     }
 
-    fn has_filters(&self) -> bool {
-        self.top_k > 0 || self.top_p < 1.0 || self.min_p > 0.0
+    /// The draw this request makes at absolute position `pos` (its noise's key).
+    pub fn draw(&self, pos: u64) -> Draw {
+        let (temperature, top_k, top_p, min_p) = (self.temperature, self.top_k, self.top_p, self.min_p);
+        Draw { temperature, top_k, top_p, min_p, seed: self.seed, position: pos }
+    }
+
+    /// The changes to single raw logits this request makes after `history`: its logit bias in order, then the
+    /// repetition penalty over every token seen (HF), then presence and frequency over the generated ones (OpenAI),
+    /// the penalties only when some token has been seen. Empty when none applies.
+    pub fn adjustments(&self, history: &TokenHistory) -> Vec<Adjustment> {
+        let bias = self.logit_bias.iter().map(|&(id, value)| Adjustment { id, kind: AdjustKind::Add, value });
+        let mut out: Vec<Adjustment> = bias.collect();
+        let seen = !(history.prompt.is_empty() && history.generated.is_empty());
+        if !self.has_penalties() || !seen {
+            return out;
+        }
+        let penalty = self.repetition_penalty;
+        if penalty != 1.0 {
+            out.extend(history.seen_ids().map(|id| Adjustment { id, kind: AdjustKind::Repeat, value: penalty }));
+        }
+        let (presence, frequency) = (self.presence_penalty, self.frequency_penalty);
+        if presence != 0.0 || frequency != 0.0 {
+            out.extend(history.generated_counts.iter().map(|(&id, &count)| Adjustment {
+                id,
+                kind: AdjustKind::Add,
+                value: -(presence + frequency * count as f32),
+            }));
+        }
+        out
     }
 }
 
@@ -296,13 +293,14 @@ impl Candidates {
 /// top-p, min-p. Masked tokens (logit -inf or NaN) are never candidates unless every token is
 /// masked, in which case the argmax stands alone.
 pub fn candidates(logits: &[f32], params: &SamplingParams, history: &TokenHistory) -> Candidates {
+    let adjust = params.adjustments(history);
     if params.is_greedy() {
-        let penalized = penalized_logits(logits, params, history);
+        let penalized = keyed::adjusted(logits, &adjust);
         let id = argmax(&penalized);
         let logit = penalized.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY);
         return Candidates { ids: vec![id], logits: vec![logit], probs: vec![1.0] };
     }
-    let scaled = scaled_logits(logits, params, history);
+    let scaled = keyed::scaled(logits, params.temperature, &adjust);
     let mut ids = filter_ids(&scaled, params.top_k, params.top_p, params.min_p);
     if ids.is_empty() {
         ids.push(argmax(&scaled));
@@ -317,100 +315,9 @@ pub fn candidates(logits: &[f32], params: &SamplingParams, history: &TokenHistor
 /// Greedy: argmax of the penalised logits, ties to the lowest id. Otherwise Gumbel-max over
 /// [`candidates`]: argmax over the set of `logit_i / T + gumbel(keyed_uniform(seed, pos, id_i,
 /// STREAM_TARGET))`, ties to the lowest id — a draw from the candidates' softmax that depends only
-/// on the key, not on the call.
+/// on the key, not on the call ([`keyed::draw_token`], which a device target runs as its twin).
 pub fn sample(logits: &[f32], params: &SamplingParams, history: &TokenHistory, pos: u64) -> u32 {
-    if params.is_greedy() {
-        return argmax(&penalized_logits(logits, params, history));
-    }
-    let scaled = scaled_logits(logits, params, history);
-    let chosen = if params.has_filters() {
-        let ids = filter_ids(&scaled, params.top_k, params.top_p, params.min_p);
-        let max = max_finite_of(ids.iter().map(|&id| scaled[id as usize]));
-        gumbel_argmax(&scaled, ids.iter().copied(), max, params.seed, pos)
-    } else {
-        // No filter: every unmasked token is a candidate, so skip building the id list.
-        gumbel_argmax(&scaled, 0..scaled.len() as u32, max_finite(&scaled), params.seed, pos)
-    };
-    chosen.unwrap_or_else(|| argmax(&scaled))
-}
-
-/// Natural-log softmax of raw logits (all -inf when every logit is masked).
-pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
-    let max = max_finite(logits);
-    if max == f32::NEG_INFINITY {
-        return vec![f32::NEG_INFINITY; logits.len()];
-    }
-    let log_norm = max + sum_exp(logits, max).ln() as f32;
-    logits.iter().map(|&l| l - log_norm).collect()
-}
-
-/// The `n` largest entries of `values` as (id, value), largest first, ties to the lowest id; NaN
-/// and -inf entries (impossible tokens) are never returned.
-pub fn top_n(values: &[f32], n: usize) -> Vec<(u32, f32)> {
-    let mut ids = top_k_ids(values, n);
-    ids.truncate(n);
-    ids.sort_unstable_by(|&a, &b| by_value_desc(values, a, b));
-    ids.into_iter().map(|id| (id, values[id as usize])).collect()
-}
-
-/// Log-probabilities of the raw logits (before penalties and temperature, as OpenAI reports them)
-/// and the `n` most likely tokens among them.
-pub fn logprobs_top(logits: &[f32], n: usize) -> (Vec<f32>, Vec<(u32, f32)>) {
-    let log_probs = log_softmax(logits);
-    let top = top_n(&log_probs, n);
-    (log_probs, top)
-}
-
-/// Raw logits with the logit bias added, then the repetition, presence and frequency penalties applied; borrowed
-/// when none applies.
-fn penalized_logits<'a>(logits: &'a [f32], params: &SamplingParams, history: &TokenHistory) -> Cow<'a, [f32]> {
-    let penalize = params.has_penalties() && !(history.prompt.is_empty() && history.generated.is_empty());
-    if !penalize && params.logit_bias.is_empty() {
-        return Cow::Borrowed(logits);
-    }
-    let mut out = logits.to_vec();
-    for &(id, bias) in &params.logit_bias {
-        if let Some(l) = out.get_mut(id as usize) {
-            *l += bias;
-        }
-    }
-    if penalize {
-        apply_penalties(&mut out, params, history);
-    }
-    Cow::Owned(out)
-}
-
-/// The repetition penalty over every token seen, then presence and frequency over the generated ones.
-fn apply_penalties(out: &mut [f32], params: &SamplingParams, history: &TokenHistory) {
-    let penalty = params.repetition_penalty;
-    if penalty != 1.0 {
-        for id in history.seen_ids() {
-            if let Some(l) = out.get_mut(id as usize) {
-                *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
-            }
-        }
-    }
-    if params.presence_penalty != 0.0 || params.frequency_penalty != 0.0 {
-        for (&id, &count) in &history.generated_counts {
-            if let Some(l) = out.get_mut(id as usize) {
-                *l -= params.presence_penalty + params.frequency_penalty * count as f32;
-            }
-        }
-    }
-}
-
-/// Penalised logits divided by the temperature (which must be above the greedy threshold), with NaN
-/// turned into -inf so every later stage sees one kind of masked token.
-fn scaled_logits(logits: &[f32], params: &SamplingParams, history: &TokenHistory) -> Vec<f32> {
-    let t = params.temperature;
-    let scale = |l: f32| if l.is_nan() { f32::NEG_INFINITY } else { l / t };
-    match penalized_logits(logits, params, history) {
-        Cow::Borrowed(raw) => raw.iter().map(|&l| scale(l)).collect(),
-        Cow::Owned(mut penalized) => {
-            penalized.iter_mut().for_each(|l| *l = scale(*l));
-            penalized
-        }
-    }
+    keyed::draw_token(logits, &params.draw(pos), &params.adjustments(history))
 }
 
 #[cfg(test)]

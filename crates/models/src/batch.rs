@@ -1,5 +1,6 @@
 //! The inputs and outputs of one target forward, and the paged KV cache it reads and writes.
 
+use dflash_runtime::ops::sample::{draw_rows, Adjustment, DrawRow, Drawn};
 use dflash_runtime::ops::{AttnSeq, RowKernel};
 use dflash_runtime::{DType, Tensor};
 
@@ -114,14 +115,37 @@ pub enum Readout {
 pub struct ForwardOut {
     /// Logits of the requested rows; `[0, vocab]` when a device read back only their argmax ([`Readout::Argmax`]).
     pub logits: Tensor, // [L, vocab]
-    /// Each logit row's argmax, under [`Readout::Argmax`].
+    /// Each logit row's argmax under [`Readout::Argmax`]; each drawn row's token after
+    /// [`crate::Target::forward_step_drawn`].
     pub ids: Option<Vec<u32>>, // [L]
+    /// Each logit row's draw, with the logprobs it asked for, after [`crate::Target::forward_step_drawn`].
+    pub drawn: Option<Vec<Drawn>>, // [L]
     /// Hidden states at the load-time capture layers, concatenated per row (empty when none are captured): `hidden`
     /// values a tap, or on a stream target what its taps read (`Target::capture_width`).
     pub captured: Option<Tensor>, // [T, capture width]
 }
 
 impl ForwardOut {
+    /// The output of a forward: its logits and captured rows, nothing chosen yet.
+    pub fn new(logits: Tensor, captured: Option<Tensor>) -> Self {
+        ForwardOut { logits, ids: None, drawn: None, captured }
+    }
+
+    /// Adds the draws of `rows` (one per logit row, in order; see [`crate::Target::forward_step_drawn`]), made here
+    /// from the host logits, and their tokens as `ids`.
+    ///
+    /// # Errors
+    /// Logits that are not f32; rows that are not one per logit row in order, or adjustments out of range.
+    pub fn with_host_draws(mut self, rows: &[DrawRow], adjust: &[Adjustment]) -> Result<Self> {
+        let vocab = self.logits.shape().last().copied().unwrap_or(0);
+        let logit_rows = self.logits.shape().first().copied().unwrap_or(0);
+        check_draw_rows(rows, adjust.len(), logit_rows)?;
+        let drawn = draw_rows(self.logits.as_f32()?, vocab, rows, adjust);
+        self.ids = Some(drawn.iter().map(|d| d.id).collect());
+        self.drawn = Some(drawn);
+        Ok(self)
+    }
+
     /// Adds each logit row's argmax, computed here from the logits (targets whose logits are on the host).
     ///
     /// # Errors
@@ -151,6 +175,26 @@ impl ForwardOut {
         }
         Ok(self)
     }
+}
+
+/// Checks that `rows` name each of `logit_rows` logit rows once, in order, and adjustments within `num_adjust`.
+///
+/// # Errors
+/// `Batch` naming the first row that does not.
+pub fn check_draw_rows(rows: &[DrawRow], num_adjust: usize, logit_rows: usize) -> Result<()> {
+    if rows.len() != logit_rows {
+        return Err(ModelError::Batch(format!("{} draw rows for {logit_rows} logit rows", rows.len())));
+    }
+    for (j, row) in rows.iter().enumerate() {
+        let adjust_ok = row.adjust.start <= row.adjust.end && row.adjust.end <= num_adjust;
+        if row.logit_row != j || !adjust_ok {
+            return Err(ModelError::Batch(format!(
+                "draw row {j} reads logit row {} with adjustments {:?} of {num_adjust}",
+                row.logit_row, row.adjust
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The paged KV cache: per layer, K and V as `[num_pages, page_size, kv_heads, head_dim]` f32.

@@ -7,9 +7,10 @@ use rayon::prelude::*;
 use dflash_models::tokenizer::Tokenizer;
 use dflash_models::{ForwardBatch, ForwardOut, Readout, RowMask, RowMasks, SeqRows};
 
+use super::draws::drawn_logprob;
 use super::Engine;
 use crate::grammar::GrammarState;
-use crate::request::{FinishReason, TokenLogprob, TopLogprob};
+use crate::request::{FinishReason, TokenLogprob};
 use crate::sampler;
 use crate::scheduler::StepItem;
 use crate::sequence::Outcome;
@@ -17,6 +18,7 @@ use crate::spec::verify::{accept_prefix, typical_accepts};
 use crate::spec::LaneKind;
 use crate::EngineError;
 use dflash_models::{ResumeState, StepSeq};
+use dflash_runtime::ops::sample::Drawn;
 
 /// The flat inputs of one step, built from the plan.
 #[derive(Default)]
@@ -38,6 +40,10 @@ impl Engine {
         masks: Option<&RowMasks>,
     ) -> Result<ForwardOut, EngineError> {
         self.restore_states(items)?;
+        // Rows that need more than their argmax are drawn by the target where it can (see `draws`).
+        let readout = self.readout(items, false);
+        let draws = (masks.is_none() && readout == Readout::Logits && self.draws_on_device(items))
+            .then(|| self.draw_rows(items));
         let page_size = self.page_size;
         let mut inputs = StepInputs::default();
         for item in items {
@@ -83,9 +89,10 @@ impl Engine {
         };
         let keyed: Vec<StepSeq> =
             items.iter().map(|item| StepSeq { key: running[item.seq].key, verifies: item.drafts > 0 }).collect();
-        Ok(match masks {
-            Some(masks) => self.target.forward_step_masked(&batch, &keyed, masks)?,
-            None => self.target.forward_step(&batch, &keyed, self.readout(items, false))?,
+        Ok(match (masks, draws) {
+            (Some(masks), _) => self.target.forward_step_masked(&batch, &keyed, masks)?,
+            (None, Some((rows, adjust))) => self.target.forward_step_drawn(&batch, &keyed, &rows, &adjust)?,
+            (None, None) => self.target.forward_step(&batch, &keyed, readout)?,
         })
     }
 
@@ -228,9 +235,10 @@ impl Engine {
             } else {
                 let span = row..row + 1 + item.drafts;
                 row = span.end;
-                let rows = match ids {
-                    Some(ids) => StepRows::Argmax(&ids[span]),
-                    None => StepRows::Logits(&logits[span.start * vocab..span.end * vocab], vocab),
+                let rows = match (ids, out.drawn.as_deref()) {
+                    (_, Some(drawn)) => StepRows::Drawn(&drawn[span]),
+                    (Some(ids), None) => StepRows::Argmax(&ids[span]),
+                    (None, None) => StepRows::Logits(&logits[span.start * vocab..span.end * vocab], vocab),
                 };
                 let (kept, finish) = if item.drafts == 0 {
                     self.sched.running[item.seq].advance(item.rows);
@@ -341,7 +349,7 @@ impl Engine {
 
     /// The lossy typical rule's `d` when it applies to `running[i]`'s rounds: a block drafter's lane, the server's
     /// `--dflash-typical`, and a sampled request (greedy requests always verify exactly).
-    fn typical_rule(&self, i: usize) -> Option<f32> {
+    pub(super) fn typical_rule(&self, i: usize) -> Option<f32> {
         let seq = &self.sched.running[i];
         let block_lane = seq.lane.as_ref().is_some_and(|l| l.stats.block_size > 0);
         let mtp_lane = seq.lane.as_ref().is_some_and(|l| l.stats.lane == LaneKind::Mtp);
@@ -355,6 +363,10 @@ impl Engine {
     fn choose_commit(&mut self, i: usize, rows: StepRows<'_>, j: usize, now: Instant) -> (u32, Option<FinishReason>) {
         match rows {
             StepRows::Argmax(ids) => self.commit_token(i, &[], ids[j], now),
+            StepRows::Drawn(drawn) => {
+                let logprob = drawn[j].logprobs.as_ref().map(|lp| drawn_logprob(&self.tokenizer, drawn[j].id, lp));
+                self.commit_with(i, drawn[j].id, logprob, now)
+            }
             StepRows::Logits(..) => {
                 let row = rows.logits(j).unwrap_or_default();
                 let id = self.choose_token(i, row);
@@ -385,8 +397,20 @@ impl Engine {
     /// Commits `id` as `running[i]`'s next token (`row_logits`: the row it was chosen from, for logprobs; empty
     /// when only the argmax came back, which happens only for requests without logprobs).
     fn commit_token(&mut self, i: usize, row_logits: &[f32], id: u32, now: Instant) -> (u32, Option<FinishReason>) {
+        let wanted = self.sched.running[i].request.logprobs;
+        let logprob = wanted.map(|n| token_logprob(&self.tokenizer, row_logits, id, n));
+        self.commit_with(i, id, logprob, now)
+    }
+
+    /// Commits `id` as `running[i]`'s next token with its logprob entry (when the request asked for logprobs).
+    fn commit_with(
+        &mut self,
+        i: usize,
+        id: u32,
+        logprob: Option<TokenLogprob>,
+        now: Instant,
+    ) -> (u32, Option<FinishReason>) {
         let seq = &mut self.sched.running[i];
-        let logprob = seq.request.logprobs.map(|n| token_logprob(&self.tokenizer, row_logits, id, n));
         let ttft = seq.times.first_token.is_none().then(|| now.duration_since(seq.times.arrived).as_secs_f64());
         let itl = seq.times.last_token.map(|t| now.duration_since(t).as_secs_f64());
         let emitting = Instant::now();
@@ -460,6 +484,8 @@ enum StepRows<'a> {
     Logits(&'a [f32], usize),
     /// Each row's argmax ([`Readout::Argmax`]): the token itself, for requests that pick it.
     Argmax(&'a [u32]),
+    /// Each row's draw by the target ([`dflash_models::Target::forward_step_drawn`]): the token and its logprobs.
+    Drawn(&'a [Drawn]),
 }
 
 impl<'a> StepRows<'a> {
@@ -467,7 +493,7 @@ impl<'a> StepRows<'a> {
     fn logits(self, j: usize) -> Option<&'a [f32]> {
         match self {
             StepRows::Logits(rows, vocab) => rows.get(j * vocab..(j + 1) * vocab),
-            StepRows::Argmax(_) => None,
+            StepRows::Argmax(_) | StepRows::Drawn(_) => None,
         }
     }
 }
@@ -475,10 +501,6 @@ impl<'a> StepRows<'a> {
 /// The chosen token's logprob and the `n` most likely tokens, from the raw logits.
 fn token_logprob(tok: &Tokenizer, logits: &[f32], id: u32, n: usize) -> TokenLogprob {
     let (log_probs, top) = sampler::logprobs_top(logits, n);
-    let text = |id: u32| tok.decode(&[id], false).unwrap_or_default();
-    TokenLogprob {
-        token: text(id),
-        logprob: log_probs.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY),
-        top: top.into_iter().map(|(t, lp)| TopLogprob { token: text(t), logprob: lp }).collect(),
-    }
+    let logprob = log_probs.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY);
+    drawn_logprob(tok, id, &(logprob, top))
 }

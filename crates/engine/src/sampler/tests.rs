@@ -1,6 +1,7 @@
 //! Tests of the sampler's public behaviour.
 
 use super::*;
+use dflash_runtime::ops::filter::by_value_desc;
 
 fn params(temperature: f32) -> SamplingParams {
     SamplingParams { temperature, seed: 7, ..SamplingParams::greedy() }
@@ -287,7 +288,7 @@ fn sample_is_gumbel_max_over_candidates() {
             let best = (0..c.ids.len()).fold(0, |b, i| if score(i) > score(b) { i } else { b });
             assert_eq!(sample(&logits, p, &history, pos), c.ids[best], "variant {v} pos {pos}");
             let top = c.logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            tail_wins += usize::from(c.logits[best] < top - kernels::PRUNE_MARGIN);
+            tail_wins += usize::from(c.logits[best] < top - dflash_runtime::ops::sample::PRUNE_MARGIN);
         }
     }
     assert!(tail_wins > 10, "the pruned path was barely exercised: {tail_wins} wins");

@@ -208,7 +208,7 @@ pub(crate) fn collect_out(
     dev.synchronize()?;
     let captured =
         (capture_width > 0).then(|| Tensor::from_f32(&hidden, &[batch.num_tokens(), capture_width])).transpose()?;
-    Ok(ForwardOut { logits, ids, captured })
+    Ok(ForwardOut { ids, ..ForwardOut::new(logits, captured) })
 }
 
 /// Waits for `masks` (the host computes them while the device runs the step just launched), uploads them and

@@ -243,7 +243,7 @@ impl HybridModel {
             Some(streams) => self.stream_layers(streams, &mut residual, &mut run)?,
         }
         let logits = self.logits(&plan, &residual, batch.logit_rows)?;
-        Ok(ForwardOut { logits, ids: None, captured })
+        Ok(ForwardOut::new(logits, captured))
     }
 
     /// The layers over one residual stream, each add fused with the next norm. Leaves the last layer's output in

@@ -184,7 +184,7 @@ impl LlamaModel {
             Some(streams) => self.stream_layers(streams, &mut residual, &mut run)?,
         }
         let logits = self.logits(&residual, batch.logit_rows)?;
-        Ok(ForwardOut { logits, ids: None, captured })
+        Ok(ForwardOut::new(logits, captured))
     }
 
     /// The layers over one residual stream, each add fused with the next norm. Leaves the last layer's output in

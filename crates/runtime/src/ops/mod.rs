@@ -21,6 +21,7 @@ mod moe;
 mod norm;
 mod reduce;
 mod rope;
+pub mod sample;
 mod simd;
 
 pub use attention::{kv_write, paged_attention, AttnSeq, RowKernel, KEY_CHUNK};

@@ -1,0 +1,67 @@
+//! Draws where the logits are: when the target draws on its device ([`Target::draws_on_device`]) and no sampling
+//! row of a step needs its logits on the host, the step hands the target one [`DrawRow`] per logit row (the
+//! request's temperature, filters, seed, the row's absolute position, and its logit bias and penalties resolved
+//! against the history the row sees) and reads back only tokens and the logprobs asked for. The draw is the
+//! sampler's own ([`dflash_runtime::ops::sample::draw_token`] is its host twin), so a seeded request gets the same
+//! tokens either way, and a verify row's token is the one plain decoding would have drawn at its position.
+//!
+//! [`Target::draws_on_device`]: dflash_models::Target::draws_on_device
+
+use dflash_runtime::ops::sample::{Adjustment, DrawRow};
+
+use super::Engine;
+use crate::request::{TokenLogprob, TopLogprob};
+use crate::scheduler::StepItem;
+
+impl Engine {
+    /// Whether the target draws every sampling row of `items`: it draws on its device, and no row reads its logits
+    /// on the host (a grammar's mask, or the lossy typical rule's candidates).
+    pub(super) fn draws_on_device(&self, items: &[StepItem]) -> bool {
+        self.target.draws_on_device()
+            && items.iter().filter(|item| item.samples).all(|item| {
+                let seq = &self.sched.running[item.seq];
+                let typical = item.drafts > 0 && self.typical_rule(item.seq).is_some();
+                seq.grammar.is_none() && seq.request.grammar.is_none() && !typical
+            })
+    }
+
+    /// One draw per logit row of `items`, in order, and the adjustments they name. Row `j` of a verify is drawn at
+    /// position `len + j` over the history plus the drafts before it: what plain decoding sees there when those
+    /// drafts are accepted, and the row counts only then.
+    pub(super) fn draw_rows(&self, items: &[StepItem]) -> (Vec<DrawRow>, Vec<Adjustment>) {
+        let (mut rows, mut adjust) = (Vec::new(), Vec::new());
+        for item in items.iter().filter(|item| item.samples) {
+            let seq = &self.sched.running[item.seq];
+            let params = &seq.request.sampling;
+            let mut history = None;
+            for j in 0..=item.drafts {
+                if let Some(&draft) = seq.drafts.get(j.wrapping_sub(1)).filter(|_| params.has_penalties()) {
+                    history.get_or_insert_with(|| seq.history.clone()).push(draft);
+                }
+                let start = adjust.len();
+                adjust.extend(params.adjustments(history.as_ref().unwrap_or(&seq.history)));
+                rows.push(DrawRow {
+                    logit_row: rows.len(),
+                    draw: params.draw((seq.len() + j) as u64),
+                    adjust: start..adjust.len(),
+                    top_logprobs: seq.request.logprobs,
+                });
+            }
+        }
+        (rows, adjust)
+    }
+}
+
+/// A drawn token's logprob entry from the device's numbers (raw logprob, top `(id, logprob)`).
+pub(super) fn drawn_logprob(
+    tok: &dflash_models::tokenizer::Tokenizer,
+    id: u32,
+    (logprob, top): &(f32, Vec<(u32, f32)>),
+) -> TokenLogprob {
+    let text = |id: u32| tok.decode(&[id], false).unwrap_or_default();
+    TokenLogprob {
+        token: text(id),
+        logprob: *logprob,
+        top: top.iter().map(|&(t, lp)| TopLogprob { token: text(t), logprob: lp }).collect(),
+    }
+}
