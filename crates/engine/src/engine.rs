@@ -79,6 +79,8 @@ pub struct Engine {
     costs_probed: bool,
     /// The MTP lane ([`Engine::with_mtp`]).
     mtp: Option<MtpLaneConfig>,
+    /// Whether steps may ask a target that draws on its device to draw their rows ([`Engine::with_device_draws`]).
+    device_draws: bool,
     /// The key of the next sequence taken ([`Sequence::key`]).
     next_key: u64,
     /// Time this step spent committing tokens (detokenizing, stop strings, events), for the step profile.
@@ -183,11 +185,19 @@ impl Engine {
             spec: cfg.spec,
             drafter: cfg.drafter,
             mtp: None,
+            device_draws: false,
             next_key: 0,
             emit_time: std::time::Duration::ZERO,
         };
         engine.publish_gauges();
         Ok(engine)
+    }
+
+    /// Lets steps hand their sampling rows to a target that draws on its device (`Target::draws_on_device`), so
+    /// only tokens come back (see `engine/draws.rs`). Off by default: the host samples from the logits.
+    pub fn with_device_draws(mut self, on: bool) -> Self {
+        self.device_draws = on;
+        self
     }
 
     /// Adds the MTP lane: requests draft with the head unless they opt out of drafters (`enable_drafter: false`);

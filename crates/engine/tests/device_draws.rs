@@ -96,6 +96,7 @@ fn run_drawn(m: &Model, spec: SpecConfig, requests: Vec<Request>) -> (Vec<Stream
     let target = DrawsHere { inner, asked: Arc::clone(&asked) };
     let metrics = Arc::new(EngineMetrics::default());
     let engine = Engine::new(Box::new(target), Arc::clone(&m.tokenizer), cfg, Arc::clone(&metrics)).expect("engine");
+    let engine = engine.with_device_draws(true);
     let (recorders, _) = Session { engine, metrics: Arc::clone(&metrics) }.run_together(requests);
     let asked = asked.lock().unwrap_or_else(PoisonError::into_inner).clone();
     let second_accepted = metrics

@@ -22,7 +22,7 @@ use dflash_models::safetensors_dir::read_json;
 use dflash_models::{Checkpoint, ModelConfig, MtpHead, OpenedTarget, StreamTap, Target, TargetHeads};
 
 use crate::assets::assets_dir;
-use crate::cli::{DraftVocabSize, DrafterDevice, ModelArgs, SpecArgs};
+use crate::cli::{DraftVocabSize, ModelArgs, Placement, SpecArgs};
 
 /// The default model's drafter, relative to the assets directory.
 pub const DEFAULT_DRAFTER: &str = "drafters/smollm2-135m-instruct";
@@ -273,13 +273,13 @@ fn load_block(
 #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
 pub fn place_drafter(
     drafter: DraftModel,
-    device: DrafterDevice,
+    device: Placement,
     target: &dyn Target,
     head: DraftHead<'_>,
     context_window: usize,
 ) -> Result<DraftModel> {
     #[cfg(feature = "cuda")]
-    if let (DrafterDevice::Auto, Some(dev)) = (device, target.cuda_device()) {
+    if let (Placement::Auto, Some(dev)) = (device, target.cuda_device()) {
         return drafter.to_cuda(dev, head, context_window).context("putting the drafter on the target's GPU");
     }
     Ok(drafter)

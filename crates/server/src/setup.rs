@@ -21,7 +21,7 @@ use dflash_models::{
     TargetOptions,
 };
 
-use crate::cli::{DeviceArg, ModelArgs, PrefixCacheArgs, SpecArgs};
+use crate::cli::{DeviceArg, ModelArgs, Placement, PrefixCacheArgs, SpecArgs};
 use crate::drafters::DrafterPlan;
 
 /// Tokens per KV page, for every engine the binary builds.
@@ -171,7 +171,8 @@ impl Startup {
         let info = opened.info;
         let tokenizer = Arc::new(info.tokenizer);
         let engine = Engine::new(opened.target, Arc::clone(&tokenizer), engine_cfg, metrics)
-            .context("setting up the engine (see --device, --kv-cache-mem and --ctx-size)")?;
+            .context("setting up the engine (see --device, --kv-cache-mem and --ctx-size)")?
+            .with_device_draws(args.sampling_device == Placement::Auto);
         let engine = match drafters.mtp {
             Some(mtp) => engine.with_mtp(mtp)?,
             None => engine,

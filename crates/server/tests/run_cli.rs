@@ -135,6 +135,41 @@ fn the_drafter_on_the_gpu_gives_plain_decodings_text() {
     }
 }
 
+/// Rows drawn on the GPU (`--sampling-device auto`: only tokens come back) give the host sampler's text: seeded
+/// sampling with filters, penalties over the history, greedy with a penalty, and with prompt lookup's verify rows
+/// drawn there too. Needs a CUDA build and device; skips otherwise.
+#[cfg(feature = "cuda")]
+#[test]
+fn rows_drawn_on_the_gpu_give_the_host_samplers_text() {
+    if dflash_models::family::cuda_devices() == 0 {
+        eprintln!("SKIP draws on the GPU: no CUDA device");
+        return;
+    }
+    let run = |flags: &[&str], sampling: &[&str]| {
+        let prompt = "Repeat exactly: one two three four, one two three four, one two three four.";
+        let out = dflash()
+            .args(["run", "--device", "cuda", "--no-drafter", "-p", prompt, "-n", "64", "--ignore-eos"])
+            .args(flags)
+            .args(sampling)
+            .output()
+            .expect("spawn dflash");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).expect("utf-8 stdout")
+    };
+    let cases: [&[&str]; 3] = [
+        &["--temperature", "0.8", "--seed", "11", "--top-p", "0.9", "--min-p", "0.02"],
+        &["--temperature", "0.7", "--seed", "5", "--top-k", "40", "--frequency-penalty", "0.5"],
+        &["--repetition-penalty", "1.3", "--presence-penalty", "0.4"],
+    ];
+    for sampling in cases {
+        let host = run(&["--no-pld", "--sampling-device", "cpu"], sampling);
+        for lane in [&["--no-pld"][..], &["--spec-policy", "fixed"][..]] {
+            let on_gpu = run(&[lane, &["--sampling-device", "auto"][..]].concat(), sampling);
+            assert_eq!(on_gpu, host, "{sampling:?}, {lane:?}");
+        }
+    }
+}
+
 /// `bench lanes --concurrency`: copies of each request batched together give one another's tokens and plain
 /// decoding's, on every lane.
 #[test]

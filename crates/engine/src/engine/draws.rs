@@ -1,4 +1,5 @@
-//! Draws where the logits are: when the target draws on its device ([`Target::draws_on_device`]) and no sampling
+//! Draws where the logits are: when the engine allows it ([`Engine::with_device_draws`]), the target draws on its
+//! device ([`Target::draws_on_device`]) and no sampling
 //! row of a step needs its logits on the host, the step hands the target one [`DrawRow`] per logit row (the
 //! request's temperature, filters, seed, the row's absolute position, and its logit bias and penalties resolved
 //! against the history the row sees) and reads back only tokens and the logprobs asked for. The draw is the
@@ -14,10 +15,12 @@ use crate::request::{TokenLogprob, TopLogprob};
 use crate::scheduler::StepItem;
 
 impl Engine {
-    /// Whether the target draws every sampling row of `items`: it draws on its device, and no row reads its logits
-    /// on the host (a grammar's mask, or the lossy typical rule's candidates).
+    /// Whether the target draws every sampling row of `items`: device draws are on ([`Engine::with_device_draws`]),
+    /// it draws on its device, and no row reads its logits on the host (a grammar's mask, or the lossy typical
+    /// rule's candidates).
     pub(super) fn draws_on_device(&self, items: &[StepItem]) -> bool {
-        self.target.draws_on_device()
+        self.device_draws
+            && self.target.draws_on_device()
             && items.iter().filter(|item| item.samples).all(|item| {
                 let seq = &self.sched.running[item.seq];
                 let typical = item.drafts > 0 && self.typical_rule(item.seq).is_some();

@@ -24,7 +24,7 @@ use serde_json::json;
 
 use super::lanes_report::{table, write_json, RunResult};
 use crate::assets::assets_dir;
-use crate::cli::{DeviceArg, LanesArgs, ModelArgs, PrefixCacheArgs, SpecArgs};
+use crate::cli::{DeviceArg, LanesArgs, ModelArgs, Placement, PrefixCacheArgs, SpecArgs};
 use crate::drafters::default_mtp_head;
 use crate::setup::{EnginePlan, Startup, PAGE_SIZE};
 
@@ -289,7 +289,8 @@ impl RandomRun {
             drafter,
             state_checkpoint_stride: model.state_checkpoint_stride,
         };
-        let mut main = Engine::new(target, Arc::clone(&self.tokenizer), cfg, metrics())?;
+        let mut main = Engine::new(target, Arc::clone(&self.tokenizer), cfg, metrics())?
+            .with_device_draws(model.sampling_device == Placement::Auto);
         main.widen_rounds(oracle_rows(kinds));
         main.probe_round_costs()?;
         Ok((Engines { main, mtp: None }, self.tokenizer))

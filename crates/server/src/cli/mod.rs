@@ -81,6 +81,12 @@ pub struct ModelArgs {
     /// checkpoints, and hybrid targets run with the prefix cache off. Other targets ignore it.
     #[arg(long, value_name = "N", default_value_t = dflash_engine::engine::DEFAULT_STATE_CHECKPOINT_STRIDE)]
     pub state_checkpoint_stride: usize,
+    /// Where rows that need more than their argmax (sampled, penalised, logit-biased or logprobs requests) are
+    /// drawn: `auto` where the logits are (a CUDA target's GPU: only tokens and asked logprobs come back), `cpu` on
+    /// the host from the logits. The same keyed draw either way. The host is the default until the device's draw
+    /// has passed its tests on a GPU.
+    #[arg(long, value_enum, default_value_t = Placement::Cpu)]
+    pub sampling_device: Placement,
 }
 
 /// `--device`.
@@ -226,15 +232,15 @@ pub struct SpecArgs {
     /// Where the block drafter's passes run: `cpu` on the host, `auto` on the target's device (a CUDA target's
     /// drafter on its GPU). Drafts are the same up to the order of float sums. The host is the default until the
     /// CUDA drafter has passed its tests on a GPU.
-    #[arg(long, value_enum, default_value_t = DrafterDevice::Cpu)]
-    pub drafter_device: DrafterDevice,
+    #[arg(long, value_enum, default_value_t = Placement::Cpu)]
+    pub drafter_device: Placement,
     #[command(flatten)]
     pub mtp: MtpArgs,
 }
 
-/// `--drafter-device`.
+/// Where a piece of work beside the target runs: `--drafter-device`, `--sampling-device`.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DrafterDevice {
+pub enum Placement {
     /// The target's device.
     Auto,
     /// The host's CPU, whatever the target's device.
