@@ -13,7 +13,7 @@ use super::compile::{self, CompileReport};
 use super::CudaError;
 
 /// The kernel sources in the order they are compiled.
-const SOURCES: [(&str, &str); 14] = [
+const SOURCES: [(&str, &str); 15] = [
     ("prelude.cuh", include_str!("../../kernels/prelude.cuh")),
     ("elementwise.cu", include_str!("../../kernels/elementwise.cu")),
     ("norm.cu", include_str!("../../kernels/norm.cu")),
@@ -28,6 +28,7 @@ const SOURCES: [(&str, &str); 14] = [
     ("gdn.cu", include_str!("../../kernels/gdn.cu")),
     ("moe.cu", include_str!("../../kernels/moe.cu")),
     ("streams.cu", include_str!("../../kernels/streams.cu")),
+    ("sample.cu", include_str!("../../kernels/sample.cu")),
 ];
 
 /// NVRTC options beyond the architecture. NVRTC's defaults keep IEEE division and square root and allow
@@ -180,6 +181,7 @@ pub(crate) struct Kernels {
     pub gdn_gated_norm: CudaFunction,
     pub sigmoid_gate_mul: CudaFunction,
     pub dflash_conv: CudaFunction,
+    pub sample_rows: CudaFunction,
 }
 
 impl Kernels {
@@ -311,6 +313,7 @@ impl Kernels {
             gdn_gated_norm: get("gdn_gated_norm")?,
             sigmoid_gate_mul: get("sigmoid_gate_mul")?,
             dflash_conv: get("dflash_conv")?,
+            sample_rows: get("sample_rows")?,
         })
     }
 }

@@ -277,7 +277,8 @@ pub struct DrawRow {
 pub fn draw_rows(logits: &[f32], vocab: usize, rows: &[DrawRow], adjust: &[Adjustment]) -> Vec<Drawn> {
     rows.iter()
         .map(|row| {
-            let logits = logits.get(row.logit_row * vocab..(row.logit_row + 1) * vocab).unwrap_or_default();
+            let span = row.logit_row.checked_mul(vocab).and_then(|start| Some(start..start.checked_add(vocab)?));
+            let logits = span.and_then(|span| logits.get(span)).unwrap_or_default();
             let adjust = adjust.get(row.adjust.clone()).unwrap_or_default();
             draw_row(logits, &row.draw, adjust, row.top_logprobs)
         })
