@@ -29,6 +29,7 @@ use dflash_models::resolve::{default_model_path, ModelSource};
 use dflash_models::{ForwardBatch, SeqRows};
 use dflash_models::{LoadOptions, StreamTap};
 use dflash_runtime::cuda::CudaDevice;
+use dflash_runtime::ops::sample::{draw_rows, AdjustKind, Adjustment, Draw, DrawRow};
 use dflash_runtime::ops::{argmax, top_k};
 
 const PAGE: usize = 4;
@@ -369,6 +370,67 @@ fn batched_and_graph_steps_equal_solo_and_eager_ones() {
             at += step_rows[i];
         }
     }
+}
+
+/// Rows drawn on the device (`forward_drawn`: the keyed draw where the logits are, only tokens and logprobs back)
+/// equal the host's draw from the same step's logits: eager prompt chunks, and decode and verify steps replayed from
+/// graphs (whose logits rows are the batch's rows, not the logit rows' order).
+#[test]
+fn device_draws_equal_host_draws_of_the_same_logits() {
+    let Some(dev) = device() else { return };
+    for pair in tiny_pairs(&dev) {
+        let vocab = pair.cpu.config().vocab_size;
+        let tokens: Vec<u32> = golden_tokens("tiny-llama").iter().cycle().take(20).copied().collect();
+        for (graphs, step) in [(false, 3), (true, 1), (true, 3)] {
+            // Two caches fed the same rows: one reads back logits, the other draws.
+            let (mut logits_cache, mut draws_cache) = (cache_for(&pair.gpu, graphs), cache_for(&pair.gpu, graphs));
+            let mut drawn_rows = 0;
+            let mut run = |batch: &ForwardBatch| {
+                let out = pair.gpu.forward(batch, &mut logits_cache).expect("forward");
+                let logits = out.logits.as_f32().expect("f32").to_vec();
+                let (rows, adjust) = draws_for(batch.logit_rows.len(), drawn_rows, vocab);
+                let got = pair.gpu.forward_drawn(batch, &mut draws_cache, (&rows, &adjust)).expect("drawn");
+                let want = draw_rows(&logits, vocab, &rows, &adjust);
+                assert_eq!(got.drawn.as_ref(), Some(&want), "{}: graphs {graphs}, step {step}", pair.name);
+                assert_eq!(got.ids, Some(want.iter().map(|d| d.id).collect()));
+                drawn_rows += rows.len();
+                (logits, Vec::new())
+            };
+            run_steps(&mut run, &tokens, 8, step, &table_for(tokens.len(), 3));
+            say(&format!("{:<24} graphs {graphs}, step {step}: {drawn_rows} rows drawn as the host", pair.name));
+        }
+    }
+}
+
+/// One draw per logit row, cycling through greedy with adjustments, filtered, warm and penalised forms, with
+/// logprobs on some; `salt` moves the positions and forms along between steps.
+fn draws_for(n: usize, salt: usize, vocab: usize) -> (Vec<DrawRow>, Vec<Adjustment>) {
+    let (mut rows, mut adjust) = (Vec::new(), Vec::new());
+    for j in 0..n {
+        let i = salt + j;
+        let id = |k: usize| ((i * 7 + k * 13) % vocab) as u32;
+        let warm = |temperature| Draw { temperature, seed: 29, position: i as u64, ..Draw::greedy() };
+        let (draw, adds): (Draw, Vec<Adjustment>) = match i % 4 {
+            0 => (
+                Draw::greedy(),
+                vec![
+                    Adjustment { id: id(0), kind: AdjustKind::Add, value: 2.0 },
+                    Adjustment { id: id(1), kind: AdjustKind::Repeat, value: 1.3 },
+                ],
+            ),
+            1 => (Draw { top_p: 0.9, ..warm(0.8) }, Vec::new()),
+            2 => (
+                Draw { top_k: 5, min_p: 0.05, ..warm(1.0) },
+                vec![Adjustment { id: id(2), kind: AdjustKind::Add, value: -0.7 }],
+            ),
+            _ => (warm(1.5), (0..3).map(|k| Adjustment { id: id(k), kind: AdjustKind::Repeat, value: 1.2 }).collect()),
+        };
+        let start = adjust.len();
+        adjust.extend(adds);
+        let top_logprobs = [Some(3), None, Some(0)][i % 3];
+        rows.push(DrawRow { logit_row: j, draw, adjust: start..adjust.len(), top_logprobs });
+    }
+    (rows, adjust)
 }
 
 /// A sequence's prompt (`first` rows) as one chunk, then one step of `step` rows; every row's logits.

@@ -4,7 +4,9 @@
 
 use std::collections::HashMap;
 
-use dflash_runtime::cuda::ops::{attn_max_splits, sum_sq_slots, ArgmaxScratch, AttentionScratch};
+use dflash_runtime::cuda::ops::{
+    attn_max_splits, sum_sq_slots, ArgmaxScratch, AttentionScratch, SampleScratch, DRAWN_WORDS, DRAW_WORDS,
+};
 use dflash_runtime::cuda::{CudaDevice, DeviceBuf, StepGraph};
 use half::bf16;
 
@@ -78,6 +80,10 @@ impl CudaCacheConfig {
     }
 }
 
+/// Room for this many words of adjustments (3 a token: a few penalised histories) before a step's draws first grow
+/// their buffer.
+const DRAW_ADJUST_WORDS: usize = 3 * 4096;
+
 /// Activation buffers, each sized for the cache's largest step.
 #[derive(Debug)]
 pub(crate) struct Workspace {
@@ -96,6 +102,11 @@ pub(crate) struct Workspace {
     pub logits: DeviceBuf<f32>,    // [L, vocab]
     pub ids: DeviceBuf<u32>,       // [L]
     pub argmax: ArgmaxScratch,
+    /// A step's draws and their adjustments as `sample_rows` reads them (grown when a step needs more), its output
+    /// (`[L, DRAWN_WORDS]`) and workspace.
+    pub draws: DeviceBuf<u32>,
+    pub drawn: DeviceBuf<u32>,
+    pub sample: SampleScratch,
     /// Grammar masks of the step's masked rows, then which logits rows they are (`[M, ceil(vocab / 32)]` then
     /// `[M]`, M ≤ L).
     pub masks: DeviceBuf<u32>,
@@ -209,6 +220,9 @@ impl<X> CudaCache<X> {
             logits: dev.alloc_zeros(l * shape.vocab)?,
             ids: dev.alloc_zeros(l)?,
             argmax: ArgmaxScratch::new(dev, l, shape.vocab)?,
+            draws: dev.alloc_zeros(l * DRAW_WORDS + DRAW_ADJUST_WORDS)?,
+            drawn: dev.alloc_zeros(l * DRAWN_WORDS)?,
+            sample: SampleScratch::new(dev, l, shape.vocab)?,
             masks: dev.alloc_zeros(l * (shape.vocab.div_ceil(32) + 1))?,
             attn_parts: AttentionScratch::new(
                 dev,

@@ -3,10 +3,11 @@
 //! results back after one synchronisation; and the attention core of every attention layer.
 
 use dflash_runtime::cuda::ops::{
-    argmax_rows_masked, attention_rope_fits, paged_attention, paged_attention_rope, prompt_attention_tc, rope_kv_write,
-    AttentionArgs, KeySplit, RopeKvArgs,
+    argmax_rows_masked, attention_rope_fits, pack_draws, paged_attention, paged_attention_rope, prompt_attention_tc,
+    rope_kv_write, sample_rows, unpack_drawn, AttentionArgs, KeySplit, RopeKvArgs, DRAWN_WORDS,
 };
 use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DevSlice, DeviceBuf};
+use dflash_runtime::ops::sample::{Adjustment, DrawRow};
 use dflash_runtime::Tensor;
 
 use super::cache::{CudaCache, Workspace};
@@ -206,9 +207,48 @@ pub(crate) fn collect_out(
     let mut hidden = vec![0f32; batch.num_tokens() * capture_width];
     dev.download_into(&ws.captured, 0, &mut hidden)?;
     dev.synchronize()?;
-    let captured =
-        (capture_width > 0).then(|| Tensor::from_f32(&hidden, &[batch.num_tokens(), capture_width])).transpose()?;
-    Ok(ForwardOut { ids, ..ForwardOut::new(logits, captured) })
+    Ok(ForwardOut { ids, ..ForwardOut::new(logits, captured_rows(hidden, batch, capture_width)?) })
+}
+
+/// The captured rows `[T, capture_width]` from their downloaded values; `None` when the step captures nothing.
+fn captured_rows(hidden: Vec<f32>, batch: &ForwardBatch, capture_width: usize) -> Result<Option<Tensor>> {
+    Ok((capture_width > 0).then(|| Tensor::from_f32(&hidden, &[batch.num_tokens(), capture_width])).transpose()?)
+}
+
+/// A step's draws where its logits are: `draws` (one per logit row, in order) pointed at their device rows (`rows`)
+/// go up with their adjustments in one copy, `sample_rows` draws them over the step's logits, and the tokens, the
+/// logprobs asked for and the captured rows come back after one synchronisation. The logits stay on the device.
+///
+/// # Errors
+/// Draws that do not match the step's logit rows; a device failure.
+pub(crate) fn collect_drawn(
+    dev: &CudaDevice,
+    ws: &mut Workspace,
+    (vocab, capture_width): (usize, usize),
+    batch: &ForwardBatch,
+    rows: &[usize],
+    (draws, adjust): (&[DrawRow], &[Adjustment]),
+) -> Result<ForwardOut> {
+    crate::batch::check_draw_rows(draws, adjust.len(), rows.len()).map_err(|e| CudaModelError::Batch(e.to_string()))?;
+    let on_device: Vec<DrawRow> = draws.iter().map(|d| DrawRow { logit_row: rows[d.logit_row], ..d.clone() }).collect();
+    let packed = pack_draws(&on_device, adjust);
+    if packed.len() > ws.draws.len() {
+        // Adjustments (penalised requests' histories) have no fixed bound; the buffer grows to the largest step.
+        ws.draws = dev.alloc_zeros(packed.len().next_power_of_two())?;
+    }
+    dev.upload_prefix(&packed, &mut ws.draws)?;
+    let n = draws.len();
+    let out = ws.drawn.view().prefix(n * DRAWN_WORDS)?;
+    sample_rows(dev, &ws.logits, vocab, ws.draws.view().prefix(packed.len())?, n, out, &ws.sample)?;
+    let mut words = vec![0u32; n * DRAWN_WORDS];
+    dev.download_into(&ws.drawn, 0, &mut words)?;
+    let mut hidden = vec![0f32; batch.num_tokens() * capture_width];
+    dev.download_into(&ws.captured, 0, &mut hidden)?;
+    dev.synchronize()?;
+    let drawn = unpack_drawn(&words, draws);
+    let logits = Tensor::from_f32(&[], &[0, vocab])?;
+    let ids = Some(drawn.iter().map(|d| d.id).collect());
+    Ok(ForwardOut { ids, drawn: Some(drawn), ..ForwardOut::new(logits, captured_rows(hidden, batch, capture_width)?) })
 }
 
 /// Waits for `masks` (the host computes them while the device runs the step just launched), uploads them and

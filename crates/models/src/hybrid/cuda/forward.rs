@@ -11,9 +11,10 @@ use super::cache::CudaHybridCache;
 use super::{CudaHybridModel, DevAttention, DevFfn, DevGdn, DevHybridLayer, DevMixer, DevMoe, GdnSeq};
 use crate::batch::{ForwardBatch, ForwardOut, Readout};
 use crate::cuda::{
-    apply_masks, attend, collect_out, Block, CudaModelError, DevStreams, DevWeight, Linear, MatIn, MatOut, Result,
-    Step, StepPlan,
+    apply_masks, attend, collect_drawn, collect_out, Block, CudaModelError, DevStreams, DevWeight, Linear, MatIn,
+    MatOut, Result, Step, StepPlan,
 };
+use dflash_runtime::ops::sample::{Adjustment, DrawRow};
 
 impl CudaHybridModel {
     /// Runs every row of `batch` (as [`crate::hybrid::HybridModel::forward`]), `seqs[i]` naming the state
@@ -62,6 +63,25 @@ impl CudaHybridModel {
         apply_masks(&self.dev, &mut cache.ws, self.cfg.base.vocab_size, &rows, masks)?;
         let width = self.capture_width();
         let out = collect_out(&self.dev, &cache.ws, (self.cfg.base.vocab_size, width), batch, &rows, Readout::Argmax)?;
+        set_pending(batch, cache, seqs);
+        Ok(out)
+    }
+
+    /// As [`CudaHybridModel::forward`], then draws each logit row on the device as `draws` say (one per logit row,
+    /// in order; adjustments ranges of `adjust`): the tokens and the logprobs asked for come back, not the logits.
+    ///
+    /// # Errors
+    /// As [`CudaHybridModel::forward`]; draws that do not match the batch's logit rows.
+    pub fn forward_drawn(
+        &self,
+        batch: &ForwardBatch,
+        cache: &mut CudaHybridCache,
+        seqs: &[GdnSeq],
+        draws: (&[DrawRow], &[Adjustment]),
+    ) -> Result<ForwardOut> {
+        let rows = self.run(batch, cache, seqs, Readout::Logits)?;
+        let width = self.capture_width();
+        let out = collect_drawn(&self.dev, &mut cache.ws, (self.cfg.base.vocab_size, width), batch, &rows, draws)?;
         set_pending(batch, cache, seqs);
         Ok(out)
     }

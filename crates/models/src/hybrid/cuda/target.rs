@@ -20,6 +20,7 @@ use crate::config::ModelConfig;
 use crate::cuda::{CudaCacheConfig, GRAPH_CONTEXTS};
 use crate::error::{ModelError, Result};
 use crate::target::{device_err, HostHeads, ResumeState, StepSeq, Target, TargetHeads};
+use dflash_runtime::ops::sample::{Adjustment, DrawRow};
 
 /// A verify of the last forward awaiting its kept count.
 struct PendingVerify {
@@ -212,6 +213,20 @@ impl Target for CudaHybridTarget {
         masks: &crate::RowMasks,
     ) -> Result<ForwardOut> {
         self.step_with(batch, seqs, |model, cache, gdn| model.forward_masked(batch, cache, gdn, masks))
+    }
+
+    fn draws_on_device(&self) -> bool {
+        true
+    }
+
+    fn forward_step_drawn(
+        &mut self,
+        batch: &ForwardBatch,
+        seqs: &[StepSeq],
+        rows: &[DrawRow],
+        adjust: &[Adjustment],
+    ) -> Result<ForwardOut> {
+        self.step_with(batch, seqs, |model, cache, gdn| model.forward_drawn(batch, cache, gdn, (rows, adjust)))
     }
 
     fn verified(&mut self, key: u64, kept_rows: usize) {

@@ -8,6 +8,7 @@ use crate::cuda::{CudaCache, CudaCacheConfig, GRAPH_CONTEXTS};
 use crate::error::Result;
 use crate::llama::cuda::CudaLlamaModel;
 use crate::target::{device_err, HostHeads, StepSeq, Target, TargetHeads};
+use dflash_runtime::ops::sample::{Adjustment, DrawRow};
 
 /// A Llama-family model on one CUDA GPU with its device cache (KV pages, workspaces, graphs).
 pub struct CudaLlamaTarget {
@@ -77,6 +78,20 @@ impl Target for CudaLlamaTarget {
         masks: &crate::RowMasks,
     ) -> Result<ForwardOut> {
         self.model.forward_masked(batch, &mut self.cache, masks).map_err(device_err)
+    }
+
+    fn draws_on_device(&self) -> bool {
+        true
+    }
+
+    fn forward_step_drawn(
+        &mut self,
+        batch: &ForwardBatch,
+        _seqs: &[StepSeq],
+        rows: &[DrawRow],
+        adjust: &[Adjustment],
+    ) -> Result<ForwardOut> {
+        self.model.forward_drawn(batch, &mut self.cache, (rows, adjust)).map_err(device_err)
     }
 
     fn host_heads(&self) -> Option<Arc<dyn TargetHeads>> {
