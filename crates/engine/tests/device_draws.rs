@@ -9,11 +9,13 @@ mod common;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use common::{config, load, request, Model, Session};
+use dflash_engine::grammar::{GrammarCompiler, GrammarSpec};
 use dflash_engine::spec::{NgramConfig, PolicyMode, SpecConfig};
 use dflash_engine::{Engine, EngineMetrics, Event, Request, SamplingParams, TokenLogprob};
 use dflash_models::llama::LlamaTarget;
-use dflash_models::{ForwardBatch, ForwardOut, ModelConfig, ModelError, Readout, StepSeq, Target, TargetHeads};
-use dflash_runtime::ops::sample::{Adjustment, DrawRow};
+use dflash_models::{
+    ForwardBatch, ForwardOut, ModelConfig, ModelError, Readout, StepDraws, StepSeq, Target, TargetHeads,
+};
 use dflash_runtime::Tensor;
 
 const MAX_TOKENS: usize = 24;
@@ -74,13 +76,16 @@ impl Target for DrawsHere {
         &mut self,
         batch: &ForwardBatch,
         seqs: &[StepSeq],
-        rows: &[DrawRow],
-        adjust: &[Adjustment],
+        draws: &StepDraws,
     ) -> Result<ForwardOut, ModelError> {
-        self.record(Asked::Drawn(rows.len()));
-        let out = self.inner.forward_step_drawn(batch, seqs, rows, adjust)?;
+        self.record(Asked::Drawn(draws.rows.len()));
+        let out = self.inner.forward_step_drawn(batch, seqs, draws)?;
+        // As a device: only the host rows' logits come back.
         let vocab = self.inner.config().vocab_size;
-        Ok(ForwardOut { logits: Tensor::from_f32(&[], &[0, vocab])?, ..out })
+        let all = out.logits.as_f32()?;
+        let held: Vec<f32> = draws.host_rows.iter().flat_map(|&r| all[r * vocab..(r + 1) * vocab].to_vec()).collect();
+        let logits = Tensor::from_f32(&held, &[draws.host_rows.len(), vocab])?;
+        Ok(ForwardOut { logits, logits_held: Some(draws.host_rows.clone()), ..out })
     }
     fn host_heads(&self) -> Option<Arc<dyn TargetHeads>> {
         self.inner.host_heads()
@@ -230,4 +235,29 @@ fn drawn_verify_rows_see_the_drafts_before_them() {
         assert!(asked.iter().all(|a| matches!(a, Asked::Drawn(_))), "{asked:?}");
         assert!(second_accepted > 0, "no round accepted a second draft: {asked:?}");
     }
+}
+
+#[test]
+fn constrained_rows_read_their_logits_in_a_drawn_step() {
+    // Requests under grammars share steps with sampled ones: the step still draws on the device, and only the
+    // constrained rows' logits come back, to be masked and chosen on the host.
+    let m = load();
+    let compiler = GrammarCompiler::new(&m.tokenizer).expect("compiler");
+    let make = || {
+        let mut all = requests(&m, false);
+        let specs = [GrammarSpec::Regex(r"[0-9]{3}-[0-9]{4}".into()), GrammarSpec::JsonObject];
+        for (i, spec) in specs.into_iter().enumerate() {
+            let prompt = m.tokenizer.encode("Make up a phone number, then a JSON object.", true).expect("encode");
+            let mut r = request(10 + i, prompt, sampled(40 + i as u64), MAX_TOKENS);
+            r.grammar = Some(compiler.compile(&spec).expect("the grammar compiles"));
+            all.push(r);
+        }
+        all
+    };
+    let reference = run_reference(&m, make());
+    let (drawn, asked, _) = run_drawn(&m, SpecConfig { pld: None, ..SpecConfig::default() }, make());
+    for (i, (got, want)) in drawn.iter().zip(&reference).enumerate() {
+        assert_eq!(got, want, "request {i}");
+    }
+    assert!(asked.iter().any(|a| matches!(a, Asked::Drawn(_))), "{asked:?}");
 }

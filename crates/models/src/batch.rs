@@ -120,6 +120,9 @@ pub struct ForwardOut {
     pub ids: Option<Vec<u32>>, // [L]
     /// Each logit row's draw, with the logprobs it asked for, after [`crate::Target::forward_step_drawn`].
     pub drawn: Option<Vec<Drawn>>, // [L]
+    /// After a drawn step, the logit rows whose logits `logits` holds, in order (the step's
+    /// [`StepDraws::host_rows`]); `None` when it holds every logit row.
+    pub logits_held: Option<Vec<usize>>,
     /// Hidden states at the load-time capture layers, concatenated per row (empty when none are captured): `hidden`
     /// values a tap, or on a stream target what its taps read (`Target::capture_width`).
     pub captured: Option<Tensor>, // [T, capture width]
@@ -128,22 +131,36 @@ pub struct ForwardOut {
 impl ForwardOut {
     /// The output of a forward: its logits and captured rows, nothing chosen yet.
     pub fn new(logits: Tensor, captured: Option<Tensor>) -> Self {
-        ForwardOut { logits, ids: None, drawn: None, captured }
+        ForwardOut { logits, ids: None, drawn: None, logits_held: None, captured }
     }
 
-    /// Adds the draws of `rows` (one per logit row, in order; see [`crate::Target::forward_step_drawn`]), made here
-    /// from the host logits, and their tokens as `ids`.
+    /// Adds the draws of `draws` (see [`crate::Target::forward_step_drawn`]), made here from the host logits, and
+    /// their tokens as `ids`; every row's logits stay.
     ///
     /// # Errors
-    /// Logits that are not f32; rows that are not one per logit row in order, or adjustments out of range.
-    pub fn with_host_draws(mut self, rows: &[DrawRow], adjust: &[Adjustment]) -> Result<Self> {
+    /// Logits that are not f32; draws that do not match the logit rows.
+    pub fn with_host_draws(mut self, draws: &StepDraws) -> Result<Self> {
         let vocab = self.logits.shape().last().copied().unwrap_or(0);
-        let logit_rows = self.logits.shape().first().copied().unwrap_or(0);
-        check_draw_rows(rows, adjust.len(), logit_rows)?;
-        let drawn = draw_rows(self.logits.as_f32()?, vocab, rows, adjust);
+        draws.check(self.logits.shape().first().copied().unwrap_or(0))?;
+        let drawn = draw_rows(self.logits.as_f32()?, vocab, &draws.rows, &draws.adjust);
         self.ids = Some(drawn.iter().map(|d| d.id).collect());
         self.drawn = Some(drawn);
         Ok(self)
+    }
+
+    /// The logits of the consecutive logit rows `rows` (`[rows.len(), vocab]`), when the output holds them all:
+    /// every row's logits, or after a drawn step those of its host rows.
+    pub fn held_logits(&self, rows: std::ops::Range<usize>) -> Option<&[f32]> {
+        let vocab = self.logits.shape().last().copied().unwrap_or(0);
+        let at = match &self.logits_held {
+            None => rows.start,
+            Some(held) => {
+                let at = held.binary_search(&rows.start).ok()?;
+                let consecutive = held.get(at..at + rows.len())?.iter().zip(rows.clone()).all(|(&h, r)| h == r);
+                consecutive.then_some(at)?
+            }
+        };
+        self.logits.as_f32().ok()?.get(at * vocab..(at + rows.len()) * vocab)
     }
 
     /// Adds each logit row's argmax, computed here from the logits (targets whose logits are on the host).
@@ -177,24 +194,42 @@ impl ForwardOut {
     }
 }
 
-/// Checks that `rows` name each of `logit_rows` logit rows once, in order, and adjustments within `num_adjust`.
-///
-/// # Errors
-/// `Batch` naming the first row that does not.
-pub fn check_draw_rows(rows: &[DrawRow], num_adjust: usize, logit_rows: usize) -> Result<()> {
-    if rows.len() != logit_rows {
-        return Err(ModelError::Batch(format!("{} draw rows for {logit_rows} logit rows", rows.len())));
-    }
-    for (j, row) in rows.iter().enumerate() {
-        let adjust_ok = row.adjust.start <= row.adjust.end && row.adjust.end <= num_adjust;
-        if row.logit_row != j || !adjust_ok {
-            return Err(ModelError::Batch(format!(
-                "draw row {j} reads logit row {} with adjustments {:?} of {num_adjust}",
-                row.logit_row, row.adjust
-            )));
+/// What a step asks a target to draw ([`crate::Target::forward_step_drawn`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepDraws {
+    /// One draw per logit row, in order.
+    pub rows: Vec<DrawRow>,
+    /// The adjustments the rows' ranges name.
+    pub adjust: Vec<Adjustment>,
+    /// Logit rows (ascending) whose logits come back too: rows the host reads itself (a grammar's mask, the lossy
+    /// typical rule). Their draws are made all the same and not read.
+    pub host_rows: Vec<usize>,
+}
+
+impl StepDraws {
+    /// Checks that the rows name each of `logit_rows` logit rows once, in order, with adjustments in range, and
+    /// that the host rows are ascending logit rows.
+    ///
+    /// # Errors
+    /// `Batch` naming the first row that does not.
+    pub fn check(&self, logit_rows: usize) -> Result<()> {
+        let bad = |m: String| Err(ModelError::Batch(m));
+        if self.rows.len() != logit_rows {
+            return bad(format!("{} draw rows for {logit_rows} logit rows", self.rows.len()));
         }
+        for (j, row) in self.rows.iter().enumerate() {
+            let adjust_ok = row.adjust.start <= row.adjust.end && row.adjust.end <= self.adjust.len();
+            if row.logit_row != j || !adjust_ok {
+                let (r, a, n) = (row.logit_row, &row.adjust, self.adjust.len());
+                return bad(format!("draw row {j} reads logit row {r} with adjustments {a:?} of {n}"));
+            }
+        }
+        let ascending = self.host_rows.windows(2).all(|w| w[0] < w[1]);
+        if !ascending || self.host_rows.last().is_some_and(|&r| r >= logit_rows) {
+            return bad(format!("host rows {:?} of {logit_rows} logit rows", self.host_rows));
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 /// The paged KV cache: per layer, K and V as `[num_pages, page_size, kv_heads, head_dim]` f32.

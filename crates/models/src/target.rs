@@ -12,10 +12,9 @@ use std::sync::Arc;
 
 use dflash_runtime::Tensor;
 
-use crate::batch::{ForwardBatch, ForwardOut, Readout};
+use crate::batch::{ForwardBatch, ForwardOut, Readout, StepDraws};
 use crate::config::ModelConfig;
 use crate::error::Result;
-use dflash_runtime::ops::sample::{Adjustment, DrawRow};
 
 /// One sequence of a step's batch, as targets with per-sequence state see it (`batch.seqs[i]` is `seqs[i]`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -127,30 +126,24 @@ pub trait Target: Send {
         out.with_host_masks(&masks.wait())
     }
 
-    /// Whether [`Target::forward_step_drawn`] draws where the logits are (on a device), so a step whose rows all
-    /// sample by a [`DrawRow`] reads back tokens instead of logits. The default draws on the host, which saves
+    /// Whether [`Target::forward_step_drawn`] draws where the logits are (on a device), so a step whose rows are
+    /// drawn reads back tokens instead of logits. The default draws on the host, which saves
     /// nothing: the engine then samples the logits itself.
     fn draws_on_device(&self) -> bool {
         false
     }
 
-    /// As [`Target::forward_step`], then draws every logit row as `rows[j]` says (one row per logit row, in order;
-    /// each row's adjustments a range of `adjust`): the output's `ids` hold the tokens and `drawn` their logprobs
-    /// where asked. A device target draws where the logits are and leaves them there (the output's logits may then
-    /// be empty); the default draws from its host logits ([`dflash_runtime::ops::sample::draw_rows`], the twin of
-    /// the device's draw).
+    /// As [`Target::forward_step`], then draws every logit row as `draws.rows[j]` says (each row's adjustments a
+    /// range of `draws.adjust`): the output's `ids` hold the tokens and `drawn` their logprobs where asked. A device
+    /// target draws where the logits are and reads back only the logits of `draws.host_rows` (`logits_held`); the
+    /// default draws from its host logits ([`dflash_runtime::ops::sample::draw_rows`], the twin of the device's
+    /// draw) and keeps them all.
     ///
     /// # Errors
-    /// As [`Target::forward_step`]; rows that do not match the batch's logit rows.
-    fn forward_step_drawn(
-        &mut self,
-        batch: &ForwardBatch,
-        seqs: &[StepSeq],
-        rows: &[DrawRow],
-        adjust: &[Adjustment],
-    ) -> Result<ForwardOut> {
-        crate::batch::check_draw_rows(rows, adjust.len(), batch.logit_rows.len())?;
-        self.forward_step(batch, seqs, Readout::Logits)?.with_host_draws(rows, adjust)
+    /// As [`Target::forward_step`]; draws that do not match the batch's logit rows.
+    fn forward_step_drawn(&mut self, batch: &ForwardBatch, seqs: &[StepSeq], draws: &StepDraws) -> Result<ForwardOut> {
+        draws.check(batch.logit_rows.len())?;
+        self.forward_step(batch, seqs, Readout::Logits)?.with_host_draws(draws)
     }
 
     /// After a verify forward of sequence `key`: only its first `kept_rows` rows stay (the anchor and the

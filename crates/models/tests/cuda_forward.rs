@@ -26,7 +26,7 @@ use dflash_models::llama::cuda::CudaLlamaModel;
 use dflash_models::llama::LlamaModel;
 use dflash_models::llama::{load_gguf_weights, load_hf_weights};
 use dflash_models::resolve::{default_model_path, ModelSource};
-use dflash_models::{ForwardBatch, SeqRows};
+use dflash_models::{ForwardBatch, SeqRows, StepDraws};
 use dflash_models::{LoadOptions, StreamTap};
 use dflash_runtime::cuda::CudaDevice;
 use dflash_runtime::ops::sample::{draw_rows, AdjustKind, Adjustment, Draw, DrawRow};
@@ -388,12 +388,16 @@ fn device_draws_equal_host_draws_of_the_same_logits() {
             let mut run = |batch: &ForwardBatch| {
                 let out = pair.gpu.forward(batch, &mut logits_cache).expect("forward");
                 let logits = out.logits.as_f32().expect("f32").to_vec();
-                let (rows, adjust) = draws_for(batch.logit_rows.len(), drawn_rows, vocab);
-                let got = pair.gpu.forward_drawn(batch, &mut draws_cache, (&rows, &adjust)).expect("drawn");
-                let want = draw_rows(&logits, vocab, &rows, &adjust);
+                let draws = draws_for(batch.logit_rows.len(), drawn_rows, vocab);
+                let got = pair.gpu.forward_drawn(batch, &mut draws_cache, &draws).expect("drawn");
+                let want = draw_rows(&logits, vocab, &draws.rows, &draws.adjust);
                 assert_eq!(got.drawn.as_ref(), Some(&want), "{}: graphs {graphs}, step {step}", pair.name);
                 assert_eq!(got.ids, Some(want.iter().map(|d| d.id).collect()));
-                drawn_rows += rows.len();
+                // The host rows' logits come back, the others stay.
+                let held: Vec<f32> =
+                    draws.host_rows.iter().flat_map(|&r| logits[r * vocab..(r + 1) * vocab].to_vec()).collect();
+                assert_eq!(got.logits.as_f32().expect("f32"), &held[..]);
+                drawn_rows += draws.rows.len();
                 (logits, Vec::new())
             };
             run_steps(&mut run, &tokens, 8, step, &table_for(tokens.len(), 3));
@@ -403,8 +407,8 @@ fn device_draws_equal_host_draws_of_the_same_logits() {
 }
 
 /// One draw per logit row, cycling through greedy with adjustments, filtered, warm and penalised forms, with
-/// logprobs on some; `salt` moves the positions and forms along between steps.
-fn draws_for(n: usize, salt: usize, vocab: usize) -> (Vec<DrawRow>, Vec<Adjustment>) {
+/// logprobs on some and every third row's logits asked back; `salt` moves the positions and forms along.
+fn draws_for(n: usize, salt: usize, vocab: usize) -> StepDraws {
     let (mut rows, mut adjust) = (Vec::new(), Vec::new());
     for j in 0..n {
         let i = salt + j;
@@ -430,7 +434,8 @@ fn draws_for(n: usize, salt: usize, vocab: usize) -> (Vec<DrawRow>, Vec<Adjustme
         let top_logprobs = [Some(3), None, Some(0)][i % 3];
         rows.push(DrawRow { logit_row: j, draw, adjust: start..adjust.len(), top_logprobs });
     }
-    (rows, adjust)
+    let host_rows = (0..n).filter(|j| (salt + j) % 3 == 1).collect();
+    StepDraws { rows, adjust, host_rows }
 }
 
 /// A sequence's prompt (`first` rows) as one chunk, then one step of `step` rows; every row's logits.

@@ -43,7 +43,7 @@ impl Engine {
         // Rows that need more than their argmax are drawn by the target where it can (see `draws`).
         let readout = self.readout(items, false);
         let draws = (masks.is_none() && readout == Readout::Logits && self.draws_on_device(items))
-            .then(|| self.draw_rows(items));
+            .then(|| self.step_draws(items));
         let page_size = self.page_size;
         let mut inputs = StepInputs::default();
         for item in items {
@@ -91,7 +91,7 @@ impl Engine {
             items.iter().map(|item| StepSeq { key: running[item.seq].key, verifies: item.drafts > 0 }).collect();
         Ok(match (masks, draws) {
             (Some(masks), _) => self.target.forward_step_masked(&batch, &keyed, masks)?,
-            (None, Some((rows, adjust))) => self.target.forward_step_drawn(&batch, &keyed, &rows, &adjust)?,
+            (None, Some(draws)) => self.target.forward_step_drawn(&batch, &keyed, &draws)?,
             (None, None) => self.target.forward_step(&batch, &keyed, readout)?,
         })
     }
@@ -221,7 +221,8 @@ impl Engine {
             }
         };
         let capture_width = out.captured.as_ref().map_or(0, |c| c.row_len());
-        if let Some(ids) = ids {
+        // A drawn step's constrained rows are chosen on the host from their logits, not from its draws.
+        if let Some(ids) = ids.filter(|_| out.drawn.is_none()) {
             self.advance_grammars(items, ids);
         }
         let now = Instant::now();
@@ -236,7 +237,16 @@ impl Engine {
                 let span = row..row + 1 + item.drafts;
                 row = span.end;
                 let rows = match (ids, out.drawn.as_deref()) {
-                    (_, Some(drawn)) => StepRows::Drawn(&drawn[span]),
+                    (_, Some(drawn)) if !self.needs_host_logits(item) => StepRows::Drawn(&drawn[span]),
+                    (_, Some(_)) => match out.held_logits(span.clone()) {
+                        Some(held) => StepRows::Logits(held, vocab),
+                        None => {
+                            let message = format!("the step did not return the logits of rows {span:?}");
+                            finished.push((item.seq, self.fail_seq(item.seq, &message)));
+                            batch_row += item.rows;
+                            continue;
+                        }
+                    },
                     (Some(ids), None) => StepRows::Argmax(&ids[span]),
                     (None, None) => StepRows::Logits(&logits[span.start * vocab..span.end * vocab], vocab),
                 };

@@ -7,13 +7,13 @@ use dflash_runtime::cuda::ops::{
     rope_kv_write, sample_rows, unpack_drawn, AttentionArgs, KeySplit, RopeKvArgs, DRAWN_WORDS,
 };
 use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DevSlice, DeviceBuf};
-use dflash_runtime::ops::sample::{Adjustment, DrawRow};
+use dflash_runtime::ops::sample::DrawRow;
 use dflash_runtime::Tensor;
 
 use super::cache::{CudaCache, Workspace};
 use super::error::{CudaModelError, Result};
 use super::plan::{self, StepPlan, TileRows};
-use crate::batch::{ForwardBatch, ForwardOut, Readout};
+use crate::batch::{ForwardBatch, ForwardOut, Readout, StepDraws};
 use crate::config::ModelConfig;
 
 /// One step of a family's forward, as the shared runner drives it.
@@ -215,9 +215,10 @@ fn captured_rows(hidden: Vec<f32>, batch: &ForwardBatch, capture_width: usize) -
     Ok((capture_width > 0).then(|| Tensor::from_f32(&hidden, &[batch.num_tokens(), capture_width])).transpose()?)
 }
 
-/// A step's draws where its logits are: `draws` (one per logit row, in order) pointed at their device rows (`rows`)
+/// A step's draws where its logits are: the draws (one per logit row, in order) pointed at their device rows (`rows`)
 /// go up with their adjustments in one copy, `sample_rows` draws them over the step's logits, and the tokens, the
-/// logprobs asked for and the captured rows come back after one synchronisation. The logits stay on the device.
+/// logprobs asked for, the logits of the host rows and the captured rows come back after one synchronisation. The
+/// other rows' logits stay on the device.
 ///
 /// # Errors
 /// Draws that do not match the step's logit rows; a device failure.
@@ -227,28 +228,33 @@ pub(crate) fn collect_drawn(
     (vocab, capture_width): (usize, usize),
     batch: &ForwardBatch,
     rows: &[usize],
-    (draws, adjust): (&[DrawRow], &[Adjustment]),
+    draws: &StepDraws,
 ) -> Result<ForwardOut> {
-    crate::batch::check_draw_rows(draws, adjust.len(), rows.len()).map_err(|e| CudaModelError::Batch(e.to_string()))?;
-    let on_device: Vec<DrawRow> = draws.iter().map(|d| DrawRow { logit_row: rows[d.logit_row], ..d.clone() }).collect();
-    let packed = pack_draws(&on_device, adjust);
+    draws.check(rows.len()).map_err(|e| CudaModelError::Batch(e.to_string()))?;
+    let on_device: Vec<DrawRow> =
+        draws.rows.iter().map(|d| DrawRow { logit_row: rows[d.logit_row], ..d.clone() }).collect();
+    let packed = pack_draws(&on_device, &draws.adjust);
     if packed.len() > ws.draws.len() {
         // Adjustments (penalised requests' histories) have no fixed bound; the buffer grows to the largest step.
         ws.draws = dev.alloc_zeros(packed.len().next_power_of_two())?;
     }
     dev.upload_prefix(&packed, &mut ws.draws)?;
-    let n = draws.len();
+    let n = draws.rows.len();
     let out = ws.drawn.view().prefix(n * DRAWN_WORDS)?;
     sample_rows(dev, &ws.logits, vocab, ws.draws.view().prefix(packed.len())?, n, out, &ws.sample)?;
     let mut words = vec![0u32; n * DRAWN_WORDS];
     dev.download_into(&ws.drawn, 0, &mut words)?;
+    let host_device_rows: Vec<usize> = draws.host_rows.iter().map(|&r| rows[r]).collect();
+    let mut logits = vec![0f32; host_device_rows.len() * vocab];
+    download_rows(dev, &ws.logits, vocab, &host_device_rows, &mut logits)?;
     let mut hidden = vec![0f32; batch.num_tokens() * capture_width];
     dev.download_into(&ws.captured, 0, &mut hidden)?;
     dev.synchronize()?;
-    let drawn = unpack_drawn(&words, draws);
-    let logits = Tensor::from_f32(&[], &[0, vocab])?;
+    let drawn = unpack_drawn(&words, &draws.rows);
+    let logits = Tensor::from_f32(&logits, &[host_device_rows.len(), vocab])?;
+    let out = ForwardOut::new(logits, captured_rows(hidden, batch, capture_width)?);
     let ids = Some(drawn.iter().map(|d| d.id).collect());
-    Ok(ForwardOut { ids, drawn: Some(drawn), ..ForwardOut::new(logits, captured_rows(hidden, batch, capture_width)?) })
+    Ok(ForwardOut { ids, drawn: Some(drawn), logits_held: Some(draws.host_rows.clone()), ..out })
 }
 
 /// Waits for `masks` (the host computes them while the device runs the step just launched), uploads them and

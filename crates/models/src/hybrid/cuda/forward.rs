@@ -9,12 +9,11 @@ use dflash_runtime::cuda::DevSlice;
 
 use super::cache::CudaHybridCache;
 use super::{CudaHybridModel, DevAttention, DevFfn, DevGdn, DevHybridLayer, DevMixer, DevMoe, GdnSeq};
-use crate::batch::{ForwardBatch, ForwardOut, Readout};
+use crate::batch::{ForwardBatch, ForwardOut, Readout, StepDraws};
 use crate::cuda::{
     apply_masks, attend, collect_drawn, collect_out, Block, CudaModelError, DevStreams, DevWeight, Linear, MatIn,
     MatOut, Result, Step, StepPlan,
 };
-use dflash_runtime::ops::sample::{Adjustment, DrawRow};
 
 impl CudaHybridModel {
     /// Runs every row of `batch` (as [`crate::hybrid::HybridModel::forward`]), `seqs[i]` naming the state
@@ -67,8 +66,8 @@ impl CudaHybridModel {
         Ok(out)
     }
 
-    /// As [`CudaHybridModel::forward`], then draws each logit row on the device as `draws` say (one per logit row,
-    /// in order; adjustments ranges of `adjust`): the tokens and the logprobs asked for come back, not the logits.
+    /// As [`CudaHybridModel::forward`], then draws each logit row on the device as `draws` say: the tokens, the
+    /// logprobs asked for and the logits of `draws.host_rows` come back, not the other logits.
     ///
     /// # Errors
     /// As [`CudaHybridModel::forward`]; draws that do not match the batch's logit rows.
@@ -77,7 +76,7 @@ impl CudaHybridModel {
         batch: &ForwardBatch,
         cache: &mut CudaHybridCache,
         seqs: &[GdnSeq],
-        draws: (&[DrawRow], &[Adjustment]),
+        draws: &StepDraws,
     ) -> Result<ForwardOut> {
         let rows = self.run(batch, cache, seqs, Readout::Logits)?;
         let width = self.capture_width();

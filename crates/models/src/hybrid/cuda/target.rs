@@ -15,12 +15,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::{CudaHybridCache, CudaHybridModel, GdnSeq};
-use crate::batch::{ForwardBatch, ForwardOut, Readout};
+use crate::batch::{ForwardBatch, ForwardOut, Readout, StepDraws};
 use crate::config::ModelConfig;
 use crate::cuda::{CudaCacheConfig, GRAPH_CONTEXTS};
 use crate::error::{ModelError, Result};
 use crate::target::{device_err, HostHeads, ResumeState, StepSeq, Target, TargetHeads};
-use dflash_runtime::ops::sample::{Adjustment, DrawRow};
 
 /// A verify of the last forward awaiting its kept count.
 struct PendingVerify {
@@ -219,14 +218,8 @@ impl Target for CudaHybridTarget {
         true
     }
 
-    fn forward_step_drawn(
-        &mut self,
-        batch: &ForwardBatch,
-        seqs: &[StepSeq],
-        rows: &[DrawRow],
-        adjust: &[Adjustment],
-    ) -> Result<ForwardOut> {
-        self.step_with(batch, seqs, |model, cache, gdn| model.forward_drawn(batch, cache, gdn, (rows, adjust)))
+    fn forward_step_drawn(&mut self, batch: &ForwardBatch, seqs: &[StepSeq], draws: &StepDraws) -> Result<ForwardOut> {
+        self.step_with(batch, seqs, |model, cache, gdn| model.forward_drawn(batch, cache, gdn, draws))
     }
 
     fn verified(&mut self, key: u64, kept_rows: usize) {

@@ -7,13 +7,12 @@ use dflash_runtime::cuda::ops::{
 use dflash_runtime::cuda::DeviceBuf;
 
 use super::model::{CudaLayer, CudaLlamaModel};
-use crate::batch::{ForwardBatch, ForwardOut, Readout};
+use crate::batch::{ForwardBatch, ForwardOut, Readout, StepDraws};
 use crate::cuda::{
     apply_masks, attend, collect_drawn, collect_out, Block, CudaCache, DevMatrix, DevProjection, DevStreams, DevWeight,
     Linear, MatIn, MatOut, Result, Step, StepPlan,
 };
 use crate::RowMasks;
-use dflash_runtime::ops::sample::{Adjustment, DrawRow};
 
 impl CudaLlamaModel {
     /// Runs every row of `batch` (the same description as [`crate::llama::LlamaModel::forward`]), writing their
@@ -50,17 +49,12 @@ impl CudaLlamaModel {
         collect_out(&self.dev, &cache.ws, (self.cfg.vocab_size, width), batch, &rows, Readout::Argmax)
     }
 
-    /// As [`CudaLlamaModel::forward`], then draws each logit row on the device as `draws` say (one per logit row,
-    /// in order; adjustments ranges of `adjust`): the tokens and the logprobs asked for come back, not the logits.
+    /// As [`CudaLlamaModel::forward`], then draws each logit row on the device as `draws` say: the tokens, the
+    /// logprobs asked for and the logits of `draws.host_rows` come back, not the other logits.
     ///
     /// # Errors
     /// As [`CudaLlamaModel::forward`]; draws that do not match the batch's logit rows.
-    pub fn forward_drawn(
-        &self,
-        batch: &ForwardBatch,
-        cache: &mut CudaCache,
-        draws: (&[DrawRow], &[Adjustment]),
-    ) -> Result<ForwardOut> {
+    pub fn forward_drawn(&self, batch: &ForwardBatch, cache: &mut CudaCache, draws: &StepDraws) -> Result<ForwardOut> {
         let rows = self.run(batch, cache, Readout::Logits)?;
         let width = self.capture_width();
         collect_drawn(&self.dev, &mut cache.ws, (self.cfg.vocab_size, width), batch, &rows, draws)

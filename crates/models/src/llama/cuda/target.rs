@@ -2,13 +2,12 @@
 
 use std::sync::Arc;
 
-use crate::batch::{ForwardBatch, ForwardOut, Readout};
+use crate::batch::{ForwardBatch, ForwardOut, Readout, StepDraws};
 use crate::config::ModelConfig;
 use crate::cuda::{CudaCache, CudaCacheConfig, GRAPH_CONTEXTS};
 use crate::error::Result;
 use crate::llama::cuda::CudaLlamaModel;
 use crate::target::{device_err, HostHeads, StepSeq, Target, TargetHeads};
-use dflash_runtime::ops::sample::{Adjustment, DrawRow};
 
 /// A Llama-family model on one CUDA GPU with its device cache (KV pages, workspaces, graphs).
 pub struct CudaLlamaTarget {
@@ -84,14 +83,8 @@ impl Target for CudaLlamaTarget {
         true
     }
 
-    fn forward_step_drawn(
-        &mut self,
-        batch: &ForwardBatch,
-        _seqs: &[StepSeq],
-        rows: &[DrawRow],
-        adjust: &[Adjustment],
-    ) -> Result<ForwardOut> {
-        self.model.forward_drawn(batch, &mut self.cache, (rows, adjust)).map_err(device_err)
+    fn forward_step_drawn(&mut self, batch: &ForwardBatch, _seqs: &[StepSeq], draws: &StepDraws) -> Result<ForwardOut> {
+        self.model.forward_drawn(batch, &mut self.cache, draws).map_err(device_err)
     }
 
     fn host_heads(&self) -> Option<Arc<dyn TargetHeads>> {
