@@ -3,10 +3,11 @@
 // step reads back token ids instead of logits. CPU twin: ops::sample::draw_row; tests/cuda_sample.rs holds
 // them against each other.
 //
-// A block copies its raw logit row into its scratch row (global memory: a 152K vocabulary does not fit in
-// shared memory) and applies the row's adjustments there. Greedy rows take the argmax; others divide by the
-// temperature in place, filter (top-k, top-p, min-p, as filter_ids) and take the Gumbel-max of the survivors
-// under the host's keyed noise. Logprobs come from the raw logits.
+// A block reads its raw logit row where it is; only a row with adjustments is first copied into the block's
+// scratch row (global memory: a 152K vocabulary does not fit in shared memory) and adjusted there. Greedy rows
+// take the argmax; others write the row divided by the temperature into scratch, filter it (top-k, top-p, min-p,
+// as filter_ids) and take the Gumbel-max of the survivors under the host's keyed noise. Logprobs come from the
+// raw logits, each computed where a pass reads it (SampleLogprobs) rather than written out and read back.
 //
 // The filters never sort the vocabulary. Each keeps a prefix of the order (value desc, id asc) of the valid
 // values (> -inf, not NaN), so what survives is "sort key <= cut" plus min-p's threshold. One pass counts (for
@@ -196,76 +197,127 @@ __device__ __forceinline__ u32 sample_broadcast(u32 value, SampleShared& sh) {
     return v;
 }
 
-// filter::argmax of a row: the largest non-NaN value, ties to the lowest id, 0 when all are NaN (block_argmax
-// is reduce.cu's).
-__device__ u32 sample_argmax(const float* row, u32 n, SampleShared& sh) {
-    float best = DF_NEG_INF;
-    u32 idx = DF_NO_INDEX;
-    for (u32 i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
-        const float v = row[i];
-        if (v > best || (idx == DF_NO_INDEX && v == v)) best = v, idx = i;
+// ---- Passes over a row ----
+
+// Loads a thread keeps in flight in a pass over a row: one block works a whole row, so a pass waits out the
+// memory latency once per SAMPLE_UNROLL * SAMPLE_THREADS values, not once per SAMPLE_THREADS.
+#define SAMPLE_UNROLL 4
+
+// How a pass reads a row: a row of values (raw or scratch), or the log_softmax of a raw row, each value computed
+// as it is read (as the host rounds it) instead of written to scratch and read back.
+struct SampleLogprobs { const float* raw; float log_norm; };
+__device__ __forceinline__ float sample_read(const float* row, u32 i) { return row[i]; }
+__device__ __forceinline__ float sample_read(const SampleLogprobs& r, u32 i) { return __fsub_rn(r.raw[i], r.log_norm); }
+
+// visit(i, value i) for this thread's ids i = threadIdx.x + t * SAMPLE_THREADS < n in increasing order (the
+// plain loop's, so a thread's sums keep their bits and its argmax its ties), SAMPLE_UNROLL loads issued before
+// any is used.
+template <typename Row, typename Visit>
+__device__ __forceinline__ void sample_each(const Row& row, u32 n, Visit visit) {
+    for (u32 i0 = threadIdx.x; i0 < n; i0 += SAMPLE_UNROLL * SAMPLE_THREADS) {
+        float v[SAMPLE_UNROLL];
+#pragma unroll
+        for (u32 u = 0, i = i0; u < SAMPLE_UNROLL; ++u, i += SAMPLE_THREADS) v[u] = i < n ? sample_read(row, i) : 0.0f;
+#pragma unroll
+        for (u32 u = 0, i = i0; u < SAMPLE_UNROLL; ++u, i += SAMPLE_THREADS) if (i < n) visit(i, v[u]);
     }
+}
+
+// filter::argmax of a row: the largest non-NaN value, ties to the lowest id, 0 when all are NaN (block_argmax
+// is reduce.cu's). With `fold` it also sets row_max to the row's fmaxf maximum (every thread): the raw maximum of
+// the logprobs, when this pass reads the raw row anyway.
+__device__ u32 sample_argmax(const float* row, u32 n, bool fold, float& row_max, SampleShared& sh) {
+    float best = DF_NEG_INF, vmax = DF_NEG_INF;
+    u32 idx = DF_NO_INDEX;
+    sample_each(row, n, [&](u32 i, float v) {
+        if (v > best || (idx == DF_NO_INDEX && v == v)) best = v, idx = i;
+        vmax = fmaxf(vmax, v);
+    });
+    if (fold) row_max = sample_max_f32(vmax, sh);
+    __syncthreads();  // block_argmax writes its slots unguarded: a previous call may still read them
     block_argmax(best, idx);
     return sample_broadcast(idx == DF_NO_INDEX ? 0u : idx, sh);
 }
 
 // ---- Sorting and compaction in shared memory ----
 
-__device__ __forceinline__ u32 sample_pow2(u32 n) {
-    u32 p = 1;
-    while (p < n) p <<= 1;
-    return p;
+// Stages k0..k1 (powers of two) of sample_sort's network on keys[0..n), each from sub-stage j = min(k / 2, 16)
+// down. These pair keys within 32-key blocks, so a warp runs them on registers (key e in lane e % 32) with
+// shuffles: the pair's lower index keeps the smaller key in an ascending block ((e & k) == 0), else the larger.
+__device__ void sample_sort_lanes(u64* keys, u32 n, u32 k0, u32 k1) {
+    for (u32 e = threadIdx.x; e < n; e += SAMPLE_THREADS) {  // whole warps: n is a multiple of 32
+        u64 a = keys[e];
+        for (u32 k = k0; k <= k1; k <<= 1) {
+            for (u32 j = min(k >> 1, 16u); j > 0; j >>= 1) {
+                const u64 b = __shfl_xor_sync(DF_FULL_MASK, a, j);
+                a = ((e & j) == 0) == ((e & k) == 0) ? min(a, b) : max(a, b);
+            }
+        }
+        keys[e] = a;
+    }
+    __syncthreads();
 }
 
-// Sorts keys[0..n) ascending (n a power of two; the caller synchronised after writing them): a bitonic network,
-// each thread taking whole compare-exchange pairs.
+// Sorts keys[0..n) ascending (n a power of two, at least 32; the caller synchronised after writing them): a
+// bitonic network. Sub-stages j >= 32 take whole compare-exchange pairs in shared memory, the rest of each stage
+// runs in registers (sample_sort_lanes, which takes stages 2..32 at once): one barrier for them, not five.
 __device__ void sample_sort(u64* keys, u32 n) {
-    for (u32 k = 2; k <= n; k <<= 1) {
-        for (u32 j = k >> 1; j > 0; j >>= 1) {
+    for (u32 k = 32; k <= n; k <<= 1) {
+        for (u32 j = k >> 1; j >= 32; j >>= 1) {
             for (u32 q = threadIdx.x; q < n / 2; q += SAMPLE_THREADS) {
-                const u32 i = 2 * j * (q / j) + q % j;  // the pair (i, i + j)
+                const u32 i = ((q & ~(j - 1)) << 1) | (q & (j - 1));  // the pair (i, i + j)
                 const u64 a = keys[i], b = keys[i + j];
                 if ((a > b) == ((i & k) == 0)) keys[i] = b, keys[i + j] = a;
             }
             __syncthreads();
         }
+        sample_sort_lanes(keys, n, k == 32 ? 2 : k, k);
     }
 }
 
-// Pads keys[n..pow2(n)) with the largest key and sorts; returns pow2(n).
+// Pads keys[n..n2) with the largest key and sorts; returns n2, the power of two >= max(n, 32). The padding sorts
+// last, so keys[0..n) come out as any sort of them would.
 __device__ u32 sample_pad_sort(u64* keys, u32 n) {
-    const u32 n2 = sample_pow2(n);
+    u32 n2 = 32;
+    while (n2 < n) n2 <<= 1;
     for (u32 i = n + threadIdx.x; i < n2; i += SAMPLE_THREADS) keys[i] = SAMPLE_ALL;
     __syncthreads();
     sample_sort(keys, n2);
     return n2;
 }
 
-// Writes the sort keys of the ids whose value passes `keep` into sh.keys (at most SAMPLE_SORT_CAP of them) and
-// sorts them; returns how many there are. Slots come from an integer counter, so their order varies from run
-// to run, but the sort's order is total: the result does not.
-template <typename Keep>
-__device__ u32 sample_compact_sorted(const float* row, u32 n, Keep keep, SampleShared& sh) {
+// Writes the sort keys of the ids whose value passes `keep` into sh.keys and sorts them; returns how many there
+// are. Slots come from an integer counter, so their order varies from run to run, but the sort's order is total:
+// the result does not. Callers compact only sets they counted first (at most SAMPLE_SORT_CAP): a count above the
+// cap would be a bug (the keys past it are dropped, not written out of bounds).
+template <typename Row, typename Keep>
+__device__ u32 sample_compact_sorted(const Row& row, u32 n, Keep keep, SampleShared& sh) {
     if (threadIdx.x == 0) sh.count = 0;
     __syncthreads();
     const u32 lane = threadIdx.x & 31u;
-    for (u32 base = 0; base < n; base += SAMPLE_THREADS) {
-        const u32 i = base + threadIdx.x;
-        const float v = i < n ? row[i] : DF_NEG_INF;
-        const bool p = i < n && keep(v, i);
-        const u32 ballot = __ballot_sync(DF_FULL_MASK, p);
-        if (ballot == 0u) continue;
-        const u32 leader = __ffs(ballot) - 1;
-        u32 first = 0;
-        if (lane == leader) first = atomicAdd(&sh.count, __popc(ballot));
-        first = __shfl_sync(DF_FULL_MASK, first, leader);
-        const u32 slot = first + __popc(ballot & ((1u << lane) - 1u));
-        if (p && slot < SAMPLE_SORT_CAP) sh.keys[slot] = sample_skey(v, i);
+    for (u32 base = 0; base < n; base += SAMPLE_UNROLL * SAMPLE_THREADS) {  // tiles of the block: warps vote
+        float v[SAMPLE_UNROLL];
+#pragma unroll
+        for (u32 u = 0, i = base + threadIdx.x; u < SAMPLE_UNROLL; ++u, i += SAMPLE_THREADS) {
+            v[u] = i < n ? sample_read(row, i) : 0.0f;
+        }
+#pragma unroll
+        for (u32 u = 0, i = base + threadIdx.x; u < SAMPLE_UNROLL; ++u, i += SAMPLE_THREADS) {
+            const bool p = i < n && keep(v[u], i);
+            const u32 ballot = __ballot_sync(DF_FULL_MASK, p);
+            if (ballot == 0u) continue;
+            const u32 leader = __ffs(ballot) - 1;
+            u32 first = 0;
+            if (lane == leader) first = atomicAdd(&sh.count, __popc(ballot));
+            first = __shfl_sync(DF_FULL_MASK, first, leader);
+            const u32 slot = first + __popc(ballot & ((1u << lane) - 1u));
+            if (p && slot < SAMPLE_SORT_CAP) sh.keys[slot] = sample_skey(v[u], i);
+        }
     }
     __syncthreads();
-    const u32 count = min(sh.count, (u32)SAMPLE_SORT_CAP);
+    const u32 count = sh.count;
     __syncthreads();  // the next compaction resets sh.count
-    if (count > 0) sample_pad_sort(sh.keys, count);
+    if (count > 0) sample_pad_sort(sh.keys, min(count, (u32)SAMPLE_SORT_CAP));
     return count;
 }
 
@@ -366,25 +418,25 @@ __device__ __forceinline__ float sample_window_width(int j) {
 
 // For each window j (values >= max - width j) and, at [SAMPLE_WINDOWS], all valid values: how many valid
 // values it holds and, when `weigh`, their mass Σ e^(v - max) (a block tree). Returned to every thread.
-__device__ void sample_windows(const float* row, u32 n, float vmax, bool weigh, u32 (&count)[SAMPLE_WINDOWS + 1],
+template <typename Row>
+__device__ void sample_windows(const Row& row, u32 n, float vmax, bool weigh, u32 (&count)[SAMPLE_WINDOWS + 1],
                                double (&mass)[SAMPLE_WINDOWS + 1], SampleShared& sh) {
     float floors[SAMPLE_WINDOWS];
 #pragma unroll
     for (int j = 0; j < SAMPLE_WINDOWS; ++j) floors[j] = __fsub_rn(vmax, sample_window_width(j));
 #pragma unroll
     for (int j = 0; j <= SAMPLE_WINDOWS; ++j) count[j] = 0, mass[j] = 0.0;
-    for (u32 i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
-        const float v = row[i];
-        if (!sample_valid(v)) continue;
+    sample_each(row, n, [&](u32, float v) {
+        if (!sample_valid(v)) return;
         const double w = weigh ? (double)sample_weight(v, vmax) : 0.0;
         count[SAMPLE_WINDOWS] += 1;
         mass[SAMPLE_WINDOWS] = __dadd_rn(mass[SAMPLE_WINDOWS], w);
-        if (!(v >= floors[SAMPLE_WINDOWS - 1])) continue;
+        if (!(v >= floors[SAMPLE_WINDOWS - 1])) return;
 #pragma unroll
         for (int j = 0; j < SAMPLE_WINDOWS; ++j) {
             if (v >= floors[j]) count[j] += 1, mass[j] = __dadd_rn(mass[j], w);
         }
-    }
+    });
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int j = 0; j <= SAMPLE_WINDOWS; ++j) {
@@ -423,13 +475,13 @@ __device__ __forceinline__ float sample_window_floor(float vmax, int j) {
 
 // The id of the r-th (1-based) id, in id order, whose value passes `pick`: tiles of the block in turn, counted
 // with __syncthreads_count, then ranked by ballots within the tile that reaches r. SAMPLE_NO_ID if none.
-template <typename Pick>
-__device__ u32 sample_nth(const float* row, u32 n, u32 r, Pick pick, SampleShared& sh) {
+template <typename Row, typename Pick>
+__device__ u32 sample_nth(const Row& row, u32 n, u32 r, Pick pick, SampleShared& sh) {
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     u32 seen = 0, found = SAMPLE_NO_ID;
     for (u32 base = 0; base < n; base += SAMPLE_THREADS) {
         const u32 i = base + threadIdx.x;
-        const bool p = i < n && pick(row[i], i);
+        const bool p = i < n && pick(sample_read(row, i), i);
         const u32 in_tile = __syncthreads_count(p);
         if (seen + in_tile >= r) {
             const u32 ballot = __ballot_sync(DF_FULL_MASK, p);
@@ -449,23 +501,18 @@ __device__ u32 sample_nth(const float* row, u32 n, u32 r, Pick pick, SampleShare
 
 // The cut keeping the first k valid values (value desc, id asc): SAMPLE_ALL when there are at most k. The k-th
 // value's ordered bits by bisection (32 counting passes), then the tie at it resolved by id.
-__device__ u64 sample_cut_count(const float* row, u32 n, u32 k, u32 valid, SampleShared& sh) {
+template <typename Row>
+__device__ u64 sample_cut_count(const Row& row, u32 n, u32 k, u32 valid, SampleShared& sh) {
     if (valid <= k) return SAMPLE_ALL;
     u32 t = 0;  // the largest t with count(okey >= t) >= k
     for (int bit = 31; bit >= 0; --bit) {
         const u32 cand = t | (1u << bit);
         u32 c = 0;
-        for (u32 i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
-            const float v = row[i];
-            c += sample_valid(v) && sample_okey(v) >= cand;
-        }
+        sample_each(row, n, [&](u32, float v) { c += sample_valid(v) && sample_okey(v) >= cand; });
         if (sample_sum_u32(c, sh) >= k) t = cand;
     }
     u32 above = 0;
-    for (u32 i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
-        const float v = row[i];
-        above += sample_valid(v) && sample_okey(v) > t;
-    }
+    sample_each(row, n, [&](u32, float v) { above += sample_valid(v) && sample_okey(v) > t; });
     above = sample_sum_u32(above, sh);
     auto at_t = [=](float v, u32) { return sample_valid(v) && sample_okey(v) == t; };
     const u32 id = sample_nth(row, n, k - above, at_t, sh);
@@ -476,13 +523,12 @@ __device__ u64 sample_cut_count(const float* row, u32 n, u32 k, u32 valid, Sampl
 __device__ double sample_mass_between(const float* row, u32 n, u64 cut0, float vmax, u32 lo, u32 hi,
                                       SampleShared& sh) {
     double m = 0.0;
-    for (u32 i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
-        const float v = row[i];
+    sample_each(row, n, [&](u32 i, float v) {
         const u32 k = sample_okey(v);
         if (sample_valid(v) && k > lo && k <= hi && sample_skey(v, i) <= cut0) {
             m = __dadd_rn(m, (double)sample_weight(v, vmax));
         }
-    }
+    });
     return sample_sum_f64(m, sh);
 }
 
@@ -494,10 +540,9 @@ __device__ u64 sample_cut_mass(const float* row, u32 n, u64 cut0, float vmax, do
     auto in_c = [=](float v, u32 i) { return sample_valid(v) && sample_skey(v, i) <= cut0; };
     if (!(target > 0.0)) {  // nothing is below the target: only the first is kept
         u64 first = SAMPLE_ALL;
-        for (u32 i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
-            const float v = row[i];
+        sample_each(row, n, [&](u32 i, float v) {
             if (in_c(v, i)) first = min(first, sample_skey(v, i));
-        }
+        });
         return sample_min_u64(first, sh);
     }
     if (!(sample_mass_between(row, n, cut0, vmax, 0u, 0xffffffffu, sh) >= target)) return cut0;  // C is kept whole
@@ -518,7 +563,7 @@ __device__ u64 sample_cut_mass(const float* row, u32 n, u64 cut0, float vmax, do
     const float value = sample_from_okey(b);
     auto in_group = [=](float v, u32 i) { return in_c(v, i) && sample_okey(v) == b; };
     u32 c = 0;
-    for (u32 i = threadIdx.x; i < n; i += SAMPLE_THREADS) c += in_group(row[i], i);
+    sample_each(row, n, [&](u32 i, float v) { c += in_group(v, i); });
     c = sample_sum_u32(c, sh);
     // Members j = 0.. of the group are kept while a_hi + j * w < target (j * w is exact in f64).
     const double w = (double)sample_weight(value, vmax);
@@ -573,12 +618,11 @@ __device__ u32 sample_gumbel_row(const float* row, u32 n, const SampleFilter& f,
     const float cutoff = __fsub_rn(f.max, 8.0f);
     double bs = 0.0;
     u32 bi = SAMPLE_NO_ID;
-    for (u32 i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
-        const float s = row[i];
-        if (!(s >= cutoff) || !sample_survives(s, i, f)) continue;
+    sample_each(row, n, [&](u32 i, float s) {
+        if (!(s >= cutoff) || !sample_survives(s, i, f)) return;
         const double score = sample_score(s, i, seed, pos);
         if (sample_better(score, i, bs, bi)) bs = score, bi = i;
-    }
+    });
     sample_reduce_best(bs, bi, sh);
     u64 min_bits = 0;
     double reach = -__longlong_as_double(0x7ff0000000000000ll);
@@ -589,31 +633,35 @@ __device__ u32 sample_gumbel_row(const float* row, u32 n, const SampleFilter& f,
         min_bits = floor_bits > 0.0 ? (u64)floor_bits : 0ull;  // NaN (an infinite best) scores them all
         reach = bs - 40.0;
     }
-    for (u32 i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
-        const float s = row[i];
-        if (s >= cutoff || !((double)s > reach) || !sample_survives(s, i, f)) continue;
+    sample_each(row, n, [&](u32 i, float s) {
+        if (s >= cutoff || !((double)s > reach) || !sample_survives(s, i, f)) return;
         const u64 bits = sample_keyed_bits(seed, pos, i);
-        if (bits < min_bits) continue;
+        if (bits < min_bits) return;
         const double score = __dadd_rn((double)s, sample_gumbel(bits));
         if (sample_better(score, i, bs, bi)) bs = score, bi = i;
-    }
+    });
     sample_reduce_best(bs, bi, sh);
     return bi;
 }
 
-// draw_token over the adjusted row (which it scales in place).
-__device__ u32 sample_draw(float* row, u32 n, const u32* words, SampleShared& sh) {
+// draw_token over the adjusted row `src` (raw, or the adjusted copy in `row`), scaled into the scratch row `row`.
+// With `fold` (src is raw, logprobs asked) its first pass also sets raw_max to raw's fmaxf maximum.
+__device__ u32 sample_draw(const float* src, float* row, u32 n, const u32* words, bool fold, float& raw_max,
+                           SampleShared& sh) {
     const float temperature = __uint_as_float(words[DW_TEMPERATURE]);
-    if (!(temperature >= __uint_as_float(0x3727c5acu))) return sample_argmax(row, n, sh);  // GREEDY_TEMPERATURE
-    float vmax = DF_NEG_INF;
-    for (u32 i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
-        const float l = row[i];
+    if (!(temperature >= __uint_as_float(0x3727c5acu))) {  // GREEDY_TEMPERATURE
+        return sample_argmax(src, n, fold, raw_max, sh);
+    }
+    float vmax = DF_NEG_INF, src_max = DF_NEG_INF;
+    sample_each(src, n, [&](u32 i, float l) {
         const float s = l != l ? DF_NEG_INF : __fdiv_rn(l, temperature);
         row[i] = s;
         vmax = fmaxf(vmax, s);
-    }
+        src_max = fmaxf(src_max, l);
+    });
+    if (fold) raw_max = sample_max_f32(src_max, sh);
     vmax = sample_max_f32(vmax, sh);  // its barriers also publish the scaled row
-    if (!(vmax > DF_NEG_INF)) return sample_argmax(row, n, sh);  // nothing survives: the host's fallback
+    if (!(vmax > DF_NEG_INF)) return sample_argmax(row, n, false, vmax, sh);  // nothing survives: the host's fallback
 
     const u32 top_k = words[DW_TOP_K];
     const float top_p = __uint_as_float(words[DW_TOP_P]), min_p = __uint_as_float(words[DW_MIN_P]);
@@ -631,8 +679,10 @@ __device__ u32 sample_draw(float* row, u32 n, const u32* words, SampleShared& sh
         int j = 0;
         while (j < SAMPLE_WINDOWS && !(top_k_on ? count[j] >= top_k : mass[j] >= needed)) ++j;
         if (count[j] <= SAMPLE_SORT_CAP) {
+            // m == count[j] <= SAMPLE_SORT_CAP: the same values as sample_windows counted, against the same floor.
             const float floor = sample_window_floor(vmax, j);
-            u32 m = sample_compact_sorted(row, n, [=](float v, u32) { return sample_valid(v) && v >= floor; }, sh);
+            auto in_window = [=](float v, u32) { return sample_valid(v) && v >= floor; };
+            u32 m = sample_compact_sorted(row, n, in_window, sh);
             if (top_k_on) m = min(m, top_k);
             if (top_k_on && top_p_on) {
                 // The top-k set's total in the host's order: ascending ids. Re-key by id, sum, key back.
@@ -665,18 +715,18 @@ __device__ u32 sample_draw(float* row, u32 n, const u32* words, SampleShared& sh
     const u64 pos = ((u64)words[DW_POSITION + 1] << 32) | words[DW_POSITION];
     const u32 id =
         listed > 0 ? sample_gumbel_listed(listed, f, seed, pos, sh) : sample_gumbel_row(row, n, f, seed, pos, sh);
-    return id != SAMPLE_NO_ID ? id : sample_argmax(row, n, sh);
+    return id != SAMPLE_NO_ID ? id : sample_argmax(row, n, false, vmax, sh);
 }
 
-// The `top` most likely ids of the logprob row (value desc, id asc; -inf and NaN never listed) into
-// sh.keys[0..returned). `vmax` is the row's largest valid value.
-__device__ u32 sample_top_listed(const float* row, u32 n, u32 top, float vmax, SampleShared& sh) {
+// The `top` most likely ids of the logprobs (value desc, id asc; -inf and NaN never listed) into
+// sh.keys[0..returned). `vmax` is their largest valid value.
+__device__ u32 sample_top_listed(const SampleLogprobs& row, u32 n, u32 top, float vmax, SampleShared& sh) {
     u32 count[SAMPLE_WINDOWS + 1];
     double mass[SAMPLE_WINDOWS + 1];
     sample_windows(row, n, vmax, false, count, mass, sh);
     int j = 0;
     while (j < SAMPLE_WINDOWS && count[j] < top) ++j;
-    u32 m;
+    u32 m;  // <= SAMPLE_SORT_CAP: count[j] when a window is compacted, else at most top values
     if (count[j] <= SAMPLE_SORT_CAP) {
         const float floor = sample_window_floor(vmax, j);
         m = sample_compact_sorted(row, n, [=](float v, u32) { return sample_valid(v) && v >= floor; }, sh);
@@ -709,26 +759,27 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1)
     if (logit_row < logit_rows) {
         const float* raw = logits + (u64)logit_row * vocab;
         float* row = scratch + (u64)blockIdx.x * vocab;
-        float raw_max = DF_NEG_INF;
-        for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
-            const float l = raw[i];
-            row[i] = l;
-            raw_max = fmaxf(raw_max, l);
-        }
-        raw_max = sample_max_f32(raw_max, sh);  // its barriers also publish the copy
+        const bool logprobs = top_words != SAMPLE_NO_ID;
         const u32 begin = words[DW_ADJUST_BEGIN], end = words[DW_ADJUST_END];
-        if (begin < end && end <= num_adjust) sample_adjust(row, vocab, adj, begin, end, sh);
-        id = sample_draw(row, vocab, words, sh);
-        if (top_words != SAMPLE_NO_ID && raw_max > DF_NEG_INF) {
+        const bool adjusted = begin < end && end <= num_adjust;
+        // The raw maximum (logprobs only), found by the first pass over the raw row: the copy or the draw's.
+        float raw_max = DF_NEG_INF;
+        if (adjusted) {
+            float copy_max = DF_NEG_INF;
+            sample_each(raw, vocab, [&](u32 i, float l) { row[i] = l, copy_max = fmaxf(copy_max, l); });
+            if (logprobs) raw_max = sample_max_f32(copy_max, sh);
+            __syncthreads();  // publishes the copy
+            sample_adjust(row, vocab, adj, begin, end, sh);
+        }
+        id = sample_draw(adjusted ? row : raw, row, vocab, words, logprobs && !adjusted, raw_max, sh);
+        if (logprobs && raw_max > DF_NEG_INF) {
             // log_softmax: log_norm = max + ln Σ e^(l - max), the sum in the host's order.
             const double sum = sample_sum_host_order([=](u32 i) { return sample_weight(raw[i], raw_max); }, vocab, sh);
             const float log_norm = __fadd_rn(raw_max, __double2float_rn(log(sum)));
             logprob = __fsub_rn(raw[id], log_norm);
             const float top_max = __fsub_rn(raw_max, log_norm);
             if (top > 0 && sample_valid(top_max)) {
-                for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) row[i] = __fsub_rn(raw[i], log_norm);
-                __syncthreads();
-                listed = sample_top_listed(row, vocab, top, top_max, sh);
+                listed = sample_top_listed(SampleLogprobs{raw, log_norm}, vocab, top, top_max, sh);
             }
         }
     }

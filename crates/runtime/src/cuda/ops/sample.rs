@@ -97,7 +97,8 @@ pub fn unpack_drawn(words: &[u32], rows: &[DrawRow]) -> Vec<Drawn> {
 
 /// Workspace for up to max_rows rows of vocab logits; made once, so a step allocates nothing.
 ///
-/// One f32 row per drawn row (`vocab · 4` bytes): the adjusted, then scaled logits, then the logprobs.
+/// One f32 row per drawn row (`vocab · 4` bytes): a copy of the raw logits to adjust (rows with adjustments), then
+/// the scaled logits (keyed draws). Greedy rows without adjustments, and logprobs, read the logits in place.
 #[derive(Debug)]
 pub struct SampleScratch {
     rows: DeviceBuf<f32>,
