@@ -29,7 +29,7 @@ fn ids_only(inner: LlamaTarget, readouts: Arc<Mutex<Vec<Readout>>>) -> Hooked {
             Readout::Argmax => Ok(ForwardOut { logits: Tensor::from_f32(&[], &[0, vocab])?, ..out }),
         }
     };
-    Hooked { inner, hook: Box::new(hook) }
+    Hooked { inner, hook: Box::new(hook), draws: None }
 }
 
 fn prompts(m: &Model) -> Vec<Vec<u32>> {

@@ -8,14 +8,13 @@ mod common;
 
 use std::sync::{Arc, Mutex, PoisonError};
 
+use common::hooked::Hooked;
 use common::{config, load, request, Model, Session};
 use dflash_engine::grammar::{GrammarCompiler, GrammarSpec};
 use dflash_engine::spec::{NgramConfig, PolicyMode, SpecConfig};
 use dflash_engine::{Engine, EngineMetrics, Event, Request, SamplingParams, TokenLogprob};
 use dflash_models::llama::LlamaTarget;
-use dflash_models::{
-    ForwardBatch, ForwardOut, ModelConfig, ModelError, Readout, StepDraws, StepSeq, Target, TargetHeads,
-};
+use dflash_models::{ForwardBatch, ForwardOut, Readout, StepDraws, StepSeq, Target};
 use dflash_runtime::Tensor;
 
 const MAX_TOKENS: usize = 24;
@@ -29,67 +28,25 @@ enum Asked {
     Drawn(usize),
 }
 
-/// The default model's CPU target drawing its rows itself when asked, and answering drawn steps without logits.
-struct DrawsHere {
-    inner: LlamaTarget,
-    asked: Arc<Mutex<Vec<Asked>>>,
-}
-
-impl DrawsHere {
-    fn record(&self, asked: Asked) {
-        self.asked.lock().unwrap_or_else(PoisonError::into_inner).push(asked);
-    }
-}
-
-impl Target for DrawsHere {
-    fn device(&self) -> String {
-        self.inner.device()
-    }
-    fn config(&self) -> &ModelConfig {
-        self.inner.config()
-    }
-    fn capture_layers(&self) -> &[usize] {
-        self.inner.capture_layers()
-    }
-    fn page_size(&self) -> usize {
-        self.inner.page_size()
-    }
-    fn num_pages(&self) -> usize {
-        self.inner.num_pages()
-    }
-    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOut, ModelError> {
-        self.inner.forward(batch)
-    }
-    fn forward_step(
-        &mut self,
-        batch: &ForwardBatch,
-        seqs: &[StepSeq],
-        readout: Readout,
-    ) -> Result<ForwardOut, ModelError> {
-        self.record(if readout == Readout::Argmax { Asked::Argmax } else { Asked::Logits });
-        self.inner.forward_step(batch, seqs, readout)
-    }
-    fn draws_on_device(&self) -> bool {
-        true
-    }
-    fn forward_step_drawn(
-        &mut self,
-        batch: &ForwardBatch,
-        seqs: &[StepSeq],
-        draws: &StepDraws,
-    ) -> Result<ForwardOut, ModelError> {
-        self.record(Asked::Drawn(draws.rows.len()));
-        let out = self.inner.forward_step_drawn(batch, seqs, draws)?;
-        // As a device: only the host rows' logits come back.
-        let vocab = self.inner.config().vocab_size;
+/// The default model's CPU target drawing its rows itself when asked and answering drawn steps as a device does
+/// (only the host rows' logits), recording how each step asked in `asked`.
+fn draws_here(inner: LlamaTarget, asked: Arc<Mutex<Vec<Asked>>>) -> Hooked {
+    let record = move |a: Asked| asked.lock().unwrap_or_else(PoisonError::into_inner).push(a);
+    let step_record = record.clone();
+    let hook = move |inner: &mut LlamaTarget, batch: &ForwardBatch, seqs: &[StepSeq], readout: Readout| {
+        step_record(if readout == Readout::Argmax { Asked::Argmax } else { Asked::Logits });
+        inner.forward_step(batch, seqs, readout)
+    };
+    let draws = move |inner: &mut LlamaTarget, batch: &ForwardBatch, seqs: &[StepSeq], draws: &StepDraws| {
+        record(Asked::Drawn(draws.rows.len()));
+        let out = inner.forward_step_drawn(batch, seqs, draws)?;
+        let vocab = inner.config().vocab_size;
         let all = out.logits.as_f32()?;
         let held: Vec<f32> = draws.host_rows.iter().flat_map(|&r| all[r * vocab..(r + 1) * vocab].to_vec()).collect();
         let logits = Tensor::from_f32(&held, &[draws.host_rows.len(), vocab])?;
         Ok(ForwardOut { logits, logits_held: Some(draws.host_rows.clone()), ..out })
-    }
-    fn host_heads(&self) -> Option<Arc<dyn TargetHeads>> {
-        self.inner.host_heads()
-    }
+    };
+    Hooked { inner, hook: Box::new(hook), draws: Some(Box::new(draws)) }
 }
 
 /// Each request's tokens and logprobs, run together through [`DrawsHere`]; how every step was asked; and the
@@ -98,7 +55,7 @@ fn run_drawn(m: &Model, spec: SpecConfig, requests: Vec<Request>) -> (Vec<Stream
     let cfg = config(128, 256, spec);
     let asked = Arc::new(Mutex::new(Vec::new()));
     let inner = LlamaTarget::new(Arc::clone(&m.model), cfg.num_pages, cfg.page_size).expect("target");
-    let target = DrawsHere { inner, asked: Arc::clone(&asked) };
+    let target = draws_here(inner, Arc::clone(&asked));
     let metrics = Arc::new(EngineMetrics::default());
     let engine = Engine::new(Box::new(target), Arc::clone(&m.tokenizer), cfg, Arc::clone(&metrics)).expect("engine");
     let engine = engine.with_device_draws(true);

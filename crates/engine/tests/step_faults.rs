@@ -65,7 +65,7 @@ fn faulty(inner: LlamaTarget, mut faults: Faults) -> Hooked {
         }
         inner.forward_step(batch, seqs, readout)
     };
-    Hooked { inner, hook: Box::new(hook) }
+    Hooked { inner, hook: Box::new(hook), draws: None }
 }
 
 fn prompts(m: &Model) -> Vec<Vec<u32>> {

@@ -4,16 +4,24 @@
 use std::sync::Arc;
 
 use dflash_models::llama::LlamaTarget;
-use dflash_models::{ForwardBatch, ForwardOut, ModelConfig, ModelError, Readout, StepSeq, Target, TargetHeads};
+use dflash_models::{
+    ForwardBatch, ForwardOut, ModelConfig, ModelError, Readout, StepDraws, StepSeq, Target, TargetHeads,
+};
 
 /// What a hook does with one engine step: it may call `inner.forward_step` (or not) and answer in its place.
 pub type StepHook =
     Box<dyn FnMut(&mut LlamaTarget, &ForwardBatch, &[StepSeq], Readout) -> Result<ForwardOut, ModelError> + Send>;
 
-/// [`LlamaTarget`] with every [`Target::forward_step`] through `hook`; everything else passes straight through.
+/// What a hook does with one drawn step ([`Target::forward_step_drawn`]).
+pub type DrawHook =
+    Box<dyn FnMut(&mut LlamaTarget, &ForwardBatch, &[StepSeq], &StepDraws) -> Result<ForwardOut, ModelError> + Send>;
+
+/// [`LlamaTarget`] with every [`Target::forward_step`] through `hook`, and with `draws` a target that draws on its
+/// device with every drawn step through it; everything else passes straight through.
 pub struct Hooked {
     pub inner: LlamaTarget,
     pub hook: StepHook,
+    pub draws: Option<DrawHook>,
 }
 
 impl Target for Hooked {
@@ -56,6 +64,22 @@ impl Target for Hooked {
         readout: Readout,
     ) -> Result<ForwardOut, ModelError> {
         (self.hook)(&mut self.inner, batch, seqs, readout)
+    }
+
+    fn draws_on_device(&self) -> bool {
+        self.draws.is_some()
+    }
+
+    fn forward_step_drawn(
+        &mut self,
+        batch: &ForwardBatch,
+        seqs: &[StepSeq],
+        draws: &StepDraws,
+    ) -> Result<ForwardOut, ModelError> {
+        match self.draws.as_mut() {
+            Some(hook) => hook(&mut self.inner, batch, seqs, draws),
+            None => self.inner.forward_step_drawn(batch, seqs, draws),
+        }
     }
 
     fn host_heads(&self) -> Option<Arc<dyn TargetHeads>> {
