@@ -23,6 +23,9 @@ pub struct Switches {
     pub no_mmq: bool,
     /// `DFLASH_MMVQ_HALF=0`: one-row quantized matmuls of short rows keep a whole warp per column.
     pub no_mmvq_half: bool,
+    /// `DFLASH_MMQ_WARP=1`: quantized matmuls of 2 to 127 rows run on the tensor cores with a whole tree per warp
+    /// (`mmq_warp`) instead of the dp4a kernel. Opt-in until it is measured on a GPU.
+    pub mmq_warp: bool,
 }
 
 impl Switches {
@@ -38,6 +41,7 @@ impl Switches {
             no_fold_rope: is("DFLASH_FOLD_ROPE", "0"),
             no_mmq: is("DFLASH_MMQ", "0"),
             no_mmvq_half: is("DFLASH_MMVQ_HALF", "0"),
+            mmq_warp: is("DFLASH_MMQ_WARP", "1"),
         }
     }
 }
@@ -67,6 +71,7 @@ mod tests {
             ("DFLASH_FOLD_ROPE", "0"),
             ("DFLASH_MMQ", "0"),
             ("DFLASH_MMVQ_HALF", "0"),
+            ("DFLASH_MMQ_WARP", "1"),
         ]));
         let want = Switches {
             simd: Some("avx2".into()),
@@ -77,6 +82,7 @@ mod tests {
             no_fold_rope: true,
             no_mmq: true,
             no_mmvq_half: true,
+            mmq_warp: true,
         };
         assert_eq!(all, want);
         let other = Switches::from_vars(set(&[("DFLASH_PDL", "1"), ("DFLASH_GEMM_PREFETCH", "all")]));

@@ -1,9 +1,8 @@
 //! The matmuls of the CUDA model forward against their CPU twins, on fresh random inputs with odd sizes, outputs
 //! set to NaN or (where they are added to) known values, and a write outside the output columns failing: the
-//! quantized matmul (every format, row count, prologue and epilogue; the dp4a kernel and, from 128 rows, the
-//! tensor-core one), the f32 matmul for up to 32 rows, the bf16 GEMV with epilogues, the small tensor-core bf16
-//! matmul (with the pre-norm folded in from the sums of squares it leaves), and cuBLAS with strides and
-//! accumulation. The quantized, f32 and small bf16 matmuls give each row the same bits alone as in a batch.
+//! quantized matmul (every format, row count, prologue and epilogue; each of its three kernels on every shape), the
+//! f32 matmul for up to 32 rows, the bf16 GEMV with epilogues, the small tensor-core bf16 matmul (with the pre-norm
+//! folded in from the sums of squares it leaves), and cuBLAS with strides and accumulation. The quantized, f32 and small bf16 matmuls give each row the same bits alone as in a batch.
 //!
 //! Without a CUDA device every test prints a SKIP notice and passes. Tolerances are multiples of `Σ|w·x|` per
 //! output (`err` = |gpu − cpu|), from `1e-6` for the f32 matmul against f64 sums to `2e-4` for the quantized matmul
@@ -15,7 +14,7 @@ mod common;
 use common::gpu::{bit_mismatches, check, cpu_rms_norm, device, f32_tensor, max_err_over, quant_matrix};
 use common::Rng;
 
-use dflash_runtime::cuda::ops::{self as gpu, Epilogue, FoldedNorm, MmvqArgs, SmallGemmNorm};
+use dflash_runtime::cuda::ops::{self as gpu, Epilogue, FoldedNorm, MmvqArgs, QuantKernel, SmallGemmNorm};
 use dflash_runtime::cuda::{CudaDevice, DeviceBuf};
 use dflash_runtime::ops as cpu;
 use dflash_runtime::quant::{self, ActPrecision};
@@ -120,6 +119,16 @@ fn quantized_matmul_matches_cpu_for_every_format_rows_prologue_and_epilogue() {
                         diff += bit_mismatches(&alone[..n_out], &got[row * n_out..(row + 1) * n_out]);
                     }
                     check(&format!("{what} rows alone"), &format!("{m} rows"), diff, 0.0);
+                    // Every kernel gives the batch the same bits, whichever the rows would pick.
+                    for kernel in [QuantKernel::Mmvq, QuantKernel::Mmq, QuantKernel::MmqWarp] {
+                        let y_k = dev.upload(&y_host).expect("y");
+                        let args = MmvqArgs { x: x_dev.view(), x_ld, m, norm, y: y_k.view(), y_ld, epi };
+                        gpu::mmvq_on(dev, &w, args, kernel).expect("mmvq on a named kernel");
+                        let all = dev.download(&y_k).expect("download");
+                        assert!(all.chunks_exact(y_ld).all(|r| r[n_out..].iter().all(|v| v.is_nan())), "{kernel:?}");
+                        let mine: Vec<f32> = all.chunks_exact(y_ld).flat_map(|r| r[..n_out].to_vec()).collect();
+                        check(&format!("{what} on {kernel:?}"), &format!("{m} rows"), bit_mismatches(&mine, &got), 0.0);
+                    }
                 }
             }
         }

@@ -13,7 +13,7 @@ use super::compile::{self, CompileReport};
 use super::CudaError;
 
 /// The kernel sources in the order they are compiled.
-const SOURCES: [(&str, &str); 15] = [
+const SOURCES: [(&str, &str); 16] = [
     ("prelude.cuh", include_str!("../../kernels/prelude.cuh")),
     ("elementwise.cu", include_str!("../../kernels/elementwise.cu")),
     ("norm.cu", include_str!("../../kernels/norm.cu")),
@@ -22,6 +22,7 @@ const SOURCES: [(&str, &str); 15] = [
     ("gemv.cu", include_str!("../../kernels/gemv.cu")),
     ("quant.cu", include_str!("../../kernels/quant.cu")),
     ("mmq.cu", include_str!("../../kernels/mmq.cu")),
+    ("mmq_warp.cu", include_str!("../../kernels/mmq_warp.cu")),
     ("attention.cu", include_str!("../../kernels/attention.cu")),
     ("attention_tc.cu", include_str!("../../kernels/attention_tc.cu")),
     ("misc.cu", include_str!("../../kernels/misc.cu")),
@@ -77,6 +78,14 @@ pub(crate) const MMQ_COLS_PER_BLOCK: usize = 16;
 
 /// From this many activation rows the quantized matmul runs on the tensor cores (`mmq_*`, same bits as `mmvq_*`).
 pub(crate) const MMQ_MIN_ROWS: usize = 128;
+
+/// Warps per block of the whole-tree tensor-core quantized matmul (`mmq_warp_*` in mmq_warp.cu), as shared memory
+/// allows: each warp holds a slab of 16 weight rows there.
+pub(crate) const MMQ_WARP_WARPS: usize = 4;
+
+/// From this many activation rows, below [`MMQ_MIN_ROWS`], `DFLASH_MMQ_WARP=1` runs the quantized matmul as
+/// `mmq_warp_*`.
+pub(crate) const MMQ_WARP_MIN_ROWS: usize = 2;
 
 /// Up to this row length the one-row quantized matmul gives each column half a warp (`mmvq_*_r1h*`): a row of at
 /// most 32 blocks would leave lanes of a whole warp idle.
@@ -140,6 +149,8 @@ pub(crate) struct Kernels {
     pub mmvq_half: Vec<[CudaFunction; 2]>,
     /// `mmq[format][passes - 1]`: `mmq_{fmt}` and `mmq_{fmt}_x2`, the tensor-core matmul of many rows.
     pub mmq: Vec<[CudaFunction; 2]>,
+    /// `mmq_warp[format][passes - 1]`: `mmq_warp_{fmt}{,_x2}`, the tensor-core matmul with a whole tree per warp.
+    pub mmq_warp: Vec<[CudaFunction; 2]>,
     pub embedding_quant: CudaFunction,
     pub rope_kv_write: CudaFunction,
     pub paged_attention: CudaFunction,
@@ -242,6 +253,10 @@ impl Kernels {
             .iter()
             .map(|fmt| Ok([big_smem(&format!("mmq_{fmt}"))?, big_smem(&format!("mmq_{fmt}_x2"))?]))
             .collect::<Result<Vec<_>, CudaError>>()?;
+        let mmq_warp = ["q4_0", "q4_1", "q8_0"]
+            .iter()
+            .map(|fmt| Ok([big_smem(&format!("mmq_warp_{fmt}"))?, big_smem(&format!("mmq_warp_{fmt}_x2"))?]))
+            .collect::<Result<Vec<_>, CudaError>>()?;
         Ok(Kernels {
             embedding_f32: get("embedding_f32")?,
             embedding_bf16: get("embedding_bf16")?,
@@ -273,6 +288,7 @@ impl Kernels {
             mmvq,
             mmvq_half,
             mmq,
+            mmq_warp,
             embedding_quant: get("embedding_quant")?,
             rope_kv_write: get("rope_kv_write")?,
             paged_attention: big_smem("paged_attention")?,

@@ -8,8 +8,8 @@ use super::fused::{fill_random_f16, fill_random_u32, Epilogue};
 use super::{dim, launch_err, shape_err, ROW_BLOCK};
 use crate::cuda::device::{CudaDevice, DeviceBuf};
 use crate::cuda::kernels::{
-    MAX_DYNAMIC_SMEM, MMQ_COLS_PER_BLOCK, MMQ_MIN_ROWS, MMQ_QUANT_ROWS, MMVQ_HALF_MAX_K, MMVQ_HALF_MIN_ROWS, MMVQ_ROWS,
-    MMVQ_X2_MAX_ROWS,
+    MAX_DYNAMIC_SMEM, MMQ_COLS_PER_BLOCK, MMQ_MIN_ROWS, MMQ_QUANT_ROWS, MMQ_WARP_MIN_ROWS, MMQ_WARP_WARPS,
+    MMVQ_HALF_MAX_K, MMVQ_HALF_MIN_ROWS, MMVQ_ROWS, MMVQ_X2_MAX_ROWS,
 };
 use crate::cuda::view::{DevArg, DevSlice};
 use crate::cuda::Result;
@@ -169,13 +169,29 @@ pub fn mmvq_smem_bytes(k: usize, r: usize) -> usize {
     r * k + 2 * 4 * r * (k / 32)
 }
 
-/// Dynamic shared memory of one tensor-core quantized-matmul block: [`MMQ_QUANT_ROWS`] quantized rows of `k` int8
-/// quants, padded as mmq.cu's `mmq_row_bytes` pads them (so the A fragments' loads hit 32 banks), plus two f32 per
-/// 32-element block.
-fn mmq_smem_bytes(k: usize, passes: usize) -> usize {
+/// Bytes between quantized activation rows in the tensor-core kernels' shared memory: `k` plus the padding of
+/// mmq.cu's `mmq_row_bytes`, which puts the A fragments' eight rows four banks apart.
+fn mmq_row_bytes(k: usize, passes: usize) -> usize {
     let words = k / 4;
     let pad = if passes == 2 { (2 + 16 - words % 16) % 16 } else { (4 + 32 - words % 32) % 32 };
-    MMQ_QUANT_ROWS * (k + 4 * pad) + 2 * 4 * MMQ_QUANT_ROWS * (k / 32)
+    k + 4 * pad
+}
+
+/// Dynamic shared memory of one tensor-core quantized-matmul block: [`MMQ_QUANT_ROWS`] quantized rows of `k` int8
+/// quants, padded (so the A fragments' loads hit 32 banks), plus two f32 per 32-element block.
+fn mmq_smem_bytes(k: usize, passes: usize) -> usize {
+    MMQ_QUANT_ROWS * mmq_row_bytes(k, passes) + 2 * 4 * MMQ_QUANT_ROWS * (k / 32)
+}
+
+/// Dynamic shared memory of one whole-tree tensor-core block of `warps` warps (mmq_warp.cu): 16 quantized rows as
+/// [`mmq_smem_bytes`] lays them out, then each warp's slab of 16 weight rows (quants padded to a stride of 4 mod 8
+/// words, scales widened to u32 with an odd stride), as mmq_warp.cu's `mmqw_wld` and `mmqw_sld` pad them.
+fn mmq_warp_smem_bytes(format: QuantFormat, k: usize, passes: usize, warps: usize) -> usize {
+    let nb = k / 32;
+    let quants = if format == QuantFormat::Q8_0 { k } else { k / 2 };
+    let wld = if (quants / 4) % 8 == 4 { quants } else { quants + 16 };
+    let sld = nb | 1;
+    16 * mmq_row_bytes(k, passes) + 2 * 4 * 16 * nb + warps * 16 * (wld + 4 * sld)
 }
 
 /// One fused quantized matmul: `y = epi(quantize(prologue(x)) · Wᵀ)`.
@@ -193,13 +209,35 @@ pub struct MmvqArgs<'a> {
     pub epi: Epilogue,
 }
 
-/// Runs one [`MmvqArgs`] against `w` (`n_out = w.n`, or `w.n / 2` for [`Epilogue::Swiglu`]): from
-/// `MMQ_MIN_ROWS` rows on the int8 tensor cores (mmq.cu), below on the dp4a kernel; every row gets the same bits
-/// either way, alone or in any batch.
+/// The kernel a quantized matmul runs. Every one gives every row the same bits, alone or in any batch; the forward
+/// lets [`mmvq`] choose by rows, tests and benches name one to compare them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantKernel {
+    /// By rows: from `MMQ_MIN_ROWS` `Mmq`; from `MMQ_WARP_MIN_ROWS` `MmqWarp` when `DFLASH_MMQ_WARP=1`; else `Mmvq`.
+    Auto,
+    /// `mmvq_*` (quant.cu): dp4a loops, a warp (or half) per column, a few rows per block.
+    Mmvq,
+    /// `mmq_*` (mmq.cu): the int8 tensor cores, each output's 32 leaves split over a block's warps.
+    Mmq,
+    /// `mmq_warp_*` (mmq_warp.cu): the int8 tensor cores, a whole tree per warp over its own slab of weights.
+    MmqWarp,
+}
+
+/// Runs one [`MmvqArgs`] against `w` (`n_out = w.n`, or `w.n / 2` for [`Epilogue::Swiglu`]) on the kernel
+/// [`QuantKernel::Auto`] picks for its rows.
 ///
 /// # Errors
 /// Lengths that do not form the shapes; a launch failure.
 pub fn mmvq(dev: &CudaDevice, w: &QuantMatrix, a: MmvqArgs) -> Result<()> {
+    mmvq_on(dev, w, a, QuantKernel::Auto)
+}
+
+/// [`mmvq`] on a named kernel.
+///
+/// # Errors
+/// Lengths that do not form the shapes; a row length whose blocks do not fit the kernel's shared memory; a launch
+/// failure.
+pub fn mmvq_on(dev: &CudaDevice, w: &QuantMatrix, a: MmvqArgs, kernel: QuantKernel) -> Result<()> {
     let k = w.k;
     let n_out = if a.epi == Epilogue::Swiglu { w.n / 2 } else { w.n };
     let span = |rows: usize, ld: usize, width: usize| if rows == 0 { 0 } else { (rows - 1) * ld + width };
@@ -229,44 +267,109 @@ pub fn mmvq(dev: &CudaDevice, w: &QuantMatrix, a: MmvqArgs) -> Result<()> {
     if mmvq_smem_bytes(k, passes) > MAX_DYNAMIC_SMEM as usize {
         return Err(shape_err(format!("mmvq: k = {k} does not fit shared memory at {passes} activation pass(es)")));
     }
-    let on_tensor_cores = a.m >= MMQ_MIN_ROWS
-        && mmq_smem_bytes(k, passes) <= MAX_DYNAMIC_SMEM as usize
-        && !crate::switches::switches().no_mmq;
-    let (kernel, grid, smem) = if on_tensor_cores {
-        // The tensor-core kernel: blocks of 32 / passes activation rows take slabs of 16 weight rows in turn, about
-        // four blocks per SM in all, so each quantizes its rows for as many slabs as the grid allows.
-        let cols = if a.epi == Epilogue::Swiglu { MMQ_COLS_PER_BLOCK / 2 } else { MMQ_COLS_PER_BLOCK };
-        let chunks = a.m.div_ceil(MMQ_QUANT_ROWS / passes);
-        let per_chunk = (4 * dev.info().multiprocessors.max(1) as usize).div_ceil(chunks);
-        let grid = (n_out.div_ceil(cols).min(per_chunk), chunks);
-        (&dev.kernels.mmq[w.format.code()][passes - 1], grid, mmq_smem_bytes(k, passes))
-    } else {
-        let r = rows_per_block(a.m, k, passes);
-        let chunks = a.m.div_ceil(r);
-        let target_blocks = (4 * dev.info().multiprocessors.max(1) as usize).div_ceil(chunks);
-        // One-row launches take two columns per warp and pass (the kernel's R = 1 path), except SwiGLU,
-        // whose warps take their column's gate and up rows together.
-        let whole_cols = if r == 1 && a.epi != Epilogue::Swiglu { 16 } else { 8 };
-        // From 3 rows, one per block, half warps take twice the columns a pass (rows short enough to leave no lane
-        // idle); at 1 and 2 rows the whole warps' larger grid is faster (PERFORMANCE.md entry 67).
-        let half =
-            r == 1 && a.m >= MMVQ_HALF_MIN_ROWS && k <= MMVQ_HALF_MAX_K && !crate::switches::switches().no_mmvq_half;
-        let cols_per_block = if half { 2 * whole_cols } else { whole_cols };
-        let grid_x = n_out.div_ceil(cols_per_block).min(target_blocks.max(1));
-        let ri = MMVQ_ROWS.iter().position(|&v| v == r).unwrap_or(0);
-        let kernel = if half {
-            &dev.kernels.mmvq_half[w.format.code()][passes - 1]
-        } else {
-            &dev.kernels.mmvq[w.format.code()][passes - 1][ri]
-        };
-        (kernel, (grid_x, chunks), mmvq_smem_bytes(k, r * passes))
+    let launch = match pick_kernel(kernel, w.format, a.m, k, passes) {
+        Some(QuantKernel::Mmq) => mmq_launch(dev, w, &a, n_out),
+        Some(QuantKernel::MmqWarp) => mmq_warp_launch(dev, w, &a, n_out),
+        Some(_) => mmvq_launch(dev, w, &a, n_out),
+        None => {
+            return Err(shape_err(format!("mmvq: {kernel:?} does not fit k = {k} at {passes} activation pass(es)")))
+        }
     };
+    run_launch(dev, w, &a, n_out, launch)
+}
+
+/// The kernel `asked` resolves to for `m` rows of length `k`, or `None` when a named tensor-core kernel's shared
+/// memory does not fit.
+fn pick_kernel(asked: QuantKernel, format: QuantFormat, m: usize, k: usize, passes: usize) -> Option<QuantKernel> {
+    let fits = |bytes: usize| bytes <= MAX_DYNAMIC_SMEM as usize;
+    let mmq_fits = fits(mmq_smem_bytes(k, passes));
+    let warp_fits = fits(mmq_warp_smem_bytes(format, k, passes, 1));
+    match asked {
+        QuantKernel::Auto => {
+            let switches = crate::switches::switches();
+            Some(if m >= MMQ_MIN_ROWS && mmq_fits && !switches.no_mmq {
+                QuantKernel::Mmq
+            } else if (MMQ_WARP_MIN_ROWS..MMQ_MIN_ROWS).contains(&m) && warp_fits && switches.mmq_warp {
+                QuantKernel::MmqWarp
+            } else {
+                QuantKernel::Mmvq
+            })
+        }
+        QuantKernel::Mmq => mmq_fits.then_some(QuantKernel::Mmq),
+        QuantKernel::MmqWarp => warp_fits.then_some(QuantKernel::MmqWarp),
+        QuantKernel::Mmvq => Some(QuantKernel::Mmvq),
+    }
+}
+
+/// A quantized matmul's kernel and launch shape: grid, threads per block, dynamic shared memory.
+struct QuantLaunch<'k> {
+    kernel: &'k cudarc::driver::CudaFunction,
+    grid: (usize, usize),
+    threads: usize,
+    smem: usize,
+}
+
+/// The tensor-core kernel: blocks of 32 / passes activation rows take slabs of 16 weight rows in turn, about four
+/// blocks per SM in all, so each quantizes its rows for as many slabs as the grid allows.
+fn mmq_launch<'k>(dev: &'k CudaDevice, w: &QuantMatrix, a: &MmvqArgs, n_out: usize) -> QuantLaunch<'k> {
+    let passes = w.act.passes();
+    let cols = if a.epi == Epilogue::Swiglu { MMQ_COLS_PER_BLOCK / 2 } else { MMQ_COLS_PER_BLOCK };
+    let chunks = a.m.div_ceil(MMQ_QUANT_ROWS / passes);
+    let per_chunk = (4 * dev.info().multiprocessors.max(1) as usize).div_ceil(chunks);
+    QuantLaunch {
+        kernel: &dev.kernels.mmq[w.format.code()][passes - 1],
+        grid: (n_out.div_ceil(cols).min(per_chunk), chunks),
+        threads: 256,
+        smem: mmq_smem_bytes(w.k, passes),
+    }
+}
+
+/// The whole-tree tensor-core kernel: one slab of 16 weight rows per warp (8 gate and 8 up rows for SwiGLU), every
+/// slab of a chunk of 16 / passes rows in one wave, as many warps per block as shared memory allows.
+fn mmq_warp_launch<'k>(dev: &'k CudaDevice, w: &QuantMatrix, a: &MmvqArgs, n_out: usize) -> QuantLaunch<'k> {
+    let passes = w.act.passes();
+    let fits = |warps: usize| mmq_warp_smem_bytes(w.format, w.k, passes, warps) <= MAX_DYNAMIC_SMEM as usize;
+    let warps = (1..=MMQ_WARP_WARPS).rev().find(|&warps| fits(warps)).unwrap_or(1);
+    let cols = if a.epi == Epilogue::Swiglu { 8 } else { 16 };
+    QuantLaunch {
+        kernel: &dev.kernels.mmq_warp[w.format.code()][passes - 1],
+        grid: (n_out.div_ceil(cols).div_ceil(warps), a.m.div_ceil(16 / passes)),
+        threads: 32 * warps,
+        smem: mmq_warp_smem_bytes(w.format, w.k, passes, warps),
+    }
+}
+
+/// The dp4a kernel, with the rows per block and columns per warp that entries 35 and 67 measured best.
+fn mmvq_launch<'k>(dev: &'k CudaDevice, w: &QuantMatrix, a: &MmvqArgs, n_out: usize) -> QuantLaunch<'k> {
+    let (k, passes) = (w.k, w.act.passes());
+    let r = rows_per_block(a.m, k, passes);
+    let chunks = a.m.div_ceil(r);
+    let target_blocks = (4 * dev.info().multiprocessors.max(1) as usize).div_ceil(chunks);
+    // One-row launches take two columns per warp and pass (the kernel's R = 1 path), except SwiGLU, whose warps
+    // take their column's gate and up rows together.
+    let whole_cols = if r == 1 && a.epi != Epilogue::Swiglu { 16 } else { 8 };
+    // From 3 rows, one per block, half warps take twice the columns a pass (rows short enough to leave no lane
+    // idle); at 1 and 2 rows the whole warps' larger grid is faster (PERFORMANCE.md entry 67).
+    let half = r == 1 && a.m >= MMVQ_HALF_MIN_ROWS && k <= MMVQ_HALF_MAX_K && !crate::switches::switches().no_mmvq_half;
+    let cols_per_block = if half { 2 * whole_cols } else { whole_cols };
+    let grid_x = n_out.div_ceil(cols_per_block).min(target_blocks.max(1));
+    let ri = MMVQ_ROWS.iter().position(|&v| v == r).unwrap_or(0);
+    let kernel = if half {
+        &dev.kernels.mmvq_half[w.format.code()][passes - 1]
+    } else {
+        &dev.kernels.mmvq[w.format.code()][passes - 1][ri]
+    };
+    QuantLaunch { kernel, grid: (grid_x, chunks), threads: 256, smem: mmvq_smem_bytes(k, r * passes) }
+}
+
+/// Launches one of the quantized matmul kernels (all take the same arguments).
+fn run_launch(dev: &CudaDevice, w: &QuantMatrix, a: &MmvqArgs, n_out: usize, l: QuantLaunch) -> Result<()> {
     let (qs, sc) = (w.qs.view(), w.scales.view());
     let (norm_ptr, eps) = a.norm.map(|(nw, eps)| (nw.device_ptr(), eps)).unwrap_or((0, 0.0));
     let (x_ld, m, y_ld, n_out32, k32) =
-        (dim(a.x_ld, "x_ld")?, dim(a.m, "m")?, dim(a.y_ld, "y_ld")?, dim(n_out, "n")?, dim(k, "k")?);
+        (dim(a.x_ld, "x_ld")?, dim(a.m, "m")?, dim(a.y_ld, "y_ld")?, dim(n_out, "n")?, dim(w.k, "k")?);
     let epi = a.epi.code();
-    let mut launch = dev.launch_builder(kernel);
+    let mut launch = dev.launch_builder(l.kernel);
     launch
         .arg(qs.arg())
         .arg(sc.arg())
@@ -281,11 +384,11 @@ pub fn mmvq(dev: &CudaDevice, w: &QuantMatrix, a: MmvqArgs) -> Result<()> {
         .arg(&k32)
         .arg(&epi);
     let cfg = cudarc::driver::LaunchConfig {
-        grid_dim: (dim(grid.0, "blocks")?, dim(grid.1, "row chunks")?, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: dim(smem, "shared memory")?,
+        grid_dim: (dim(l.grid.0, "blocks")?, dim(l.grid.1, "row chunks")?, 1),
+        block_dim: (dim(l.threads, "threads")?, 1, 1),
+        shared_mem_bytes: dim(l.smem, "shared memory")?,
     };
-    // SAFETY: the arguments match the kernel's signature; the shapes were checked above and the shared
+    // SAFETY: the arguments match the kernel's signature; the shapes were checked by `mmvq_on` and the shared
     // memory asked for is what the kernel carves (within the attribute set at load).
     unsafe { launch.launch(cfg) }.map_err(launch_err("mmvq"))?;
     Ok(())

@@ -1,0 +1,222 @@
+// Quantized matmul of a few to a hundred rows on the int8 tensor cores, one whole tree per warp: mmvq's outputs
+// (quant.cu), bit for bit, as mmq (mmq.cu) gives them from 128 rows.
+//
+// mmq splits each output's 32 leaves over a block's 8 warps and adds their subtrees through shared memory after a
+// barrier, and its leaves wait on L2 for every weight block in turn. That pays where a block's rows are many; a step
+// of 8 to 127 rows spends its time at the barriers and in those chains of dependent loads (PERFORMANCE.md entry 65),
+// so such steps stayed on mmvq's dp4a loops, which take every 4 rows through the weights again. Here each warp takes
+// a slab of 16 weight rows (8 gate rows and their 8 up rows for SwiGLU) against one m16 tile of quantized rows (8
+// activation rows with two passes, 16 with one) and adds all 32 leaves itself, in the butterfly's order (mmq.cu's
+// header says why that order gives mmvq's bits). The slab is first copied into the warp's own shared memory with
+// cp.async, every load in flight at once, so the leaves read it there. The block's warps share the rows' quantized
+// activations (quantize_rows_smem, as mmvq and mmq). No barrier follows the prologue.
+//
+// Grid: x over slabs (warp w of block x takes slabs x W + w, + gridDim.x W, ..., W = blockDim.x / 32), y over
+// chunks of 16 / P activation rows. Dynamic shared memory: mmqw_smem_bytes (src/cuda/ops/quant.rs computes the
+// same).
+
+// The slab's weight rows: 16, each `wld` bytes apart in shared memory.
+#define MMQW_SLAB_ROWS 16
+
+// cp.async of 16 bytes, global to shared, through L2 only.
+__device__ __forceinline__ void mmqw_cp_async16(void* smem, const void* gmem) {
+    const u32 dst = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
+}
+
+__device__ __forceinline__ void mmqw_cp_async_wait_all() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+// Bytes of one weight row's quants.
+template <int FMT>
+__host__ __device__ constexpr u32 mmqw_row_quant_bytes(u32 k) {
+    return FMT == QF_Q8_0 ? k : k / 2;
+}
+
+// Bytes between a slab's weight rows in shared memory: the quants plus padding that makes the row stride in words
+// 4 mod 8, so a B fragment's loads (word t of row g's block, g = 0..7, t = 0..3) hit 32 banks.
+template <int FMT>
+__device__ __forceinline__ u32 mmqw_wld(u32 k) {
+    const u32 bytes = mmqw_row_quant_bytes<FMT>(k);
+    return (bytes / 4) % 8 == 4 ? bytes : bytes + 16;
+}
+
+// u32 words between a slab's weight rows' scales in shared memory: odd, so the four scale words a warp reads at
+// once (rows 2 t, t = 0..3) sit in four banks.
+__device__ __forceinline__ u32 mmqw_sld(u32 nb) { return nb | 1u; }
+
+// What a warp's threads need for the leaves of its slab: the slab and the block's quantized activations.
+struct MmqwWarp {
+    const u32* wq;       // [16][wld / 4] the slab's quants
+    const u32* wsc;      // [16][sld] the slab's scales (an f16 pair for Q4_1, one f16 otherwise)
+    const signed char* xq;
+    const float* xd;
+    const float* xs;
+    u32 nb, ld, wwords, sld, g, t;
+    u32 q_lo, q_hi;      // quantized rows of the thread's A / C rows g and g + 8
+};
+
+// The leaf of lane `lane` for the thread's 8 outputs (n8 tile nt, fragment value e at nt * 4 + e): the terms of
+// blocks lane, lane + 32, ... added in order from 0, as that lane of mmvq adds them.
+template <int FMT>
+__device__ __forceinline__ void mmqw_leaf(const MmqwWarp& w, u32 lane, float v[8]) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+    for (u32 b = lane; b < w.nb; b += 32) {
+        const signed char* lo = w.xq + (u64)w.q_lo * w.ld + b * 32 + 4 * w.t;
+        const signed char* hi = w.xq + (u64)w.q_hi * w.ld + b * 32 + 4 * w.t;
+        const u32 a[4] = {*reinterpret_cast<const u32*>(lo), *reinterpret_cast<const u32*>(hi),
+                          *reinterpret_cast<const u32*>(lo + 16), *reinterpret_cast<const u32*>(hi + 16)};
+        const float dx[2] = {w.xd[w.q_lo * w.nb + b], w.xd[w.q_hi * w.nb + b]};
+        const float sx[2] = {w.xs[w.q_lo * w.nb + b], w.xs[w.q_hi * w.nb + b]};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            const u32* row = w.wq + (nt * 8 + w.g) * w.wwords;
+            u32 b0, b1;
+            if (FMT == QF_Q8_0) {
+                b0 = row[8 * b + w.t];
+                b1 = row[8 * b + 4 + w.t];
+            } else {
+                const u32 q = row[4 * b + w.t];
+                b0 = q & 0x0F0F0F0Fu;
+                b1 = (q >> 4) & 0x0F0F0F0Fu;
+            }
+            const u32 sc0 = w.wsc[(nt * 8 + 2 * w.t) * w.sld + b];
+            const u32 sc1 = w.wsc[(nt * 8 + 2 * w.t + 1) * w.sld + b];
+            int d[4];
+            mma_s8_16x8x32(d, a, b0, b1);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) v[nt * 4 + e] += mmq_term<FMT>(d[e], (e & 1) ? sc1 : sc0, dx[e >> 1], sx[e >> 1]);
+        }
+    }
+}
+
+// The sum of leaves [FIRST, FIRST + 2^L) of the tree (positions in bit-reversed lane order) for each of the thread's
+// outputs, added as the butterfly adds them; mmqw_tree<FMT, 5, 0> is warp_sum of mmvq's lane sums.
+template <int FMT, int L, u32 FIRST>
+__device__ __forceinline__ void mmqw_tree(const MmqwWarp& w, float v[8]) {
+    if constexpr (L == 0) {
+        mmqw_leaf<FMT>(w, mmq_leaf_lane(FIRST), v);
+    } else {
+        float left[8];
+        mmqw_tree<FMT, L - 1, FIRST>(w, left);
+        mmqw_tree<FMT, L - 1, FIRST + (1u << (L - 1))>(w, v);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = left[i] + v[i];
+    }
+}
+
+// Copies slab rows `rows_of(s)`, s = 0..15, into the warp's shared memory: quants by cp.async, scales (widened to u32)
+// by plain loads, then waits for both.
+template <int FMT, class RowOf>
+__device__ __forceinline__ void mmqw_load_slab(const unsigned char* __restrict__ qs,
+                                               const unsigned short* __restrict__ sc, u32 k, u32 nb, u32 wld, u32 sld,
+                                               const RowOf& row_of, unsigned char* wq, u32* wsc) {
+    const u32 lane = threadIdx.x & 31u;
+    const u32 row_bytes = mmqw_row_quant_bytes<FMT>(k), chunks = row_bytes / 16;
+    for (u32 i = lane; i < MMQW_SLAB_ROWS * chunks; i += 32) {
+        const u32 s = i / chunks, c = i - s * chunks;
+        mmqw_cp_async16(wq + s * wld + c * 16, qs + (u64)row_of(s) * row_bytes + c * 16);
+    }
+#pragma unroll 4
+    for (u32 i = lane; i < MMQW_SLAB_ROWS * nb; i += 32) {
+        const u32 s = i / nb, b = i - s * nb;
+        wsc[s * sld + b] = mmq_load_scale<FMT>(sc, row_of(s), nb, b);
+    }
+    mmqw_cp_async_wait_all();
+    __syncwarp();
+}
+
+// Stores a slab's outputs from the thread's fragments: column 2 t + j of n8 tile nt (for SwiGLU tile 0's gate values
+// with tile 1's up values), row g (two passes: its two C rows are the row's passes, added as mmvq adds them) or rows
+// g and g + 8 (one pass).
+template <int P>
+__device__ __forceinline__ void mmqw_store(const float v[8], u32 g, u32 t, u32 rows, float* __restrict__ y, u32 y_ld,
+                                           u32 n0, u32 n_out, u32 epi) {
+    const bool swiglu = epi == EPI_SWIGLU;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+        if (swiglu && nt == 1) break;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const u32 col = n0 + (swiglu ? 0u : 8u * nt) + 2 * t + j;
+            if (col >= n_out) continue;
+#pragma unroll
+            for (int half = 0; half < (P == 2 ? 1 : 2); ++half) {
+                const u32 r = g + 8 * half;
+                if (r >= rows) continue;
+                const auto out = [&](int tile) {
+                    return P == 2 ? __fadd_rn(v[tile * 4 + j], v[tile * 4 + 2 + j]) : v[tile * 4 + 2 * half + j];
+                };
+                float* dst = y + (u64)r * y_ld + col;
+                if (swiglu) {
+                    *dst = swiglu_value(out(0), out(1));
+                } else {
+                    const float val = out(nt);
+                    *dst = epi == EPI_ADD ? __fadd_rn(*dst, val) : val;
+                }
+            }
+        }
+    }
+}
+
+// y = epilogue(quantize(prologue(x)) . W^T), as mmvq (same arguments, same bits), for rows
+// [blockIdx.y * 16 / P, + 16 / P) of x. Dynamic shared memory: 16 quantized rows of mmq_row_bytes(k) bytes and their
+// two f32 per block, then per warp a slab of 16 rows of mmqw_wld(k) bytes and 16 rows of mmqw_sld(nb) u32 scales.
+template <int FMT, int P>
+__device__ __forceinline__ void mmq_warp(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc,
+                                         const float* __restrict__ x, u32 x_ld, u32 m,
+                                         const float* __restrict__ norm_w, float eps, float* __restrict__ y, u32 y_ld,
+                                         u32 n_out, u32 k, u32 epi) {
+    constexpr int BM = 16 / P;
+    extern __shared__ int4 mmqw_smem[];
+    const u32 nb = k >> 5, ld = mmq_row_bytes<P>(k), wld = mmqw_wld<FMT>(k), sld = mmqw_sld(nb);
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    signed char* xq = reinterpret_cast<signed char*>(mmqw_smem);
+    float* xd = reinterpret_cast<float*>(xq + (u64)16 * ld);
+    float* xs = xd + 16 * nb;
+    unsigned char* wq = reinterpret_cast<unsigned char*>(xs + 16 * nb) + (u64)warp * MMQW_SLAB_ROWS * (wld + 4 * sld);
+    u32* wsc = reinterpret_cast<u32*>(wq + MMQW_SLAB_ROWS * wld);
+    const u32 row0 = blockIdx.y * BM;
+    const u32 rows = min((u32)BM, m - row0);
+    quantize_rows_smem<BM, P>(x + (u64)row0 * x_ld, x_ld, rows, k, norm_w, eps, xq, xd, xs, ld);
+
+    const u32 g = lane >> 2, t = lane & 3u;
+    const bool swiglu = epi == EPI_SWIGLU;
+    const u32 slab_cols = swiglu ? 8u : 16u;
+    const MmqwWarp w{reinterpret_cast<const u32*>(wq), wsc, xq, xd, xs, nb, ld, wld / 4, sld, g, t,
+                     P == 2 ? 2 * g : g, P == 2 ? 2 * g + 1 : g + 8};
+    for (u32 n0 = (blockIdx.x * warps + warp) * slab_cols; n0 < n_out; n0 += gridDim.x * warps * slab_cols) {
+        // Slab row s: column n0 + s, or for SwiGLU gate column n0 + s (s < 8) and its up row; columns past n_out read
+        // weight row 0 and their outputs are never written.
+        const auto row_of = [&](u32 s) -> u32 {
+            const u32 col = n0 + (swiglu ? (s & 7u) : s);
+            if (col >= n_out) return 0;
+            return swiglu && s >= 8 ? col + n_out : col;
+        };
+        __syncwarp();  // the previous slab's leaves are done with the warp's shared memory
+        mmqw_load_slab<FMT>(qs, sc, k, nb, wld, sld, row_of, wq, wsc);
+        float v[8];
+        mmqw_tree<FMT, 5, 0>(w, v);
+        mmqw_store<P>(v, g, t, rows, y + (u64)row0 * y_ld, y_ld, n0, n_out, epi);
+    }
+}
+
+// NAME: one activation pass (Int8); NAME_x2: two (Int8x2).
+#define DF_MMQ_WARP(NAME, FMT, P, SUFFIX)                                                                      \
+    extern "C" __global__ void __launch_bounds__(128)                                                           \
+        NAME##SUFFIX(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc,               \
+                     const float* __restrict__ x, u32 x_ld, u32 m, const float* __restrict__ norm_w, float eps, \
+                     float* __restrict__ y, u32 y_ld, u32 n_out, u32 k, u32 epi) {                              \
+        DF_GRID_DEPENDENCY();                                                                                   \
+        mmq_warp<FMT, P>(qs, sc, x, x_ld, m, norm_w, eps, y, y_ld, n_out, k, epi);                              \
+    }
+
+DF_MMQ_WARP(mmq_warp_q4_0, QF_Q4_0, 1, )
+DF_MMQ_WARP(mmq_warp_q4_0, QF_Q4_0, 2, _x2)
+DF_MMQ_WARP(mmq_warp_q4_1, QF_Q4_1, 1, )
+DF_MMQ_WARP(mmq_warp_q4_1, QF_Q4_1, 2, _x2)
+DF_MMQ_WARP(mmq_warp_q8_0, QF_Q8_0, 1, )
+DF_MMQ_WARP(mmq_warp_q8_0, QF_Q8_0, 2, _x2)
