@@ -24,6 +24,12 @@ __device__ __forceinline__ void mmqw_cp_async16(void* smem, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
 }
 
+// cp.async of 4 bytes, global to shared, through L1.
+__device__ __forceinline__ void mmqw_cp_async4(void* smem, const void* gmem) {
+    const u32 dst = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(gmem) : "memory");
+}
+
 __device__ __forceinline__ void mmqw_cp_async_wait_all() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
@@ -43,14 +49,30 @@ __device__ __forceinline__ u32 mmqw_wld(u32 k) {
     return (bytes / 4) % 8 == 4 ? bytes : bytes + 16;
 }
 
-// u32 words between a slab's weight rows' scales in shared memory: odd, so the four scale words a warp reads at
-// once (rows 2 t, t = 0..3) sit in four banks.
-__device__ __forceinline__ u32 mmqw_sld(u32 nb) { return nb | 1u; }
+// A weight block's scale(s) as stored: an f16 pair for Q4_1, one f16 otherwise.
+template <bool PAIR>
+struct MmqwScaleOf {
+    typedef unsigned short type;
+};
+template <>
+struct MmqwScaleOf<true> {
+    typedef u32 type;
+};
+template <int FMT>
+using MmqwScale = typename MmqwScaleOf<FMT == QF_Q4_1>::type;
+
+// Scales between a slab's weight rows in shared memory, as stored (MmqwScale): the four a warp reads at once (rows
+// 2 t, t = 0..3) sit in four banks, and each row starts 4-byte aligned for cp.async: odd for Q4_1's words, 2 mod 4
+// for the f16 halves.
+template <int FMT>
+__device__ __forceinline__ u32 mmqw_sld(u32 nb) {
+    return FMT == QF_Q4_1 ? (nb | 1u) : nb + ((6u - (nb & 3u)) & 3u);
+}
 
 // What a warp's threads need for the leaves of its slab: the slab and the block's quantized activations.
 struct MmqwWarp {
     const u32* wq;       // [16][wld / 4] the slab's quants
-    const u32* wsc;      // [16][sld] the slab's scales (an f16 pair for Q4_1, one f16 otherwise)
+    const void* wsc;     // [16][sld] the slab's scales, as stored (MmqwScale)
     const signed char* xq;
     const float* xd;
     const float* xs;
@@ -83,8 +105,9 @@ __device__ __forceinline__ void mmqw_leaf(const MmqwWarp& w, u32 lane, float v[8
                 b0 = q & 0x0F0F0F0Fu;
                 b1 = (q >> 4) & 0x0F0F0F0Fu;
             }
-            const u32 sc0 = w.wsc[(nt * 8 + 2 * w.t) * w.sld + b];
-            const u32 sc1 = w.wsc[(nt * 8 + 2 * w.t + 1) * w.sld + b];
+            const MmqwScale<FMT>* scales = static_cast<const MmqwScale<FMT>*>(w.wsc);
+            const u32 sc0 = scales[(nt * 8 + 2 * w.t) * w.sld + b];
+            const u32 sc1 = scales[(nt * 8 + 2 * w.t + 1) * w.sld + b];
             int d[4];
             mma_s8_16x8x32(d, a, b0, b1);
 #pragma unroll
@@ -108,25 +131,43 @@ __device__ __forceinline__ void mmqw_tree(const MmqwWarp& w, float v[8]) {
     }
 }
 
-// Copies slab rows `rows_of(s)`, s = 0..15, into the warp's shared memory: quants by cp.async, scales (widened to u32)
-// by plain loads, then waits for both.
+// Starts copying slab rows `row_of(s)`, s = 0..15, into the warp's shared memory by cp.async: the quants, and the
+// scales where their rows are 4-byte aligned (always for Q4_1; for the f16 scales when nb is even). Returns whether
+// the scales still need mmqw_load_scales. Nothing here reads the step's activations, so the copy may start before the
+// prologue and overlap it; mmqw_cp_async_wait_all ends it.
 template <int FMT, class RowOf>
-__device__ __forceinline__ void mmqw_load_slab(const unsigned char* __restrict__ qs,
-                                               const unsigned short* __restrict__ sc, u32 k, u32 nb, u32 wld, u32 sld,
-                                               const RowOf& row_of, unsigned char* wq, u32* wsc) {
+__device__ __forceinline__ bool mmqw_start_slab(const unsigned char* __restrict__ qs,
+                                                const unsigned short* __restrict__ sc, u32 k, u32 nb, u32 wld,
+                                                u32 sld, const RowOf& row_of, unsigned char* wq, void* wsc) {
     const u32 lane = threadIdx.x & 31u;
     const u32 row_bytes = mmqw_row_quant_bytes<FMT>(k), chunks = row_bytes / 16;
     for (u32 i = lane; i < MMQW_SLAB_ROWS * chunks; i += 32) {
         const u32 s = i / chunks, c = i - s * chunks;
         mmqw_cp_async16(wq + s * wld + c * 16, qs + (u64)row_of(s) * row_bytes + c * 16);
     }
-#pragma unroll 4
+    // Scale bytes per row, and 4-byte words of them.
+    const u32 bytes = nb * (u32)sizeof(MmqwScale<FMT>), words = bytes / 4;
+    if (bytes % 4 != 0) return true;
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(sc);
+    unsigned char* dst = static_cast<unsigned char*>(wsc);
+    for (u32 i = lane; i < MMQW_SLAB_ROWS * words; i += 32) {
+        const u32 s = i / words, c = i - s * words;
+        mmqw_cp_async4(dst + (u64)s * sld * sizeof(MmqwScale<FMT>) + 4 * c, src + (u64)row_of(s) * bytes + 4 * c);
+    }
+    return false;
+}
+
+// The f16 scales of a slab whose rows are not 4-byte aligned (nb odd), by plain loads.
+template <int FMT, class RowOf>
+__device__ __forceinline__ void mmqw_load_scales(const unsigned short* __restrict__ sc, u32 nb, u32 sld,
+                                                 const RowOf& row_of, void* wsc) {
+    const u32 lane = threadIdx.x & 31u;
+    MmqwScale<FMT>* dst = static_cast<MmqwScale<FMT>*>(wsc);
+#pragma unroll 8
     for (u32 i = lane; i < MMQW_SLAB_ROWS * nb; i += 32) {
         const u32 s = i / nb, b = i - s * nb;
-        wsc[s * sld + b] = mmq_load_scale<FMT>(sc, row_of(s), nb, b);
+        dst[s * sld + b] = (MmqwScale<FMT>)mmq_load_scale<FMT>(sc, row_of(s), nb, b);
     }
-    mmqw_cp_async_wait_all();
-    __syncwarp();
 }
 
 // Stores a slab's outputs from the thread's fragments: column 2 t + j of n8 tile nt (for SwiGLU tile 0's gate values
@@ -164,7 +205,8 @@ __device__ __forceinline__ void mmqw_store(const float v[8], u32 g, u32 t, u32 r
 
 // y = epilogue(quantize(prologue(x)) . W^T), as mmvq (same arguments, same bits), for rows
 // [blockIdx.y * 16 / P, + 16 / P) of x. Dynamic shared memory: 16 quantized rows of mmq_row_bytes(k) bytes and their
-// two f32 per block, then per warp a slab of 16 rows of mmqw_wld(k) bytes and 16 rows of mmqw_sld(nb) u32 scales.
+// two f32 per block, then per warp a slab: 16 rows of mmqw_wld(k) bytes of quants and 16 rows of mmqw_sld(nb) scales
+// as stored. The warp's first slab is copied while the block quantizes its rows.
 template <int FMT, int P>
 __device__ __forceinline__ void mmq_warp(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc,
                                          const float* __restrict__ x, u32 x_ld, u32 m,
@@ -172,32 +214,42 @@ __device__ __forceinline__ void mmq_warp(const unsigned char* __restrict__ qs, c
                                          u32 n_out, u32 k, u32 epi) {
     constexpr int BM = 16 / P;
     extern __shared__ int4 mmqw_smem[];
-    const u32 nb = k >> 5, ld = mmq_row_bytes<P>(k), wld = mmqw_wld<FMT>(k), sld = mmqw_sld(nb);
+    const u32 nb = k >> 5, ld = mmq_row_bytes<P>(k), wld = mmqw_wld<FMT>(k), sld = mmqw_sld<FMT>(nb);
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     signed char* xq = reinterpret_cast<signed char*>(mmqw_smem);
     float* xd = reinterpret_cast<float*>(xq + (u64)16 * ld);
     float* xs = xd + 16 * nb;
-    unsigned char* wq = reinterpret_cast<unsigned char*>(xs + 16 * nb) + (u64)warp * MMQW_SLAB_ROWS * (wld + 4 * sld);
-    u32* wsc = reinterpret_cast<u32*>(wq + MMQW_SLAB_ROWS * wld);
+    const u32 slab_bytes = MMQW_SLAB_ROWS * (wld + sld * (u32)sizeof(MmqwScale<FMT>));
+    unsigned char* wq = reinterpret_cast<unsigned char*>(xs + 16 * nb) + (u64)warp * slab_bytes;
+    void* wsc = wq + MMQW_SLAB_ROWS * wld;
     const u32 row0 = blockIdx.y * BM;
     const u32 rows = min((u32)BM, m - row0);
-    quantize_rows_smem<BM, P>(x + (u64)row0 * x_ld, x_ld, rows, k, norm_w, eps, xq, xd, xs, ld);
-
-    const u32 g = lane >> 2, t = lane & 3u;
     const bool swiglu = epi == EPI_SWIGLU;
-    const u32 slab_cols = swiglu ? 8u : 16u;
-    const MmqwWarp w{reinterpret_cast<const u32*>(wq), wsc, xq, xd, xs, nb, ld, wld / 4, sld, g, t,
-                     P == 2 ? 2 * g : g, P == 2 ? 2 * g + 1 : g + 8};
-    for (u32 n0 = (blockIdx.x * warps + warp) * slab_cols; n0 < n_out; n0 += gridDim.x * warps * slab_cols) {
-        // Slab row s: column n0 + s, or for SwiGLU gate column n0 + s (s < 8) and its up row; columns past n_out read
-        // weight row 0 and their outputs are never written.
-        const auto row_of = [&](u32 s) -> u32 {
+    const u32 slab_cols = swiglu ? 8u : 16u, first = (blockIdx.x * warps + warp) * slab_cols;
+    // Slab row s: column n0 + s, or for SwiGLU gate column n0 + s (s < 8) and its up row; columns past n_out read
+    // weight row 0 and their outputs are never written.
+    const auto row_of_slab = [&](u32 n0) {
+        return [=](u32 s) -> u32 {
             const u32 col = n0 + (swiglu ? (s & 7u) : s);
             if (col >= n_out) return 0;
             return swiglu && s >= 8 ? col + n_out : col;
         };
-        __syncwarp();  // the previous slab's leaves are done with the warp's shared memory
-        mmqw_load_slab<FMT>(qs, sc, k, nb, wld, sld, row_of, wq, wsc);
+    };
+    bool scales_left = first < n_out && mmqw_start_slab<FMT>(qs, sc, k, nb, wld, sld, row_of_slab(first), wq, wsc);
+    quantize_rows_smem<BM, P>(x + (u64)row0 * x_ld, x_ld, rows, k, norm_w, eps, xq, xd, xs, ld);
+
+    const u32 g = lane >> 2, t = lane & 3u;
+    const MmqwWarp w{reinterpret_cast<const u32*>(wq), wsc, xq, xd, xs, nb, ld, wld / 4, sld, g, t,
+                     P == 2 ? 2 * g : g, P == 2 ? 2 * g + 1 : g + 8};
+    for (u32 n0 = first; n0 < n_out; n0 += gridDim.x * warps * slab_cols) {
+        const auto row_of = row_of_slab(n0);
+        if (n0 != first) {
+            __syncwarp();  // the previous slab's leaves are done with the warp's shared memory
+            scales_left = mmqw_start_slab<FMT>(qs, sc, k, nb, wld, sld, row_of, wq, wsc);
+        }
+        if (scales_left) mmqw_load_scales<FMT>(sc, nb, sld, row_of, wsc);
+        mmqw_cp_async_wait_all();
+        __syncwarp();
         float v[8];
         mmqw_tree<FMT, 5, 0>(w, v);
         mmqw_store<P>(v, g, t, rows, y + (u64)row0 * y_ld, y_ld, n0, n_out, epi);

@@ -185,13 +185,14 @@ fn mmq_smem_bytes(k: usize, passes: usize) -> usize {
 
 /// Dynamic shared memory of one whole-tree tensor-core block of `warps` warps (mmq_warp.cu): 16 quantized rows as
 /// [`mmq_smem_bytes`] lays them out, then each warp's slab of 16 weight rows (quants padded to a stride of 4 mod 8
-/// words, scales widened to u32 with an odd stride), as mmq_warp.cu's `mmqw_wld` and `mmqw_sld` pad them.
+/// words; scales as stored, rows an odd number of Q4_1 pairs or 2 mod 4 f16 values apart), as mmq_warp.cu's
+/// `mmqw_wld` and `mmqw_sld` pad them.
 fn mmq_warp_smem_bytes(format: QuantFormat, k: usize, passes: usize, warps: usize) -> usize {
     let nb = k / 32;
     let quants = if format == QuantFormat::Q8_0 { k } else { k / 2 };
     let wld = if (quants / 4) % 8 == 4 { quants } else { quants + 16 };
-    let sld = nb | 1;
-    16 * mmq_row_bytes(k, passes) + 2 * 4 * 16 * nb + warps * 16 * (wld + 4 * sld)
+    let scale_row = if format == QuantFormat::Q4_1 { 4 * (nb | 1) } else { 2 * (nb + (6 - nb % 4) % 4) };
+    16 * mmq_row_bytes(k, passes) + 2 * 4 * 16 * nb + warps * 16 * (wld + scale_row)
 }
 
 /// One fused quantized matmul: `y = epi(quantize(prologue(x)) · Wᵀ)`.
