@@ -3,10 +3,12 @@
 //! * [`DType`] and [`Tensor`]: dense and GGUF block-quantized host buffers (owned, or views of a mapped file).
 //! * [`quant`]: ggml block layouts, dequantization and the quantized dot-product kernels (AVX-512 / AVX2 with
 //!   run-time detection and a scalar fallback).
+//! * [`comm`]: the collectives between the ranks of a tensor-parallel model.
 //! * [`ops`]: the op set every model is written against; each op has a CPU implementation here and (with the
 //!   `cuda` feature) a CUDA twin checked against it.
 
 pub mod cache;
+pub mod comm;
 pub mod convert;
 #[cfg(feature = "cuda")]
 pub mod cuda;
