@@ -36,6 +36,9 @@ pub enum ModelError {
     Device(String),
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
+    /// A collective between tensor-parallel ranks failed.
+    #[error("tensor parallelism: {0}")]
+    Comm(#[from] dflash_runtime::comm::CommError),
     #[error(transparent)]
     Tokenizer(#[from] crate::tokenizer::TokenizerError),
 }

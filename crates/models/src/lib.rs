@@ -21,6 +21,7 @@ pub mod masks;
 pub mod mtp;
 pub mod resolve;
 pub mod safetensors_dir;
+pub mod shard;
 pub mod streams;
 pub mod target;
 pub mod tokenizer;

@@ -6,6 +6,9 @@
 //! streams (`hc_mult` in the config) each block enters and leaves through its connection instead of a plain
 //! residual add (`crate::streams`).
 
+use std::sync::Arc;
+
+use dflash_runtime::comm::{Communicator, Solo};
 use dflash_runtime::ops::{self, AttnSeq, RopeTable};
 use dflash_runtime::{DType, Tensor};
 
@@ -13,6 +16,7 @@ use super::weights::{take_heads, take_layer, LayerTensors};
 use crate::batch::{ForwardBatch, ForwardOut, KvCache};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::shard::Shard;
 use crate::streams::{ModelStreams, StreamResidual, StreamTap};
 use crate::target::TargetHeads;
 use crate::weights::WeightStore;
@@ -84,6 +88,8 @@ pub struct LlamaModel {
     rope: RopeTable,
     capture_layers: Vec<usize>,
     streams: Option<ModelStreams>,
+    /// The ranks this model's layers are split over (`Solo`: whole layers); `cfg` is this rank's share.
+    comm: Arc<dyn Communicator>,
 }
 
 impl LlamaModel {
@@ -98,17 +104,37 @@ impl LlamaModel {
         capture_layers: &[usize],
         stream_tap: StreamTap,
     ) -> Result<Self> {
+        Self::load_shard(cfg, store, capture_layers, stream_tap, Arc::new(Solo))
+    }
+
+    /// [`LlamaModel::load`] for rank `comm.rank()` of `comm.size()` tensor-parallel ranks: the rank's heads, KV
+    /// heads and MLP columns of every layer ([`Shard`]); its forward adds the ranks' partial outputs through `comm`
+    /// and gives every rank the whole model's logits. Each rank needs its own KV cache ([`Self::new_kv_cache`]).
+    ///
+    /// # Errors
+    /// As `load`; heads, KV heads or an intermediate width that do not split over the ranks.
+    pub fn load_shard(
+        cfg: ModelConfig,
+        store: &mut WeightStore,
+        capture_layers: &[usize],
+        stream_tap: StreamTap,
+        comm: Arc<dyn Communicator>,
+    ) -> Result<Self> {
         if let Some(&l) = capture_layers.iter().find(|&&l| l >= cfg.num_layers) {
             return Err(ModelError::Config(format!("capture layer {l} >= {} layers", cfg.num_layers)));
         }
-        let layers = (0..cfg.num_layers).map(|i| layer(take_layer(&cfg, store, i)?)).collect::<Result<Vec<_>>>()?;
+        let shard = (comm.size() > 1).then(|| Shard::new(&cfg, comm.rank(), comm.size())).transpose()?;
+        let layers = (0..cfg.num_layers)
+            .map(|i| layer(take_layer(&cfg, store, i)?, shard.as_ref(), cfg.head_dim))
+            .collect::<Result<Vec<_>>>()?;
         let heads = take_heads(&cfg, store)?;
         let (embed, lm_head, final_norm) = (heads.embed, heads.lm_head, dense_f32(heads.final_norm)?);
         let rope = RopeTable::new(cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling, cfg.rope_style)?;
         let (n, h) = (cfg.num_layers, cfg.hidden_size);
         let streams = ModelStreams::load(store, cfg.streams, n, h, capture_layers, stream_tap)?;
         let capture_layers = capture_layers.to_vec();
-        Ok(LlamaModel { cfg, embed, layers, final_norm, lm_head, rope, capture_layers, streams })
+        let cfg = shard.as_ref().map_or(cfg.clone(), |s| s.config(&cfg));
+        Ok(LlamaModel { cfg, embed, layers, final_norm, lm_head, rope, capture_layers, streams, comm })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -199,7 +225,7 @@ impl LlamaModel {
             self.attention_block(i, layer, run, &mut normed)?;
             // residual += attn; normed = ffn_norm(residual)
             ops::add_rms_norm(residual, &run.bufs.attn_out, &layer.ffn_norm, eps, &mut normed)?;
-            mlp_block(layer, &normed, run.bufs)?;
+            self.mlp_block(layer, &normed, run.bufs)?;
             match self.layers.get(i + 1) {
                 Some(next) => ops::add_rms_norm(residual, &run.bufs.attn_out, &next.attn_norm, eps, &mut normed)?,
                 None => ops::add_in_place(residual, &run.bufs.attn_out)?,
@@ -225,7 +251,7 @@ impl LlamaModel {
             res.leave(&run.bufs.attn_out)?;
             res.enter(&hc.ffn, &mut collapsed)?;
             ops::rms_norm(&collapsed, &layer.ffn_norm, eps, &mut normed)?;
-            mlp_block(layer, &normed, run.bufs)?;
+            self.mlp_block(layer, &normed, run.bufs)?;
             res.leave(&run.bufs.attn_out)?;
             if let (Some(tap), Some(cap)) = (self.capture_layers.iter().position(|&l| l == i), run.captured.as_mut()) {
                 res.write_tap(streams.tap, &streams.head, cap, tap)?;
@@ -262,7 +288,16 @@ impl LlamaModel {
             &mut bufs.attn,
         )?;
         ops::matmul(&bufs.attn, &layer.o_proj, &mut bufs.attn_out)?;
-        Ok(())
+        // Each rank's output projection covered its heads only: the ranks' partial sums make the layer's.
+        Ok(self.comm.all_reduce_sum(bufs.attn_out.as_f32_mut()?)?)
+    }
+
+    /// The feed-forward block of `normed` (`[T, hidden]`) into `bufs.attn_out`, the ranks' partial sums added.
+    fn mlp_block(&self, layer: &Layer, normed: &Tensor, bufs: &mut Buffers) -> Result<()> {
+        layer.gate_up.apply(normed, &mut bufs.gate_up)?;
+        ops::swiglu_fused(&bufs.gate_up, &mut bufs.act)?;
+        ops::matmul(&bufs.act, &layer.down, &mut bufs.attn_out)?;
+        Ok(self.comm.all_reduce_sum(bufs.attn_out.as_f32_mut()?)?)
     }
 
     /// Final norm and LM head for the requested rows only.
@@ -311,13 +346,6 @@ struct LayerRun<'a, 'b> {
     captured: Option<&'a mut Tensor>, // [T, capture width]
 }
 
-/// The feed-forward block of `normed` (`[T, hidden]`) into `bufs.attn_out`.
-fn mlp_block(layer: &Layer, normed: &Tensor, bufs: &mut Buffers) -> Result<()> {
-    layer.gate_up.apply(normed, &mut bufs.gate_up)?;
-    ops::swiglu_fused(&bufs.gate_up, &mut bufs.act)?;
-    Ok(ops::matmul(&bufs.act, &layer.down, &mut bufs.attn_out)?)
-}
-
 /// Per-forward activation buffers, sized for `t` rows.
 struct Buffers {
     qkv: Tensor,      // [T, (heads + 2 kv_heads) * head_dim]
@@ -347,16 +375,23 @@ impl Buffers {
     }
 }
 
-fn layer(t: LayerTensors) -> Result<Layer> {
+/// A layer from its checkpoint tensors, cut to `shard`'s heads and MLP columns when the model is split.
+fn layer(t: LayerTensors, shard: Option<&Shard>, head_dim: usize) -> Result<Layer> {
+    let ([q, k, v], o_proj, [gate, up, down]) = match shard {
+        None => ([t.q, t.k, t.v], t.o_proj, [t.gate, t.up, t.down]),
+        Some(s) => {
+            (s.qkv(&t.q, &t.k, &t.v, head_dim)?, s.o_proj(&t.o_proj, head_dim)?, s.mlp(&t.gate, &t.up, &t.down)?)
+        }
+    };
     Ok(Layer {
         attn_norm: dense_f32(t.attn_norm)?,
-        qkv: Projection::new(vec![t.q, t.k, t.v])?,
+        qkv: Projection::new(vec![q, k, v])?,
         q_norm: t.q_norm.map(dense_f32).transpose()?,
         k_norm: t.k_norm.map(dense_f32).transpose()?,
-        o_proj: t.o_proj,
+        o_proj,
         ffn_norm: dense_f32(t.ffn_norm)?,
-        gate_up: Projection::new(vec![t.gate, t.up])?,
-        down: t.down,
+        gate_up: Projection::new(vec![gate, up])?,
+        down,
     })
 }
 

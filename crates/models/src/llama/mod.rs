@@ -143,12 +143,25 @@ pub fn load_gguf_weights(path: &Path, opts: &LoadOptions) -> Result<LlamaModel> 
     build(&ModelSource::GgufFile(path.to_path_buf()), opts)
 }
 
-/// Takes every tensor the config implies and checks nothing is left over.
-fn build(source: &ModelSource, opts: &LoadOptions) -> Result<LlamaModel> {
+/// Loads only the network, rank `comm.rank()`'s share of it for tensor parallelism over `comm.size()` ranks
+/// ([`LlamaModel::load_shard`]): for tests and tools on tiny checkpoints.
+///
+/// # Errors
+/// As [`load_model`]; heads, KV heads or an intermediate width that do not split over the ranks.
+pub fn load_shard_weights(
+    source: &ModelSource,
+    opts: &LoadOptions,
+    comm: Arc<dyn dflash_runtime::comm::Communicator>,
+) -> Result<LlamaModel> {
     let (cfg, mut store) = weights_only(source, opts)?;
-    let model = LlamaModel::load(cfg, &mut store, &opts.capture_layers, opts.stream_tap)?;
+    let model = LlamaModel::load_shard(cfg, &mut store, &opts.capture_layers, opts.stream_tap, comm)?;
     store.finish()?;
     Ok(model)
+}
+
+/// Takes every tensor the config implies and checks nothing is left over.
+fn build(source: &ModelSource, opts: &LoadOptions) -> Result<LlamaModel> {
+    load_shard_weights(source, opts, Arc::new(dflash_runtime::comm::Solo))
 }
 
 /// A Llama-family checkpoint's config and weights without its tokenizer (weights-only fixtures have none), as a

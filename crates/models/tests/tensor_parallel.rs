@@ -1,0 +1,80 @@
+//! Tensor parallelism on the CPU: the tiny Llama-family fixtures split over 2 ranks (threads joined by
+//! `ThreadGroup`) give every rank the same logits, within rounding of the whole model's (the ranks' partial sums are
+//! added in another order than one matmul adds them; with quantized activations a rounding can move an int8 step),
+//! and the whole model's greedy continuation.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{assert_close, fixtures, read_golden, run_sequence};
+use dflash_models::llama::load_shard_weights;
+use dflash_models::resolve::ModelSource;
+use dflash_models::LoadOptions;
+use dflash_runtime::comm::{Communicator, Solo, ThreadGroup};
+
+/// `run` on every rank of a `size`-rank split of `source`, each in its own thread: the ranks' results in rank order.
+fn on_ranks<T: Send>(
+    source: &ModelSource,
+    size: usize,
+    run: impl Fn(&dflash_models::llama::LlamaModel) -> T + Sync,
+) -> Vec<T> {
+    let opts = LoadOptions::default();
+    let ranks = ThreadGroup::new(size);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|comm| {
+                let (opts, run) = (&opts, &run);
+                s.spawn(move || {
+                    let comm: Arc<dyn Communicator> = Arc::new(comm);
+                    let model = load_shard_weights(source, opts, comm).expect("load a shard");
+                    // Each rank's ops run in a pool of its own: a rank waiting in a collective holds its worker,
+                    // which must not be one another rank's ops need.
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("rank pool");
+                    pool.install(|| run(&model))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    })
+}
+
+/// Greedy tokens after `prompt`, one forward of the whole sequence per token.
+fn greedy(model: &dflash_models::llama::LlamaModel, prompt: &[u32], n: usize) -> Vec<u32> {
+    let vocab = model.config().vocab_size;
+    let mut tokens = prompt.to_vec();
+    for _ in 0..n {
+        let (logits, _) = run_sequence(model, &tokens, 0, 3);
+        tokens.push(dflash_runtime::ops::argmax(&logits[(tokens.len() - 1) * vocab..]));
+    }
+    tokens[prompt.len()..].to_vec()
+}
+
+fn check(source: ModelSource, golden: &str, tol: f32) {
+    let g = read_golden(&fixtures().join(golden).join("golden.safetensors"));
+    let len = g["input_ids"].shape[1];
+    let prompt: Vec<u32> = g["input_ids"].data[..len].iter().map(|&x| x as u32).collect();
+    let whole = load_shard_weights(&source, &LoadOptions::default(), Arc::new(Solo)).expect("whole model");
+    let (want, _) = run_sequence(&whole, &prompt, 0, 4);
+    let want_tokens = greedy(&whole, &prompt, 8);
+    let ranks = on_ranks(&source, 2, |model| {
+        assert_eq!(model.config().num_heads * 2, whole.config().num_heads, "a rank holds half the heads");
+        (run_sequence(model, &prompt, 0, 4).0, greedy(model, &prompt, 8))
+    });
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&ranks[0].0), bits(&ranks[1].0), "{golden}: every rank gets the same logits");
+    assert_close(&format!("{golden}: 2 ranks against the whole model"), &ranks[0].0, &want, tol);
+    assert_eq!(ranks[0].1, want_tokens, "{golden}: greedy continuation over 2 ranks");
+}
+
+#[test]
+fn two_ranks_give_the_whole_models_logits_and_greedy_tokens() {
+    let dir = |name: &str| ModelSource::HfDir(fixtures().join(name));
+    check(dir("tiny-llama"), "tiny-llama", 1e-5);
+    check(dir("tiny-qwen3"), "tiny-qwen3", 1e-5);
+    // Quantized weights quantize their activations too: the ranks' partial sums, added in another order, move a
+    // layer's output by a rounding, which can move an activation's int8 value by one step (amax / 254 of its
+    // block) in the next layer. The logits then differ by about that much, and the greedy tokens not at all.
+    check(ModelSource::GgufFile(fixtures().join("tiny-llama-gguf/tiny.gguf")), "tiny-llama-gguf", 2e-3);
+}
