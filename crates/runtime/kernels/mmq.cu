@@ -260,19 +260,22 @@ __device__ __forceinline__ void mmq(const unsigned char* __restrict__ qs, const 
     }
 }
 
-// NAME: one activation pass (Int8); NAME_x2: two (Int8x2).
-#define DF_MMQ(NAME, FMT, P, SUFFIX)                                                                           \
-    extern "C" __global__ void __launch_bounds__(MMQ_WARPS * 32)                                                \
-        NAME##SUFFIX(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc,               \
-                     const float* __restrict__ x, u32 x_ld, u32 m, const float* __restrict__ norm_w, float eps, \
-                     float* __restrict__ y, u32 y_ld, u32 n_out, u32 k, u32 epi) {                              \
+// A quantized matmul kernel of THREADS threads a block running IMPL<FMT, P> on the arguments every quantized matmul
+// takes (mmvq's).
+#define DF_QUANT_MATMUL(NAME, IMPL, THREADS, FMT, P)                                                           \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                       \
+        NAME(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc,                       \
+             const float* __restrict__ x, u32 x_ld, u32 m, const float* __restrict__ norm_w, float eps,         \
+             float* __restrict__ y, u32 y_ld, u32 n_out, u32 k, u32 epi) {                                      \
         DF_GRID_DEPENDENCY();                                                                                   \
-        mmq<FMT, P>(qs, sc, x, x_ld, m, norm_w, eps, y, y_ld, n_out, k, epi);                                   \
+        IMPL<FMT, P>(qs, sc, x, x_ld, m, norm_w, eps, y, y_ld, n_out, k, epi);                                  \
     }
 
-DF_MMQ(mmq_q4_0, QF_Q4_0, 1, )
-DF_MMQ(mmq_q4_0, QF_Q4_0, 2, _x2)
-DF_MMQ(mmq_q4_1, QF_Q4_1, 1, )
-DF_MMQ(mmq_q4_1, QF_Q4_1, 2, _x2)
-DF_MMQ(mmq_q8_0, QF_Q8_0, 1, )
-DF_MMQ(mmq_q8_0, QF_Q8_0, 2, _x2)
+// NAME: one activation pass (Int8); NAME_x2: two (Int8x2).
+#define DF_QUANT_MATMUL_PASSES(NAME, IMPL, THREADS, FMT) \
+    DF_QUANT_MATMUL(NAME, IMPL, THREADS, FMT, 1)         \
+    DF_QUANT_MATMUL(NAME##_x2, IMPL, THREADS, FMT, 2)
+
+DF_QUANT_MATMUL_PASSES(mmq_q4_0, mmq, MMQ_WARPS * 32, QF_Q4_0)
+DF_QUANT_MATMUL_PASSES(mmq_q4_1, mmq, MMQ_WARPS * 32, QF_Q4_1)
+DF_QUANT_MATMUL_PASSES(mmq_q8_0, mmq, MMQ_WARPS * 32, QF_Q8_0)

@@ -256,19 +256,6 @@ __device__ __forceinline__ void mmq_warp(const unsigned char* __restrict__ qs, c
     }
 }
 
-// NAME: one activation pass (Int8); NAME_x2: two (Int8x2).
-#define DF_MMQ_WARP(NAME, FMT, P, SUFFIX)                                                                      \
-    extern "C" __global__ void __launch_bounds__(128)                                                           \
-        NAME##SUFFIX(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc,               \
-                     const float* __restrict__ x, u32 x_ld, u32 m, const float* __restrict__ norm_w, float eps, \
-                     float* __restrict__ y, u32 y_ld, u32 n_out, u32 k, u32 epi) {                              \
-        DF_GRID_DEPENDENCY();                                                                                   \
-        mmq_warp<FMT, P>(qs, sc, x, x_ld, m, norm_w, eps, y, y_ld, n_out, k, epi);                              \
-    }
-
-DF_MMQ_WARP(mmq_warp_q4_0, QF_Q4_0, 1, )
-DF_MMQ_WARP(mmq_warp_q4_0, QF_Q4_0, 2, _x2)
-DF_MMQ_WARP(mmq_warp_q4_1, QF_Q4_1, 1, )
-DF_MMQ_WARP(mmq_warp_q4_1, QF_Q4_1, 2, _x2)
-DF_MMQ_WARP(mmq_warp_q8_0, QF_Q8_0, 1, )
-DF_MMQ_WARP(mmq_warp_q8_0, QF_Q8_0, 2, _x2)
+DF_QUANT_MATMUL_PASSES(mmq_warp_q4_0, mmq_warp, 128, QF_Q4_0)
+DF_QUANT_MATMUL_PASSES(mmq_warp_q4_1, mmq_warp, 128, QF_Q4_1)
+DF_QUANT_MATMUL_PASSES(mmq_warp_q8_0, mmq_warp, 128, QF_Q8_0)
