@@ -95,14 +95,13 @@ pub fn unpack_drawn(words: &[u32], rows: &[DrawRow]) -> Vec<Drawn> {
         .collect()
 }
 
-/// Workspace for up to max_rows rows of vocab logits; made once, so a step allocates nothing.
+/// Workspace for up to `max_rows` rows of `vocab` logits; made once, so a step allocates nothing.
 ///
 /// One f32 row per drawn row (`vocab · 4` bytes): a copy of the raw logits to adjust (rows with adjustments), then
 /// the scaled logits (keyed draws). Greedy rows without adjustments, and logprobs, read the logits in place.
 #[derive(Debug)]
 pub struct SampleScratch {
     rows: DeviceBuf<f32>,
-    max_rows: usize,
 }
 
 impl SampleScratch {
@@ -111,12 +110,7 @@ impl SampleScratch {
     /// # Errors
     /// Out of device memory.
     pub fn new(dev: &CudaDevice, max_rows: usize, vocab: usize) -> Result<Self> {
-        Ok(SampleScratch { rows: dev.alloc_zeros((max_rows * vocab).max(1))?, max_rows })
-    }
-
-    /// How many rows it was made for.
-    pub fn max_rows(&self) -> usize {
-        self.max_rows
+        Ok(SampleScratch { rows: dev.alloc_zeros((max_rows * vocab).max(1))? })
     }
 }
 
