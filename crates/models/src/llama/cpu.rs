@@ -133,7 +133,10 @@ impl LlamaModel {
         let (n, h) = (cfg.num_layers, cfg.hidden_size);
         let streams = ModelStreams::load(store, cfg.streams, n, h, capture_layers, stream_tap)?;
         let capture_layers = capture_layers.to_vec();
-        let cfg = shard.as_ref().map_or(cfg.clone(), |s| s.config(&cfg));
+        let cfg = match &shard {
+            Some(s) => s.config(&cfg),
+            None => cfg,
+        };
         Ok(LlamaModel { cfg, embed, layers, final_norm, lm_head, rope, capture_layers, streams, comm })
     }
 

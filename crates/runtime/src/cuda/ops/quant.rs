@@ -283,21 +283,21 @@ pub fn mmvq_on(dev: &CudaDevice, w: &QuantMatrix, a: MmvqArgs, kernel: QuantKern
 /// memory does not fit.
 fn pick_kernel(asked: QuantKernel, format: QuantFormat, m: usize, k: usize, passes: usize) -> Option<QuantKernel> {
     let fits = |bytes: usize| bytes <= MAX_DYNAMIC_SMEM as usize;
-    let mmq_fits = fits(mmq_smem_bytes(k, passes));
-    let warp_fits = fits(mmq_warp_smem_bytes(format, k, passes, 1));
+    let mmq_fits = || fits(mmq_smem_bytes(k, passes));
+    let warp_fits = || fits(mmq_warp_smem_bytes(format, k, passes, 1));
     match asked {
         QuantKernel::Auto => {
             let switches = crate::switches::switches();
-            Some(if m >= MMQ_MIN_ROWS && mmq_fits && !switches.no_mmq {
+            Some(if m >= MMQ_MIN_ROWS && !switches.no_mmq && mmq_fits() {
                 QuantKernel::Mmq
-            } else if (MMQ_WARP_MIN_ROWS..MMQ_MIN_ROWS).contains(&m) && warp_fits && switches.mmq_warp {
+            } else if (MMQ_WARP_MIN_ROWS..MMQ_MIN_ROWS).contains(&m) && switches.mmq_warp && warp_fits() {
                 QuantKernel::MmqWarp
             } else {
                 QuantKernel::Mmvq
             })
         }
-        QuantKernel::Mmq => mmq_fits.then_some(QuantKernel::Mmq),
-        QuantKernel::MmqWarp => warp_fits.then_some(QuantKernel::MmqWarp),
+        QuantKernel::Mmq => mmq_fits().then_some(QuantKernel::Mmq),
+        QuantKernel::MmqWarp => warp_fits().then_some(QuantKernel::MmqWarp),
         QuantKernel::Mmvq => Some(QuantKernel::Mmvq),
     }
 }
