@@ -8,6 +8,7 @@
 //! cargo run --release -p dflash-runtime --example quant_bench -- --decode     # decode part, 3 times
 //! cargo run --release -p dflash-runtime --example quant_bench -- --levels avx2,avx512 --rounds 3
 //! cargo run --release -p dflash-runtime --example quant_bench -- --act-precision int8   # one activation pass
+//! cargo run --release -p dflash-runtime --example quant_bench -- --ladder 1,2,3,4,8   # a step's matmuls by rows
 //! ```
 //! The SIMD level is the CPU's best, or the one `DFLASH_SIMD` (`scalar`, `avx2`, `avx512`) asks for.
 //!
@@ -35,6 +36,9 @@ fn main() {
     }
     if std::env::args().any(|a| a == "--cpu-time") {
         return cpu_time_kernels();
+    }
+    if let Some(rows) = arg_value("--ladder") {
+        return ladder(&rows);
     }
     if let Some(levels) = arg_value("--levels") {
         let rounds = arg_value("--rounds").and_then(|r| r.parse().ok()).unwrap_or(3);
@@ -263,6 +267,31 @@ fn decode(model: &Model, bw: f64) -> Vec<f64> {
     }
     figures.extend([median.as_secs_f64() * 1e3, bw]);
     figures
+}
+
+/// The verify ladder of the matmuls: one step's every matrix (all layers and the LM head) at each row count,
+/// median ms and the ratio to one row. This is what a verify of `m` rows costs the target beyond one plain step.
+fn ladder(rows: &str) {
+    let rows: Vec<usize> = rows.split(',').map(|r| r.trim().parse().expect("--ladder takes row counts")).collect();
+    let threads = std::env::var("RAYON_NUM_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("thread pool");
+    println!("simd: {}, threads: {threads}, activations {:?}", quant::simd_level(), quant::act_precision());
+    pool.install(|| {
+        let model = Model::new();
+        let most = rows.iter().copied().max().unwrap_or(1);
+        let x = random_values(most * 1536, 3);
+        let mut y = vec![0f32; most * LM_HEAD.0];
+        let mut one = None;
+        for &m in &rows {
+            let (median, _) = timings(9, || {
+                model.layers.iter().flatten().for_each(|mat| mat.matmul(&x[..m * mat.k], m, &mut y[..m * mat.n]));
+                model.lm_head.matmul(&x[..m * LM_HEAD.1], m, &mut y[..m * LM_HEAD.0]);
+            });
+            let ms = median.as_secs_f64() * 1e3;
+            let base = *one.get_or_insert(ms);
+            println!("  {m:3} rows: {ms:7.2} ms  {:.2}x one row", ms / base);
+        }
+    });
 }
 
 fn prefill(model: &Model) {

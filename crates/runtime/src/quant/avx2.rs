@@ -1,8 +1,8 @@
 //! AVX2 kernels for the 32-element block types (Q4_0, Q4_1, Q8_0): dispatch and the few-row (decode)
 //! kernels. Many-row jobs go to `avx2_gemm`, K-quants to `avx2_k`.
 //!
-//! Batch invariance: output `y[i, j]` is bit-identical whichever kernel computes it (this one for jobs of one or
-//! two activation rows and for the columns left over from 8-wide strips, `avx2_gemm` otherwise). Both follow one
+//! Batch invariance: output `y[i, j]` is bit-identical whichever kernel computes it (this one for jobs of up to four
+//! activation rows and for the columns left over from 8-wide strips, `avx2_gemm` otherwise). Both follow one
 //! recipe per output: for each block in order, the exact integer dot product `sumi`, then
 //! `acc = fma(sumi, d_w * d_x, acc)` and, for the 4-bit types, `acc = fma(off, s_x, acc)` (`off` = Q4_1's `m` or
 //! Q4_0's `-8 d`; `s_x = d_x Σ x_q`), from `acc = 0` with no final reduction. Only the integer part may be
@@ -26,8 +26,10 @@ use crate::DType;
 /// layout) halve the f32 work but measured ~15% slower per token when the weights stream from DRAM.
 const ROWS: usize = 4;
 /// From this many activation rows on, a job uses the repacking kernel of `avx2_gemm` (a choice of speed only:
-/// both kernels give bit-identical outputs).
-const GEMM_MIN_ROWS: usize = 3;
+/// both kernels give bit-identical outputs). Below it the strips win: a 2-row verify at two activation passes
+/// (4 quantized rows) costs 1.6-1.7x a decode step on strips against 2.1x repacked (AMD EPYC, 2 threads;
+/// `quant_bench --ladder`); at 6 rows they tie, from 8 the repacked panels win.
+const GEMM_MIN_ROWS: usize = 5;
 
 /// Weight block kinds (const-generic parameter of the kernels).
 pub(super) const Q4_0: u8 = 0;
