@@ -108,6 +108,16 @@ impl Tensor {
         Ok(Tensor { dtype, shape: shape.to_vec(), buf })
     }
 
+    /// Another tensor with the same contents: a view of the same mapped range (no copy), or a copy of owned bytes.
+    /// Tensor-parallel ranks use it for the weights every rank holds whole.
+    pub fn share(&self) -> Tensor {
+        let buf = match &self.buf {
+            HostBuf::Mapped { map, range } => HostBuf::Mapped { map: Arc::clone(map), range: range.clone() },
+            HostBuf::Owned { words, len } => HostBuf::Owned { words: words.clone(), len: *len },
+        };
+        Tensor { dtype: self.dtype, shape: self.shape.clone(), buf }
+    }
+
     pub fn dtype(&self) -> DType {
         self.dtype
     }
@@ -286,5 +296,26 @@ mod tests {
         assert!(Tensor::zeros(DType::Q4_1, &[4, 48]).is_err());
         let t = Tensor::zeros(DType::Q4_1, &[4, 64]).expect("tensor");
         assert_eq!(t.byte_len(), 4 * 40);
+    }
+
+    #[test]
+    fn a_shared_tensor_views_a_mapped_range_and_copies_owned_bytes() {
+        let path = std::env::temp_dir().join(format!("dflash-share-{}.bin", std::process::id()));
+        let values: Vec<u8> = [1.5f32, -2.0, 3.25, 0.5].iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(&path, &values).expect("write");
+        let file = std::fs::File::open(&path).expect("open");
+        // SAFETY: the file is this test's own and nothing writes it while mapped.
+        let map = Arc::new(unsafe { Mmap::map(&file) }.expect("map"));
+        let mapped = Tensor::from_mmap(DType::F32, &[1, 2], Arc::clone(&map), 8).expect("mapped");
+        let view = mapped.share();
+        assert_eq!(view.as_f32().expect("f32"), &[3.25, 0.5]);
+        assert_eq!(view.bytes().expect("bytes").as_ptr(), mapped.bytes().expect("bytes").as_ptr(), "no copy");
+        let _ = std::fs::remove_file(&path);
+
+        let mut owned = Tensor::from_f32(&[1.0, 2.0], &[2]).expect("owned");
+        let copy = owned.share();
+        owned.as_f32_mut().expect("f32")[0] = 9.0;
+        assert_eq!(copy.as_f32().expect("f32"), &[1.0, 2.0], "a copy, not an alias");
+        assert_eq!((copy.dtype(), copy.shape()), (DType::F32, &[2][..]));
     }
 }
