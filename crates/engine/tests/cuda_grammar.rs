@@ -34,7 +34,7 @@ fn cuda_target(cfg: &EngineConfig) -> Result<Box<dyn Target>, ModelError> {
         max_seqs: cfg.max_running,
         context_window: cfg.context_window,
     };
-    let opts = TargetOptions { load: LoadOptions::default(), host_heads: false, cache };
+    let opts = TargetOptions { load: LoadOptions::default(), host_heads: false, cache, tensor_parallel: 1 };
     Ok(open_target(checkpoint(), Device::Cuda(0), &opts)?.target)
 }
 

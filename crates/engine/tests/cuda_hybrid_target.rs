@@ -54,7 +54,7 @@ fn target(name: &str, device: Device, cfg: &EngineConfig) -> Result<Box<dyn Targ
         context_window: cfg.context_window,
     };
     let load = LoadOptions { f32_weights: true, ..LoadOptions::default() };
-    let opts = TargetOptions { load, host_heads: false, cache };
+    let opts = TargetOptions { load, host_heads: false, cache, tensor_parallel: 1 };
     Ok(open_target(checkpoint, device, &opts)?.target)
 }
 

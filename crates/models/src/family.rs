@@ -79,6 +79,8 @@ pub struct TargetOptions {
     /// device (a CPU target always has them).
     pub host_heads: bool,
     pub cache: CachePlan,
+    /// Ranks the model is split over by tensor parallelism (1: off). Families that cannot split refuse more.
+    pub tensor_parallel: usize,
 }
 
 /// A checkpoint's config as its files hold it, before a family reads it.

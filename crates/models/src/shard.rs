@@ -7,7 +7,10 @@
 //! * o_proj is split by the same heads along its input (row parallel: columns of `[hidden, heads * head_dim]`), so
 //!   each rank's output is a partial sum over its heads;
 //! * gate / up are split by MLP columns and down along the same columns, likewise;
-//! * norms, the embedding and the LM head are whole on every rank (a vocabulary-parallel head is the next step).
+//! * the LM head is split by vocabulary rows (vocabulary parallel): each rank computes its slice of the logits and
+//!   one all-gather gives every rank the whole row; the vocabulary need not divide evenly;
+//! * norms and the embedding are whole on every rank (a lookup reads one row a token; a mapped checkpoint's
+//!   embedding is shared, not copied).
 //!
 //! Quantized matrices split along their input keep whole 32-element blocks: a rank's slice of the intermediate
 //! width must be a multiple of the block.
@@ -30,6 +33,8 @@ pub struct Shard {
     pub kv_heads: Range<usize>,
     /// Columns of the MLP's intermediate width.
     pub intermediate: Range<usize>,
+    /// Rows of the LM head: this rank's slice of the logits.
+    pub vocab: Range<usize>,
 }
 
 impl Shard {
@@ -56,7 +61,16 @@ impl Shard {
             heads: even("the attention heads", cfg.num_heads)?,
             kv_heads: even("the KV heads", cfg.num_kv_heads)?,
             intermediate: even("the intermediate size", cfg.intermediate_size)?,
+            vocab: Self::vocab_slice(cfg.vocab_size, rank, size),
         })
+    }
+
+    /// Rank `rank`'s rows of a vocabulary of `vocab` split over `size` ranks: consecutive, the first
+    /// `vocab % size` ranks one row longer.
+    pub fn vocab_slice(vocab: usize, rank: usize, size: usize) -> Range<usize> {
+        let (per, extra) = (vocab / size, vocab % size);
+        let start = rank * per + rank.min(extra);
+        start..start + per + usize::from(rank < extra)
     }
 
     /// The config one rank's layers have: its heads, KV heads and intermediate width (everything else whole).
@@ -89,6 +103,14 @@ impl Shard {
     /// A matrix smaller than the heads; a quantized one whose slice cuts a block.
     pub fn o_proj(&self, o_proj: &Tensor, head_dim: usize) -> Result<Tensor> {
         take_cols(o_proj, Self::head_rows(&self.heads, head_dim))
+    }
+
+    /// This rank's rows of the LM head `[vocab, hidden]`.
+    ///
+    /// # Errors
+    /// A matrix smaller than the vocabulary.
+    pub fn lm_head(&self, lm_head: &Tensor) -> Result<Tensor> {
+        take_rows(lm_head, self.vocab.clone())
     }
 
     /// This rank's gate and up rows `[intermediate, hidden]` and down's input columns `[hidden, intermediate]`.
@@ -162,6 +184,10 @@ mod tests {
         assert_eq!(shards[1].heads, 2..4);
         assert_eq!(shards[3].kv_heads, 3..4);
         assert_eq!(shards[2].intermediate, 128..192);
+        assert_eq!(shards.iter().map(|s| s.vocab.clone()).collect::<Vec<_>>(), [0..25, 25..50, 50..75, 75..100]);
+        // A vocabulary that does not divide: the first ranks take one row more, and the slices tile it.
+        let uneven: Vec<_> = (0..3).map(|r| Shard::vocab_slice(100, r, 3)).collect();
+        assert_eq!(uneven, [0..34, 34..67, 67..100]);
         let one = shards[0].config(&cfg);
         assert_eq!((one.num_heads, one.num_kv_heads, one.intermediate_size, one.hidden_size), (2, 1, 64, 64));
         let err = Shard::new(&config(8, 2, 256), 0, 4).expect_err("2 KV heads over 4 ranks");

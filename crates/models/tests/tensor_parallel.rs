@@ -8,9 +8,10 @@ mod common;
 use std::sync::Arc;
 
 use common::{assert_close, fixtures, read_golden, run_sequence};
-use dflash_models::llama::load_shard_weights;
+use dflash_models::llama::{load_shard_weights, LlamaModel, LlamaTarget, TensorParallelTarget};
 use dflash_models::resolve::ModelSource;
-use dflash_models::LoadOptions;
+use dflash_models::weights::{WeightFile, WeightStore};
+use dflash_models::{ForwardBatch, LoadOptions, ModelConfig, SeqRows, StreamTap, Target};
 use dflash_runtime::comm::{Communicator, Solo, ThreadGroup};
 
 /// `run` on every rank of a `size`-rank split of `source`, each in its own thread: the ranks' results in rank order.
@@ -77,4 +78,61 @@ fn two_ranks_give_the_whole_models_logits_and_greedy_tokens() {
     // layer's output by a rounding, which can move an activation's int8 value by one step (amax / 254 of its
     // block) in the next layer. The logits then differ by about that much, and the greedy tokens not at all.
     check(ModelSource::GgufFile(fixtures().join("tiny-llama-gguf/tiny.gguf")), "tiny-llama-gguf", 2e-3);
+}
+
+/// One sequence through `target` as the engine drives it: the prompt in one forward, then `steps` greedy decode
+/// rows, one forward each. Returns every forward's logits and the tokens chosen.
+fn drive(target: &mut dyn dflash_models::Target, prompt: &[u32], steps: usize) -> (Vec<f32>, Vec<u32>) {
+    let vocab = target.config().vocab_size;
+    let page_size = target.page_size();
+    let table: Vec<u32> = (0..target.num_pages() as u32).rev().collect();
+    let slot = |p: usize| table[p / page_size] * page_size as u32 + (p % page_size) as u32;
+    let (mut logits, mut tokens) = (Vec::new(), prompt.to_vec());
+    let mut context = 0;
+    for _ in 0..=steps {
+        let rows = &tokens[context..];
+        let positions: Vec<u32> = (context..tokens.len()).map(|p| p as u32).collect();
+        let slots: Vec<u32> = (context..tokens.len()).map(slot).collect();
+        let seqs =
+            [SeqRows { num_rows: rows.len(), context_len: context, block_table: &table, prompt_len: prompt.len() }];
+        let last = [rows.len() as u32 - 1];
+        let batch = ForwardBatch { tokens: rows, positions: &positions, seqs: &seqs, slots: &slots, logit_rows: &last };
+        let out = target.forward(&batch).expect("forward");
+        let row = out.logits.as_f32().expect("f32");
+        assert_eq!(row.len(), vocab, "one whole row of logits");
+        logits.extend_from_slice(row);
+        context = tokens.len();
+        tokens.push(dflash_runtime::ops::argmax(row));
+    }
+    (logits, tokens[prompt.len()..].to_vec())
+}
+
+/// The tensor-parallel target as the engine drives it, on random weights whose vocabulary (101) does not split
+/// evenly over the ranks: a prompt chunk and greedy decode steps give the whole model's logits and tokens. A batch
+/// the caches cannot take fails on every rank without leaving the group stuck: the next step runs.
+#[test]
+fn the_parallel_target_steps_as_the_whole_model_does() {
+    let cfg = ModelConfig::from_hf(&serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "vocab_size": 101, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 256,
+        "tie_word_embeddings": true
+    }))
+    .expect("config");
+    let store = || WeightStore::new(WeightFile::Random { seed: 11 });
+    let (pages, page_size) = (8, 4);
+    let model = LlamaModel::load(cfg.clone(), &mut store(), &[], StreamTap::default()).expect("whole model");
+    let mut whole = LlamaTarget::new(Arc::new(model), pages, page_size).expect("whole target");
+    let mut split = TensorParallelTarget::load(cfg, &mut store(), &[], 2, 1, (pages, page_size)).expect("two ranks");
+    assert_eq!(split.config().vocab_size, 101, "the target reports the whole model");
+
+    let prompt = [5, 17, 99, 3, 42, 8, 100];
+    let (want, want_tokens) = drive(&mut whole, &prompt, 6);
+    let bad_slot = [u32::MAX];
+    let seqs = [SeqRows { num_rows: 1, context_len: 0, block_table: &[0], prompt_len: 1 }];
+    let bad = ForwardBatch { tokens: &[1], positions: &[0], seqs: &seqs, slots: &bad_slot, logit_rows: &[0] };
+    assert!(split.forward(&bad).is_err(), "a slot past the cache");
+    let (got, got_tokens) = drive(&mut split, &prompt, 6);
+    assert_close("two ranks against the whole model, step by step", &got, &want, 1e-5);
+    assert_eq!(got_tokens, want_tokens, "greedy tokens over two ranks");
 }

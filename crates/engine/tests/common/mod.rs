@@ -127,7 +127,7 @@ pub fn trunk_norm(source: &ModelSource) -> dflash_models::mtp::TrunkNorm {
     let checkpoint = Checkpoint::open(source, None).expect("checkpoint");
     let cache =
         CachePlan { pages: KvPages::Fixed(1), page_size: 16, max_batch_tokens: 16, max_seqs: 1, context_window: 16 };
-    let opts = TargetOptions { load: LoadOptions::default(), host_heads: true, cache };
+    let opts = TargetOptions { load: LoadOptions::default(), host_heads: true, cache, tensor_parallel: 1 };
     let opened = open_target(checkpoint, Device::Cpu, &opts).expect("target");
     let heads = opened.target.host_heads().expect("host heads");
     dflash_models::mtp::TrunkNorm::from_heads(heads.as_ref()).expect("final norm")

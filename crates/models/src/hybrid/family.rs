@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::{HybridConfig, HybridModel, HybridTarget};
 use crate::config::ModelConfig;
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 use crate::family::{Device, Family, RawConfig, TargetOptions};
 use crate::target::Target;
 use crate::weights::WeightStore;
@@ -47,6 +47,14 @@ impl Family for HybridFamily {
 
     /// The checkpoint's own MTP head (`mtp.*`) is left for the head's loader, as transformers leaves it.
     fn open(&self, weights: &mut WeightStore, device: Device, opts: &TargetOptions) -> Result<Box<dyn Target>> {
+        if opts.tensor_parallel > 1 {
+            // Its GDN heads, gated attention and MoE experts have no split yet (docs/ARCHITECTURE.md).
+            return Err(ModelError::Unsupported(format!(
+                "tensor parallelism ({} ranks) for {} targets; the Llama family splits",
+                opts.tensor_parallel,
+                self.kind_name()
+            )));
+        }
         let load = &opts.load;
         let model = HybridModel::load(self.config.clone(), weights, &load.capture_layers, load.stream_tap)?;
         weights.ignore_under(crate::mtp::PREFIX);
@@ -73,9 +81,9 @@ pub fn open_random(
     seed: u64,
 ) -> Result<Box<dyn Target>> {
     match device {
-        Device::Cpu => Err(crate::error::ModelError::Unsupported(
-            "random-weight targets are made on the GPU: pass --device cuda[:N]".into(),
-        )),
+        Device::Cpu => {
+            Err(ModelError::Unsupported("random-weight targets are made on the GPU: pass --device cuda[:N]".into()))
+        }
         Device::Cuda(ordinal) => open_random_cuda(config, ordinal, cache, seed),
     }
 }

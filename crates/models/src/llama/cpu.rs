@@ -18,7 +18,7 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::shard::Shard;
 use crate::streams::{ModelStreams, StreamResidual, StreamTap};
-use crate::target::TargetHeads;
+use crate::target::{HostHeads, TargetHeads};
 use crate::weights::WeightStore;
 
 /// Matrices that share an input, applied as one matmul when they could be fused.
@@ -108,11 +108,13 @@ impl LlamaModel {
     }
 
     /// [`LlamaModel::load`] for rank `comm.rank()` of `comm.size()` tensor-parallel ranks: the rank's heads, KV
-    /// heads and MLP columns of every layer ([`Shard`]); its forward adds the ranks' partial outputs through `comm`
-    /// and gives every rank the whole model's logits. Each rank needs its own KV cache ([`Self::new_kv_cache`]).
+    /// heads and MLP columns of every layer and its rows of the LM head ([`Shard`]); its forward adds the ranks'
+    /// partial outputs through `comm` and gives every rank the whole model's logits. Each rank needs its own KV
+    /// cache ([`Self::new_kv_cache`]).
     ///
     /// # Errors
-    /// As `load`; heads, KV heads or an intermediate width that do not split over the ranks.
+    /// As `load`; heads, KV heads or an intermediate width that do not split over the ranks; a stream target split
+    /// over ranks.
     pub fn load_shard(
         cfg: ModelConfig,
         store: &mut WeightStore,
@@ -120,12 +122,13 @@ impl LlamaModel {
         stream_tap: StreamTap,
         comm: Arc<dyn Communicator>,
     ) -> Result<Self> {
-        if let Some(&l) = capture_layers.iter().find(|&&l| l >= cfg.num_layers) {
-            return Err(ModelError::Config(format!("capture layer {l} >= {} layers", cfg.num_layers)));
+        if comm.size() > 1 {
+            let (ranks, _) = Self::load_ranks(cfg, store, capture_layers, std::slice::from_ref(&comm))?;
+            return ranks.into_iter().next().ok_or_else(|| ModelError::Config("no rank was loaded".into()));
         }
-        let shard = (comm.size() > 1).then(|| Shard::new(&cfg, comm.rank(), comm.size())).transpose()?;
+        check_taps(&cfg, capture_layers)?;
         let layers = (0..cfg.num_layers)
-            .map(|i| layer(take_layer(&cfg, store, i)?, shard.as_ref(), cfg.head_dim))
+            .map(|i| layer(take_layer(&cfg, store, i)?, None, cfg.head_dim))
             .collect::<Result<Vec<_>>>()?;
         let heads = take_heads(&cfg, store)?;
         let (embed, lm_head, final_norm) = (heads.embed, heads.lm_head, dense_f32(heads.final_norm)?);
@@ -133,11 +136,53 @@ impl LlamaModel {
         let (n, h) = (cfg.num_layers, cfg.hidden_size);
         let streams = ModelStreams::load(store, cfg.streams, n, h, capture_layers, stream_tap)?;
         let capture_layers = capture_layers.to_vec();
-        let cfg = match &shard {
-            Some(s) => s.config(&cfg),
-            None => cfg,
-        };
         Ok(LlamaModel { cfg, embed, layers, final_norm, lm_head, rope, capture_layers, streams, comm })
+    }
+
+    /// Tensor-parallel ranks of one model, every tensor read from `store` once: for each communicator the share of
+    /// rank `comm.rank()` (as [`Self::load_shard`]), and the whole embedding, LM head and final norm for drafters
+    /// that read the target's heads. The embedding is whole on every rank, shared where the checkpoint is mapped.
+    ///
+    /// # Errors
+    /// As `load`; heads, KV heads or an intermediate width that do not split over the ranks; a stream target.
+    pub fn load_ranks(
+        cfg: ModelConfig,
+        store: &mut WeightStore,
+        capture_layers: &[usize],
+        comms: &[Arc<dyn Communicator>],
+    ) -> Result<(Vec<Self>, HostHeads)> {
+        check_taps(&cfg, capture_layers)?;
+        if cfg.streams.is_some() {
+            return Err(ModelError::Unsupported("tensor parallelism on a hyper-connection stream target".into()));
+        }
+        let shards = comms.iter().map(|c| Shard::new(&cfg, c.rank(), c.size())).collect::<Result<Vec<_>>>()?;
+        let mut layers: Vec<Vec<Layer>> = shards.iter().map(|_| Vec::with_capacity(cfg.num_layers)).collect();
+        for i in 0..cfg.num_layers {
+            let whole = take_layer(&cfg, store, i)?;
+            for (shard, rank_layers) in shards.iter().zip(&mut layers) {
+                rank_layers.push(layer(whole.share(), Some(shard), cfg.head_dim)?);
+            }
+        }
+        let heads = take_heads(&cfg, store)?;
+        let final_norm = dense_f32(heads.final_norm)?;
+        let rope = RopeTable::new(cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling, cfg.rope_style)?;
+        let whole_head = heads.lm_head.as_ref().unwrap_or(&heads.embed);
+        let mut ranks = Vec::with_capacity(shards.len());
+        for ((shard, layers), comm) in shards.iter().zip(layers).zip(comms) {
+            ranks.push(LlamaModel {
+                cfg: shard.config(&cfg),
+                embed: heads.embed.share(),
+                layers,
+                final_norm: final_norm.share(),
+                lm_head: Some(shard.lm_head(whole_head)?),
+                rope: rope.clone(),
+                capture_layers: capture_layers.to_vec(),
+                streams: None,
+                comm: Arc::clone(comm),
+            });
+        }
+        let eps = cfg.rms_norm_eps;
+        Ok((ranks, HostHeads { embedding: heads.embed, lm_head: heads.lm_head, final_norm, eps }))
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -165,7 +210,7 @@ impl LlamaModel {
         &self.embed
     }
 
-    /// The LM head matrix (the embedding when tied).
+    /// The LM head matrix (the embedding when tied); on a tensor-parallel rank, its vocabulary rows only.
     pub fn lm_head(&self) -> &Tensor {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }
@@ -320,9 +365,33 @@ impl LlamaModel {
         }
         let mut normed = Tensor::zeros(DType::F32, picked.shape())?;
         ops::rms_norm(&picked, &self.final_norm, self.cfg.rms_norm_eps, &mut normed)?;
-        let mut logits = Tensor::zeros(DType::F32, &[normed.rows(), self.cfg.vocab_size])?;
+        // On a tensor-parallel rank the head holds this rank's vocabulary rows only.
+        let mut logits = Tensor::zeros(DType::F32, &[normed.rows(), self.lm_head().rows()])?;
         ops::matmul(&normed, self.lm_head(), &mut logits)?;
-        Ok(logits)
+        if self.comm.size() == 1 {
+            return Ok(logits);
+        }
+        self.gather_vocab(&logits)
+    }
+
+    /// The whole logits `[L, vocab]` from every rank's slice (`local`: `[L, this rank's vocabulary rows]`).
+    fn gather_vocab(&self, local: &Tensor) -> Result<Tensor> {
+        let (rows, vocab, size) = (local.rows(), self.cfg.vocab_size, self.comm.size());
+        let mut gathered = Vec::new();
+        self.comm.all_gather(local.as_f32()?, &mut gathered)?;
+        let mut whole = Tensor::zeros(DType::F32, &[rows, vocab])?;
+        let dst = whole.as_f32_mut()?;
+        // `gathered` is rank-major: rank r's `[L, its rows]` block, then the next rank's.
+        let mut at = 0;
+        for rank in 0..size {
+            let slice = Shard::vocab_slice(vocab, rank, size);
+            let w = slice.len();
+            for (r, src) in gathered[at..at + rows * w].chunks_exact(w).enumerate() {
+                dst[r * vocab + slice.start..r * vocab + slice.end].copy_from_slice(src);
+            }
+            at += rows * w;
+        }
+        Ok(whole)
     }
 }
 
@@ -396,6 +465,14 @@ fn layer(t: LayerTensors, shard: Option<&Shard>, head_dim: usize) -> Result<Laye
         gate_up: Projection::new(vec![gate, up])?,
         down,
     })
+}
+
+/// Capture layers must exist.
+fn check_taps(cfg: &ModelConfig, capture_layers: &[usize]) -> Result<()> {
+    match capture_layers.iter().find(|&&l| l >= cfg.num_layers) {
+        Some(&l) => Err(ModelError::Config(format!("capture layer {l} >= {} layers", cfg.num_layers))),
+        None => Ok(()),
+    }
 }
 
 /// Norm weights are used as f32 whatever their stored dtype.

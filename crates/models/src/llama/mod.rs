@@ -2,11 +2,13 @@
 //!
 //! * `weights`: the checkpoint layout, named once for every device.
 //! * `cpu` ([`LlamaModel`]) and `target` ([`LlamaTarget`]): the CPU forward and its engine-facing target.
+//! * `parallel` ([`TensorParallelTarget`]): the CPU forward split over tensor-parallel ranks.
 //! * `cuda` (feature `cuda`): the same on one GPU ([`cuda::CudaLlamaModel`], [`cuda::CudaLlamaTarget`]).
 
 mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod parallel;
 mod target;
 mod weights;
 
@@ -14,6 +16,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 pub use cpu::LlamaModel;
+pub use parallel::TensorParallelTarget;
 pub use target::LlamaTarget;
 
 use crate::checkpoint::{apply_overrides_to_gguf_config, Checkpoint, LoadOptions};
@@ -68,14 +71,40 @@ impl Family for LlamaFamily {
     fn open(&self, weights: &mut WeightStore, device: Device, opts: &TargetOptions) -> Result<Box<dyn Target>> {
         let taps = &opts.load.capture_layers;
         match device {
+            Device::Cpu if opts.tensor_parallel > 1 => open_parallel(&self.config, weights, opts),
             Device::Cpu => {
                 let model = LlamaModel::load(self.config.clone(), weights, taps, opts.load.stream_tap)?;
                 let cache = &opts.cache;
                 Ok(Box::new(LlamaTarget::new(Arc::new(model), cache.fixed_pages()?, cache.page_size)?))
             }
+            Device::Cuda(_) if opts.tensor_parallel > 1 => Err(ModelError::Unsupported(format!(
+                "tensor parallelism ({} ranks) on CUDA: the NCCL ranks are not built yet; it runs on --device cpu",
+                opts.tensor_parallel
+            ))),
             Device::Cuda(ordinal) => open_cuda(&self.config, weights, ordinal, opts),
         }
     }
+}
+
+/// The model split over `opts.tensor_parallel` CPU ranks, the pool's threads shared out between them; logs what
+/// each rank holds.
+fn open_parallel(cfg: &ModelConfig, weights: &mut WeightStore, opts: &TargetOptions) -> Result<Box<dyn Target>> {
+    let size = opts.tensor_parallel;
+    let threads = (dflash_runtime::threads::count() / size).max(1);
+    let pages = (opts.cache.fixed_pages()?, opts.cache.page_size);
+    let target = TensorParallelTarget::load(cfg.clone(), weights, &opts.load.capture_layers, size, threads, pages)?;
+    for rank in 0..size {
+        if let Some((weights, kv)) = target.rank_bytes(rank) {
+            let mb = |b: usize| b as f64 / 1e6;
+            tracing::info!(
+                "tensor-parallel rank {rank} of {size}: {:.1} MB of weights, {:.1} MB of KV cache, {threads} {}",
+                mb(weights),
+                mb(kv),
+                if threads == 1 { "thread" } else { "threads" }
+            );
+        }
+    }
+    Ok(Box::new(target))
 }
 
 #[cfg(feature = "cuda")]

@@ -22,6 +22,25 @@ pub(crate) struct LayerTensors {
     pub down: Tensor,           // [hidden, intermediate]
 }
 
+impl LayerTensors {
+    /// The same tensors for another rank to slice ([`Tensor::share`]: views where the checkpoint is mapped).
+    pub fn share(&self) -> LayerTensors {
+        LayerTensors {
+            attn_norm: self.attn_norm.share(),
+            q: self.q.share(),
+            k: self.k.share(),
+            v: self.v.share(),
+            q_norm: self.q_norm.as_ref().map(Tensor::share),
+            k_norm: self.k_norm.as_ref().map(Tensor::share),
+            o_proj: self.o_proj.share(),
+            ffn_norm: self.ffn_norm.share(),
+            gate: self.gate.share(),
+            up: self.up.share(),
+            down: self.down.share(),
+        }
+    }
+}
+
 /// Takes layer `i`'s tensors.
 ///
 /// # Errors
