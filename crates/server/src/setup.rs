@@ -145,6 +145,7 @@ impl Startup {
                 max_seqs: plan.max_running,
                 context_window: plan.context_window,
             },
+            tensor_parallel: args.tensor_parallel_size,
         };
         let t0 = Instant::now();
         let opened =
