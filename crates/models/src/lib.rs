@@ -19,6 +19,7 @@ pub mod hybrid;
 pub mod llama;
 pub mod masks;
 pub mod mtp;
+pub mod parallel;
 pub mod resolve;
 pub mod safetensors_dir;
 pub mod shard;

@@ -8,10 +8,13 @@ mod common;
 use std::sync::Arc;
 
 use common::{assert_close, fixtures, read_golden, run_sequence};
-use dflash_models::llama::{load_shard_weights, LlamaModel, LlamaTarget, TensorParallelTarget};
+use dflash_models::llama::{load_shard_weights, open_parallel, LlamaModel, LlamaTarget};
 use dflash_models::resolve::ModelSource;
 use dflash_models::weights::{WeightFile, WeightStore};
-use dflash_models::{ForwardBatch, LoadOptions, ModelConfig, SeqRows, StreamTap, Target};
+use dflash_models::{
+    open_target, CachePlan, Checkpoint, Device, ForwardBatch, KvPages, LoadOptions, ModelConfig, Readout, ResumeState,
+    SeqRows, StepSeq, StreamTap, Target, TargetOptions,
+};
 use dflash_runtime::comm::{Communicator, Solo, ThreadGroup};
 
 /// `run` on every rank of a `size`-rank split of `source`, each in its own thread: the ranks' results in rank order.
@@ -97,7 +100,8 @@ fn drive(target: &mut dyn dflash_models::Target, prompt: &[u32], steps: usize) -
             [SeqRows { num_rows: rows.len(), context_len: context, block_table: &table, prompt_len: prompt.len() }];
         let last = [rows.len() as u32 - 1];
         let batch = ForwardBatch { tokens: rows, positions: &positions, seqs: &seqs, slots: &slots, logit_rows: &last };
-        let out = target.forward(&batch).expect("forward");
+        let step = [StepSeq { key: 1, verifies: false }];
+        let out = target.forward_step(&batch, &step, Readout::Logits).expect("forward");
         let row = out.logits.as_f32().expect("f32");
         assert_eq!(row.len(), vocab, "one whole row of logits");
         logits.extend_from_slice(row);
@@ -123,7 +127,7 @@ fn the_parallel_target_steps_as_the_whole_model_does() {
     let (pages, page_size) = (8, 4);
     let model = LlamaModel::load(cfg.clone(), &mut store(), &[], StreamTap::default()).expect("whole model");
     let mut whole = LlamaTarget::new(Arc::new(model), pages, page_size).expect("whole target");
-    let mut split = TensorParallelTarget::load(cfg, &mut store(), &[], 2, 1, (pages, page_size)).expect("two ranks");
+    let mut split = open_parallel(cfg, &mut store(), &[], 2, 1, (pages, page_size)).expect("two ranks");
     assert_eq!(split.config().vocab_size, 101, "the target reports the whole model");
 
     let prompt = [5, 17, 99, 3, 42, 8, 100];
@@ -135,4 +139,63 @@ fn the_parallel_target_steps_as_the_whole_model_does() {
     let (got, got_tokens) = drive(&mut split, &prompt, 6);
     assert_close("two ranks against the whole model, step by step", &got, &want, 1e-5);
     assert_eq!(got_tokens, want_tokens, "greedy tokens over two ranks");
+}
+
+/// The hybrid fixture (Gated DeltaNet, gated attention, a sparse MoE with a shared expert, a dense MLP layer) through
+/// the door with 2 CPU ranks: prompt and decode steps as the whole model gives them, a verify round rolled back to
+/// its anchor on every rank, and a state snapshot made of every rank's.
+#[test]
+fn a_hybrid_target_splits_its_linear_attention_and_experts() {
+    let open = |tensor_parallel: usize| {
+        let source = ModelSource::HfDir(fixtures().join("tiny-qwen3-next"));
+        let checkpoint = Checkpoint::open(&source, None).expect("checkpoint");
+        let cache = CachePlan {
+            pages: KvPages::Fixed(16),
+            page_size: 4,
+            max_batch_tokens: 64,
+            max_seqs: 4,
+            context_window: 64,
+        };
+        let opts = TargetOptions { load: LoadOptions::default(), host_heads: true, cache, tensor_parallel };
+        open_target(checkpoint, Device::Cpu, &opts).expect("open").target
+    };
+    let (mut whole, mut split) = (open(1), open(2));
+    assert!(split.device().contains("2 ranks"), "{}", split.device());
+    let prompt = [11, 200, 37, 5, 90, 4, 18, 77, 3];
+    let (want, want_tokens) = drive(whole.as_mut(), &prompt, 5);
+    let (got, got_tokens) = drive(split.as_mut(), &prompt, 5);
+    assert_close("2 hybrid ranks against the whole model", &got, &want, 1e-5);
+    assert_eq!(got_tokens, want_tokens, "greedy tokens over 2 hybrid ranks");
+
+    // Each rank keeps its own heads' recurrent state: the target's snapshot is both, and fits back in.
+    let floats = |t: &dyn Target| match t.resume_state() {
+        ResumeState::Snapshot { floats } => floats,
+        ResumeState::Pages => 0,
+    };
+    assert_eq!(floats(split.as_ref()), floats(whole.as_ref()), "the ranks' states add up to the whole one");
+    let snapshot = split.snapshot_state(1).expect("a snapshot of sequence 1");
+    assert_eq!(snapshot.len(), floats(split.as_ref()));
+    split.restore_state(2, &snapshot).expect("restore into another sequence");
+
+    // A verify round of three rows that keeps only its anchor, then the anchor's successor as a plain step: the
+    // logits of that step match the whole model's doing the same.
+    let verify_then_step = |t: &mut dyn Target| {
+        let context = prompt.len() + 5;
+        let table: Vec<u32> = (0..t.num_pages() as u32).rev().collect();
+        let slot = |p: usize| table[p / 4] * 4 + (p % 4) as u32;
+        let run = |t: &mut dyn Target, tokens: &[u32], verifies: bool| {
+            let positions: Vec<u32> = (context..context + tokens.len()).map(|p| p as u32).collect();
+            let slots: Vec<u32> = (context..context + tokens.len()).map(slot).collect();
+            let seqs = [SeqRows { num_rows: tokens.len(), context_len: context, block_table: &table, prompt_len: 9 }];
+            let rows: Vec<u32> = (0..tokens.len() as u32).collect();
+            let batch = ForwardBatch { tokens, positions: &positions, seqs: &seqs, slots: &slots, logit_rows: &rows };
+            let step = [StepSeq { key: 1, verifies }];
+            t.forward_step(&batch, &step, Readout::Logits).expect("step").logits.as_f32().expect("f32").to_vec()
+        };
+        run(t, &[want_tokens[5], 1, 2], true);
+        t.verified(1, 1);
+        run(t, &[want_tokens[5]], false)
+    };
+    let (want, got) = (verify_then_step(whole.as_mut()), verify_then_step(split.as_mut()));
+    assert_close("a step after a rolled-back verify, 2 hybrid ranks", &got, &want, 1e-5);
 }

@@ -3,10 +3,13 @@
 
 use std::sync::Arc;
 
+use dflash_runtime::comm::{Communicator, ThreadGroup};
+
 use super::{HybridConfig, HybridModel, HybridTarget};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::family::{Device, Family, RawConfig, TargetOptions};
+use crate::parallel::TensorParallelTarget;
 use crate::target::Target;
 use crate::weights::WeightStore;
 
@@ -47,25 +50,50 @@ impl Family for HybridFamily {
 
     /// The checkpoint's own MTP head (`mtp.*`) is left for the head's loader, as transformers leaves it.
     fn open(&self, weights: &mut WeightStore, device: Device, opts: &TargetOptions) -> Result<Box<dyn Target>> {
-        if opts.tensor_parallel > 1 {
-            // Its GDN heads, gated attention and MoE experts have no split yet (docs/ARCHITECTURE.md).
-            return Err(ModelError::Unsupported(format!(
-                "tensor parallelism ({} ranks) for {} targets; the Llama family splits",
-                opts.tensor_parallel,
-                self.kind_name()
-            )));
-        }
         let load = &opts.load;
         let model = HybridModel::load(self.config.clone(), weights, &load.capture_layers, load.stream_tap)?;
         weights.ignore_under(crate::mtp::PREFIX);
+        let cache = &opts.cache;
         match device {
-            Device::Cpu => {
-                let cache = &opts.cache;
-                Ok(Box::new(HybridTarget::new(Arc::new(model), cache.fixed_pages()?, cache.page_size)?))
+            Device::Cpu if opts.tensor_parallel > 1 => {
+                let pages = (cache.fixed_pages()?, cache.page_size);
+                Ok(Box::new(open_parallel(model, opts.tensor_parallel, pages)?))
             }
+            Device::Cpu => Ok(Box::new(HybridTarget::new(Arc::new(model), cache.fixed_pages()?, cache.page_size)?)),
+            Device::Cuda(_) if opts.tensor_parallel > 1 => Err(ModelError::Unsupported(format!(
+                "tensor parallelism ({} ranks) on CUDA: the NCCL ranks are not built yet; it runs on --device cpu",
+                opts.tensor_parallel
+            ))),
             Device::Cuda(ordinal) => open_cuda(model, ordinal, opts),
         }
     }
+}
+
+/// `model` split over `size` CPU ranks ([`HybridModel::shard`]), each a [`HybridTarget`] with a cache of `num_pages`
+/// pages of `page_size` tokens and its own recurrent states, on a pool of its share of the process's threads.
+///
+/// # Errors
+/// Widths that do not split over the ranks; a pool or cache that cannot be made.
+pub fn open_parallel(
+    model: HybridModel,
+    size: usize,
+    (num_pages, page_size): (usize, usize),
+) -> Result<TensorParallelTarget> {
+    let threads = (dflash_runtime::threads::count() / size).max(1);
+    let group: Vec<Arc<ThreadGroup>> = ThreadGroup::new(size).into_iter().map(Arc::new).collect();
+    let mut ranks: Vec<Box<dyn Target>> = Vec::with_capacity(size);
+    for comm in &group {
+        let rank = model.shard(Arc::clone(comm) as Arc<dyn Communicator>)?;
+        tracing::info!(
+            "tensor-parallel rank {} of {size}: {:.1} MB of weights a row reads, {threads} CPU threads",
+            comm.rank(),
+            rank.active_weight_bytes() as f64 / 1e6
+        );
+        ranks.push(Box::new(HybridTarget::new(Arc::new(rank), num_pages, page_size)?));
+    }
+    let config = model.config().base.clone();
+    let lead = group.into_iter().next().ok_or_else(|| ModelError::Config("tensor parallelism over 0 ranks".into()))?;
+    TensorParallelTarget::new(config, ranks, lead, model.into_heads(), threads)
 }
 
 /// A target of `config`'s shapes with random bf16 weights made on the GPU (benchmarks of shapes no checkpoint here

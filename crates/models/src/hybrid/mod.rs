@@ -24,12 +24,15 @@ mod family;
 pub(crate) mod gdn;
 pub(crate) mod moe;
 pub(crate) mod rows;
+mod shard;
 mod state;
 mod target;
 pub(crate) mod weights;
 
 use std::path::Path;
+use std::sync::Arc;
 
+use dflash_runtime::comm::{Communicator, Solo};
 use dflash_runtime::ops::{self, RopeStyle, RopeTable};
 use dflash_runtime::{DType, Tensor};
 
@@ -80,6 +83,8 @@ pub struct HybridModel {
     pub(crate) rope: RopeTable,
     pub(crate) capture_layers: Vec<usize>,
     pub(crate) streams: Option<ModelStreams>,
+    /// The tensor-parallel ranks this model's layers are split over (`Solo`: whole layers; [`HybridModel::shard`]).
+    pub(crate) comm: Arc<dyn Communicator>,
 }
 
 impl HybridModel {
@@ -112,7 +117,8 @@ impl HybridModel {
         let rope = RopeTable::new(cfg.rotary_dim, b.rope_theta, &b.rope_scaling, RopeStyle::Neox)?;
         let streams = ModelStreams::load(store, b.streams, n, h, capture_layers, stream_tap)?;
         let capture_layers = capture_layers.to_vec();
-        Ok(HybridModel { cfg, embed, layers, final_norm, lm_head, rope, capture_layers, streams })
+        let comm = Arc::new(Solo);
+        Ok(HybridModel { cfg, embed, layers, final_norm, lm_head, rope, capture_layers, streams, comm })
     }
 
     pub fn config(&self) -> &HybridConfig {
@@ -257,8 +263,11 @@ impl HybridModel {
                 ops::rms_norm(residual, &layer.attn_norm, eps, &mut normed)?;
             }
             self.mixer_block(layer, run, &normed, &mut delta)?;
+            // On a tensor-parallel rank each block's output covers the rank's heads or columns only.
+            self.comm.all_reduce_sum(delta.as_f32_mut()?)?;
             ops::add_rms_norm(residual, &delta, &layer.ffn_norm, eps, &mut normed)?;
             layer.ffn.forward(run.plan, &normed, &mut delta)?;
+            self.comm.all_reduce_sum(delta.as_f32_mut()?)?;
             match self.layers.get(i + 1) {
                 Some(next) => ops::add_rms_norm(residual, &delta, &next.attn_norm, eps, &mut normed)?,
                 None => ops::add_in_place(residual, &delta)?,

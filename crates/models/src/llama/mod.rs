@@ -2,13 +2,12 @@
 //!
 //! * `weights`: the checkpoint layout, named once for every device.
 //! * `cpu` ([`LlamaModel`]) and `target` ([`LlamaTarget`]): the CPU forward and its engine-facing target.
-//! * `parallel` ([`TensorParallelTarget`]): the CPU forward split over tensor-parallel ranks.
+//! * [`open_parallel`]: the CPU forward split over tensor-parallel ranks ([`crate::parallel`]).
 //! * `cuda` (feature `cuda`): the same on one GPU ([`cuda::CudaLlamaModel`], [`cuda::CudaLlamaTarget`]).
 
 mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-mod parallel;
 mod target;
 mod weights;
 
@@ -16,14 +15,17 @@ use std::path::Path;
 use std::sync::Arc;
 
 pub use cpu::LlamaModel;
-pub use parallel::TensorParallelTarget;
 pub use target::LlamaTarget;
 
+use dflash_runtime::comm::{Communicator, ThreadGroup};
+
+use crate::batch::KvCache;
 use crate::checkpoint::{apply_overrides_to_gguf_config, Checkpoint, LoadOptions};
 use crate::config::{merge_json, Architecture, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::family::{Device, Family, RawConfig, TargetOptions};
 use crate::gguf::GgufFile;
+use crate::parallel::TensorParallelTarget;
 use crate::resolve::ModelSource;
 use crate::safetensors_dir::{read_json, SafetensorsDir};
 use crate::target::Target;
@@ -71,7 +73,7 @@ impl Family for LlamaFamily {
     fn open(&self, weights: &mut WeightStore, device: Device, opts: &TargetOptions) -> Result<Box<dyn Target>> {
         let taps = &opts.load.capture_layers;
         match device {
-            Device::Cpu if opts.tensor_parallel > 1 => open_parallel(&self.config, weights, opts),
+            Device::Cpu if opts.tensor_parallel > 1 => open_parallel_for(&self.config, weights, opts),
             Device::Cpu => {
                 let model = LlamaModel::load(self.config.clone(), weights, taps, opts.load.stream_tap)?;
                 let cache = &opts.cache;
@@ -88,23 +90,48 @@ impl Family for LlamaFamily {
 
 /// The model split over `opts.tensor_parallel` CPU ranks, the pool's threads shared out between them; logs what
 /// each rank holds.
-fn open_parallel(cfg: &ModelConfig, weights: &mut WeightStore, opts: &TargetOptions) -> Result<Box<dyn Target>> {
+fn open_parallel_for(cfg: &ModelConfig, weights: &mut WeightStore, opts: &TargetOptions) -> Result<Box<dyn Target>> {
     let size = opts.tensor_parallel;
     let threads = (dflash_runtime::threads::count() / size).max(1);
     let pages = (opts.cache.fixed_pages()?, opts.cache.page_size);
-    let target = TensorParallelTarget::load(cfg.clone(), weights, &opts.load.capture_layers, size, threads, pages)?;
-    for rank in 0..size {
-        if let Some((weights, kv)) = target.rank_bytes(rank) {
-            let mb = |b: usize| b as f64 / 1e6;
-            tracing::info!(
-                "tensor-parallel rank {rank} of {size}: {:.1} MB of weights, {:.1} MB of KV cache, {threads} {}",
-                mb(weights),
-                mb(kv),
-                if threads == 1 { "thread" } else { "threads" }
-            );
-        }
+    Ok(Box::new(open_parallel(cfg.clone(), weights, &opts.load.capture_layers, size, threads, pages)?))
+}
+
+/// Reads `cfg`'s weights from `store` once and splits them over `size` CPU ranks ([`LlamaModel::load_ranks`]), each
+/// with a pool of `threads` threads and a cache of `num_pages` pages of `page_size` tokens; logs each rank's weights
+/// and cache.
+///
+/// # Errors
+/// As [`LlamaModel::load_ranks`]; a pool or cache that cannot be made.
+pub fn open_parallel(
+    cfg: ModelConfig,
+    store: &mut WeightStore,
+    capture_layers: &[usize],
+    size: usize,
+    threads: usize,
+    (num_pages, page_size): (usize, usize),
+) -> Result<TensorParallelTarget> {
+    let group = ThreadGroup::new(size).into_iter().map(Arc::new).collect::<Vec<_>>();
+    let comms: Vec<Arc<dyn Communicator>> = group.iter().map(|g| Arc::clone(g) as Arc<dyn Communicator>).collect();
+    let (models, heads) = LlamaModel::load_ranks(cfg.clone(), store, capture_layers, &comms)?;
+    let mut ranks: Vec<Box<dyn Target>> = Vec::with_capacity(size);
+    for (rank, model) in models.into_iter().enumerate() {
+        let kv =
+            KvCache::bytes_per_token(model.config().num_layers, model.config().num_kv_heads, model.config().head_dim)
+                * num_pages
+                * page_size;
+        let mb = |b: usize| b as f64 / 1e6;
+        tracing::info!(
+            "tensor-parallel rank {rank} of {size}: {:.1} MB of layer and head weights, {:.1} MB of KV cache, {threads} \
+             {}",
+            mb(model.weight_bytes()),
+            mb(kv),
+            if threads == 1 { "thread" } else { "threads" }
+        );
+        ranks.push(Box::new(LlamaTarget::new(Arc::new(model), num_pages, page_size)?));
     }
-    Ok(Box::new(target))
+    let lead = group.into_iter().next().ok_or_else(|| ModelError::Config("tensor parallelism over 0 ranks".into()))?;
+    TensorParallelTarget::new(cfg, ranks, lead, heads, threads)
 }
 
 #[cfg(feature = "cuda")]
