@@ -87,9 +87,9 @@ pub struct ModelArgs {
     /// has passed its tests on a GPU.
     #[arg(long, value_enum, default_value_t = Placement::Cpu)]
     pub sampling_device: Placement,
-    /// Split the model over N tensor-parallel ranks: each holds its share of the attention heads, KV heads, MLP
-    /// columns and LM-head rows, and the ranks add their partial results after each attention and MLP block.
-    /// Llama-family targets on the CPU (N rank pools sharing --threads); the CUDA ranks (NCCL) are not built yet.
+    /// Split the model over N tensor-parallel ranks: each holds its share of the attention (and linear-attention)
+    /// heads, KV heads and MLP / expert columns, and the ranks add their partial results after each block. On the
+    /// CPU (N rank pools sharing --threads); the CUDA ranks (NCCL) are not built yet.
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = parse_positive)]
     pub tensor_parallel_size: usize,
 }
