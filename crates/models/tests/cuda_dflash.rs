@@ -9,6 +9,8 @@
 
 mod common;
 
+use std::path::PathBuf;
+
 use common::{assert_close, cuda_device, fixtures};
 use dflash_models::config::ModelConfig;
 use dflash_models::dflash::{
@@ -28,9 +30,25 @@ fn target_shape() -> TargetShape {
     TargetShape::of(&ModelConfig::from_hf(&json).expect("target config parses"))
 }
 
-/// The CPU drafter `name`, its target, and made-up captured rows for [`POSITIONS`] positions.
+/// Fixture drafter `name` with its sliding layers run windowless (`use_sliding_window: false`, as transformers
+/// reads it: still causal), which the CUDA passes take: a copy of the fixture in a directory of this process's own.
+fn windowless(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("dflash-cuda-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("fixture copy");
+    for entry in std::fs::read_dir(fixtures().join(name)).expect("fixture") {
+        let path = entry.expect("entry").path();
+        std::fs::copy(&path, dir.join(path.file_name().expect("name"))).expect("copy");
+    }
+    let mut config = read_json(&dir.join("config.json")).expect("config");
+    config["use_sliding_window"] = serde_json::Value::Bool(false);
+    std::fs::write(dir.join("config.json"), config.to_string()).expect("write config");
+    dir
+}
+
+/// The CPU drafter `name` (windowless, see [`windowless`]), its target, and made-up captured rows for
+/// [`POSITIONS`] positions.
 fn cpu_pair(name: &str) -> (DraftModel, LlamaModel, Vec<f32>) {
-    let model = DraftModel::load(&fixtures().join(name), &target_shape()).expect("drafter");
+    let model = DraftModel::load(&windowless(name), &target_shape()).expect("drafter");
     let target = load_hf_weights(&fixtures().join("tiny-qwen3"), &LoadOptions::default()).expect("target");
     let width = model.target_layer_ids().len() * target.config().hidden_size;
     let rows = (0..POSITIONS * width).map(|i| ((i * 53 % 97) as f32 - 48.0) / 24.0).collect();
@@ -61,7 +79,7 @@ fn cuda_drafters_match_the_cpu_drafters_at_every_width() {
     for name in ["dflash-v1", "dflash-v2"] {
         let (cpu, target, rows) = cpu_pair(name);
         let (embed, lm_head) = (target.embedding(), target.lm_head());
-        let gpu = DraftModel::load(&fixtures().join(name), cpu.target())
+        let gpu = DraftModel::load(&windowless(name), cpu.target())
             .expect("drafter")
             .to_cuda(dev.clone(), DraftHead::Full(lm_head), 1024)
             .expect("to cuda");
@@ -109,7 +127,7 @@ fn cuda_batched_passes_match_single_passes() {
     let Some(dev) = cuda_device("cuda_dflash") else { return };
     let (cpu, target, rows) = cpu_pair("dflash-v2");
     let (embed, lm_head) = (target.embedding(), target.lm_head());
-    let gpu = DraftModel::load(&fixtures().join("dflash-v2"), cpu.target())
+    let gpu = DraftModel::load(&windowless("dflash-v2"), cpu.target())
         .expect("drafter")
         .to_cuda(dev.clone(), DraftHead::Full(lm_head), 1024)
         .expect("to cuda");
@@ -142,7 +160,7 @@ fn cuda_drafters_score_a_draft_vocabulary() {
     let (embed, lm_head) = (target.embedding(), target.lm_head());
     let ids: Vec<u32> = (0..256).filter(|i| i % 3 == 0 || i % 7 == 2).collect();
     let vocab = DraftVocab::gather(lm_head, &ids).expect("vocab");
-    let gpu = DraftModel::load(&fixtures().join("dflash-v2"), cpu.target())
+    let gpu = DraftModel::load(&windowless("dflash-v2"), cpu.target())
         .expect("drafter")
         .to_cuda(dev.clone(), DraftHead::Vocab(&vocab), 1024)
         .expect("to cuda");
@@ -163,4 +181,19 @@ fn cuda_drafters_score_a_draft_vocabulary() {
         gpu.draft(&mut host_ctx, 42, 8, embed, DraftHead::Vocab(&vocab), DraftSampling::Greedy).is_err(),
         "a host context"
     );
+}
+
+/// A drafter with sliding-window layers is named, and refused by the CUDA passes rather than run wrong; the server's
+/// `--drafter-device auto` keeps such a drafter on the host.
+#[test]
+fn cuda_drafters_refuse_sliding_windows_by_name() {
+    let Some(dev) = cuda_device("cuda_dflash") else { return };
+    let (_, target, _) = cpu_pair("dflash-v2");
+    let sliding = DraftModel::load(&fixtures().join("dflash-v2"), &target_shape()).expect("drafter");
+    let why = sliding.cuda_refusal().expect("a sliding layer");
+    assert!(why.contains("sliding window"), "{why}");
+    let err = sliding.to_cuda(dev.clone(), DraftHead::Full(target.lm_head()), 1024).expect_err("refused");
+    assert!(err.to_string().contains("sliding window"), "{err}");
+    let windowless = DraftModel::load(&windowless("dflash-v2"), &target_shape()).expect("drafter");
+    assert_eq!(windowless.cuda_refusal(), None);
 }

@@ -266,10 +266,10 @@ fn load_block(
 }
 
 /// Puts the drafter's passes where `--drafter-device` says: `auto` is the target's device (the CPU in a build
-/// without CUDA).
+/// without CUDA), or the host for a drafter with layers the device does not run (said in the log).
 ///
 /// # Errors
-/// The device refusing the drafter (memory, a layer kind it does not run).
+/// The device failing to take the drafter (memory, the driver).
 #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
 pub fn place_drafter(
     drafter: DraftModel,
@@ -280,6 +280,10 @@ pub fn place_drafter(
 ) -> Result<DraftModel> {
     #[cfg(feature = "cuda")]
     if let (Placement::Auto, Some(dev)) = (device, target.cuda_device()) {
+        if let Some(why) = drafter.cuda_refusal() {
+            tracing::info!("--drafter-device auto: the drafter stays on the host ({why})");
+            return Ok(drafter);
+        }
         return drafter.to_cuda(dev, head, context_window).context("putting the drafter on the target's GPU");
     }
     Ok(drafter)

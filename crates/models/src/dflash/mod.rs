@@ -184,6 +184,13 @@ impl DraftModel {
         "cpu".into()
     }
 
+    /// Why the CUDA passes cannot run this drafter, if they cannot: a sliding-window layer (the device attention
+    /// takes whole contexts only; a causal windowless layer is fine).
+    pub fn cuda_refusal(&self) -> Option<String> {
+        let l = self.cfg.attention.iter().position(|a| a.window.is_some())?;
+        Some(format!("drafter layer {l} attends through a sliding window; the CUDA drafter takes full attention only"))
+    }
+
     fn eps(&self) -> f32 {
         self.cfg.backbone.rms_norm_eps
     }

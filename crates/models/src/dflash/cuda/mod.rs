@@ -47,10 +47,8 @@ struct DeviceHead {
 
 impl CudaDrafter {
     fn new(model: &DraftModel, dev: Arc<CudaDevice>, head: DraftHead<'_>, max_positions: usize) -> Result<Self> {
-        if let Some(l) = model.cfg.attention.iter().position(|a| a.window.is_some()) {
-            return Err(ModelError::Unsupported(format!(
-                "drafter layer {l} attends through a sliding window; the CUDA drafter takes full attention only"
-            )));
+        if let Some(why) = model.cuda_refusal() {
+            return Err(ModelError::Unsupported(why));
         }
         dev.init_blas().map_err(device_err)?;
         let matrix = head.matrix();
@@ -89,7 +87,7 @@ impl DraftModel {
     /// widened to f32. Contexts made afterwards live there; RoPE covers positions `0..max_positions`.
     ///
     /// # Errors
-    /// A sliding-window layer (not on CUDA yet), out of device memory, a driver failure.
+    /// What [`DraftModel::cuda_refusal`] names (`Unsupported`), out of device memory, a driver failure.
     pub fn to_cuda(mut self, dev: Arc<CudaDevice>, head: DraftHead<'_>, max_positions: usize) -> Result<Self> {
         self.cuda = Some(Arc::new(CudaDrafter::new(&self, dev, head, max_positions)?));
         Ok(self)
