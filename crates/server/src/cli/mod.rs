@@ -83,9 +83,8 @@ pub struct ModelArgs {
     pub state_checkpoint_stride: usize,
     /// Where rows that need more than their argmax (sampled, penalised, logit-biased or logprobs requests) are
     /// drawn: `auto` where the logits are (a CUDA target's GPU: only tokens and asked logprobs come back), `cpu` on
-    /// the host from the logits. The same keyed draw either way. The host is the default until the device's draw
-    /// has passed its tests on a GPU.
-    #[arg(long, value_enum, default_value_t = Placement::Cpu)]
+    /// the host from the logits. The same keyed draw either way.
+    #[arg(long, value_enum, default_value_t = Placement::Auto)]
     pub sampling_device: Placement,
     /// Split the model over N tensor-parallel ranks: each holds its share of the attention (and linear-attention)
     /// heads, KV heads and MLP / expert columns, and the ranks add their partial results after each block. On the
@@ -235,9 +234,9 @@ pub struct SpecArgs {
     #[arg(long, default_value = "adaptive", value_parser = parse_spec_policy())]
     pub spec_policy: PolicyMode,
     /// Where the block drafter's passes run: `cpu` on the host, `auto` on the target's device (a CUDA target's
-    /// drafter on its GPU). Drafts are the same up to the order of float sums. The host is the default until the
-    /// CUDA drafter has passed its tests on a GPU.
-    #[arg(long, value_enum, default_value_t = Placement::Cpu)]
+    /// drafter on its GPU, unless it has layers the GPU passes do not run: sliding windows). Drafts are the same up
+    /// to the order of float sums.
+    #[arg(long, value_enum, default_value_t = Placement::Auto)]
     pub drafter_device: Placement,
     #[command(flatten)]
     pub mtp: MtpArgs,
