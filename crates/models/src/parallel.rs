@@ -86,7 +86,13 @@ impl TensorParallelTarget {
         spawn_ranks(&self.pools, &mut self.ranks, &mut results, 0, &job);
         let mut results = results.into_iter().map(|r| r.unwrap_or_else(|| Err(CommError::Aborted.into())));
         let lead = results.next().unwrap_or_else(|| Err(ModelError::Config("no tensor-parallel rank".into())));
-        let failed = results.find_map(|r| r.err());
+        // An aborted collective is what another rank's failure left behind: report the failure itself.
+        let mut failed = None;
+        for err in results.filter_map(|r| r.err()) {
+            if failed.is_none() || matches!(failed, Some(ModelError::Comm(CommError::Aborted))) {
+                failed = Some(err);
+            }
+        }
         if lead.is_err() || failed.is_some() {
             // Every rank has returned, so none is inside a collective: the group can be used again.
             self.group.reset();

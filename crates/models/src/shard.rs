@@ -46,6 +46,11 @@ impl Shard {
         if size == 0 || rank >= size {
             return Err(ModelError::Config(format!("tensor-parallel rank {rank} of {size}")));
         }
+        if cfg.vocab_size < size {
+            return Err(ModelError::Config(format!(
+                "tensor parallelism over {size} ranks needs a vocabulary of at least {size} tokens"
+            )));
+        }
         let even = |what: &str, n: usize| -> Result<Range<usize>> {
             if !n.is_multiple_of(size) {
                 return Err(ModelError::Config(format!(

@@ -50,6 +50,12 @@ impl Family for HybridFamily {
 
     /// The checkpoint's own MTP head (`mtp.*`) is left for the head's loader, as transformers leaves it.
     fn open(&self, weights: &mut WeightStore, device: Device, opts: &TargetOptions) -> Result<Box<dyn Target>> {
+        if let (Device::Cuda(_), 2..) = (device, opts.tensor_parallel) {
+            return Err(ModelError::Unsupported(format!(
+                "tensor parallelism ({} ranks) on CUDA: the NCCL ranks are not built yet; it runs on --device cpu",
+                opts.tensor_parallel
+            )));
+        }
         let load = &opts.load;
         let model = HybridModel::load(self.config.clone(), weights, &load.capture_layers, load.stream_tap)?;
         weights.ignore_under(crate::mtp::PREFIX);
@@ -60,10 +66,6 @@ impl Family for HybridFamily {
                 Ok(Box::new(open_parallel(model, opts.tensor_parallel, pages)?))
             }
             Device::Cpu => Ok(Box::new(HybridTarget::new(Arc::new(model), cache.fixed_pages()?, cache.page_size)?)),
-            Device::Cuda(_) if opts.tensor_parallel > 1 => Err(ModelError::Unsupported(format!(
-                "tensor parallelism ({} ranks) on CUDA: the NCCL ranks are not built yet; it runs on --device cpu",
-                opts.tensor_parallel
-            ))),
             Device::Cuda(ordinal) => open_cuda(model, ordinal, opts),
         }
     }

@@ -20,7 +20,7 @@ use dflash_runtime::comm::Communicator;
 use dflash_runtime::Tensor;
 
 use super::attention::Attention;
-use super::config::{GdnDims, HybridConfig, MoeDims};
+use super::config::{FfnKind, GdnDims, HybridConfig, MoeDims};
 use super::gdn::GatedDeltaNet;
 use super::moe::{Ffn, Mlp, SparseMoe};
 use super::weights::stack_rows;
@@ -93,7 +93,10 @@ fn config(cfg: &HybridConfig, part: Part) -> Result<HybridConfig> {
     let mut base = b.clone();
     base.num_heads = part.of("the attention heads", b.num_heads)?.len();
     base.num_kv_heads = part.of("the KV heads", b.num_kv_heads)?.len();
-    base.intermediate_size = part.of("the dense MLP's intermediate size", b.intermediate_size)?.len();
+    // Only dense feed-forward layers read it (an all-sparse checkpoint's may not divide).
+    if cfg.ffns.contains(&FfnKind::Dense) || cfg.moe.is_none() {
+        base.intermediate_size = part.of("the dense MLP's intermediate size", b.intermediate_size)?.len();
+    }
     let gdn = cfg
         .gdn
         .map(|d| -> Result<GdnDims> {
