@@ -222,30 +222,30 @@ impl Communicator for ThreadGroup {
 mod tests {
     use super::*;
 
+    /// `f` on every rank of `ranks`, each in a thread of its own: the results in rank order.
+    fn on_ranks<T: Send>(ranks: &[ThreadGroup], f: impl Fn(&ThreadGroup) -> T + Sync) -> Vec<T> {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = ranks.iter().map(|comm| s.spawn(|| f(comm))).collect();
+            handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        })
+    }
+
     #[test]
     fn a_thread_group_gives_every_rank_the_sum_in_rank_order() {
         let ranks = ThreadGroup::new(3);
-        let results: Vec<Vec<f32>> = std::thread::scope(|s| {
-            let handles: Vec<_> = ranks
-                .iter()
-                .map(|comm| {
-                    s.spawn(move || {
-                        // Values whose sum depends on the order: rank 0's 1e8, then +1 and -1e8 at rank 2.
-                        let mut data = match comm.rank() {
-                            0 => vec![1e8, 1.0, 0.5],
-                            1 => vec![1.0, 2.0, 0.25],
-                            _ => vec![-1e8, 3.0, 0.125],
-                        };
-                        comm.all_reduce_sum(&mut data).expect("all-reduce");
-                        // A second collective right after must not see the first one's values.
-                        let mut again = vec![comm.rank() as f32];
-                        comm.all_reduce_sum(&mut again).expect("second all-reduce");
-                        data.push(again[0]);
-                        data
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        let results = on_ranks(&ranks, |comm| {
+            // Values whose sum depends on the order: rank 0's 1e8, then +1 and -1e8 at rank 2.
+            let mut data = match comm.rank() {
+                0 => vec![1e8, 1.0, 0.5],
+                1 => vec![1.0, 2.0, 0.25],
+                _ => vec![-1e8, 3.0, 0.125],
+            };
+            comm.all_reduce_sum(&mut data).expect("all-reduce");
+            // A second collective right after must not see the first one's values.
+            let mut again = vec![comm.rank() as f32];
+            comm.all_reduce_sum(&mut again).expect("second all-reduce");
+            data.push(again[0]);
+            data
         });
         let want = [(1e8f32 + 1.0) + -1e8, 6.0, 0.875, 3.0];
         for got in &results {
@@ -260,32 +260,18 @@ mod tests {
     #[test]
     fn different_lengths_are_an_error_on_every_rank() {
         let ranks = ThreadGroup::new(2);
-        let errors: Vec<bool> = std::thread::scope(|s| {
-            let handles: Vec<_> = ranks
-                .iter()
-                .map(|comm| s.spawn(move || comm.all_reduce_sum(&mut vec![0.0; 2 + comm.rank()]).is_err()))
-                .collect();
-            handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
-        });
+        let errors = on_ranks(&ranks, |comm| comm.all_reduce_sum(&mut vec![0.0; 2 + comm.rank()]).is_err());
         assert_eq!(errors, vec![true, true]);
     }
 
     #[test]
     fn all_gather_concatenates_in_rank_order() {
         let ranks = ThreadGroup::new(3);
-        let results: Vec<Vec<f32>> = std::thread::scope(|s| {
-            let handles: Vec<_> = ranks
-                .iter()
-                .map(|comm| {
-                    s.spawn(move || {
-                        let mine: Vec<f32> = (0..=comm.rank()).map(|i| (10 * comm.rank() + i) as f32).collect();
-                        let mut out = vec![-1.0; 7];
-                        comm.all_gather(&mine, &mut out).expect("all-gather");
-                        out
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        let results = on_ranks(&ranks, |comm| {
+            let mine: Vec<f32> = (0..=comm.rank()).map(|i| (10 * comm.rank() + i) as f32).collect();
+            let mut out = vec![-1.0; 7];
+            comm.all_gather(&mine, &mut out).expect("all-gather");
+            out
         });
         for got in &results {
             assert_eq!(got, &[0.0, 10.0, 11.0, 20.0, 21.0, 22.0]);
@@ -305,18 +291,10 @@ mod tests {
         assert!(matches!(waited, Err(CommError::Aborted)), "{waited:?}");
         assert!(matches!(ranks[1].all_reduce_sum(&mut [1.0]), Err(CommError::Aborted)), "stays aborted");
         ranks[0].reset();
-        let sums: Vec<f32> = std::thread::scope(|s| {
-            let handles: Vec<_> = ranks
-                .iter()
-                .map(|comm| {
-                    s.spawn(move || {
-                        let mut data = [comm.rank() as f32 + 1.0];
-                        comm.all_reduce_sum(&mut data).expect("after the reset");
-                        data[0]
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        let sums = on_ranks(&ranks, |comm| {
+            let mut data = [comm.rank() as f32 + 1.0];
+            comm.all_reduce_sum(&mut data).expect("after the reset");
+            data[0]
         });
         assert_eq!(sums, vec![3.0, 3.0]);
     }
