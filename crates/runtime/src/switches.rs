@@ -26,6 +26,9 @@ pub struct Switches {
     /// `DFLASH_MMQ_WARP=1`: quantized matmuls of 2 to 127 rows run on the tensor cores with a whole tree per warp
     /// (`mmq_warp`) instead of the dp4a kernel. Opt-in until it is measured on a GPU.
     pub mmq_warp: bool,
+    /// `DFLASH_MMQ_SLAB=1`: quantized matmuls of 2 to 127 rows run on the tensor cores with a block per slab of
+    /// weights (`mmq_slab`) instead of the dp4a kernel (before `DFLASH_MMQ_WARP`). Opt-in until it is measured.
+    pub mmq_slab: bool,
 }
 
 impl Switches {
@@ -42,6 +45,7 @@ impl Switches {
             no_mmq: is("DFLASH_MMQ", "0"),
             no_mmvq_half: is("DFLASH_MMVQ_HALF", "0"),
             mmq_warp: is("DFLASH_MMQ_WARP", "1"),
+            mmq_slab: is("DFLASH_MMQ_SLAB", "1"),
         }
     }
 }
@@ -72,6 +76,7 @@ mod tests {
             ("DFLASH_MMQ", "0"),
             ("DFLASH_MMVQ_HALF", "0"),
             ("DFLASH_MMQ_WARP", "1"),
+            ("DFLASH_MMQ_SLAB", "1"),
         ]));
         let want = Switches {
             simd: Some("avx2".into()),
@@ -83,6 +88,7 @@ mod tests {
             no_mmq: true,
             no_mmvq_half: true,
             mmq_warp: true,
+            mmq_slab: true,
         };
         assert_eq!(all, want);
         let other = Switches::from_vars(set(&[("DFLASH_PDL", "1"), ("DFLASH_GEMM_PREFETCH", "all")]));
