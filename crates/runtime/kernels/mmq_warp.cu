@@ -1,15 +1,15 @@
-// Quantized matmul of a few to a hundred rows on the int8 tensor cores, one whole tree per warp: mmvq's outputs
-// (quant.cu), bit for bit, as mmq (mmq.cu) gives them from 128 rows.
+// Quantized matmul of 40 rows and more on the int8 tensor cores, one whole tree per warp: mmvq's outputs (quant.cu),
+// bit for bit, as mmq (mmq.cu) gives them.
 //
 // mmq splits each output's 32 leaves over a block's 8 warps and adds their subtrees through shared memory after a
-// barrier, and its leaves wait on L2 for every weight block in turn. That pays where a block's rows are many; a step
-// of 8 to 127 rows spends its time at the barriers and in those chains of dependent loads (PERFORMANCE.md entry 65),
-// so such steps stayed on mmvq's dp4a loops, which take every 4 rows through the weights again. Here each warp takes
+// barrier, and its leaves wait on L2 for every weight block in turn (PERFORMANCE.md entry 65). Here each warp takes
 // a slab of 16 weight rows (8 gate rows and their 8 up rows for SwiGLU) against one m16 tile of quantized rows (8
 // activation rows with two passes, 16 with one) and adds all 32 leaves itself, in the butterfly's order (mmq.cu's
 // header says why that order gives mmvq's bits). The slab is first copied into the warp's own shared memory with
 // cp.async, every load in flight at once, so the leaves read it there. The block's warps share the rows' quantized
-// activations (quantize_rows_smem, as mmvq and mmq). No barrier follows the prologue.
+// activations (quantize_rows_smem, as mmvq and mmq). No barrier follows the prologue. Below about 40 rows a layer
+// matrix gives it too few warps (576 columns: 36), each walking a whole row, and mmvq is faster; from 40 rows it
+// beats mmvq, and mmq at every size measured, up to 2,048-row prefill chunks (entries 78 and 79).
 //
 // Grid: x over slabs (warp w of block x takes slabs x W + w, + gridDim.x W, ..., W = blockDim.x / 32), y over
 // chunks of 16 / P activation rows. Dynamic shared memory: mmqw_smem_bytes (src/cuda/ops/quant.rs computes the
@@ -135,14 +135,13 @@ __device__ __forceinline__ void mmqw_tree(const MmqwWarp& w, float v[8]) {
 // scales where their rows are 4-byte aligned (always for Q4_1; for the f16 scales when nb is even). Returns whether
 // the scales still need mmqw_load_scales. Nothing here reads the step's activations, so the copy may start before the
 // prologue and overlap it; mmqw_cp_async_wait_all ends it.
-// Threads `first, first + stride, ...` share the copy: a warp's lanes (mmq_warp), or a block's threads (mmq_slab).
 template <int FMT, class RowOf>
 __device__ __forceinline__ bool mmqw_start_slab(const unsigned char* __restrict__ qs,
                                                 const unsigned short* __restrict__ sc, u32 k, u32 nb, u32 wld,
-                                                u32 sld, const RowOf& row_of, unsigned char* wq, void* wsc,
-                                                u32 first, u32 stride) {
+                                                u32 sld, const RowOf& row_of, unsigned char* wq, void* wsc) {
+    const u32 lane = threadIdx.x & 31u;
     const u32 row_bytes = mmqw_row_quant_bytes<FMT>(k), chunks = row_bytes / 16;
-    for (u32 i = first; i < MMQW_SLAB_ROWS * chunks; i += stride) {
+    for (u32 i = lane; i < MMQW_SLAB_ROWS * chunks; i += 32) {
         const u32 s = i / chunks, c = i - s * chunks;
         mmqw_cp_async16(wq + s * wld + c * 16, qs + (u64)row_of(s) * row_bytes + c * 16);
     }
@@ -151,21 +150,21 @@ __device__ __forceinline__ bool mmqw_start_slab(const unsigned char* __restrict_
     if (bytes % 4 != 0) return true;
     const unsigned char* src = reinterpret_cast<const unsigned char*>(sc);
     unsigned char* dst = static_cast<unsigned char*>(wsc);
-    for (u32 i = first; i < MMQW_SLAB_ROWS * words; i += stride) {
+    for (u32 i = lane; i < MMQW_SLAB_ROWS * words; i += 32) {
         const u32 s = i / words, c = i - s * words;
         mmqw_cp_async4(dst + (u64)s * sld * sizeof(MmqwScale<FMT>) + 4 * c, src + (u64)row_of(s) * bytes + 4 * c);
     }
     return false;
 }
 
-// The f16 scales of a slab whose rows are not 4-byte aligned (nb odd), by plain loads (threads as
-// mmqw_start_slab's).
+// The f16 scales of a slab whose rows are not 4-byte aligned (nb odd), by plain loads.
 template <int FMT, class RowOf>
 __device__ __forceinline__ void mmqw_load_scales(const unsigned short* __restrict__ sc, u32 nb, u32 sld,
-                                                 const RowOf& row_of, void* wsc, u32 first, u32 stride) {
+                                                 const RowOf& row_of, void* wsc) {
+    const u32 lane = threadIdx.x & 31u;
     MmqwScale<FMT>* dst = static_cast<MmqwScale<FMT>*>(wsc);
 #pragma unroll 8
-    for (u32 i = first; i < MMQW_SLAB_ROWS * nb; i += stride) {
+    for (u32 i = lane; i < MMQW_SLAB_ROWS * nb; i += 32) {
         const u32 s = i / nb, b = i - s * nb;
         dst[s * sld + b] = (MmqwScale<FMT>)mmq_load_scale<FMT>(sc, row_of(s), nb, b);
     }
@@ -236,8 +235,7 @@ __device__ __forceinline__ void mmq_warp(const unsigned char* __restrict__ qs, c
             return swiglu && s >= 8 ? col + n_out : col;
         };
     };
-    bool scales_left =
-        first < n_out && mmqw_start_slab<FMT>(qs, sc, k, nb, wld, sld, row_of_slab(first), wq, wsc, lane, 32);
+    bool scales_left = first < n_out && mmqw_start_slab<FMT>(qs, sc, k, nb, wld, sld, row_of_slab(first), wq, wsc);
     quantize_rows_smem<BM, P>(x + (u64)row0 * x_ld, x_ld, rows, k, norm_w, eps, xq, xd, xs, ld);
 
     const u32 g = lane >> 2, t = lane & 3u;
@@ -247,9 +245,9 @@ __device__ __forceinline__ void mmq_warp(const unsigned char* __restrict__ qs, c
         const auto row_of = row_of_slab(n0);
         if (n0 != first) {
             __syncwarp();  // the previous slab's leaves are done with the warp's shared memory
-            scales_left = mmqw_start_slab<FMT>(qs, sc, k, nb, wld, sld, row_of, wq, wsc, lane, 32);
+            scales_left = mmqw_start_slab<FMT>(qs, sc, k, nb, wld, sld, row_of, wq, wsc);
         }
-        if (scales_left) mmqw_load_scales<FMT>(sc, nb, sld, row_of, wsc, lane, 32);
+        if (scales_left) mmqw_load_scales<FMT>(sc, nb, sld, row_of, wsc);
         mmqw_cp_async_wait_all();
         __syncwarp();
         float v[8];

@@ -19,16 +19,14 @@ pub struct Switches {
     pub no_fold_norm: bool,
     /// `DFLASH_FOLD_ROPE=0`: decode and verify steps keep the separate RoPE + K/V write kernel.
     pub no_fold_rope: bool,
-    /// `DFLASH_MMQ=0`: quantized matmuls of many rows stay on the dp4a kernel instead of the tensor cores.
+    /// `DFLASH_MMQ=0`: quantized matmuls of many rows that the whole-tree kernel does not take (`DFLASH_MMQ_WARP=0`,
+    /// or rows too long for its shared memory) stay on the dp4a kernel instead of `mmq`.
     pub no_mmq: bool,
     /// `DFLASH_MMVQ_HALF=0`: one-row quantized matmuls of short rows keep a whole warp per column.
     pub no_mmvq_half: bool,
-    /// `DFLASH_MMQ_WARP=1`: quantized matmuls of 2 to 127 rows run on the tensor cores with a whole tree per warp
-    /// (`mmq_warp`) instead of the dp4a kernel. Opt-in until it is measured on a GPU.
-    pub mmq_warp: bool,
-    /// `DFLASH_MMQ_SLAB=1`: quantized matmuls of 2 to 127 rows run on the tensor cores with a block per slab of
-    /// weights (`mmq_slab`) instead of the dp4a kernel (before `DFLASH_MMQ_WARP`). Opt-in until it is measured.
-    pub mmq_slab: bool,
+    /// `DFLASH_MMQ_WARP=0`: quantized matmuls of 40 rows and more run as before the whole-tree kernel
+    /// (`mmq_warp`) took them: `mmq` from 128 rows, the dp4a kernel below.
+    pub no_mmq_warp: bool,
 }
 
 impl Switches {
@@ -44,8 +42,7 @@ impl Switches {
             no_fold_rope: is("DFLASH_FOLD_ROPE", "0"),
             no_mmq: is("DFLASH_MMQ", "0"),
             no_mmvq_half: is("DFLASH_MMVQ_HALF", "0"),
-            mmq_warp: is("DFLASH_MMQ_WARP", "1"),
-            mmq_slab: is("DFLASH_MMQ_SLAB", "1"),
+            no_mmq_warp: is("DFLASH_MMQ_WARP", "0"),
         }
     }
 }
@@ -75,8 +72,7 @@ mod tests {
             ("DFLASH_FOLD_ROPE", "0"),
             ("DFLASH_MMQ", "0"),
             ("DFLASH_MMVQ_HALF", "0"),
-            ("DFLASH_MMQ_WARP", "1"),
-            ("DFLASH_MMQ_SLAB", "1"),
+            ("DFLASH_MMQ_WARP", "0"),
         ]));
         let want = Switches {
             simd: Some("avx2".into()),
@@ -87,8 +83,7 @@ mod tests {
             no_fold_rope: true,
             no_mmq: true,
             no_mmvq_half: true,
-            mmq_warp: true,
-            mmq_slab: true,
+            no_mmq_warp: true,
         };
         assert_eq!(all, want);
         let other = Switches::from_vars(set(&[("DFLASH_PDL", "1"), ("DFLASH_GEMM_PREFETCH", "all")]));

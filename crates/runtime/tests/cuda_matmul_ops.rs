@@ -120,7 +120,7 @@ fn quantized_matmul_matches_cpu_for_every_format_rows_prologue_and_epilogue() {
                     }
                     check(&format!("{what} rows alone"), &format!("{m} rows"), diff, 0.0);
                     // Every kernel gives the batch the same bits, whichever the rows would pick.
-                    for kernel in [QuantKernel::Mmvq, QuantKernel::Mmq, QuantKernel::MmqWarp, QuantKernel::MmqSlab] {
+                    for kernel in [QuantKernel::Mmvq, QuantKernel::Mmq, QuantKernel::MmqWarp] {
                         let y_k = dev.upload(&y_host).expect("y");
                         let args = MmvqArgs { x: x_dev.view(), x_ld, m, norm, y: y_k.view(), y_ld, epi };
                         gpu::mmvq_on(dev, &w, args, kernel).expect("mmvq on a named kernel");

@@ -13,7 +13,7 @@ use super::compile::{self, CompileReport};
 use super::CudaError;
 
 /// The kernel sources in the order they are compiled.
-const SOURCES: [(&str, &str); 17] = [
+const SOURCES: [(&str, &str); 16] = [
     ("prelude.cuh", include_str!("../../kernels/prelude.cuh")),
     ("elementwise.cu", include_str!("../../kernels/elementwise.cu")),
     ("norm.cu", include_str!("../../kernels/norm.cu")),
@@ -23,7 +23,6 @@ const SOURCES: [(&str, &str); 17] = [
     ("quant.cu", include_str!("../../kernels/quant.cu")),
     ("mmq.cu", include_str!("../../kernels/mmq.cu")),
     ("mmq_warp.cu", include_str!("../../kernels/mmq_warp.cu")),
-    ("mmq_slab.cu", include_str!("../../kernels/mmq_slab.cu")),
     ("attention.cu", include_str!("../../kernels/attention.cu")),
     ("attention_tc.cu", include_str!("../../kernels/attention_tc.cu")),
     ("misc.cu", include_str!("../../kernels/misc.cu")),
@@ -84,13 +83,10 @@ pub(crate) const MMQ_MIN_ROWS: usize = 128;
 /// allows: each warp holds a slab of 16 weight rows there.
 pub(crate) const MMQ_WARP_WARPS: usize = 4;
 
-/// Warps per block of the block-per-slab tensor-core quantized matmul (`MMQS_WARPS` in mmq_slab.cu): each adds a
-/// quarter-subtree of 4 of the 32 leaves.
-pub(crate) const MMQ_SLAB_WARPS: usize = 8;
-
-/// From this many activation rows, below [`MMQ_MIN_ROWS`], `DFLASH_MMQ_WARP=1` runs the quantized matmul as
-/// `mmq_warp_*`.
-pub(crate) const MMQ_WARP_MIN_ROWS: usize = 2;
+/// From this many activation rows the quantized matmul runs as `mmq_warp_*` where its shared memory fits (unless
+/// `DFLASH_MMQ_WARP=0`): on an H100 it passes mmvq between 32 and 40 rows, and is 1.2-1.6x faster than mmvq from
+/// 40 to 127 rows and 1.4-1.6x faster than `mmq_*` from 128 rows on (PERFORMANCE.md entry 79).
+pub(crate) const MMQ_WARP_MIN_ROWS: usize = 40;
 
 /// Up to this row length the one-row quantized matmul gives each column half a warp (`mmvq_*_r1h*`): a row of at
 /// most 32 blocks would leave lanes of a whole warp idle.
@@ -156,8 +152,6 @@ pub(crate) struct Kernels {
     pub mmq: Vec<[CudaFunction; 2]>,
     /// `mmq_warp[format][passes - 1]`: `mmq_warp_{fmt}{,_x2}`, the tensor-core matmul with a whole tree per warp.
     pub mmq_warp: Vec<[CudaFunction; 2]>,
-    /// `mmq_slab[format][passes - 1]`: `mmq_slab_{fmt}{,_x2}`, the tensor-core matmul with a block per slab.
-    pub mmq_slab: Vec<[CudaFunction; 2]>,
     pub embedding_quant: CudaFunction,
     pub rope_kv_write: CudaFunction,
     pub paged_attention: CudaFunction,
@@ -264,10 +258,6 @@ impl Kernels {
             .iter()
             .map(|fmt| Ok([big_smem(&format!("mmq_warp_{fmt}"))?, big_smem(&format!("mmq_warp_{fmt}_x2"))?]))
             .collect::<Result<Vec<_>, CudaError>>()?;
-        let mmq_slab = ["q4_0", "q4_1", "q8_0"]
-            .iter()
-            .map(|fmt| Ok([big_smem(&format!("mmq_slab_{fmt}"))?, big_smem(&format!("mmq_slab_{fmt}_x2"))?]))
-            .collect::<Result<Vec<_>, CudaError>>()?;
         Ok(Kernels {
             embedding_f32: get("embedding_f32")?,
             embedding_bf16: get("embedding_bf16")?,
@@ -300,7 +290,6 @@ impl Kernels {
             mmvq_half,
             mmq,
             mmq_warp,
-            mmq_slab,
             embedding_quant: get("embedding_quant")?,
             rope_kv_write: get("rope_kv_write")?,
             paged_attention: big_smem("paged_attention")?,

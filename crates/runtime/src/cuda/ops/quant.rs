@@ -8,8 +8,8 @@ use super::fused::{fill_random_f16, fill_random_u32, Epilogue};
 use super::{dim, launch_err, shape_err, ROW_BLOCK};
 use crate::cuda::device::{CudaDevice, DeviceBuf};
 use crate::cuda::kernels::{
-    MAX_DYNAMIC_SMEM, MMQ_COLS_PER_BLOCK, MMQ_MIN_ROWS, MMQ_QUANT_ROWS, MMQ_SLAB_WARPS, MMQ_WARP_MIN_ROWS,
-    MMQ_WARP_WARPS, MMVQ_HALF_MAX_K, MMVQ_HALF_MIN_ROWS, MMVQ_ROWS, MMVQ_X2_MAX_ROWS,
+    MAX_DYNAMIC_SMEM, MMQ_COLS_PER_BLOCK, MMQ_MIN_ROWS, MMQ_QUANT_ROWS, MMQ_WARP_MIN_ROWS, MMQ_WARP_WARPS,
+    MMVQ_HALF_MAX_K, MMVQ_HALF_MIN_ROWS, MMVQ_ROWS, MMVQ_X2_MAX_ROWS,
 };
 use crate::cuda::view::{DevArg, DevSlice};
 use crate::cuda::Result;
@@ -214,8 +214,8 @@ pub struct MmvqArgs<'a> {
 /// lets [`mmvq`] choose by rows, tests and benches name one to compare them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QuantKernel {
-    /// By rows: from `MMQ_MIN_ROWS` `Mmq`; from `MMQ_WARP_MIN_ROWS` `MmqSlab` when `DFLASH_MMQ_SLAB=1`, else
-    /// `MmqWarp` when `DFLASH_MMQ_WARP=1`; else `Mmvq`.
+    /// By rows: from `MMQ_WARP_MIN_ROWS` `MmqWarp` where its shared memory fits (unless `DFLASH_MMQ_WARP=0`);
+    /// else from `MMQ_MIN_ROWS` `Mmq` (unless `DFLASH_MMQ=0`); else `Mmvq`.
     Auto,
     /// `mmvq_*` (quant.cu): dp4a loops, a warp (or half) per column, a few rows per block.
     Mmvq,
@@ -223,9 +223,6 @@ pub enum QuantKernel {
     Mmq,
     /// `mmq_warp_*` (mmq_warp.cu): the int8 tensor cores, a whole tree per warp over its own slab of weights.
     MmqWarp,
-    /// `mmq_slab_*` (mmq_slab.cu): the int8 tensor cores, a block per slab of weights staged in shared memory, the
-    /// tree split over its warps.
-    MmqSlab,
 }
 
 /// Runs one [`MmvqArgs`] against `w` (`n_out = w.n`, or `w.n / 2` for [`Epilogue::Swiglu`]) on the kernel
@@ -275,7 +272,6 @@ pub fn mmvq_on(dev: &CudaDevice, w: &QuantMatrix, a: MmvqArgs, kernel: QuantKern
     let launch = match pick_kernel(kernel, w.format, a.m, k, passes) {
         Some(QuantKernel::Mmq) => mmq_launch(dev, w, &a, n_out),
         Some(QuantKernel::MmqWarp) => mmq_warp_launch(dev, w, &a, n_out),
-        Some(QuantKernel::MmqSlab) => mmq_slab_launch(dev, w, &a, n_out),
         Some(_) => mmvq_launch(dev, w, &a, n_out),
         None => {
             return Err(shape_err(format!("mmvq: {kernel:?} does not fit k = {k} at {passes} activation pass(es)")))
@@ -290,23 +286,19 @@ fn pick_kernel(asked: QuantKernel, format: QuantFormat, m: usize, k: usize, pass
     let fits = |bytes: usize| bytes <= MAX_DYNAMIC_SMEM as usize;
     let mmq_fits = || fits(mmq_smem_bytes(k, passes));
     let warp_fits = || fits(mmq_warp_smem_bytes(format, k, passes, 1));
-    let few_rows = (MMQ_WARP_MIN_ROWS..MMQ_MIN_ROWS).contains(&m);
     match asked {
         QuantKernel::Auto => {
             let switches = crate::switches::switches();
-            Some(if m >= MMQ_MIN_ROWS && !switches.no_mmq && mmq_fits() {
-                QuantKernel::Mmq
-            } else if few_rows && switches.mmq_slab && warp_fits() {
-                QuantKernel::MmqSlab
-            } else if few_rows && switches.mmq_warp && warp_fits() {
+            Some(if m >= MMQ_WARP_MIN_ROWS && !switches.no_mmq_warp && warp_fits() {
                 QuantKernel::MmqWarp
+            } else if m >= MMQ_MIN_ROWS && !switches.no_mmq && mmq_fits() {
+                QuantKernel::Mmq
             } else {
                 QuantKernel::Mmvq
             })
         }
         QuantKernel::Mmq => mmq_fits().then_some(QuantKernel::Mmq),
         QuantKernel::MmqWarp => warp_fits().then_some(QuantKernel::MmqWarp),
-        QuantKernel::MmqSlab => warp_fits().then_some(QuantKernel::MmqSlab),
         QuantKernel::Mmvq => Some(QuantKernel::Mmvq),
     }
 }
@@ -346,22 +338,6 @@ fn mmq_warp_launch<'k>(dev: &'k CudaDevice, w: &QuantMatrix, a: &MmvqArgs, n_out
         grid: (n_out.div_ceil(cols).div_ceil(warps), a.m.div_ceil(16 / passes)),
         threads: 32 * warps,
         smem: mmq_warp_smem_bytes(w.format, w.k, passes, warps),
-    }
-}
-
-/// The block-per-slab tensor-core kernel: blocks of 16 / passes activation rows take slabs of 16 weight rows (8
-/// gate and 8 up rows for SwiGLU) in turn, every slab of a chunk at once where the grid allows (8 blocks per SM
-/// across the chunks); the slab's shared memory is one warp's of [`mmq_warp_smem_bytes`].
-fn mmq_slab_launch<'k>(dev: &'k CudaDevice, w: &QuantMatrix, a: &MmvqArgs, n_out: usize) -> QuantLaunch<'k> {
-    let passes = w.act.passes();
-    let cols = if a.epi == Epilogue::Swiglu { 8 } else { 16 };
-    let chunks = a.m.div_ceil(16 / passes);
-    let per_chunk = (8 * dev.info().multiprocessors.max(1) as usize).div_ceil(chunks);
-    QuantLaunch {
-        kernel: &dev.kernels.mmq_slab[w.format.code()][passes - 1],
-        grid: (n_out.div_ceil(cols).min(per_chunk), chunks),
-        threads: 32 * MMQ_SLAB_WARPS,
-        smem: mmq_warp_smem_bytes(w.format, w.k, passes, 1),
     }
 }
 
