@@ -31,6 +31,7 @@ from target import KvCache, LlamaTarget, rope_cos_sin
 # fallback); the unmasked causal prefill keeps flash.
 ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 KEY_BUCKET = 128  # decode key lengths are rounded up to a multiple of this, so a step's shapes repeat
+COMPACT_ROWS = 32  # rows a compaction moves at once: its temporary is this many rows of K or V (0.85 GB at 2,313 slots)
 
 
 @dataclass(frozen=True)
@@ -208,10 +209,17 @@ class DecodePool:
         self.job_of_row[done] = -1
 
     def _compact(self) -> None:
-        """Keeps only the active rows (the tail of a run, when no job is left to refill freed rows)."""
+        """Keeps only the active rows (the tail of a run, when no job is left to refill freed rows). The cache's
+        kept rows move to its front in place, COMPACT_ROWS at a time, so no second cache is ever allocated: kept
+        row j comes from row keep[j] >= j, so a chunk's sources lie at or past its own rows (gathered before they
+        are written) and past every earlier chunk's."""
         keep = np.nonzero(self.active)[0]
         index = torch.tensor(keep, device=self.device)
-        self.cache.k, self.cache.v = self.cache.k[:, index].contiguous(), self.cache.v[:, index].contiguous()
+        for first in range(0, len(keep), COMPACT_ROWS):
+            rows = index[first:first + COMPACT_ROWS]
+            for cache in (self.cache.k, self.cache.v):
+                cache[:, first:first + len(rows)] = cache[:, rows]
+        self.cache.k, self.cache.v = self.cache.k[:, :len(keep)], self.cache.v[:, :len(keep)]
         state = (self.job_of_row[keep], self.n_new[keep], self.length[keep], self.prefix[keep],
                  self.temperature[keep], self.cur[index], self.pos[index], self.count[index], self.out[index],
                  self.eos[index], self.prefix_dev[index], self.temperature_dev[index])

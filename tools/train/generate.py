@@ -44,6 +44,10 @@ from target import DEFAULT_GGUF, REPO_ROOT, configure_torch, load_target, render
 from train_data import SPLIT_BENCH, SPLIT_HELDOUT, SPLIT_TRAIN
 
 BENCH_PROMPTS = REPO_ROOT / "bench" / "prompts" / "heldout.json"
+# The decode pool's KV cache takes this share of the GPU memory free after loading (--kv-gib 0): on an H200 it
+# is more than 1,024 rows need; on an H100 (80 GB) about 960 rows, where a fixed 64 GiB left too little for the
+# graphs and the rest.
+KV_SHARE_OF_FREE = 0.65
 EVAL_FRACTION = 0.005  # share of the training prompts held out for the training-side evaluation, by id hash
 
 
@@ -168,10 +172,20 @@ def run_pool(model, cfg, jobs: list[Job], args, seed: int, deadline: float):
 
 
 def pool_rows(cfg, args) -> int:
-    """Rows that fit --kv-gib of KV cache (at least 1, at most --max-rows)."""
+    """Rows that fit the KV cache budget (at least 1, at most --max-rows): --kv-gib, or by default
+    KV_SHARE_OF_FREE of the GPU memory free once the target is loaded (the graphs' logits, the prefill and the
+    compaction's chunks live in the rest)."""
     slots = args.max_prompt_tokens + args.max_new_tokens + 9
     per_row = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * slots * (2 if args.dtype == "bf16" else 4)
-    return max(1, min(args.max_rows, int(args.kv_gib * 2**30 // per_row)))
+    budget = args.kv_gib * 2**30
+    if budget <= 0:
+        budget = KV_SHARE_OF_FREE * free_gpu_bytes() if torch.cuda.is_available() else 4 * 2**30
+    return max(1, min(args.max_rows, int(budget // per_row)))
+
+
+def free_gpu_bytes() -> int:
+    """The driver's free memory plus what PyTorch's allocator holds unused (an earlier turn's freed pool)."""
+    return torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
 
 
 def progress_logger(start: float, total: int):
@@ -249,14 +263,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-bench", action="store_true", help="leave out the hand-written held-out prompts")
     p.add_argument("--max-new-tokens", type=int, default=768)
     p.add_argument("--max-prompt-tokens", type=int, default=1536)
-    p.add_argument("--kv-gib", type=float, default=64.0, help="KV cache budget of the decode pool")
+    p.add_argument("--kv-gib", type=float, default=0.0,
+                   help="KV cache budget of the decode pool (0: a share of the GPU's free memory)")
     p.add_argument("--max-rows", type=int, default=1024, help="decode pool rows at most")
     p.add_argument("--prefill-tokens", type=int, default=1 << 16, help="tokens per prefill sub-batch")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="profile this many decode steps of the first pool once warm (torch.profiler table)")
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay the decode step as CUDA graphs, one per key-length bucket (on CUDA only; a failed "
-                        "capture falls back to eager with a warning). Off until a GPU run checks it against eager")
+                        "capture falls back to eager with a warning); the samples equal eager decoding's")
     p.add_argument("--chunk-jobs", type=int, default=4096, help="length-sorted jobs per shuffled chunk")
     p.add_argument("--dtype", default=None, choices=("bf16", "f32"), help="weights and KV (default: bf16 on GPU)")
     p.add_argument("--limit", type=int, default=0, help="use only the first N selected prompts (0: all)")
