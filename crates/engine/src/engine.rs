@@ -18,7 +18,7 @@ use crate::scheduler::{Scheduler, SchedulerConfig, StepItem};
 use crate::sequence::{Outcome, Sequence};
 use crate::spec::{
     prompt_gate_passes, CostTable, DflashProposer, DrafterConfig, MtpLaneConfig, MtpProposer, NgramProposer,
-    OracleDraft, OracleProposer, Proposer, SharedCosts, SpecConfig, SpecLane,
+    OracleDraft, OracleProposer, Proposer, SharedCosts, SpecConfig, SpecLane, StepGate,
 };
 use crate::EngineError;
 use shared_pass::add_round_to_step;
@@ -77,6 +77,8 @@ pub struct Engine {
     round_costs: SharedCosts,
     /// Whether the start-up probe of round costs ran (or was tried).
     costs_probed: bool,
+    /// Whether a step runs its drafter pass, from the measured speed of steps with and without one.
+    step_gate: StepGate,
     /// The MTP lane ([`Engine::with_mtp`]).
     mtp: Option<MtpLaneConfig>,
     /// Whether steps may ask a target that draws on its device to draw their rows ([`Engine::with_device_draws`]).
@@ -182,6 +184,7 @@ impl Engine {
             eos_ids: cfg.eos_ids,
             round_costs: SharedCosts::new(CostTable::new(widest_round(&cfg.spec, cfg.drafter.as_ref()))),
             costs_probed: false,
+            step_gate: StepGate::default(),
             spec: cfg.spec,
             drafter: cfg.drafter,
             mtp: None,
@@ -305,6 +308,7 @@ impl Engine {
         let decoding = self.sched.running.iter().filter(|s| s.is_decoding()).count();
         self.round_costs.lock().begin_step(decoding);
         let mut clock = PhaseClock::start();
+        let step_started = Instant::now();
         let mut shared = Vec::new();
         for (i, seq) in self.sched.running.iter_mut().enumerate() {
             match seq.prepare_drafts() {
@@ -312,7 +316,7 @@ impl Engine {
                 None => add_round_to_step(&self.round_costs, seq),
             }
         }
-        self.draft_in_one_pass(&shared);
+        let ran_pass = self.gated_shared_pass(&shared, decoding);
         let draft = clock.lap();
         let items = self.sched.plan();
         if items.is_empty() {
@@ -327,6 +331,7 @@ impl Engine {
         };
         let forward = clock.lap();
         self.emit_time = std::time::Duration::ZERO;
+        let generated = self.generated_by(&items);
         let finished = self.sample_and_stream(&items, &out);
         let sample = clock.lap().saturating_sub(self.emit_time);
         self.keep_state_checkpoints(&items);
@@ -335,6 +340,7 @@ impl Engine {
         // table of forwards alone would price every round too low, and a few wide rounds too low against narrow.
         let round_ms = started.elapsed().as_secs_f64() * 1e3;
         self.record_round_times(&items, round_ms);
+        self.observe_step_gate(&items, ran_pass, generated, step_started);
         self.sched.publish_prompt_pages();
         self.retire(finished);
         #[cfg(debug_assertions)]

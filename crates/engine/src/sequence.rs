@@ -242,6 +242,15 @@ impl Sequence {
         Some((drafter, ProposeInput { tokens: &self.tokens, sampling: &self.request.sampling }))
     }
 
+    /// Ends a round [`Self::prepare_drafts`] planned for the shared pass without drafting it: the step's gate kept
+    /// the pass from running, and the round is plain.
+    pub fn skip_shared_round(&mut self) {
+        if let Some(lane) = self.lane.as_mut() {
+            lane.skip_planned_round();
+        }
+        self.drafts.clear();
+    }
+
     /// Ends a round [`Self::prepare_drafts`] planned with the shared pass's proposal for it (`draft_ms`: this
     /// lane's share of the pass).
     pub fn finish_shared_drafts(&mut self, max: usize, drafted: Proposal, draft_ms: f64) {

@@ -4,10 +4,57 @@
 use std::time::Instant;
 
 use super::Engine;
+use crate::scheduler::StepItem;
 use crate::sequence::Sequence;
-use crate::spec::{DflashProposer, SharedCosts};
+use crate::spec::{DflashProposer, PolicyMode, SharedCosts};
 
 impl Engine {
+    /// Runs the step's drafter pass over the rounds `planned` when the step gate lets a step of `decoding`
+    /// sequences run one, or a planned lane drafts every round (a fixed policy); otherwise those rounds go plain.
+    /// Returns whether a pass ran.
+    pub(super) fn gated_shared_pass(&mut self, planned: &[(usize, usize)], decoding: usize) -> bool {
+        if planned.is_empty() {
+            return false;
+        }
+        let fixed = planned
+            .iter()
+            .any(|&(i, _)| self.sched.running[i].lane.as_ref().is_some_and(|l| l.policy.mode() == PolicyMode::Fixed));
+        if fixed || self.step_gate.allows_pass(decoding) {
+            self.draft_in_one_pass(planned);
+            return true;
+        }
+        for &(i, _) in planned {
+            let seq = &mut self.sched.running[i];
+            seq.skip_shared_round();
+            add_round_to_step(&self.round_costs, seq);
+        }
+        false
+    }
+
+    /// Tokens the decoding sequences among `items` have generated so far.
+    pub(super) fn generated_by(&self, items: &[StepItem]) -> usize {
+        items.iter().filter(|i| i.samples).map(|i| self.sched.running[i.seq].generated()).sum()
+    }
+
+    /// Feeds the step gate a step that ran decode and verify rows only: whether it ran a drafter pass, what its
+    /// decoding sequences committed (`generated_before`: [`Self::generated_by`] before sampling) and its time from
+    /// drafting to now.
+    pub(super) fn observe_step_gate(
+        &mut self,
+        items: &[StepItem],
+        ran_pass: bool,
+        generated_before: usize,
+        started: Instant,
+    ) {
+        let decode_only = items.iter().all(|i| i.samples && i.rows == 1 + i.drafts);
+        if !decode_only || items.is_empty() {
+            return;
+        }
+        let tokens = self.generated_by(items).saturating_sub(generated_before);
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        self.step_gate.observe(items.len(), ran_pass, tokens, ms);
+    }
+
     /// Drafts the rounds `planned` (`(index into the running sequences, most drafts)`, in order) in one drafter
     /// pass; each lane is charged an equal share of its time. A pass that panics drops those lanes (their requests
     /// decode on, plain).

@@ -22,7 +22,7 @@ pub use gate::prompt_gate_passes;
 pub use mtp::{MtpDepth, MtpLaneConfig, MtpProposer};
 pub use ngram::{NgramConfig, NgramProposer};
 pub use oracle::{OracleDraft, OracleProposer};
-pub use policy::{CostTable, PolicyMode, RoundPlan, RoundPolicy, RoundShare, SharedCosts};
+pub use policy::{CostTable, PolicyMode, RoundPlan, RoundPolicy, RoundShare, SharedCosts, StepGate};
 
 use crate::sampler::SamplingParams;
 use policy::RoundTiming;
@@ -339,6 +339,12 @@ impl SpecLane {
             return None;
         }
         Some(max)
+    }
+
+    /// Ends a round [`Self::plan_round`] planned without drafting it: the step's gate kept the drafter pass from
+    /// running ([`StepGate`]), so the round is plain.
+    pub fn skip_planned_round(&mut self) {
+        self.round.gated = true;
     }
 
     /// The round's drafts from a proposal of a shared drafter pass whose cost was `draft_ms` per lane.

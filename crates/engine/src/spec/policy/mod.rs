@@ -20,6 +20,7 @@ pub mod backoff;
 mod bench_sim;
 pub mod choice;
 pub mod costs;
+pub mod step_gate;
 #[cfg(test)]
 mod tests;
 
@@ -33,6 +34,7 @@ pub use acceptance::{ConfidenceCalibration, PositionAcceptance};
 pub use backoff::{Backoff, Spacing};
 pub use choice::{choose_rows, choose_rows_in_step, expected_tokens};
 pub use costs::{BucketView, CostTable, RoundShare, SharedCosts, StepOutlook, CONTEXT_BUCKETS};
+pub use step_gate::{GateView, StepGate};
 
 /// Failed probes may cost at most this share of plain decoding speed: a probe's extra cost (a second row plus
 /// drafting) over a plain step, divided by this, caps the rounds between probes. Where a second row adds 16% of a

@@ -1,0 +1,221 @@
+//! Whether a step runs its drafter pass at all: the step's measured tokens per millisecond with the pass against
+//! without it, by how many sequences decode.
+//!
+//! Each lane prices its own round (`RoundPolicy::plan`), from the cost table and its share of the pass. What no
+//! lane sees is the whole step: the pass serves every drafting lane at once, a lane's share of it shrinks as the
+//! batch grows while the pass itself does not, and lanes plan before any of them knows who else drafts. Under load
+//! a server whose lanes each expect to pay can run slower than a plain one (on an H100, 64 requests with the
+//! drafter on ran at 0.86x of plain). The gate judges the outcome instead of the estimate: per batch-size bucket it
+//! keeps the tokens per millisecond of whole decode steps (drafting included) that ran a pass and of those that did
+//! not, and lets the pass run only while stepping with it is the faster of the two. Now and then a step takes the
+//! other side, so both rates stay measured: at most [`EXPLORE_SHARE`] of the time, so where drafting loses it
+//! costs at most that share of the difference.
+
+/// Share of the time spent on steps of the side the rates do not favour, so a rate cannot go stale.
+pub const EXPLORE_SHARE: f64 = 1.0 / 16.0;
+/// Steps a side needs before its rate is trusted (until then the gate gathers them).
+const YOUNG_STEPS: u64 = 4;
+/// Weight of a new step in a settled rate.
+const RATE_WEIGHT: f64 = 0.1;
+/// A step's rate is clamped to these factors of the settled rate (one stalled step must not flip the gate).
+const RATE_CLAMP: (f64, f64) = (0.5, 2.0);
+/// Batch-size buckets: 1, 2-3, 4-7, ..., 128-255, 256 and more decoding sequences.
+const SEQUENCE_BUCKETS: usize = 9;
+
+/// Tokens per millisecond and milliseconds of one kind of step: running means of the first [`YOUNG_STEPS`], then
+/// clamped moving averages.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Rate {
+    tokens_per_ms: f64,
+    step_ms: f64,
+    steps: u64,
+}
+
+impl Rate {
+    fn observe(&mut self, rate: f64, ms: f64) {
+        self.tokens_per_ms = blend(self.tokens_per_ms, rate, self.steps);
+        self.step_ms = blend(self.step_ms, ms, self.steps);
+        self.steps += 1;
+    }
+
+    fn settled(&self) -> bool {
+        self.steps >= YOUNG_STEPS
+    }
+}
+
+/// `current` moved toward `x`: a running mean over the first [`YOUNG_STEPS`] (`n` behind it), then a moving average
+/// with `x` clamped around `current`.
+fn blend(current: f64, x: f64, n: u64) -> f64 {
+    if n < YOUNG_STEPS {
+        return current + (x - current) / (n + 1) as f64;
+    }
+    let (lo, hi) = RATE_CLAMP;
+    current + RATE_WEIGHT * (x.clamp(current * lo, current * hi) - current)
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Bucket {
+    drafted: Rate,
+    plain: Rate,
+    /// Time (ms) of the favoured side's steps since the gate last took the other side.
+    since_explore_ms: f64,
+}
+
+/// The gate over a step's drafter pass; see the module's documentation.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepGate {
+    buckets: [Bucket; SEQUENCE_BUCKETS],
+}
+
+/// What the gate knows of one batch size, for logs and metrics.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GateView {
+    /// Tokens per ms of steps with a drafter pass and without, and how many of each were measured.
+    pub drafted: (f64, u64),
+    pub plain: (f64, u64),
+    /// Whether the pass would run now, exploration aside.
+    pub open: bool,
+}
+
+fn bucket_of(sequences: usize) -> usize {
+    (usize::BITS - sequences.max(1).leading_zeros() - 1).min(SEQUENCE_BUCKETS as u32 - 1) as usize
+}
+
+impl StepGate {
+    /// Whether a step of `sequences` decoding sequences, some of whose lanes planned a round, runs the pass. Until
+    /// both sides are measured it drafts (the lanes' own choice) and takes a plain step where too few were seen.
+    pub fn allows_pass(&mut self, sequences: usize) -> bool {
+        let bucket = &mut self.buckets[bucket_of(sequences)];
+        if !bucket.drafted.settled() {
+            return true;
+        }
+        if !bucket.plain.settled() {
+            return false;
+        }
+        let open = Self::favours_drafting(bucket);
+        // An exploring step is one step of the other side: taken once the favoured side has run long enough that
+        // it is EXPLORE_SHARE of the time.
+        let other_ms = if open { bucket.plain.step_ms } else { bucket.drafted.step_ms };
+        if bucket.since_explore_ms * EXPLORE_SHARE >= other_ms * (1.0 - EXPLORE_SHARE) {
+            bucket.since_explore_ms = 0.0;
+            return !open;
+        }
+        open
+    }
+
+    /// Feeds a decode-only step of `sequences` decoding sequences that ran a drafter pass (`drafted`) or not,
+    /// committed `tokens` and took `ms` from its drafting to its last sample.
+    pub fn observe(&mut self, sequences: usize, drafted: bool, tokens: usize, ms: f64) {
+        if sequences == 0 || tokens == 0 || !(ms.is_finite() && ms > 0.0) {
+            return;
+        }
+        let bucket = &mut self.buckets[bucket_of(sequences)];
+        if drafted == Self::favours_drafting(bucket) {
+            bucket.since_explore_ms += ms;
+        }
+        let rate = tokens as f64 / ms;
+        match drafted {
+            true => bucket.drafted.observe(rate, ms),
+            false => bucket.plain.observe(rate, ms),
+        }
+    }
+
+    /// The gate at `sequences` decoding sequences.
+    pub fn view(&self, sequences: usize) -> GateView {
+        let bucket = &self.buckets[bucket_of(sequences)];
+        GateView {
+            drafted: (bucket.drafted.tokens_per_ms, bucket.drafted.steps),
+            plain: (bucket.plain.tokens_per_ms, bucket.plain.steps),
+            open: !(bucket.drafted.settled() && bucket.plain.settled()) || Self::favours_drafting(bucket),
+        }
+    }
+
+    fn favours_drafting(bucket: &Bucket) -> bool {
+        bucket.drafted.tokens_per_ms >= bucket.plain.tokens_per_ms
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs `steps` steps of `sequences` sequences where a plain step commits one token per sequence in `plain_ms`
+    /// and a drafting step commits `speedup` times the tokens per ms of a plain one; returns the tokens per ms of
+    /// the whole run and the share of its time spent drafting.
+    fn serve(gate: &mut StepGate, sequences: usize, speedup: f64, steps: usize) -> (f64, f64) {
+        let plain_ms = 2.0 + 0.05 * sequences as f64;
+        let (mut tokens, mut ms, mut drafted) = (0usize, 0.0, 0.0);
+        for _ in 0..steps {
+            let pass = gate.allows_pass(sequences);
+            // A drafting step commits more tokens in a longer step: twice the tokens, in 2 / speedup the time.
+            let (t, m) = if pass { (2 * sequences, plain_ms * 2.0 / speedup) } else { (sequences, plain_ms) };
+            gate.observe(sequences, pass, t, m);
+            tokens += t;
+            ms += m;
+            drafted += if pass { m } else { 0.0 };
+        }
+        (tokens as f64 / ms, drafted / ms)
+    }
+
+    fn plain_rate(sequences: usize) -> f64 {
+        sequences as f64 / (2.0 + 0.05 * sequences as f64)
+    }
+
+    #[test]
+    fn a_pass_that_loses_takes_a_sixteenth_of_the_time_and_the_server_keeps_plain_speed() {
+        let mut gate = StepGate::default();
+        let (rate, drafted) = serve(&mut gate, 64, 0.7, 2000);
+        assert!(drafted < 1.2 * EXPLORE_SHARE, "drafted {drafted:.3} of the time");
+        // Exploring costs EXPLORE_SHARE of the time at 0.7x (1.9%), the first steps a little more.
+        assert!(rate >= 0.975 * plain_rate(64), "{rate:.2} against plain {:.2}", plain_rate(64));
+        assert!(!gate.view(64).open);
+    }
+
+    #[test]
+    fn a_pass_that_pays_keeps_running() {
+        let mut gate = StepGate::default();
+        let (rate, drafted) = serve(&mut gate, 8, 1.5, 2000);
+        assert!(drafted > 1.0 - 1.2 * EXPLORE_SHARE, "drafted {drafted:.3} of the time");
+        assert!(rate >= 1.45 * plain_rate(8), "{rate:.2} against plain {:.2}", plain_rate(8));
+        assert!(gate.view(8).open);
+    }
+
+    #[test]
+    fn batch_sizes_are_judged_apart() {
+        let mut gate = StepGate::default();
+        serve(&mut gate, 1, 1.8, 500);
+        serve(&mut gate, 100, 0.6, 500);
+        assert!(gate.view(1).open, "one sequence: drafting pays");
+        assert!(!gate.view(100).open, "a hundred: it does not");
+        assert!(gate.view(3).open, "an unmeasured size drafts until measured");
+    }
+
+    #[test]
+    fn the_gate_reopens_when_drafting_starts_to_pay() {
+        let mut gate = StepGate::default();
+        serve(&mut gate, 32, 0.7, 500);
+        assert!(!gate.view(32).open);
+        // The exploring steps see the pass winning; the rate moves within a few dozen of them.
+        serve(&mut gate, 32, 1.5, 2000);
+        assert!(gate.view(32).open);
+    }
+
+    #[test]
+    fn one_stalled_step_does_not_close_a_settled_gate() {
+        let mut gate = StepGate::default();
+        serve(&mut gate, 16, 1.3, 300);
+        assert!(gate.view(16).open);
+        gate.observe(16, true, 16, 1e4);
+        assert!(gate.view(16).open);
+    }
+
+    #[test]
+    fn buckets_cover_every_batch_size() {
+        assert_eq!(bucket_of(0), 0);
+        assert_eq!(bucket_of(1), 0);
+        assert_eq!(bucket_of(3), 1);
+        assert_eq!(bucket_of(64), 6);
+        assert_eq!(bucket_of(255), 7);
+        assert_eq!(bucket_of(100_000), SEQUENCE_BUCKETS - 1);
+    }
+}
