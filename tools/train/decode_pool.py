@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import decode_attention as fast_attention
 from target import KvCache, LlamaTarget, rope_cos_sin
 
 # Every SDPA backend but cuDNN, whose plans are built per key length: a step's key length changes as rows grow.
@@ -31,6 +32,9 @@ from target import KvCache, LlamaTarget, rope_cos_sin
 # fallback); the unmasked causal prefill keeps flash.
 ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 KEY_BUCKET = 128  # decode key lengths are rounded up to a multiple of this, so a step's shapes repeat
+# The first decode step checks the Triton attention against SDPA's on one layer: outputs within this share of the
+# largest output (bf16 rounding of the two orders of summation) or SDPA stays.
+FAST_ATTENTION_TOLERANCE = 2e-2
 COMPACT_ROWS = 32  # rows a compaction moves at once: its temporary is this many rows of K or V (0.85 GB at 2,313 slots)
 
 
@@ -50,7 +54,7 @@ class Finished:
 class DecodePool:
     def __init__(self, model: LlamaTarget, rows: int, max_prompt: int, max_new: int, seed: int = 0,
                  check_every: int = 8, prefill_tokens: int = 1 << 16, profile_steps: int = 0,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, triton_attention: bool = False):
         self.model, self.cfg = model, model.cfg
         self.profile_steps = profile_steps  # decode steps to profile once the pool is warm (0: none)
         self.device = model.embed_tokens.weight.device
@@ -61,7 +65,11 @@ class DecodePool:
                              self.device)
         self.head = model.embed_tokens.weight.float()  # f32 LM head (tied embedding)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        graphed = cuda_graphs and self.device.type == "cuda"
+        # The decode attention: Triton's, reading each row's own keys (None: not yet checked against SDPA on this
+        # device), or SDPA's masked kernel (False).
+        on_cuda = self.device.type == "cuda"
+        self.fast_attention = None if triton_attention and on_cuda and fast_attention.available() else False
+        graphed = cuda_graphs and on_cuda
         self.decode = DecodeGraphs(self._decode) if graphed else self._decode  # the decode step, maybe replayed
         self._reset_rows(rows)
 
@@ -122,7 +130,9 @@ class DecodePool:
         returns next-token logits [R, V] (f32)."""
         x = self.model.embed_tokens(cur[:, None])
         cos, sin = rope_cos_sin(pos[:, None], self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        mask = decode_mask(pos, end, x.dtype)
+        fast = self.fast_attention
+        mask = None if fast else decode_mask(pos, end, x.dtype)
+        lengths = pos + 1
         # Each (row, kv head)'s new entry goes to one row of the cache seen as [layers, R*kv heads*slots, hd]:
         # one index_copy_ per tensor and layer.
         entry = (self.row_head_entry + pos[:, None]).view(-1)
@@ -132,8 +142,36 @@ class DecodePool:
             q, k, v = layer.qkv(layer.input_layernorm(x), cos, sin)
             k_entries[i].index_copy_(0, entry, k.reshape(entry.shape[0], -1))
             v_entries[i].index_copy_(0, entry, v.reshape(entry.shape[0], -1))
-            x = layer.finish(x, layer.attend(q, k_read[i], v_read[i], mask=mask))
+            if fast:
+                attended = self._fast_attend(q, i, lengths)
+            else:
+                attended = layer.attend(q, k_read[i], v_read[i], mask=mask)
+                if fast is None:
+                    fast = self.fast_attention = self._fast_attention_agrees(q, i, lengths, attended)
+            x = layer.finish(x, attended)
         return self._logits(x[:, -1])
+
+    def _fast_attend(self, q: torch.Tensor, layer: int, lengths: torch.Tensor) -> torch.Tensor:
+        """q [R, nh, 1, hd] over the cache's layer, each row's keys 0..length-1 -> [R, 1, nh * hd]."""
+        r, nh, _, hd = q.shape
+        out = fast_attention.decode_attention(q[:, :, 0], self.cache.k[layer], self.cache.v[layer], lengths,
+                                              hd**-0.5)
+        return out.view(r, 1, nh * hd)
+
+    def _fast_attention_agrees(self, q: torch.Tensor, layer: int, lengths: torch.Tensor, want: torch.Tensor) -> bool:
+        """Whether the Triton attention gives SDPA's output `want` (within bf16 rounding) on this step's layer; it
+        decodes from then on if so, else SDPA stays (with a warning)."""
+        try:
+            got = self._fast_attend(q, layer, lengths)
+        except Exception as err:  # a kernel that does not build here (driver, Triton version) leaves SDPA
+            warnings.warn(f"decode pool: the Triton decode attention failed ({err}); SDPA decodes")
+            return False
+        worst = (got.float() - want.float()).abs().max().item()
+        scale = max(1.0, want.float().abs().max().item())
+        if worst > FAST_ATTENTION_TOLERANCE * scale:
+            warnings.warn(f"decode pool: the Triton decode attention differs from SDPA by {worst:.3g}; SDPA decodes")
+            return False
+        return True
 
     # ------------------------------------------------------------------------------------------- token choice
 
@@ -261,6 +299,8 @@ class DecodePool:
 
     def _key_length(self) -> int:
         """Slots the step attends to: past every active row's new slot, rounded up to a bucket."""
+        if self.fast_attention:
+            return self.slots  # each row reads its own keys: one step shape (and one graph) for every length
         end = int(self.length[self.active].max()) + 1
         return min(-(-end // KEY_BUCKET) * KEY_BUCKET, self.slots)
 

@@ -167,7 +167,7 @@ def run_pool(model, cfg, jobs: list[Job], args, seed: int, deadline: float):
     """One decode pool over the jobs; its KV cache is freed on return (before the next turn's is allocated)."""
     pool = DecodePool(model, pool_rows(cfg, args), args.max_prompt_tokens, args.max_new_tokens, seed=seed,
                       prefill_tokens=args.prefill_tokens, profile_steps=args.profile_steps,
-                      cuda_graphs=args.cuda_graphs)
+                      cuda_graphs=args.cuda_graphs, triton_attention=args.triton_attention)
     return pool.run(jobs, deadline, progress_logger(time.time(), len(jobs)))
 
 
@@ -272,6 +272,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay the decode step as CUDA graphs, one per key-length bucket (on CUDA only; a failed "
                         "capture falls back to eager with a warning); the samples equal eager decoding's")
+    p.add_argument("--triton-attention", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode attention that reads each row's own keys (Triton, on CUDA), checked against SDPA on "
+                        "the first step; SDPA's masked kernel otherwise")
     p.add_argument("--chunk-jobs", type=int, default=4096, help="length-sorted jobs per shuffled chunk")
     p.add_argument("--dtype", default=None, choices=("bf16", "f32"), help="weights and KV (default: bf16 on GPU)")
     p.add_argument("--limit", type=int, default=0, help="use only the first N selected prompts (0: all)")
