@@ -27,6 +27,8 @@ pub struct Switches {
     /// `DFLASH_MMQ_WARP=0`: quantized matmuls of 40 rows and more run as before the whole-tree kernel
     /// (`mmq_warp`) took them: `mmq` from 128 rows, the dp4a kernel below.
     pub no_mmq_warp: bool,
+    /// `DFLASH_STEP_GATE=0`: every step runs the drafter pass its lanes planned, whatever the step gate measured.
+    pub no_step_gate: bool,
 }
 
 impl Switches {
@@ -43,6 +45,7 @@ impl Switches {
             no_mmq: is("DFLASH_MMQ", "0"),
             no_mmvq_half: is("DFLASH_MMVQ_HALF", "0"),
             no_mmq_warp: is("DFLASH_MMQ_WARP", "0"),
+            no_step_gate: is("DFLASH_STEP_GATE", "0"),
         }
     }
 }
@@ -73,6 +76,7 @@ mod tests {
             ("DFLASH_MMQ", "0"),
             ("DFLASH_MMVQ_HALF", "0"),
             ("DFLASH_MMQ_WARP", "0"),
+            ("DFLASH_STEP_GATE", "0"),
         ]));
         let want = Switches {
             simd: Some("avx2".into()),
@@ -84,6 +88,7 @@ mod tests {
             no_mmq: true,
             no_mmvq_half: true,
             no_mmq_warp: true,
+            no_step_gate: true,
         };
         assert_eq!(all, want);
         let other = Switches::from_vars(set(&[("DFLASH_PDL", "1"), ("DFLASH_GEMM_PREFETCH", "all")]));

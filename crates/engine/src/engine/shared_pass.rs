@@ -10,8 +10,8 @@ use crate::spec::{DflashProposer, PolicyMode, SharedCosts};
 
 impl Engine {
     /// Runs the step's drafter pass over the rounds `planned` when the step gate lets a step of `decoding`
-    /// sequences run one, or a planned lane drafts every round (a fixed policy); otherwise those rounds go plain.
-    /// Returns whether a pass ran.
+    /// sequences run one, or a planned lane drafts every round (a fixed policy), or `DFLASH_STEP_GATE=0`;
+    /// otherwise those rounds go plain. Returns whether a pass ran.
     pub(super) fn gated_shared_pass(&mut self, planned: &[(usize, usize)], decoding: usize) -> bool {
         if planned.is_empty() {
             return false;
@@ -19,7 +19,8 @@ impl Engine {
         let fixed = planned
             .iter()
             .any(|&(i, _)| self.sched.running[i].lane.as_ref().is_some_and(|l| l.policy.mode() == PolicyMode::Fixed));
-        if fixed || self.step_gate.allows_pass(decoding) {
+        let ungated = dflash_runtime::switches::switches().no_step_gate;
+        if fixed || ungated || self.step_gate.allows_pass(decoding) {
             self.draft_in_one_pass(planned);
             return true;
         }
