@@ -48,8 +48,8 @@ def _kernel():
     def decode_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, stride_qr, stride_qh, stride_kr, stride_kh,
                                 stride_ks, stride_or, stride_oh, scale, GROUP: tl.constexpr,
                                 BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
-        row = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        row = tl.program_id(0).to(tl.int64)  # row offsets pass 2^31 elements in large caches
+        kv_head = tl.program_id(1).to(tl.int64)
         length = tl.load(len_ptr + row)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, HEAD_DIM)

@@ -6,8 +6,9 @@ every row's last token at its own slot. When a row ends (EOS, or max_new tokens)
 request at the next check (every `check_every` steps, the only host-device synchronisation of the loop), so
 the GPU keeps working on full batches while requests of very different lengths come and go. Prompts of a refill
 are prefilled together (right-padded, causal) and copied into their rows. The attention of a decode step reads
-slots 0..max(row length), rounded up to a multiple of KEY_BUCKET (so step shapes repeat), and masks each row's
-slots past its own length; callers sort requests by prompt length so the rows of a pool stay alike.
+each row's own slots (decode_attention.py, on CUDA with Triton, checked against SDPA on the first step); with
+SDPA it reads slots 0..max(row length), rounded up to a multiple of KEY_BUCKET (so step shapes repeat), and masks
+each row's slots past its own length. Callers sort requests by prompt length so the rows of a pool stay alike.
 
 A request may sample its first `sampled` response tokens at a temperature and continue greedily (a sampled
 prefix varies the context; the greedy rest is a chain that greedy verification would accept). The LM head runs
@@ -126,8 +127,8 @@ class DecodePool:
     @torch.no_grad()
     @sdpa_kernel(ATTENTION_BACKENDS)
     def _decode(self, cur: torch.Tensor, pos: torch.Tensor, end: int) -> torch.Tensor:
-        """One step for every row: feeds cur at pos and attends to slots 0..end-1 (end: a key-length bucket);
-        returns next-token logits [R, V] (f32)."""
+        """One step for every row: feeds cur at pos and attends to slots 0..end-1 (end: a key-length bucket, or
+        every slot); returns next-token logits [R, V] (f32)."""
         x = self.model.embed_tokens(cur[:, None])
         cos, sin = rope_cos_sin(pos[:, None], self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         fast = self.fast_attention
@@ -168,7 +169,7 @@ class DecodePool:
             return False
         worst = (got.float() - want.float()).abs().max().item()
         scale = max(1.0, want.float().abs().max().item())
-        if worst > FAST_ATTENTION_TOLERANCE * scale:
+        if not worst <= FAST_ATTENTION_TOLERANCE * scale:  # NaN fails too
             warnings.warn(f"decode pool: the Triton decode attention differs from SDPA by {worst:.3g}; SDPA decodes")
             return False
         return True
@@ -299,8 +300,10 @@ class DecodePool:
 
     def _key_length(self) -> int:
         """Slots the step attends to: past every active row's new slot, rounded up to a bucket."""
-        if self.fast_attention:
-            return self.slots  # each row reads its own keys: one step shape (and one graph) for every length
+        if self.fast_attention is not False:
+            # Each row reads its own keys: one step shape (and one graph) for every length. The first step, which
+            # checks the kernel, attends with SDPA over every slot, so its graph is that shape too.
+            return self.slots
         end = int(self.length[self.active].max()) + 1
         return min(-(-end // KEY_BUCKET) * KEY_BUCKET, self.slots)
 
@@ -313,7 +316,8 @@ class DecodePool:
 
 
 class DecodeGraphs:
-    """The decode step as CUDA graphs, one per key-length bucket of the pool's current rows, captured on first use.
+    """The decode step as CUDA graphs, one per step shape (with SDPA, per key-length bucket of the pool's current
+    rows; with the Triton attention, one), captured on first use.
 
     A step is host-bound in eager mode (~1,300 kernel launches for 30 layers); a replay launches them all at once.
     The inputs are copied into static tensors before a replay; the logits come back in the graph's own output

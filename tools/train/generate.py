@@ -27,6 +27,7 @@ machine that made them; only checkpoints and metrics travel.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import platform
@@ -168,7 +169,14 @@ def run_pool(model, cfg, jobs: list[Job], args, seed: int, deadline: float):
     pool = DecodePool(model, pool_rows(cfg, args), args.max_prompt_tokens, args.max_new_tokens, seed=seed,
                       prefill_tokens=args.prefill_tokens, profile_steps=args.profile_steps,
                       cuda_graphs=args.cuda_graphs, triton_attention=args.triton_attention)
-    return pool.run(jobs, deadline, progress_logger(time.time(), len(jobs)))
+    results = pool.run(jobs, deadline, progress_logger(time.time(), len(jobs)))
+    # The pool refers to itself (its decode step, its graphs): only the cycle collector frees it, so the next
+    # turn's pool would size itself beside this one's cache.
+    del pool
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return results
 
 
 def pool_rows(cfg, args) -> int:
