@@ -340,7 +340,7 @@ impl Engine {
         // table of forwards alone would price every round too low, and a few wide rounds too low against narrow.
         let round_ms = started.elapsed().as_secs_f64() * 1e3;
         self.record_round_times(&items, round_ms);
-        self.observe_step_gate(&items, ran_pass, generated, step_started);
+        self.observe_step_gate(&items, decoding, ran_pass, generated, step_started);
         self.sched.publish_prompt_pages();
         self.retire(finished);
         #[cfg(debug_assertions)]

@@ -37,12 +37,13 @@ impl Engine {
         items.iter().filter(|i| i.samples).map(|i| self.sched.running[i.seq].generated()).sum()
     }
 
-    /// Feeds the step gate a step that ran decode and verify rows only: whether it ran a drafter pass, what its
-    /// decoding sequences committed (`generated_before`: [`Self::generated_by`] before sampling) and its time from
-    /// drafting to now.
+    /// Feeds the step gate a step of `decoding` sequences (as [`Self::gated_shared_pass`] was told) that ran
+    /// decode and verify rows only: whether it ran a drafter pass, what its decoding sequences committed
+    /// (`generated_before`: [`Self::generated_by`] before sampling) and its time from drafting to now.
     pub(super) fn observe_step_gate(
         &mut self,
         items: &[StepItem],
+        decoding: usize,
         ran_pass: bool,
         generated_before: usize,
         started: Instant,
@@ -53,7 +54,7 @@ impl Engine {
         }
         let tokens = self.generated_by(items).saturating_sub(generated_before);
         let ms = started.elapsed().as_secs_f64() * 1e3;
-        self.step_gate.observe(items.len(), ran_pass, tokens, ms);
+        self.step_gate.observe(decoding, ran_pass, tokens, ms);
     }
 
     /// Drafts the rounds `planned` (`(index into the running sequences, most drafts)`, in order) in one drafter

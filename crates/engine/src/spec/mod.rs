@@ -265,7 +265,7 @@ struct RoundInFlight {
     share: RoundShare,
     /// The drafter's confidence in the drafts sent to verification.
     confidence: Option<Vec<f32>>,
-    /// The policy made the round plain.
+    /// The policy, or the step gate, made the round plain.
     gated: bool,
     /// Tokens the verified round committed.
     committed: Option<usize>,

@@ -9,10 +9,15 @@
 //! keeps the tokens per millisecond of whole decode steps (drafting included) that ran a pass and of those that did
 //! not, and lets the pass run only while stepping with it is the faster of the two. Now and then a step takes the
 //! other side, so both rates stay measured: at most [`EXPLORE_SHARE`] of the time, so where drafting loses it
-//! costs at most that share of the difference.
+//! costs at most that share of the difference. The first pass after plain steps also feeds each drafter context
+//! the rows those steps captured, a catch-up steady drafting does not pay: it is not measured, and a closed gate
+//! explores with [`EXPLORE_PASSES`] passes in a row.
 
 /// Share of the time spent on steps of the side the rates do not favour, so a rate cannot go stale.
 pub const EXPLORE_SHARE: f64 = 1.0 / 16.0;
+/// Passes in a row a closed gate runs when it explores: the first catches the drafter contexts up, the rest are
+/// measured.
+pub const EXPLORE_PASSES: u32 = 2;
 /// Steps a side needs before its rate is trusted (until then the gate gathers them).
 const YOUNG_STEPS: u64 = 4;
 /// Weight of a new step in a settled rate.
@@ -59,12 +64,16 @@ struct Bucket {
     plain: Rate,
     /// Time (ms) of the favoured side's steps since the gate last took the other side.
     since_explore_ms: f64,
+    /// Steps of the other side left in the exploration under way.
+    explore_left: u32,
 }
 
 /// The gate over a step's drafter pass; see the module's documentation.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StepGate {
     buckets: [Bucket; SEQUENCE_BUCKETS],
+    /// Whether the last step observed ran a pass (then the drafter contexts are caught up).
+    previous_pass: bool,
 }
 
 /// What the gate knows of one batch size, for logs and metrics.
@@ -93,19 +102,27 @@ impl StepGate {
             return false;
         }
         let open = Self::favours_drafting(bucket);
-        // An exploring step is one step of the other side: taken once the favoured side has run long enough that
-        // it is EXPLORE_SHARE of the time.
-        let other_ms = if open { bucket.plain.step_ms } else { bucket.drafted.step_ms };
-        if bucket.since_explore_ms * EXPLORE_SHARE >= other_ms * (1.0 - EXPLORE_SHARE) {
+        if bucket.explore_left > 0 {
+            bucket.explore_left -= 1;
+            return !open;
+        }
+        // An exploration (a plain step, or EXPLORE_PASSES passes) starts once the favoured side has run long
+        // enough that it is EXPLORE_SHARE of the time.
+        let (other_ms, steps) = if open { (bucket.plain.step_ms, 1) } else { (bucket.drafted.step_ms, EXPLORE_PASSES) };
+        if bucket.since_explore_ms * EXPLORE_SHARE >= other_ms * f64::from(steps) * (1.0 - EXPLORE_SHARE) {
             bucket.since_explore_ms = 0.0;
+            bucket.explore_left = steps - 1;
             return !open;
         }
         open
     }
 
     /// Feeds a decode-only step of `sequences` decoding sequences that ran a drafter pass (`drafted`) or not,
-    /// committed `tokens` and took `ms` from its drafting to its last sample.
+    /// committed `tokens` and took `ms` from its drafting to its last sample. A pass right after a plain step is
+    /// not measured (it catches the drafter contexts up).
     pub fn observe(&mut self, sequences: usize, drafted: bool, tokens: usize, ms: f64) {
+        let caught_up = !drafted || self.previous_pass;
+        self.previous_pass = drafted;
         if sequences == 0 || tokens == 0 || !(ms.is_finite() && ms > 0.0) {
             return;
         }
@@ -114,9 +131,10 @@ impl StepGate {
             bucket.since_explore_ms += ms;
         }
         let rate = tokens as f64 / ms;
-        match drafted {
-            true => bucket.drafted.observe(rate, ms),
-            false => bucket.plain.observe(rate, ms),
+        match (drafted, caught_up) {
+            (true, true) => bucket.drafted.observe(rate, ms),
+            (true, false) => {}
+            (false, _) => bucket.plain.observe(rate, ms),
         }
     }
 
@@ -155,6 +173,28 @@ mod tests {
             drafted += if pass { m } else { 0.0 };
         }
         (tokens as f64 / ms, drafted / ms)
+    }
+
+    /// As [`serve`], but the first pass after plain steps also pays for their captured rows: `catch_up` of a
+    /// plain step's time for each of them (at most 20).
+    fn serve_with_catch_up(gate: &mut StepGate, sequences: usize, speedup: f64, catch_up: f64, steps: usize) -> f64 {
+        let plain_ms = 2.0 + 0.05 * sequences as f64;
+        let (mut tokens, mut ms, mut behind) = (0usize, 0.0, 0usize);
+        for _ in 0..steps {
+            let pass = gate.allows_pass(sequences);
+            let (t, m) = if pass {
+                let extra = catch_up * plain_ms * behind.min(20) as f64;
+                behind = 0;
+                (2 * sequences, plain_ms * 2.0 / speedup + extra)
+            } else {
+                behind += 1;
+                (sequences, plain_ms)
+            };
+            gate.observe(sequences, pass, t, m);
+            tokens += t;
+            ms += m;
+        }
+        tokens as f64 / ms
     }
 
     fn plain_rate(sequences: usize) -> f64 {
@@ -198,6 +238,18 @@ mod tests {
         // The exploring steps see the pass winning; the rate moves within a few dozen of them.
         serve(&mut gate, 32, 1.5, 2000);
         assert!(gate.view(32).open);
+    }
+
+    #[test]
+    fn a_closed_gate_measures_drafting_past_its_catch_up() {
+        let mut gate = StepGate::default();
+        serve(&mut gate, 32, 0.7, 500);
+        assert!(!gate.view(32).open);
+        // Drafting now pays 1.3x in steady state, but the first pass after a plain run pays for up to 20 plain
+        // steps' captured rows (here 0.2 of a step each): judged by that pass, drafting would look 2-3x slower.
+        let rate = serve_with_catch_up(&mut gate, 32, 1.3, 0.2, 3000);
+        assert!(gate.view(32).open);
+        assert!(rate > 1.2 * plain_rate(32), "{rate:.2} against plain {:.2}", plain_rate(32));
     }
 
     #[test]
