@@ -108,6 +108,9 @@ pub struct EngineMetrics {
     spec_gate_pauses: AtomicU64,
     /// Running lanes the gate holds to plain rounds, as of the last step.
     spec_gated_lanes: AtomicU64,
+    /// Steps whose planned drafter pass ran, and those the step gate made plain.
+    step_passes_run: AtomicU64,
+    step_passes_skipped: AtomicU64,
     /// The engine's round cost table, as of the last step that measured it.
     round_costs: Mutex<Option<CostTable>>,
     queue_depth: AtomicU64,
@@ -144,6 +147,8 @@ impl Default for EngineMetrics {
             spec_widths: std::array::from_fn(|_| AtomicU64::new(0)),
             spec_gate_pauses: AtomicU64::new(0),
             spec_gated_lanes: AtomicU64::new(0),
+            step_passes_run: AtomicU64::new(0),
+            step_passes_skipped: AtomicU64::new(0),
             round_costs: Mutex::new(None),
             queue_depth: AtomicU64::new(0),
             running: AtomicU64::new(0),
@@ -235,6 +240,12 @@ impl EngineMetrics {
     /// How many running lanes the gate holds to plain rounds.
     pub fn set_spec_gated_lanes(&self, lanes: usize) {
         self.spec_gated_lanes.store(lanes as u64, Ordering::Relaxed);
+    }
+
+    /// A step whose lanes planned a drafter pass: whether it ran or the step gate made the step plain.
+    pub fn record_step_pass(&self, ran: bool) {
+        let counter = if ran { &self.step_passes_run } else { &self.step_passes_skipped };
+        counter.fetch_add(1, Ordering::Relaxed);
     }
 
     /// The cost table's current figures (each step that measured it).
@@ -380,6 +391,16 @@ impl EngineMetrics {
                 "Times a lane's gate paused drafting after drafted rounds lost to plain ones.",
                 &self.spec_gate_pauses,
             ),
+            (
+                "dflash_spec_step_passes_total",
+                "Steps whose lanes planned a drafter pass and ran it.",
+                &self.step_passes_run,
+            ),
+            (
+                "dflash_spec_step_passes_skipped_total",
+                "Steps whose lanes planned a drafter pass that the step gate made plain.",
+                &self.step_passes_skipped,
+            ),
             ("dflash_prefix_cache_hits_total", "Admissions that reused cached prefix pages.", &self.prefix_cache_hits),
             (
                 "dflash_prefix_cache_misses_total",
@@ -455,6 +476,9 @@ mod tests {
         m.record_spec_width(4, true);
         m.record_spec_width(4, false);
         m.set_spec_gated_lanes(2);
+        m.record_step_pass(true);
+        m.record_step_pass(false);
+        m.record_step_pass(false);
         let mut costs = CostTable::new(2);
         costs.seed(&[10.0, 12.5]);
         costs.observe_draft(crate::spec::LaneKind::Pld, 0.25);
@@ -480,6 +504,8 @@ mod tests {
             "dflash_spec_plain_rounds_total 1",
             "dflash_spec_gate_pauses_total 1",
             "dflash_spec_gated_lanes 2",
+            "dflash_spec_step_passes_total 1",
+            "dflash_spec_step_passes_skipped_total 2",
             "dflash_prefix_cache_checkpoints 3",
             "dflash_spec_round_cost_ms{context_below=\"1024\",rows=\"2\"} 12.500",
             "dflash_spec_draft_cost_ms{lane=\"pld\"} 0.250",

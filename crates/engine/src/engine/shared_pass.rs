@@ -20,7 +20,9 @@ impl Engine {
             .iter()
             .any(|&(i, _)| self.sched.running[i].lane.as_ref().is_some_and(|l| l.policy.mode() == PolicyMode::Fixed));
         let ungated = dflash_runtime::switches::switches().no_step_gate;
-        if fixed || ungated || self.step_gate.allows_pass(decoding) {
+        let runs = fixed || ungated || self.step_gate.allows_pass(decoding);
+        self.metrics.record_step_pass(runs);
+        if runs {
             self.draft_in_one_pass(planned);
             return true;
         }
@@ -54,7 +56,20 @@ impl Engine {
         }
         let tokens = self.generated_by(items).saturating_sub(generated_before);
         let ms = started.elapsed().as_secs_f64() * 1e3;
+        let was_open = self.step_gate.view(decoding).open;
         self.step_gate.observe(decoding, ran_pass, tokens, ms);
+        let now = self.step_gate.view(decoding);
+        if now.open != was_open {
+            tracing::info!(
+                "step gate at {decoding} decoding sequences: drafter passes {} (with a pass {:.3} tok/ms over {} \
+                 steps, without {:.3} over {})",
+                if now.open { "run" } else { "held back" },
+                now.drafted.0,
+                now.drafted.1,
+                now.plain.0,
+                now.plain.1
+            );
+        }
     }
 
     /// Drafts the rounds `planned` (`(index into the running sequences, most drafts)`, in order) in one drafter
