@@ -70,6 +70,13 @@ pub struct StepItem {
     pub drafts: usize,
 }
 
+impl StepItem {
+    /// Whether the item is a decode or verify round: one row for the next token and its drafts, no prompt rows.
+    pub fn is_round(&self) -> bool {
+        self.samples && self.rows == 1 + self.drafts
+    }
+}
+
 /// Waiting and running sequences, and the KV pages they hold.
 #[derive(Debug)]
 pub struct Scheduler {

@@ -149,8 +149,7 @@ impl Engine {
     /// lane choosing a width pays what the step's rows with its round cost against the step's rows without. Steps
     /// with prompt rows say nothing about a round's cost and are left out.
     pub(super) fn record_round_times(&mut self, items: &[StepItem], step_ms: f64) {
-        let decoding = |i: &&StepItem| i.samples && i.rows == 1 + i.drafts;
-        let decode_only = items.iter().all(|i| decoding(&i));
+        let decode_only = items.iter().all(StepItem::is_round);
         let rows: usize = items.iter().map(|i| i.rows).sum();
         if decode_only && !items.is_empty() {
             let context = items.iter().map(|i| self.sched.running[i.seq].len()).max().unwrap_or(0);
@@ -173,7 +172,7 @@ impl Engine {
             sequences: items.len(),
             extra_rows: rows.saturating_sub(items.len()),
         });
-        for item in items.iter().filter(decoding) {
+        for item in items.iter().filter(|i| i.is_round()) {
             if let Some(lane) = self.sched.running[item.seq].lane.as_mut() {
                 let paused = lane.stepped(item.rows, timing);
                 self.metrics.record_spec_width(item.rows, paused);

@@ -50,8 +50,7 @@ impl Engine {
         generated_before: usize,
         started: Instant,
     ) {
-        let decode_only = items.iter().all(|i| i.samples && i.rows == 1 + i.drafts);
-        if !decode_only || items.is_empty() {
+        if items.is_empty() || !items.iter().all(StepItem::is_round) {
             return;
         }
         let tokens = self.generated_by(items).saturating_sub(generated_before);
