@@ -2,7 +2,8 @@
 //! reference package by parity_dflash): context appends in pieces that take the context past its first pages,
 //! block passes of every width, batched passes (with the context page pool grown under them), a draft
 //! vocabulary's head; the final hidden rows and logits to 1e-4 relative, and the drafts (greedy, sampled,
-//! DFlash2's selector walk) identical.
+//! DFlash2's selector walk) identical. A pass that keeps only each slot's best columns (the summary drafting reads)
+//! gives the CPU's top columns, their logits to 1e-4 and top probabilities to 1e-4, and the same drafts.
 //!
 //! Without a CUDA device every test prints a SKIP notice and passes.
 #![cfg(feature = "cuda")]
@@ -14,8 +15,8 @@ use std::path::PathBuf;
 use common::{assert_close, cuda_device, fixtures};
 use dflash_models::config::ModelConfig;
 use dflash_models::dflash::{
-    BlockOutput, BlockRequest, DraftHead, DraftModel, DraftSampling, DraftVocab, DrafterContext, InverseCdf,
-    SamplingFilter, TargetShape,
+    BlockOutput, BlockRequest, BlockScores, DraftHead, DraftModel, DraftSampling, DraftVocab, DrafterContext,
+    InverseCdf, SamplingFilter, ScoreReadback, TargetShape,
 };
 use dflash_models::llama::{load_hf_weights, LlamaModel};
 use dflash_models::safetensors_dir::read_json;
@@ -68,9 +69,31 @@ fn append_in_pieces(model: &DraftModel, ctx: &mut DrafterContext, rows: &[f32], 
 
 fn check_block(what: &str, got: &BlockOutput, want: &BlockOutput) {
     assert_eq!(got.start, want.start, "{what}: start");
-    assert_eq!(got.logits.shape(), want.logits.shape(), "{what}: logits shape");
+    assert_eq!(
+        got.scores.dense().expect("dense").shape(),
+        want.scores.dense().expect("dense").shape(),
+        "{what}: logits shape"
+    );
     assert_close(&format!("{what} hidden"), got.hidden.as_f32().expect("f32"), want.hidden.as_f32().expect("f32"), TOL);
-    assert_close(&format!("{what} logits"), got.logits.as_f32().expect("f32"), want.logits.as_f32().expect("f32"), TOL);
+    assert_close(
+        &format!("{what} logits"),
+        got.scores.dense().expect("dense").as_f32().expect("f32"),
+        want.scores.dense().expect("dense").as_f32().expect("f32"),
+        TOL,
+    );
+}
+
+/// A summarised pass (`got`) against a dense one (`want`): the same best `k` columns, their logits and each slot's
+/// top probability close.
+fn check_summary(what: &str, got: &BlockOutput, want: &BlockOutput, k: usize) {
+    assert!(matches!(got.scores, BlockScores::Top(_)), "{what}: a summary was asked for");
+    assert_eq!(got.scores.slots(), want.scores.slots(), "{what}: slots");
+    let ((got_columns, got_values), (want_columns, want_values)) =
+        (got.scores.top(k).expect("summary"), want.scores.top(k).expect("dense top"));
+    assert_eq!(got_columns, want_columns, "{what}: top {k} columns");
+    assert_close(&format!("{what} top values"), &got_values, &want_values, TOL);
+    let (got_top, want_top) = (got.scores.top_probabilities(), want.scores.top_probabilities());
+    assert_close(&format!("{what} top probabilities"), &got_top.expect("got"), &want_top.expect("want"), TOL);
 }
 
 #[test]
@@ -96,9 +119,16 @@ fn cuda_drafters_match_the_cpu_drafters_at_every_width() {
             };
             let (want, got) = (pass(&cpu, &mut cpu_ctx), pass(&gpu, &mut gpu_ctx));
             check_block(&format!("{name} width {w}"), &got, &want);
+            let readback = gpu.readback_for(true);
+            let ScoreReadback::Top(k) = readback else { panic!("{name}: greedy drafting reads a summary") };
+            let mut requests = [BlockRequest { ctx: &mut gpu_ctx, anchor, width: w }];
+            let summary = gpu.forward_blocks_with(&mut requests, embed, lm_head, readback).expect("pass").remove(0);
+            check_summary(&format!("{name} width {w}"), &summary, &want, k);
             let greedy =
                 |model: &DraftModel, block| model.propose(block, anchor, DraftSampling::Greedy).expect("greedy");
-            assert_eq!(greedy(&gpu, got).tokens, greedy(&cpu, want).tokens, "{name} width {w}: greedy drafts");
+            let want_tokens = greedy(&cpu, want).tokens;
+            assert_eq!(greedy(&gpu, got).tokens, want_tokens, "{name} width {w}: greedy drafts");
+            assert_eq!(greedy(&gpu, summary).tokens, want_tokens, "{name} width {w}: greedy drafts from a summary");
             let uniforms: Vec<f32> = (0..w).map(|i| (i as f32 * 0.37 + 0.11) % 1.0).collect();
             let filter = SamplingFilter { temperature: 0.8, top_k: 20, top_p: 0.9 };
             let sampled = |model: &DraftModel, ctx: &mut DrafterContext| {
@@ -107,6 +137,14 @@ fn cuda_drafters_match_the_cpu_drafters_at_every_width() {
             };
             let (want, got) = (sampled(&cpu, &mut cpu_ctx), sampled(&gpu, &mut gpu_ctx));
             assert_eq!(got.tokens, want.tokens, "{name} width {w}: sampled drafts");
+            if let ScoreReadback::Top(_) = gpu.readback_for(false) {
+                let mut requests = [BlockRequest { ctx: &mut gpu_ctx, anchor, width: w }];
+                let readback = gpu.readback_for(false);
+                let block = gpu.forward_blocks_with(&mut requests, embed, lm_head, readback).expect("pass").remove(0);
+                let draw = &mut InverseCdf::new(uniforms.clone());
+                let got = gpu.propose(block, anchor, DraftSampling::Sample { filter, draw }).expect("sampled");
+                assert_eq!(got.tokens, want.tokens, "{name} width {w}: sampled drafts from a summary");
+            }
         }
         // Block rows were scratch: one more committed row overwrites them, and the next pass sees it.
         let row = &rows[..width];
@@ -170,8 +208,13 @@ fn cuda_drafters_score_a_draft_vocabulary() {
     let greedy = DraftSampling::Greedy;
     let want = cpu.draft(&mut cpu_ctx, 42, 8, embed, DraftHead::Vocab(&vocab), DraftSampling::Greedy).expect("cpu");
     let got = gpu.draft(&mut gpu_ctx, 42, 8, embed, DraftHead::Vocab(&vocab), greedy).expect("gpu");
-    assert_eq!(got.logits.shape(), &[7, vocab.len()]);
-    assert_close("draft vocabulary logits", got.logits.as_f32().expect("f32"), want.logits.as_f32().expect("f32"), TOL);
+    assert_eq!(got.scores.dense().expect("dense").shape(), &[7, vocab.len()]);
+    assert_close(
+        "draft vocabulary logits",
+        got.scores.dense().expect("dense").as_f32().expect("f32"),
+        want.scores.dense().expect("dense").as_f32().expect("f32"),
+        TOL,
+    );
     assert_eq!(got.tokens, want.tokens, "drafts over the draft vocabulary");
     assert_eq!(got.token_ids.as_deref(), Some(vocab.ids()));
     let err = gpu.draft(&mut gpu_ctx, 42, 8, embed, lm_head, DraftSampling::Greedy).expect_err("another head");

@@ -110,7 +110,12 @@ fn check_round(
         }
     }
     assert_close(&what("final hidden"), &trace.final_hidden, &g[&key("hidden")].data, TOL);
-    assert_close(&what("logits"), out.logits.as_f32().expect("f32"), &g[&key("logits")].data, TOL);
+    assert_close(
+        &what("logits"),
+        out.scores.dense().expect("dense").as_f32().expect("f32"),
+        &g[&key("logits")].data,
+        TOL,
+    );
     assert_eq!(out.start, ctx.len());
     match model.kind() {
         DraftKind::DFlash => check_v1_drafts(model, target, ctx, r, g, out),
@@ -155,7 +160,7 @@ fn check_v2_drafts(
     let anchor = ints(&g[&key("block_tokens")])[0];
     let width = g[&key("block_tokens")].data.len();
     let selector = model.selector().expect("selector");
-    let candidates = selector.candidates(&out.logits).expect("candidates");
+    let candidates = selector.candidates(&out.scores).expect("candidates");
     assert_eq!(candidates.ids, ints(&g[&key("topk_ids")]), "{}", what("top-K ids"));
     assert_close(&what("top-K values"), &candidates.values, &g[&key("topk_values")].data, TOL);
     let projected = selector.project(&out.hidden).expect("project");
@@ -337,7 +342,12 @@ fn context_is_append_only_and_refuses_gaps() {
     let (embed, lm_head) = (target.embedding(), target.lm_head());
     let draft = model.draft(&mut ctx, anchor, 8, embed, lm_head, DraftSampling::Greedy).expect("draft");
     assert_eq!(draft.tokens, ints(&g["r0.greedy"]));
-    assert_close("pieces vs golden", draft.logits.as_f32().expect("f32"), &g["r0.logits"].data, TOL);
+    assert_close(
+        "pieces vs golden",
+        draft.scores.dense().expect("dense").as_f32().expect("f32"),
+        &g["r0.logits"].data,
+        TOL,
+    );
     // Drafting does not commit anything: the block rows are scratch.
     assert_eq!(ctx.len(), 12);
     for width in [1, 9] {
@@ -369,7 +379,17 @@ fn batched_blocks_match_single_blocks() {
     let both = model.forward_blocks(&mut requests, embed, lm_head, None).expect("batched pass");
     for (got, want) in both.iter().zip([&a, &b]) {
         assert_eq!(got.start, want.start);
-        assert_close("batched logits", got.logits.as_f32().expect("f32"), want.logits.as_f32().expect("f32"), 1e-5);
+        assert_close(
+            "batched logits",
+            got.scores.dense().expect("dense").as_f32().expect("f32"),
+            want.scores.dense().expect("dense").as_f32().expect("f32"),
+            1e-5,
+        );
     }
-    assert_close("batched logits vs golden", both[0].logits.as_f32().expect("f32"), &g["r0.logits"].data, TOL);
+    assert_close(
+        "batched logits vs golden",
+        both[0].scores.dense().expect("dense").as_f32().expect("f32"),
+        &g["r0.logits"].data,
+        TOL,
+    );
 }

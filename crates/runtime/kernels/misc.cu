@@ -81,30 +81,3 @@ extern "C" __global__ void fill_random_f16(unsigned short* __restrict__ out, u64
         out[i] = h;
     }
 }
-
-// DFlash2's grouped dynamic depthwise convolution of one side (prepare or finish) over the rows of drafter blocks;
-// CPU twin: DynamicConv::convolve in the models crate.
-//   out[i, c] = sum_t base[t, c] * x[i - t, c] + dyn[i, t * groups + c / group_size] * x[i - t, c]
-// for t < min(taps, i - block_start[i] + 1): taps never reach into an earlier block. The two products are added
-// one at a time, tap by tap, rounded as the CPU rounds them. x, out: [rows, hidden]; dyn: [rows, dyn_ld] with this
-// side's taps x groups coefficients at column dyn_col; base: [taps, hidden] (this side's). Grid (hidden / 256,
-// rows).
-extern "C" __global__ void dflash_conv(const float* __restrict__ x, const float* __restrict__ dyn, u32 dyn_ld,
-                                       u32 dyn_col, const float* __restrict__ base,
-                                       const u32* __restrict__ block_start, float* __restrict__ out, u32 hidden,
-                                       u32 taps, u32 groups) {
-    DF_GRID_DEPENDENCY();
-    const u32 row = blockIdx.y;
-    const u32 c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= hidden) return;
-    const u32 group = c / (hidden / groups);
-    const u32 reach = row - min(block_start[row], row) + 1;  // a start past the row reads the row alone
-    const float* coef = dyn + (u64)row * dyn_ld + dyn_col;
-    float acc = 0.0f;
-    for (u32 t = 0; t < taps && t < reach; ++t) {
-        const float xv = x[(u64)(row - t) * hidden + c];
-        acc = __fadd_rn(acc, __fmul_rn(base[(u64)t * hidden + c], xv));
-        acc = __fadd_rn(acc, __fmul_rn(coef[t * groups + group], xv));
-    }
-    out[(u64)row * hidden + c] = acc;
-}

@@ -29,6 +29,9 @@ pub struct Switches {
     pub no_mmq_warp: bool,
     /// `DFLASH_STEP_GATE=0`: every step runs the drafter pass its lanes planned, whatever the step gate measured.
     pub no_step_gate: bool,
+    /// `DFLASH_DRAFT_SUMMARY=0`: a drafter pass on a device copies every draft logit back, as before passes
+    /// summarised each slot there.
+    pub no_draft_summary: bool,
 }
 
 impl Switches {
@@ -46,6 +49,7 @@ impl Switches {
             no_mmvq_half: is("DFLASH_MMVQ_HALF", "0"),
             no_mmq_warp: is("DFLASH_MMQ_WARP", "0"),
             no_step_gate: is("DFLASH_STEP_GATE", "0"),
+            no_draft_summary: is("DFLASH_DRAFT_SUMMARY", "0"),
         }
     }
 }
@@ -77,6 +81,7 @@ mod tests {
             ("DFLASH_MMVQ_HALF", "0"),
             ("DFLASH_MMQ_WARP", "0"),
             ("DFLASH_STEP_GATE", "0"),
+            ("DFLASH_DRAFT_SUMMARY", "0"),
         ]));
         let want = Switches {
             simd: Some("avx2".into()),
@@ -89,6 +94,7 @@ mod tests {
             no_mmvq_half: true,
             no_mmq_warp: true,
             no_step_gate: true,
+            no_draft_summary: true,
         };
         assert_eq!(all, want);
         let other = Switches::from_vars(set(&[("DFLASH_PDL", "1"), ("DFLASH_GEMM_PREFETCH", "all")]));

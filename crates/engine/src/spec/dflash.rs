@@ -11,11 +11,11 @@
 use std::sync::Arc;
 
 use dflash_models::dflash::{
-    BlockOutput, BlockRequest, DraftHead, DraftModel, DraftSampling, DraftVocab, Draw, SamplingFilter,
+    BlockOutput, BlockRequest, DraftHead, DraftModel, DraftSampling, DraftVocab, Draw, SamplingFilter, ScoreReadback,
 };
 use dflash_models::{DrafterContext, ModelError, TargetHeads};
 
-use super::{policy, LaneKind, Proposal, ProposeInput, Proposer};
+use super::{LaneKind, Proposal, ProposeInput, Proposer};
 use crate::sampler::{gumbel, keyed_uniform, SamplingParams, STREAM_TARGET};
 
 /// Observed rows held back at most before they enter the drafter's context in one pass (bounds the buffer at
@@ -134,7 +134,7 @@ impl DflashProposer {
             DraftSampling::Sample { filter, draw: &mut draw }
         };
         match self.model.propose(block, anchor, sampling) {
-            Ok(draft) => Proposal { confidence: policy::top_probabilities(&draft.logits), tokens: draft.tokens },
+            Ok(draft) => Proposal { confidence: draft.scores.top_probabilities(), tokens: draft.tokens },
             Err(e) => {
                 self.fail("draft", &e);
                 Proposal::default()
@@ -173,6 +173,12 @@ impl DflashProposer {
             proposals[i] = lane.propose(input, *max);
         }
         let head = draft_head(vocab.as_deref(), target.as_ref());
+        // One readback for the pass: dense if any lane needs every column.
+        let readback = together
+            .iter()
+            .map(|&(i, _, _)| model.readback_for(lanes[i].1.sampling.is_greedy()))
+            .reduce(|a, b| if a == b { a } else { ScoreReadback::Dense })
+            .unwrap_or(ScoreReadback::Dense);
         let outputs = {
             // `together` is in lane order: walk the lanes once, taking each one's context.
             let mut wanted = together.iter().peekable();
@@ -182,7 +188,7 @@ impl DflashProposer {
                     requests.push(BlockRequest { ctx: &mut lane.ctx, anchor, width });
                 }
             }
-            model.forward_blocks(&mut requests, target.embedding(), head, None)
+            model.forward_blocks_with(&mut requests, target.embedding(), head, readback)
         };
         match outputs {
             Ok(outputs) => {
@@ -217,7 +223,8 @@ impl Proposer for DflashProposer {
         let mut requests = [BlockRequest { ctx: &mut self.ctx, anchor, width }];
         let embed = self.target.embedding();
         let head = draft_head(self.draft_vocab.as_deref(), self.target.as_ref());
-        match self.model.forward_blocks(&mut requests, embed, head, None) {
+        let readback = self.model.readback_for(input.sampling.is_greedy());
+        match self.model.forward_blocks_with(&mut requests, embed, head, readback) {
             Ok(mut out) if out.len() == 1 => self.proposal(out.remove(0), anchor, input.sampling),
             Ok(_) => Proposal::default(),
             Err(e) => {

@@ -19,6 +19,7 @@ mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod sampling;
+mod scores;
 mod target_shape;
 mod vocab;
 mod weights;
@@ -37,6 +38,7 @@ pub use cpu::draft::{Draft, DraftProbs, DraftSampling};
 pub use cpu::forward::{BlockOutput, BlockRequest, BlockTrace, LayerTrace};
 pub use cpu::selector::{CandidateSelector, Candidates, Walk, WalkMode};
 pub use sampling::{filtered_probs, inverse_cdf, Draw, InverseCdf, SamplingFilter};
+pub use scores::{BlockScores, ScoreReadback, TopScores};
 pub use target_shape::{CaptureLayout, TargetShape};
 pub use vocab::{target_id, DraftHead, DraftVocab, VocabRanking, DRAFT_VOCAB_FILE};
 

@@ -13,7 +13,7 @@ use super::compile::{self, CompileReport};
 use super::CudaError;
 
 /// The kernel sources in the order they are compiled.
-const SOURCES: [(&str, &str); 16] = [
+const SOURCES: [(&str, &str); 17] = [
     ("prelude.cuh", include_str!("../../kernels/prelude.cuh")),
     ("elementwise.cu", include_str!("../../kernels/elementwise.cu")),
     ("norm.cu", include_str!("../../kernels/norm.cu")),
@@ -26,6 +26,7 @@ const SOURCES: [(&str, &str); 16] = [
     ("attention.cu", include_str!("../../kernels/attention.cu")),
     ("attention_tc.cu", include_str!("../../kernels/attention_tc.cu")),
     ("misc.cu", include_str!("../../kernels/misc.cu")),
+    ("drafter.cu", include_str!("../../kernels/drafter.cu")),
     ("gdn.cu", include_str!("../../kernels/gdn.cu")),
     ("moe.cu", include_str!("../../kernels/moe.cu")),
     ("streams.cu", include_str!("../../kernels/streams.cu")),
@@ -193,6 +194,7 @@ pub(crate) struct Kernels {
     pub gdn_gated_norm: CudaFunction,
     pub sigmoid_gate_mul: CudaFunction,
     pub dflash_conv: CudaFunction,
+    pub draft_top_k: CudaFunction,
     pub sample_rows: CudaFunction,
 }
 
@@ -330,6 +332,7 @@ impl Kernels {
             gdn_gated_norm: get("gdn_gated_norm")?,
             sigmoid_gate_mul: get("sigmoid_gate_mul")?,
             dflash_conv: get("dflash_conv")?,
+            draft_top_k: get("draft_top_k")?,
             sample_rows: get("sample_rows")?,
         })
     }

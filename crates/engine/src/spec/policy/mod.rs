@@ -26,8 +26,6 @@ mod tests;
 
 use std::str::FromStr;
 
-use dflash_runtime::{ops, Tensor};
-
 use super::LaneKind;
 
 pub use acceptance::{ConfidenceCalibration, PositionAcceptance};
@@ -304,25 +302,4 @@ impl RoundPolicy {
             None => self.positions.conditionals(n, costs.typical_acceptance(self.lane, n).as_deref()),
         }
     }
-}
-
-/// The drafter's confidence in each slot of a block: the probability of its most likely token (`logits`:
-/// `[slots, vocab]`). `None` when the logits are not readable f32.
-pub fn top_probabilities(logits: &Tensor) -> Option<Vec<f32>> {
-    let data = logits.as_f32().ok()?;
-    let vocab = logits.row_len();
-    if vocab == 0 {
-        return None;
-    }
-    let mut scratch = vec![0.0f32; vocab];
-    let top = data
-        .chunks_exact(vocab)
-        .map(|row| {
-            let best = ops::argmax(row) as usize;
-            scratch.copy_from_slice(row);
-            ops::softmax_in_place(&mut scratch);
-            scratch[best]
-        })
-        .collect();
-    Some(top)
 }

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use dflash_runtime::{ops, Tensor};
+use dflash_runtime::Tensor;
 
 use crate::error::{ModelError, Result};
 
@@ -17,7 +17,7 @@ use crate::dflash::config::DraftKind;
 use crate::dflash::context::DrafterContext;
 use crate::dflash::sampling::{filtered_probs, Draw, SamplingFilter};
 use crate::dflash::vocab::{target_id, DraftHead};
-use crate::dflash::DraftModel;
+use crate::dflash::{BlockScores, DraftModel, ScoreReadback};
 
 /// How the drafts of a block are chosen.
 pub enum DraftSampling<'a> {
@@ -37,8 +37,9 @@ pub struct Draft {
     pub tokens: Vec<u32>,
     /// The distributions the tokens were drawn from (None for greedy drafts).
     pub q: Option<DraftProbs>,
-    /// Draft logits `[w − 1, V]`, or `[w − 1, N]` over a draft vocabulary (after multiplier and softcap).
-    pub logits: Tensor,
+    /// The block's draft logits (`[w − 1, V]`, or `[w − 1, N]` over a draft vocabulary, after multiplier and
+    /// softcap), or a device pass's summary of them.
+    pub scores: BlockScores,
     /// With a draft vocabulary, the target id of each logit column; `None`: column `j` is token `j`.
     pub token_ids: Option<Arc<[u32]>>,
 }
@@ -127,17 +128,19 @@ impl DraftModel {
         let first_position = (block.start + 1) as u32;
         let ids = block.token_ids.as_deref();
         let (tokens, q) = match (self.kind(), sampling) {
-            (DraftKind::DFlash, DraftSampling::Greedy) => (greedy_tokens(&block.logits, ids)?, None),
+            (DraftKind::DFlash, DraftSampling::Greedy) => {
+                (block.scores.best()?.into_iter().map(|c| target_id(ids, c)).collect(), None)
+            }
             (DraftKind::DFlash, DraftSampling::Sample { filter, draw }) => {
                 filter.validate()?;
                 let columns = Columns { ids, vocab: self.target().vocab_size };
-                let (tokens, q) = sample_dense(&block.logits, columns, &filter, first_position, draw)?;
+                let (tokens, q) = sample_dense(block.scores.dense()?, columns, &filter, first_position, draw)?;
                 (tokens, Some(q))
             }
             (DraftKind::DFlash2, sampling) => {
                 let selector =
                     self.selector().ok_or_else(|| ModelError::Config("DFlash2 drafter without a selector".into()))?;
-                let mut candidates = selector.candidates(&block.logits)?;
+                let mut candidates = selector.candidates(&block.scores)?;
                 // Ascending ids keep the candidates' (value, id) order: ties still go to the lower target id.
                 candidates.ids.iter_mut().for_each(|c| *c = target_id(ids, *c));
                 let projected = selector.project(&block.hidden)?;
@@ -153,21 +156,37 @@ impl DraftModel {
                 (walk.path, q)
             }
         };
-        Ok(Draft { start: block.start, tokens, q, logits: block.logits, token_ids: block.token_ids })
+        Ok(Draft { start: block.start, tokens, q, scores: block.scores, token_ids: block.token_ids })
+    }
+
+    /// What a pass must give back of its scores for [`DraftModel::propose`] to draft as `greedy` says: DFlash2's
+    /// selector reads its candidates, a greedy DFlash v1 draft each slot's best column, a sampled one every
+    /// column. `DFLASH_DRAFT_SUMMARY=0` asks for every column always.
+    pub fn readback_for(&self, greedy: bool) -> ScoreReadback {
+        if dflash_runtime::switches::switches().no_draft_summary {
+            return ScoreReadback::Dense;
+        }
+        let k = match (self.kind(), self.selector()) {
+            (DraftKind::DFlash2, Some(selector)) => selector.top_k(),
+            (DraftKind::DFlash, _) if greedy => 1,
+            _ => return ScoreReadback::Dense,
+        };
+        if k <= MAX_SUMMARY_COLUMNS {
+            ScoreReadback::Top(k)
+        } else {
+            ScoreReadback::Dense
+        }
     }
 }
+
+/// The most columns a device pass summarises a slot with (its kernel's limit).
+pub(crate) const MAX_SUMMARY_COLUMNS: usize = 32;
 
 /// What the logit columns are: target ids (`ids`, or the column itself) of a `vocab`-token target.
 #[derive(Clone, Copy)]
 struct Columns<'a> {
     ids: Option<&'a [u32]>,
     vocab: usize,
-}
-
-/// The argmax of every row (ties: lowest id), as target ids.
-fn greedy_tokens(logits: &Tensor, ids: Option<&[u32]>) -> Result<Vec<u32>> {
-    let v = logits.row_len().max(1);
-    Ok(logits.as_f32()?.chunks_exact(v).map(|row| target_id(ids, ops::argmax(row))).collect())
 }
 
 /// One independent draw per slot from the filtered distribution (over the logit columns: a draft vocabulary's
@@ -224,14 +243,15 @@ mod tests {
 
     /// The full head's block with every column outside `ids` at -inf: what drafting over `ids` must reproduce.
     fn masked(block: &BlockOutput, ids: &[u32]) -> BlockOutput {
-        let v = block.logits.row_len();
-        let mut logits = vec![f32::NEG_INFINITY; block.logits.len()];
-        for (row, src) in logits.chunks_exact_mut(v).zip(block.logits.as_f32().expect("f32").chunks_exact(v)) {
+        let full = block.scores.dense().expect("dense scores");
+        let v = full.row_len();
+        let mut logits = vec![f32::NEG_INFINITY; full.len()];
+        for (row, src) in logits.chunks_exact_mut(v).zip(full.as_f32().expect("f32").chunks_exact(v)) {
             ids.iter().for_each(|&id| row[id as usize] = src[id as usize]);
         }
-        let logits = Tensor::from_f32(&logits, block.logits.shape()).expect("logits");
+        let scores = BlockScores::Dense(Tensor::from_f32(&logits, full.shape()).expect("logits"));
         let hidden = Tensor::from_f32(block.hidden.as_f32().expect("f32"), block.hidden.shape()).expect("hidden");
-        BlockOutput { start: block.start, hidden, logits, token_ids: None }
+        BlockOutput { start: block.start, hidden, scores, token_ids: None }
     }
 
     #[test]
@@ -247,8 +267,9 @@ mod tests {
             };
             let full = pass(DraftHead::Full(target.lm_head()));
             let restricted = pass(DraftHead::Vocab(&vocab));
-            assert_eq!(restricted.logits.shape(), &[7, vocab.len()]);
-            let (all, some) = (full.logits.as_f32().expect("f32"), restricted.logits.as_f32().expect("f32"));
+            let (all, some) = (full.scores.dense().expect("dense"), restricted.scores.dense().expect("dense"));
+            assert_eq!(some.shape(), &[7, vocab.len()]);
+            let (all, some) = (all.as_f32().expect("f32"), some.as_f32().expect("f32"));
             for r in 0..7 {
                 for (j, &id) in vocab.ids().iter().enumerate() {
                     assert_eq!(some[r * vocab.len() + j], all[r * 256 + id as usize], "{name} row {r} id {id}");

@@ -17,7 +17,7 @@ use crate::error::{ModelError, Result};
 use crate::dflash::context::DrafterContext;
 use crate::dflash::vocab::DraftHead;
 use crate::dflash::weights::DraftLayer;
-use crate::dflash::DraftModel;
+use crate::dflash::{BlockScores, DraftModel, ScoreReadback};
 
 /// One sequence's block to draft.
 pub struct BlockRequest<'a> {
@@ -37,8 +37,8 @@ pub struct BlockOutput {
     /// Final-normed hidden rows of the draft slots.
     pub hidden: Tensor, // [w - 1, H]
     /// Draft logits (target LM head, then output multiplier and softcap), over the full vocabulary or a draft
-    /// vocabulary's `N` tokens.
-    pub logits: Tensor, // [w - 1, V or N]
+    /// vocabulary's `N` tokens: `[w - 1, V or N]`, or a device pass's summary of them.
+    pub scores: BlockScores,
     /// With a draft vocabulary, the target id of each logit column (ascending); `None`: column `j` is token `j`.
     pub token_ids: Option<Arc<[u32]>>,
 }
@@ -166,15 +166,42 @@ impl DraftModel {
         lm_head: impl Into<DraftHead<'h>>,
         trace: Option<&mut BlockTrace>,
     ) -> Result<Vec<BlockOutput>> {
-        let head = lm_head.into();
+        self.pass(requests, embed, lm_head.into(), ScoreReadback::Dense, trace)
+    }
+
+    /// [`DraftModel::forward_blocks`] without a trace, giving back the scores `readback` names where the pass runs
+    /// on a device (a summary copies a few floats per slot back instead of the whole vocabulary's); on the host
+    /// the scores stay dense. [`DraftModel::readback_for`] says what drafting needs.
+    ///
+    /// # Errors
+    /// As [`DraftModel::forward_blocks`].
+    pub fn forward_blocks_with<'h>(
+        &self,
+        requests: &mut [BlockRequest<'_>],
+        embed: &Tensor,
+        lm_head: impl Into<DraftHead<'h>>,
+        readback: ScoreReadback,
+    ) -> Result<Vec<BlockOutput>> {
+        self.pass(requests, embed, lm_head.into(), readback, None)
+    }
+
+    fn pass(
+        &self,
+        requests: &mut [BlockRequest<'_>],
+        embed: &Tensor,
+        head: DraftHead<'_>,
+        readback: ScoreReadback,
+        trace: Option<&mut BlockTrace>,
+    ) -> Result<Vec<BlockOutput>> {
         self.check_requests(requests, embed, head)?;
         #[cfg(feature = "cuda")]
         if let Some(device) = &self.cuda {
             if trace.is_some() {
                 return Err(ModelError::Unsupported("block traces of a drafter on a device".into()));
             }
-            return device.forward_blocks(self, requests, embed, head);
+            return device.forward_blocks(self, requests, embed, head, readback);
         }
+        let _ = readback; // the host's scores are dense already
         dflash_runtime::threads::install(|| self.forward_checked(requests, embed, head, trace))
     }
 
@@ -414,7 +441,7 @@ impl DraftModel {
             outputs.push(BlockOutput {
                 start: r.ctx.len(),
                 hidden: row_range(&hidden, at, rows)?,
-                logits: row_range(&logits, at, rows)?,
+                scores: BlockScores::Dense(row_range(&logits, at, rows)?),
                 token_ids: head.token_ids(),
             });
             at += rows;

@@ -20,6 +20,7 @@ use crate::weights::WeightStore;
 
 use crate::dflash::config::Dflash2Config;
 use crate::dflash::sampling::Draw;
+use crate::dflash::BlockScores;
 
 /// The selector's weights and sizes.
 #[derive(Debug)]
@@ -100,21 +101,13 @@ impl CandidateSelector {
         self.rank
     }
 
-    /// The top-K of every row of the draft logits (`[slots, V]`).
+    /// The top-K of every slot of a block's draft scores.
     ///
     /// # Errors
-    /// Non-f32 logits.
-    pub fn candidates(&self, logits: &Tensor) -> Result<Candidates> {
-        let (v, k) = (logits.row_len(), self.top_k);
-        let mut ids = Vec::with_capacity(logits.rows() * k);
-        let mut values = Vec::with_capacity(logits.rows() * k);
-        for row in logits.as_f32()?.chunks_exact(v.max(1)) {
-            for (id, value) in ops::top_k(row, k) {
-                ids.push(id);
-                values.push(value);
-            }
-        }
-        Ok(Candidates { k, ids, values })
+    /// Non-f32 logits, a summary of fewer than K columns.
+    pub fn candidates(&self, scores: &BlockScores) -> Result<Candidates> {
+        let (ids, values) = scores.top(self.top_k)?;
+        Ok(Candidates { k: self.top_k, ids, values })
     }
 
     /// `P = hidden · hidden_projectionᵀ`: `[slots, H]` to `[slots, r]`.
@@ -220,7 +213,7 @@ mod tests {
     fn candidates_are_sorted_with_id_tie_break() {
         let s = selector();
         let logits = Tensor::from_f32(&[1.0, 3.0, 3.0, 0.0, 0.5, 0.0, 2.0, 2.5], &[2, 4]).expect("logits");
-        let c = s.candidates(&logits).expect("candidates");
+        let c = s.candidates(&BlockScores::Dense(logits)).expect("candidates");
         assert_eq!(c.ids, vec![1, 2, 3, 2]);
         assert_eq!(c.values, vec![3.0, 3.0, 2.5, 2.0]);
     }
@@ -231,7 +224,7 @@ mod tests {
         // Slot 0: unary prefers 1 over 2 (tie broken by id). Slot 1: unary prefers 3, but after token 1 the edge
         // A[1]·P·B[2] = 10 · 0.5 · 1 = 5 lifts candidate 2.
         let logits = Tensor::from_f32(&[1.0, 3.0, 3.0, 0.0, 0.5, 0.0, 2.0, 2.5], &[2, 4]).expect("logits");
-        let c = s.candidates(&logits).expect("candidates");
+        let c = s.candidates(&BlockScores::Dense(logits)).expect("candidates");
         let hidden = Tensor::from_f32(&[0.0, 0.0, 0.5, 0.0], &[2, 2]).expect("hidden");
         let projected = s.project(&hidden).expect("project");
         let w = s.walk(0, &c, &projected, 10, WalkMode::Greedy).expect("walk");
@@ -248,7 +241,7 @@ mod tests {
     fn sampled_walk_returns_q_and_asks_the_draw() {
         let s = selector();
         let logits = Tensor::from_f32(&[1.0, 3.0, 3.0, 0.0, 0.5, 0.0, 2.0, 2.5], &[2, 4]).expect("logits");
-        let c = s.candidates(&logits).expect("candidates");
+        let c = s.candidates(&BlockScores::Dense(logits)).expect("candidates");
         let projected = s.project(&Tensor::from_f32(&[0.0, 0.0, 0.5, 0.0], &[2, 2]).expect("h")).expect("p");
         // u = 0.6 passes the first candidate (q = 0.5 each) at slot 0: token 2, whose zero codebook row leaves
         // slot 1 on its unary scores 2.5, 2.0 at T = 0.5: q = softmax(5, 4).

@@ -1,8 +1,9 @@
 //! The CUDA block pass and context append; the CPU's (`../cpu/forward.rs`) step for step.
 
 use dflash_runtime::cuda::ops::{
-    add_rms_norm, attn_split_keys, dflash_conv, gemm, paged_attention, rms_norm, rope_kv_write, swiglu_fused,
-    AttentionArgs, AttentionScratch, ConvSide, GemmArgs, KeySplit, RopeKvArgs, ATTN_MAX_QUERIES,
+    add_rms_norm, attn_split_keys, dflash_conv, draft_top_k, gemm, paged_attention, rms_norm, rope_kv_write,
+    swiglu_fused, AttentionArgs, AttentionScratch, ConvSide, GemmArgs, KeySplit, LogitScale, RopeKvArgs,
+    ATTN_MAX_QUERIES, DRAFT_TOP_K_MAX,
 };
 use dflash_runtime::cuda::{CudaDevice, DevSlice, DeviceBuf};
 use dflash_runtime::Tensor;
@@ -13,7 +14,7 @@ use super::{CudaDrafter, DeviceKv};
 use crate::dflash::context::{ContextKv, DrafterContext, PAGE_SIZE};
 use crate::dflash::cpu::forward::{BlockLayout, BlockOutput, BlockRequest};
 use crate::dflash::vocab::DraftHead;
-use crate::dflash::DraftModel;
+use crate::dflash::{BlockScores, DraftModel, ScoreReadback, TopScores};
 use crate::error::{ModelError, Result};
 use crate::target::device_err;
 
@@ -37,6 +38,7 @@ pub(super) struct Workspace {
     gate_up: Option<DeviceBuf<f32>>, // [rows, 2 · I]
     act: Option<DeviceBuf<f32>>, // [rows, I]
     logits: Option<DeviceBuf<f32>>, // [rows, head rows]
+    summary: Option<DeviceBuf<u32>>, // [rows, 2k + 1]: `draft_top_k`'s output
     captured: Option<DeviceBuf<f32>>, // [rows, fc_in]
     ints: Option<DeviceBuf<u32>>,
     scratch: Option<(AttentionScratch, usize)>, // and the partial states it holds
@@ -96,6 +98,14 @@ impl Workspace {
     fn ensure_logits(&mut self, dev: &CudaDevice, len: usize) -> Result<()> {
         if self.logits.as_ref().is_none_or(|b| b.len() < len) {
             self.logits = Some(dev.alloc_zeros::<f32>(len.next_power_of_two()).map_err(device_err)?);
+        }
+        Ok(())
+    }
+
+    /// Makes the summary buffer hold `len` u32s.
+    fn ensure_summary(&mut self, dev: &CudaDevice, len: usize) -> Result<()> {
+        if self.summary.as_ref().is_none_or(|b| b.len() < len) {
+            self.summary = Some(dev.alloc_zeros::<u32>(len.next_power_of_two()).map_err(device_err)?);
         }
         Ok(())
     }
@@ -212,6 +222,7 @@ impl CudaDrafter {
         requests: &mut [BlockRequest<'_>],
         embed: &Tensor,
         head: DraftHead<'_>,
+        readback: ScoreReadback,
     ) -> Result<Vec<BlockOutput>> {
         self.check_head(head)?;
         let BlockLayout { blocks, positions, x } = model.block_layout(requests, embed)?;
@@ -237,23 +248,81 @@ impl CudaDrafter {
         let (normed, logits) = (buf(&work.normed)?, buf(&work.logits)?);
         matmul(dev, self.head.w.view(), n, part(normed, 0, rows * h)?, rows, part(logits, 0, rows * n)?)?;
         let mut hidden = vec![0f32; rows * h];
-        let mut scores = vec![0f32; rows * n];
         dev.download_into(normed, 0, &mut hidden).map_err(device_err)?;
-        dev.download_into(logits, 0, &mut scores).map_err(device_err)?;
+        let mut scores = match readback {
+            ScoreReadback::Top(k) if k <= n.min(DRAFT_TOP_K_MAX) => self.summarise(model, &mut work, rows, k)?,
+            _ => self.dense_scores(model, &work, rows)?,
+        };
         drop(work);
         let mut outputs = Vec::with_capacity(blocks.len());
         for (r, &(first, width)) in requests.iter().zip(&blocks) {
             let drafts = (first + 1)..(first + width);
-            let block_scores = &mut scores[drafts.start * n..drafts.end * n];
-            model.scale_logits(block_scores);
             outputs.push(BlockOutput {
                 start: r.ctx.len(),
                 hidden: Tensor::from_f32(&hidden[drafts.start * h..drafts.end * h], &[width - 1, h])?,
-                logits: Tensor::from_f32(block_scores, &[width - 1, n])?,
+                scores: scores.take(drafts)?,
                 token_ids: head.token_ids(),
             });
         }
         Ok(outputs)
+    }
+
+    /// Every row's logits, copied back and scaled.
+    fn dense_scores(&self, model: &DraftModel, work: &Workspace, rows: usize) -> Result<PassScores> {
+        let n = self.head.rows;
+        let mut all = vec![0f32; rows * n];
+        self.dev.download_into(buf(&work.logits)?, 0, &mut all).map_err(device_err)?;
+        model.scale_logits(&mut all);
+        Ok(PassScores::Dense { n, all })
+    }
+
+    /// Every row's best `k` columns and top probability, found on the device: `2k + 1` u32s a row come back.
+    fn summarise(&self, model: &DraftModel, work: &mut Workspace, rows: usize, k: usize) -> Result<PassScores> {
+        let n = self.head.rows;
+        work.ensure_summary(&self.dev, rows * (2 * k + 1))?;
+        let scale = LogitScale { multiplier: model.cfg.output_multiplier, softcap: model.cfg.final_logit_softcapping };
+        let (logits, summary) = (buf(&work.logits)?, buf(&work.summary)?);
+        let out = summary.view().sub(0, rows * (2 * k + 1)).map_err(device_err)?;
+        draft_top_k(&self.dev, part(logits, 0, rows * n)?, n, k, scale, out).map_err(device_err)?;
+        let mut all = vec![0u32; rows * (2 * k + 1)];
+        self.dev.download_into(summary, 0, &mut all).map_err(device_err)?;
+        Ok(PassScores::Top { k, all })
+    }
+}
+
+/// A pass's scores on the host, every row's, before they are cut into blocks.
+enum PassScores {
+    /// `[rows, n]` scaled logits.
+    Dense { n: usize, all: Vec<f32> },
+    /// `[rows, 2k + 1]`: `draft_top_k`'s rows.
+    Top { k: usize, all: Vec<u32> },
+}
+
+impl PassScores {
+    /// The scores of rows `rows` (one block's draft slots).
+    fn take(&mut self, rows: std::ops::Range<usize>) -> Result<BlockScores> {
+        let slots = rows.len();
+        match self {
+            PassScores::Dense { n, all } => {
+                let block = &all[rows.start * *n..rows.end * *n];
+                Ok(BlockScores::Dense(Tensor::from_f32(block, &[slots, *n])?))
+            }
+            PassScores::Top { k, all } => {
+                let (k, stride) = (*k, 2 * *k + 1);
+                let mut top = TopScores {
+                    k,
+                    columns: Vec::with_capacity(slots * k),
+                    values: Vec::with_capacity(slots * k),
+                    top_probability: Vec::with_capacity(slots),
+                };
+                for row in all[rows.start * stride..rows.end * stride].chunks_exact(stride) {
+                    top.columns.extend_from_slice(&row[..k]);
+                    top.values.extend(row[k..2 * k].iter().map(|&b| f32::from_bits(b)));
+                    top.top_probability.push(f32::from_bits(row[2 * k]));
+                }
+                Ok(BlockScores::Top(top))
+            }
+        }
     }
 }
 

@@ -1,7 +1,9 @@
 //! The drafters' CUDA forward: the same context appends and block passes as the CPU's (`../cpu/forward.rs`), on
 //! device weights widened to f32 and device-resident contexts, with the LM head (or a draft vocabulary's rows of
-//! it) on the device too. What comes back per block is what the CPU pass returns: the draft rows' final hidden
-//! states and their logits, so choosing drafts (argmax, sampling, DFlash2's selector walk) stays one code path.
+//! it) on the device too. What comes back per block is what the CPU pass returns, the draft rows' final hidden
+//! states and their scores, so choosing drafts (argmax, sampling, DFlash2's selector walk) stays one code path;
+//! the scores are every logit, or, where drafting reads no more, each slot's best columns and top probability
+//! found on the device (`ScoreReadback`).
 //!
 //! Contexts keep their K/V in one page pool per drafter, so a pass over many sequences attends in one launch per
 //! layer. Captured target rows still arrive from the host (the target's step copies them out). docs/MODELS.md,
@@ -23,6 +25,9 @@ use crate::dflash::{DraftModel, DrafterContext};
 use crate::error::{ModelError, Result};
 use crate::target::device_err;
 use weights::{f32_upload, DeviceWeights};
+
+// The engine asks for summaries of at most this many columns; the kernel must keep them all.
+const _: () = assert!(crate::dflash::cpu::draft::MAX_SUMMARY_COLUMNS == dflash_runtime::cuda::ops::DRAFT_TOP_K_MAX);
 
 /// A drafter's device half: weights, the LM head rows it scores, the RoPE table and a reusable workspace.
 #[derive(Debug)]

@@ -1,4 +1,5 @@
-//! Kernels only block drafters use: DFlash2's grouped dynamic convolution.
+//! Kernels only block drafters use: DFlash2's grouped dynamic convolution, and the summary of a pass's draft logits
+//! (its top candidates and top probability) that stands in for reading every logit back.
 
 use super::{dim, launch_cfg, launch_err, shape_err, ROW_BLOCK};
 use crate::cuda::device::CudaDevice;
@@ -80,5 +81,59 @@ pub fn dflash_conv<'a>(
     // SAFETY: the arguments match the kernel's signature; the shapes were checked above (the kernel reads rows
     // `min(block_start[i], i) ..= i` of x).
     unsafe { launch.launch(launch_cfg(grid, ROW_BLOCK)) }.map_err(launch_err("dflash_conv"))?;
+    Ok(())
+}
+
+/// The most candidates per row [`draft_top_k`] keeps (`DRAFT_TOP_K_MAX` in drafter.cu).
+pub const DRAFT_TOP_K_MAX: usize = 32;
+
+/// Threads of one [`draft_top_k`] block (`DRAFT_TOP_K_THREADS` in drafter.cu).
+const DRAFT_TOP_K_THREADS: u32 = 128;
+
+/// How a drafter's head scales its logits before anything reads them: `l · multiplier`, then
+/// `tanh(l / softcap) · softcap` when a softcap is set.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LogitScale {
+    pub multiplier: f32,
+    pub softcap: Option<f32>,
+}
+
+/// A summary of every row of `logits` (`[rows, row_len]`), each value scaled by `scale` first: `out[r]` =
+/// `[k columns, k value bits, top probability bits]` (`[rows, 2k + 1]` u32): the row's best `k` columns, larger values
+/// first then lower columns (NaN last, `u32::MAX` past a row of fewer than `k`), their scaled values as f32 bits,
+/// and the softmax probability of the best column (NaNs skipped). Twin of `ops::top_k` and `ops::softmax_in_place`
+/// on the scaled row; the values are the scaled logits' exact bits, the probability rounds its sum in another
+/// order.
+///
+/// # Errors
+/// `k` outside `1..=DRAFT_TOP_K_MAX`, lengths that do not form these shapes; a launch failure.
+pub fn draft_top_k<'a>(
+    dev: &CudaDevice,
+    logits: impl DevArg<'a, f32>,
+    row_len: usize,
+    k: usize,
+    scale: LogitScale,
+    out: impl DevArg<'a, u32>,
+) -> Result<()> {
+    let (logits, out) = (logits.dev(), out.dev());
+    let rows = logits.len().checked_div(row_len).unwrap_or(0);
+    if k == 0 || k > DRAFT_TOP_K_MAX || rows * row_len != logits.len() || out.len() != rows * (2 * k + 1) {
+        return Err(shape_err(format!(
+            "draft_top_k: {} logits in rows of {row_len}, top {k} (at most {DRAFT_TOP_K_MAX}), out {}",
+            logits.len(),
+            out.len()
+        )));
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    let (row_len, k32) = (dim(row_len, "row_len")?, dim(k, "k")?);
+    let softcap = scale.softcap.unwrap_or(0.0);
+    let mut launch = dev.launch_builder(&dev.kernels.draft_top_k);
+    launch.arg(logits.arg()).arg(&row_len).arg(&k32).arg(&scale.multiplier).arg(&softcap).arg(out.arg());
+    // SAFETY: the arguments match the kernel's signature; the shapes were checked above (one block per row reads
+    // `row_len` values and writes `2k + 1`).
+    unsafe { launch.launch(launch_cfg((dim(rows, "rows")?, 1, 1), DRAFT_TOP_K_THREADS)) }
+        .map_err(launch_err("draft_top_k"))?;
     Ok(())
 }

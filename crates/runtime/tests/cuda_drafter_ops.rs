@@ -1,0 +1,184 @@
+//! The kernels only block drafters use (kernels/drafter.cu) against their CPU twins on random inputs: DFlash2's
+//! convolution bit for bit, and `draft_top_k`, the summary a drafter pass reads back in place of its logits, over
+//! the default model's vocabulary and small ones, rows with ties, NaN and -inf, wholly masked rows and rows shorter
+//! than k, with and without the head's multiplier and softcap.
+//!
+//! Without a CUDA device every test prints a SKIP notice and passes. Tolerances: columns exact; values bit for bit
+//! without a softcap, within 4 ulps with one (CUDA's tanhf against the host's libm); top probabilities 1e-5
+//! relative (the denominator is summed in another order).
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::gpu::{bit_mismatches, check, device, max_err_over};
+use common::Rng;
+
+use dflash_runtime::cuda::ops::{self as gpu, LogitScale, DRAFT_TOP_K_MAX};
+use dflash_runtime::cuda::{CudaDevice, DeviceBuf};
+use dflash_runtime::ops as cpu;
+
+fn poisoned(dev: &CudaDevice, len: usize) -> DeviceBuf<f32> {
+    dev.upload(&vec![f32::NAN; len]).expect("poisoned output")
+}
+
+/// DFlash2's convolution, written as its CPU twin computes it (models crate, `DynamicConv`): tap by tap, the base
+/// product then the dynamic one, each added to the row's sum, taps restarting at every block's first row.
+fn dflash_conv_reference(
+    x: &[f32],
+    dynamic: &[f32],
+    base: &[f32],
+    starts: &[u32],
+    (h, taps, groups): (usize, usize, usize),
+) -> Vec<f32> {
+    let (ld, coefs) = (2 * taps * groups, taps * groups);
+    let mut out = vec![0f32; x.len()];
+    for (row, &start) in starts.iter().enumerate() {
+        for c in 0..h {
+            let mut acc = 0f32;
+            for t in 0..taps.min(row - start as usize + 1) {
+                let xv = x[(row - t) * h + c];
+                acc += base[t * h + c] * xv;
+                acc += dynamic[row * ld + coefs + t * groups + c / (h / groups)] * xv;
+            }
+            out[row * h + c] = acc;
+        }
+    }
+    out
+}
+
+#[test]
+fn dflash_conv_matches_its_cpu_twin_bit_for_bit() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(31);
+    // (hidden, taps, groups, blocks' widths): the default drafter's shape and an odd one.
+    for (h, taps, groups, widths) in [(576, 2, 36, vec![8, 3, 5]), (200, 3, 5, vec![1, 7])] {
+        let starts: Vec<u32> = widths
+            .iter()
+            .scan(0u32, |at, &w| {
+                let first = *at;
+                *at += w as u32;
+                Some(std::iter::repeat_n(first, w))
+            })
+            .flatten()
+            .collect();
+        let rows = starts.len();
+        let (x, dynamic, base) =
+            (rng.vec(rows * h, 1.0), rng.vec(rows * 2 * taps * groups, 0.5), rng.vec(2 * taps * h, 1.0));
+        let (dx, ddyn, dbase) =
+            (dev.upload(&x).expect("x"), dev.upload(&dynamic).expect("dyn"), dev.upload(&base).expect("base"));
+        let dstarts = dev.upload(&starts).expect("starts");
+        let out = poisoned(dev, rows * h);
+        let side = gpu::ConvSide {
+            base: dbase.view().sub(taps * h, taps * h).expect("finish side"),
+            dynamic: ddyn.view(),
+            dyn_ld: 2 * taps * groups,
+            dyn_col: taps * groups,
+            taps,
+            groups,
+        };
+        gpu::dflash_conv(dev, &dx, side, &dstarts, &out).expect("dflash_conv");
+        let got = dev.download(&out).expect("download");
+        let want = dflash_conv_reference(&x, &dynamic, &base[taps * h..], &starts, (h, taps, groups));
+        check("dflash_conv", &format!("{rows}x{h}, {taps} taps, {groups} groups"), bit_mismatches(&got, &want), 0.0);
+    }
+}
+
+/// What `draft_top_k` must give for one row, computed as the host drafts: each value scaled as the CPU drafter's
+/// `scale_logits` does, `ops::top_k` of the scaled row, and the softmax probability of its best column over the
+/// values that are numbers (1 / len for a row of -inf).
+fn top_k_reference(row: &[f32], k: usize, scale: LogitScale) -> (Vec<u32>, Vec<f32>, f32) {
+    let scaled: Vec<f32> = row
+        .iter()
+        .map(|&l| {
+            let l = l * scale.multiplier;
+            scale.softcap.map_or(l, |c| (l / c).tanh() * c)
+        })
+        .collect();
+    let (columns, values): (Vec<u32>, Vec<f32>) = cpu::top_k(&scaled, k).into_iter().unzip();
+    let numbers: Vec<f32> = scaled.iter().copied().filter(|v| !v.is_nan()).collect();
+    let max = numbers.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let top = if max == f32::NEG_INFINITY {
+        1.0 / row.len() as f32
+    } else {
+        1.0 / numbers.iter().map(|&v| ((v - max) as f64).exp()).sum::<f64>() as f32
+    };
+    (columns, values, top)
+}
+
+/// A row of `n` logits of `kind`: 0 spread values, 1 few distinct values (many ties), 2 some NaN and -inf, 3 all
+/// -inf.
+fn logit_row(rng: &mut Rng, n: usize, kind: usize) -> Vec<f32> {
+    match kind {
+        0 => rng.vec(n, 8.0),
+        1 => (0..n).map(|_| (rng.below(7) as f32) - 3.0).collect(),
+        2 => (0..n)
+            .map(|_| match rng.below(10) {
+                0 => f32::NAN,
+                1 => f32::NEG_INFINITY,
+                _ => rng.uniform() * 4.0,
+            })
+            .collect(),
+        _ => vec![f32::NEG_INFINITY; n],
+    }
+}
+
+#[test]
+fn draft_top_k_matches_the_host_top_k_and_softmax() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(47);
+    let scales = [
+        LogitScale { multiplier: 1.0, softcap: None },
+        LogitScale { multiplier: 0.75, softcap: None },
+        LogitScale { multiplier: 1.5, softcap: Some(30.0) },
+    ];
+    // (row length, k): the default model's vocabulary with DFlash2's 16 and greedy's 1, the kernel's most, a
+    // length that is not a multiple of the block, and rows shorter than k.
+    for (n, k) in [(49_152, 16), (49_152, 1), (1000, DRAFT_TOP_K_MAX), (257, 16), (10, 16), (1, 1)] {
+        for scale in scales {
+            let rows = 9;
+            let logits: Vec<f32> = (0..rows).flat_map(|r| logit_row(&mut rng, n, r % 4)).collect();
+            let dlogits = dev.upload(&logits).expect("logits");
+            let out = dev.upload(&vec![0xdead_beef_u32; rows * (2 * k + 1)]).expect("poisoned summary");
+            gpu::draft_top_k(dev, &dlogits, n, k, scale, &out).expect("draft_top_k");
+            let got = dev.download(&out).expect("download");
+            let (mut columns, mut value_err, mut top_err) = (0.0, 0.0f64, 0.0f64);
+            for (r, row) in logits.chunks_exact(n).enumerate() {
+                let (want_columns, want_values, want_top) = top_k_reference(row, k, scale);
+                let g = &got[r * (2 * k + 1)..(r + 1) * (2 * k + 1)];
+                let kept = want_columns.len();
+                columns += g[..kept].iter().zip(&want_columns).filter(|(a, b)| a != b).count() as f64;
+                columns += g[kept..k].iter().filter(|&&c| c != u32::MAX).count() as f64;
+                let values: Vec<f32> = g[k..k + kept].iter().map(|&b| f32::from_bits(b)).collect();
+                // NaN is NaN: the device's arithmetic gives the canonical NaN, the host's keeps the payload.
+                columns += values.iter().zip(&want_values).filter(|(a, b)| a.is_nan() != b.is_nan()).count() as f64;
+                let numbers = |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| if x.is_nan() { 0.0 } else { x }).collect() };
+                let (values, want_values) = (numbers(&values), numbers(&want_values));
+                value_err = value_err.max(match scale.softcap {
+                    None => bit_mismatches(&values, &want_values),
+                    Some(_) => {
+                        let ulps: Vec<f64> = want_values.iter().map(|v| (v.abs().max(1e-30) * 1.2e-7) as f64).collect();
+                        max_err_over(&values, &want_values, &ulps)
+                    }
+                });
+                let top = f32::from_bits(g[2 * k]);
+                top_err = top_err.max(((top - want_top) / want_top).abs() as f64);
+            }
+            let shape = format!("{rows}x{n}, k {k}, x{} cap {:?}", scale.multiplier, scale.softcap);
+            check("draft_top_k columns", &shape, columns, 0.0);
+            check("draft_top_k values", &shape, value_err, if scale.softcap.is_some() { 4.0 } else { 0.0 });
+            check("draft_top_k top probability", &shape, top_err, 1e-5);
+        }
+    }
+}
+
+#[test]
+fn draft_top_k_refuses_bad_shapes() {
+    let Some(dev) = device() else { return };
+    let logits = poisoned(dev, 64);
+    let scale = LogitScale { multiplier: 1.0, softcap: None };
+    let out = dev.upload(&vec![0u32; 2 * 33]).expect("out");
+    assert!(gpu::draft_top_k(dev, &logits, 32, 0, scale, &out).is_err(), "k = 0");
+    assert!(gpu::draft_top_k(dev, &logits, 32, DRAFT_TOP_K_MAX + 1, scale, &out).is_err(), "k past the kernel's");
+    assert!(gpu::draft_top_k(dev, &logits, 30, 16, scale, &out).is_err(), "rows that do not divide the logits");
+    assert!(gpu::draft_top_k(dev, &logits, 32, 8, scale, &out).is_err(), "a summary buffer of the wrong size");
+}
