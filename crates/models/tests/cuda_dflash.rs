@@ -3,7 +3,8 @@
 //! block passes of every width, batched passes (with the context page pool grown under them), a draft
 //! vocabulary's head; the final hidden rows and logits to 1e-4 relative, and the drafts (greedy, sampled,
 //! DFlash2's selector walk) identical. A pass that keeps only each slot's best columns (the summary drafting reads)
-//! gives the CPU's top columns, their logits to 1e-4 and top probabilities to 1e-4, and the same drafts.
+//! gives the CPU's top columns, their logits to 1e-4 and top probabilities to 1e-4, and the same drafts. The
+//! drafter's warm-up passes run first and must leave no trace.
 //!
 //! Without a CUDA device every test prints a SKIP notice and passes.
 #![cfg(feature = "cuda")]
@@ -107,6 +108,9 @@ fn cuda_drafters_match_the_cpu_drafters_at_every_width() {
             .to_cuda(dev.clone(), DraftHead::Full(lm_head), 1024)
             .expect("to cuda");
         assert!(gpu.device().starts_with("cuda:"), "{}", gpu.device());
+        // The warm-up's passes (16 sequences at once, contexts of 1 to 64 rows) leave nothing behind that the
+        // checks below could see.
+        gpu.warm_up(embed, lm_head).expect("warm-up");
         let width = rows.len() / POSITIONS;
         let (mut cpu_ctx, mut gpu_ctx) = (cpu.new_context().expect("cpu"), gpu.new_context().expect("gpu"));
         append_in_pieces(&cpu, &mut cpu_ctx, &rows, width);

@@ -20,6 +20,7 @@ use dflash_models::mtp::{TrunkNorm, PREFIX as MTP_PREFIX};
 use dflash_models::resolve::{ModelSource, DEFAULT_MODEL_FILE};
 use dflash_models::safetensors_dir::read_json;
 use dflash_models::{Checkpoint, ModelConfig, MtpHead, OpenedTarget, StreamTap, Target, TargetHeads};
+use dflash_runtime::Tensor;
 
 use crate::assets::assets_dir;
 use crate::cli::{DraftVocabSize, ModelArgs, Placement, SpecArgs};
@@ -261,12 +262,15 @@ fn load_block(
         Some(vocab) => DraftHead::Vocab(vocab),
         None => DraftHead::Full(heads.lm_head()),
     };
-    let drafter = place_drafter(drafter, spec.drafter_device, opened.target.as_ref(), head, context_window)?;
+    let placed = (heads.embedding(), head);
+    let drafter = place_drafter(drafter, spec.drafter_device, opened.target.as_ref(), placed, context_window)?;
     Ok(DrafterConfig::new(Arc::new(drafter), spec.draft_block_size, draft_vocab)?)
 }
 
 /// Puts the drafter's passes where `--drafter-device` says: `auto` is the target's device (the CPU in a build
-/// without CUDA), or the host for a drafter with layers the device does not run (said in the log).
+/// without CUDA), or the host for a drafter with layers the device does not run (said in the log). A drafter put
+/// on the device runs a few warm-up passes there (`embed`: the target's embedding table), so the first requests do
+/// not pay the device's first use of its kernels.
 ///
 /// # Errors
 /// The device failing to take the drafter (memory, the driver).
@@ -275,7 +279,7 @@ pub fn place_drafter(
     drafter: DraftModel,
     device: Placement,
     target: &dyn Target,
-    head: DraftHead<'_>,
+    (embed, head): (&Tensor, DraftHead<'_>),
     context_window: usize,
 ) -> Result<DraftModel> {
     #[cfg(feature = "cuda")]
@@ -284,7 +288,13 @@ pub fn place_drafter(
             tracing::info!("--drafter-device auto: the drafter stays on the host ({why})");
             return Ok(drafter);
         }
-        return drafter.to_cuda(dev, head, context_window).context("putting the drafter on the target's GPU");
+        let drafter = drafter.to_cuda(dev, head, context_window).context("putting the drafter on the target's GPU")?;
+        // A failed warm-up costs the first requests time, not correctness: a pass that fails later breaks only its
+        // lane, which goes on plain.
+        if let Err(e) = drafter.warm_up(embed, head) {
+            tracing::warn!("the drafter's warm-up passes failed ({e}); its first requests pay the device's first use");
+        }
+        return Ok(drafter);
     }
     Ok(drafter)
 }

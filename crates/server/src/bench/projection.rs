@@ -38,7 +38,8 @@ pub(super) fn random_target_engine(
     let drafter = match (draft, target.host_heads()) {
         (Some(d), Some(heads)) => {
             let head = DraftHead::Full(heads.lm_head());
-            let d = place_drafter(d, spec.drafter_device, target.as_ref(), head, run.cache.context_window)?;
+            let placed = (heads.embedding(), head);
+            let d = place_drafter(d, spec.drafter_device, target.as_ref(), placed, run.cache.context_window)?;
             Some(DrafterConfig::new(Arc::new(d), None, None)?)
         }
         (Some(d), None) => Some(DrafterConfig::new(Arc::new(d), None, None)?),

@@ -21,9 +21,10 @@ pub(crate) use context::DeviceKv;
 use context::PagePool;
 
 use crate::dflash::vocab::DraftHead;
-use crate::dflash::{DraftModel, DrafterContext};
+use crate::dflash::{BlockRequest, DraftModel, DrafterContext};
 use crate::error::{ModelError, Result};
 use crate::target::device_err;
+use dflash_runtime::Tensor;
 use weights::{f32_upload, DeviceWeights};
 
 // The engine asks for summaries of at most this many columns; the kernel must keep them all.
@@ -96,6 +97,35 @@ impl DraftModel {
     pub fn to_cuda(mut self, dev: Arc<CudaDevice>, head: DraftHead<'_>, max_positions: usize) -> Result<Self> {
         self.cuda = Some(Arc::new(CudaDrafter::new(&self, dev, head, max_positions)?));
         Ok(self)
+    }
+
+    /// Runs a few passes of the shapes serving starts with (one to sixteen sequences of a full block, appends of
+    /// one to 64 rows) on made-up rows, so the first requests do not pay the device's first use of each kernel
+    /// (cuBLAS loads its kernels on first call: about 125 ms on the first drafting call of a served request, entry
+    /// 81). Nothing on the host: a no-op.
+    ///
+    /// # Errors
+    /// A pass failing (out of device memory, a driver failure).
+    pub fn warm_up<'h>(&self, embed: &Tensor, head: impl Into<DraftHead<'h>>) -> Result<()> {
+        if self.cuda.is_none() {
+            return Ok(());
+        }
+        let head = head.into();
+        let width = self.weights.layout.captured_width(self.cfg.target_layer_ids.len(), self.target.hidden_size);
+        let block = self.cfg.block_size;
+        for sequences in [1, 4, 16] {
+            let mut contexts = (0..sequences).map(|_| self.new_context()).collect::<Result<Vec<_>>>()?;
+            for (i, ctx) in contexts.iter_mut().enumerate() {
+                let rows = [1, 8, 64][i % 3];
+                self.append_context(ctx, 0, &vec![0.0; rows * width])?;
+            }
+            let mut requests: Vec<_> =
+                contexts.iter_mut().map(|ctx| BlockRequest { ctx, anchor: 0, width: block }).collect();
+            for greedy in [true, false] {
+                self.forward_blocks_with(&mut requests, embed, head, self.readback_for(greedy))?;
+            }
+        }
+        Ok(())
     }
 
     /// Where the drafter's passes run: `cpu` or `cuda:N`.
