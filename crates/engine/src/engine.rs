@@ -384,8 +384,7 @@ impl Engine {
     }
 
     /// The request's lane: the MTP head, else the block drafter, when the server has one and the request does not
-    /// opt out of drafters, else prompt lookup as the request's explicit `enable_pld` or the server's setting
-    /// (behind the prompt gate) say.
+    /// opt out of drafters, with prompt lookup drafting the rounds it leaves plain; else prompt lookup alone.
     fn arm_lane(&self, req: &Request) -> Option<SpecLane> {
         if let Some(draft) = &req.oracle {
             let max = draft.max_draft;
@@ -395,9 +394,18 @@ impl Engine {
             };
             return Some(SpecLane::new(Box::new(proposer), max, 0, self.policy_for(req), self.round_costs.clone()));
         }
-        if let Some(lane) = self.arm_mtp(req).or_else(|| self.arm_drafter(req)) {
-            return Some(lane);
+        let pld = self.pld_lane(req);
+        match self.arm_mtp(req).or_else(|| self.arm_drafter(req)) {
+            Some(lane) => Some(match pld {
+                Some(pld) => lane.with_fallback(pld),
+                None => lane,
+            }),
+            None => pld,
         }
+    }
+
+    /// The request's prompt lookup lane, as its `enable_pld` or the server's setting (behind the prompt gate) say.
+    fn pld_lane(&self, req: &Request) -> Option<SpecLane> {
         let cfg = match (req.enable_pld, self.spec.pld) {
             (Some(false), _) | (None, None) => return None,
             (Some(true), cfg) => cfg.unwrap_or_default(),

@@ -217,14 +217,17 @@ impl Sequence {
         if !self.is_decoding() {
             return None;
         }
-        let cap = self.request.max_tokens.saturating_sub(self.generated() + 1);
+        let cap = self.draft_cap();
         let lane = self.lane.as_mut()?;
         let input = ProposeInput { tokens: &self.tokens, sampling: &self.request.sampling };
         let shared = lane.proposer.block_drafter().is_some();
         // A proposer that panics (a drafter bug) must not take the engine thread, and with it every request,
         // down: the lane is dropped and the request decodes plain, with the tokens it would have had anyway.
         let planned = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match shared {
-            true => (lane.plan_round(&input, cap), Vec::new()),
+            true => match lane.plan_round(&input, cap) {
+                Some(max) => (Some(max), Vec::new()),
+                None => (None, lane.fallback_drafts(&input, cap)),
+            },
             false => (None, lane.draft(&input, cap)),
         }));
         match planned {
@@ -245,10 +248,22 @@ impl Sequence {
     /// Ends a round [`Self::prepare_drafts`] planned for the shared pass without drafting it: the step's gate kept
     /// the pass from running, and the round is plain.
     pub fn skip_shared_round(&mut self) {
-        if let Some(lane) = self.lane.as_mut() {
-            lane.skip_planned_round();
-        }
         self.drafts.clear();
+        let cap = self.draft_cap();
+        let Some(lane) = self.lane.as_mut() else { return };
+        lane.skip_planned_round();
+        // The lane's fallback (prompt lookup) may still draft the round: it needs no pass.
+        let input = ProposeInput { tokens: &self.tokens, sampling: &self.request.sampling };
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lane.fallback_drafts(&input, cap))) {
+            Ok(drafts) => self.drafts = drafts,
+            Err(_) => self.drop_lane("drafting"),
+        }
+        self.cut_drafts_by_grammar();
+    }
+
+    /// The most drafts a round may verify: a round commits at most drafts + 1 tokens, never past `max_tokens`.
+    fn draft_cap(&self) -> usize {
+        self.request.max_tokens.saturating_sub(self.generated() + 1)
     }
 
     /// Ends a round [`Self::prepare_drafts`] planned with the shared pass's proposal for it (`draft_ms`: this

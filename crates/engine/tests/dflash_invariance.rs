@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use common::{metric, request, run_all, Model};
-use dflash_engine::spec::{DrafterConfig, OracleDraft, PolicyMode, SpecConfig};
+use dflash_engine::spec::{DrafterConfig, NgramConfig, OracleDraft, PolicyMode, SpecConfig};
 use dflash_engine::SamplingParams;
 use dflash_models::dflash::{DraftConfig, DraftModel, DraftVocab, TargetShape};
 use dflash_models::llama::load_hf_weights;
@@ -121,6 +121,36 @@ fn the_adaptive_policy_changes_widths_never_tokens() {
         let (outcomes, metrics) = run_all(&m, cfg, requests(max_tokens));
         assert_eq!(outcomes, plain, "{name}: adaptive widths changed the output");
         assert!(metric(&metrics, "dflash_spec_drafted_tokens_total") > 0.0, "{name}: the lane drafted nothing");
+    }
+}
+
+#[test]
+fn prompt_lookup_drafts_the_rounds_the_drafter_leaves_plain_and_changes_no_token() {
+    let max_tokens = 48;
+    let plain = run_all(&tiny_target(&[]), common::config(64, 64, spec()), requests(max_tokens)).0;
+    let (m, drafter) = with_drafter("dflash-v2", 8);
+    let pld = Some(NgramConfig { max_draft: 4, min_match: 1, max_match: 3 });
+    let mut cfg = common::config(64, 64, SpecConfig { pld, policy: PolicyMode::Adaptive, ..spec() });
+    cfg.drafter = Some(drafter);
+    cfg.max_running = 1;
+    let metrics = Arc::new(dflash_engine::EngineMetrics::default());
+    let engine = dflash_engine::Engine::new(common::target(&m, &cfg), Arc::clone(&m.tokenizer), cfg, metrics.clone())
+        .expect("engine");
+    let (recorders, _) = common::Session { engine, metrics }.run_together(requests(max_tokens));
+    let outcomes: Vec<_> = recorders.iter().map(common::Recorder::outcome).collect();
+    assert_eq!(outcomes, plain, "the fallback changed the output");
+    let stats: Vec<_> = recorders.iter().map(|r| r.spec_stats().expect("the drafter's lane")).collect();
+    let fallback: Vec<_> = stats.iter().map(|s| s.fallback.expect("prompt lookup under the drafter")).collect();
+    // The random drafter's rounds lose, so its policy leaves most rounds plain; the tiny target repeats itself, so
+    // prompt lookup finds drafts in some of them.
+    assert!(fallback.iter().map(|f| f.rounds).sum::<u64>() > 0, "prompt lookup never drafted: {stats:?}");
+    assert!(fallback.iter().map(|f| f.accepted).sum::<u64>() > 0, "no fallback draft landed: {stats:?}");
+    for s in &stats {
+        let f = s.fallback.expect("fallback");
+        let steps: u64 = s.widths.iter().sum();
+        // Every decode step is the drafter's round, the fallback's, or plain (the drafter's figures stay its own).
+        assert_eq!(s.rounds + f.rounds + s.plain_steps, steps, "{s:?}");
+        assert_eq!(s.drafted_at[0], s.rounds, "{s:?}");
     }
 }
 

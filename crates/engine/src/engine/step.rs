@@ -357,10 +357,14 @@ impl Engine {
         (1 + accepted, finish)
     }
 
-    /// The lossy typical rule's `d` when it applies to `running[i]`'s rounds: a block drafter's lane, the server's
-    /// `--dflash-typical`, and a sampled request (greedy requests always verify exactly).
+    /// The lossy typical rule's `d` when it applies to `running[i]`'s round: a block drafter's (or MTP head's) own
+    /// round, not its prompt lookup fallback's, the server's `--dflash-typical`, and a sampled request (greedy
+    /// requests always verify exactly).
     pub(super) fn typical_rule(&self, i: usize) -> Option<f32> {
         let seq = &self.sched.running[i];
+        if seq.lane.as_ref().is_some_and(|l| l.round_is_fallbacks()) {
+            return None;
+        }
         let block_lane = seq.lane.as_ref().is_some_and(|l| l.stats.block_size > 0);
         let mtp_lane = seq.lane.as_ref().is_some_and(|l| l.stats.lane == LaneKind::Mtp);
         let rule = if mtp_lane { self.mtp.as_ref().and_then(|m| m.typical) } else { self.spec.dflash_typical };

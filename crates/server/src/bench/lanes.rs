@@ -452,8 +452,9 @@ fn run_copies(
             logprobs: None,
             ignore_eos: false,
             // plain forces every lane off; pld follows the engine's setting, prompt gate included, as served;
-            // dflash and mtp draft with the engine's drafter or head; the oracle lane replaces them all.
-            enable_pld: (kind != BenchLane::Pld).then_some(false),
+            // dflash and mtp draft with the engine's drafter or head, with prompt lookup in the rounds they leave
+            // plain as served (`--no-pld`: the drafter alone); the oracle lane replaces them all.
+            enable_pld: matches!(kind, BenchLane::Plain | BenchLane::Oracle(_)).then_some(false),
             enable_drafter: Some(matches!(kind, BenchLane::Dflash | BenchLane::Mtp)),
             spec_policy,
             cache_prompt: false,

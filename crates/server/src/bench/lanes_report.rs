@@ -91,6 +91,9 @@ pub fn write_json(dir: &Path, results: &[RunResult]) -> Result<PathBuf> {
                 "drafted_at": s.drafted_at, "accepted_at": s.accepted_at,
                 "plain_steps": s.plain_steps, "gated_steps": s.gated_steps, "gate_pauses": s.gate_pauses,
                 "draft_ms": s.draft_ms(),
+                "fallback": s.fallback.map(|f| json!({
+                    "mode": f.lane.as_str(), "rounds": f.rounds, "drafted": f.drafted, "accepted": f.accepted,
+                })),
             })
         })
         .collect();
@@ -126,7 +129,8 @@ pub fn table(results: &[RunResult], lanes: &[String]) -> String {
                 Some(s) if s.rounds > 0 => {
                     (format!("{:.2}", s.tokens_per_round()), format!("{:.2}", tokens_per_step(&s)), positions(&s))
                 }
-                _ => ("-".into(), "1.00".into(), "-".into()),
+                Some(s) => ("-".into(), format!("{:.2}", tokens_per_step(&s)), "-".into()),
+                None => ("-".into(), "1.00".into(), "-".into()),
             };
             out.push_str(&format!(
                 "| {group} | {temperature} | {lane} | {:.1} | {:.1} | {:.2}x | {:.0} | {tpr} | {tps} | {positions} |\n",
@@ -149,6 +153,15 @@ fn pooled_spec(runs: &[&RunResult]) -> Option<SpecStats> {
         pooled.drafted += s.drafted;
         pooled.accepted += s.accepted;
         pooled.plain_steps += s.plain_steps;
+        pooled.fallback = match (pooled.fallback, s.fallback) {
+            (Some(mut p), Some(f)) => {
+                p.rounds += f.rounds;
+                p.drafted += f.drafted;
+                p.accepted += f.accepted;
+                Some(p)
+            }
+            (p, f) => p.or(f),
+        };
         for k in 0..pooled.drafted_at.len() {
             pooled.drafted_at[k] += s.drafted_at[k];
             pooled.accepted_at[k] += s.accepted_at[k];
@@ -174,13 +187,15 @@ fn positions(s: &SpecStats) -> String {
     }
 }
 
-/// Tokens committed per decode step of the lane, plain steps included (verified rounds commit accepted + 1).
+/// Tokens committed per decode step of the lane, plain steps and its fallback's rounds included (verified rounds
+/// commit accepted + 1).
 fn tokens_per_step(s: &SpecStats) -> f64 {
-    let steps = s.rounds + s.plain_steps;
+    let (fallback_rounds, fallback_accepted) = s.fallback.map_or((0, 0), |f| (f.rounds, f.accepted));
+    let steps = s.rounds + s.plain_steps + fallback_rounds;
     if steps == 0 {
         1.0
     } else {
-        (s.accepted + steps) as f64 / steps as f64
+        (s.accepted + fallback_accepted + steps) as f64 / steps as f64
     }
 }
 

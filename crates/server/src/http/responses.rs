@@ -116,6 +116,18 @@ pub(crate) struct SpecUsage {
     pub gate_pauses: u64,
     /// Time spent drafting, in ms.
     pub draft_ms: f64,
+    /// Prompt lookup's rounds among those the drafter left plain (absent without it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fallback: Option<FallbackUsage>,
+}
+
+/// `usage.spec.fallback`: the rounds a drafter's fallback lane drafted.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub(crate) struct FallbackUsage {
+    pub mode: &'static str,
+    pub rounds: u64,
+    pub drafted: u64,
+    pub accepted: u64,
 }
 
 impl From<&Usage> for UsageOut {
@@ -138,6 +150,12 @@ impl From<&Usage> for UsageOut {
                 gated_steps: s.gated_steps,
                 gate_pauses: s.gate_pauses,
                 draft_ms: s.draft_ms(),
+                fallback: s.fallback.map(|f| FallbackUsage {
+                    mode: f.lane.as_str(),
+                    rounds: f.rounds,
+                    drafted: f.drafted,
+                    accepted: f.accepted,
+                }),
             }),
         }
     }

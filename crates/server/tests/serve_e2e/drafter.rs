@@ -42,3 +42,29 @@ fn requests_draft_with_the_drafter_and_can_opt_out() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+#[test]
+fn prompt_lookup_drafts_beside_the_drafter_and_reports_its_rounds() {
+    let (target, drafter) = (fixture("tiny-qwen3"), fixture("dflash-v2"));
+    let server =
+        Server::start(&["--model", target.to_str().expect("path"), "--drafter", drafter.to_str().expect("path")]);
+    let client = server.client();
+    let body = |extra: serde_json::Value| {
+        let mut b = json!({"prompt": "abcabcabc abc", "max_tokens": 32, "temperature": 0, "ignore_eos": true});
+        if let (Some(b), serde_json::Value::Object(extra)) = (b.as_object_mut(), extra) {
+            b.extend(extra);
+        }
+        b
+    };
+    let both = generate(client, Api::Completion, &body(json!({})));
+    let spec = &both.json["usage"]["spec"];
+    assert_eq!(spec["mode"], "dflash2", "{}", both.json);
+    assert_eq!(spec["fallback"]["mode"], "pld", "prompt lookup rides under the drafter: {}", both.json);
+    assert!(spec["fallback"]["rounds"].is_u64(), "{}", both.json);
+
+    let alone = generate(client, Api::Completion, &body(json!({"enable_pld": false})));
+    assert!(alone.json["usage"]["spec"].get("fallback").is_none(), "{}", alone.json);
+    let plain = generate(client, Api::Completion, &body(json!({"enable_drafter": false, "enable_pld": false})));
+    assert_eq!(both.text, plain.text, "neither lane changes greedy output");
+    assert_eq!(alone.text, plain.text);
+}

@@ -1,0 +1,421 @@
+//! A sequence's armed lane: its proposer, round policy and stats against the engine's cost table, and the round in
+//! flight between drafting, verification and the step's timing. A drafter's lane may carry prompt lookup as a
+//! fallback that drafts the rounds the drafter's policy leaves plain.
+
+use std::time::Instant;
+
+use super::policy::RoundTiming;
+#[cfg(test)]
+use super::{CostTable, LaneKind};
+use super::{
+    FallbackStats, PolicyMode, Proposal, ProposeInput, Proposer, RoundPlan, RoundPolicy, RoundShare, SharedCosts,
+    SpecStats,
+};
+#[cfg(test)]
+use crate::sampler::SamplingParams;
+
+/// What a lane remembers of the round in flight, between drafting, verification and the step's timing.
+#[derive(Clone, Debug, Default)]
+struct RoundInFlight {
+    /// Committed tokens when it drafted.
+    context: usize,
+    /// Time the proposer took (ms).
+    draft_ms: f64,
+    /// What the round adds to its step beyond a plain row, as the policy expected it.
+    share: RoundShare,
+    /// The drafter's confidence in the drafts sent to verification.
+    confidence: Option<Vec<f32>>,
+    /// The policy, or the step gate, made the round plain.
+    gated: bool,
+    /// Tokens the verified round committed.
+    committed: Option<usize>,
+}
+
+/// A decode step as a lane's round saw it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepTiming {
+    /// The step's time (ms): its forward, verification and rollback.
+    pub step_ms: f64,
+    /// Decoding sequences in the step.
+    pub sequences: usize,
+    /// Verify rows past one per sequence, every lane's together.
+    pub extra_rows: usize,
+}
+
+impl StepTiming {
+    /// A step of one sequence verifying `rows` rows.
+    pub fn alone(rows: usize, step_ms: f64) -> Self {
+        StepTiming { step_ms, sequences: 1, extra_rows: rows.saturating_sub(1) }
+    }
+}
+
+/// A sequence's armed lane: its proposer, round policy and stats, and the engine's cost table.
+pub struct SpecLane {
+    pub proposer: Box<dyn Proposer>,
+    pub policy: RoundPolicy,
+    pub stats: SpecStats,
+    costs: SharedCosts,
+    max_draft: usize,
+    round: RoundInFlight,
+    /// Prompt lookup, drafting the rounds this (drafter's) lane leaves plain: free drafts where the text repeats
+    /// itself, while the drafter's policy finds its own rounds do not pay.
+    fallback: Option<Box<SpecLane>>,
+    /// What the fallback did in the round in flight.
+    fallback_turn: FallbackTurn,
+}
+
+/// The fallback's part in the round in flight.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum FallbackTurn {
+    /// Not asked: the round is this lane's own.
+    #[default]
+    Idle,
+    /// Asked, with nothing to verify: a plain round of both.
+    Asked,
+    /// Its drafts are the round's.
+    Drafted,
+}
+
+impl SpecLane {
+    /// A lane drafting at most `max_draft` tokens a round, widths chosen by `mode` against the engine's `costs`;
+    /// `block_size` is the block size of block drafters (0 for others), for the stats.
+    pub fn new(
+        proposer: Box<dyn Proposer>,
+        max_draft: usize,
+        block_size: usize,
+        mode: PolicyMode,
+        costs: SharedCosts,
+    ) -> Self {
+        let stats = SpecStats { lane: proposer.kind(), policy: mode, block_size, ..SpecStats::default() };
+        let policy = RoundPolicy::new(mode, proposer.kind(), max_draft);
+        SpecLane {
+            proposer,
+            policy,
+            stats,
+            costs,
+            max_draft,
+            round: RoundInFlight::default(),
+            fallback: None,
+            fallback_turn: FallbackTurn::Idle,
+        }
+    }
+
+    /// This lane with `fallback` drafting the rounds its policy leaves plain (prompt lookup under a drafter).
+    pub fn with_fallback(mut self, fallback: SpecLane) -> Self {
+        self.stats.fallback = Some(FallbackStats { lane: fallback.stats.lane, ..FallbackStats::default() });
+        self.fallback = Some(Box::new(fallback));
+        self
+    }
+
+    /// Drafts for the next round (at most `cap`): none when the policy makes it plain, else the prefix of the
+    /// proposal the policy chooses to verify.
+    pub fn draft(&mut self, input: &ProposeInput, cap: usize) -> Vec<u32> {
+        match self.plan_round(input, cap) {
+            Some(max) => {
+                let (proposal, draft_ms) = self.timed_proposal(input, max);
+                self.finish_round(proposal, max, draft_ms)
+            }
+            None => self.fallback_drafts(input, cap),
+        }
+    }
+
+    /// The fallback's drafts (at most `cap`) for a round this lane leaves plain: none without a fallback, or when
+    /// its own policy makes the round plain too.
+    pub fn fallback_drafts(&mut self, input: &ProposeInput, cap: usize) -> Vec<u32> {
+        let Some(fallback) = self.fallback.as_mut() else { return Vec::new() };
+        let drafts = fallback.draft(input, cap);
+        self.fallback_turn = if drafts.is_empty() { FallbackTurn::Asked } else { FallbackTurn::Drafted };
+        drafts
+    }
+
+    /// Starts the next round: `Some(max)` when the lane drafts at most `max` tokens, `None` when the round is plain.
+    pub fn plan_round(&mut self, input: &ProposeInput, cap: usize) -> Option<usize> {
+        let context = input.tokens.len();
+        let max = cap.min(self.max_draft);
+        self.round = RoundInFlight { context, ..RoundInFlight::default() };
+        self.fallback_turn = FallbackTurn::Idle;
+        if max == 0 {
+            return None;
+        }
+        if let RoundPlan::Plain = self.policy.plan(&self.costs.lock(), context, max) {
+            self.round.gated = true;
+            return None;
+        }
+        Some(max)
+    }
+
+    /// Ends a round [`Self::plan_round`] planned without drafting it: the step's gate kept the drafter pass from
+    /// running ([`StepGate`]), so the round is plain.
+    pub fn skip_planned_round(&mut self) {
+        self.round.gated = true;
+    }
+
+    /// The round's drafts from a proposal of a shared drafter pass whose cost was `draft_ms` per lane.
+    pub fn shared_proposal(&mut self, input: &ProposeInput, max: usize, drafted: Proposal, draft_ms: f64) -> Vec<u32> {
+        let proposal = self.proposer.proposal_from_shared_pass(input, max, drafted);
+        self.record_draft_ms(draft_ms);
+        self.finish_round(proposal, max, draft_ms)
+    }
+
+    /// Ends a planned round with its proposal: the prefix the policy chooses to verify.
+    fn finish_round(&mut self, proposal: Proposal, max: usize, draft_ms: f64) -> Vec<u32> {
+        let Proposal { mut tokens, confidence } = proposal;
+        let context = self.round.context;
+        tokens.truncate(max);
+        if tokens.is_empty() {
+            return tokens;
+        }
+        let confidence = confidence.filter(|c| c.len() >= tokens.len());
+        let costs = self.costs.lock();
+        let choice = self.policy.choose(&costs, context, tokens.len(), confidence.as_deref(), draft_ms);
+        drop(costs);
+        let keep = choice.drafts;
+        self.round.share =
+            RoundShare { extra_rows: keep, extra_tokens: choice.expected_tokens - 1.0, draft_ms: self.round.draft_ms };
+        tokens.truncate(keep);
+        self.round.gated = tokens.is_empty();
+        self.round.confidence = confidence.map(|mut c| {
+            c.truncate(keep);
+            c
+        });
+        tokens
+    }
+
+    /// Asks the proposer for up to `max` drafts and records how long it took (in the stats, the round and the
+    /// engine's table of drafting costs); returns the proposal and its ms.
+    fn timed_proposal(&mut self, input: &ProposeInput, max: usize) -> (Proposal, f64) {
+        let started = Instant::now();
+        let proposal = self.proposer.propose(input, max);
+        let draft_ms = started.elapsed().as_secs_f64() * 1e3;
+        self.record_draft_ms(draft_ms);
+        (proposal, draft_ms)
+    }
+
+    /// Records a drafting call of `draft_ms` (this lane's share of a shared pass).
+    fn record_draft_ms(&mut self, draft_ms: f64) {
+        self.round.draft_ms = draft_ms;
+        self.stats.draft_calls += 1;
+        self.stats.draft_us += (draft_ms * 1e3) as u64;
+        self.costs.lock().observe_draft(self.stats.lane, draft_ms);
+    }
+
+    /// What this step's round adds to the step beyond a plain row (rows, expected tokens, drafting), for the lanes
+    /// that decide after it ([`CostTable::add_to_step`]).
+    pub fn round_share(&self) -> RoundShare {
+        match (self.fallback_turn, &self.fallback) {
+            (FallbackTurn::Drafted | FallbackTurn::Asked, Some(fallback)) => fallback.round_share(),
+            _ => self.round.share,
+        }
+    }
+
+    /// Records a verified round.
+    pub fn verified(&mut self, drafted: usize, accepted: usize) {
+        if self.fallback_turn == FallbackTurn::Drafted {
+            if let (Some(fallback), Some(stats)) = (self.fallback.as_mut(), self.stats.fallback.as_mut()) {
+                fallback.verified(drafted, accepted);
+                stats.rounds += 1;
+                stats.drafted += drafted as u64;
+                stats.accepted += accepted as u64;
+            }
+            return;
+        }
+        self.stats.record_round(drafted, accepted);
+        let confidence = self.round.confidence.take();
+        self.policy.record_verified(&mut self.costs.lock(), drafted, accepted, confidence.as_deref());
+        self.proposer.on_verified(drafted, accepted);
+        self.round.committed = Some(accepted + 1);
+    }
+
+    /// Records the decode step this lane's round ran in: `rows` verify rows (1: plain), and the step's timing when
+    /// it says what the round cost (a step with prompt rows in it does not). Returns true when the gate paused
+    /// drafting.
+    pub fn stepped(&mut self, rows: usize, timing: Option<StepTiming>) -> bool {
+        let fallback_paused = match (self.fallback_turn, self.fallback.as_mut()) {
+            (FallbackTurn::Asked | FallbackTurn::Drafted, Some(fallback)) => fallback.stepped(rows, timing),
+            _ => false,
+        };
+        self.stats.record_width(rows);
+        if rows <= 1 {
+            self.stats.plain_steps += 1;
+            self.stats.gated_steps += u64::from(self.round.gated);
+        }
+        let (Some(tokens), Some(step)) = (self.round.committed.take(), timing) else {
+            return fallback_paused;
+        };
+        let costs = self.costs.lock();
+        let context = self.round.context;
+        // The round's part of the step: a plain row's share, the step's time past a plain step of as many
+        // sequences in proportion to its extra rows, and its drafting, which held up every sequence (other lanes'
+        // drafting is theirs: this round would have waited for it as a plain one too).
+        let plain_step = costs.cost(context, step.sequences);
+        let plain_ms = plain_step / step.sequences.max(1) as f64;
+        let extra_share = if step.extra_rows > 0 { (rows - 1) as f64 / step.extra_rows as f64 } else { 0.0 };
+        let took_ms = plain_ms + (step.step_ms - plain_step) * extra_share + self.round.draft_ms;
+        let round = RoundTiming { tokens, took_ms, plain_ms };
+        let paused = self.policy.record_round(&costs, context, round);
+        drop(costs);
+        self.stats.gate_pauses += u64::from(paused);
+        paused || fallback_paused
+    }
+
+    /// Whether the round in flight is the fallback's (its drafts are prompt lookup's, verified exactly).
+    pub fn round_is_fallbacks(&self) -> bool {
+        self.fallback_turn == FallbackTurn::Drafted
+    }
+
+    /// Whether the gate holds the lane to plain rounds now.
+    pub fn is_gated(&self) -> bool {
+        self.policy.backoff().owed() > 0
+    }
+}
+
+impl std::fmt::Debug for SpecLane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SpecLane").field("stats", &self.stats).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Proposes the same drafts every round.
+    struct Echo(Vec<u32>);
+
+    impl Proposer for Echo {
+        fn kind(&self) -> LaneKind {
+            LaneKind::Pld
+        }
+
+        fn propose(&mut self, _input: &ProposeInput, max: usize) -> Proposal {
+            self.0.iter().copied().take(max).collect::<Vec<_>>().into()
+        }
+    }
+
+    #[test]
+    fn a_fixed_lane_verifies_every_draft_it_gets_and_never_pauses() {
+        let costs = SharedCosts::new(CostTable::new(9));
+        let mut lane = SpecLane::new(Box::new(Echo(vec![5; 8])), 8, 0, PolicyMode::Fixed, costs);
+        let sampling = SamplingParams::greedy();
+        let tokens = [1, 2, 3];
+        for _ in 0..40 {
+            let input = ProposeInput { tokens: &tokens, sampling: &sampling };
+            assert_eq!(lane.draft(&input, 100).len(), 8);
+            lane.verified(8, 0);
+            assert!(!lane.stepped(9, Some(StepTiming::alone(9, 50.0))));
+        }
+        let input = ProposeInput { tokens: &tokens, sampling: &sampling };
+        assert_eq!(lane.draft(&input, 3).len(), 3, "capped by the caller");
+        assert_eq!(lane.stats.widths[8], 40);
+        assert_eq!((lane.stats.gate_pauses, lane.stats.plain_steps), (0, 0));
+    }
+
+    /// Proposes the same drafts every round, after spinning for at least `spin` (a drafting call of known least cost).
+    struct Slow(Vec<u32>, std::time::Duration);
+
+    impl Proposer for Slow {
+        fn kind(&self) -> LaneKind {
+            LaneKind::Dflash
+        }
+
+        fn propose(&mut self, _input: &ProposeInput, max: usize) -> Proposal {
+            let started = std::time::Instant::now();
+            while started.elapsed() < self.1 {
+                std::hint::spin_loop();
+            }
+            self.0.iter().copied().take(max).collect::<Vec<_>>().into()
+        }
+    }
+
+    /// Rounds of a lane whose drafts are all accepted and whose drafting call takes 1 ms, in steps of `sequences`
+    /// sequences that take 10 ms plus a microsecond a row (a GPU target far from its compute bound), judged by the
+    /// gate; returns how many times it paused the lane.
+    fn pauses_in_steps_of(sequences: usize) -> u64 {
+        let mut table = CostTable::new(9);
+        table.seed(&(0..9).map(|r| 10.0 + 0.001 * r as f64).collect::<Vec<_>>());
+        let costs = SharedCosts::new(table);
+        let mut lane = SpecLane::new(
+            Box::new(Slow(vec![5; 8], std::time::Duration::from_millis(1))),
+            8,
+            0,
+            PolicyMode::Fixed,
+            costs.clone(),
+        );
+        lane.policy = RoundPolicy::new(PolicyMode::Adaptive, LaneKind::Dflash, 8);
+        let sampling = SamplingParams::greedy();
+        let tokens = [1, 2, 3];
+        for _ in 0..40 {
+            let drafts = lane.draft(&ProposeInput { tokens: &tokens, sampling: &sampling }, 100);
+            if !drafts.is_empty() {
+                lane.verified(drafts.len(), drafts.len());
+            }
+            let step_ms = costs.lock().cost(3, sequences + drafts.len());
+            let timing = StepTiming { step_ms, sequences, extra_rows: drafts.len() };
+            lane.stepped(1 + drafts.len(), Some(timing));
+        }
+        lane.stats.gate_pauses
+    }
+
+    #[test]
+    fn a_lane_is_charged_its_drafting_as_time_every_sequence_of_its_step_waits() {
+        // Alone, 9 tokens in about 11 ms beat 90 ms of plain steps: never paused. In a step of a thousand sequences
+        // a plain token costs 11 microseconds, and the 1 ms call that bought 8 more held up a thousand: paused.
+        assert_eq!(pauses_in_steps_of(1), 0);
+        assert!(pauses_in_steps_of(1000) > 0);
+    }
+
+    #[test]
+    fn a_fallback_drafts_the_rounds_the_lanes_policy_leaves_plain() {
+        let mut table = CostTable::new(9);
+        table.seed(&[10.0, 11.0, 12.0, 13.0, 14.0, 15.0, 16.0, 17.0, 18.0]);
+        let costs = SharedCosts::new(table);
+        let pld = SpecLane::new(Box::new(Echo(vec![7; 4])), 4, 0, PolicyMode::Fixed, costs.clone());
+        let drafter = Box::new(Slow(vec![5; 8], std::time::Duration::ZERO));
+        let mut lane = SpecLane::new(drafter, 8, 8, PolicyMode::Adaptive, costs).with_fallback(pld);
+        let sampling = SamplingParams::greedy();
+        let tokens = [1, 2, 3];
+        for _ in 0..40 {
+            let drafts = lane.draft(&ProposeInput { tokens: &tokens, sampling: &sampling }, 100);
+            // The drafter's drafts (5) always miss, prompt lookup's (7) always land.
+            let accepted = if drafts.first() == Some(&7) { drafts.len() } else { 0 };
+            assert_eq!(
+                lane.round_is_fallbacks(),
+                drafts.first() == Some(&7),
+                "the typical rule asks whose round it is"
+            );
+            if !drafts.is_empty() {
+                lane.verified(drafts.len(), accepted);
+            }
+            lane.stepped(1 + drafts.len(), Some(StepTiming::alone(1 + drafts.len(), 10.0 + drafts.len() as f64)));
+        }
+        let fallback = lane.stats.fallback.expect("fallback stats");
+        assert!(fallback.rounds >= 20, "{:?}", lane.stats);
+        assert_eq!((fallback.drafted, fallback.accepted), (4 * fallback.rounds, 4 * fallback.rounds));
+        assert_eq!(lane.stats.accepted, 0, "the drafter's figures hold its own rounds only");
+        assert_eq!(lane.stats.rounds + fallback.rounds + lane.stats.plain_steps, 40);
+        assert_eq!(lane.stats.widths[4], fallback.rounds, "every step is in the width histogram");
+    }
+
+    #[test]
+    fn an_adaptive_lane_goes_plain_when_its_rounds_lose() {
+        let mut table = CostTable::new(9);
+        table.seed(&[10.0, 11.0, 12.0, 13.0, 14.0, 15.0, 16.0, 17.0, 18.0]);
+        let costs = SharedCosts::new(table);
+        let mut lane = SpecLane::new(Box::new(Echo(vec![5; 8])), 8, 0, PolicyMode::Adaptive, costs);
+        let sampling = SamplingParams::greedy();
+        let tokens = [1, 2, 3];
+        let mut plain = 0;
+        for _ in 0..40 {
+            let drafts = lane.draft(&ProposeInput { tokens: &tokens, sampling: &sampling }, 100);
+            if !drafts.is_empty() {
+                lane.verified(drafts.len(), 0);
+            }
+            plain += usize::from(drafts.is_empty());
+            lane.stepped(1 + drafts.len(), Some(StepTiming::alone(1 + drafts.len(), 10.0 + drafts.len() as f64)));
+        }
+        // Drafted: the gate's warm-up rounds, then one probe after each doubling pause (2, 4, 8, 16).
+        assert!(plain >= 28, "plain rounds: {plain} of 40");
+        assert_eq!(lane.stats.plain_steps, plain as u64);
+        assert!(lane.stats.gated_steps > 0 && lane.stats.gate_pauses + lane.stats.gated_steps > 0);
+    }
+}
