@@ -113,14 +113,18 @@ impl SpecLane {
         match self.plan_round(input, cap) {
             Some(max) => {
                 let (proposal, draft_ms) = self.timed_proposal(input, max);
-                self.finish_round(proposal, max, draft_ms)
+                let drafts = self.finish_round(proposal, max, draft_ms);
+                if drafts.is_empty() {
+                    return self.fallback_drafts(input, cap);
+                }
+                drafts
             }
             None => self.fallback_drafts(input, cap),
         }
     }
 
-    /// The fallback's drafts (at most `cap`) for a round this lane leaves plain: none without a fallback, or when
-    /// its own policy makes the round plain too.
+    /// The fallback's drafts (at most `cap`) for a round this lane leaves plain (its policy kept no draft, or its
+    /// proposer had none): none without a fallback, or when the fallback's own policy makes the round plain too.
     pub fn fallback_drafts(&mut self, input: &ProposeInput, cap: usize) -> Vec<u32> {
         let Some(fallback) = self.fallback.as_mut() else { return Vec::new() };
         let drafts = fallback.draft(input, cap);
@@ -154,7 +158,11 @@ impl SpecLane {
     pub fn shared_proposal(&mut self, input: &ProposeInput, max: usize, drafted: Proposal, draft_ms: f64) -> Vec<u32> {
         let proposal = self.proposer.proposal_from_shared_pass(input, max, drafted);
         self.record_draft_ms(draft_ms);
-        self.finish_round(proposal, max, draft_ms)
+        let drafts = self.finish_round(proposal, max, draft_ms);
+        if drafts.is_empty() {
+            return self.fallback_drafts(input, max);
+        }
+        drafts
     }
 
     /// Ends a planned round with its proposal: the prefix the policy chooses to verify.
