@@ -108,6 +108,11 @@ impl PositionAcceptance {
         }
     }
 
+    /// Draft positions tracked.
+    pub fn max_drafts(&self) -> usize {
+        self.slots.len()
+    }
+
     /// Feeds a verified round.
     pub fn record(&mut self, drafted: usize, accepted: usize) {
         for slot in &mut self.slots {

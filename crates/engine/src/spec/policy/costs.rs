@@ -99,6 +99,8 @@ pub struct CostTable {
     widest_round: usize,
     /// The step being drafted for.
     step: StepOutlook,
+    /// Steps measured so far ([`Self::observe`]): the clock staleness is read on.
+    measured_steps: u64,
 }
 
 /// What the engine knows of one lane kind across its sequences.
@@ -111,6 +113,8 @@ struct LaneRecord {
     fastest_draft_ms: f64,
     /// Conditional acceptance by draft position over every sequence's verified rounds.
     acceptance: PositionAcceptance,
+    /// The table's measured steps when a round of this kind was last verified.
+    verified_at_step: u64,
 }
 
 /// One context bucket: a step of `r` rows costs `level * shape[r - 1]` ms.
@@ -224,7 +228,8 @@ impl CostTable {
         let prior: Vec<f64> = (0..widest_round).map(|r| PRIOR_PLAIN_MS * (1.0 + PRIOR_ROW_SLOPE * r as f64)).collect();
         let buckets = vec![None; CONTEXT_BUCKETS.len()];
         let start = Bucket::from_curve(&prior);
-        CostTable { start, probed: false, buckets, lanes: Vec::new(), widest_round, step: StepOutlook::default() }
+        let step = StepOutlook::default();
+        CostTable { start, probed: false, buckets, lanes: Vec::new(), widest_round, step, measured_steps: 0 }
     }
 
     /// Starts the step of `sequences` decoding sequences the lanes are about to draft for (the engine).
@@ -285,6 +290,7 @@ impl CostTable {
             }
         };
         self.buckets[b].insert(bucket).observe(rows - 1, ms);
+        self.measured_steps += 1;
     }
 
     /// Expected ms of a step of `rows` rows in all (at least 1) at `context` tokens.
@@ -336,7 +342,17 @@ impl CostTable {
 
     /// Feeds a verified round of lane kind `lane` (any sequence's) that drafted `drafted` and accepted `accepted`.
     pub fn observe_acceptance(&mut self, lane: LaneKind, drafted: usize, accepted: usize) {
-        self.lane_mut(lane).acceptance.record(drafted, accepted);
+        let steps = self.measured_steps;
+        let record = self.lane_mut(lane);
+        record.acceptance.record(drafted, accepted);
+        record.verified_at_step = steps;
+    }
+
+    /// Measured steps since a round of lane kind `lane` was last verified (`None`: none ever was): how stale its
+    /// typical acceptance is.
+    pub fn steps_since_verified(&self, lane: LaneKind) -> Option<u64> {
+        let record = self.lane(lane).filter(|k| k.acceptance.is_observed())?;
+        Some(self.measured_steps - record.verified_at_step)
     }
 
     /// The typical conditional acceptance of lane kind `lane`'s first `n` draft positions on this engine; `None`
@@ -360,6 +376,7 @@ impl CostTable {
                     draft_samples: 0,
                     fastest_draft_ms: f64::INFINITY,
                     acceptance,
+                    verified_at_step: 0,
                 };
                 self.lanes.push(record);
                 self.lanes.len() - 1

@@ -55,6 +55,11 @@ const SETTLED_DRAFT_SAMPLES: u64 = 3;
 /// Acceptance of a round whose every draft lands (longer than any block), read without allocating each round.
 const ALWAYS_ACCEPTED: [f64; 64] = [1.0; 64];
 
+/// The share of a lane kind's typical misses a kind text might still avoid: where even drafts that miss this much
+/// less often than the kind's typical ones (0.32 at a position becomes 0.66) could not pay, a lane waits the widest
+/// spacing ([`PROBE_SHARE`]) before it probes instead of learning from the narrowest ([`PROBE_FLOOR_SHARE`]).
+const OPTIMISTIC_MISS_SHARE: f64 = 0.5;
+
 /// How widths are chosen.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum PolicyMode {
@@ -140,6 +145,9 @@ pub struct RoundPolicy {
     trial: bool,
     /// The lane kind, whose drafting cost and typical acceptance the engine's table keeps.
     lane: LaneKind,
+    /// Rounds would lose even on text far kinder than the kind's typical ([`Self::pays_only_on_kind_text`]): probes
+    /// wait the widest spacing from the first pause.
+    kind_text_only: bool,
 }
 
 impl RoundPolicy {
@@ -152,6 +160,7 @@ impl RoundPolicy {
             backoff: Backoff::default(),
             trial: false,
             lane,
+            kind_text_only: false,
         }
     }
 
@@ -177,18 +186,13 @@ impl RoundPolicy {
         if self.backoff.owes_plain() {
             return RoundPlan::Plain;
         }
-        let step = costs.step();
-        let base = step.tokens - 1.0;
-        let step_cost = |rows: usize, draft_ms: f64| {
-            step.draft_ms + costs.cost(context, step.rows - 1 + rows) + if rows > 1 { draft_ms } else { 0.0 }
-        };
+        self.judge_kind_text_only(costs, context);
         // Where a round would lose even if every draft landed and drafting were as fast as it ever was, a probe can
         // only lose: no probe, no trial. (The fastest call, not the average: a slow first call cannot lock a lane
         // kind out, and the estimate cannot go stale upwards while nothing drafts.)
-        let fastest = costs.fastest_draft(self.lane);
         let settled = costs.draft_samples(self.lane) >= SETTLED_DRAFT_SAMPLES;
         let always = &ALWAYS_ACCEPTED[..max_drafts.min(ALWAYS_ACCEPTED.len())];
-        if settled && choose_rows_in_step(always, max_drafts + 1, base, |rows| step_cost(rows, fastest)) == 1 {
+        if settled && self.loses_at(costs, context, always, costs.fastest_draft(self.lane)) {
             self.trial = false;
             self.backoff.defer(self.probe_spacing(costs, context));
             return RoundPlan::Plain;
@@ -197,8 +201,7 @@ impl RoundPolicy {
             return RoundPlan::Draft { probe: self.backoff.probing() };
         }
         let accept = self.acceptance(costs, max_drafts, None);
-        let draft_ms = costs.draft_cost(self.lane);
-        if choose_rows_in_step(&accept, max_drafts + 1, base, |rows| step_cost(rows, draft_ms)) == 1 {
+        if self.loses_at(costs, context, &accept, costs.draft_cost(self.lane)) {
             self.backoff.defer(self.probe_spacing(costs, context));
             return RoundPlan::Plain;
         }
@@ -279,19 +282,61 @@ impl RoundPolicy {
         paused
     }
 
+    /// Whether the best width of a round whose drafts land with conditional probability `accept`, drafted in
+    /// `draft_ms`, is no drafts at all (the whole step priced, as [`Self::plan`] prices it).
+    fn loses_at(&self, costs: &CostTable, context: usize, accept: &[f64], draft_ms: f64) -> bool {
+        let step = costs.step();
+        let step_cost = |rows: usize| {
+            step.draft_ms + costs.cost(context, step.rows - 1 + rows) + if rows > 1 { draft_ms } else { 0.0 }
+        };
+        choose_rows_in_step(accept, accept.len() + 1, step.tokens - 1.0, step_cost) == 1
+    }
+
     /// How far apart probes are at `context`: at most enough rounds that failed probes cost [`PROBE_SHARE`] of plain
-    /// speed, at least enough that they cost [`PROBE_FLOOR_SHARE`]. A probe adds a row and a drafting call to a step
-    /// that every sequence waits for, and each of them may probe: its cost to the step counts once per sequence.
+    /// speed, at least enough that they cost [`PROBE_FLOOR_SHARE`] (the cap too where the lane's rounds pay only on
+    /// text far kinder than its kind's typical).
     fn probe_spacing(&self, costs: &CostTable, context: usize) -> Spacing {
+        let cap = self.probe_rounds(costs, context, PROBE_SHARE);
+        let floor = if self.kind_text_only { cap } else { self.probe_rounds(costs, context, PROBE_FLOOR_SHARE) };
+        Spacing { floor, cap }
+    }
+
+    /// Rounds between probes for failed probes to cost `share` of plain speed at `context`. A probe adds a row and a
+    /// drafting call to a step that every sequence waits for, and each of them may probe: its cost to the step counts
+    /// once per sequence.
+    fn probe_rounds(&self, costs: &CostTable, context: usize, share: f64) -> u32 {
         let step = costs.step();
         let plain = costs.cost(context, step.sequences);
         let extra = (costs.added_cost(context, step.sequences, 1) + costs.draft_cost(self.lane)).max(0.0);
         let held_up = extra * step.sequences as f64;
-        let rounds = |share: f64| {
-            let r = (held_up / (share * plain)).ceil();
-            (r.min(f64::from(backoff::MAX_PERIOD)) as u32).max(backoff::FIRST_PERIOD)
+        let r = (held_up / (share * plain)).ceil();
+        (r.min(f64::from(backoff::MAX_PERIOD)) as u32).max(backoff::FIRST_PERIOD)
+    }
+
+    /// Sets [`Self::kind_text_only`]: whether this lane's rounds would lose even if its drafts missed
+    /// [`OPTIMISTIC_MISS_SHARE`] as often as its kind's typical on this engine (or as its own estimate says, where
+    /// that is kinder still). Only while the typical is fresh (a round of the kind verified within the widest
+    /// spacing, in measured steps): short requests that never reach their probe would otherwise freeze it.
+    fn judge_kind_text_only(&mut self, costs: &CostTable, context: usize) {
+        self.kind_text_only = !self.trial && costs.draft_samples(self.lane) >= SETTLED_DRAFT_SAMPLES && {
+            let cap = self.probe_rounds(costs, context, PROBE_SHARE);
+            let fresh = costs.steps_since_verified(self.lane).is_some_and(|steps| steps < u64::from(cap));
+            let n = self.positions.max_drafts();
+            let own = self.acceptance(costs, n, None);
+            let optimistic: Vec<f64> =
+                self.optimistic_acceptance(costs, n).iter().zip(&own).map(|(a, b)| a.max(*b)).collect();
+            fresh && self.loses_at(costs, context, &optimistic, costs.fastest_draft(self.lane))
         };
-        Spacing { floor: rounds(PROBE_FLOOR_SHARE), cap: rounds(PROBE_SHARE) }
+    }
+
+    /// Conditional acceptance of the first `n` drafts on text far kinder than this lane kind's typical on this engine:
+    /// each position's misses cut to [`OPTIMISTIC_MISS_SHARE`] of the typical's (every draft landing before any round
+    /// of the kind was verified).
+    fn optimistic_acceptance(&self, costs: &CostTable, n: usize) -> Vec<f64> {
+        match costs.typical_acceptance(self.lane, n) {
+            Some(typical) => typical.iter().map(|a| 1.0 - (1.0 - a) * OPTIMISTIC_MISS_SHARE).collect(),
+            None => ALWAYS_ACCEPTED[..n.min(ALWAYS_ACCEPTED.len())].to_vec(),
+        }
     }
 
     /// Conditional acceptance of the first `n` drafts: calibrated from their confidences when given, else by

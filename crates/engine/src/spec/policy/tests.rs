@@ -469,3 +469,56 @@ fn a_slow_first_drafting_call_does_not_lock_a_lane_kind_out() {
     let drafted = late.iter().filter(|&&r| r > 1).count();
     assert!(drafted >= 800, "drafted rounds in the last 1000: {drafted}");
 }
+
+/// The default model on a 2-core AVX2 CPU (ms by verify rows, the lanes benchmark's round-cost probe).
+fn cpu(rows: usize) -> f64 {
+    [5.8, 9.3, 14.2, 17.0, 19.6, 21.7, 24.6, 28.0][rows - 1]
+}
+
+/// A lane whose 4.5 ms drafting call sits beside [`cpu`]'s steps, on an engine whose earlier requests found its
+/// drafts right a third of the time.
+fn beside_a_weak_drafter() -> Sim {
+    let mut sim = Sim::new(PolicyMode::Adaptive, 7, cpu, 4.5);
+    for _ in 0..SETTLED_DRAFT_SAMPLES {
+        sim.costs.observe_draft(LaneKind::Oracle, 4.5);
+    }
+    for i in 0..60 {
+        sim.costs.observe_acceptance(LaneKind::Oracle, 1, usize::from(i % 3 == 0));
+    }
+    sim
+}
+
+/// Probes per 128-token request and the rate over eight such requests [`beside_a_weak_drafter`].
+fn requests_beside_a_weak_drafter() -> (f64, f64) {
+    let mut sim = beside_a_weak_drafter();
+    let mut drafted = 0;
+    for _ in 0..8 {
+        sim.policy = RoundPolicy::new(PolicyMode::Adaptive, LaneKind::Oracle, 7);
+        drafted += widths(&mut sim, 0.35, 128).iter().filter(|&&r| r > 1).count();
+    }
+    (drafted as f64 / 8.0, sim.rate())
+}
+
+#[test]
+fn a_lane_kind_that_pays_only_far_above_its_typical_acceptance_probes_at_the_widest_spacing() {
+    // Drafts right a third of the time pay at no width here; even right two thirds of the time they would not. Probes
+    // from the narrowest spacing cost 3-4 a request (4% of plain speed); from the widest, one.
+    let (probes, rate) = requests_beside_a_weak_drafter();
+    assert!(probes <= 1.5, "probes per request: {probes}");
+    let plain_rate = 1.0 / cpu(1);
+    assert!(rate >= 0.985 * plain_rate, "adaptive {rate:.5} vs plain {plain_rate:.5} tok/ms");
+}
+
+#[test]
+fn short_requests_cannot_freeze_a_lane_kinds_typical_acceptance() {
+    // Requests of 40 tokens never reach a probe the widest spacing (69 rounds here) puts off. Once the kind's typical
+    // has gone that many steps unverified, lanes learn from the narrowest spacing again: probes go on, about one per
+    // widest spacing, so the typical follows the traffic.
+    let mut sim = beside_a_weak_drafter();
+    let mut probes = 0;
+    for _ in 0..60 {
+        sim.policy = RoundPolicy::new(PolicyMode::Adaptive, LaneKind::Oracle, 7);
+        probes += widths(&mut sim, 0.35, 40).iter().filter(|&&r| r > 1).count();
+    }
+    assert!((15..=60).contains(&probes), "probes over 2,400 rounds: {probes}");
+}
