@@ -243,6 +243,7 @@ impl SpecLane {
             _ => false,
         };
         self.stats.record_width(rows);
+        self.costs.lock().count_armed_step(self.stats.lane);
         if rows <= 1 {
             self.stats.plain_steps += 1;
             self.stats.gated_steps += u64::from(self.round.gated);

@@ -99,8 +99,8 @@ pub struct CostTable {
     widest_round: usize,
     /// The step being drafted for.
     step: StepOutlook,
-    /// Steps measured so far ([`Self::observe`]): the clock staleness is read on.
-    measured_steps: u64,
+    /// Steps begun so far ([`Self::begin_step`]).
+    steps_begun: u64,
 }
 
 /// What the engine knows of one lane kind across its sequences.
@@ -113,8 +113,11 @@ struct LaneRecord {
     fastest_draft_ms: f64,
     /// Conditional acceptance by draft position over every sequence's verified rounds.
     acceptance: PositionAcceptance,
-    /// The table's measured steps when a round of this kind was last verified.
-    verified_at_step: u64,
+    /// Steps in which a lane of this kind ran a round ([`CostTable::count_armed_step`]), the step last counted, and
+    /// the count when a round of this kind was last verified: the clock its typical's staleness is read on.
+    armed_steps: u64,
+    last_armed_step: Option<u64>,
+    verified_at_armed_step: u64,
 }
 
 /// One context bucket: a step of `r` rows costs `level * shape[r - 1]` ms.
@@ -229,12 +232,13 @@ impl CostTable {
         let buckets = vec![None; CONTEXT_BUCKETS.len()];
         let start = Bucket::from_curve(&prior);
         let step = StepOutlook::default();
-        CostTable { start, probed: false, buckets, lanes: Vec::new(), widest_round, step, measured_steps: 0 }
+        CostTable { start, probed: false, buckets, lanes: Vec::new(), widest_round, step, steps_begun: 0 }
     }
 
     /// Starts the step of `sequences` decoding sequences the lanes are about to draft for (the engine).
     pub fn begin_step(&mut self, sequences: usize) {
         self.step = StepOutlook::of(sequences);
+        self.steps_begun += 1;
     }
 
     /// Adds a lane's round to the step being drafted for (the engine, after each lane drafted).
@@ -290,7 +294,6 @@ impl CostTable {
             }
         };
         self.buckets[b].insert(bucket).observe(rows - 1, ms);
-        self.measured_steps += 1;
     }
 
     /// Expected ms of a step of `rows` rows in all (at least 1) at `context` tokens.
@@ -342,17 +345,27 @@ impl CostTable {
 
     /// Feeds a verified round of lane kind `lane` (any sequence's) that drafted `drafted` and accepted `accepted`.
     pub fn observe_acceptance(&mut self, lane: LaneKind, drafted: usize, accepted: usize) {
-        let steps = self.measured_steps;
         let record = self.lane_mut(lane);
         record.acceptance.record(drafted, accepted);
-        record.verified_at_step = steps;
+        record.verified_at_armed_step = record.armed_steps;
     }
 
-    /// Measured steps since a round of lane kind `lane` was last verified (`None`: none ever was): how stale its
-    /// typical acceptance is.
+    /// Counts the step begun last as one in which a lane of kind `lane` ran a round (once per step, however many
+    /// of its lanes did).
+    pub fn count_armed_step(&mut self, lane: LaneKind) {
+        let step = self.steps_begun;
+        let record = self.lane_mut(lane);
+        if record.last_armed_step != Some(step) {
+            record.last_armed_step = Some(step);
+            record.armed_steps += 1;
+        }
+    }
+
+    /// Steps with a lane of kind `lane` running rounds since one of its rounds was last verified (`None`: none ever
+    /// was): how stale its typical acceptance is. Steps of other kinds and of plain requests do not count.
     pub fn steps_since_verified(&self, lane: LaneKind) -> Option<u64> {
         let record = self.lane(lane).filter(|k| k.acceptance.is_observed())?;
-        Some(self.measured_steps - record.verified_at_step)
+        Some(record.armed_steps - record.verified_at_armed_step)
     }
 
     /// The typical conditional acceptance of lane kind `lane`'s first `n` draft positions on this engine; `None`
@@ -376,7 +389,9 @@ impl CostTable {
                     draft_samples: 0,
                     fastest_draft_ms: f64::INFINITY,
                     acceptance,
-                    verified_at_step: 0,
+                    armed_steps: 0,
+                    last_armed_step: None,
+                    verified_at_armed_step: 0,
                 };
                 self.lanes.push(record);
                 self.lanes.len() - 1

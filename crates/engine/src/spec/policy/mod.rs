@@ -59,6 +59,11 @@ const ALWAYS_ACCEPTED: [f64; 64] = [1.0; 64];
 /// less often than the kind's typical ones (0.32 at a position becomes 0.66) could not pay, a lane waits the widest
 /// spacing ([`PROBE_SHARE`]) before it probes instead of learning from the narrowest ([`PROBE_FLOOR_SHARE`]).
 const OPTIMISTIC_MISS_SHARE: f64 = 0.5;
+/// A lane kind's typical acceptance is fresh while a round of the kind was verified within this many widest
+/// spacings (in steps with lanes of the kind running rounds): one for a request's own wait before its probe, one
+/// for the gap since the last request's probe. With one, every request's probe found the typical stale and probed
+/// again at the narrowest.
+const FRESH_CAPS: u64 = 2;
 
 /// How widths are chosen.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -315,12 +320,12 @@ impl RoundPolicy {
 
     /// Sets [`Self::kind_text_only`]: whether this lane's rounds would lose even if its drafts missed
     /// [`OPTIMISTIC_MISS_SHARE`] as often as its kind's typical on this engine (or as its own estimate says, where
-    /// that is kinder still). Only while the typical is fresh (a round of the kind verified within the widest
-    /// spacing, in measured steps): short requests that never reach their probe would otherwise freeze it.
+    /// that is kinder still). Only while the typical is fresh ([`FRESH_CAPS`]): short requests that never reach their
+    /// probe would otherwise freeze it.
     fn judge_kind_text_only(&mut self, costs: &CostTable, context: usize) {
         self.kind_text_only = !self.trial && costs.draft_samples(self.lane) >= SETTLED_DRAFT_SAMPLES && {
             let cap = self.probe_rounds(costs, context, PROBE_SHARE);
-            let fresh = costs.steps_since_verified(self.lane).is_some_and(|steps| steps < u64::from(cap));
+            let fresh = costs.steps_since_verified(self.lane).is_some_and(|steps| steps < FRESH_CAPS * u64::from(cap));
             let n = self.positions.max_drafts();
             let own = self.acceptance(costs, n, None);
             let optimistic: Vec<f64> =

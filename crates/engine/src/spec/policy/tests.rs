@@ -79,6 +79,9 @@ impl Sim {
 
     fn round_with(&mut self, drafts: &Drafts) -> usize {
         let context = self.context;
+        // As the engine: a step begins, and this lane's kind runs a round in it.
+        self.costs.begin_step(1);
+        self.costs.count_armed_step(LaneKind::Oracle);
         if let RoundPlan::Plain = self.policy.plan(&self.costs, context, self.drafts) {
             self.step(1, 1, 0.0);
             return 1;
@@ -512,13 +515,13 @@ fn a_lane_kind_that_pays_only_far_above_its_typical_acceptance_probes_at_the_wid
 #[test]
 fn short_requests_cannot_freeze_a_lane_kinds_typical_acceptance() {
     // Requests of 40 tokens never reach a probe the widest spacing (69 rounds here) puts off. Once the kind's typical
-    // has gone that many steps unverified, lanes learn from the narrowest spacing again: probes go on, about one per
-    // widest spacing, so the typical follows the traffic.
+    // has gone two such spacings unverified, lanes learn from the narrowest spacing again: probes go on, about one
+    // per two widest spacings, so the typical follows the traffic.
     let mut sim = beside_a_weak_drafter();
     let mut probes = 0;
     for _ in 0..60 {
         sim.policy = RoundPolicy::new(PolicyMode::Adaptive, LaneKind::Oracle, 7);
         probes += widths(&mut sim, 0.35, 40).iter().filter(|&&r| r > 1).count();
     }
-    assert!((15..=60).contains(&probes), "probes over 2,400 rounds: {probes}");
+    assert!((10..=60).contains(&probes), "probes over 2,400 rounds: {probes}");
 }
