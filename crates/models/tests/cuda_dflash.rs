@@ -16,8 +16,8 @@ use std::path::PathBuf;
 use common::{assert_close, cuda_device, fixtures};
 use dflash_models::config::ModelConfig;
 use dflash_models::dflash::{
-    BlockOutput, BlockRequest, BlockScores, DraftHead, DraftModel, DraftSampling, DraftVocab, DrafterContext,
-    InverseCdf, SamplingFilter, ScoreReadback, TargetShape,
+    BlockOutput, BlockRequest, BlockScores, ContextAppend, DraftHead, DraftModel, DraftSampling, DraftVocab,
+    DrafterContext, InverseCdf, SamplingFilter, ScoreReadback, TargetShape,
 };
 use dflash_models::llama::{load_hf_weights, LlamaModel};
 use dflash_models::safetensors_dir::read_json;
@@ -228,6 +228,113 @@ fn cuda_drafters_score_a_draft_vocabulary() {
         gpu.draft(&mut host_ctx, 42, 8, embed, DraftHead::Vocab(&vocab), DraftSampling::Greedy).is_err(),
         "a host context"
     );
+}
+
+/// A pass shape seen twice is captured as a CUDA graph and replayed from then on: the replay gives the eager pass's
+/// bits (dense and summarised), also after the context grows under the same graph and after the page pool moves
+/// (which drops the graphs, since they hold its addresses).
+#[test]
+fn cuda_passes_replayed_from_graphs_give_the_eager_bits() {
+    let Some(dev) = cuda_device("cuda_dflash") else { return };
+    if dflash_runtime::switches::switches().no_draft_graph {
+        eprintln!("SKIP: DFLASH_DRAFT_GRAPH=0 keeps every pass eager");
+        return;
+    }
+    let (cpu, target, rows) = cpu_pair("dflash-v2");
+    let (embed, lm_head) = (target.embedding(), target.lm_head());
+    let gpu = DraftModel::load(&windowless("dflash-v2"), cpu.target())
+        .expect("drafter")
+        .to_cuda(dev.clone(), DraftHead::Full(lm_head), 1024)
+        .expect("to cuda");
+    let width = rows.len() / POSITIONS;
+    let mut ctx = gpu.new_context().expect("context");
+    gpu.append_context(&mut ctx, 0, &rows[..100 * width]).expect("append");
+    let pass = |ctx: &mut DrafterContext, readback: ScoreReadback| {
+        let mut requests = [BlockRequest { ctx, anchor: 77, width: 6 }];
+        let out = gpu.forward_blocks_with(&mut requests, embed, lm_head, readback).expect("pass").remove(0);
+        let scores = match &out.scores {
+            BlockScores::Dense(t) => t.as_f32().expect("f32").iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            BlockScores::Top(top) => {
+                top.columns.iter().copied().chain(top.values.iter().map(|v| v.to_bits())).collect::<Vec<_>>()
+            }
+        };
+        (out.hidden.as_f32().expect("f32").iter().map(|v| v.to_bits()).collect::<Vec<_>>(), scores)
+    };
+    let summary = gpu.readback_for(true);
+    for readback in [ScoreReadback::Dense, summary] {
+        let graphs = gpu.pass_graphs();
+        let eager = pass(&mut ctx, readback);
+        assert_eq!(gpu.pass_graphs(), graphs, "{readback:?}: a first pass runs eagerly");
+        let captured = pass(&mut ctx, readback);
+        assert_eq!(gpu.pass_graphs(), graphs + 1, "{readback:?}: the second pass is captured");
+        let replayed = pass(&mut ctx, readback);
+        assert_eq!(captured, eager, "{readback:?}: the captured pass");
+        assert_eq!(replayed, eager, "{readback:?}: the replayed pass");
+    }
+    // Ten more committed rows: the same key (page-table stride and key splits in powers of two), new inputs.
+    gpu.append_context(&mut ctx, 100, &rows[100 * width..110 * width]).expect("append");
+    let graphs = gpu.pass_graphs();
+    let replayed = pass(&mut ctx, ScoreReadback::Dense);
+    assert_eq!(gpu.pass_graphs(), graphs, "the grown context replays a graph it has");
+    let mut cpu_ctx = cpu.new_context().expect("cpu context");
+    cpu.append_context(&mut cpu_ctx, 0, &rows[..110 * width]).expect("cpu append");
+    let mut requests = [BlockRequest { ctx: &mut cpu_ctx, anchor: 77, width: 6 }];
+    let want = cpu.forward_blocks(&mut requests, embed, lm_head, None).expect("cpu pass").remove(0);
+    let replayed_logits: Vec<f32> = replayed.1.iter().map(|&b| f32::from_bits(b)).collect();
+    assert_close(
+        "replay over a grown context",
+        &replayed_logits,
+        want.scores.dense().expect("dense").as_f32().expect("f32"),
+        TOL,
+    );
+    // Enough contexts to grow the page pool: its pages move, the graphs go, and passes are right again.
+    let fillers: Vec<DrafterContext> = (0..40)
+        .map(|_| {
+            let mut c = gpu.new_context().expect("filler");
+            gpu.append_context(&mut c, 0, &rows).expect("filler rows");
+            c
+        })
+        .collect();
+    let eager = pass(&mut ctx, ScoreReadback::Dense);
+    assert_eq!(gpu.pass_graphs(), 0, "the pool moved: every graph dropped");
+    pass(&mut ctx, ScoreReadback::Dense);
+    assert_eq!(pass(&mut ctx, ScoreReadback::Dense), eager, "replayed over the moved pool");
+    assert_eq!(eager, replayed, "the moved pool holds the same context");
+    drop(fillers);
+}
+
+/// Contexts appended together (one projection of all their rows on the device) hold what one append each gives.
+#[test]
+fn cuda_joint_appends_match_one_append_each() {
+    let Some(dev) = cuda_device("cuda_dflash") else { return };
+    let (cpu, target, rows) = cpu_pair("dflash-v2");
+    let (embed, lm_head) = (target.embedding(), target.lm_head());
+    let gpu = DraftModel::load(&windowless("dflash-v2"), cpu.target())
+        .expect("drafter")
+        .to_cuda(dev.clone(), DraftHead::Full(lm_head), 1024)
+        .expect("to cuda");
+    let width = rows.len() / POSITIONS;
+    let fresh = || gpu.new_context().expect("context");
+    let (mut a, mut b, mut ja, mut jb) = (fresh(), fresh(), fresh(), fresh());
+    for ctx in [&mut b, &mut jb] {
+        gpu.append_context(ctx, 0, &rows[..7 * width]).expect("b's first rows");
+    }
+    gpu.append_context(&mut a, 0, &rows).expect("a");
+    gpu.append_context(&mut b, 5, &rows[5 * width..80 * width]).expect("b");
+    gpu.append_contexts(&mut [
+        ContextAppend { ctx: &mut ja, first_position: 0, captured: &rows },
+        ContextAppend { ctx: &mut jb, first_position: 5, captured: &rows[5 * width..80 * width] },
+    ])
+    .expect("joint append");
+    for (name, one, joint) in [("a", &mut a, &mut ja), ("b", &mut b, &mut jb)] {
+        assert_eq!(joint.len(), one.len(), "{name}: length");
+        let pass = |ctx: &mut DrafterContext| {
+            let mut requests = [BlockRequest { ctx, anchor: 3, width: 8 }];
+            gpu.forward_blocks(&mut requests, embed, lm_head, None).expect("pass").remove(0)
+        };
+        let (want, got) = (pass(one), pass(joint));
+        check_block(&format!("joint append {name}"), &got, &want);
+    }
 }
 
 /// A drafter with sliding-window layers is named, and refused by the CUDA passes rather than run wrong; the server's

@@ -15,8 +15,8 @@ use std::path::Path;
 use common::{assert_close, fixtures, read_golden, run_sequence, Golden};
 use dflash_models::config::ModelConfig;
 use dflash_models::dflash::{
-    BlockRequest, BlockTrace, CaptureLayout, DraftKind, DraftModel, DraftProbs, DraftSampling, DrafterContext,
-    InverseCdf, SamplingFilter, TargetShape, WalkMode,
+    BlockRequest, BlockTrace, CaptureLayout, ContextAppend, DraftKind, DraftModel, DraftProbs, DraftSampling,
+    DrafterContext, InverseCdf, SamplingFilter, TargetShape, WalkMode,
 };
 use dflash_models::llama::load_hf_weights;
 use dflash_models::llama::LlamaModel;
@@ -356,6 +356,49 @@ fn context_is_append_only_and_refuses_gaps() {
     }
     let mut wrong = model.new_context().expect("context");
     assert!(model.draft(&mut wrong, 300, 8, embed, lm_head, DraftSampling::Greedy).is_err(), "anchor past vocab");
+}
+
+#[test]
+fn joint_appends_match_one_append_each_and_commit_nothing_when_one_is_bad() {
+    let (model, target, g) = load_pair("dflash-v2");
+    let (taps, anchor) = prompt_taps(&g);
+    let (embed, lm_head) = (target.embedding(), target.lm_head());
+    let row = 128;
+    let logits = |ctx: &mut DrafterContext| {
+        let draft = model.draft(ctx, anchor, 8, embed, lm_head, DraftSampling::Greedy).expect("draft");
+        draft.scores.dense().expect("dense").as_f32().expect("f32").to_vec()
+    };
+    // One append each: a fresh context, one holding 7 rows that gets rows 5.. (two already held), one whose rows are
+    // all held already.
+    let fresh = || model.new_context().expect("context");
+    let (mut a, mut b, mut c) = (fresh(), fresh(), fresh());
+    model.append_context(&mut b, 0, &taps[..7 * row]).expect("b's first rows");
+    model.append_context(&mut c, 0, &taps).expect("c's rows");
+    let (mut ja, mut jb, mut jc) = (fresh(), fresh(), fresh());
+    model.append_context(&mut jb, 0, &taps[..7 * row]).expect("b's first rows");
+    model.append_context(&mut jc, 0, &taps).expect("c's rows");
+    model.append_context(&mut a, 0, &taps).expect("a");
+    model.append_context(&mut b, 5, &taps[5 * row..]).expect("b");
+    model.append_context(&mut c, 3, &taps[3 * row..6 * row]).expect("c");
+    // A gap in one of them refuses the whole call and commits nothing.
+    let mut bad = [
+        ContextAppend { ctx: &mut ja, first_position: 0, captured: &taps },
+        ContextAppend { ctx: &mut jb, first_position: 9, captured: &taps[9 * row..] },
+    ];
+    let err = model.append_contexts(&mut bad).expect_err("gap").to_string();
+    assert!(err.contains("gap"), "{err}");
+    assert_eq!((ja.len(), jb.len()), (0, 7), "nothing committed");
+    model
+        .append_contexts(&mut [
+            ContextAppend { ctx: &mut ja, first_position: 0, captured: &taps },
+            ContextAppend { ctx: &mut jb, first_position: 5, captured: &taps[5 * row..] },
+            ContextAppend { ctx: &mut jc, first_position: 3, captured: &taps[3 * row..6 * row] },
+        ])
+        .expect("joint append");
+    for (name, one, joint) in [("fresh", &mut a, &mut ja), ("overlap", &mut b, &mut jb), ("held", &mut c, &mut jc)] {
+        assert_eq!(joint.len(), one.len(), "{name}: length");
+        assert_eq!(logits(joint), logits(one), "{name}: the same context, bit for bit");
+    }
 }
 
 #[test]

@@ -32,6 +32,9 @@ pub struct Switches {
     /// `DFLASH_DRAFT_SUMMARY=0`: a drafter pass on a device copies every draft logit back, as before passes
     /// summarised each slot there.
     pub no_draft_summary: bool,
+    /// `DFLASH_DRAFT_GRAPH=0`: a drafter pass on a device launches its kernels one by one every time instead of
+    /// replaying a CUDA graph of them.
+    pub no_draft_graph: bool,
 }
 
 impl Switches {
@@ -50,6 +53,7 @@ impl Switches {
             no_mmq_warp: is("DFLASH_MMQ_WARP", "0"),
             no_step_gate: is("DFLASH_STEP_GATE", "0"),
             no_draft_summary: is("DFLASH_DRAFT_SUMMARY", "0"),
+            no_draft_graph: is("DFLASH_DRAFT_GRAPH", "0"),
         }
     }
 }
@@ -82,6 +86,7 @@ mod tests {
             ("DFLASH_MMQ_WARP", "0"),
             ("DFLASH_STEP_GATE", "0"),
             ("DFLASH_DRAFT_SUMMARY", "0"),
+            ("DFLASH_DRAFT_GRAPH", "0"),
         ]));
         let want = Switches {
             simd: Some("avx2".into()),
@@ -95,6 +100,7 @@ mod tests {
             no_mmq_warp: true,
             no_step_gate: true,
             no_draft_summary: true,
+            no_draft_graph: true,
         };
         assert_eq!(all, want);
         let other = Switches::from_vars(set(&[("DFLASH_PDL", "1"), ("DFLASH_GEMM_PREFETCH", "all")]));

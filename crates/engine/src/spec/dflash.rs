@@ -11,7 +11,8 @@
 use std::sync::Arc;
 
 use dflash_models::dflash::{
-    BlockOutput, BlockRequest, DraftHead, DraftModel, DraftSampling, DraftVocab, Draw, SamplingFilter, ScoreReadback,
+    BlockOutput, BlockRequest, ContextAppend, DraftHead, DraftModel, DraftSampling, DraftVocab, Draw, SamplingFilter,
+    ScoreReadback,
 };
 use dflash_models::{DrafterContext, ModelError, TargetHeads};
 
@@ -150,6 +151,7 @@ impl DflashProposer {
     /// first's are proposed for one at a time, lanes with no round to draft not at all.
     pub fn propose_batch(lanes: &mut [(&mut DflashProposer, ProposeInput<'_>, usize)]) -> Vec<Proposal> {
         let mut proposals = vec![Proposal::default(); lanes.len()];
+        Self::flush_together(lanes);
         let mut blocks = Vec::new(); // (lane, anchor, width)
         for (i, (lane, input, max)) in lanes.iter_mut().enumerate() {
             if let Some((anchor, width)) = lane.block_of(input, *max) {
@@ -210,6 +212,42 @@ impl DflashProposer {
             }
         }
         proposals
+    }
+}
+
+impl DflashProposer {
+    /// Flushes the pending rows of the lanes that share the first pending lane's drafter in one append (on a
+    /// device one set of launches for all of them, not one per lane). If the joint append fails, each lane
+    /// flushes alone, so only a lane whose own rows fail is broken; lanes of other drafters flush when they draft.
+    fn flush_together(lanes: &mut [(&mut DflashProposer, ProposeInput<'_>, usize)]) {
+        let waiting = |l: &DflashProposer| !l.pending.is_empty() && !l.broken;
+        let Some(model) = lanes.iter().find(|(l, _, _)| waiting(l)).map(|(l, _, _)| Arc::clone(&l.model)) else {
+            return;
+        };
+        let together = |l: &DflashProposer| waiting(l) && Arc::ptr_eq(&l.model, &model);
+        if lanes.iter().filter(|(l, _, _)| together(l)).count() < 2 {
+            return;
+        }
+        let result = {
+            let mut appends: Vec<ContextAppend<'_>> = lanes
+                .iter_mut()
+                .filter(|(l, _, _)| together(l))
+                .map(|(l, _, _)| {
+                    let DflashProposer { ctx, pending, pending_first, .. } = &mut **l;
+                    ContextAppend { ctx, first_position: *pending_first, captured: pending }
+                })
+                .collect();
+            model.append_contexts(&mut appends)
+        };
+        for (lane, _, _) in lanes.iter_mut().filter(|(l, _, _)| together(l)) {
+            match &result {
+                Ok(()) => lane.pending.clear(),
+                Err(_) => lane.flush(),
+            }
+        }
+        if let Err(e) = result {
+            tracing::warn!("a joint drafter context append failed ({e}); its lanes appended one at a time");
+        }
     }
 }
 

@@ -35,7 +35,7 @@ use crate::weights::{WeightFile, WeightStore};
 pub use config::{build_target_layer_ids, Dflash2Config, DraftConfig, DraftKind, LayerAttention};
 pub use context::DrafterContext;
 pub use cpu::draft::{Draft, DraftProbs, DraftSampling};
-pub use cpu::forward::{BlockOutput, BlockRequest, BlockTrace, LayerTrace};
+pub use cpu::forward::{BlockOutput, BlockRequest, BlockTrace, ContextAppend, LayerTrace};
 pub use cpu::selector::{CandidateSelector, Candidates, Walk, WalkMode};
 pub use sampling::{filtered_probs, inverse_cdf, Draw, InverseCdf, SamplingFilter};
 pub use scores::{BlockScores, ScoreReadback, TopScores};

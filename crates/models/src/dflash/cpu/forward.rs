@@ -29,6 +29,14 @@ pub struct BlockRequest<'a> {
     pub width: usize,
 }
 
+/// One context's rows for [`DraftModel::append_contexts`]: as [`DraftModel::append_context`]'s arguments.
+pub struct ContextAppend<'a> {
+    pub ctx: &'a mut DrafterContext,
+    pub first_position: usize,
+    /// `[m, capture width]`, the first at `first_position`.
+    pub captured: &'a [f32],
+}
+
 /// The drafter's output for one block.
 #[derive(Debug)]
 pub struct BlockOutput {
@@ -101,34 +109,69 @@ impl DraftModel {
     /// A gap (`first_position` past the context's length), a context of another drafter, a length that is not a
     /// whole number of captured rows, or an op failure.
     pub fn append_context(&self, ctx: &mut DrafterContext, first_position: usize, captured: &[f32]) -> Result<()> {
-        let b = &self.cfg.backbone;
-        ctx.check_shape(b.num_layers, b.num_kv_heads, b.head_dim)?;
-        let width = self.weights.layout.captured_width(self.cfg.target_layer_ids.len(), self.target.hidden_size);
-        if !captured.len().is_multiple_of(width) {
-            return Err(ModelError::Batch(format!("{} captured values are not rows of {width}", captured.len())));
+        self.append_contexts(&mut [ContextAppend { ctx, first_position, captured }])
+    }
+
+    /// [`DraftModel::append_context`] for several contexts at once. On a device their rows are projected together
+    /// (one set of launches for all of them, not one per context); on the host one context at a time. Nothing is
+    /// committed unless every append is valid; a device failure commits none.
+    ///
+    /// # Errors
+    /// As [`DraftModel::append_context`], for any of them.
+    pub fn append_contexts(&self, appends: &mut [ContextAppend<'_>]) -> Result<()> {
+        let mut new_rows = Vec::with_capacity(appends.len());
+        for a in appends.iter_mut() {
+            new_rows.push(self.prepare_append(a)?);
         }
-        let len = ctx.len();
-        if first_position > len {
-            return Err(ModelError::Batch(format!(
-                "drafter context holds positions 0..{len}; rows from position {first_position} would leave a gap"
-            )));
-        }
-        let (skip, total) = (len - first_position, captured.len() / width);
-        if skip >= total {
-            return Ok(());
-        }
-        let new_rows = total - skip;
-        ctx.reserve(len + new_rows)?;
-        let rows = &captured[skip * width..];
         #[cfg(feature = "cuda")]
         if let Some(device) = &self.cuda {
-            device.append_context(self, ctx, rows, new_rows)?;
-            ctx.commit(new_rows);
+            let width = self.captured_width();
+            let parts: Vec<_> = appends
+                .iter()
+                .zip(&new_rows)
+                .filter(|(_, &m)| m > 0)
+                .map(|(a, &m)| (&*a.ctx, &a.captured[a.captured.len() - m * width..]))
+                .collect();
+            device.append_rows(self, &parts)?;
+            appends.iter_mut().zip(&new_rows).for_each(|(a, &m)| a.ctx.commit(m));
             return Ok(());
         }
-        self.append_on_host(ctx, rows, new_rows)?;
-        ctx.commit(new_rows);
+        let width = self.captured_width();
+        for (a, &m) in appends.iter_mut().zip(&new_rows) {
+            if m > 0 {
+                self.append_on_host(a.ctx, &a.captured[a.captured.len() - m * width..], m)?;
+                a.ctx.commit(m);
+            }
+        }
         Ok(())
+    }
+
+    /// Floats per captured row.
+    pub(crate) fn captured_width(&self) -> usize {
+        self.weights.layout.captured_width(self.cfg.target_layer_ids.len(), self.target.hidden_size)
+    }
+
+    /// Checks one append and makes room for its rows; returns how many rows are new (past the context's length).
+    fn prepare_append(&self, a: &mut ContextAppend<'_>) -> Result<usize> {
+        let b = &self.cfg.backbone;
+        a.ctx.check_shape(b.num_layers, b.num_kv_heads, b.head_dim)?;
+        let width = self.captured_width();
+        if !a.captured.len().is_multiple_of(width) {
+            return Err(ModelError::Batch(format!("{} captured values are not rows of {width}", a.captured.len())));
+        }
+        let len = a.ctx.len();
+        if a.first_position > len {
+            return Err(ModelError::Batch(format!(
+                "drafter context holds positions 0..{len}; rows from position {} would leave a gap",
+                a.first_position
+            )));
+        }
+        let (skip, total) = (len - a.first_position, a.captured.len() / width);
+        let new_rows = total.saturating_sub(skip);
+        if new_rows > 0 {
+            a.ctx.reserve(len + new_rows)?;
+        }
+        Ok(new_rows)
     }
 
     /// The host side of [`DraftModel::append_context`]: `rows` (`[new_rows, capture width]`) at the context's end.

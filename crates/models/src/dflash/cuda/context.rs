@@ -76,6 +76,11 @@ impl PagePool {
 }
 
 impl Pages {
+    /// Pages the pool holds (it only grows: a change means the storage moved).
+    pub(super) fn count(&self) -> usize {
+        self.count
+    }
+
     /// Doubles every layer's storage, keeping what is written (page ids stay valid).
     fn grow(&mut self, dev: &CudaDevice) -> Result<()> {
         let count = 2 * self.count;

@@ -9,6 +9,7 @@ use dflash_runtime::cuda::{CudaDevice, DevSlice, DeviceBuf};
 use dflash_runtime::Tensor;
 
 use super::context::Pages;
+use super::graphs::{PassGraphs, PassKey};
 use super::weights::{DeviceConv, DeviceLayer};
 use super::{CudaDrafter, DeviceKv};
 use crate::dflash::context::{ContextKv, DrafterContext, PAGE_SIZE};
@@ -42,6 +43,9 @@ pub(super) struct Workspace {
     captured: Option<DeviceBuf<f32>>, // [rows, fc_in]
     ints: Option<DeviceBuf<u32>>,
     scratch: Option<(AttentionScratch, usize)>, // and the partial states it holds
+    /// Allocations so far: a change tells the graphs their addresses are gone.
+    allocations: u64,
+    graphs: PassGraphs,
 }
 
 /// The buffer behind an `Option` filled by [`Workspace::ensure`].
@@ -87,9 +91,11 @@ impl Workspace {
             self.act = Some(alloc(rows * f)?);
             self.captured = Some(alloc(rows * fc_in)?);
             self.rows = rows;
+            self.allocations += 1;
         }
         if self.ints.as_ref().is_none_or(|b| b.len() < ints) {
             self.ints = Some(dev.alloc_zeros::<u32>(ints.next_power_of_two().max(256)).map_err(device_err)?);
+            self.allocations += 1;
         }
         Ok(())
     }
@@ -98,6 +104,7 @@ impl Workspace {
     fn ensure_logits(&mut self, dev: &CudaDevice, len: usize) -> Result<()> {
         if self.logits.as_ref().is_none_or(|b| b.len() < len) {
             self.logits = Some(dev.alloc_zeros::<f32>(len.next_power_of_two()).map_err(device_err)?);
+            self.allocations += 1;
         }
         Ok(())
     }
@@ -106,6 +113,7 @@ impl Workspace {
     fn ensure_summary(&mut self, dev: &CudaDevice, len: usize) -> Result<()> {
         if self.summary.as_ref().is_none_or(|b| b.len() < len) {
             self.summary = Some(dev.alloc_zeros::<u32>(len.next_power_of_two()).map_err(device_err)?);
+            self.allocations += 1;
         }
         Ok(())
     }
@@ -124,6 +132,7 @@ impl Workspace {
             let held = need.next_power_of_two();
             let scratch = AttentionScratch::new(dev, held, b.num_heads, b.head_dim, 1).map_err(device_err)?;
             self.scratch = Some((scratch, held));
+            self.allocations += 1;
         }
         self.scratch.as_ref().map(|(s, _)| s).ok_or_else(|| ModelError::Device("no attention scratch".into()))
     }
@@ -145,38 +154,41 @@ fn matmul(dev: &CudaDevice, w: DevSlice<f32>, n: usize, x: DevSlice<f32>, m: usi
 }
 
 impl CudaDrafter {
-    /// [`DraftModel::append_context`] on the device: `rows` (`[m, capture width]`) become positions
-    /// `ctx.len() ..` of every layer's context K/V (room already reserved), [`APPEND_CHUNK`] rows at a time, so a
+    /// [`DraftModel::append_contexts`] on the device: each part's rows (`[m, capture width]`, room reserved)
+    /// become positions `ctx.len() ..` of every layer of its context's K/V. Every part's rows go through the
+    /// projection together, [`APPEND_CHUNK`] rows at a time, so many short appends cost one set of launches and a
     /// long prompt's rows do not size the workspace.
-    pub(crate) fn append_context(
-        &self,
-        model: &DraftModel,
-        ctx: &mut DrafterContext,
-        rows: &[f32],
-        m: usize,
-    ) -> Result<()> {
-        let width = rows.len() / m.max(1);
-        for (i, chunk) in rows.chunks(APPEND_CHUNK * width.max(1)).enumerate() {
-            self.append_chunk(model, ctx, ctx.len() + i * APPEND_CHUNK, chunk, chunk.len() / width.max(1))?;
+    pub(crate) fn append_rows(&self, model: &DraftModel, parts: &[(&DrafterContext, &[f32])]) -> Result<()> {
+        let width = model.captured_width().max(1);
+        let (mut positions, mut slots) = (Vec::new(), Vec::new());
+        for &(ctx, rows) in parts {
+            let kv = device_kv(ctx, self)?;
+            let start = ctx.len();
+            positions.extend((start..start + rows.len() / width).map(|p| p as u32));
+            slots.extend((start..start + rows.len() / width).map(|p| kv.slot(p)));
+        }
+        let joined: Vec<f32>;
+        let rows = match parts {
+            [(_, rows)] => *rows,
+            _ => {
+                joined = parts.iter().flat_map(|(_, rows)| rows.iter().copied()).collect();
+                &joined
+            }
+        };
+        for (i, chunk) in rows.chunks(APPEND_CHUNK * width).enumerate() {
+            let at = i * APPEND_CHUNK..i * APPEND_CHUNK + chunk.len() / width;
+            self.append_chunk(model, chunk, &positions[at.clone()], &slots[at])?;
         }
         Ok(())
     }
 
-    /// Rows `[m, capture width]` as positions `start ..`.
-    fn append_chunk(
-        &self,
-        model: &DraftModel,
-        ctx: &DrafterContext,
-        start: usize,
-        rows: &[f32],
-        m: usize,
-    ) -> Result<()> {
+    /// Rows `[m, capture width]` written at `positions` into cache `slots` (`[m]` each).
+    fn append_chunk(&self, model: &DraftModel, rows: &[f32], positions: &[u32], slots: &[u32]) -> Result<()> {
         let b = &model.cfg.backbone;
         let (h, hd, qd, kd) = (b.hidden_size, b.head_dim, b.num_heads * b.head_dim, b.num_kv_heads * b.head_dim);
         let dev = &*self.dev;
-        let kv = device_kv(ctx, self)?;
-        let mut ints: Vec<u32> = (start..start + m).map(|p| p as u32).collect();
-        ints.extend((start..start + m).map(|p| kv.slot(p)));
+        let m = positions.len();
+        let ints: Vec<u32> = positions.iter().chain(slots).copied().collect();
         let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
         work.ensure(dev, model, m, ints.len())?;
         let w = &mut *work;
@@ -227,31 +239,38 @@ impl CudaDrafter {
         self.check_head(head)?;
         let BlockLayout { blocks, positions, x } = model.block_layout(requests, embed)?;
         let rows = positions.len();
-        let h = model.cfg.hidden_size();
+        let (h, n) = (model.cfg.hidden_size(), self.head.rows);
+        let top_k = match readback {
+            ScoreReadback::Top(k) if k <= n.min(DRAFT_TOP_K_MAX) => Some(k),
+            _ => None,
+        };
         let plan = IntPlan::new(model, self, requests, &blocks, &positions)?;
         let dev = &*self.dev;
         let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
         work.ensure(dev, model, rows, plan.ints.len())?;
-        work.ensure_logits(dev, rows * self.head.rows)?;
+        work.ensure_logits(dev, rows * n)?;
+        if let Some(k) = top_k {
+            work.ensure_summary(dev, rows * (2 * k + 1))?;
+        }
+        work.scratch(dev, model, rows, plan.splits)?;
         dev.upload_prefix(x.as_f32()?, buf_mut(&mut work.x)?).map_err(device_err)?;
         dev.upload_prefix(&plan.ints, buf_mut(&mut work.ints)?).map_err(device_err)?;
-        work.scratch(dev, model, rows, plan.splits)?;
         let pages = self.pool.lock();
-        let pass = Pass { drafter: self, model, work: &work, plan: &plan, pages: &pages, rows };
-        for (l, layer) in self.weights.layers.iter().enumerate() {
-            let next_norm = self.weights.layers.get(l + 1).map_or(&self.weights.norm, |n| &n.input_norm);
-            pass.layer(l, layer, next_norm)?;
-        }
+        let key = plan.key(rows, top_k);
+        let buffers = (work.allocations, pages.count());
+        let mut graphs = std::mem::take(&mut work.graphs);
+        let ran = {
+            let pass = Pass { drafter: self, model, work: &work, plan: &plan, pages: &pages, rows };
+            graphs.run(dev, key, buffers, || pass.record(top_k))
+        };
+        work.graphs = graphs;
         drop(pages);
-        // Every row through the head at once (the anchors' rows too): one read of the head for the whole pass.
-        let n = self.head.rows;
-        let (normed, logits) = (buf(&work.normed)?, buf(&work.logits)?);
-        matmul(dev, self.head.w.view(), n, part(normed, 0, rows * h)?, rows, part(logits, 0, rows * n)?)?;
+        ran?;
         let mut hidden = vec![0f32; rows * h];
-        dev.download_into(normed, 0, &mut hidden).map_err(device_err)?;
-        let mut scores = match readback {
-            ScoreReadback::Top(k) if k <= n.min(DRAFT_TOP_K_MAX) => self.summarise(model, &mut work, rows, k)?,
-            _ => self.dense_scores(model, &work, rows)?,
+        dev.download_into(buf(&work.normed)?, 0, &mut hidden).map_err(device_err)?;
+        let mut scores = match top_k {
+            Some(k) => self.summary_scores(&work, rows, k)?,
+            None => self.dense_scores(model, &work, rows)?,
         };
         drop(work);
         let mut outputs = Vec::with_capacity(blocks.len());
@@ -267,6 +286,11 @@ impl CudaDrafter {
         Ok(outputs)
     }
 
+    /// Graphs this drafter holds (for tests).
+    pub(crate) fn pass_graphs(&self) -> usize {
+        self.work.lock().unwrap_or_else(|p| p.into_inner()).graphs.len()
+    }
+
     /// Every row's logits, copied back and scaled.
     fn dense_scores(&self, model: &DraftModel, work: &Workspace, rows: usize) -> Result<PassScores> {
         let n = self.head.rows;
@@ -276,16 +300,11 @@ impl CudaDrafter {
         Ok(PassScores::Dense { n, all })
     }
 
-    /// Every row's best `k` columns and top probability, found on the device: `2k + 1` u32s a row come back.
-    fn summarise(&self, model: &DraftModel, work: &mut Workspace, rows: usize, k: usize) -> Result<PassScores> {
-        let n = self.head.rows;
-        work.ensure_summary(&self.dev, rows * (2 * k + 1))?;
-        let scale = LogitScale { multiplier: model.cfg.output_multiplier, softcap: model.cfg.final_logit_softcapping };
-        let (logits, summary) = (buf(&work.logits)?, buf(&work.summary)?);
-        let out = summary.view().sub(0, rows * (2 * k + 1)).map_err(device_err)?;
-        draft_top_k(&self.dev, part(logits, 0, rows * n)?, n, k, scale, out).map_err(device_err)?;
+    /// Every row's best `k` columns and top probability, as the pass's `draft_top_k` left them: `2k + 1` u32s a
+    /// row come back.
+    fn summary_scores(&self, work: &Workspace, rows: usize, k: usize) -> Result<PassScores> {
         let mut all = vec![0u32; rows * (2 * k + 1)];
-        self.dev.download_into(summary, 0, &mut all).map_err(device_err)?;
+        self.dev.download_into(buf(&work.summary)?, 0, &mut all).map_err(device_err)?;
         Ok(PassScores::Top { k, all })
     }
 }
@@ -384,7 +403,9 @@ impl IntPlan {
                 tiles += 1;
             }
         }
-        let table_stride = kvs.iter().map(|kv| kv.table.len()).max().unwrap_or(1).max(1);
+        // Strides and splits in powers of two, so that a context's growth changes a graph's key rarely (padded
+        // table entries and splits past a row's keys are never read).
+        let table_stride = kvs.iter().map(|kv| kv.table.len()).max().unwrap_or(1).max(1).next_power_of_two();
         let tables = ints.len();
         for kv in &kvs {
             ints.extend(kv.table.iter().copied().chain(std::iter::repeat(0)).take(table_stride));
@@ -402,9 +423,25 @@ impl IntPlan {
             table_stride,
             sequences: requests.len(),
             split_keys,
-            splits: max_keys.div_ceil(split_keys),
+            splits: max_keys.div_ceil(split_keys).next_power_of_two(),
             max_tile_rows: tile_rows.min(max_width),
         })
+    }
+}
+
+impl IntPlan {
+    /// The key of a pass of `rows` rows laid out by this plan.
+    fn key(&self, rows: usize, top_k: Option<usize>) -> PassKey {
+        PassKey {
+            rows,
+            sequences: self.sequences,
+            tiles: self.tiles.1,
+            max_tile_rows: self.max_tile_rows,
+            table_stride: self.table_stride,
+            split_keys: self.split_keys,
+            splits: self.splits,
+            top_k,
+        }
     }
 }
 
@@ -420,6 +457,25 @@ struct Pass<'a> {
 }
 
 impl Pass<'_> {
+    /// Every launch of the pass, none of which touches the host: the layers, the head over every row (the
+    /// anchors' rows too: one read of the head for the whole pass) and, for a summary, `draft_top_k`.
+    fn record(&self, top_k: Option<usize>) -> Result<()> {
+        let drafter = self.drafter;
+        let weights = &drafter.weights;
+        for (l, layer) in weights.layers.iter().enumerate() {
+            let next_norm = weights.layers.get(l + 1).map_or(&weights.norm, |n| &n.input_norm);
+            self.layer(l, layer, next_norm)?;
+        }
+        let (dev, h, n, rows) = (&*drafter.dev, self.model.cfg.hidden_size(), drafter.head.rows, self.rows);
+        let logits = part(buf(&self.work.logits)?, 0, rows * n)?;
+        matmul(dev, drafter.head.w.view(), n, part(buf(&self.work.normed)?, 0, rows * h)?, rows, logits)?;
+        let Some(k) = top_k else { return Ok(()) };
+        let cfg = &self.model.cfg;
+        let scale = LogitScale { multiplier: cfg.output_multiplier, softcap: cfg.final_logit_softcapping };
+        let out = buf(&self.work.summary)?.view().sub(0, rows * (2 * k + 1)).map_err(device_err)?;
+        draft_top_k(dev, logits, n, k, scale, out).map_err(device_err)
+    }
+
     fn rows_of<'b>(&self, b: &'b Option<DeviceBuf<f32>>, width: usize) -> Result<DevSlice<'b, f32>> {
         part(buf(b)?, 0, self.rows * width)
     }

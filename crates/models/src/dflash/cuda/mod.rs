@@ -11,6 +11,7 @@
 
 mod context;
 mod forward;
+mod graphs;
 mod weights;
 
 use std::sync::{Arc, Mutex};
@@ -126,6 +127,12 @@ impl DraftModel {
             }
         }
         Ok(())
+    }
+
+    /// CUDA graphs of block passes the drafter holds (none on the host; a pass shape is captured the second time
+    /// it runs).
+    pub fn pass_graphs(&self) -> usize {
+        self.cuda.as_ref().map_or(0, |c| c.pass_graphs())
     }
 
     /// Where the drafter's passes run: `cpu` or `cuda:N`.

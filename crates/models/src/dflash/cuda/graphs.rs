@@ -1,0 +1,105 @@
+//! Block passes replayed as CUDA graphs. A pass is about forty small launches (the default model's drafter:
+//! 0.66 ms a call launched from the host, entry 81, for well under half of that on the GPU), so a pass whose launches
+//! were seen before replays them in one call. What a pass's launches take as arguments (rows, the offsets of its
+//! integer inputs, the attention's tiles, page-table stride and key splits, the readback) is its [`PassKey`];
+//! everything else a pass varies (embedded rows, positions, slots, tables, key counts) is uploaded before the
+//! replay to the addresses the graph reads.
+//!
+//! A graph holds the addresses of the workspace and of the context pages, so growing either drops every graph.
+//! A key is captured the second time it is seen (one-off shapes of a busy server stay eager), and at most
+//! [`MAX_GRAPHS`] are kept. `DFLASH_DRAFT_GRAPH=0` keeps every pass eager.
+
+use std::collections::HashMap;
+
+use dflash_runtime::cuda::{CudaDevice, CudaError, StepGraph};
+
+use crate::error::{ModelError, Result};
+
+/// Graphs kept per drafter; a full cache is emptied before the next capture.
+const MAX_GRAPHS: usize = 256;
+/// Keys counted before the counts start over (a bound on the map, not a policy).
+const MAX_SEEN: usize = 4096;
+
+/// What a pass's launches are recorded with, beyond the addresses of the buffers they read.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub(super) struct PassKey {
+    pub rows: usize,
+    pub sequences: usize,
+    pub tiles: usize,
+    pub max_tile_rows: usize,
+    pub table_stride: usize,
+    pub split_keys: usize,
+    pub splits: usize,
+    /// The summary's columns per slot; `None`: the logits stay dense.
+    pub top_k: Option<usize>,
+}
+
+/// The buffers graphs were captured over: the workspace's allocation count and the page pool's pages.
+pub(super) type Buffers = (u64, usize);
+
+/// One drafter's captured passes.
+#[derive(Debug, Default)]
+pub(super) struct PassGraphs {
+    graphs: HashMap<PassKey, StepGraph>,
+    seen: HashMap<PassKey, u32>,
+    over: Buffers,
+    /// Set when a capture failed: this drafter's passes stay eager.
+    failed: bool,
+}
+
+impl PassGraphs {
+    /// Runs a pass of `key`: the replay of its graph, or `record`'s launches queued eagerly (and captured into a
+    /// graph, then replayed, the second time `key` is seen over the same `buffers`).
+    ///
+    /// # Errors
+    /// What `record` returns, or the driver refusing a replay.
+    pub(super) fn run(
+        &mut self,
+        dev: &CudaDevice,
+        key: PassKey,
+        buffers: Buffers,
+        record: impl Fn() -> Result<()>,
+    ) -> Result<()> {
+        if self.failed || dflash_runtime::switches::switches().no_draft_graph {
+            return record();
+        }
+        if self.over != buffers {
+            self.graphs.clear();
+            self.seen.clear();
+            self.over = buffers;
+        }
+        if let Some(graph) = self.graphs.get(&key) {
+            return graph.launch().map_err(|e| ModelError::Device(e.to_string()));
+        }
+        if self.seen.len() >= MAX_SEEN {
+            self.seen.clear();
+        }
+        let seen = self.seen.entry(key).or_insert(0);
+        *seen += 1;
+        if *seen < 2 {
+            return record();
+        }
+        if self.graphs.len() >= MAX_GRAPHS {
+            self.graphs.clear();
+        }
+        // The capture's own error type is the runtime's; a pass's error becomes its message.
+        let captured = dev.capture(|| record().map_err(|e| CudaError::Shape(format!("recording a drafter pass: {e}"))));
+        match captured {
+            Ok(graph) => {
+                graph.launch().map_err(|e| ModelError::Device(e.to_string()))?;
+                self.graphs.insert(key, graph);
+                Ok(())
+            }
+            Err(e) => {
+                tracing::warn!("a drafter pass could not be captured as a CUDA graph ({e}); its passes stay eager");
+                self.failed = true;
+                record()
+            }
+        }
+    }
+
+    /// Graphs held (for tests and logs).
+    pub(super) fn len(&self) -> usize {
+        self.graphs.len()
+    }
+}
