@@ -204,15 +204,25 @@ pub(crate) fn collect_out(
         }
         Readout::Argmax => (Tensor::from_f32(&[], &[0, vocab])?, Some(download_ids(dev, ws, rows)?)),
     };
-    let mut hidden = vec![0f32; batch.num_tokens() * capture_width];
-    dev.download_into(&ws.captured, 0, &mut hidden)?;
+    let captured = download_captured(dev, ws, batch, capture_width)?;
     dev.synchronize()?;
-    Ok(ForwardOut { ids, ..ForwardOut::new(logits, captured_rows(hidden, batch, capture_width)?) })
+    Ok(ForwardOut { ids, ..ForwardOut::new(logits, captured) })
 }
 
-/// The captured rows `[T, capture_width]` from their downloaded values; `None` when the step captures nothing.
-fn captured_rows(hidden: Vec<f32>, batch: &ForwardBatch, capture_width: usize) -> Result<Option<Tensor>> {
-    Ok((capture_width > 0).then(|| Tensor::from_f32(&hidden, &[batch.num_tokens(), capture_width])).transpose()?)
+/// Queues the copy of the step's captured rows `[T, capture_width]` straight into the tensor handed back (valid
+/// after the step's synchronisation); `None` when the step captures nothing.
+fn download_captured(
+    dev: &CudaDevice,
+    ws: &Workspace,
+    batch: &ForwardBatch,
+    capture_width: usize,
+) -> Result<Option<Tensor>> {
+    if capture_width == 0 {
+        return Ok(None);
+    }
+    let mut rows = Tensor::zeros(dflash_runtime::DType::F32, &[batch.num_tokens(), capture_width])?;
+    dev.download_into(&ws.captured, 0, rows.as_f32_mut()?)?;
+    Ok(Some(rows))
 }
 
 /// A step's draws where its logits are: the draws (one per logit row, in order) pointed at their device rows (`rows`)
@@ -247,12 +257,11 @@ pub(crate) fn collect_drawn(
     let host_device_rows: Vec<usize> = draws.host_rows.iter().map(|&r| rows[r]).collect();
     let mut logits = vec![0f32; host_device_rows.len() * vocab];
     download_rows(dev, &ws.logits, vocab, &host_device_rows, &mut logits)?;
-    let mut hidden = vec![0f32; batch.num_tokens() * capture_width];
-    dev.download_into(&ws.captured, 0, &mut hidden)?;
+    let captured = download_captured(dev, ws, batch, capture_width)?;
     dev.synchronize()?;
     let drawn = unpack_drawn(&words, &draws.rows);
     let logits = Tensor::from_f32(&logits, &[host_device_rows.len(), vocab])?;
-    let out = ForwardOut::new(logits, captured_rows(hidden, batch, capture_width)?);
+    let out = ForwardOut::new(logits, captured);
     let ids = Some(drawn.iter().map(|d| d.id).collect());
     Ok(ForwardOut { ids, drawn: Some(drawn), logits_held: Some(draws.host_rows.clone()), ..out })
 }
