@@ -114,7 +114,8 @@ impl DraftModel {
 
     /// [`DraftModel::append_context`] for several contexts at once. On a device their rows are projected together
     /// (one set of launches for all of them, not one per context); on the host one context at a time. Nothing is
-    /// committed unless every append is valid; a device failure commits none.
+    /// committed unless every append passes its checks; a device failure commits none (a failure on the host leaves
+    /// the contexts before it committed; appending their rows again is harmless).
     ///
     /// # Errors
     /// As [`DraftModel::append_context`], for any of them.

@@ -84,11 +84,22 @@ impl Pages {
     /// Doubles every layer's storage, keeping what is written (page ids stay valid).
     fn grow(&mut self, dev: &CudaDevice) -> Result<()> {
         let count = 2 * self.count;
-        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
-            let mut grown = dev.alloc_zeros::<f32>(count * PAGE_SIZE * self.slot_len).map_err(device_err)?;
-            dev.copy_prefix(buf, &mut grown).map_err(device_err)?;
-            *buf = grown;
-        }
+        // Every layer's copy is made before any buffer is replaced: a failure leaves the pool as it was (graphs of
+        // passes hold these addresses, and notice only a change of `count`).
+        let grown = self
+            .k
+            .iter()
+            .chain(self.v.iter())
+            .map(|buf| {
+                let mut grown = dev.alloc_zeros::<f32>(count * PAGE_SIZE * self.slot_len).map_err(device_err)?;
+                dev.copy_prefix(buf, &mut grown).map_err(device_err)?;
+                Ok(grown)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let layers = self.k.len();
+        let mut grown = grown.into_iter();
+        self.k = grown.by_ref().take(layers).collect();
+        self.v = grown.collect();
         self.free.extend((self.count as u32..count as u32).rev());
         self.count = count;
         Ok(())

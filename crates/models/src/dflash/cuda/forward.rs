@@ -73,6 +73,8 @@ impl Workspace {
     fn ensure(&mut self, dev: &CudaDevice, model: &DraftModel, rows: usize, ints: usize) -> Result<()> {
         let alloc = |n: usize| dev.alloc_zeros::<f32>(n.max(1)).map_err(device_err);
         if rows > self.rows {
+            // Counted before the first buffer moves: a failure half-way must still retire the graphs.
+            self.allocations += 1;
             let rows = rows.next_power_of_two().max(16);
             let b = &model.cfg.backbone;
             let (h, qd, kd, f) =
@@ -91,7 +93,6 @@ impl Workspace {
             self.act = Some(alloc(rows * f)?);
             self.captured = Some(alloc(rows * fc_in)?);
             self.rows = rows;
-            self.allocations += 1;
         }
         if self.ints.as_ref().is_none_or(|b| b.len() < ints) {
             self.ints = Some(dev.alloc_zeros::<u32>(ints.next_power_of_two().max(256)).map_err(device_err)?);
@@ -182,24 +183,35 @@ impl CudaDrafter {
         Ok(())
     }
 
-    /// Rows `[m, capture width]` written at `positions` into cache `slots` (`[m]` each).
+    /// Rows `[m, capture width]` written at `positions` into cache `slots` (`[m]` each): the rows and the integers
+    /// go up, then the projection's launches run (replayed as a graph once `m` rows were appended before).
     fn append_chunk(&self, model: &DraftModel, rows: &[f32], positions: &[u32], slots: &[u32]) -> Result<()> {
-        let b = &model.cfg.backbone;
-        let (h, hd, qd, kd) = (b.hidden_size, b.head_dim, b.num_heads * b.head_dim, b.num_kv_heads * b.head_dim);
         let dev = &*self.dev;
         let m = positions.len();
         let ints: Vec<u32> = positions.iter().chain(slots).copied().collect();
         let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
         work.ensure(dev, model, m, ints.len())?;
-        let w = &mut *work;
-        dev.upload_prefix(rows, buf_mut(&mut w.captured)?).map_err(device_err)?;
-        dev.upload_prefix(&ints, buf_mut(&mut w.ints)?).map_err(device_err)?;
+        dev.upload_prefix(rows, buf_mut(&mut work.captured)?).map_err(device_err)?;
+        dev.upload_prefix(&ints, buf_mut(&mut work.ints)?).map_err(device_err)?;
+        let pages = self.pool.lock();
+        let buffers = (work.allocations, pages.count());
+        let mut graphs = std::mem::take(&mut work.graphs);
+        let ran = graphs.run(dev, PassKey::append(m), buffers, || self.record_append(model, &work, &pages, m));
+        work.graphs = graphs;
+        ran
+    }
+
+    /// The launches of an append of `m` rows already uploaded: fc, the hidden norm, then per layer the K/V
+    /// projection and its head norm, RoPE and cache write.
+    fn record_append(&self, model: &DraftModel, w: &Workspace, pages: &Pages, m: usize) -> Result<()> {
+        let b = &model.cfg.backbone;
+        let (h, hd, qd, kd) = (b.hidden_size, b.head_dim, b.num_heads * b.head_dim, b.num_kv_heads * b.head_dim);
+        let dev = &*self.dev;
         let (x, normed, kv_rows) = (part(buf(&w.x)?, 0, m * h)?, part(buf(&w.normed)?, 0, m * h)?, buf(&w.qkv)?);
         let wt = &self.weights;
-        matmul(dev, wt.fc.view(), h, part(buf(&w.captured)?, 0, rows.len())?, m, x)?;
+        matmul(dev, wt.fc.view(), h, part(buf(&w.captured)?, 0, m * model.weights.fc.row_len())?, m, x)?;
         rms_norm(dev, x, &wt.hidden_norm, b.rms_norm_eps, normed).map_err(device_err)?;
         let (positions, slots) = (ints_part(buf(&w.ints)?, 0, m)?, ints_part(buf(&w.ints)?, m, m)?);
-        let pages = self.pool.lock();
         for (l, layer) in wt.layers.iter().enumerate() {
             let kv_out = part(kv_rows, 0, m * 2 * kd)?;
             matmul(dev, part(&layer.qkv, qd * h, 2 * kd * h)?, 2 * kd, normed, m, kv_out)?;
@@ -433,6 +445,7 @@ impl IntPlan {
     /// The key of a pass of `rows` rows laid out by this plan.
     fn key(&self, rows: usize, top_k: Option<usize>) -> PassKey {
         PassKey {
+            append: false,
             rows,
             sequences: self.sequences,
             tiles: self.tiles.1,

@@ -1,4 +1,4 @@
-//! Block passes replayed as CUDA graphs. A pass is about forty small launches (the default model's drafter:
+//! Block passes and context appends replayed as CUDA graphs. A pass is about forty small launches (the default model's drafter:
 //! 0.66 ms a call launched from the host, entry 81, for well under half of that on the GPU), so a pass whose launches
 //! were seen before replays them in one call. What a pass's launches take as arguments (rows, the offsets of its
 //! integer inputs, the attention's tiles, page-table stride and key splits, the readback) is its [`PassKey`];
@@ -23,6 +23,8 @@ const MAX_SEEN: usize = 4096;
 /// What a pass's launches are recorded with, beyond the addresses of the buffers they read.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub(super) struct PassKey {
+    /// A context append (its launches depend on `rows` alone), not a block pass.
+    pub append: bool,
     pub rows: usize,
     pub sequences: usize,
     pub tiles: usize,
@@ -32,6 +34,23 @@ pub(super) struct PassKey {
     pub splits: usize,
     /// The summary's columns per slot; `None`: the logits stay dense.
     pub top_k: Option<usize>,
+}
+
+impl PassKey {
+    /// The key of a context append of `rows` rows.
+    pub(super) fn append(rows: usize) -> Self {
+        PassKey {
+            append: true,
+            rows,
+            sequences: 0,
+            tiles: 0,
+            max_tile_rows: 0,
+            table_stride: 0,
+            split_keys: 0,
+            splits: 0,
+            top_k: None,
+        }
+    }
 }
 
 /// The buffers graphs were captured over: the workspace's allocation count and the page pool's pages.
@@ -82,12 +101,23 @@ impl PassGraphs {
         if self.graphs.len() >= MAX_GRAPHS {
             self.graphs.clear();
         }
-        // The capture's own error type is the runtime's; a pass's error becomes its message.
-        let captured = dev.capture(|| record().map_err(|e| CudaError::Shape(format!("recording a drafter pass: {e}"))));
+        // A pass's own error (a shape it refuses) is returned as it is; only a failure of the capture itself turns
+        // graphs off.
+        let mut refused = None;
+        let captured = dev.capture(|| {
+            record().map_err(|e| {
+                refused = Some(e);
+                CudaError::Shape("a drafter pass refused while recorded".into())
+            })
+        });
+        if let Some(e) = refused {
+            return Err(e);
+        }
         match captured {
             Ok(graph) => {
                 graph.launch().map_err(|e| ModelError::Device(e.to_string()))?;
                 self.graphs.insert(key, graph);
+                tracing::debug!("drafter pass graph captured for {key:?} ({} held)", self.graphs.len());
                 Ok(())
             }
             Err(e) => {
