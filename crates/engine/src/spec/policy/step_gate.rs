@@ -9,12 +9,17 @@
 //! keeps the tokens per millisecond of whole decode steps (drafting included) that ran a pass and of those that did
 //! not, and lets the pass run only while stepping with it is the faster of the two. Now and then a step takes the
 //! other side, so both rates stay measured: at most [`EXPLORE_SHARE`] of the time, so where drafting loses it
-//! costs at most that share of the difference. The first pass after plain steps also feeds each drafter context
+//! costs at most that share of the difference, and a quarter of it once explorations keep confirming the
+//! decision ([`EXPLORE_BACKOFF_MAX`]; on a GPU a pass alone costs about a plain step). The first pass after plain steps also feeds each drafter context
 //! the rows those steps captured, a catch-up steady drafting does not pay: it is not measured, and a closed gate
 //! explores with [`EXPLORE_PASSES`] passes in a row.
 
 /// Share of the time spent on steps of the side the rates do not favour, so a rate cannot go stale.
 pub const EXPLORE_SHARE: f64 = 1.0 / 16.0;
+/// Halvings of that share while explorations keep confirming the favoured side: after this many, a gate whose
+/// decision holds explores a sixty-fourth of the time. A step of the other side measured faster than the favoured
+/// side's rate starts over at the full share.
+pub const EXPLORE_BACKOFF_MAX: u32 = 2;
 /// Passes in a row a closed gate runs when it explores: the first catches the drafter contexts up, the rest are
 /// measured.
 pub const EXPLORE_PASSES: u32 = 2;
@@ -66,6 +71,8 @@ struct Bucket {
     since_explore_ms: f64,
     /// Steps of the other side left in the exploration under way.
     explore_left: u32,
+    /// Halvings of [`EXPLORE_SHARE`] earned by explorations that did not move the decision.
+    backoff: u32,
 }
 
 /// The gate over a step's drafter pass; see the module's documentation.
@@ -107,11 +114,13 @@ impl StepGate {
             return !open;
         }
         // An exploration (a plain step, or EXPLORE_PASSES passes) starts once the favoured side has run long
-        // enough that it is EXPLORE_SHARE of the time.
+        // enough that it is the exploring share of the time (EXPLORE_SHARE, halved per confirming exploration).
         let (other_ms, steps) = if open { (bucket.plain.step_ms, 1) } else { (bucket.drafted.step_ms, EXPLORE_PASSES) };
-        if bucket.since_explore_ms * EXPLORE_SHARE >= other_ms * f64::from(steps) * (1.0 - EXPLORE_SHARE) {
+        let share = EXPLORE_SHARE / f64::from(1u32 << bucket.backoff);
+        if bucket.since_explore_ms * share >= other_ms * f64::from(steps) * (1.0 - share) {
             bucket.since_explore_ms = 0.0;
             bucket.explore_left = steps - 1;
+            bucket.backoff = (bucket.backoff + 1).min(EXPLORE_BACKOFF_MAX);
             return !open;
         }
         open
@@ -127,10 +136,16 @@ impl StepGate {
             return;
         }
         let bucket = &mut self.buckets[bucket_of(sequences)];
-        if drafted == Self::favours_drafting(bucket) {
+        let favoured = Self::favours_drafting(bucket);
+        if drafted == favoured {
             bucket.since_explore_ms += ms;
         }
         let rate = tokens as f64 / ms;
+        // A measured step of the other side that beats the favoured side's rate is news: explore at the full share.
+        let favoured_rate = if favoured { bucket.drafted.tokens_per_ms } else { bucket.plain.tokens_per_ms };
+        if drafted != favoured && caught_up && rate > favoured_rate {
+            bucket.backoff = 0;
+        }
         match (drafted, caught_up) {
             (true, true) => bucket.drafted.observe(rate, ms),
             (true, false) => {}
@@ -209,6 +224,19 @@ mod tests {
         // Exploring costs EXPLORE_SHARE of the time at 0.7x (1.9%), the first steps a little more.
         assert!(rate >= 0.975 * plain_rate(64), "{rate:.2} against plain {:.2}", plain_rate(64));
         assert!(!gate.view(64).open);
+    }
+
+    #[test]
+    fn a_decision_that_holds_is_explored_ever_more_rarely() {
+        let mut gate = StepGate::default();
+        serve(&mut gate, 8, 0.5, 1000);
+        let (rate, drafted) = serve(&mut gate, 8, 0.5, 4000);
+        // Backed off to a sixty-fourth: drafting a quarter of the time it took at the full share.
+        let floor = EXPLORE_SHARE / f64::from(1u32 << EXPLORE_BACKOFF_MAX);
+        assert!(drafted < 1.3 * floor, "drafted {drafted:.4} of the time");
+        assert!(drafted > 0.5 * floor, "but still explores: {drafted:.4}");
+        assert!(rate >= 0.99 * plain_rate(8), "{rate:.3} against plain {:.3}", plain_rate(8));
+        assert!(!gate.view(8).open);
     }
 
     #[test]
