@@ -13,6 +13,7 @@
 mod common;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use common::{assert_close, cuda_device, fixtures};
 use dflash_models::config::ModelConfig;
@@ -23,6 +24,8 @@ use dflash_models::dflash::{
 use dflash_models::llama::{load_hf_weights, LlamaModel};
 use dflash_models::safetensors_dir::read_json;
 use dflash_models::LoadOptions;
+use dflash_runtime::cuda::CudaDevice;
+use dflash_runtime::Tensor;
 
 const TOL: f32 = 1e-4;
 /// Context positions of the synthetic captured rows: past two of the context's 64-slot pages.
@@ -56,6 +59,14 @@ fn cpu_pair(name: &str) -> (DraftModel, LlamaModel, Vec<f32>) {
     let width = model.target_layer_ids().len() * target.config().hidden_size;
     let rows = (0..POSITIONS * width).map(|i| ((i * 53 % 97) as f32 - 48.0) / 24.0).collect();
     (model, target, rows)
+}
+
+/// The windowless fixture drafter `name` (see [`windowless`]) on the device, scoring the target's whole LM head.
+fn on_gpu(name: &str, dev: &Arc<CudaDevice>, cpu: &DraftModel, lm_head: &Tensor) -> DraftModel {
+    DraftModel::load(&windowless(name), cpu.target())
+        .expect("drafter")
+        .to_cuda(Arc::clone(dev), DraftHead::Full(lm_head), 1024)
+        .expect("to cuda")
 }
 
 /// Appends `rows` in pieces of uneven sizes, as the engine's flushes would.
@@ -104,10 +115,7 @@ fn cuda_drafters_match_the_cpu_drafters_at_every_width() {
     for name in ["dflash-v1", "dflash-v2"] {
         let (cpu, target, rows) = cpu_pair(name);
         let (embed, lm_head) = (target.embedding(), target.lm_head());
-        let gpu = DraftModel::load(&windowless(name), cpu.target())
-            .expect("drafter")
-            .to_cuda(dev.clone(), DraftHead::Full(lm_head), 1024)
-            .expect("to cuda");
+        let gpu = on_gpu(name, &dev, &cpu, lm_head);
         assert!(gpu.device().starts_with("cuda:"), "{}", gpu.device());
         // The warm-up's passes (16 sequences at once, contexts of 1 to 64 rows) leave nothing behind that the
         // checks below could see.
@@ -170,10 +178,7 @@ fn cuda_batched_passes_match_single_passes() {
     let Some(dev) = cuda_device("cuda_dflash") else { return };
     let (cpu, target, rows) = cpu_pair("dflash-v2");
     let (embed, lm_head) = (target.embedding(), target.lm_head());
-    let gpu = DraftModel::load(&windowless("dflash-v2"), cpu.target())
-        .expect("drafter")
-        .to_cuda(dev.clone(), DraftHead::Full(lm_head), 1024)
-        .expect("to cuda");
+    let gpu = on_gpu("dflash-v2", &dev, &cpu, lm_head);
     let width = rows.len() / POSITIONS;
     let short = &rows[..70 * width];
     let context = |model: &DraftModel, rows: &[f32]| {
@@ -243,10 +248,7 @@ fn cuda_passes_replayed_from_graphs_give_the_eager_bits() {
     }
     let (cpu, target, rows) = cpu_pair("dflash-v2");
     let (embed, lm_head) = (target.embedding(), target.lm_head());
-    let gpu = DraftModel::load(&windowless("dflash-v2"), cpu.target())
-        .expect("drafter")
-        .to_cuda(dev.clone(), DraftHead::Full(lm_head), 1024)
-        .expect("to cuda");
+    let gpu = on_gpu("dflash-v2", &dev, &cpu, lm_head);
     let width = rows.len() / POSITIONS;
     let mut ctx = gpu.new_context().expect("context");
     gpu.append_context(&mut ctx, 0, &rows[..100 * width]).expect("append");
@@ -313,10 +315,7 @@ fn cuda_joint_appends_match_one_append_each() {
     let Some(dev) = cuda_device("cuda_dflash") else { return };
     let (cpu, target, rows) = cpu_pair("dflash-v2");
     let (embed, lm_head) = (target.embedding(), target.lm_head());
-    let gpu = DraftModel::load(&windowless("dflash-v2"), cpu.target())
-        .expect("drafter")
-        .to_cuda(dev.clone(), DraftHead::Full(lm_head), 1024)
-        .expect("to cuda");
+    let gpu = on_gpu("dflash-v2", &dev, &cpu, lm_head);
     let width = rows.len() / POSITIONS;
     let fresh = || gpu.new_context().expect("context");
     let (mut a, mut b, mut ja, mut jb) = (fresh(), fresh(), fresh(), fresh());
