@@ -62,7 +62,10 @@ impl GrammarState {
         while let Ok(mask) = self.matcher.compute_mask_or_eos() {
             self.ahead.push(TokenMask(mask));
             let Some(&next) = drafts.get(consumed) else { break };
-            if self.matcher.consume_token(next).is_err() {
+            // A complete grammar takes no more tokens (the sequence ends at the one that completed it), and a
+            // stopped matcher's error on one would stick: prompt lookup can draft past the end, an end-of-sequence
+            // token after a tool call's closing tag, say, which validation lets through.
+            if self.matcher.is_stopped() || self.matcher.consume_token(next).is_err() {
                 break;
             }
             consumed += 1;
@@ -133,5 +136,35 @@ impl GrammarState {
     /// Whether the grammar is complete and allows nothing more: generation ends here.
     pub fn is_finished(&self) -> bool {
         self.matcher.is_stopped()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use crate::grammar::{GrammarCompiler, GrammarSpec};
+
+    /// Drafts that run past the grammar's end (prompt lookup copying an end-of-sequence token after a closing tag)
+    /// must not break the matcher while the step's masks are computed ahead: the request would fail instead of
+    /// ending where its grammar completes.
+    #[test]
+    fn masks_computed_ahead_past_a_complete_grammar_leave_it_usable() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny-qwen3");
+        let tok = dflash_models::tokenizer::Tokenizer::from_hf_dir(&dir).expect("tokenizer");
+        let compiler = GrammarCompiler::new(&tok).expect("compiler");
+        let grammar = compiler.compile(&GrammarSpec::Regex("yes".into())).expect("grammar");
+        let ids = tok.encode("yes", false).expect("encode");
+        let &eos = tok.eos_ids().first().expect("an end-of-sequence token");
+        let mut state = grammar.start();
+        let drafts: Vec<u32> = ids.iter().copied().chain([eos, eos]).collect();
+        state.compute_ahead(0, &drafts);
+        let _ = state.mask(0);
+        assert_eq!(state.failure(), None, "looking ahead broke the grammar");
+        for &id in &ids {
+            state.commit(id).expect("the grammar's own tokens");
+        }
+        assert!(state.is_finished());
+        assert_eq!(state.failure(), None);
     }
 }
