@@ -76,8 +76,7 @@ impl DflashProposer {
             dflash_models::dflash::DraftKind::DFlash => LaneKind::Dflash,
             dflash_models::dflash::DraftKind::DFlash2 => LaneKind::Dflash2,
         };
-        let taps = cfg.model.config().target_layer_ids.len();
-        let row_width = cfg.model.capture_layout().captured_width(taps, cfg.model.target().hidden_size);
+        let row_width = cfg.model.captured_width();
         Ok(DflashProposer {
             ctx: cfg.model.new_context()?,
             // Room for a flush's worth of rows at once: growing the buffer row by row copied it over and over
@@ -228,9 +227,7 @@ impl DflashProposer {
         }
         proposals
     }
-}
 
-impl DflashProposer {
     /// Flushes the pending rows of the lanes that share the first pending lane's drafter in one append (on a
     /// device one set of launches for all of them, not one per lane). If the joint append fails, each lane
     /// flushes alone, so only a lane whose own rows fail is broken; lanes of other drafters flush when they draft.

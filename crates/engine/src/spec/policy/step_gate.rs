@@ -10,9 +10,9 @@
 //! not, and lets the pass run only while stepping with it is the faster of the two. Now and then a step takes the
 //! other side, so both rates stay measured: at most [`EXPLORE_SHARE`] of the time, so where drafting loses it
 //! costs at most that share of the difference, and a quarter of it once explorations keep confirming the
-//! decision ([`EXPLORE_BACKOFF_MAX`]; on a GPU a pass alone costs about a plain step). The first pass after plain steps also feeds each drafter context
-//! the rows those steps captured, a catch-up steady drafting does not pay: it is not measured, and a closed gate
-//! explores with [`EXPLORE_PASSES`] passes in a row.
+//! decision ([`EXPLORE_BACKOFF_MAX`]; on a GPU a pass alone costs about a plain step). The first pass after plain
+//! steps also feeds each drafter context the rows those steps captured, a catch-up steady drafting does not pay: it
+//! is not measured, and a closed gate explores with [`EXPLORE_PASSES`] passes in a row.
 
 /// Share of the time spent on steps of the side the rates do not favour, so a rate cannot go stale.
 pub const EXPLORE_SHARE: f64 = 1.0 / 16.0;

@@ -124,9 +124,9 @@ impl DraftModel {
         for a in appends.iter_mut() {
             new_rows.push(self.prepare_append(a)?);
         }
+        let width = self.captured_width();
         #[cfg(feature = "cuda")]
         if let Some(device) = &self.cuda {
-            let width = self.captured_width();
             let parts: Vec<_> = appends
                 .iter()
                 .zip(&new_rows)
@@ -137,7 +137,6 @@ impl DraftModel {
             appends.iter_mut().zip(&new_rows).for_each(|(a, &m)| a.ctx.commit(m));
             return Ok(());
         }
-        let width = self.captured_width();
         for (a, &m) in appends.iter_mut().zip(&new_rows) {
             if m > 0 {
                 self.append_on_host(a.ctx, &a.captured[a.captured.len() - m * width..], m)?;
@@ -147,8 +146,8 @@ impl DraftModel {
         Ok(())
     }
 
-    /// Floats per captured row.
-    pub(crate) fn captured_width(&self) -> usize {
+    /// Floats per captured row: what the target captures for this drafter (`taps × hidden`, or its streams' form).
+    pub fn captured_width(&self) -> usize {
         self.weights.layout.captured_width(self.cfg.target_layer_ids.len(), self.target.hidden_size)
     }
 

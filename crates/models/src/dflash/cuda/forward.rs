@@ -318,7 +318,7 @@ impl CudaDrafter {
         Ok(outputs)
     }
 
-    /// Graphs this drafter holds (for tests).
+    /// Graphs this drafter holds (for tests and the timing log).
     pub(crate) fn pass_graphs(&self) -> usize {
         self.work.lock().unwrap_or_else(|p| p.into_inner()).graphs.len()
     }

@@ -13,7 +13,8 @@ use std::collections::HashMap;
 
 use dflash_runtime::cuda::{CudaDevice, CudaError, StepGraph};
 
-use crate::error::{ModelError, Result};
+use crate::error::Result;
+use crate::target::device_err;
 
 /// Graphs kept per drafter; a full cache is emptied before the next capture.
 const MAX_GRAPHS: usize = 256;
@@ -88,7 +89,7 @@ impl PassGraphs {
             self.over = buffers;
         }
         if let Some(graph) = self.graphs.get(&key) {
-            return graph.launch().map_err(|e| ModelError::Device(e.to_string()));
+            return graph.launch().map_err(device_err);
         }
         if self.seen.len() >= MAX_SEEN {
             self.seen.clear();
@@ -115,7 +116,7 @@ impl PassGraphs {
         }
         match captured {
             Ok(graph) => {
-                graph.launch().map_err(|e| ModelError::Device(e.to_string()))?;
+                graph.launch().map_err(device_err)?;
                 self.graphs.insert(key, graph);
                 tracing::debug!("drafter pass graph captured for {key:?} ({} held)", self.graphs.len());
                 Ok(())

@@ -112,7 +112,7 @@ impl DraftModel {
             return Ok(());
         }
         let head = head.into();
-        let width = self.weights.layout.captured_width(self.cfg.target_layer_ids.len(), self.target.hidden_size);
+        let width = self.captured_width();
         let block = self.cfg.block_size;
         for sequences in [1, 4, 16] {
             let mut contexts = (0..sequences).map(|_| self.new_context()).collect::<Result<Vec<_>>>()?;
