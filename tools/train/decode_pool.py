@@ -26,6 +26,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import decode_attention as fast_attention
+from step_profile import StepProfile
 from target import KvCache, LlamaTarget, rope_cos_sin
 
 # Every SDPA backend but cuDNN, whose plans are built per key length: a step's key length changes as rows grow.
@@ -276,7 +277,8 @@ class DecodePool:
         self.finished = 0
         next_job = self._start(list(range(self.rows)), jobs, 0)
         steps = 0
-        profile = StepProfile(self.profile_steps, self.device)
+        profile = StepProfile(self.profile_steps, self.device, warm_steps=64, what="decode_pool",
+                              unit="decode steps")
         while self.active.any():
             profile.before(steps)
             self._step()
@@ -378,59 +380,3 @@ def decode_mask(pos: torch.Tensor, end: int, dtype: torch.dtype) -> torch.Tensor
     keys = torch.arange(end, device=pos.device)
     mask = torch.zeros(pos.shape[0], end, dtype=dtype, device=pos.device)
     return mask.masked_fill_(keys[None, :] > pos[:, None], float("-inf"))[:, None, None, :]
-
-
-class StepProfile:
-    """Profiles `steps` decode steps of a warm pool (from step WARM_STEPS) with torch.profiler and prints where their
-    time went: the wall time per step, the host's time inside the step (launching its work), the step's summed
-    kernel time (a step is host-bound when that is well below the wall time), and the operators by device time."""
-
-    WARM_STEPS = 64
-
-    def __init__(self, steps: int, device: torch.device):
-        self.steps, self.device = steps, device
-        self.profiler = None
-        self.profiled = 0
-        self.started = self.step_started = self.host_s = 0.0
-
-    def before(self, step: int) -> None:
-        if self.profiler is None and self.steps > 0 and step == self.WARM_STEPS:
-            self._open()
-        self.step_started = time.perf_counter()
-
-    def _open(self) -> None:
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-            torch.cuda.synchronize(self.device)
-        self.profiler = torch.profiler.profile(activities=activities)
-        self.profiler.__enter__()
-        self.started = time.perf_counter()
-
-    def after(self) -> None:
-        if self.profiler is None:
-            return
-        self.host_s += time.perf_counter() - self.step_started
-        self.profiled += 1
-        if self.profiled == self.steps:
-            self.end()
-
-    def end(self) -> None:
-        """Closes the profile (if one is open) and prints it."""
-        if self.profiler is None:
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        ms = (time.perf_counter() - self.started) * 1e3 / self.profiled
-        self.profiler.__exit__(None, None, None)
-        line = (f"[decode_pool] profile of {self.profiled} decode steps: {ms:.2f} ms a step (wall, profiled), "
-                f"{self.host_s * 1e3 / self.profiled:.2f} ms of it on the host inside the step")
-        key = "cpu_time_total"
-        if self.device.type == "cuda":
-            key = "cuda_time_total"
-            kernels = sum(e.time_range.elapsed_us() for e in self.profiler.events()
-                          if e.device_type == torch.autograd.DeviceType.CUDA)
-            line += f", {kernels / 1e3 / self.profiled:.2f} ms of kernels (summed device time)"
-        print(line)
-        print(self.profiler.key_averages().table(sort_by=key, row_limit=20), flush=True)
-        self.profiler = None

@@ -90,6 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--eval-max", type=int, default=192, help="held-out samples in the final evaluation")
     g.add_argument("--ckpt-every-s", type=float, default=600.0, help="exact checkpoint this often")
     g.add_argument("--curve-every", type=int, default=50, help="loss-curve sample every N steps")
+    g.add_argument("--profile-steps", type=int, default=0,
+                   help="profile this many steps once warm (torch.profiler table; they train as usual)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     g.add_argument("--smoke", action="store_true", help="tiny drafter, a few steps, CPU, tiny random target")
@@ -227,8 +229,8 @@ def run(args) -> dict:
 
     loop_start, first_step = time.time(), trainer.step
     deadline = started + args.time_budget_s - args.eval_reserve_s
-    curve = trainer.run(args.steps or 1 << 62, deadline, args.curve_every, log, make_hooks(args, trainer_eval,
-                                                                                             save_exact))
+    curve = trainer.run(args.steps or 1 << 62, deadline, args.curve_every, log,
+                        make_hooks(args, trainer_eval, save_exact), args.profile_steps)
     train_seconds = time.time() - loop_start
     log(f"trained steps {first_step}..{trainer.step} in {train_seconds:.0f} s; evaluating")
     evals = {name: trainer_eval(name, args.eval_max if name == "heldout" else len(splits[name]))

@@ -15,11 +15,13 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 import checkpoint as ckpt
 import distill
 import drafter as dfl
 import mtp as mtp_mod
+from step_profile import StepProfile
 from train_data import BatchCursor, Samples, device_batch
 
 
@@ -97,7 +99,7 @@ class Trainer:
             context = torch.autocast("cuda", dtype=torch.bfloat16)
         else:
             context = distill.exact_matmuls(self.device.type, tf32=precision == "tf32")
-        with context:
+        with context, record_function("target_pass"):
             final, taps = self.target.capture(ids, self.cfg.target_layer_ids)
         return final.float(), [t.float() for t in taps]
 
@@ -107,11 +109,14 @@ class Trainer:
         final, taps = self._target_pass(batch["ids"])
         teacher = None
         if cfg.loss.uses_kd:
-            teacher = distill.Teacher(final, embed, distill.label_positions(batch["loss_mask"]), cfg.loss.kd_top_k)
+            with record_function("teacher"):
+                teacher = distill.Teacher(final, embed, distill.label_positions(batch["loss_mask"]), cfg.loss.kd_top_k)
         with self.autocast:
-            loss, stats = self._dflash_loss(batch, taps, teacher)
+            with record_function("dflash_loss"):
+                loss, stats = self._dflash_loss(batch, taps, teacher)
             if self.head is not None:
-                mtp_loss, mtp_stats = self._mtp_loss(batch, final, teacher)
+                with record_function("mtp_loss"):
+                    mtp_loss, mtp_stats = self._mtp_loss(batch, final, teacher)
                 loss = loss + cfg.mtp_loss_weight * mtp_loss
                 stats.update(mtp_stats)
         stats["loss"] = loss.item()
@@ -152,9 +157,11 @@ class Trainer:
             group["lr"] = lr
         loss, stats = self.losses(batch)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
-        self.optimizer.step()
+        with record_function("backward"):
+            loss.backward()
+        with record_function("optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+            self.optimizer.step()
         self.step += 1
         self.totals["sequences"] += len(indices)
         self.totals["response_tokens"] += int(batch["loss_mask"].sum())
@@ -166,18 +173,24 @@ class Trainer:
 
     # -------------------------------------------------------------------------------------------- the loop
 
-    def run(self, max_steps: int, deadline: float, curve_every: int, log, hooks=()) -> list[dict]:
+    def run(self, max_steps: int, deadline: float, curve_every: int, log, hooks=(),
+            profile_steps: int = 0) -> list[dict]:
         """Steps until max_steps more are done, the deadline passes or the schedule's budget is spent; returns
-        the loss curve (every curve_every-th step). hooks: callables (trainer, now) run after every step."""
+        the loss curve (every curve_every-th step). hooks: callables (trainer, now) run after every step;
+        profile_steps: steps to profile once warm (a table of where their time went; the steps train as usual)."""
         curve, first = [], self.step
         total = self.cfg.schedule["total_steps"]
+        profile = StepProfile(profile_steps, self.device, warm_steps=3, what="train", unit="training steps")
         while self.step - first < max_steps and self.step < total and time.time() < deadline:
+            profile.before(self.step - first)
             stats = self.train_step()
+            profile.after()
             if self.step % curve_every == 0 or self.step == first + 1:
                 curve.append({k: round(v, 5) if isinstance(v, float) else v for k, v in stats.items()})
                 log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()))
             for hook in hooks:
                 hook(self, time.time())
+        profile.end()
         if self.step >= total:
             log(f"the step budget of the schedule ({total}) is spent")
         return curve
