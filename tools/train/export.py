@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import checkpoint as ckpt
 import draft_vocab
@@ -57,6 +57,22 @@ def drafter_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def mtp_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {f"mtp.{k}": v.detach().to(torch.bfloat16).contiguous() for k, v in state.items()}
+
+
+def read_drafter(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(drafter config, f32 state dict under the training model's names) of an exported drafter folder: the
+    inverse of the export, so a new series can start from shipped weights."""
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    config.pop("dtype", None)
+    state = {f"{name}.weight" if name in CODEBOOKS else name: value.float()
+             for name, value in load_file(str(folder / "model.safetensors")).items()}
+    return config, state
+
+
+def read_mtp(folder: Path) -> dict[str, torch.Tensor]:
+    """The f32 state dict of an exported MTP head folder (`mtp.` prefix removed)."""
+    return {name.removeprefix("mtp."): value.float()
+            for name, value in load_file(str(folder / "model.safetensors")).items()}
 
 
 def mtp_config(target_cfg: dict, depth_weights: list[float], gguf_name: str) -> dict:

@@ -18,6 +18,7 @@ import mtp as mtp_mod
 import prompts
 from export import drafter_tensors, mtp_tensors
 from target import LlamaTarget, RmsNorm, TargetConfig, apply_rope, rope_cos_sin, to_hf_llama
+from train_data import Samples, repeat_end, trim_repeats
 from train_eval import simulate_rounds
 
 TINY = TargetConfig(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
@@ -214,6 +215,24 @@ class EvalAndDataTests(unittest.TestCase):
         self.assertEqual(simulate_rounds(accept, 2, 10, 7), [(3, 4), (1, 2), (0, 1)])
         self.assertEqual(simulate_rounds(np.array([0, 5, 0, 0, 0]), 1, 5, 7), [(5, 3)])
 
+    def test_repeat_end_finds_the_first_repeated_run(self):
+        loop = [7, 8, 9]
+        response = np.array([1, 2, 3, 4] + loop * 5)
+        # The run [7, 8, 9] starts at 4 and again at 7: cut just past its second occurrence.
+        self.assertEqual(repeat_end(response, 3), 10)
+        self.assertIsNone(repeat_end(np.arange(40), 3))  # no run repeats
+        self.assertIsNone(repeat_end(response, 0))
+        self.assertIsNone(repeat_end(np.array([5, 5, 5]), 2))  # shorter than two runs
+
+    def test_trim_repeats_cuts_responses_only_and_counts_what_it_removed(self):
+        prompt = np.array([4, 4, 4, 4, 4, 4])  # a repeat inside the prompt is not the response's
+        looped = np.concatenate([prompt, [1, 2] + [7, 8, 9] * 6])
+        clean = np.concatenate([prompt, np.arange(10, 30)])
+        samples = Samples([looped.copy(), clean.copy()], np.array([6, 6]), np.array([6, 6]), np.zeros(2, int), {})
+        self.assertEqual(trim_repeats(samples, [0, 1], 3), (1, 12))
+        np.testing.assert_array_equal(samples.sequences[0], np.concatenate([prompt, [1, 2, 7, 8, 9, 7, 8, 9]]))
+        np.testing.assert_array_equal(samples.sequences[1], clean)
+
     def test_overlap_check_finds_copies_and_near_copies(self):
         train = [{"id": "a", "prompt": "Why do cats purr when they are happy and calm?"},
                  {"id": "b", "prompt": " ".join(f"w{i}" for i in range(40))}]
@@ -238,6 +257,28 @@ class EvalAndDataTests(unittest.TestCase):
         train = [{"id": "m", "prompt": "Tell me about tides.", "followups": ["Why do cats purr when happy and calm?"]}]
         found = check_heldout.overlap_findings({"x.json": ["why do cats purr when happy and calm?"]}, train)
         self.assertTrue(any("x.json[0]" in f and "equals" in f for f in found))
+
+    def test_exported_weights_read_back_under_the_training_names(self):
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        from export import read_drafter, read_mtp
+        model = tiny_drafter()
+        state = model.state_dict()
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp)
+            (folder / "config.json").write_text('{"dtype": "bfloat16", "hidden_size": 64}', encoding="utf-8")
+            save_file(drafter_tensors(state), str(folder / "model.safetensors"))
+            config, back = read_drafter(folder)
+            self.assertEqual(config, {"hidden_size": 64})
+            self.assertEqual(set(back), set(state))
+            for name, value in state.items():
+                torch.testing.assert_close(back[name], value.to(torch.bfloat16).float(), rtol=0, atol=0)
+            model.load_state_dict(back)  # the names and shapes are the training model's
+            (folder / "mtp").mkdir()
+            save_file(mtp_tensors({"fc.weight": torch.ones(2, 2)}), str(folder / "mtp" / "model.safetensors"))
+            self.assertEqual(set(read_mtp(folder / "mtp")), {"fc.weight"})
 
     def test_export_names(self):
         state = {"candidate_selector.predecessor_codebook.weight": torch.zeros(2, 2), "fc.weight": torch.ones(2, 2)}

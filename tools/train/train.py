@@ -30,8 +30,9 @@ import distill
 import drafter as dfl
 import mtp as mtp_mod
 import tiny_target
+from export import read_drafter, read_mtp
 from target import DEFAULT_GGUF, TargetConfig, configure_torch, load_target
-from train_data import data_id, load_samples, split_indices, token_counts
+from train_data import data_id, load_samples, split_indices, token_counts, trim_repeats
 from train_eval import evaluate
 from trainer import TrainConfig, Trainer
 
@@ -48,6 +49,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gguf", type=Path, default=None, help=f"the target (default {DEFAULT_GGUF})")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--resume", type=Path, help="a checkpoint of the previous run (train_state.pt or resume.pt)")
+    p.add_argument("--init-drafter", type=Path,
+                   help="start a new series from an exported drafter folder (its config and weights; e.g. the "
+                        "shipped assets/drafters/smollm2-135m-instruct): the optimizer starts afresh")
+    p.add_argument("--init-mtp", type=Path, help="with --init-drafter: the exported MTP head folder to start from")
     g = p.add_argument_group("capacity (a fresh series only; a resumed one keeps its checkpoint's)")
     g.add_argument("--layers", type=int, default=3)
     g.add_argument("--intermediate", type=int, default=1536, help="drafter MLP width (the target's: 1536)")
@@ -70,6 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--target-precision", default="f32", choices=("f32", "tf32", "bf16"),
                    help="the target's pass (labels and taps); f32 runs with TF32 off")
     g = p.add_argument_group("batches and optimizer")
+    g.add_argument("--trim-repeats", type=int, default=32,
+                   help="cut training responses after their first repeated run of this many tokens (0: keep loops)")
     g.add_argument("--anchors-per-seq", type=int, default=256)
     g.add_argument("--batch-tokens", type=int, default=16384, help="padded sequence tokens per step")
     g.add_argument("--batch-anchors", type=int, default=4096, help="anchored blocks per step")
@@ -108,10 +115,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def fresh_configs(args, cfg: TargetConfig, mask_id: int) -> dict:
-    """The drafter config, MTP switch and schedule of a new series."""
+def fresh_configs(args, cfg: TargetConfig, mask_id: int, draft_cfg: dict | None = None) -> dict:
+    """The drafter config (draft_cfg when the series starts from exported weights), MTP switch and schedule of a
+    new series."""
     if args.total_steps <= 0:
         raise SystemExit("a fresh series needs --total-steps (the schedule spans all its runs)")
+    sched = ckpt.schedule_config(args.schedule, args.total_steps, args.warmup_steps, args.decay_frac, args.lr,
+                                 args.min_lr_ratio)
+    if draft_cfg is not None:
+        return {"drafter_config": draft_cfg, "schedule": sched, "mtp": args.init_mtp is not None,
+                "mtp_depth_weights": [float(w) for w in args.mtp_weights.split(",")], "runs": [],
+                "token_counts": None}
     taps = [int(t) for t in args.taps.split(",")] if args.taps else dfl.build_target_layer_ids(cfg.num_layers,
                                                                                                args.num_taps)
     draft_cfg = dfl.draft_config(cfg, layers=args.layers, intermediate_size=args.intermediate,
@@ -119,8 +133,6 @@ def fresh_configs(args, cfg: TargetConfig, mask_id: int) -> dict:
                                  conv_kernel_size=args.conv_kernel, conv_group_size=args.conv_group,
                                  selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
                                  target_layer_ids=taps)
-    sched = ckpt.schedule_config(args.schedule, args.total_steps, args.warmup_steps, args.decay_frac, args.lr,
-                                 args.min_lr_ratio)
     return {"drafter_config": draft_cfg, "schedule": sched, "mtp": not args.no_mtp,
             "mtp_depth_weights": [float(w) for w in args.mtp_weights.split(",")], "runs": [], "token_counts": None}
 
@@ -171,9 +183,11 @@ def eval_options(tc: TrainConfig, smoke: bool) -> dict:
 
 def quick_eval_line(metrics: dict) -> str:
     walk, mtp = metrics["dflash_greedy_walk"], metrics["mtp_greedy"] or {}
+    first, mtp_first = metrics["dflash_greedy_walk_first"], metrics["mtp_greedy_first"] or {}
     return (f"held-out: dflash2 {walk.get('tokens_per_round')} tokens/round {walk.get('per_position')}; mtp "
-            f"{mtp.get('tokens_per_round')} tokens/round {mtp.get('per_position')}; token loss "
-            f"{metrics['token_loss']}")
+            f"{mtp.get('tokens_per_round')} tokens/round {mtp.get('per_position')}; first {metrics['first_tokens']} "
+            f"tokens: dflash2 {first.get('tokens_per_round')} {first.get('per_position')}, mtp "
+            f"{mtp_first.get('tokens_per_round')}; token loss {metrics['token_loss']}")
 
 
 def make_hooks(args, trainer_eval, save_exact):
@@ -196,10 +210,24 @@ def setup(args, device):
     samples = load_samples(args.data)
     cfg, target, tokenizer = load_target(args.gguf, device)
     state = ckpt.load(args.resume) if args.resume else None
-    conf = resumed_configs(args, state, cfg) if state else fresh_configs(args, cfg, tokenizer.token_to_id(MASK_TOKEN))
-    drafter, head = build_models(conf, target, cfg, state, args.seed, device)
+    if args.init_drafter is not None and state is not None:
+        raise SystemExit("--init-drafter starts a new series; --resume continues one: give one of them")
+    init = None
+    if args.init_drafter is not None:
+        draft_cfg, draft_state = read_drafter(args.init_drafter)
+        init = {"drafter_state": draft_state, "mtp_state": read_mtp(args.init_mtp) if args.init_mtp else None}
+        conf = fresh_configs(args, cfg, tokenizer.token_to_id(MASK_TOKEN), draft_cfg)
+    elif state is not None:
+        conf = resumed_configs(args, state, cfg)
+    else:
+        conf = fresh_configs(args, cfg, tokenizer.token_to_id(MASK_TOKEN))
+    drafter, head = build_models(conf, target, cfg, state or init, args.seed, device)
     tc = train_config(args, conf, cfg.eos_id)
     splits = split_indices(samples)
+    if args.trim_repeats:
+        cut, removed = trim_repeats(samples, splits["train"], args.trim_repeats)
+        log(f"trimmed {cut} training responses after a repeated {args.trim_repeats}-token run: {removed} tokens")
+        splits = split_indices(samples)
     trainer = Trainer(target, drafter, head, tc, samples, splits["train"], device, resume=state)
     return samples, cfg, target, conf, trainer, splits
 

@@ -54,6 +54,38 @@ def load_samples(path: Path) -> Samples:
     return Samples(sequences, prompt_len, greedy_start, split, info)
 
 
+def repeat_end(response: np.ndarray, window: int) -> int | None:
+    """The end of the first repeat of a `window`-token run inside `response` (the index just past the run's
+    second occurrence), or None when no run repeats."""
+    if window <= 0 or len(response) < 2 * window:
+        return None
+    runs = np.lib.stride_tricks.sliding_window_view(response.astype(np.int64), window)
+    # A random linear hash of each run (wrapping int64 arithmetic); equal hashes are confirmed exactly.
+    coeffs = np.random.default_rng(window).integers(1, 1 << 62, size=window, dtype=np.int64)
+    with np.errstate(over="ignore"):
+        hashes = runs @ coeffs
+    _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
+    for j in np.nonzero(first[inverse] < np.arange(len(hashes)))[0]:
+        if np.array_equal(runs[first[inverse[j]]], runs[j]):
+            return int(j) + window
+    return None
+
+
+def trim_repeats(samples: Samples, indices: list[int], window: int) -> tuple[int, int]:
+    """Cuts the given samples' responses after the first repeat of a `window`-token run: a long greedy response
+    of a small target often ends in a loop, which every drafter predicts and prompt lookup drafts for free, so
+    the loop's tokens would spend training on what is already solved. Returns (samples cut, tokens removed)."""
+    cut = removed = 0
+    for i in indices:
+        begin = int(samples.prompt_len[i])
+        end = repeat_end(samples.sequences[i][begin:], window)
+        if end is not None and begin + end < len(samples.sequences[i]):
+            removed += len(samples.sequences[i]) - begin - end
+            samples.sequences[i] = samples.sequences[i][: begin + end]
+            cut += 1
+    return cut, removed
+
+
 def data_id(samples: Samples) -> str:
     """A short fingerprint of the samples (the data cursor of a checkpoint belongs to one data set)."""
     h = hashlib.sha256()

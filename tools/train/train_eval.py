@@ -5,6 +5,10 @@ every possible round start n (the last committed token x_n), exactly what the dr
 round at inference: DFlash anchors its block at n with context rows < n; the MTP chain starts at entry n-1
 (target hidden at n-1, token x_n). The leading-correct count is that round's greedy acceptance, and walking the
 rounds (n -> n + accepted + 1) from the first response token reproduces the decode loop's acceptance per round.
+
+The walks run twice: over whole responses, and over their first `first_tokens` (128) tokens, which is what the
+engine's `bench lanes --max-tokens 128` decodes. The two differ a lot: a long greedy response of this target often
+ends in a repetition loop, which any drafter predicts, so whole responses overstate acceptance in chat use.
 """
 
 from __future__ import annotations
@@ -72,7 +76,8 @@ def evaluate(target, drafter, head, samples: Samples, indices: list[int], opts: 
     block, depth = opts["block_size"], len(opts["mtp_weights"])
     loss_cfg = opts.get("loss") or distill.LossConfig(mode="ce")
     unary, walk, depth_acc = SlotCounter(block), SlotCounter(block), SlotCounter(depth + 1)
-    rounds = {"dflash_walk": [], "dflash_unary": [], "mtp": []}
+    rounds = {"dflash_walk": [], "dflash_unary": [], "mtp": [], "dflash_walk_first": [], "mtp_first": []}
+    first_tokens = opts.get("first_tokens", 128)
     losses: dict[str, list[float]] = {"dflash": [], "mtp": []}
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     for start in range(0, len(indices), opts["eval_batch"]):
@@ -100,10 +105,13 @@ def evaluate(target, drafter, head, samples: Samples, indices: list[int], opts: 
             if not samples.is_pure_greedy(i):
                 continue
             begin, end = int(samples.prompt_len[i]), len(samples.sequences[i])
+            head_end = min(end, begin + first_tokens)  # the response's first first_tokens tokens, as a decode of them
             rounds["dflash_walk"] += simulate_rounds(accept_walk[row], begin, end, block - 1)
             rounds["dflash_unary"] += simulate_rounds(accept_unary[row], begin, end, block - 1)
+            rounds["dflash_walk_first"] += simulate_rounds(accept_walk[row], begin, head_end, block - 1)
             if accept_mtp is not None:
                 rounds["mtp"] += simulate_rounds(accept_mtp[row], begin, end, depth)
+                rounds["mtp_first"] += simulate_rounds(accept_mtp[row], begin, head_end, depth)
     drafter.train()
     if head is not None:
         head.train()
@@ -119,6 +127,9 @@ def evaluate(target, drafter, head, samples: Samples, indices: list[int], opts: 
         "dflash_greedy_unary": summarise_rounds(rounds["dflash_unary"], block - 1),
         "mtp_depth_accuracy": depth_acc.rates(first=1) if head is not None else None,
         "mtp_greedy": summarise_rounds(rounds["mtp"], depth) if head is not None else None,
+        "first_tokens": first_tokens,
+        "dflash_greedy_walk_first": summarise_rounds(rounds["dflash_walk_first"], block - 1),
+        "mtp_greedy_first": summarise_rounds(rounds["mtp_first"], depth) if head is not None else None,
     }
 
 
