@@ -223,6 +223,11 @@ class DecoderLayer(nn.Module):
         nkv = k.shape[1]
         groups = nh // nkv
         if mask is None or groups == 1:
+            if groups > 1 and q.dtype == torch.float32:
+                # f32 has no flash kernel, and the memory-efficient one takes no GQA: without this copy of K/V per
+                # query head, SDPA falls back to its math path, which materialises every score (10% of a training
+                # step on an H100).
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
             return out.transpose(1, 2).reshape(b, s, -1)
         # mask [s, t] or [b|1, 1, s, t] -> [b|1, 1, g*s, t]; query head h = kv head (h // g), as in repeat_kv.
