@@ -213,7 +213,8 @@ class EvalAndDataTests(unittest.TestCase):
     def test_simulate_rounds_walks_accepted_runs(self):
         accept = np.array([0, 0, 3, 0, 0, 0, 1, 0, 0, 0])
         self.assertEqual(simulate_rounds(accept, 2, 10, 7), [(3, 4), (1, 2), (0, 1)])
-        self.assertEqual(simulate_rounds(np.array([0, 5, 0, 0, 0]), 1, 5, 7), [(5, 3)])
+        # Three tokens are left after position 1: two drafts and the bonus, whatever more the drafter had right.
+        self.assertEqual(simulate_rounds(np.array([0, 5, 0, 0, 0]), 1, 5, 7), [(2, 3)])
 
     def test_repeat_end_finds_the_first_repeated_run(self):
         loop = [7, 8, 9]
@@ -279,6 +280,18 @@ class EvalAndDataTests(unittest.TestCase):
             (folder / "mtp").mkdir()
             save_file(mtp_tensors({"fc.weight": torch.ones(2, 2)}), str(folder / "mtp" / "model.safetensors"))
             self.assertEqual(set(read_mtp(folder / "mtp")), {"fc.weight"})
+
+    def test_a_resumed_series_keeps_its_trim_window(self):
+        import argparse
+
+        import train
+        state = {"target_config": {"num_layers": 3, "hidden_size": 64}, "schedule": {"total_steps": 10},
+                 "drafter_config": {}, "mtp_state": None, "mtp_depth_weights": [1.0]}
+        args = argparse.Namespace(total_steps=0, trim_repeats=None)
+        self.assertEqual(train.resumed_configs(args, state, TINY)["trim_repeats"], 0)  # recorded before trimming
+        self.assertEqual(train.resumed_configs(args, dict(state, trim_repeats=32), TINY)["trim_repeats"], 32)
+        with self.assertRaises(SystemExit):  # another window would make the cursor and the counts see new data
+            train.resumed_configs(argparse.Namespace(total_steps=0, trim_repeats=32), state, TINY)
 
     def test_export_names(self):
         state = {"candidate_selector.predecessor_codebook.weight": torch.zeros(2, 2), "fc.weight": torch.ones(2, 2)}

@@ -75,8 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--target-precision", default="f32", choices=("f32", "tf32", "bf16"),
                    help="the target's pass (labels and taps); f32 runs with TF32 off")
     g = p.add_argument_group("batches and optimizer")
-    g.add_argument("--trim-repeats", type=int, default=32,
-                   help="cut training responses after their first repeated run of this many tokens (0: keep loops)")
+    g.add_argument("--trim-repeats", type=int, default=None,
+                   help="cut training responses after their first repeated run of this many tokens (0: keep loops; "
+                        "a new series 32, a resumed one its checkpoint's, so its data cursor still fits)")
     g.add_argument("--anchors-per-seq", type=int, default=256)
     g.add_argument("--batch-tokens", type=int, default=16384, help="padded sequence tokens per step")
     g.add_argument("--batch-anchors", type=int, default=4096, help="anchored blocks per step")
@@ -103,6 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     g.add_argument("--smoke", action="store_true", help="tiny drafter, a few steps, CPU, tiny random target")
     args = p.parse_args(argv)
+    if args.init_mtp is not None and args.init_drafter is None:
+        p.error("--init-mtp goes with --init-drafter (a series starts from both, or from a checkpoint)")
     if args.smoke:
         args.device, args.layers, args.intermediate, args.num_taps = "cpu", 1, 64, 2
         args.selector_rank, args.selector_top_k, args.anchors_per_seq, args.kd_top_k = 8, 4, 8, 8
@@ -122,10 +125,11 @@ def fresh_configs(args, cfg: TargetConfig, mask_id: int, draft_cfg: dict | None 
         raise SystemExit("a fresh series needs --total-steps (the schedule spans all its runs)")
     sched = ckpt.schedule_config(args.schedule, args.total_steps, args.warmup_steps, args.decay_frac, args.lr,
                                  args.min_lr_ratio)
+    trim = 32 if args.trim_repeats is None else args.trim_repeats
+    depth_weights = [float(w) for w in args.mtp_weights.split(",")]
     if draft_cfg is not None:
-        return {"drafter_config": draft_cfg, "schedule": sched, "mtp": args.init_mtp is not None,
-                "mtp_depth_weights": [float(w) for w in args.mtp_weights.split(",")], "runs": [],
-                "token_counts": None}
+        return {"drafter_config": draft_cfg, "schedule": sched, "mtp": not args.no_mtp,
+                "mtp_depth_weights": depth_weights, "runs": [], "token_counts": None, "trim_repeats": trim}
     taps = [int(t) for t in args.taps.split(",")] if args.taps else dfl.build_target_layer_ids(cfg.num_layers,
                                                                                                args.num_taps)
     draft_cfg = dfl.draft_config(cfg, layers=args.layers, intermediate_size=args.intermediate,
@@ -134,7 +138,7 @@ def fresh_configs(args, cfg: TargetConfig, mask_id: int, draft_cfg: dict | None 
                                  selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
                                  target_layer_ids=taps)
     return {"drafter_config": draft_cfg, "schedule": sched, "mtp": not args.no_mtp,
-            "mtp_depth_weights": [float(w) for w in args.mtp_weights.split(",")], "runs": [], "token_counts": None}
+            "mtp_depth_weights": depth_weights, "runs": [], "token_counts": None, "trim_repeats": trim}
 
 
 def resumed_configs(args, state: dict, cfg: TargetConfig) -> dict:
@@ -145,9 +149,14 @@ def resumed_configs(args, state: dict, cfg: TargetConfig) -> dict:
     if args.total_steps > 0 and args.total_steps != sched["total_steps"]:
         log(f"schedule: total steps {sched['total_steps']} -> {args.total_steps}")
         sched["total_steps"] = args.total_steps
+    # The data cursor and the token counts know the data by its sequences' lengths, which trimming changes: a
+    # resumed series keeps its trim window (none before checkpoints recorded one).
+    trim = int(state.get("trim_repeats", 0))
+    if args.trim_repeats is not None and args.trim_repeats != trim:
+        raise SystemExit(f"the checkpoint's series trims repeats at {trim} tokens, not {args.trim_repeats}")
     return {"drafter_config": state["drafter_config"], "schedule": sched, "mtp": state["mtp_state"] is not None,
             "mtp_depth_weights": state["mtp_depth_weights"], "runs": list(state.get("runs", [])),
-            "token_counts": state.get("token_counts")}
+            "token_counts": state.get("token_counts"), "trim_repeats": trim}
 
 
 def build_models(conf: dict, target, cfg: TargetConfig, state: dict | None, seed: int, device):
@@ -157,7 +166,7 @@ def build_models(conf: dict, target, cfg: TargetConfig, state: dict | None, seed
         mtp_mod.init_from_target(head, target, seed)
     if state is not None:
         drafter.load_state_dict({k: v.float() for k, v in state["drafter_state"].items()})
-        if head is not None:
+        if head is not None and state["mtp_state"] is not None:
             head.load_state_dict({k: v.float() for k, v in state["mtp_state"].items()})
     return drafter.to(device), None if head is None else head.to(device)
 
@@ -205,17 +214,33 @@ def make_hooks(args, trainer_eval, save_exact):
     return [hook]
 
 
+def initial_weights(args, state: dict | None, cfg: TargetConfig) -> tuple[dict, dict]:
+    """(drafter config, {drafter_state, mtp_state}) of a series that starts from exported weights; an MTP head
+    not given starts as a copy of the target's last layer, as in any new series."""
+    if state is not None:
+        raise SystemExit("--init-drafter starts a new series; --resume continues one: give one of them")
+    if args.init_mtp is not None and args.no_mtp:
+        raise SystemExit("--init-mtp and --no-mtp contradict each other")
+    draft_cfg, draft_state = read_drafter(args.init_drafter)
+    if draft_cfg.get("num_target_layers") != cfg.num_layers or draft_cfg.get("hidden_size") != cfg.hidden_size:
+        raise SystemExit(f"{args.init_drafter} was trained for another target")
+    mtp_state = None
+    if args.init_mtp is not None:
+        mtp_state = read_mtp(args.init_mtp)
+        mtp_cfg = json.loads((args.init_mtp / "config.json").read_text(encoding="utf-8"))
+        if mtp_cfg.get("hidden_size") != cfg.hidden_size:
+            raise SystemExit(f"{args.init_mtp} was trained for another target")
+    return draft_cfg, {"drafter_state": draft_state, "mtp_state": mtp_state}
+
+
 def setup(args, device):
     """Samples, target, the series' configuration (fresh or from --resume) and a trainer ready to step."""
     samples = load_samples(args.data)
     cfg, target, tokenizer = load_target(args.gguf, device)
     state = ckpt.load(args.resume) if args.resume else None
-    if args.init_drafter is not None and state is not None:
-        raise SystemExit("--init-drafter starts a new series; --resume continues one: give one of them")
     init = None
     if args.init_drafter is not None:
-        draft_cfg, draft_state = read_drafter(args.init_drafter)
-        init = {"drafter_state": draft_state, "mtp_state": read_mtp(args.init_mtp) if args.init_mtp else None}
+        draft_cfg, init = initial_weights(args, state, cfg)
         conf = fresh_configs(args, cfg, tokenizer.token_to_id(MASK_TOKEN), draft_cfg)
     elif state is not None:
         conf = resumed_configs(args, state, cfg)
@@ -224,9 +249,9 @@ def setup(args, device):
     drafter, head = build_models(conf, target, cfg, state or init, args.seed, device)
     tc = train_config(args, conf, cfg.eos_id)
     splits = split_indices(samples)
-    if args.trim_repeats:
-        cut, removed = trim_repeats(samples, splits["train"], args.trim_repeats)
-        log(f"trimmed {cut} training responses after a repeated {args.trim_repeats}-token run: {removed} tokens")
+    if conf["trim_repeats"]:
+        cut, removed = trim_repeats(samples, splits["train"], conf["trim_repeats"])
+        log(f"trimmed {cut} training responses after a repeated {conf['trim_repeats']}-token run: {removed} tokens")
         splits = split_indices(samples)
     trainer = Trainer(target, drafter, head, tc, samples, splits["train"], device, resume=state)
     return samples, cfg, target, conf, trainer, splits
@@ -297,6 +322,7 @@ def static_state(args, conf: dict, cfg: TargetConfig, samples, splits) -> dict:
         "target_config": cfg.__dict__,
         "token_counts": conf["counts"],
         "runs": conf["runs"],
+        "trim_repeats": conf["trim_repeats"],
         "metrics": last.get("eval", {}).get("heldout", {}),
         "data": last.get("data"),
         "args": last.get("args"),

@@ -66,7 +66,8 @@ def repeat_end(response: np.ndarray, window: int) -> int | None:
         hashes = runs @ coeffs
     _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
     for j in np.nonzero(first[inverse] < np.arange(len(hashes)))[0]:
-        if np.array_equal(runs[first[inverse[j]]], runs[j]):
+        earlier = np.nonzero(hashes[:j] == hashes[j])[0]  # almost always one run: the first of this hash
+        if any(np.array_equal(runs[i], runs[j]) for i in earlier):
             return int(j) + window
     return None
 

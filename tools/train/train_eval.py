@@ -25,13 +25,14 @@ from train_data import Samples, device_batch
 def simulate_rounds(accept: np.ndarray, start: int, end: int, cap: int) -> list[tuple[int, int]]:
     """(accepted drafts, tokens committed) per round of a greedy decode from committed token `start` to the end.
 
-    A round commits its accepted drafts and the bonus token, except that nothing past the sequence end is
-    committed (the reference loop counts a final round the same way).
+    A round commits its accepted drafts and the bonus token; near the end it drafts only what is left to decode
+    (the engine's draft cap), so nothing past the sequence end is counted.
     """
     n, rounds = start, []
     while n < end - 1:
-        a = min(int(accept[n]), cap)  # never past the end: slots beyond it have no label
-        rounds.append((a, min(a + 1, end - 1 - n)))
+        # The engine drafts no further than the tokens left to decode, the last of them being the round's bonus.
+        a = min(int(accept[n]), cap, end - 2 - n)
+        rounds.append((a, a + 1))
         n += a + 1
     return rounds
 
