@@ -35,6 +35,9 @@ pub struct Switches {
     /// `DFLASH_DRAFT_GRAPH=0`: a drafter pass on a device launches its kernels one by one every time instead of
     /// replaying a CUDA graph of them.
     pub no_draft_graph: bool,
+    /// `DFLASH_KERNEL_TIMELINE=1`: an event after every CUDA launch, and the drafter's passes and the target's
+    /// steps run eagerly, so their launches' GPU times can be logged (`cuda::timeline`).
+    pub kernel_timeline: bool,
 }
 
 impl Switches {
@@ -54,6 +57,7 @@ impl Switches {
             no_step_gate: is("DFLASH_STEP_GATE", "0"),
             no_draft_summary: is("DFLASH_DRAFT_SUMMARY", "0"),
             no_draft_graph: is("DFLASH_DRAFT_GRAPH", "0"),
+            kernel_timeline: is("DFLASH_KERNEL_TIMELINE", "1"),
         }
     }
 }
@@ -87,6 +91,7 @@ mod tests {
             ("DFLASH_STEP_GATE", "0"),
             ("DFLASH_DRAFT_SUMMARY", "0"),
             ("DFLASH_DRAFT_GRAPH", "0"),
+            ("DFLASH_KERNEL_TIMELINE", "1"),
         ]));
         let want = Switches {
             simd: Some("avx2".into()),
@@ -101,9 +106,14 @@ mod tests {
             no_step_gate: true,
             no_draft_summary: true,
             no_draft_graph: true,
+            kernel_timeline: true,
         };
         assert_eq!(all, want);
-        let other = Switches::from_vars(set(&[("DFLASH_PDL", "1"), ("DFLASH_GEMM_PREFETCH", "all")]));
+        let other = Switches::from_vars(set(&[
+            ("DFLASH_PDL", "1"),
+            ("DFLASH_GEMM_PREFETCH", "all"),
+            ("DFLASH_KERNEL_TIMELINE", "yes"),
+        ]));
         assert_eq!(other, Switches::default(), "other values leave the optimisations on");
     }
 }

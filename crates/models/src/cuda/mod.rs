@@ -68,3 +68,17 @@ pub(crate) fn log_upload(dev: &CudaDevice, weight_bytes: usize, started: std::ti
         report.millis,
     );
 }
+
+/// Starts a section of the device's launch timeline named `name` (`DFLASH_KERNEL_TIMELINE=1`), logging the section
+/// it closes: each launch's GPU time, at info level under the target `dflash_kernel_timeline`. Nothing while the
+/// timeline is off; a failure to read it is logged, never returned (it is a diagnosis, not the work).
+pub(crate) fn timeline_section(dev: &CudaDevice, name: impl FnOnce() -> String) {
+    if !dev.timeline_on() {
+        return;
+    }
+    match dev.timeline_section(name) {
+        Ok(Some(report)) => tracing::info!(target: "dflash_kernel_timeline", "{report}"),
+        Ok(None) => {}
+        Err(e) => tracing::warn!(target: "dflash_kernel_timeline", "the launch timeline failed: {e}"),
+    }
+}

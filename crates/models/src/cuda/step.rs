@@ -46,7 +46,12 @@ impl<X> CudaCache<X> {
             return Err(CudaModelError::Batch("this cache was made for another model".into()));
         }
         plan::validate(batch, &self.cfg, step.model)?;
-        let key = plan::graph_key(batch, &self.cfg, step.model.num_kv_heads);
+        // The launch timeline needs the launches themselves, not a graph's replay.
+        let key = plan::graph_key(batch, &self.cfg, step.model.num_kv_heads).filter(|_| !dev.timeline_on());
+        super::timeline_section(dev, || {
+            let rows = batch.tokens.len();
+            format!("target step: {rows} rows, {} sequences", batch.seqs.len())
+        });
         let mut host = std::mem::take(&mut self.host_inputs);
         let plan = plan::plan(batch, key, &self.cfg, step.tile_rows, &mut host);
         let extra_at = host.len();

@@ -13,6 +13,7 @@ use super::compile::{self, CompileReport};
 use super::kernels::Kernels;
 use super::launch::{self, KernelLaunch};
 use super::loader::{self, ALL_LIBS};
+use super::timeline::Timeline;
 use super::{CudaError, Result};
 
 /// Bytes of the fixed cuBLAS workspace (what cuBLAS asks for on Hopper, with room).
@@ -51,6 +52,8 @@ pub struct CudaDevice {
     blas_workspace: OnceLock<DeviceBuf<u8>>,
     info: DeviceInfo,
     compile_report: CompileReport,
+    /// Launch timing for diagnosis (`DFLASH_KERNEL_TIMELINE=1`; see [`super::timeline`]).
+    pub(crate) timeline: Option<Mutex<Timeline>>,
 }
 
 /// Number of CUDA devices visible to this process.
@@ -117,6 +120,7 @@ impl CudaDevice {
             blas_workspace: OnceLock::new(),
             info,
             compile_report,
+            timeline: crate::switches::switches().kernel_timeline.then(Mutex::default),
         })
     }
 
@@ -150,7 +154,7 @@ impl CudaDevice {
 
     /// A launch of our kernel `func` on the device's stream (with PDL where the device has it).
     pub(crate) fn launch_builder<'a>(&'a self, func: &'a CudaFunction) -> KernelLaunch<'a> {
-        KernelLaunch::new(func, &self.stream, self.pdl)
+        KernelLaunch::new(func, self, self.pdl)
     }
 
     /// Whether kernels are launched with programmatic dependent launch (compute capability 9.0 and up, unless

@@ -15,25 +15,28 @@
 use std::ffi::c_void;
 use std::ptr;
 
-use cudarc::driver::{sys, CudaFunction, CudaStream, DeviceRepr, DriverError, LaunchConfig};
+use cudarc::driver::{sys, CudaFunction, DeviceRepr, DriverError, LaunchConfig};
+
+use super::device::CudaDevice;
+use super::timeline::function_name;
 
 /// Whether kernels on a device of compute capability `capability` are launched with PDL.
 pub(crate) fn pdl_enabled(capability: (i32, i32)) -> bool {
     capability.0 >= 9 && !crate::switches::switches().no_pdl
 }
 
-/// One kernel launch being put together: the function, the stream and references to its arguments (what the
-/// driver reads the argument values through).
+/// One kernel launch being put together: the function, the device (whose stream it goes to) and references to
+/// its arguments (what the driver reads the argument values through).
 pub struct KernelLaunch<'a> {
     func: &'a CudaFunction,
-    stream: &'a CudaStream,
+    dev: &'a CudaDevice,
     pdl: bool,
     args: Vec<*mut c_void>,
 }
 
 impl<'a> KernelLaunch<'a> {
-    pub(crate) fn new(func: &'a CudaFunction, stream: &'a CudaStream, pdl: bool) -> Self {
-        KernelLaunch { func, stream, pdl, args: Vec::with_capacity(16) }
+    pub(crate) fn new(func: &'a CudaFunction, dev: &'a CudaDevice, pdl: bool) -> Self {
+        KernelLaunch { func, dev, pdl, args: Vec::with_capacity(16) }
     }
 
     /// Appends the next kernel argument; the value must match the kernel's parameter type.
@@ -51,7 +54,8 @@ impl<'a> KernelLaunch<'a> {
     /// # Errors
     /// The driver refusing the launch.
     pub unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<(), DriverError> {
-        self.stream.context().bind_to_thread()?;
+        let stream = self.dev.stream();
+        stream.context().bind_to_thread()?;
         let mut attr = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
             pad: [0; 4],
@@ -65,7 +69,7 @@ impl<'a> KernelLaunch<'a> {
             blockDimY: cfg.block_dim.1,
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
-            hStream: self.stream.cu_stream(),
+            hStream: stream.cu_stream(),
             attrs: &raw mut attr,
             numAttrs: u32::from(self.pdl),
         };
@@ -73,7 +77,12 @@ impl<'a> KernelLaunch<'a> {
         // borrowed for 'a; the caller vouches for their match with the kernel.
         unsafe {
             sys::cuLaunchKernelEx(&raw const config, self.func.cu_function(), self.args.as_mut_ptr(), ptr::null_mut())
-                .result()
+                .result()?;
         }
+        self.dev.timeline_mark(|| {
+            let (g, b) = (cfg.grid_dim, cfg.block_dim);
+            format!("{} grid ({}, {}, {}) block {}", function_name(self.func), g.0, g.1, g.2, b.0 * b.1 * b.2)
+        });
+        Ok(())
     }
 }

@@ -21,6 +21,7 @@ mod launch;
 pub mod loader;
 pub mod ops;
 mod rope_table;
+mod timeline;
 mod view;
 
 pub use compile::CompileReport;
@@ -28,6 +29,7 @@ pub use device::{device_count, CudaDevice, DeviceBuf, DeviceInfo};
 pub use graph::StepGraph;
 pub use kernels::{program_source, COMPILE_OPTIONS, GEMV_DISPATCH_MAX_ROWS, GEMV_MAX_ROWS, STREAMS_MAX};
 pub use rope_table::CudaRopeTable;
+pub use timeline::TimelineReport;
 pub use view::{DevArg, DevSlice};
 
 /// Errors of the CUDA backend.

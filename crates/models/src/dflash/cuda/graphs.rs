@@ -80,7 +80,7 @@ impl PassGraphs {
         buffers: Buffers,
         record: impl Fn() -> Result<()>,
     ) -> Result<()> {
-        if self.failed || dflash_runtime::switches::switches().no_draft_graph {
+        if self.failed || dflash_runtime::switches::switches().no_draft_graph || dev.timeline_on() {
             return record();
         }
         if self.over != buffers {
