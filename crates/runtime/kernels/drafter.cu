@@ -28,9 +28,12 @@ extern "C" __global__ void dflash_conv(const float* __restrict__ x, const float*
     out[(u64)row * hidden + c] = acc;
 }
 
-// The most candidates per row draft_top_k keeps, and its threads per block (one block per row).
+// The most candidates per row draft_top_k keeps; the logits one partial block sorts (at most; a power of two);
+// the candidates the merge sorts (a power of two), which bounds partial blocks x k; threads per block.
 #define DRAFT_TOP_K_MAX 32
-#define DRAFT_TOP_K_THREADS 128
+#define DRAFT_TOP_K_CHUNK_MAX 4096
+#define DRAFT_TOP_K_MERGE 2048
+#define DRAFT_TOP_K_THREADS 256
 #define DRAFT_NO_COLUMN 0xffffffffu
 
 // Is (v_b, i_b) ranked before (v_a, i_a)? Numbers before NaN, larger values first, then lower columns: the order of
@@ -52,102 +55,121 @@ __device__ __forceinline__ void softmax_merge(float& m, float& s, float m2, floa
     m = top;
 }
 
-// The draft logits' summary, one block of DRAFT_TOP_K_THREADS per row: every value scaled as the drafter's head
-// scales it (times `multiplier`, then tanh(v / softcap) * softcap when softcap > 0), then out[row] =
-// [k columns, k value bits, top probability bits] (u32 [rows, 2k + 1]): the k best columns in ops::top_k's order
-// (DRAFT_NO_COLUMN and NaN past a row of fewer than k) and the softmax probability of the best one (NaNs skipped;
-// 1 / row_len when every value is -inf, as the CPU's softmax makes such a row uniform). CPU twin: scale, then
-// ops::top_k and ops::softmax_in_place.
-//
-// Each thread keeps the best k of its strided share in shared memory (most values fail one comparison against
-// its worst), then k rounds of a block-wide pick merge the threads' lists. Memory floor: one read of the row.
-extern "C" __global__ void __launch_bounds__(DRAFT_TOP_K_THREADS)
-    draft_top_k(const float* __restrict__ logits, u32 row_len, u32 k, float multiplier, float softcap,
-                u32* __restrict__ out) {
-    DF_GRID_DEPENDENCY();
-    __shared__ float kept_v[DRAFT_TOP_K_MAX][DRAFT_TOP_K_THREADS];
-    __shared__ u32 kept_i[DRAFT_TOP_K_MAX][DRAFT_TOP_K_THREADS];
-    __shared__ float warp_v[DRAFT_TOP_K_THREADS / 32], warp_m[DRAFT_TOP_K_THREADS / 32];
-    __shared__ u32 warp_i[DRAFT_TOP_K_THREADS / 32];
-    const u32 t = threadIdx.x, lane = t & 31u, warp = t >> 5;
-    const float* row = logits + (u64)blockIdx.x * row_len;
-    u32* dst = out + (u64)blockIdx.x * (2u * k + 1u);
-
-    u32 count = 0;
-    float worst_v = DF_NAN, m = DF_NEG_INF, s = 0.0f;
-    u32 worst_i = DRAFT_NO_COLUMN;
-    for (u32 i = t; i < row_len; i += DRAFT_TOP_K_THREADS) {
-        float v = row[i] * multiplier;
-        if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
-        if (v > m) {  // false for NaN and -inf, which add nothing
-            s = s * expf(m - v) + 1.0f;
-            m = v;
-        } else if (v == v && v != DF_NEG_INF) {
-            s += expf(v - m);
+// Sorts n pairs (a power of two) in shared memory, best first in draft_ranks_before's order (a bitonic network:
+// columns are unique, so the order is total and the result does not depend on the network).
+__device__ void draft_sort(float* v, u32* idx, u32 n) {
+    for (u32 size = 2; size <= n; size <<= 1) {
+        for (u32 stride = size >> 1; stride > 0; stride >>= 1) {
+            for (u32 t = threadIdx.x; t < n / 2; t += blockDim.x) {
+                const u32 a = 2 * t - (t & (stride - 1)), b = a + stride;
+                const bool best_first = (a & size) == 0;
+                if (draft_ranks_before(v[b], idx[b], v[a], idx[a]) == best_first) {
+                    const float tv = v[a];
+                    const u32 ti = idx[a];
+                    v[a] = v[b];
+                    idx[a] = idx[b];
+                    v[b] = tv;
+                    idx[b] = ti;
+                }
+            }
+            __syncthreads();
         }
-        if (count == k && !draft_ranks_before(v, i, worst_v, worst_i)) continue;
-        u32 p = count < k ? count : k - 1;
-        while (p > 0 && draft_ranks_before(v, i, kept_v[p - 1][t], kept_i[p - 1][t])) {
-            kept_v[p][t] = kept_v[p - 1][t];
-            kept_i[p][t] = kept_i[p - 1][t];
-            --p;
-        }
-        kept_v[p][t] = v;
-        kept_i[p][t] = i;
-        if (count < k) ++count;
-        worst_v = kept_v[count - 1][t];
-        worst_i = kept_i[count - 1][t];
     }
+}
 
-    // The row's softmax denominator: the threads' partial sums merged over the block.
+// (m, s) of the block's threads merged; thread 0 returns it. `scratch`: 2 * warps floats.
+__device__ __forceinline__ void block_softmax_merge(float& m, float& s, float* scratch) {
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
         softmax_merge(m, s, __shfl_xor_sync(DF_FULL_MASK, m, offset), __shfl_xor_sync(DF_FULL_MASK, s, offset));
     }
     if (lane == 0) {
-        warp_m[warp] = m;
-        warp_v[warp] = s;
+        scratch[warp] = m;
+        scratch[warps + warp] = s;
     }
     __syncthreads();
-    if (t == 0) {
-        for (u32 w = 1; w < DRAFT_TOP_K_THREADS / 32; ++w) softmax_merge(m, s, warp_m[w], warp_v[w]);
-        const float top = m == DF_NEG_INF ? 1.0f / (float)row_len : 1.0f / s;
-        dst[2u * k] = __float_as_uint(top);
+    if (threadIdx.x == 0) {
+        for (u32 w = 1; w < warps; ++w) softmax_merge(m, s, scratch[w], scratch[warps + w]);
     }
-    __syncthreads();
+}
 
-    // k rounds: each thread offers the head of its list, the best offer is the round's pick and leaves its list.
-    u32 head = 0;
-    for (u32 r = 0; r < k; ++r) {
-        float v = head < count ? kept_v[head][t] : DF_NAN;
-        u32 i = head < count ? kept_i[head][t] : DRAFT_NO_COLUMN;
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            const float ov = __shfl_xor_sync(DF_FULL_MASK, v, offset);
-            const u32 oi = __shfl_xor_sync(DF_FULL_MASK, i, offset);
-            if (draft_ranks_before(ov, oi, v, i)) {
-                v = ov;
-                i = oi;
+// The draft logits' summary, in two launches. draft_top_k_part, grid (parts, rows), DRAFT_TOP_K_THREADS threads:
+// block (p, r) scales logits p * chunk .. (p + 1) * chunk of row r as the drafter's head scales them (times
+// `multiplier`, then tanh(v / softcap) * softcap when softcap > 0), sorts them in shared memory and writes its best
+// k and its softmax partial (m, s) to part[r, p] = [k columns, k value bits, m bits, s bits] (u32 [rows, parts,
+// 2k + 2]). draft_top_k_merge, grid rows: sorts the parts' candidates of a row and writes out[row] = [k columns, k
+// value bits, top probability bits] (u32 [rows, 2k + 1]): the k best columns in ops::top_k's order
+// (DRAFT_NO_COLUMN and NaN past a row of fewer than k) and the softmax probability of the best one (NaNs skipped;
+// 1 / row_len when every value is -inf, as the CPU's softmax makes such a row uniform). CPU twin: scale, then
+// ops::top_k and ops::softmax_in_place. One block per row took 122 us for 8 rows of 8,192 on an H100 (its loads
+// one at a time per thread, PERFORMANCE.md entry 86); the parts spread a row over the GPU.
+extern "C" __global__ void __launch_bounds__(DRAFT_TOP_K_THREADS)
+    draft_top_k_part(const float* __restrict__ logits, u32 row_len, u32 chunk, u32 k, float multiplier,
+                     float softcap, u32* __restrict__ part) {
+    DF_GRID_DEPENDENCY();
+    __shared__ float sv[DRAFT_TOP_K_CHUNK_MAX];
+    __shared__ u32 si[DRAFT_TOP_K_CHUNK_MAX];
+    __shared__ float scratch[2 * DRAFT_TOP_K_THREADS / 32];
+    const u32 first = blockIdx.x * chunk;
+    const float* row = logits + (u64)blockIdx.y * row_len;
+    float m = DF_NEG_INF, s = 0.0f;
+    for (u32 j = threadIdx.x; j < chunk; j += blockDim.x) {
+        const u32 c = first + j;
+        float v = DF_NAN;
+        if (c < row_len) {
+            v = row[c] * multiplier;
+            if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
+            if (v > m) {  // false for NaN and -inf, which add nothing
+                s = s * expf(m - v) + 1.0f;
+                m = v;
+            } else if (v == v && v != DF_NEG_INF) {
+                s += expf(v - m);
             }
         }
-        if (lane == 0) {
-            warp_v[warp] = v;
-            warp_i[warp] = i;
+        sv[j] = v;
+        si[j] = c < row_len ? c : DRAFT_NO_COLUMN;
+    }
+    block_softmax_merge(m, s, scratch);
+    __syncthreads();
+    draft_sort(sv, si, chunk);
+    u32* dst = part + ((u64)blockIdx.y * gridDim.x + blockIdx.x) * (2u * k + 2u);
+    for (u32 r = threadIdx.x; r < k; r += blockDim.x) {
+        dst[r] = si[r];
+        dst[k + r] = __float_as_uint(sv[r]);
+    }
+    if (threadIdx.x == 0) {
+        dst[2u * k] = __float_as_uint(m);
+        dst[2u * k + 1u] = __float_as_uint(s);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(DRAFT_TOP_K_THREADS)
+    draft_top_k_merge(const u32* __restrict__ part, u32 parts, u32 row_len, u32 k, u32* __restrict__ out) {
+    DF_GRID_DEPENDENCY();
+    __shared__ float sv[DRAFT_TOP_K_MERGE];
+    __shared__ u32 si[DRAFT_TOP_K_MERGE];
+    const u32 stride = 2u * k + 2u, count = parts * k;
+    const u32* src = part + (u64)blockIdx.x * parts * stride;
+    u32 n = 1;
+    while (n < count) n <<= 1;
+    for (u32 j = threadIdx.x; j < n; j += blockDim.x) {
+        const u32 p = j / k, r = j - p * k;
+        sv[j] = j < count ? __uint_as_float(src[p * stride + k + r]) : DF_NAN;
+        si[j] = j < count ? src[p * stride + r] : DRAFT_NO_COLUMN;
+    }
+    __syncthreads();
+    draft_sort(sv, si, n);
+    u32* dst = out + (u64)blockIdx.x * (2u * k + 1u);
+    for (u32 r = threadIdx.x; r < k; r += blockDim.x) {
+        dst[r] = si[r];
+        dst[k + r] = __float_as_uint(sv[r]);
+    }
+    if (threadIdx.x == 0) {
+        float m = DF_NEG_INF, s = 0.0f;
+        for (u32 p = 0; p < parts; ++p) {
+            softmax_merge(m, s, __uint_as_float(src[p * stride + 2u * k]), __uint_as_float(src[p * stride + 2u * k + 1u]));
         }
-        __syncthreads();
-        v = warp_v[0];
-        i = warp_i[0];
-        for (u32 w = 1; w < DRAFT_TOP_K_THREADS / 32; ++w) {
-            if (draft_ranks_before(warp_v[w], warp_i[w], v, i)) {
-                v = warp_v[w];
-                i = warp_i[w];
-            }
-        }
-        if (head < count && kept_i[head][t] == i) ++head;  // columns are unique: one thread owns the pick
-        if (t == 0) {
-            dst[r] = i;
-            dst[k + r] = __float_as_uint(v);
-        }
-        __syncthreads();  // every thread read the picks before the next round writes them
+        dst[2u * k] = __float_as_uint(m == DF_NEG_INF ? 1.0f / (float)row_len : 1.0f / s);
     }
 }

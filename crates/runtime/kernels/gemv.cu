@@ -142,55 +142,120 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
     if ((threadIdx.x & 31u) == 0) y[col] = epi == EPI_ADD ? __fadd_rn(y[col], acc) : acc;
 }
 
-// m activation rows (x [m, x_ld]) through an f32 matrix: one warp per output column and chunk of up to R rows;
-// each lane reads a weight once and adds it into every row's sum, lane-strided FMAs then the warp sum per row.
-// A row's sum has the same order whatever R, m and the other rows, so its bits do not depend on the batch
-// (cuBLAS picks its kernel by shape, which made f32 and f16 checkpoints' decode and verify rows differ).
-// Epilogue as gemv_bf16_ep; x [m, k]; y [m, y_ld]. Grid: (ceil(n_out / GEMV_WARPS), ceil(m / R)).
-template <int R>
-__device__ __forceinline__ void gemm_f32_rows(const float* __restrict__ w, const float* __restrict__ x,
-                                              float* __restrict__ y, u32 y_ld, u32 n_out, u32 k, u32 m, u32 epi) {
-    const u32 lane = threadIdx.x & 31u, col = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    const u32 row0 = blockIdx.y * R, rows = min((u32)R, m - row0);
-    if (col >= n_out) return;
-    const float* gate = w + (u64)col * k;
-    const float* up = w + (u64)(col + n_out) * k;
-    const float* xs = x + (u64)row0 * k;
-    float acc[R], acc_up[R];
+// Four consecutive elements of an f32 row from element i: one 16-byte load where `vec` (k a multiple of 4, the
+// row 16-byte aligned), else four loads, zeros past k.
+__device__ __forceinline__ float4 f32_rows_load4(const float* __restrict__ p, u32 i, u32 k, bool vec) {
+    if (vec) return __ldg(reinterpret_cast<const float4*>(p + i));
+    float4 v;
+    v.x = i < k ? __ldg(p + i) : 0.0f;
+    v.y = i + 1 < k ? __ldg(p + i + 1) : 0.0f;
+    v.z = i + 2 < k ? __ldg(p + i + 2) : 0.0f;
+    v.w = i + 3 < k ? __ldg(p + i + 3) : 0.0f;
+    return v;
+}
+
+// acc + w . x, the four products added in order.
+__device__ __forceinline__ float f32_rows_dot4(float acc, float4 w, float4 x) {
+    acc = fmaf(w.x, x.x, acc);
+    acc = fmaf(w.y, x.y, acc);
+    acc = fmaf(w.z, x.z, acc);
+    return fmaf(w.w, x.w, acc);
+}
+
+// The lane's share of the sums of C columns (weight rows w_c = w + c * k, and for SWIGLU the up rows w_c + up) over
+// the chunk's rows in gemm_f32_rows: lane-strided groups of four, in order. Rows past `rows` repeat the last row and
+// columns past `cols` the last column (their sums are dropped), so the loop has no branch but its bound and its
+// loads can be issued ahead; VEC and SWIGLU are fixed per instantiation for the same reason.
+template <int R, int C, bool VEC, bool SWIGLU>
+__device__ __forceinline__ void gemm_f32_rows_sums(const float* __restrict__ w, u64 up, const float* __restrict__ xs,
+                                                   u32 k, u32 rows, u32 cols, float (&acc)[C][R],
+                                                   float (&acc_up)[C][R]) {
+    const u32 lane = threadIdx.x & 31u, groups = (k + 3u) >> 2;
+    // Two groups in flight per lane where the registers allow (32 rows' activations fill them alone).
+    constexpr int UNROLL = R * C <= 8 ? 2 : 1;
+#pragma unroll UNROLL
+    for (u32 g = lane; g < groups; g += 32) {
+        const u32 i = 4u * g;
+        float4 wg[C], wu[C];
 #pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = acc_up[r] = 0.0f;
-    for (u32 i = lane; i < k; i += 32) {
-        const float g = gate[i], u = epi == EPI_SWIGLU ? up[i] : 0.0f;
+        for (int c = 0; c < C; ++c) {
+            const float* wcol = w + (u64)min((u32)c, cols - 1u) * k;
+            wg[c] = f32_rows_load4(wcol, i, k, VEC);
+            wu[c] = SWIGLU ? f32_rows_load4(wcol + up, i, k, VEC) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            if ((u32)r >= rows) break;
-            const float v = xs[(u64)r * k + i];
-            acc[r] = fmaf(g, v, acc[r]);
-            if (epi == EPI_SWIGLU) acc_up[r] = fmaf(u, v, acc_up[r]);
-        }
-    }
+            const float4 xv = f32_rows_load4(xs + (u64)min((u32)r, rows - 1u) * k, i, k, VEC);
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        if ((u32)r >= rows) break;
-        float v = warp_sum(acc[r]);
-        if (epi == EPI_SWIGLU) v = swiglu_value(v, warp_sum(acc_up[r]));
-        if (lane == 0) {
-            float* dst = y + (u64)(row0 + r) * y_ld + col;
-            *dst = epi == EPI_ADD ? __fadd_rn(*dst, v) : v;
+            for (int c = 0; c < C; ++c) {
+                acc[c][r] = f32_rows_dot4(acc[c][r], wg[c], xv);
+                if (SWIGLU) acc_up[c][r] = f32_rows_dot4(acc_up[c][r], wu[c], xv);
+            }
         }
     }
 }
 
-#define DF_GEMM_F32_ROWS(R)                                                                                      \
+// m activation rows (x [m, k]) through an f32 matrix: each warp takes C consecutive output columns (the last warp
+// fewer) and a chunk of up to R rows; each lane reads four weights of each column at a time (lane-strided groups
+// of four) and adds them into every row's sums, then the warp sum per row and column. A sum has the same order
+// whatever R, C, m, the other rows and the load width (a group's four products are added in order either way; past
+// k the scalar path adds zeros), so its bits do not depend on the batch (cuBLAS picks its kernel by shape, which
+// made f32 and f16 checkpoints' decode and verify rows differ). These matrices are small (a drafter's: 144 to
+// 8,192 columns of 576 to 3,456), so latency bounds them: C columns per warp put C weight loads in flight per
+// lane and read each activation load C times from registers rather than from L1.
+// Epilogue as gemv_bf16_ep; y [m, y_ld]. Grid: (ceil(n_out / (GEMV_WARPS * C)), ceil(m / R)).
+template <int R, int C>
+__device__ __forceinline__ void gemm_f32_rows(const float* __restrict__ w, const float* __restrict__ x,
+                                              float* __restrict__ y, u32 y_ld, u32 n_out, u32 k, u32 m, u32 epi) {
+    const u32 lane = threadIdx.x & 31u, col0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * C;
+    const u32 row0 = blockIdx.y * R, rows = min((u32)R, m - row0);
+    if (col0 >= n_out) return;  // uniform per warp
+    const u32 cols = min((u32)C, n_out - col0);
+    const bool swiglu = epi == EPI_SWIGLU;
+    const float* wc = w + (u64)col0 * k;
+    const float* xs = x + (u64)row0 * k;
+    const u64 up = (u64)n_out * k;
+    float acc[C][R], acc_up[C][R];
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[c][r] = acc_up[c][r] = 0.0f;
+    }
+    const bool vec = (k & 3u) == 0 && aligned16(w) && aligned16(x);
+    if (vec && swiglu) {
+        gemm_f32_rows_sums<R, C, true, true>(wc, up, xs, k, rows, cols, acc, acc_up);
+    } else if (vec) {
+        gemm_f32_rows_sums<R, C, true, false>(wc, up, xs, k, rows, cols, acc, acc_up);
+    } else if (swiglu) {
+        gemm_f32_rows_sums<R, C, false, true>(wc, up, xs, k, rows, cols, acc, acc_up);
+    } else {
+        gemm_f32_rows_sums<R, C, false, false>(wc, up, xs, k, rows, cols, acc, acc_up);
+    }
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if ((u32)r >= rows || (u32)c >= cols) continue;
+            float v = warp_sum(acc[c][r]);
+            if (swiglu) v = swiglu_value(v, warp_sum(acc_up[c][r]));
+            if (lane == 0) {
+                float* dst = y + (u64)(row0 + r) * y_ld + col0 + c;
+                *dst = epi == EPI_ADD ? __fadd_rn(*dst, v) : v;
+            }
+        }
+    }
+}
+
+#define DF_GEMM_F32_ROWS(R, C)                                                                                   \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                                \
         gemm_f32_rows_r##R(const float* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,     \
                            u32 y_ld, u32 n_out, u32 k, u32 m, u32 epi) {                                          \
         DF_GRID_DEPENDENCY();                                                                                    \
-        gemm_f32_rows<R>(w, x, y, y_ld, n_out, k, m, epi);                                                       \
+        gemm_f32_rows<R, C>(w, x, y, y_ld, n_out, k, m, epi);                                                    \
     }
-DF_GEMM_F32_ROWS(1)
-DF_GEMM_F32_ROWS(8)
-DF_GEMM_F32_ROWS(32)
+DF_GEMM_F32_ROWS(1, 4)
+DF_GEMM_F32_ROWS(8, 2)
+DF_GEMM_F32_ROWS(32, 1)
 
 // ---------------------------------------------------------------------------------------------------------
 // Batch-invariant small-batch bf16 matmul on tensor cores (the decode and verify rows of bf16 targets).

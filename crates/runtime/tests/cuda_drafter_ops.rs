@@ -132,14 +132,17 @@ fn draft_top_k_matches_the_host_top_k_and_softmax() {
         LogitScale { multiplier: 1.5, softcap: Some(30.0) },
     ];
     // (row length, k): the default model's vocabulary with DFlash2's 16 and greedy's 1, the kernel's most, a
-    // length that is not a multiple of the block, and rows shorter than k.
-    for (n, k) in [(49_152, 16), (49_152, 1), (1000, DRAFT_TOP_K_MAX), (257, 16), (10, 16), (1, 1)] {
+    // length that is not a multiple of the block, rows shorter than k, and a vocabulary whose parts must grow to
+    // keep the merge within its bound (Qwen3's, with the most candidates).
+    let shapes = [(49_152, 16), (49_152, 1), (1000, DRAFT_TOP_K_MAX), (257, 16), (10, 16), (1, 1), (151_936, 32)];
+    for (n, k) in shapes {
         for scale in scales {
             let rows = 9;
             let logits: Vec<f32> = (0..rows).flat_map(|r| logit_row(&mut rng, n, r % 4)).collect();
             let dlogits = dev.upload(&logits).expect("logits");
             let out = dev.upload(&vec![0xdead_beef_u32; rows * (2 * k + 1)]).expect("poisoned summary");
-            gpu::draft_top_k(dev, &dlogits, n, k, scale, &out).expect("draft_top_k");
+            let scratch = dev.upload(&vec![0xdead_beef_u32; gpu::draft_top_k_scratch(rows, n, k)]).expect("scratch");
+            gpu::draft_top_k(dev, &dlogits, n, k, scale, &scratch, &out).expect("draft_top_k");
             let got = dev.download(&out).expect("download");
             let (mut columns, mut value_err, mut top_err) = (0.0, 0.0f64, 0.0f64);
             for (r, row) in logits.chunks_exact(n).enumerate() {
@@ -177,8 +180,15 @@ fn draft_top_k_refuses_bad_shapes() {
     let logits = poisoned(dev, 64);
     let scale = LogitScale { multiplier: 1.0, softcap: None };
     let out = dev.upload(&vec![0u32; 2 * 33]).expect("out");
-    assert!(gpu::draft_top_k(dev, &logits, 32, 0, scale, &out).is_err(), "k = 0");
-    assert!(gpu::draft_top_k(dev, &logits, 32, DRAFT_TOP_K_MAX + 1, scale, &out).is_err(), "k past the kernel's");
-    assert!(gpu::draft_top_k(dev, &logits, 30, 16, scale, &out).is_err(), "rows that do not divide the logits");
-    assert!(gpu::draft_top_k(dev, &logits, 32, 8, scale, &out).is_err(), "a summary buffer of the wrong size");
+    let scratch = dev.upload(&vec![0u32; 1024]).expect("scratch");
+    let top_k = |row_len, k, scratch: &DeviceBuf<u32>, out: &DeviceBuf<u32>| {
+        gpu::draft_top_k(dev, &logits, row_len, k, scale, scratch, out)
+    };
+    assert!(top_k(32, 16, &scratch, &out).is_ok(), "a shape it takes");
+    assert!(top_k(32, 0, &scratch, &out).is_err(), "k = 0");
+    assert!(top_k(32, DRAFT_TOP_K_MAX + 1, &scratch, &out).is_err(), "k past the kernel's");
+    assert!(top_k(30, 16, &scratch, &out).is_err(), "rows that do not divide the logits");
+    assert!(top_k(32, 8, &scratch, &out).is_err(), "a summary buffer of the wrong size");
+    let small = dev.upload(&vec![0u32; gpu::draft_top_k_scratch(2, 32, 16) - 1]).expect("scratch");
+    assert!(top_k(32, 16, &small, &out).is_err(), "a scratch buffer too small");
 }

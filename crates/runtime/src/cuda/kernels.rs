@@ -66,6 +66,9 @@ pub(crate) const MAX_DYNAMIC_SMEM: u32 = 160 * 1024;
 /// Row chunks the batch-invariant f32 matmul is compiled for (`gemm_f32_rows_r{R}` in gemv.cu).
 pub(crate) const F32_ROWS_CHUNKS: [usize; 3] = [1, 8, 32];
 
+/// Output columns per warp of each `gemm_f32_rows_r{R}` (the `C` of `DF_GEMM_F32_ROWS(R, C)` in gemv.cu).
+pub(crate) const F32_ROWS_COLUMNS: [usize; 3] = [4, 2, 1];
+
 /// Activation-row counts the quantized matmul kernels are compiled for (`mmvq_*_r{R}` in quant.cu).
 pub(crate) const MMVQ_ROWS: [usize; 4] = [1, 2, 4, 8];
 
@@ -194,7 +197,8 @@ pub(crate) struct Kernels {
     pub gdn_gated_norm: CudaFunction,
     pub sigmoid_gate_mul: CudaFunction,
     pub dflash_conv: CudaFunction,
-    pub draft_top_k: CudaFunction,
+    pub draft_top_k_part: CudaFunction,
+    pub draft_top_k_merge: CudaFunction,
     pub sample_rows: CudaFunction,
 }
 
@@ -332,7 +336,8 @@ impl Kernels {
             gdn_gated_norm: get("gdn_gated_norm")?,
             sigmoid_gate_mul: get("sigmoid_gate_mul")?,
             dflash_conv: get("dflash_conv")?,
-            draft_top_k: get("draft_top_k")?,
+            draft_top_k_part: get("draft_top_k_part")?,
+            draft_top_k_merge: get("draft_top_k_merge")?,
             sample_rows: get("sample_rows")?,
         })
     }

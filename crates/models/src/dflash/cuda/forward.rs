@@ -1,9 +1,9 @@
 //! The CUDA block pass and context append; the CPU's (`../cpu/forward.rs`) step for step.
 
 use dflash_runtime::cuda::ops::{
-    add_rms_norm, attn_split_keys, dflash_conv, draft_top_k, gemm, paged_attention, rms_norm, rope_kv_write,
-    swiglu_fused, AttentionArgs, AttentionScratch, ConvSide, GemmArgs, KeySplit, LogitScale, RopeKvArgs,
-    ATTN_MAX_QUERIES, DRAFT_TOP_K_MAX,
+    add_rms_norm, attn_split_keys, dflash_conv, draft_top_k, draft_top_k_scratch, f32_rows_fit, gemm, gemm_f32_rows,
+    paged_attention, rms_norm, rope_kv_write, swiglu_fused, AttentionArgs, AttentionScratch, ConvSide, Epilogue,
+    GemmArgs, KeySplit, LogitScale, RopeKvArgs, ATTN_MAX_QUERIES, DRAFT_TOP_K_MAX,
 };
 use dflash_runtime::cuda::{CudaDevice, DevSlice, DeviceBuf};
 use dflash_runtime::Tensor;
@@ -41,6 +41,7 @@ pub(super) struct Workspace {
     act: Option<DeviceBuf<f32>>, // [rows, I]
     logits: Option<DeviceBuf<f32>>, // [rows, head rows]
     summary: Option<DeviceBuf<u32>>, // [rows, 2k + 1]: `draft_top_k`'s output
+    summary_scratch: Option<DeviceBuf<u32>>, // `draft_top_k`'s partial summaries
     captured: Option<DeviceBuf<f32>>, // [rows, fc_in]
     ints: Option<DeviceBuf<u32>>,
     scratch: Option<(AttentionScratch, usize)>, // and the partial states it holds
@@ -111,10 +112,17 @@ impl Workspace {
         Ok(())
     }
 
-    /// Makes the summary buffer hold `len` u32s.
-    fn ensure_summary(&mut self, dev: &CudaDevice, len: usize) -> Result<()> {
+    /// Makes the summary buffers hold `rows` rows of the best `k` of `row_len` logits.
+    fn ensure_summary(&mut self, dev: &CudaDevice, rows: usize, row_len: usize, k: usize) -> Result<()> {
+        let alloc = |len: usize| dev.alloc_zeros::<u32>(len.next_power_of_two()).map_err(device_err);
+        let len = rows * (2 * k + 1);
         if self.summary.as_ref().is_none_or(|b| b.len() < len) {
-            self.summary = Some(dev.alloc_zeros::<u32>(len.next_power_of_two()).map_err(device_err)?);
+            self.summary = Some(alloc(len)?);
+            self.allocations += 1;
+        }
+        let scratch = draft_top_k_scratch(rows, row_len, k);
+        if self.summary_scratch.as_ref().is_none_or(|b| b.len() < scratch) {
+            self.summary_scratch = Some(alloc(scratch)?);
             self.allocations += 1;
         }
         Ok(())
@@ -149,10 +157,33 @@ fn device_kv<'c>(ctx: &'c DrafterContext, drafter: &CudaDrafter) -> Result<&'c D
     }
 }
 
-/// `y[m, n] = x[m, k] · W[n, k]ᵀ` in f32.
+/// `y[m, n] = x[m, k] · W[n, k]ᵀ` in f32: the few-row kernel up to 32 rows (a pass's and a step's appends; cuBLAS
+/// spent 55 us on a 144-column matrix of 8 rows there, PERFORMANCE.md entry 86), cuBLAS beyond.
 fn matmul(dev: &CudaDevice, w: DevSlice<f32>, n: usize, x: DevSlice<f32>, m: usize, y: DevSlice<f32>) -> Result<()> {
     let k = w.len().checked_div(n).unwrap_or(0);
+    if f32_rows_fit(m) {
+        let x = x.prefix(m * k).map_err(device_err)?;
+        return gemm_f32_rows(dev, w, n, x, m, y, n, Epilogue::Store).map_err(device_err);
+    }
     gemm(dev, GemmArgs::f32(w, n, k, x, m, y, n, false)).map_err(device_err)
+}
+
+/// `act[m, f] = silu(x · Wgᵀ) * (x · Wuᵀ)` for `gate_up` = `[Wg; Wu]` (`[2f, k]`): the epilogue of the few-row
+/// kernel up to 32 rows, else the matmul into `gate_up` (`[m, 2f]`) and the SwiGLU kernel.
+fn mlp_gate_up(
+    dev: &CudaDevice,
+    w: DevSlice<f32>,
+    f: usize,
+    x: DevSlice<f32>,
+    m: usize,
+    (gate_up, act): (DevSlice<f32>, DevSlice<f32>),
+) -> Result<()> {
+    if f32_rows_fit(m) {
+        let x = x.prefix(m * w.len().checked_div(2 * f).unwrap_or(0)).map_err(device_err)?;
+        return gemm_f32_rows(dev, w, f, x, m, act, f, Epilogue::Swiglu).map_err(device_err);
+    }
+    matmul(dev, w, 2 * f, x, m, gate_up)?;
+    swiglu_fused(dev, gate_up, act, m).map_err(device_err)
 }
 
 impl CudaDrafter {
@@ -189,6 +220,7 @@ impl CudaDrafter {
     fn append_chunk(&self, model: &DraftModel, rows: &[f32], positions: &[u32], slots: &[u32]) -> Result<()> {
         let dev = &*self.dev;
         let m = positions.len();
+        crate::cuda::timeline_section(&self.dev, || format!("drafter context append: {m} rows"));
         let ints: Vec<u32> = positions.iter().chain(slots).copied().collect();
         let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
         work.ensure(dev, model, m, ints.len())?;
@@ -260,11 +292,12 @@ impl CudaDrafter {
         };
         let plan = IntPlan::new(model, self, requests, &blocks, &positions)?;
         let dev = &*self.dev;
+        crate::cuda::timeline_section(dev, || format!("drafter pass: {rows} rows, {} blocks", blocks.len()));
         let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
         work.ensure(dev, model, rows, plan.ints.len())?;
         work.ensure_logits(dev, rows * n)?;
         if let Some(k) = top_k {
-            work.ensure_summary(dev, rows * (2 * k + 1))?;
+            work.ensure_summary(dev, rows, n, k)?;
         }
         work.scratch(dev, model, rows, plan.splits)?;
         let prepared = timing.map(|t| t.elapsed());
@@ -506,7 +539,7 @@ impl Pass<'_> {
         let cfg = &self.model.cfg;
         let scale = LogitScale { multiplier: cfg.output_multiplier, softcap: cfg.final_logit_softcapping };
         let out = buf(&self.work.summary)?.view().sub(0, rows * (2 * k + 1)).map_err(device_err)?;
-        draft_top_k(dev, logits, n, k, scale, out).map_err(device_err)
+        draft_top_k(dev, logits, n, k, scale, buf(&self.work.summary_scratch)?, out).map_err(device_err)
     }
 
     fn rows_of<'b>(&self, b: &'b Option<DeviceBuf<f32>>, width: usize) -> Result<DevSlice<'b, f32>> {
@@ -546,8 +579,7 @@ impl Pass<'_> {
             None => normed,
         };
         let (gate_up, act) = (self.rows_of(&w.gate_up, 2 * f)?, self.rows_of(&w.act, f)?);
-        matmul(dev, layer.gate_up.view(), 2 * f, mlp_in, self.rows, gate_up)?;
-        swiglu_fused(dev, gate_up, act, self.rows).map_err(device_err)?;
+        mlp_gate_up(dev, layer.gate_up.view(), f, mlp_in, self.rows, (gate_up, act))?;
         matmul(dev, layer.down.view(), h, act, self.rows, delta)?;
         let mlp_out = match convs {
             Some([_, conv]) => self.conv_finish(conv, delta)?,

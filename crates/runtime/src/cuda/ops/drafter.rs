@@ -86,9 +86,14 @@ pub fn dflash_conv<'a>(
 
 /// The most candidates per row [`draft_top_k`] keeps (`DRAFT_TOP_K_MAX` in drafter.cu).
 pub const DRAFT_TOP_K_MAX: usize = 32;
-
-/// Threads of one [`draft_top_k`] block (`DRAFT_TOP_K_THREADS` in drafter.cu).
-const DRAFT_TOP_K_THREADS: u32 = 128;
+/// Threads of one block of either summary kernel (`DRAFT_TOP_K_THREADS` in drafter.cu).
+const DRAFT_TOP_K_THREADS: u32 = 256;
+/// Logits one partial block sorts: at most (`DRAFT_TOP_K_CHUNK_MAX`), and by default where that keeps the merge
+/// within its bound.
+const DRAFT_TOP_K_CHUNK_MAX: usize = 4096;
+const DRAFT_TOP_K_CHUNK: usize = 1024;
+/// Candidates the merge sorts at most (`DRAFT_TOP_K_MERGE`): partial blocks x k.
+const DRAFT_TOP_K_MERGE: usize = 2048;
 
 /// How a drafter's head scales its logits before anything reads them: `l · multiplier`, then
 /// `tanh(l / softcap) · softcap` when a softcap is set.
@@ -98,42 +103,80 @@ pub struct LogitScale {
     pub softcap: Option<f32>,
 }
 
+/// How [`draft_top_k`] cuts rows of `row_len` for `k` candidates: `(chunk, parts)`, logits per partial block (a
+/// power of two, at least `k`) and partial blocks per row; `None` where the merge cannot hold the candidates.
+fn top_k_parts(row_len: usize, k: usize) -> Option<(usize, usize)> {
+    let mut chunk = row_len.next_power_of_two().clamp(k.next_power_of_two(), DRAFT_TOP_K_CHUNK);
+    while row_len.div_ceil(chunk) * k > DRAFT_TOP_K_MERGE {
+        chunk *= 2;
+    }
+    (chunk <= DRAFT_TOP_K_CHUNK_MAX).then(|| (chunk, row_len.div_ceil(chunk)))
+}
+
+/// The scratch [`draft_top_k`] needs for `rows` rows of `row_len` with `k` candidates, in u32s (0 where it refuses
+/// the shape).
+pub fn draft_top_k_scratch(rows: usize, row_len: usize, k: usize) -> usize {
+    top_k_parts(row_len, k).map_or(0, |(_, parts)| rows * parts * (2 * k + 2))
+}
+
 /// A summary of every row of `logits` (`[rows, row_len]`), each value scaled by `scale` first: `out[r]` =
 /// `[k columns, k value bits, top probability bits]` (`[rows, 2k + 1]` u32): the row's best `k` columns, larger values
 /// first then lower columns (NaN last, `u32::MAX` past a row of fewer than `k`), their scaled values as f32 bits,
 /// and the softmax probability of the best column (NaNs skipped). Twin of `ops::top_k` and `ops::softmax_in_place`
 /// on the scaled row; the values are the scaled logits' exact bits, the probability rounds its sum in another
-/// order.
+/// order. Two launches: each row's parts sorted side by side into `scratch` (at least [`draft_top_k_scratch`]
+/// u32s), then merged.
 ///
 /// # Errors
-/// `k` outside `1..=DRAFT_TOP_K_MAX`, lengths that do not form these shapes; a launch failure.
+/// `k` outside `1..=DRAFT_TOP_K_MAX`, lengths that do not form these shapes, rows too long for the merge (over
+/// 2,048 / k parts of 4,096); a launch failure.
 pub fn draft_top_k<'a>(
     dev: &CudaDevice,
     logits: impl DevArg<'a, f32>,
     row_len: usize,
     k: usize,
     scale: LogitScale,
+    scratch: impl DevArg<'a, u32>,
     out: impl DevArg<'a, u32>,
 ) -> Result<()> {
-    let (logits, out) = (logits.dev(), out.dev());
+    let (logits, scratch, out) = (logits.dev(), scratch.dev(), out.dev());
     let rows = logits.len().checked_div(row_len).unwrap_or(0);
-    if k == 0 || k > DRAFT_TOP_K_MAX || rows * row_len != logits.len() || out.len() != rows * (2 * k + 1) {
+    let parts = top_k_parts(row_len, k);
+    if k == 0
+        || k > DRAFT_TOP_K_MAX
+        || rows * row_len != logits.len()
+        || out.len() != rows * (2 * k + 1)
+        || parts.is_none()
+        || scratch.len() < draft_top_k_scratch(rows, row_len, k)
+    {
         return Err(shape_err(format!(
-            "draft_top_k: {} logits in rows of {row_len}, top {k} (at most {DRAFT_TOP_K_MAX}), out {}",
+            "draft_top_k: {} logits in rows of {row_len}, top {k} (at most {DRAFT_TOP_K_MAX}), out {}, scratch {}",
             logits.len(),
-            out.len()
+            out.len(),
+            scratch.len()
         )));
     }
-    if rows == 0 {
-        return Ok(());
-    }
-    let (row_len, k32) = (dim(row_len, "row_len")?, dim(k, "k")?);
+    let Some((chunk, parts)) = parts.filter(|_| rows > 0) else { return Ok(()) };
+    let (row_len, k32, chunk, parts) =
+        (dim(row_len, "row_len")?, dim(k, "k")?, dim(chunk, "chunk")?, dim(parts, "parts")?);
     let softcap = scale.softcap.unwrap_or(0.0);
-    let mut launch = dev.launch_builder(&dev.kernels.draft_top_k);
-    launch.arg(logits.arg()).arg(&row_len).arg(&k32).arg(&scale.multiplier).arg(&softcap).arg(out.arg());
-    // SAFETY: the arguments match the kernel's signature; the shapes were checked above (one block per row reads
-    // `row_len` values and writes `2k + 1`).
+    let mut launch = dev.launch_builder(&dev.kernels.draft_top_k_part);
+    launch
+        .arg(logits.arg())
+        .arg(&row_len)
+        .arg(&chunk)
+        .arg(&k32)
+        .arg(&scale.multiplier)
+        .arg(&softcap)
+        .arg(scratch.arg());
+    // SAFETY: the arguments match the kernel's signature; the shapes were checked above (block (p, r) reads at
+    // most `chunk` values of row r and writes `2k + 2` u32s at part p of row r).
+    unsafe { launch.launch(launch_cfg((parts, dim(rows, "rows")?, 1), DRAFT_TOP_K_THREADS)) }
+        .map_err(launch_err("draft_top_k_part"))?;
+    let mut launch = dev.launch_builder(&dev.kernels.draft_top_k_merge);
+    launch.arg(scratch.arg()).arg(&parts).arg(&row_len).arg(&k32).arg(out.arg());
+    // SAFETY: as above; parts x k is at most the merge's DRAFT_TOP_K_MERGE (top_k_parts), one block per row.
     unsafe { launch.launch(launch_cfg((dim(rows, "rows")?, 1, 1), DRAFT_TOP_K_THREADS)) }
-        .map_err(launch_err("draft_top_k"))?;
+        .map_err(launch_err("draft_top_k_merge"))?;
     Ok(())
 }

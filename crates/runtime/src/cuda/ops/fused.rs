@@ -11,8 +11,8 @@ use half::bf16;
 use super::{dim, launch_cfg, launch_err, shape_err, ROW_BLOCK};
 use crate::cuda::device::CudaDevice;
 use crate::cuda::kernels::{
-    F32_ROWS_CHUNKS, GEMV_ROWS_PER_BLOCK, MAX_DYNAMIC_SMEM, SMALL_GEMM_COLS_PER_BLOCK, SMALL_GEMM_MAX_ROWS,
-    SMALL_GEMM_TILES,
+    F32_ROWS_CHUNKS, F32_ROWS_COLUMNS, GEMV_ROWS_PER_BLOCK, MAX_DYNAMIC_SMEM, SMALL_GEMM_COLS_PER_BLOCK,
+    SMALL_GEMM_MAX_ROWS, SMALL_GEMM_TILES,
 };
 use crate::cuda::view::{DevArg, DevSlice};
 use crate::cuda::{CudaError, Result};
@@ -173,7 +173,9 @@ pub fn gemm(dev: &CudaDevice, a: GemmArgs) -> Result<()> {
             cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
     }
-    .map_err(|source| CudaError::Cublas { what: "cublasGemmEx".into(), source })
+    .map_err(|source| CudaError::Cublas { what: "cublasGemmEx".into(), source })?;
+    dev.timeline_mark(|| format!("cublasGemmEx {:?} m={m} n={n} k={k}", a.ty));
+    Ok(())
 }
 
 /// One activation row through a bf16 matrix with a fused prologue and epilogue: warp per output column.
@@ -247,8 +249,8 @@ pub fn gemm_f32_rows<'a>(
     }
     // The smallest chunk that covers m (the largest beyond it).
     let ci = F32_ROWS_CHUNKS.iter().position(|&r| r >= m).unwrap_or(F32_ROWS_CHUNKS.len() - 1);
-    let chunk = F32_ROWS_CHUNKS[ci];
-    let grid = (dim(n_out.div_ceil(GEMV_ROWS_PER_BLOCK as usize), "blocks")?, dim(m.div_ceil(chunk), "chunks")?, 1);
+    let (chunk, per_block) = (F32_ROWS_CHUNKS[ci], GEMV_ROWS_PER_BLOCK as usize * F32_ROWS_COLUMNS[ci]);
+    let grid = (dim(n_out.div_ceil(per_block), "blocks")?, dim(m.div_ceil(chunk), "chunks")?, 1);
     let (y_ld32, n, k32, m32, code) = (dim(y_ld, "y_ld")?, dim(n_out, "n")?, dim(k, "k")?, dim(m, "m")?, epi.code());
     let mut launch = dev.launch_builder(&dev.kernels.gemm_f32_rows[ci]);
     launch.arg(w.arg()).arg(x.arg()).arg(y.arg()).arg(&y_ld32).arg(&n).arg(&k32).arg(&m32).arg(&code);
