@@ -304,12 +304,21 @@ impl Scheduler {
     /// `first_position ..`, `[rows, capture_width]`) where they are prompt positions, to be cached with their
     /// pages. Call after each forward, for every sequence's kept rows.
     pub fn keep_capture(&mut self, i: usize, first_position: usize, rows: &[f32]) {
+        if !self.keeps_captures(i) {
+            return;
+        }
         let width = self.cfg.capture_width;
-        let Some(seq) = self.running.get_mut(i) else { return };
-        if width > 0 && seq.uses_prefix_cache() && self.pages.prefix_cache().enabled() {
+        if let Some(seq) = self.running.get_mut(i) {
             let end = seq.prompt_len();
             seq.prefix.captured.push(first_position, rows, width, end);
         }
+    }
+
+    /// Whether `running[i]`'s prompt rows' captured states are kept to be cached with their pages
+    /// ([`Scheduler::keep_capture`]).
+    pub fn keeps_captures(&self, i: usize) -> bool {
+        let cached = self.running.get(i).is_some_and(|seq| seq.uses_prefix_cache());
+        self.cfg.capture_width > 0 && cached && self.pages.prefix_cache().enabled()
     }
 
     /// Where `running[i]`'s state should be snapshotted now, if anywhere: the position its last forward ended

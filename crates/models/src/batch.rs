@@ -110,6 +110,48 @@ pub enum Readout {
     Argmax,
 }
 
+/// A step's captured rows left on the device that ran it (`[T, width]` f32; [`ForwardOut::device_captured`]), so a
+/// drafter there appends them to its contexts without a round trip through the host. They stay valid until the
+/// target's next step writes them: work queued on the device's one stream before that step reads them in order.
+#[derive(Clone)]
+pub struct DeviceCaptured {
+    #[cfg(feature = "cuda")]
+    pub(crate) dev: std::sync::Arc<dflash_runtime::cuda::CudaDevice>,
+    #[cfg(feature = "cuda")]
+    pub(crate) buf: std::sync::Arc<dflash_runtime::cuda::DeviceBuf<f32>>,
+    rows: usize,
+    width: usize,
+}
+
+impl DeviceCaptured {
+    /// Rows `[rows, width]` at the start of `buf`, on `dev`.
+    #[cfg(feature = "cuda")]
+    pub fn new(
+        dev: std::sync::Arc<dflash_runtime::cuda::CudaDevice>,
+        buf: std::sync::Arc<dflash_runtime::cuda::DeviceBuf<f32>>,
+        rows: usize,
+        width: usize,
+    ) -> Self {
+        DeviceCaptured { dev, buf, rows, width }
+    }
+
+    /// Rows the step captured.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Floats per row.
+    pub fn width(&self) -> usize {
+        self.width
+    }
+}
+
+impl std::fmt::Debug for DeviceCaptured {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceCaptured").field("rows", &self.rows).field("width", &self.width).finish()
+    }
+}
+
 /// What a forward returns.
 #[derive(Debug)]
 pub struct ForwardOut {
@@ -124,14 +166,17 @@ pub struct ForwardOut {
     /// [`StepDraws::host_rows`]); `None` when it holds every logit row.
     pub logits_held: Option<Vec<usize>>,
     /// Hidden states at the load-time capture layers, concatenated per row (empty when none are captured): `hidden`
-    /// values a tap, or on a stream target what its taps read (`Target::capture_width`).
+    /// values a tap, or on a stream target what its taps read (`Target::capture_width`). `None` on a device step
+    /// whose sequences asked none of them back ([`crate::StepSeq::host_capture`]).
     pub captured: Option<Tensor>, // [T, capture width]
+    /// The same rows where a device target left them, for drafters on that device.
+    pub device_captured: Option<DeviceCaptured>,
 }
 
 impl ForwardOut {
     /// The output of a forward: its logits and captured rows, nothing chosen yet.
     pub fn new(logits: Tensor, captured: Option<Tensor>) -> Self {
-        ForwardOut { logits, ids: None, drawn: None, logits_held: None, captured }
+        ForwardOut { logits, ids: None, drawn: None, logits_held: None, captured, device_captured: None }
     }
 
     /// Adds the draws of `draws` (see [`crate::Target::forward_step_drawn`]), made here from the host logits, and

@@ -28,7 +28,7 @@ pub mod target;
 pub mod tokenizer;
 pub mod weights;
 
-pub use batch::{ForwardBatch, ForwardOut, KvCache, Readout, SeqRows, StepDraws};
+pub use batch::{DeviceCaptured, ForwardBatch, ForwardOut, KvCache, Readout, SeqRows, StepDraws};
 pub use checkpoint::{Checkpoint, GenerationDefaults, LoadOptions, ModelInfo};
 pub use config::ModelConfig;
 pub use dflash::{DraftModel, DrafterContext, TargetShape};

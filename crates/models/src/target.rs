@@ -23,6 +23,10 @@ pub struct StepSeq {
     pub key: u64,
     /// Its rows are a verify round (the anchor, then drafts): [`Target::verified`] follows with the rows kept.
     pub verifies: bool,
+    /// Its captured rows must come back to the host (the prefix cache keeps a prompt's; a drafter on the host reads
+    /// them). A target that keeps captured rows on its device ([`Target::keeps_captured_on_device`]) copies a step's
+    /// back only when one of its sequences asks.
+    pub host_capture: bool,
 }
 
 /// What a sequence resuming from cached prompt pages needs besides them.
@@ -87,6 +91,13 @@ pub trait Target: Send {
     #[cfg(feature = "cuda")]
     fn cuda_device(&self) -> Option<Arc<dflash_runtime::cuda::CudaDevice>> {
         None
+    }
+
+    /// Whether a step's captured rows also stay on the target's device ([`crate::ForwardOut::device_captured`]), and
+    /// come back to the host only for sequences that ask ([`StepSeq::host_capture`]). False by default: every step's
+    /// captured rows come back.
+    fn keeps_captured_on_device(&self) -> bool {
+        false
     }
 
     /// The host copies of the embedding, LM head and final norm that drafters (block drafters, MTP heads) read,

@@ -18,12 +18,12 @@ use std::sync::Arc;
 use common::{assert_close, cuda_device, fixtures};
 use dflash_models::config::ModelConfig;
 use dflash_models::dflash::{
-    BlockOutput, BlockRequest, BlockScores, ContextAppend, DraftHead, DraftModel, DraftSampling, DraftVocab,
-    DrafterContext, InverseCdf, SamplingFilter, ScoreReadback, TargetShape,
+    BlockOutput, BlockRequest, BlockScores, ContextAppend, DeviceAppend, DraftHead, DraftModel, DraftSampling,
+    DraftVocab, DrafterContext, InverseCdf, SamplingFilter, ScoreReadback, TargetShape,
 };
 use dflash_models::llama::{load_hf_weights, LlamaModel};
 use dflash_models::safetensors_dir::read_json;
-use dflash_models::LoadOptions;
+use dflash_models::{DeviceCaptured, LoadOptions};
 use dflash_runtime::cuda::CudaDevice;
 use dflash_runtime::Tensor;
 
@@ -338,6 +338,63 @@ fn cuda_joint_appends_match_one_append_each() {
         let (want, got) = (pass(one), pass(joint));
         check_block(&format!("joint append {name}"), &got, &want);
     }
+}
+
+/// Rows a target left on the device (`DeviceCaptured`) appended where they are give the contexts the host's rows give:
+/// the same passes after the same appends, alone and jointly, rows a context already holds skipped; rows of another
+/// width, past the step's, or for a drafter on the host are refused.
+#[test]
+fn cuda_appends_from_device_rows_match_host_appends() {
+    let Some(dev) = cuda_device("cuda_dflash") else { return };
+    let (cpu, target, rows) = cpu_pair("dflash-v2");
+    let (embed, lm_head) = (target.embedding(), target.lm_head());
+    let gpu = on_gpu("dflash-v2", &dev, &cpu, lm_head);
+    let width = rows.len() / POSITIONS;
+    let step = DeviceCaptured::new(Arc::clone(&dev), Arc::new(dev.upload(&rows).expect("rows")), POSITIONS, width);
+    assert!(gpu.takes_device_rows(&step) && !cpu.takes_device_rows(&step));
+    let fresh = || gpu.new_context().expect("context");
+    let (mut a, mut b, mut da, mut db) = (fresh(), fresh(), fresh(), fresh());
+    for ctx in [&mut b, &mut db] {
+        gpu.append_context(ctx, 0, &rows[..7 * width]).expect("b's first rows on the host");
+    }
+    gpu.append_context(&mut a, 0, &rows[..40 * width]).expect("a");
+    gpu.append_context(&mut b, 5, &rows[5 * width..80 * width]).expect("b");
+    gpu.append_contexts_device(&mut [DeviceAppend { ctx: &mut da, first_position: 0, rows: 0..40 }], &step)
+        .expect("a from the device");
+    gpu.append_contexts_device(&mut [DeviceAppend { ctx: &mut db, first_position: 5, rows: 5..80 }], &step)
+        .expect("b from the device, its first rows skipped");
+    gpu.append_context(&mut a, 40, &rows[40 * width..41 * width]).expect("a's next row");
+    gpu.append_context(&mut b, 80, &rows[80 * width..83 * width]).expect("b's next rows");
+    gpu.append_contexts_device(
+        &mut [
+            DeviceAppend { ctx: &mut da, first_position: 40, rows: 40..41 },
+            DeviceAppend { ctx: &mut db, first_position: 80, rows: 80..83 },
+        ],
+        &step,
+    )
+    .expect("joint append from the device");
+    for (name, host, device) in [("a", &mut a, &mut da), ("b", &mut b, &mut db)] {
+        assert_eq!(device.len(), host.len(), "{name}: length");
+        let pass = |ctx: &mut DrafterContext| {
+            let mut requests = [BlockRequest { ctx, anchor: 3, width: 8 }];
+            gpu.forward_blocks(&mut requests, embed, lm_head, None).expect("pass").remove(0)
+        };
+        let (want, got) = (pass(host), pass(device));
+        check_block(&format!("device rows {name}"), &got, &want);
+    }
+    let narrow =
+        DeviceCaptured::new(Arc::clone(&dev), Arc::new(dev.upload(&rows).expect("rows")), POSITIONS, width / 2);
+    let mut c = fresh();
+    let refused = |c: &mut DrafterContext, captured: &DeviceCaptured, rows| {
+        gpu.append_contexts_device(&mut [DeviceAppend { ctx: c, first_position: 0, rows }], captured).is_err()
+    };
+    assert!(refused(&mut c, &narrow, 0..4), "rows of another width");
+    assert!(refused(&mut c, &step, POSITIONS - 1..POSITIONS + 1), "rows past the step's");
+    assert!(!refused(&mut c, &step, 0..0) && c.is_empty(), "nothing to append");
+    let mut host_ctx = cpu.new_context().expect("host context");
+    let host_refused =
+        cpu.append_contexts_device(&mut [DeviceAppend { ctx: &mut host_ctx, first_position: 0, rows: 0..4 }], &step);
+    assert!(host_refused.is_err(), "a drafter on the host");
 }
 
 /// A drafter with sliding-window layers is named, and refused by the CUDA passes rather than run wrong; the server's

@@ -100,7 +100,7 @@ fn drive(target: &mut dyn dflash_models::Target, prompt: &[u32], steps: usize) -
             [SeqRows { num_rows: rows.len(), context_len: context, block_table: &table, prompt_len: prompt.len() }];
         let last = [rows.len() as u32 - 1];
         let batch = ForwardBatch { tokens: rows, positions: &positions, seqs: &seqs, slots: &slots, logit_rows: &last };
-        let step = [StepSeq { key: 1, verifies: false }];
+        let step = [StepSeq { key: 1, verifies: false, host_capture: true }];
         let out = target.forward_step(&batch, &step, Readout::Logits).expect("forward");
         let row = out.logits.as_f32().expect("f32");
         assert_eq!(row.len(), vocab, "one whole row of logits");
@@ -189,7 +189,7 @@ fn a_hybrid_target_splits_its_linear_attention_and_experts() {
             let seqs = [SeqRows { num_rows: tokens.len(), context_len: context, block_table: &table, prompt_len: 9 }];
             let rows: Vec<u32> = (0..tokens.len() as u32).collect();
             let batch = ForwardBatch { tokens, positions: &positions, seqs: &seqs, slots: &slots, logit_rows: &rows };
-            let step = [StepSeq { key: 1, verifies }];
+            let step = [StepSeq { key: 1, verifies, host_capture: true }];
             t.forward_step(&batch, &step, Readout::Logits).expect("step").logits.as_f32().expect("f32").to_vec()
         };
         run(t, &[want_tokens[5], 1, 2], true);

@@ -1,11 +1,12 @@
 //! The inside of a step: the flat batch from the plan, then sampling and verification of its logits.
 
+use std::ops::Range;
 use std::time::Instant;
 
 use rayon::prelude::*;
 
 use dflash_models::tokenizer::Tokenizer;
-use dflash_models::{ForwardBatch, ForwardOut, Readout, RowMask, RowMasks, SeqRows};
+use dflash_models::{DeviceCaptured, ForwardBatch, ForwardOut, Readout, RowMask, RowMasks, SeqRows};
 
 use super::draws::drawn_logprob;
 use super::Engine;
@@ -15,7 +16,7 @@ use crate::sampler;
 use crate::scheduler::StepItem;
 use crate::sequence::Outcome;
 use crate::spec::verify::{accept_prefix, typical_accepts};
-use crate::spec::LaneKind;
+use crate::spec::{DflashProposer, LaneKind};
 use crate::EngineError;
 use dflash_models::{ResumeState, StepSeq};
 use dflash_runtime::ops::sample::Drawn;
@@ -87,8 +88,14 @@ impl Engine {
             slots: &inputs.slots,
             logit_rows: &inputs.logit_rows,
         };
-        let keyed: Vec<StepSeq> =
-            items.iter().map(|item| StepSeq { key: running[item.seq].key, verifies: item.drafts > 0 }).collect();
+        let keyed: Vec<StepSeq> = items
+            .iter()
+            .map(|item| StepSeq {
+                key: running[item.seq].key,
+                verifies: item.drafts > 0,
+                host_capture: self.needs_host_capture(item),
+            })
+            .collect();
         Ok(match (masks, draws) {
             (Some(masks), _) => self.target.forward_step_masked(&batch, &keyed, masks)?,
             (None, Some(draws)) => self.target.forward_step_drawn(&batch, &keyed, &draws)?,
@@ -221,7 +228,9 @@ impl Engine {
             }
         };
         let capture_width = out.captured.as_ref().map_or(0, |c| c.row_len());
-        // A drawn step's constrained rows are chosen on the host from their logits, not from its draws.
+        let on_device = out.device_captured.as_ref();
+        let mut device_rows = Vec::new(); // (sequence, first position, rows of the step)
+                                          // A drawn step's constrained rows are chosen on the host from their logits, not from its draws.
         if let Some(ids) = ids.filter(|_| out.drawn.is_none()) {
             self.advance_grammars(items, ids);
         }
@@ -265,11 +274,14 @@ impl Engine {
                 }
                 kept
             };
-            if let Some(captured) = captured {
-                let rows = &captured[batch_row * capture_width..(batch_row + kept) * capture_width];
-                self.observe(item.seq, start, rows);
+            let host = captured.map(|c| &c[batch_row * capture_width..(batch_row + kept) * capture_width]);
+            if host.is_some() || on_device.is_some() {
+                self.observe(item.seq, start, host, batch_row..batch_row + kept, &mut device_rows);
             }
             batch_row += item.rows;
+        }
+        if let Some(captured) = on_device {
+            self.observe_on_device(&device_rows, captured);
         }
         finished
     }
@@ -306,18 +318,72 @@ impl Engine {
         });
     }
 
-    /// Hands a sequence's lane the captured hidden states of its rows that stay in the cache (positions
-    /// `start ..`), if the lane reads them; prompt rows are also kept to be cached with their pages.
-    fn observe(&mut self, i: usize, start: usize, rows: &[f32]) {
-        self.sched.keep_capture(i, start, rows);
-        let seq = &mut self.sched.running[i];
-        if let Some(lane) = seq.lane.as_mut().filter(|l| l.proposer.observes_target()) {
-            let observed =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lane.proposer.observe(start, rows)));
-            if observed.is_err() {
-                seq.drop_lane("reading the target's hidden states");
-            }
+    /// Hands a sequence's lane the captured hidden states of its rows that stay in the cache (positions `start ..`,
+    /// `rows` of the step's), if the lane reads them: on the host (`host`), or, for a lane that takes them where the
+    /// target left them, queued in `device_rows` for [`Engine::observe_on_device`]. Prompt rows on the host are also
+    /// kept to be cached with their pages.
+    fn observe(
+        &mut self,
+        i: usize,
+        start: usize,
+        host: Option<&[f32]>,
+        rows: Range<usize>,
+        device_rows: &mut Vec<(usize, usize, Range<usize>)>,
+    ) {
+        if let Some(host) = host {
+            self.sched.keep_capture(i, start, host);
         }
+        let seq = &mut self.sched.running[i];
+        let Some(lane) = seq.lane.as_mut().filter(|l| l.proposer.observes_target()) else { return };
+        if lane.proposer.observes_on_device() && self.target.keeps_captured_on_device() {
+            device_rows.push((i, start, rows));
+            return;
+        }
+        let Some(host) = host else {
+            seq.drop_lane("its target's hidden states stayed on the device");
+            return;
+        };
+        let observed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lane.proposer.observe(start, host)));
+        if observed.is_err() {
+            seq.drop_lane("reading the target's hidden states");
+        }
+    }
+
+    /// Appends the step's captured rows that stayed on the device to the contexts of the lanes that take them there
+    /// (`device_rows` from [`Engine::observe`]), the lanes of one drafter in one append.
+    fn observe_on_device(&mut self, device_rows: &[(usize, usize, Range<usize>)], captured: &DeviceCaptured) {
+        if device_rows.is_empty() {
+            return;
+        }
+        let mut wanted: Vec<Option<(usize, Range<usize>)>> = vec![None; self.sched.running.len()];
+        for (i, start, rows) in device_rows {
+            wanted[*i] = Some((*start, rows.clone()));
+        }
+        let mut lanes: Vec<(&mut DflashProposer, usize, Range<usize>)> = self
+            .sched
+            .running
+            .iter_mut()
+            .zip(wanted)
+            .filter_map(|(seq, want)| {
+                let (start, rows) = want?;
+                Some((seq.lane.as_mut()?.proposer.block_drafter()?, start, rows))
+            })
+            .collect();
+        DflashProposer::observe_on_device(&mut lanes, captured);
+    }
+
+    /// Whether `item`'s captured rows must come back to the host: a target that keeps them on its device hands them
+    /// to the lanes there, so they must only where the prefix cache keeps a prompt's rows or the sequence's lane reads
+    /// them on the host.
+    fn needs_host_capture(&self, item: &StepItem) -> bool {
+        if !self.target.keeps_captured_on_device() {
+            return true;
+        }
+        let seq = &self.sched.running[item.seq];
+        let prompt_rows = seq.computed() < seq.prompt_len() && self.sched.keeps_captures(item.seq);
+        let host_lane =
+            seq.lane.as_ref().is_some_and(|l| l.proposer.observes_target() && !l.proposer.observes_on_device());
+        prompt_rows || host_lane
     }
 
     /// Verifies `running[i]`'s drafts against its rows (`1 + drafts` of them): commits the target's token at each

@@ -8,14 +8,15 @@
 //! A draft vocabulary ([`DraftVocab`]) narrows what can be drafted, never what is committed.
 //! Design notes: docs/ENGINE.md, "DFlash lane".
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
 use dflash_models::dflash::{
-    BlockOutput, BlockRequest, ContextAppend, DraftHead, DraftModel, DraftSampling, DraftVocab, Draw, SamplingFilter,
-    ScoreReadback,
+    BlockOutput, BlockRequest, ContextAppend, DeviceAppend, DraftHead, DraftModel, DraftSampling, DraftVocab, Draw,
+    SamplingFilter, ScoreReadback,
 };
-use dflash_models::{DrafterContext, ModelError, TargetHeads};
+use dflash_models::{DeviceCaptured, DrafterContext, ModelError, TargetHeads};
 
 use super::{LaneKind, Proposal, ProposeInput, Proposer};
 use crate::sampler::{gumbel, keyed_uniform, SamplingParams, STREAM_TARGET};
@@ -231,6 +232,48 @@ impl DflashProposer {
     /// Flushes the pending rows of the lanes that share the first pending lane's drafter in one append (on a
     /// device one set of launches for all of them, not one per lane). If the joint append fails, each lane
     /// flushes alone, so only a lane whose own rows fail is broken; lanes of other drafters flush when they draft.
+    /// Appends each lane's rows of this step where the target left them (`captured`: rows `rows` of the step's, the
+    /// first at position `first`), after the rows the lane holds on the host; lanes sharing a drafter in one append.
+    /// A lane whose append fails stops drafting (its request goes on decoding).
+    pub fn observe_on_device(lanes: &mut [(&mut DflashProposer, usize, Range<usize>)], captured: &DeviceCaptured) {
+        for (lane, _, _) in lanes.iter_mut() {
+            lane.flush();
+        }
+        let mut done = vec![false; lanes.len()];
+        for g in 0..lanes.len() {
+            if done[g] || lanes[g].0.broken {
+                continue;
+            }
+            let model = Arc::clone(&lanes[g].0.model);
+            let members: Vec<bool> = lanes
+                .iter()
+                .zip(&done)
+                .map(|((l, _, _), &d)| !d && !l.broken && Arc::ptr_eq(&l.model, &model))
+                .collect();
+            let result = {
+                let mut appends: Vec<DeviceAppend<'_>> = lanes
+                    .iter_mut()
+                    .zip(&members)
+                    .filter(|(_, &member)| member)
+                    .map(|((lane, first, rows), _)| DeviceAppend {
+                        ctx: &mut lane.ctx,
+                        first_position: *first,
+                        rows: rows.clone(),
+                    })
+                    .collect();
+                model.append_contexts_device(&mut appends, captured)
+            };
+            for (((lane, _, _), d), &member) in lanes.iter_mut().zip(done.iter_mut()).zip(&members) {
+                if member {
+                    *d = true;
+                    if let Err(e) = &result {
+                        lane.fail("context", e);
+                    }
+                }
+            }
+        }
+    }
+
     fn flush_together(lanes: &mut [(&mut DflashProposer, ProposeInput<'_>, usize)]) {
         let waiting = |l: &DflashProposer| !l.pending.is_empty() && !l.broken;
         let Some(model) = lanes.iter().find(|(l, _, _)| waiting(l)).map(|(l, _, _)| Arc::clone(&l.model)) else {
@@ -292,6 +335,10 @@ impl Proposer for DflashProposer {
 
     fn observes_target(&self) -> bool {
         true
+    }
+
+    fn observes_on_device(&self) -> bool {
+        !self.broken && self.model.on_device()
     }
 
     fn observe(&mut self, first_position: usize, captured: &[f32]) {

@@ -104,6 +104,13 @@ pub trait Proposer: Send {
     /// so the lane's context never has holes; positions may repeat after a preemption's recompute.
     fn observe(&mut self, _first_position: usize, _captured: &[f32]) {}
 
+    /// Whether the lane takes the captured rows where a device target left them
+    /// ([`DflashProposer::observe_on_device`]) instead of on the host ([`Proposer::observe`]): a block drafter
+    /// running on a device.
+    fn observes_on_device(&self) -> bool {
+        false
+    }
+
     /// Told after each verified round how many of the `drafted` tokens were accepted (learned drafters adapt).
     fn on_verified(&mut self, _drafted: usize, _accepted: usize) {}
 

@@ -3,6 +3,7 @@
 //! nothing.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use dflash_runtime::cuda::ops::{
     attn_max_splits, sum_sq_slots, ArgmaxScratch, AttentionScratch, SampleScratch, DRAWN_WORDS, DRAW_WORDS,
@@ -115,14 +116,18 @@ pub(crate) struct Workspace {
     /// keys its tiles attend, rewritten every layer); one element when prompts take the f32 kernel. A workspace
     /// like the others, outside the KV budget: 1 / (2 · layers) of the pages' bytes.
     pub kv_bf16: DeviceBuf<bf16>,
-    pub captured: DeviceBuf<f32>, // [T, capture width]
+    /// Every row's captured states `[T, capture width]`, shared with the steps' outputs (`DeviceCaptured`).
+    pub captured: Arc<DeviceBuf<f32>>,
+    /// Whether the step being run copies its captured rows back to the host (set per step from its sequences'
+    /// `StepSeq::host_capture`; true for forwards that name no sequences).
+    pub captured_to_host: bool,
     /// Hyper-connection streams (one element each without them): the streams, a block's output, and the mix
     /// weights a block's collapse leaves for its expand.
     pub streams: DeviceBuf<f32>, // [T, streams * hidden]
-    pub delta: DeviceBuf<f32>,    // [T, hidden]
+    pub delta: DeviceBuf<f32>,        // [T, hidden]
     pub stream_mixes: DeviceBuf<f32>, // [T, (2 + streams) * streams]: a connection's projection
-    pub stream_post: DeviceBuf<f32>, // [T, streams]
-    pub stream_comb: DeviceBuf<f32>, // [T, streams * streams]
+    pub stream_post: DeviceBuf<f32>,  // [T, streams]
+    pub stream_comb: DeviceBuf<f32>,  // [T, streams * streams]
 }
 
 /// Which graph a uniform decode / verify step replays: sequences (a bucket, padded), rows per sequence, and whether
@@ -232,7 +237,8 @@ impl<X> CudaCache<X> {
                 splits,
             )?,
             kv_bf16: dev.alloc_zeros(1)?,
-            captured: dev.alloc_zeros((t * shape.capture_width).max(1))?,
+            captured: Arc::new(dev.alloc_zeros((t * shape.capture_width).max(1))?),
+            captured_to_host: true,
             streams: dev.alloc_zeros((t * shape.residual_streams * h).max(1))?,
             delta: dev.alloc_zeros(if shape.residual_streams > 0 { t * h } else { 1 })?,
             stream_mixes: dev.alloc_zeros((t * (2 + shape.residual_streams) * shape.residual_streams).max(1))?,
@@ -274,6 +280,11 @@ impl<X> CudaCache<X> {
     /// Device bytes of the K and V pages.
     pub fn kv_bytes(&self) -> usize {
         4 * (self.k.len() + self.v.len())
+    }
+
+    /// Whether the next steps copy their captured rows back to the host (they stay on the device either way).
+    pub fn set_captured_to_host(&mut self, to_host: bool) {
+        self.ws.captured_to_host = to_host;
     }
 }
 

@@ -2,6 +2,8 @@
 //! replay of a CUDA graph captured per (batch bucket, rows per sequence) or the kernels queued eagerly, then the
 //! results back after one synchronisation; and the attention core of every attention layer.
 
+use std::sync::Arc;
+
 use dflash_runtime::cuda::ops::{
     argmax_rows_masked, attention_rope_fits, pack_draws, paged_attention, paged_attention_rope, prompt_attention_tc,
     rope_kv_write, sample_rows, unpack_drawn, AttentionArgs, KeySplit, RopeKvArgs, DRAWN_WORDS,
@@ -13,7 +15,7 @@ use dflash_runtime::Tensor;
 use super::cache::{CudaCache, Workspace};
 use super::error::{CudaModelError, Result};
 use super::plan::{self, StepPlan, TileRows};
-use crate::batch::{ForwardBatch, ForwardOut, Readout, StepDraws};
+use crate::batch::{DeviceCaptured, ForwardBatch, ForwardOut, Readout, StepDraws};
 use crate::config::ModelConfig;
 
 /// One step of a family's forward, as the shared runner drives it.
@@ -194,7 +196,7 @@ fn rope_fold_off() -> bool {
 /// row) their logits, or under [`Readout::Argmax`] only their argmax ids; and, when `capture_width` > 0, every
 /// row's captured states `[T, capture_width]`.
 pub(crate) fn collect_out(
-    dev: &CudaDevice,
+    dev: &Arc<CudaDevice>,
     ws: &Workspace,
     (vocab, capture_width): (usize, usize),
     batch: &ForwardBatch,
@@ -209,25 +211,31 @@ pub(crate) fn collect_out(
         }
         Readout::Argmax => (Tensor::from_f32(&[], &[0, vocab])?, Some(download_ids(dev, ws, rows)?)),
     };
-    let captured = download_captured(dev, ws, batch, capture_width)?;
+    let (captured, device_captured) = download_captured(dev, ws, batch, capture_width)?;
     dev.synchronize()?;
-    Ok(ForwardOut { ids, ..ForwardOut::new(logits, captured) })
+    Ok(ForwardOut { ids, device_captured, ..ForwardOut::new(logits, captured) })
 }
 
-/// Queues the copy of the step's captured rows `[T, capture_width]` straight into the tensor handed back (valid
-/// after the step's synchronisation); `None` when the step captures nothing.
+/// The step's captured rows `[T, capture_width]`: where they are on the device, and, when the step asks for them
+/// on the host (`captured_to_host`), the copy queued straight into the tensor handed back (valid after the step's
+/// synchronisation). Nothing when the step captures nothing.
 fn download_captured(
-    dev: &CudaDevice,
+    dev: &Arc<CudaDevice>,
     ws: &Workspace,
     batch: &ForwardBatch,
     capture_width: usize,
-) -> Result<Option<Tensor>> {
+) -> Result<(Option<Tensor>, Option<DeviceCaptured>)> {
     if capture_width == 0 {
-        return Ok(None);
+        return Ok((None, None));
     }
-    let mut rows = Tensor::zeros(dflash_runtime::DType::F32, &[batch.num_tokens(), capture_width])?;
+    let t = batch.num_tokens();
+    let on_device = DeviceCaptured::new(Arc::clone(dev), Arc::clone(&ws.captured), t, capture_width);
+    if !ws.captured_to_host {
+        return Ok((None, Some(on_device)));
+    }
+    let mut rows = Tensor::zeros(dflash_runtime::DType::F32, &[t, capture_width])?;
     dev.download_into(&ws.captured, 0, rows.as_f32_mut()?)?;
-    Ok(Some(rows))
+    Ok((Some(rows), Some(on_device)))
 }
 
 /// A step's draws where its logits are: the draws (one per logit row, in order) pointed at their device rows (`rows`)
@@ -238,7 +246,7 @@ fn download_captured(
 /// # Errors
 /// Draws that do not match the step's logit rows; a device failure.
 pub(crate) fn collect_drawn(
-    dev: &CudaDevice,
+    dev: &Arc<CudaDevice>,
     ws: &mut Workspace,
     (vocab, capture_width): (usize, usize),
     batch: &ForwardBatch,
@@ -262,11 +270,11 @@ pub(crate) fn collect_drawn(
     let host_device_rows: Vec<usize> = draws.host_rows.iter().map(|&r| rows[r]).collect();
     let mut logits = vec![0f32; host_device_rows.len() * vocab];
     download_rows(dev, &ws.logits, vocab, &host_device_rows, &mut logits)?;
-    let captured = download_captured(dev, ws, batch, capture_width)?;
+    let (captured, device_captured) = download_captured(dev, ws, batch, capture_width)?;
     dev.synchronize()?;
     let drawn = unpack_drawn(&words, &draws.rows);
     let logits = Tensor::from_f32(&logits, &[host_device_rows.len(), vocab])?;
-    let out = ForwardOut::new(logits, captured);
+    let out = ForwardOut { device_captured, ..ForwardOut::new(logits, captured) };
     let ids = Some(drawn.iter().map(|d| d.id).collect());
     Ok(ForwardOut { ids, drawn: Some(drawn), logits_held: Some(draws.host_rows.clone()), ..out })
 }

@@ -35,7 +35,7 @@ use crate::weights::{WeightFile, WeightStore};
 pub use config::{build_target_layer_ids, Dflash2Config, DraftConfig, DraftKind, LayerAttention};
 pub use context::DrafterContext;
 pub use cpu::draft::{Draft, DraftProbs, DraftSampling};
-pub use cpu::forward::{BlockOutput, BlockRequest, BlockTrace, ContextAppend, LayerTrace};
+pub use cpu::forward::{BlockOutput, BlockRequest, BlockTrace, ContextAppend, DeviceAppend, LayerTrace};
 pub use cpu::selector::{CandidateSelector, Candidates, Walk, WalkMode};
 pub use sampling::{filtered_probs, inverse_cdf, Draw, InverseCdf, SamplingFilter};
 pub use scores::{BlockScores, ScoreReadback, TopScores};
@@ -184,6 +184,18 @@ impl DraftModel {
     #[cfg(not(feature = "cuda"))]
     pub fn device(&self) -> String {
         "cpu".into()
+    }
+
+    /// Whether the drafter's passes run on a CUDA device (never, in a build without CUDA).
+    #[cfg(not(feature = "cuda"))]
+    pub fn on_device(&self) -> bool {
+        false
+    }
+
+    /// Whether the drafter's contexts take rows left on a device (never, in a build without CUDA).
+    #[cfg(not(feature = "cuda"))]
+    pub fn takes_device_rows(&self, _captured: &crate::DeviceCaptured) -> bool {
+        false
     }
 
     /// Why the CUDA passes cannot run this drafter, if they cannot: a sliding-window layer (the device attention

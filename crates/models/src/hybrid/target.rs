@@ -221,7 +221,8 @@ mod tests {
         let seqs = [SeqRows { num_rows: tokens.len(), context_len: start, block_table: &table, prompt_len }];
         let last = [tokens.len() as u32 - 1];
         let batch = ForwardBatch { tokens, positions: &positions, seqs: &seqs, slots: &positions, logit_rows: &last };
-        let out = t.forward_step(&batch, &[StepSeq { key, verifies }], Readout::Logits).expect("forward");
+        let out =
+            t.forward_step(&batch, &[StepSeq { key, verifies, host_capture: true }], Readout::Logits).expect("forward");
         out.logits.as_f32().expect("f32").to_vec()
     }
 
@@ -251,7 +252,9 @@ mod tests {
         let table = [0u32, 1];
         let seqs = [SeqRows { num_rows: 1, context_len: 4, block_table: &table, prompt_len: 4 }];
         let batch = ForwardBatch { tokens: &[1], positions: &[4], seqs: &seqs, slots: &[4], logit_rows: &[0] };
-        assert!(t.forward_step(&batch, &[StepSeq { key: 8, verifies: false }], Readout::Logits).is_err());
+        assert!(t
+            .forward_step(&batch, &[StepSeq { key: 8, verifies: false, host_capture: true }], Readout::Logits)
+            .is_err());
         assert!(t.forward(&batch).is_ok(), "a scratch forward keeps no state");
         assert_eq!(t.live_states(), 0, "the lost state was dropped");
         t.release(8);
@@ -287,7 +290,9 @@ mod tests {
         let seqs = [SeqRows { num_rows: 1, context_len: cut, block_table: &table, prompt_len: 150 }];
         let (pos, tokens) = ([cut as u32], [prompt[cut]]);
         let batch = ForwardBatch { tokens: &tokens, positions: &pos, seqs: &seqs, slots: &pos, logit_rows: &[0] };
-        assert!(t.forward_step(&batch, &[StepSeq { key: 4, verifies: false }], Readout::Logits).is_err());
+        assert!(t
+            .forward_step(&batch, &[StepSeq { key: 4, verifies: false, host_capture: true }], Readout::Logits)
+            .is_err());
 
         // A verify's state is not snapshotted before its rollback.
         run(&mut t, 3, 151, &[41, 42], 150, true);

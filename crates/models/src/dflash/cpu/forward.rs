@@ -37,6 +37,14 @@ pub struct ContextAppend<'a> {
     pub captured: &'a [f32],
 }
 
+/// [`ContextAppend`] of rows a target left on the drafter's device ([`crate::DeviceCaptured`]): rows `rows` of the
+/// step's captured rows, the first at `first_position`.
+pub struct DeviceAppend<'a> {
+    pub ctx: &'a mut DrafterContext,
+    pub first_position: usize,
+    pub rows: std::ops::Range<usize>,
+}
+
 /// The drafter's output for one block.
 #[derive(Debug)]
 pub struct BlockOutput {
@@ -146,6 +154,47 @@ impl DraftModel {
         Ok(())
     }
 
+    /// [`DraftModel::append_contexts`] of rows a target left on the drafter's device: the rows are gathered there
+    /// and projected as host rows are, with no copy through the host. Nothing is committed unless every append
+    /// passes its checks and the launches are queued.
+    ///
+    /// # Errors
+    /// A drafter that does not take these rows ([`DraftModel::takes_device_rows`]), rows past the step's, a context
+    /// the rows would leave a gap in; a device failure.
+    pub fn append_contexts_device(
+        &self,
+        appends: &mut [DeviceAppend<'_>],
+        captured: &crate::DeviceCaptured,
+    ) -> Result<()> {
+        if !self.takes_device_rows(captured) {
+            return Err(ModelError::Batch(format!(
+                "captured rows of width {} on a device this drafter ({}, width {}) does not run on",
+                captured.width(),
+                self.device(),
+                self.captured_width()
+            )));
+        }
+        let mut new_rows = Vec::with_capacity(appends.len());
+        for a in appends.iter_mut() {
+            if a.rows.end > captured.rows() {
+                return Err(ModelError::Batch(format!("rows {:?} of a step of {}", a.rows, captured.rows())));
+            }
+            new_rows.push(self.prepare_rows(a.ctx, a.first_position, a.rows.len())?);
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(device) = &self.cuda {
+            let parts: Vec<_> = appends
+                .iter()
+                .zip(&new_rows)
+                .filter(|(_, &m)| m > 0)
+                .map(|(a, &m)| (&*a.ctx, (a.rows.end - m..a.rows.end).map(|r| r as u32).collect::<Vec<u32>>()))
+                .collect();
+            device.append_device_rows(self, &parts, captured)?;
+            appends.iter_mut().zip(&new_rows).for_each(|(a, &m)| a.ctx.commit(m));
+        }
+        Ok(())
+    }
+
     /// Floats per captured row: what the target captures for this drafter (`taps × hidden`, or its streams' form).
     pub fn captured_width(&self) -> usize {
         self.weights.layout.captured_width(self.cfg.target_layer_ids.len(), self.target.hidden_size)
@@ -153,23 +202,27 @@ impl DraftModel {
 
     /// Checks one append and makes room for its rows; returns how many rows are new (past the context's length).
     fn prepare_append(&self, a: &mut ContextAppend<'_>) -> Result<usize> {
-        let b = &self.cfg.backbone;
-        a.ctx.check_shape(b.num_layers, b.num_kv_heads, b.head_dim)?;
         let width = self.captured_width();
         if !a.captured.len().is_multiple_of(width) {
             return Err(ModelError::Batch(format!("{} captured values are not rows of {width}", a.captured.len())));
         }
-        let len = a.ctx.len();
-        if a.first_position > len {
+        self.prepare_rows(a.ctx, a.first_position, a.captured.len() / width)
+    }
+
+    /// Checks that `total` rows from `first_position` continue `ctx` (rows it holds already are skipped) and makes
+    /// room for the new ones; returns how many are new.
+    fn prepare_rows(&self, ctx: &mut DrafterContext, first_position: usize, total: usize) -> Result<usize> {
+        let b = &self.cfg.backbone;
+        ctx.check_shape(b.num_layers, b.num_kv_heads, b.head_dim)?;
+        let len = ctx.len();
+        if first_position > len {
             return Err(ModelError::Batch(format!(
-                "drafter context holds positions 0..{len}; rows from position {} would leave a gap",
-                a.first_position
+                "drafter context holds positions 0..{len}; rows from position {first_position} would leave a gap"
             )));
         }
-        let (skip, total) = (len - a.first_position, a.captured.len() / width);
-        let new_rows = total.saturating_sub(skip);
+        let new_rows = total.saturating_sub(len - first_position);
         if new_rows > 0 {
-            a.ctx.reserve(len + new_rows)?;
+            ctx.reserve(len + new_rows)?;
         }
         Ok(new_rows)
     }

@@ -1,9 +1,9 @@
 //! The CUDA block pass and context append; the CPU's (`../cpu/forward.rs`) step for step.
 
 use dflash_runtime::cuda::ops::{
-    add_rms_norm, attn_split_keys, dflash_conv, draft_top_k, draft_top_k_scratch, f32_rows_fit, gemm, gemm_f32_rows,
-    paged_attention, rms_norm, rope_kv_write, swiglu_fused, AttentionArgs, AttentionScratch, ConvSide, Epilogue,
-    GemmArgs, KeySplit, LogitScale, RopeKvArgs, ATTN_MAX_QUERIES, DRAFT_TOP_K_MAX,
+    add_rms_norm, attn_split_keys, dflash_conv, draft_top_k, draft_top_k_scratch, embedding_f32, f32_rows_fit, gemm,
+    gemm_f32_rows, paged_attention, rms_norm, rope_kv_write, swiglu_fused, AttentionArgs, AttentionScratch, ConvSide,
+    Epilogue, GemmArgs, KeySplit, LogitScale, RopeKvArgs, ATTN_MAX_QUERIES, DRAFT_TOP_K_MAX,
 };
 use dflash_runtime::cuda::{CudaDevice, DevSlice, DeviceBuf};
 use dflash_runtime::Tensor;
@@ -19,6 +19,15 @@ use crate::dflash::vocab::DraftHead;
 use crate::dflash::{BlockScores, DraftModel, ScoreReadback, TopScores};
 use crate::error::{ModelError, Result};
 use crate::target::device_err;
+use crate::DeviceCaptured;
+
+/// Where an append's rows are: on the host (`[m, capture width]`), or rows of a step's captured rows on the device
+/// (their indices).
+#[derive(Clone, Copy)]
+enum ChunkRows<'a> {
+    Host(&'a [f32]),
+    Device(&'a DeviceCaptured, &'a [u32]),
+}
 
 /// Rows a context append projects at once (the engine's flushes are at most about this many; a long cached prompt is
 /// cut into such pieces).
@@ -210,22 +219,58 @@ impl CudaDrafter {
         };
         for (i, chunk) in rows.chunks(APPEND_CHUNK * width).enumerate() {
             let at = i * APPEND_CHUNK..i * APPEND_CHUNK + chunk.len() / width;
-            self.append_chunk(model, chunk, &positions[at.clone()], &slots[at])?;
+            self.append_chunk(model, ChunkRows::Host(chunk), &positions[at.clone()], &slots[at])?;
         }
         Ok(())
     }
 
-    /// Rows `[m, capture width]` written at `positions` into cache `slots` (`[m]` each): the rows and the integers
-    /// go up, then the projection's launches run (replayed as a graph once `m` rows were appended before).
-    fn append_chunk(&self, model: &DraftModel, rows: &[f32], positions: &[u32], slots: &[u32]) -> Result<()> {
+    /// [`CudaDrafter::append_rows`] of rows a target left on this device: each part's rows are rows of `captured`
+    /// (their indices), gathered on the device into the workspace, so nothing crosses to or from the host but the
+    /// indices.
+    pub(crate) fn append_device_rows(
+        &self,
+        model: &DraftModel,
+        parts: &[(&DrafterContext, Vec<u32>)],
+        captured: &DeviceCaptured,
+    ) -> Result<()> {
+        let (mut positions, mut slots, mut ids) = (Vec::new(), Vec::new(), Vec::new());
+        for (ctx, rows) in parts {
+            let kv = device_kv(ctx, self)?;
+            let start = ctx.len();
+            positions.extend((start..start + rows.len()).map(|p| p as u32));
+            slots.extend((start..start + rows.len()).map(|p| kv.slot(p)));
+            ids.extend_from_slice(rows);
+        }
+        for (i, chunk) in ids.chunks(APPEND_CHUNK).enumerate() {
+            let at = i * APPEND_CHUNK..i * APPEND_CHUNK + chunk.len();
+            self.append_chunk(model, ChunkRows::Device(captured, chunk), &positions[at.clone()], &slots[at])?;
+        }
+        Ok(())
+    }
+
+    /// Rows written at `positions` into cache `slots` (`[m]` each): host rows `[m, capture width]` go up with the
+    /// integers, or rows on the device are gathered, then the projection's launches run (replayed as a graph once
+    /// `m` rows were appended before).
+    fn append_chunk(&self, model: &DraftModel, rows: ChunkRows<'_>, positions: &[u32], slots: &[u32]) -> Result<()> {
         let dev = &*self.dev;
         let m = positions.len();
         crate::cuda::timeline_section(&self.dev, || format!("drafter context append: {m} rows"));
-        let ints: Vec<u32> = positions.iter().chain(slots).copied().collect();
+        let mut ints: Vec<u32> = positions.iter().chain(slots).copied().collect();
+        if let ChunkRows::Device(_, ids) = rows {
+            ints.extend_from_slice(ids);
+        }
         let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
         work.ensure(dev, model, m, ints.len())?;
-        dev.upload_prefix(rows, buf_mut(&mut work.captured)?).map_err(device_err)?;
         dev.upload_prefix(&ints, buf_mut(&mut work.ints)?).map_err(device_err)?;
+        let width = model.weights.fc.row_len();
+        match rows {
+            ChunkRows::Host(rows) => dev.upload_prefix(rows, buf_mut(&mut work.captured)?).map_err(device_err)?,
+            ChunkRows::Device(captured, _) => {
+                let table = captured.buf.view().prefix(captured.rows() * width).map_err(device_err)?;
+                let ids = ints_part(buf(&work.ints)?, 2 * m, m)?;
+                embedding_f32(dev, table, ids, part(buf(&work.captured)?, 0, m * width)?).map_err(device_err)?;
+            }
+        }
         let pages = self.pool.lock();
         let buffers = (work.allocations, pages.count());
         let mut graphs = std::mem::take(&mut work.graphs);

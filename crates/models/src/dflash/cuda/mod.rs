@@ -143,6 +143,18 @@ impl DraftModel {
         }
     }
 
+    /// Whether the drafter's contexts take rows a target left on `captured`'s device
+    /// ([`DraftModel::append_contexts_device`]): it runs there and reads rows of that width.
+    pub fn takes_device_rows(&self, captured: &crate::DeviceCaptured) -> bool {
+        self.cuda.as_ref().is_some_and(|c| Arc::ptr_eq(&c.dev, &captured.dev))
+            && captured.width() == self.captured_width()
+    }
+
+    /// Whether the drafter's passes run on a CUDA device (where a target on it can hand over its captured rows).
+    pub fn on_device(&self) -> bool {
+        self.cuda.is_some()
+    }
+
     /// A context on the drafter's device.
     pub(crate) fn device_context(&self) -> Result<Option<DrafterContext>> {
         let Some(cuda) = &self.cuda else { return Ok(None) };

@@ -63,19 +63,22 @@ impl Target for CudaLlamaTarget {
     }
 
     fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOut> {
+        self.cache.set_captured_to_host(true);
         self.model.forward(batch, &mut self.cache).map_err(device_err)
     }
 
-    fn forward_step(&mut self, batch: &ForwardBatch, _seqs: &[StepSeq], readout: Readout) -> Result<ForwardOut> {
+    fn forward_step(&mut self, batch: &ForwardBatch, seqs: &[StepSeq], readout: Readout) -> Result<ForwardOut> {
+        self.cache.set_captured_to_host(host_capture(seqs));
         self.model.forward_as(batch, &mut self.cache, readout).map_err(device_err)
     }
 
     fn forward_step_masked(
         &mut self,
         batch: &ForwardBatch,
-        _seqs: &[StepSeq],
+        seqs: &[StepSeq],
         masks: &crate::RowMasks,
     ) -> Result<ForwardOut> {
+        self.cache.set_captured_to_host(host_capture(seqs));
         self.model.forward_masked(batch, &mut self.cache, masks).map_err(device_err)
     }
 
@@ -83,8 +86,13 @@ impl Target for CudaLlamaTarget {
         true
     }
 
-    fn forward_step_drawn(&mut self, batch: &ForwardBatch, _seqs: &[StepSeq], draws: &StepDraws) -> Result<ForwardOut> {
+    fn forward_step_drawn(&mut self, batch: &ForwardBatch, seqs: &[StepSeq], draws: &StepDraws) -> Result<ForwardOut> {
+        self.cache.set_captured_to_host(host_capture(seqs));
         self.model.forward_drawn(batch, &mut self.cache, draws).map_err(device_err)
+    }
+
+    fn keeps_captured_on_device(&self) -> bool {
+        true
     }
 
     fn host_heads(&self) -> Option<Arc<dyn TargetHeads>> {
@@ -98,4 +106,9 @@ impl Target for CudaLlamaTarget {
     fn graph_contexts(&self) -> &[usize] {
         &GRAPH_CONTEXTS
     }
+}
+
+/// Whether a step of `seqs` copies its captured rows back: when any of them asks (or none is named).
+fn host_capture(seqs: &[StepSeq]) -> bool {
+    seqs.is_empty() || seqs.iter().any(|s| s.host_capture)
 }
