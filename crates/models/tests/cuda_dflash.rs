@@ -137,6 +137,8 @@ fn cuda_drafters_match_the_cpu_drafters_at_every_width() {
             let mut requests = [BlockRequest { ctx: &mut gpu_ctx, anchor, width: w }];
             let summary = gpu.forward_blocks_with(&mut requests, embed, lm_head, readback).expect("pass").remove(0);
             check_summary(&format!("{name} width {w}"), &summary, &want, k);
+            // DFlash2's selector walks greedy blocks on the device; the drafts below check that walk against the host's.
+            assert_eq!(summary.walked.is_some(), name == "dflash-v2", "{name} width {w}: the walk on the device");
             let greedy =
                 |model: &DraftModel, block| model.propose(block, anchor, DraftSampling::Greedy).expect("greedy");
             let want_tokens = greedy(&cpu, want).tokens;

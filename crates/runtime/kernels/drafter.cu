@@ -173,3 +173,55 @@ extern "C" __global__ void __launch_bounds__(DRAFT_TOP_K_THREADS)
         dst[2u * k] = __float_as_uint(m == DF_NEG_INF ? 1.0f / (float)row_len : 1.0f / s);
     }
 }
+
+// DFlash2's greedy candidate walk over a pass's summaries, one warp per drafted block; CPU twin: the greedy
+// CandidateSelector::walk in the models crate. Block b's rows are first[b] .. first[b] + width[b] (its anchor, then
+// its slots); for each slot row i the candidates are the summary's k columns of row i (`summary` [rows, 2k + 1],
+// draft-head columns, mapped to target ids through `token_ids` when it is not null) with their values. The walk
+// starts from the anchor's token, and each slot takes the candidate of best score = value + sum_j (pred_code[prev][j]
+// * projected[i][j]) * succ_code[cand][j] (the first best on ties, as ops::argmax), writing the target id to path[i]
+// (u32 [rows]; DRAFT_NO_COLUMN where no candidate is valid; the anchors' rows untouched). The products and sums are
+// rounded one at a time, in the CPU's order. projected: [rows, rank], the hidden states through the selector's
+// projection (a matmul before this kernel). Grid: blocks; 32 threads (lane c scores candidate c; k <= 32).
+extern "C" __global__ void __launch_bounds__(32)
+    dflash2_walk(const u32* __restrict__ summary, u32 k, const u32* __restrict__ token_ids,
+                 const float* __restrict__ projected, u32 rank, const float* __restrict__ pred_code,
+                 const float* __restrict__ succ_code, u32 codes, const u32* __restrict__ first,
+                 const u32* __restrict__ width, const u32* __restrict__ anchor, u32* __restrict__ path) {
+    DF_GRID_DEPENDENCY();
+    const u32 b = blockIdx.x, row0 = first[b] + 1, slots = width[b] - 1, lane = threadIdx.x;
+    u32 prev = anchor[b];
+    for (u32 s = 0; s < slots; ++s) {
+        const u32* row = summary + (u64)(row0 + s) * (2u * k + 1u);
+        float score = DF_NEG_INF;
+        u32 id = DRAFT_NO_COLUMN;
+        if (lane < k && row[lane] != DRAFT_NO_COLUMN) {
+            id = token_ids != nullptr ? token_ids[row[lane]] : row[lane];
+            if (id < codes && prev < codes) {
+                const float* a = pred_code + (u64)prev * rank;
+                const float* bc = succ_code + (u64)id * rank;
+                const float* pr = projected + (u64)(row0 + s) * rank;
+                float sum = 0.0f;
+                for (u32 j = 0; j < rank; ++j) sum = __fadd_rn(sum, __fmul_rn(__fmul_rn(a[j], pr[j]), bc[j]));
+                score = __fadd_rn(__uint_as_float(row[k + lane]), sum);
+            } else {
+                id = DRAFT_NO_COLUMN;
+            }
+        }
+        // The first best: the lowest lane among the largest scores (NaN never wins).
+        float best = score;
+        u32 at = score == score && id != DRAFT_NO_COLUMN ? lane : 32u;
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            const float ob = __shfl_xor_sync(DF_FULL_MASK, best, offset);
+            const u32 oa = __shfl_xor_sync(DF_FULL_MASK, at, offset);
+            if (oa < 32u && (at == 32u || ob > best || (ob == best && oa < at))) {
+                best = ob;
+                at = oa;
+            }
+        }
+        const u32 chosen = __shfl_sync(DF_FULL_MASK, id, at < 32u ? at : 0u);
+        prev = at < 32u ? chosen : prev;
+        if (lane == 0) path[row0 + s] = at < 32u ? chosen : DRAFT_NO_COLUMN;
+    }
+}

@@ -199,6 +199,7 @@ pub(crate) struct Kernels {
     pub dflash_conv: CudaFunction,
     pub draft_top_k_part: CudaFunction,
     pub draft_top_k_merge: CudaFunction,
+    pub dflash2_walk: CudaFunction,
     pub sample_rows: CudaFunction,
 }
 
@@ -338,6 +339,7 @@ impl Kernels {
             dflash_conv: get("dflash_conv")?,
             draft_top_k_part: get("draft_top_k_part")?,
             draft_top_k_merge: get("draft_top_k_merge")?,
+            dflash2_walk: get("dflash2_walk")?,
             sample_rows: get("sample_rows")?,
         })
     }

@@ -124,7 +124,12 @@ impl DraftModel {
     ///
     /// # Errors
     /// An invalid sampling filter, a failing draw or one that returns an index out of range.
-    pub fn propose(&self, block: BlockOutput, anchor: u32, sampling: DraftSampling<'_>) -> Result<Draft> {
+    pub fn propose(&self, mut block: BlockOutput, anchor: u32, sampling: DraftSampling<'_>) -> Result<Draft> {
+        // A device pass walked DFlash2's selector already; its greedy walk is the draft.
+        if let (DraftSampling::Greedy, Some(path)) = (&sampling, block.walked.take()) {
+            let BlockOutput { start, scores, token_ids, .. } = block;
+            return Ok(Draft { start, tokens: path, q: None, scores, token_ids });
+        }
         let first_position = (block.start + 1) as u32;
         let ids = block.token_ids.as_deref();
         let (tokens, q) = match (self.kind(), sampling) {
@@ -251,7 +256,7 @@ mod tests {
         }
         let scores = BlockScores::Dense(Tensor::from_f32(&logits, full.shape()).expect("logits"));
         let hidden = Tensor::from_f32(block.hidden.as_f32().expect("f32"), block.hidden.shape()).expect("hidden");
-        BlockOutput { start: block.start, hidden, scores, token_ids: None }
+        BlockOutput { start: block.start, hidden, scores, token_ids: None, walked: None }
     }
 
     #[test]

@@ -57,6 +57,9 @@ pub struct BlockOutput {
     pub scores: BlockScores,
     /// With a draft vocabulary, the target id of each logit column (ascending); `None`: column `j` is token `j`.
     pub token_ids: Option<Arc<[u32]>>,
+    /// DFlash2's greedy selector walk of the slots, made where the pass ran (target ids, `[w - 1]`); `None`: the
+    /// walk is made on the host from `hidden` and `scores`.
+    pub walked: Option<Vec<u32>>,
 }
 
 /// Intermediates of one block pass, row-major over all the pass's rows (`[rows, H]` each); for tests and
@@ -539,6 +542,7 @@ impl DraftModel {
                 hidden: row_range(&hidden, at, rows)?,
                 scores: BlockScores::Dense(row_range(&logits, at, rows)?),
                 token_ids: head.token_ids(),
+                walked: None,
             });
             at += rows;
         }

@@ -101,6 +101,12 @@ impl CandidateSelector {
         self.rank
     }
 
+    /// The hidden projection `[r, H]` and the predecessor and successor codebooks `[V, r]`, for a device's copy.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn weights(&self) -> (&Tensor, &Tensor, &Tensor) {
+        (&self.hidden_projection, &self.predecessor, &self.successor)
+    }
+
     /// The top-K of every slot of a block's draft scores.
     ///
     /// # Errors

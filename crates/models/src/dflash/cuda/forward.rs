@@ -1,9 +1,10 @@
 //! The CUDA block pass and context append; the CPU's (`../cpu/forward.rs`) step for step.
 
 use dflash_runtime::cuda::ops::{
-    add_rms_norm, attn_split_keys, dflash_conv, draft_top_k, draft_top_k_scratch, embedding_f32, f32_rows_fit, gemm,
-    gemm_f32_rows, paged_attention, rms_norm, rope_kv_write, swiglu_fused, AttentionArgs, AttentionScratch, ConvSide,
-    Epilogue, GemmArgs, KeySplit, LogitScale, RopeKvArgs, ATTN_MAX_QUERIES, DRAFT_TOP_K_MAX,
+    add_rms_norm, attn_split_keys, dflash2_walk, dflash_conv, draft_top_k, draft_top_k_scratch, embedding_f32,
+    f32_rows_fit, gemm, gemm_f32_rows, paged_attention, rms_norm, rope_kv_write, swiglu_fused, AttentionArgs,
+    AttentionScratch, ConvSide, Epilogue, GemmArgs, KeySplit, LogitScale, RopeKvArgs, SelectorWeights, WalkBlocks,
+    ATTN_MAX_QUERIES, DRAFT_TOP_K_MAX,
 };
 use dflash_runtime::cuda::{CudaDevice, DevSlice, DeviceBuf};
 use dflash_runtime::Tensor;
@@ -12,7 +13,7 @@ use std::time::Instant;
 use super::context::Pages;
 use super::graphs::{PassGraphs, PassKey};
 use super::weights::{DeviceConv, DeviceLayer};
-use super::{CudaDrafter, DeviceKv};
+use super::{CudaDrafter, DeviceKv, DeviceSelector};
 use crate::dflash::context::{ContextKv, DrafterContext, PAGE_SIZE};
 use crate::dflash::cpu::forward::{BlockLayout, BlockOutput, BlockRequest};
 use crate::dflash::vocab::DraftHead;
@@ -51,6 +52,8 @@ pub(super) struct Workspace {
     logits: Option<DeviceBuf<f32>>, // [rows, head rows]
     summary: Option<DeviceBuf<u32>>, // [rows, 2k + 1]: `draft_top_k`'s output
     summary_scratch: Option<DeviceBuf<u32>>, // `draft_top_k`'s partial summaries
+    walked: Option<DeviceBuf<u32>>, // [rows]: DFlash2's greedy walk, target ids
+    projected: Option<DeviceBuf<f32>>, // [rows, selector rank]
     captured: Option<DeviceBuf<f32>>, // [rows, fc_in]
     ints: Option<DeviceBuf<u32>>,
     scratch: Option<(AttentionScratch, usize)>, // and the partial states it holds
@@ -121,8 +124,9 @@ impl Workspace {
         Ok(())
     }
 
-    /// Makes the summary buffers hold `rows` rows of the best `k` of `row_len` logits.
-    fn ensure_summary(&mut self, dev: &CudaDevice, rows: usize, row_len: usize, k: usize) -> Result<()> {
+    /// Makes the summary buffers hold `rows` rows of the best `k` of `row_len` logits, and the selector's walk
+    /// `rows` rows of projections `rank` wide.
+    fn ensure_summary(&mut self, dev: &CudaDevice, rows: usize, row_len: usize, k: usize, rank: usize) -> Result<()> {
         let alloc = |len: usize| dev.alloc_zeros::<u32>(len.next_power_of_two()).map_err(device_err);
         let len = rows * (2 * k + 1);
         if self.summary.as_ref().is_none_or(|b| b.len() < len) {
@@ -132,6 +136,11 @@ impl Workspace {
         let scratch = draft_top_k_scratch(rows, row_len, k);
         if self.summary_scratch.as_ref().is_none_or(|b| b.len() < scratch) {
             self.summary_scratch = Some(alloc(scratch)?);
+            self.allocations += 1;
+        }
+        if self.walked.as_ref().is_none_or(|b| b.len() < rows) {
+            self.walked = Some(alloc(rows)?);
+            self.projected = Some(dev.alloc_zeros::<f32>((rows * rank).next_power_of_two()).map_err(device_err)?);
             self.allocations += 1;
         }
         Ok(())
@@ -342,7 +351,7 @@ impl CudaDrafter {
         work.ensure(dev, model, rows, plan.ints.len())?;
         work.ensure_logits(dev, rows * n)?;
         if let Some(k) = top_k {
-            work.ensure_summary(dev, rows, n, k)?;
+            work.ensure_summary(dev, rows, n, k, self.selector.as_ref().map_or(1, |s| s.rank))?;
         }
         work.scratch(dev, model, rows, plan.splits)?;
         let prepared = timing.map(|t| t.elapsed());
@@ -368,6 +377,14 @@ impl CudaDrafter {
             Some(k) => self.summary_scores(&work, rows, k)?,
             None => self.dense_scores(model, &work, rows)?,
         };
+        let walked = match self.walker(top_k) {
+            Some(_) => {
+                let mut path = vec![0u32; rows];
+                self.dev.download_into(buf(&work.walked)?, 0, &mut path).map_err(device_err)?;
+                Some(path)
+            }
+            None => None,
+        };
         drop(work);
         if let (Some(t), Some(p), Some(u), Some(l), Some(w)) = (timing, prepared, uploaded, launched, waited) {
             let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
@@ -389,11 +406,19 @@ impl CudaDrafter {
             outputs.push(BlockOutput {
                 start: r.ctx.len(),
                 hidden: Tensor::from_f32(&hidden[drafts.start * h..drafts.end * h], &[width - 1, h])?,
-                scores: scores.take(drafts)?,
+                scores: scores.take(drafts.clone())?,
                 token_ids: head.token_ids(),
+                // A slot no candidate could take (a token outside the codebooks) leaves the walk to the host.
+                walked: walked.as_ref().map(|p| p[drafts].to_vec()).filter(|p| !p.contains(&u32::MAX)),
             });
         }
         Ok(outputs)
+    }
+
+    /// The selector that walks a pass's blocks on the device, when the pass summarises its scores in the selector's
+    /// `top_k` columns (DFlash2).
+    fn walker(&self, top_k: Option<usize>) -> Option<&DeviceSelector> {
+        self.selector.as_ref().filter(|s| top_k == Some(s.top_k))
     }
 
     /// Graphs this drafter holds (for tests and the timing log).
@@ -466,6 +491,8 @@ struct IntPlan {
     tiles: (usize, usize), // offset, count
     tables: usize,
     table_stride: usize,
+    /// Per block: first rows, widths and anchors `[sequences]` each, from here.
+    walk: usize,
     sequences: usize,
     /// Keys per split and splits of the longest row.
     split_keys: usize,
@@ -520,6 +547,10 @@ impl IntPlan {
         for kv in &kvs {
             ints.extend(kv.table.iter().copied().chain(std::iter::repeat(0)).take(table_stride));
         }
+        let walk = ints.len();
+        ints.extend(blocks.iter().map(|&(first, _)| first as u32));
+        ints.extend(blocks.iter().map(|&(_, width)| width as u32));
+        ints.extend(requests.iter().map(|r| r.anchor));
         let max_keys = requests.iter().map(|r| r.ctx.len() + r.width).max().unwrap_or(1);
         let split_keys = attn_split_keys(max_keys, b.num_kv_heads);
         let max_width = blocks.iter().map(|b| b.1).max().unwrap_or(1);
@@ -531,6 +562,7 @@ impl IntPlan {
             tiles: (tiles_at, tiles),
             tables,
             table_stride,
+            walk,
             sequences: requests.len(),
             split_keys,
             splits: max_keys.div_ceil(split_keys).next_power_of_two(),
@@ -584,7 +616,33 @@ impl Pass<'_> {
         let cfg = &self.model.cfg;
         let scale = LogitScale { multiplier: cfg.output_multiplier, softcap: cfg.final_logit_softcapping };
         let out = buf(&self.work.summary)?.view().sub(0, rows * (2 * k + 1)).map_err(device_err)?;
-        draft_top_k(dev, logits, n, k, scale, buf(&self.work.summary_scratch)?, out).map_err(device_err)
+        draft_top_k(dev, logits, n, k, scale, buf(&self.work.summary_scratch)?, out).map_err(device_err)?;
+        match self.drafter.walker(Some(k)) {
+            Some(selector) => self.walk(selector, k),
+            None => Ok(()),
+        }
+    }
+
+    /// DFlash2's greedy walk of every block over the pass's summary, into `walked`.
+    fn walk(&self, selector: &DeviceSelector, k: usize) -> Result<()> {
+        let (plan, rows, h) = (self.plan, self.rows, self.model.cfg.hidden_size());
+        let ints = buf(&self.work.ints)?;
+        let n = plan.sequences;
+        let blocks = WalkBlocks {
+            first: ints_part(ints, plan.walk, n)?,
+            width: ints_part(ints, plan.walk + n, n)?,
+            anchor: ints_part(ints, plan.walk + 2 * n, n)?,
+        };
+        let (dev, r) = (&*self.drafter.dev, selector.rank);
+        // The slots' projections first, every row at once (the walk itself is a chain of choices per block).
+        let projected = part(buf(&self.work.projected)?, 0, rows * r)?;
+        matmul(dev, selector.projection.view(), r, part(buf(&self.work.normed)?, 0, rows * h)?, rows, projected)?;
+        let weights =
+            SelectorWeights { predecessor: selector.predecessor.view(), successor: selector.successor.view(), rank: r };
+        let summary = buf(&self.work.summary)?.view().sub(0, rows * (2 * k + 1)).map_err(device_err)?;
+        let ids = self.drafter.head.device_ids.as_ref().map(|b| b.view());
+        let path = buf(&self.work.walked)?.view().sub(0, rows).map_err(device_err)?;
+        dflash2_walk(dev, summary, k, ids, projected, weights, blocks, path).map_err(device_err)
     }
 
     fn rows_of<'b>(&self, b: &'b Option<DeviceBuf<f32>>, width: usize) -> Result<DevSlice<'b, f32>> {

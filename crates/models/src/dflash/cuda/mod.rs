@@ -3,11 +3,13 @@
 //! it) on the device too. What comes back per block is what the CPU pass returns, the draft rows' final hidden
 //! states and their scores, so choosing drafts (argmax, sampling, DFlash2's selector walk) stays one code path;
 //! the scores are every logit, or, where drafting reads no more, each slot's best columns and top probability
-//! found on the device (`ScoreReadback`).
+//! found on the device (`ScoreReadback`); a DFlash2 drafter's summarised passes also walk its candidate selector
+//! greedily there, which greedy drafts take instead of walking on the host.
 //!
 //! Contexts keep their K/V in one page pool per drafter, so a pass over many sequences attends in one launch per
-//! layer. Captured target rows still arrive from the host (the target's step copies them out). docs/MODELS.md,
-//! "DFlash drafters on CUDA", says what is not on the device yet.
+//! layer. Captured target rows come from the host, or straight from a target on the same device
+//! (`DraftModel::append_contexts_device`). docs/MODELS.md, "DFlash drafters on CUDA", says what is not on the
+//! device yet.
 
 mod context;
 mod forward;
@@ -41,6 +43,18 @@ pub(crate) struct CudaDrafter {
     /// The pages of every context made for this drafter.
     pool: Arc<PagePool>,
     work: Mutex<forward::Workspace>,
+    /// DFlash2's candidate selector, which walks greedy blocks on the device.
+    selector: Option<DeviceSelector>,
+}
+
+/// DFlash2's candidate selector on the device, widened to f32.
+#[derive(Debug)]
+struct DeviceSelector {
+    projection: DeviceBuf<f32>,  // [r, H]
+    predecessor: DeviceBuf<f32>, // [V, r]
+    successor: DeviceBuf<f32>,   // [V, r]
+    rank: usize,
+    top_k: usize,
 }
 
 /// The LM head the drafter scores with: the target's whole head, or a draft vocabulary's rows.
@@ -50,6 +64,8 @@ struct DeviceHead {
     rows: usize,
     /// A draft vocabulary's target ids; `None`: the whole head.
     ids: Option<Arc<[u32]>>,
+    /// The same ids on the device, for the selector's walk.
+    device_ids: Option<DeviceBuf<u32>>,
 }
 
 impl CudaDrafter {
@@ -59,7 +75,22 @@ impl CudaDrafter {
         }
         dev.init_blas().map_err(device_err)?;
         let matrix = head.matrix();
-        let head = DeviceHead { w: f32_upload(&dev, matrix)?, rows: matrix.rows(), ids: head.token_ids() };
+        let ids = head.token_ids();
+        let device_ids = ids.as_deref().map(|ids| dev.upload(ids)).transpose().map_err(device_err)?;
+        let head = DeviceHead { w: f32_upload(&dev, matrix)?, rows: matrix.rows(), ids, device_ids };
+        let selector = model
+            .selector()
+            .map(|s| {
+                let (projection, predecessor, successor) = s.weights();
+                Ok::<_, ModelError>(DeviceSelector {
+                    projection: f32_upload(&dev, projection)?,
+                    predecessor: f32_upload(&dev, predecessor)?,
+                    successor: f32_upload(&dev, successor)?,
+                    rank: s.rank(),
+                    top_k: s.top_k(),
+                })
+            })
+            .transpose()?;
         let rope = CudaRopeTable::new(&dev, &model.rope, max_positions.max(1)).map_err(device_err)?;
         let weights = DeviceWeights::upload(&dev, &model.weights)?;
         let b = &model.cfg.backbone;
@@ -71,7 +102,8 @@ impl CudaDrafter {
             head.rows,
             pool.bytes() >> 20
         );
-        Ok(CudaDrafter { dev, weights, head, rope, pool, work: Mutex::new(forward::Workspace::default()) })
+        let work = Mutex::new(forward::Workspace::default());
+        Ok(CudaDrafter { dev, weights, head, rope, pool, work, selector })
     }
 
     /// Whether `head` is the head this drafter scores with on the device.

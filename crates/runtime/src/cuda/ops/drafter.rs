@@ -180,3 +180,88 @@ pub fn draft_top_k<'a>(
         .map_err(launch_err("draft_top_k_merge"))?;
     Ok(())
 }
+
+/// DFlash2's candidate selector's codebooks on the device, as [`dflash2_walk`] reads them.
+#[derive(Clone, Copy, Debug)]
+pub struct SelectorWeights<'a> {
+    /// `[codes, rank]` each: the predecessor and successor codebooks, by target token id.
+    pub predecessor: DevSlice<'a, f32>,
+    pub successor: DevSlice<'a, f32>,
+    pub rank: usize,
+}
+
+/// A pass's blocks as [`dflash2_walk`] walks them: `[blocks]` each, the first row of each block (its anchor's),
+/// its width (anchor included) and its anchor's token.
+#[derive(Clone, Copy, Debug)]
+pub struct WalkBlocks<'a> {
+    pub first: DevSlice<'a, u32>,
+    pub width: DevSlice<'a, u32>,
+    pub anchor: DevSlice<'a, u32>,
+}
+
+/// DFlash2's greedy walk of every block of a pass: from the anchor's token, each slot row takes the candidate of
+/// its summary (`summary`, [`draft_top_k`]'s `[rows, 2k + 1]`; columns mapped to target ids through `token_ids`
+/// when given) that maximises `value + Σ_j (pred[prev][j] · projected[row][j]) · succ[cand][j]`, the first on ties;
+/// `path[row]` gets its target id (`u32::MAX` where no candidate is valid; the anchors' rows are left as they are).
+/// Twin of the models crate's greedy `CandidateSelector::walk`, rounded as it rounds; `projected` is the hidden
+/// states through the selector's projection (`[rows, rank]`), `path` `[rows]`. One warp per block: a walk is a
+/// chain of `width - 1` dependent choices.
+///
+/// # Errors
+/// Lengths that do not form these shapes, `k` past [`DRAFT_TOP_K_MAX`]; a launch failure.
+#[allow(clippy::too_many_arguments)]
+pub fn dflash2_walk<'a>(
+    dev: &CudaDevice,
+    summary: impl DevArg<'a, u32>,
+    k: usize,
+    token_ids: Option<DevSlice<'a, u32>>,
+    projected: impl DevArg<'a, f32>,
+    selector: SelectorWeights<'a>,
+    blocks: WalkBlocks<'a>,
+    path: impl DevArg<'a, u32>,
+) -> Result<()> {
+    let (summary, projected, path) = (summary.dev(), projected.dev(), path.dev());
+    let (rows, r) = (path.len(), selector.rank);
+    let codes = selector.predecessor.len().checked_div(r).unwrap_or(0);
+    let n = blocks.first.len();
+    if k == 0
+        || k > DRAFT_TOP_K_MAX
+        || summary.len() != rows * (2 * k + 1)
+        || projected.len() != rows * r
+        || r == 0
+        || selector.successor.len() != codes * r
+        || blocks.width.len() != n
+        || blocks.anchor.len() != n
+    {
+        return Err(shape_err(format!(
+            "dflash2_walk: summary {} for {rows} rows of top {k}, projected {}, rank {r}, codebooks {} / {}, {n} blocks",
+            summary.len(),
+            projected.len(),
+            selector.predecessor.len(),
+            selector.successor.len()
+        )));
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let ids_ptr = token_ids.map_or(0u64, |t| t.device_ptr());
+    let (k32, r32, codes32) = (dim(k, "k")?, dim(r, "rank")?, dim(codes, "codes")?);
+    let mut launch = dev.launch_builder(&dev.kernels.dflash2_walk);
+    launch
+        .arg(summary.arg())
+        .arg(&k32)
+        .arg(&ids_ptr)
+        .arg(projected.arg())
+        .arg(&r32)
+        .arg(selector.predecessor.arg())
+        .arg(selector.successor.arg())
+        .arg(&codes32)
+        .arg(blocks.first.arg())
+        .arg(blocks.width.arg())
+        .arg(blocks.anchor.arg())
+        .arg(path.arg());
+    // SAFETY: the arguments match the kernel's signature; the shapes were checked above (each block reads the rows
+    // of its block, which the caller lays out within `rows`); token ids are read only where given.
+    unsafe { launch.launch(launch_cfg((dim(n, "blocks")?, 1, 1), 32)) }.map_err(launch_err("dflash2_walk"))?;
+    Ok(())
+}

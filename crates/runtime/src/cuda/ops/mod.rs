@@ -25,7 +25,10 @@ pub use attention::{
     rope_kv_write, tc_prompt_attention_fits, AttentionArgs, AttentionScratch, KeySplit, RopeKvArgs, ATTN_KEY_CHUNK,
     ATTN_MAX_QUERIES, ATTN_ROPE_MAX_SEQ_ROWS, ATTN_SPLIT_MAX_KEYS, TC_ATTN_TILE_ROWS,
 };
-pub use drafter::{dflash_conv, draft_top_k, draft_top_k_scratch, ConvSide, LogitScale, DRAFT_TOP_K_MAX};
+pub use drafter::{
+    dflash2_walk, dflash_conv, draft_top_k, draft_top_k_scratch, ConvSide, LogitScale, SelectorWeights, WalkBlocks,
+    DRAFT_TOP_K_MAX,
+};
 pub use fused::{
     copy_columns, f32_rows_fit, fill_random_bf16, fill_random_f16, fill_random_f32, fill_random_u32, gather_rms_norm,
     gemm, gemm_bf16_small, gemm_f32_rows, gemv_bf16_ep, small_gemm_fits, sum_sq_slots, Epilogue, FoldedNorm, GemmArgs,
