@@ -234,7 +234,8 @@ impl DflashProposer {
     /// flushes alone, so only a lane whose own rows fail is broken; lanes of other drafters flush when they draft.
     /// Appends each lane's rows of this step where the target left them (`captured`: rows `rows` of the step's, the
     /// first at position `first`), after the rows the lane holds on the host; lanes sharing a drafter in one append.
-    /// A lane whose append fails stops drafting (its request goes on decoding).
+    /// If that append fails each of its lanes appends alone, and a lane whose own append fails stops drafting (its
+    /// request goes on decoding): one lane's failure never stops another's.
     pub fn observe_on_device(lanes: &mut [(&mut DflashProposer, usize, Range<usize>)], captured: &DeviceCaptured) {
         for (lane, _, _) in lanes.iter_mut() {
             lane.flush();
@@ -263,11 +264,15 @@ impl DflashProposer {
                     .collect();
                 model.append_contexts_device(&mut appends, captured)
             };
-            for (((lane, _, _), d), &member) in lanes.iter_mut().zip(done.iter_mut()).zip(&members) {
-                if member {
-                    *d = true;
-                    if let Err(e) = &result {
-                        lane.fail("context", e);
+            for (((lane, first, rows), d), &member) in lanes.iter_mut().zip(done.iter_mut()).zip(&members) {
+                if !member {
+                    continue;
+                }
+                *d = true;
+                if result.is_err() {
+                    let alone = DeviceAppend { ctx: &mut lane.ctx, first_position: *first, rows: rows.clone() };
+                    if let Err(e) = model.append_contexts_device(&mut [alone], captured) {
+                        lane.fail("context", &e);
                     }
                 }
             }
@@ -338,7 +343,8 @@ impl Proposer for DflashProposer {
     }
 
     fn observes_on_device(&self) -> bool {
-        !self.broken && self.model.on_device()
+        // A broken lane ignores its rows wherever they are; asking for them on the host would only cost the step.
+        self.model.on_device()
     }
 
     fn observe(&mut self, first_position: usize, captured: &[f32]) {

@@ -72,6 +72,10 @@ impl Proposer for OracleProposer {
         self.paying.as_ref().is_some_and(|d| d.observes_target())
     }
 
+    fn observes_on_device(&self) -> bool {
+        self.paying.as_ref().is_some_and(|d| d.observes_on_device())
+    }
+
     fn observe(&mut self, first_position: usize, captured: &[f32]) {
         if let Some(d) = self.paying.as_mut() {
             d.observe(first_position, captured);

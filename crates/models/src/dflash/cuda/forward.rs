@@ -140,6 +140,9 @@ impl Workspace {
         }
         if self.walked.as_ref().is_none_or(|b| b.len() < rows) {
             self.walked = Some(alloc(rows)?);
+            self.allocations += 1;
+        }
+        if self.projected.as_ref().is_none_or(|b| b.len() < rows * rank) {
             self.projected = Some(dev.alloc_zeros::<f32>((rows * rank).next_power_of_two()).map_err(device_err)?);
             self.allocations += 1;
         }

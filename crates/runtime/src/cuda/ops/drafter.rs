@@ -106,6 +106,9 @@ pub struct LogitScale {
 /// How [`draft_top_k`] cuts rows of `row_len` for `k` candidates: `(chunk, parts)`, logits per partial block (a
 /// power of two, at least `k`) and partial blocks per row; `None` where the merge cannot hold the candidates.
 fn top_k_parts(row_len: usize, k: usize) -> Option<(usize, usize)> {
+    if k == 0 || k > DRAFT_TOP_K_MAX {
+        return None;
+    }
     let mut chunk = row_len.next_power_of_two().clamp(k.next_power_of_two(), DRAFT_TOP_K_CHUNK);
     while row_len.div_ceil(chunk) * k > DRAFT_TOP_K_MERGE {
         chunk *= 2;
