@@ -83,16 +83,6 @@ impl CudaDevice {
         Ok(closed)
     }
 
-    /// Closes the open section without opening another.
-    ///
-    /// # Errors
-    /// As [`CudaDevice::timeline_section`].
-    pub fn timeline_close(&self) -> Result<Option<TimelineReport>> {
-        let Some(timeline) = &self.timeline else { return Ok(None) };
-        let open = lock(timeline).open.take();
-        open.map(|s| self.close(s)).transpose()
-    }
-
     /// Records an event after a launch of `what` (nothing while the timeline is off, no section is open or the
     /// stream is capturing).
     pub(crate) fn timeline_mark(&self, what: impl FnOnce() -> String) {
