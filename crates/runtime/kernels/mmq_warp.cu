@@ -18,6 +18,10 @@
 // The slab's weight rows: 16, each `wld` bytes apart in shared memory.
 #define MMQW_SLAB_ROWS 16
 
+// Most warps a block (MMQ_WARP_WARPS in src/cuda/kernels.rs): the block's warps share its rows' quantization, whose
+// passes are the kernel's longest chain (PERFORMANCE.md entry 89), so blocks take as many as shared memory allows.
+#define MMQW_WARPS 16
+
 // cp.async of 16 bytes, global to shared, through L2 only.
 __device__ __forceinline__ void mmqw_cp_async16(void* smem, const void* gmem) {
     const u32 dst = (u32)__cvta_generic_to_shared(smem);
@@ -256,6 +260,6 @@ __device__ __forceinline__ void mmq_warp(const unsigned char* __restrict__ qs, c
     }
 }
 
-DF_QUANT_MATMUL_PASSES(mmq_warp_q4_0, mmq_warp, 128, QF_Q4_0)
-DF_QUANT_MATMUL_PASSES(mmq_warp_q4_1, mmq_warp, 128, QF_Q4_1)
-DF_QUANT_MATMUL_PASSES(mmq_warp_q8_0, mmq_warp, 128, QF_Q8_0)
+DF_QUANT_MATMUL_PASSES(mmq_warp_q4_0, mmq_warp, MMQW_WARPS * 32, QF_Q4_0)
+DF_QUANT_MATMUL_PASSES(mmq_warp_q4_1, mmq_warp, MMQW_WARPS * 32, QF_Q4_1)
+DF_QUANT_MATMUL_PASSES(mmq_warp_q8_0, mmq_warp, MMQW_WARPS * 32, QF_Q8_0)

@@ -27,6 +27,10 @@ pub struct Switches {
     /// `DFLASH_MMQ_WARP=0`: quantized matmuls of 40 rows and more run as before the whole-tree kernel
     /// (`mmq_warp`) took them: `mmq` from 128 rows, the dp4a kernel below.
     pub no_mmq_warp: bool,
+    /// `DFLASH_MMQ_WARP_WARPS=N`: at most N warps a block of the whole-tree kernel (4 before entry 89).
+    pub mmq_warp_warps: Option<usize>,
+    /// `DFLASH_MMQ_WARP_MIN_ROWS=N`: the whole-tree kernel from N rows instead of `MMQ_WARP_MIN_ROWS`.
+    pub mmq_warp_min_rows: Option<usize>,
     /// `DFLASH_STEP_GATE=0`: every step runs the drafter pass its lanes planned, whatever the step gate measured.
     pub no_step_gate: bool,
     /// `DFLASH_DRAFT_SUMMARY=0`: a drafter pass on a device copies every draft logit back, as before passes
@@ -44,6 +48,7 @@ impl Switches {
     /// The switches `var` reports (a variable's value, or `None` when unset).
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Self {
         let is = |name: &str, value: &str| var(name).is_some_and(|v| v.trim() == value);
+        let count = |name: &str| var(name).and_then(|v| v.trim().parse::<usize>().ok()).filter(|&n| n > 0);
         Switches {
             simd: var("DFLASH_SIMD"),
             no_pdl: is("DFLASH_PDL", "0"),
@@ -54,6 +59,8 @@ impl Switches {
             no_mmq: is("DFLASH_MMQ", "0"),
             no_mmvq_half: is("DFLASH_MMVQ_HALF", "0"),
             no_mmq_warp: is("DFLASH_MMQ_WARP", "0"),
+            mmq_warp_warps: count("DFLASH_MMQ_WARP_WARPS"),
+            mmq_warp_min_rows: count("DFLASH_MMQ_WARP_MIN_ROWS"),
             no_step_gate: is("DFLASH_STEP_GATE", "0"),
             no_draft_summary: is("DFLASH_DRAFT_SUMMARY", "0"),
             no_draft_graph: is("DFLASH_DRAFT_GRAPH", "0"),
@@ -88,6 +95,8 @@ mod tests {
             ("DFLASH_MMQ", "0"),
             ("DFLASH_MMVQ_HALF", "0"),
             ("DFLASH_MMQ_WARP", "0"),
+            ("DFLASH_MMQ_WARP_WARPS", "4"),
+            ("DFLASH_MMQ_WARP_MIN_ROWS", " 16"),
             ("DFLASH_STEP_GATE", "0"),
             ("DFLASH_DRAFT_SUMMARY", "0"),
             ("DFLASH_DRAFT_GRAPH", "0"),
@@ -103,6 +112,8 @@ mod tests {
             no_mmq: true,
             no_mmvq_half: true,
             no_mmq_warp: true,
+            mmq_warp_warps: Some(4),
+            mmq_warp_min_rows: Some(16),
             no_step_gate: true,
             no_draft_summary: true,
             no_draft_graph: true,
@@ -113,6 +124,8 @@ mod tests {
             ("DFLASH_PDL", "1"),
             ("DFLASH_GEMM_PREFETCH", "all"),
             ("DFLASH_KERNEL_TIMELINE", "yes"),
+            ("DFLASH_MMQ_WARP_WARPS", "0"),
+            ("DFLASH_MMQ_WARP_MIN_ROWS", "many"),
         ]));
         assert_eq!(other, Switches::default(), "other values leave the optimisations on");
     }

@@ -83,9 +83,11 @@ pub(crate) const MMQ_COLS_PER_BLOCK: usize = 16;
 /// From this many activation rows the quantized matmul runs on the tensor cores (`mmq_*`, same bits as `mmvq_*`).
 pub(crate) const MMQ_MIN_ROWS: usize = 128;
 
-/// Warps per block of the whole-tree tensor-core quantized matmul (`mmq_warp_*` in mmq_warp.cu), as shared memory
-/// allows: each warp holds a slab of 16 weight rows there.
-pub(crate) const MMQ_WARP_WARPS: usize = 4;
+/// Most warps per block of the whole-tree tensor-core quantized matmul (`MMQW_WARPS` in mmq_warp.cu); blocks take
+/// as many as shared memory allows, each warp holding a slab of 16 weight rows there. The block's warps share the
+/// quantization of its rows, the kernel's longest chain: 4 warps a block spent 56% of their instructions there
+/// (PERFORMANCE.md entry 89).
+pub(crate) const MMQ_WARP_WARPS: usize = 16;
 
 /// From this many activation rows the quantized matmul runs as `mmq_warp_*` where its shared memory fits (unless
 /// `DFLASH_MMQ_WARP=0`): on an H100 it passes mmvq between 32 and 40 rows, and is 1.2-1.6x faster than mmvq from

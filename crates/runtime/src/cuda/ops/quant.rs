@@ -289,7 +289,8 @@ fn pick_kernel(asked: QuantKernel, format: QuantFormat, m: usize, k: usize, pass
     match asked {
         QuantKernel::Auto => {
             let switches = crate::switches::switches();
-            Some(if m >= MMQ_WARP_MIN_ROWS && !switches.no_mmq_warp && warp_fits() {
+            let warp_min_rows = switches.mmq_warp_min_rows.unwrap_or(MMQ_WARP_MIN_ROWS);
+            Some(if m >= warp_min_rows && !switches.no_mmq_warp && warp_fits() {
                 QuantKernel::MmqWarp
             } else if m >= MMQ_MIN_ROWS && !switches.no_mmq && mmq_fits() {
                 QuantKernel::Mmq
@@ -327,11 +328,13 @@ fn mmq_launch<'k>(dev: &'k CudaDevice, w: &QuantMatrix, a: &MmvqArgs, n_out: usi
 }
 
 /// The whole-tree tensor-core kernel: one slab of 16 weight rows per warp (8 gate and 8 up rows for SwiGLU), every
-/// slab of a chunk of 16 / passes rows in one wave, as many warps per block as shared memory allows.
+/// slab of a chunk of 16 / passes rows in one wave, as many warps per block as shared memory allows (the block's
+/// warps share its rows' quantization, so more warps shorten it).
 fn mmq_warp_launch<'k>(dev: &'k CudaDevice, w: &QuantMatrix, a: &MmvqArgs, n_out: usize) -> QuantLaunch<'k> {
     let passes = w.act.passes();
     let fits = |warps: usize| mmq_warp_smem_bytes(w.format, w.k, passes, warps) <= MAX_DYNAMIC_SMEM as usize;
-    let warps = (1..=MMQ_WARP_WARPS).rev().find(|&warps| fits(warps)).unwrap_or(1);
+    let most = crate::switches::switches().mmq_warp_warps.unwrap_or(MMQ_WARP_WARPS).min(MMQ_WARP_WARPS);
+    let warps = (1..=most).rev().find(|&warps| fits(warps)).unwrap_or(1);
     let cols = if a.epi == Epilogue::Swiglu { 8 } else { 16 };
     QuantLaunch {
         kernel: &dev.kernels.mmq_warp[w.format.code()][passes - 1],
