@@ -9,10 +9,11 @@
 // cp.async, every load in flight at once, so the leaves read it there. The block's warps share the rows' quantized
 // activations (quantize_rows_smem, as mmvq and mmq). No barrier follows the prologue. Below about 40 rows a layer
 // matrix gives it too few warps (576 columns: 36), each walking a whole row, and mmvq is faster; from 40 rows it
-// beats mmvq, and mmq at every size measured, up to 2,048-row prefill chunks (entries 78 and 79).
+// beats mmvq, and mmq at every size measured, up to 2,048-row prefill chunks (entries 78 and 79). Where a step's
+// slabs and row chunks still leave SMs idle, a slab's tree splits over two warps (entry 90).
 //
-// Grid: x over slabs (warp w of block x takes slabs x W + w, + gridDim.x W, ..., W = blockDim.x / 32), y over
-// chunks of 16 / P activation rows. Dynamic shared memory: mmqw_smem_bytes (src/cuda/ops/quant.rs computes the
+// Grid: x over slabs (group w of S warps of block x takes slabs x G + w, + gridDim.x G, ..., G = blockDim.x / 32 S),
+// y over chunks of 16 / P activation rows. Dynamic shared memory: mmqw_smem_bytes (src/cuda/ops/quant.rs computes the
 // same).
 
 // The slab's weight rows: 16, each `wld` bytes apart in shared memory.
@@ -207,11 +208,118 @@ __device__ __forceinline__ void mmqw_store(const float v[8], u32 g, u32 t, u32 r
     }
 }
 
+// Quantizes the m activation rows of x (row stride x_ld; RMS-normalised first when norm_w is not null) once, for the
+// launch that reads them pre-quantized: `out` holds xq [m P][ld] bytes, then xd and xs [m P][nb] f32, laid out as
+// quantize_rows_smem lays a block's rows in shared memory, with the same bytes (the norm's sum runs in the same
+// order, each block through the same quantize_block_quarter). Grid: x over groups of 4 W of a row's blocks (W warps
+// a block, 4 blocks a warp, 8 lanes a block), y over rows.
+template <int P>
+__device__ __forceinline__ void quantize_rows_global(const float* __restrict__ x, u32 x_ld, u32 m, u32 k,
+                                                     const float* __restrict__ norm_w, float eps,
+                                                     signed char* __restrict__ out, u32 ld) {
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const u32 r = blockIdx.y, nb = k >> 5;
+    const float* row = x + (u64)r * x_ld;
+    float inv = 0.0f;
+    if (norm_w != nullptr) {
+        float ss = 0.0f;
+        for (u32 i = lane; i < k; i += 32) {
+            const float v = row[i];
+            ss = fmaf(v, v, ss);
+        }
+        ss = warp_sum(ss);
+        inv = 1.0f / sqrtf(ss / (float)k + eps);
+    }
+    const u32 b = (blockIdx.x * warps + warp) * 4 + (lane >> 3), e = lane & 7u;
+    const bool live = b < nb;
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (live) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u32 c = b * 32 + 4 * e + i;
+            v[i] = row[c];
+            if (norm_w != nullptr) v[i] = __fmul_rn(__fmul_rn(v[i], inv), norm_w[c]);
+        }
+    }
+    float* xd = reinterpret_cast<float*>(out + (u64)m * P * ld);
+    float* xs = xd + (u64)m * P * nb;
+    quantize_block_quarter<P>(v, live, r * P, live ? b : 0u, k, ld, out, xd, xs);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    quantize_act_rows(const float* __restrict__ x, u32 x_ld, u32 m, u32 k, const float* __restrict__ norm_w,
+                      float eps, signed char* __restrict__ out, u32 ld) {
+    DF_GRID_DEPENDENCY();
+    quantize_rows_global<1>(x, x_ld, m, k, norm_w, eps, out, ld);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    quantize_act_rows_x2(const float* __restrict__ x, u32 x_ld, u32 m, u32 k, const float* __restrict__ norm_w,
+                         float eps, signed char* __restrict__ out, u32 ld) {
+    DF_GRID_DEPENDENCY();
+    quantize_rows_global<2>(x, x_ld, m, k, norm_w, eps, out, ld);
+}
+
+// Copies the block's quantized rows (rows `rows` from row0, P each) from quantize_rows_global's `pre` into shared
+// memory, 4 bytes a copy by cp.async, all in flight at once (the caller waits).
+template <int P>
+__device__ __forceinline__ void mmqw_copy_rows(const signed char* __restrict__ pre, u32 m, u32 k, u32 row0, u32 rows,
+                                               u32 ld, signed char* xq, float* xd, float* xs) {
+    const u32 nb = k >> 5, q0 = row0 * P, qn = rows * P;
+    const signed char* gq = pre + (u64)q0 * ld;
+    for (u32 i = threadIdx.x; i < qn * ld / 4; i += blockDim.x) mmqw_cp_async4(xq + 4 * i, gq + 4 * i);
+    const float* gd = reinterpret_cast<const float*>(pre + (u64)m * P * ld) + (u64)q0 * nb;
+    const float* gs = gd + (u64)m * P * nb;
+    for (u32 i = threadIdx.x; i < qn * nb; i += blockDim.x) {
+        mmqw_cp_async4(xd + i, gd + i);
+        mmqw_cp_async4(xs + i, gs + i);
+    }
+}
+
+// The sum of a slab's tree for the thread's outputs: all 32 leaves (S = 1), or (S = 2) the 16 of part `part`, the
+// other part's added by the warp beside it: mmqw_tree<FMT, 5 - log2 S, part * 32 / S>.
+template <int FMT, int S>
+__device__ __forceinline__ void mmqw_part(const MmqwWarp& w, u32 part, float v[8]) {
+    static_assert(S == 1 || S == 2, "a slab's tree splits over one warp or two");
+    if constexpr (S == 1) {
+        mmqw_tree<FMT, 5, 0>(w, v);
+    } else if (part == 0) {
+        mmqw_tree<FMT, 4, 0>(w, v);
+    } else {
+        mmqw_tree<FMT, 4, 16>(w, v);
+    }
+}
+
+// Waits for the S warps of group `group` (named barrier group + 1; 0 is __syncthreads').
+template <int S>
+__device__ __forceinline__ void mmqw_group_sync(u32 group) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(group + 1u), "r"(32u * S) : "memory");
+}
+
+// Adds a split tree's halves as the butterfly's top level, into part 0's v: part 1 leaves its half in its own slab
+// memory `spill` (free once its leaves are done), [8][32] floats so the lanes hit 32 banks; part 0 reads it
+// `slab_floats` past its own `spill` (the warps' slabs are consecutive).
+__device__ __forceinline__ void mmqw_join(float v[8], u32 part, u32 group, float* spill, u32 slab_floats) {
+    const u32 lane = threadIdx.x & 31u;
+    if (part != 0) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) spill[i * 32 + lane] = v[i];
+    }
+    mmqw_group_sync<2>(group);
+    if (part == 0) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = v[i] + spill[slab_floats + i * 32 + lane];
+    }
+}
+
 // y = epilogue(quantize(prologue(x)) . W^T), as mmvq (same arguments, same bits), for rows
-// [blockIdx.y * 16 / P, + 16 / P) of x. Dynamic shared memory: 16 quantized rows of mmq_row_bytes(k) bytes and their
-// two f32 per block, then per warp a slab: 16 rows of mmqw_wld(k) bytes of quants and 16 rows of mmqw_sld(nb) scales
-// as stored. The warp's first slab is copied while the block quantizes its rows.
-template <int FMT, int P>
+// [blockIdx.y * 16 / P, + 16 / P) of x. Each slab's tree runs on S consecutive warps of a block (S = 1: one warp
+// adds all 32 leaves; 2: half each, for steps whose slabs and row chunks leave SMs idle). With PRE the rows come
+// quantized (mmqw_copy_rows) instead of quantized here. Dynamic
+// shared memory: 16 quantized rows of mmq_row_bytes(k) bytes and their two f32 per block, then per warp a slab: 16
+// rows of mmqw_wld(k) bytes of quants and 16 rows of mmqw_sld(nb) scales as stored, at least 1 KiB. The warp's first
+// slab is copied while the block quantizes its rows.
+template <int FMT, int P, int S, bool PRE>
 __device__ __forceinline__ void mmq_warp(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc,
                                          const float* __restrict__ x, u32 x_ld, u32 m,
                                          const float* __restrict__ norm_w, float eps, float* __restrict__ y, u32 y_ld,
@@ -220,16 +328,19 @@ __device__ __forceinline__ void mmq_warp(const unsigned char* __restrict__ qs, c
     extern __shared__ int4 mmqw_smem[];
     const u32 nb = k >> 5, ld = mmq_row_bytes<P>(k), wld = mmqw_wld<FMT>(k), sld = mmqw_sld<FMT>(nb);
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const u32 part = warp % S, group = warp / S;
     signed char* xq = reinterpret_cast<signed char*>(mmqw_smem);
     float* xd = reinterpret_cast<float*>(xq + (u64)16 * ld);
     float* xs = xd + 16 * nb;
-    const u32 slab_bytes = MMQW_SLAB_ROWS * (wld + sld * (u32)sizeof(MmqwScale<FMT>));
+    // Each warp's region holds its slab, or (at least 1 KiB) the part it hands its group.
+    const u32 slab_bytes = max(MMQW_SLAB_ROWS * (wld + sld * (u32)sizeof(MmqwScale<FMT>)), 1024u);
     unsigned char* wq = reinterpret_cast<unsigned char*>(xs + 16 * nb) + (u64)warp * slab_bytes;
     void* wsc = wq + MMQW_SLAB_ROWS * wld;
     const u32 row0 = blockIdx.y * BM;
     const u32 rows = min((u32)BM, m - row0);
     const bool swiglu = epi == EPI_SWIGLU;
-    const u32 slab_cols = swiglu ? 8u : 16u, first = (blockIdx.x * warps + warp) * slab_cols;
+    const u32 slab_cols = swiglu ? 8u : 16u, groups = warps / S;
+    const u32 first = (blockIdx.x * groups + group) * slab_cols;
     // Slab row s: column n0 + s, or for SwiGLU gate column n0 + s (s < 8) and its up row; columns past n_out read
     // weight row 0 and their outputs are never written.
     const auto row_of_slab = [&](u32 n0) {
@@ -240,12 +351,18 @@ __device__ __forceinline__ void mmq_warp(const unsigned char* __restrict__ qs, c
         };
     };
     bool scales_left = first < n_out && mmqw_start_slab<FMT>(qs, sc, k, nb, wld, sld, row_of_slab(first), wq, wsc);
-    quantize_rows_smem<BM, P>(x + (u64)row0 * x_ld, x_ld, rows, k, norm_w, eps, xq, xd, xs, ld);
+    if constexpr (PRE) {
+        mmqw_copy_rows<P>(reinterpret_cast<const signed char*>(x), m, k, row0, rows, ld, xq, xd, xs);
+        mmqw_cp_async_wait_all();  // the rows, and the first slab
+        __syncthreads();
+    } else {
+        quantize_rows_smem<BM, P>(x + (u64)row0 * x_ld, x_ld, rows, k, norm_w, eps, xq, xd, xs, ld);
+    }
 
     const u32 g = lane >> 2, t = lane & 3u;
     const MmqwWarp w{reinterpret_cast<const u32*>(wq), wsc, xq, xd, xs, nb, ld, wld / 4, sld, g, t,
                      P == 2 ? 2 * g : g, P == 2 ? 2 * g + 1 : g + 8};
-    for (u32 n0 = first; n0 < n_out; n0 += gridDim.x * warps * slab_cols) {
+    for (u32 n0 = first; n0 < n_out; n0 += gridDim.x * groups * slab_cols) {
         const auto row_of = row_of_slab(n0);
         if (n0 != first) {
             __syncwarp();  // the previous slab's leaves are done with the warp's shared memory
@@ -255,11 +372,37 @@ __device__ __forceinline__ void mmq_warp(const unsigned char* __restrict__ qs, c
         mmqw_cp_async_wait_all();
         __syncwarp();
         float v[8];
-        mmqw_tree<FMT, 5, 0>(w, v);
-        mmqw_store<P>(v, g, t, rows, y + (u64)row0 * y_ld, y_ld, n0, n_out, epi);
+        mmqw_part<FMT, S>(w, part, v);
+        if constexpr (S > 1) {
+            __syncwarp();  // every lane's leaves are done with the slab before its memory holds the part
+            mmqw_join(v, part, group, reinterpret_cast<float*>(wq), slab_bytes / 4u);
+        }
+        if (part == 0) mmqw_store<P>(v, g, t, rows, y + (u64)row0 * y_ld, y_ld, n0, n_out, epi);
+        if constexpr (S > 1) mmqw_group_sync<S>(group);  // part 0 has read the parts before they copy a next slab
     }
 }
 
-DF_QUANT_MATMUL_PASSES(mmq_warp_q4_0, mmq_warp, MMQW_WARPS * 32, QF_Q4_0)
-DF_QUANT_MATMUL_PASSES(mmq_warp_q4_1, mmq_warp, MMQW_WARPS * 32, QF_Q4_1)
-DF_QUANT_MATMUL_PASSES(mmq_warp_q8_0, mmq_warp, MMQW_WARPS * 32, QF_Q8_0)
+// The kernels: mmq_warp_{fmt}[_x2], each block quantizing its rows; mmq_warp_pq_{fmt}[_s2][_x2], the rows read
+// pre-quantized (x: quantize_rows_global's output, x_ld and norm_w unused), a slab's tree on one warp or two (four
+// were slower at every size measured, entry 90).
+#define DF_MMQW_WRAPPER(NAME, S, PRE)                                                                          \
+    template <int FMT, int P>                                                                                  \
+    __device__ __forceinline__ void NAME(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ sc, \
+                                         const float* __restrict__ x, u32 x_ld, u32 m,                         \
+                                         const float* __restrict__ norm_w, float eps, float* __restrict__ y,   \
+                                         u32 y_ld, u32 n_out, u32 k, u32 epi) {                                \
+        mmq_warp<FMT, P, S, PRE>(qs, sc, x, x_ld, m, norm_w, eps, y, y_ld, n_out, k, epi);                     \
+    }
+DF_MMQW_WRAPPER(mmq_warp_fused, 1, false)
+DF_MMQW_WRAPPER(mmq_warp_pre_s1, 1, true)
+DF_MMQW_WRAPPER(mmq_warp_pre_s2, 2, true)
+
+DF_QUANT_MATMUL_PASSES(mmq_warp_q4_0, mmq_warp_fused, MMQW_WARPS * 32, QF_Q4_0)
+DF_QUANT_MATMUL_PASSES(mmq_warp_q4_1, mmq_warp_fused, MMQW_WARPS * 32, QF_Q4_1)
+DF_QUANT_MATMUL_PASSES(mmq_warp_q8_0, mmq_warp_fused, MMQW_WARPS * 32, QF_Q8_0)
+DF_QUANT_MATMUL_PASSES(mmq_warp_pq_q4_0, mmq_warp_pre_s1, MMQW_WARPS * 32, QF_Q4_0)
+DF_QUANT_MATMUL_PASSES(mmq_warp_pq_q4_1, mmq_warp_pre_s1, MMQW_WARPS * 32, QF_Q4_1)
+DF_QUANT_MATMUL_PASSES(mmq_warp_pq_q8_0, mmq_warp_pre_s1, MMQW_WARPS * 32, QF_Q8_0)
+DF_QUANT_MATMUL_PASSES(mmq_warp_pq_q4_0_s2, mmq_warp_pre_s2, MMQW_WARPS * 32, QF_Q4_0)
+DF_QUANT_MATMUL_PASSES(mmq_warp_pq_q4_1_s2, mmq_warp_pre_s2, MMQW_WARPS * 32, QF_Q4_1)
+DF_QUANT_MATMUL_PASSES(mmq_warp_pq_q8_0_s2, mmq_warp_pre_s2, MMQW_WARPS * 32, QF_Q8_0)

@@ -31,6 +31,12 @@ pub struct Switches {
     pub mmq_warp_warps: Option<usize>,
     /// `DFLASH_MMQ_WARP_MIN_ROWS=N`: the whole-tree kernel from N rows instead of `MMQ_WARP_MIN_ROWS`.
     pub mmq_warp_min_rows: Option<usize>,
+    /// `DFLASH_MMQ_WARP_SPLIT=1|2`: whole-tree launches on pre-quantized rows split each slab's tree over this many
+    /// warps (by default two where the launch leaves SMs idle, entry 90).
+    pub mmq_warp_split: Option<usize>,
+    /// `DFLASH_MMQ_WARP_PRE=0`: every whole-tree block quantizes its rows itself, as before entry 90, instead of
+    /// one launch quantizing them for all.
+    pub no_mmq_warp_pre: bool,
     /// `DFLASH_STEP_GATE=0`: every step runs the drafter pass its lanes planned, whatever the step gate measured.
     pub no_step_gate: bool,
     /// `DFLASH_DRAFT_SUMMARY=0`: a drafter pass on a device copies every draft logit back, as before passes
@@ -61,6 +67,8 @@ impl Switches {
             no_mmq_warp: is("DFLASH_MMQ_WARP", "0"),
             mmq_warp_warps: count("DFLASH_MMQ_WARP_WARPS"),
             mmq_warp_min_rows: count("DFLASH_MMQ_WARP_MIN_ROWS"),
+            mmq_warp_split: count("DFLASH_MMQ_WARP_SPLIT"),
+            no_mmq_warp_pre: is("DFLASH_MMQ_WARP_PRE", "0"),
             no_step_gate: is("DFLASH_STEP_GATE", "0"),
             no_draft_summary: is("DFLASH_DRAFT_SUMMARY", "0"),
             no_draft_graph: is("DFLASH_DRAFT_GRAPH", "0"),
@@ -97,6 +105,8 @@ mod tests {
             ("DFLASH_MMQ_WARP", "0"),
             ("DFLASH_MMQ_WARP_WARPS", "4"),
             ("DFLASH_MMQ_WARP_MIN_ROWS", " 16"),
+            ("DFLASH_MMQ_WARP_SPLIT", "1"),
+            ("DFLASH_MMQ_WARP_PRE", "0"),
             ("DFLASH_STEP_GATE", "0"),
             ("DFLASH_DRAFT_SUMMARY", "0"),
             ("DFLASH_DRAFT_GRAPH", "0"),
@@ -114,6 +124,8 @@ mod tests {
             no_mmq_warp: true,
             mmq_warp_warps: Some(4),
             mmq_warp_min_rows: Some(16),
+            mmq_warp_split: Some(1),
+            no_mmq_warp_pre: true,
             no_step_gate: true,
             no_draft_summary: true,
             no_draft_graph: true,

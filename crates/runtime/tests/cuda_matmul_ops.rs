@@ -97,7 +97,7 @@ fn quantized_matmul_matches_cpu_for_every_format_rows_prologue_and_epilogue() {
                     let y = dev.upload(&y_host).expect("y");
                     let (x_dev, nw_dev) = (dev.upload(&x).expect("x"), dev.upload(&norm_w).expect("norm"));
                     let norm = normed.then(|| (nw_dev.view(), eps));
-                    let args = MmvqArgs { x: x_dev.view(), x_ld, m, norm, y: y.view(), y_ld, epi };
+                    let args = MmvqArgs { x: x_dev.view(), x_ld, m, norm, y: y.view(), y_ld, epi, scratch: None };
                     gpu::mmvq(dev, &w, args).expect("mmvq");
                     let got_all = dev.download(&y).expect("download");
                     let got: Vec<f32> = got_all.chunks_exact(y_ld).flat_map(|r| r[..n_out].to_vec()).collect();
@@ -113,22 +113,31 @@ fn quantized_matmul_matches_cpu_for_every_format_rows_prologue_and_epilogue() {
                     for row in 0..m {
                         let y1 = dev.upload(&y_host[row * y_ld..]).expect("y1");
                         let x1 = x_dev.view().sub(row * x_ld, x_ld).expect("row");
-                        let args = MmvqArgs { x: x1, x_ld, m: 1, norm, y: y1.view(), y_ld, epi };
+                        let args = MmvqArgs { x: x1, x_ld, m: 1, norm, y: y1.view(), y_ld, epi, scratch: None };
                         gpu::mmvq(dev, &w, args).expect("mmvq one row");
                         let alone = dev.download(&y1).expect("download");
                         diff += bit_mismatches(&alone[..n_out], &got[row * n_out..(row + 1) * n_out]);
                     }
                     check(&format!("{what} rows alone"), &format!("{m} rows"), diff, 0.0);
-                    // Every kernel gives the batch the same bits, whichever the rows would pick.
-                    for kernel in [QuantKernel::Mmvq, QuantKernel::Mmq, QuantKernel::MmqWarp] {
+                    // Every kernel gives the batch the same bits, whichever the rows would pick; the whole-tree
+                    // kernel also on rows quantized once (the scratch's tail must stay untouched).
+                    let pre_len = gpu::quantized_rows_bytes(m, k, act.passes());
+                    let scratch = dev.upload(&vec![0xa5u8; pre_len + 64]).expect("scratch");
+                    let splits = [1, 2].map(|s| (QuantKernel::MmqWarpSplit(s), true));
+                    let kernels = [QuantKernel::Mmvq, QuantKernel::Mmq, QuantKernel::MmqWarp].map(|k| (k, false));
+                    for (kernel, pre) in kernels.into_iter().chain([(QuantKernel::MmqWarp, true)]).chain(splits) {
                         let y_k = dev.upload(&y_host).expect("y");
-                        let args = MmvqArgs { x: x_dev.view(), x_ld, m, norm, y: y_k.view(), y_ld, epi };
+                        let scratch = pre.then(|| scratch.view());
+                        let args = MmvqArgs { x: x_dev.view(), x_ld, m, norm, y: y_k.view(), y_ld, epi, scratch };
                         gpu::mmvq_on(dev, &w, args, kernel).expect("mmvq on a named kernel");
                         let all = dev.download(&y_k).expect("download");
                         assert!(all.chunks_exact(y_ld).all(|r| r[n_out..].iter().all(|v| v.is_nan())), "{kernel:?}");
                         let mine: Vec<f32> = all.chunks_exact(y_ld).flat_map(|r| r[..n_out].to_vec()).collect();
-                        check(&format!("{what} on {kernel:?}"), &format!("{m} rows"), bit_mismatches(&mine, &got), 0.0);
+                        let on = format!("{what} on {kernel:?}{}", if pre { " (rows quantized once)" } else { "" });
+                        check(&on, &format!("{m} rows"), bit_mismatches(&mine, &got), 0.0);
                     }
+                    let tail = dev.download(&scratch).expect("scratch");
+                    assert!(tail[pre_len..].iter().all(|&b| b == 0xa5), "wrote past the quantized rows");
                 }
             }
         }

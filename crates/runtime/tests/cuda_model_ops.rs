@@ -645,6 +645,7 @@ fn captured_graph_replays_with_new_inputs() {
             y: y.view(),
             y_ld: n,
             epi: Epilogue::Store,
+            scratch: None,
         };
         gpu::mmvq(dev, &w, args)
     };

@@ -6,7 +6,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use dflash_runtime::cuda::ops::{
-    attn_max_splits, sum_sq_slots, ArgmaxScratch, AttentionScratch, SampleScratch, DRAWN_WORDS, DRAW_WORDS,
+    attn_max_splits, quantized_rows_bytes, sum_sq_slots, ArgmaxScratch, AttentionScratch, SampleScratch, DRAWN_WORDS,
+    DRAW_WORDS,
 };
 use dflash_runtime::cuda::{CudaDevice, DeviceBuf, StepGraph};
 use half::bf16;
@@ -90,15 +91,18 @@ const DRAW_ADJUST_WORDS: usize = 3 * 4096;
 pub(crate) struct Workspace {
     /// The step's inputs in one buffer (see [`Layout`]), written by one copy per step.
     pub inputs: DeviceBuf<u32>,
-    pub residual: DeviceBuf<f32>,  // [T, hidden]
-    pub normed: DeviceBuf<f32>,    // [T, hidden] (dense matmuls; quantized ones normalise in their prologue)
-    pub sum_sq: DeviceBuf<f32>,    // [T, sum_sq_slots(hidden)] (norms folded into the small bf16 matmul)
-    pub qkv: DeviceBuf<f32>,       // [T, qkv width]
-    pub q: DeviceBuf<f32>,         // [T, heads * head_dim]
-    pub attn: DeviceBuf<f32>,      // [T, heads * head_dim]
-    pub gate_up: DeviceBuf<f32>,   // [T, 2 * intermediate] (unfused SwiGLU)
-    pub act: DeviceBuf<f32>,       // [T, intermediate]
-    pub x_bf16: DeviceBuf<bf16>,   // [T, max k] (cuBLAS operand)
+    pub residual: DeviceBuf<f32>, // [T, hidden]
+    pub normed: DeviceBuf<f32>,   // [T, hidden] (dense matmuls; quantized ones normalise in their prologue)
+    pub sum_sq: DeviceBuf<f32>,   // [T, sum_sq_slots(hidden)] (norms folded into the small bf16 matmul)
+    pub qkv: DeviceBuf<f32>,      // [T, qkv width]
+    pub q: DeviceBuf<f32>,        // [T, heads * head_dim]
+    pub attn: DeviceBuf<f32>,     // [T, heads * head_dim]
+    pub gate_up: DeviceBuf<f32>,  // [T, 2 * intermediate] (unfused SwiGLU)
+    pub act: DeviceBuf<f32>,      // [T, intermediate]
+    pub x_bf16: DeviceBuf<bf16>,  // [T, max k] (cuBLAS operand)
+    /// A quantized matmul's rows quantized once for its blocks to share (`MmvqArgs::scratch`;
+    /// `quantized_rows_bytes` of T rows of the widest quantized input; one byte without quantized weights).
+    pub act_quant: DeviceBuf<u8>,
     pub logits_in: DeviceBuf<f32>, // [L, hidden]
     pub logits: DeviceBuf<f32>,    // [L, vocab]
     pub ids: DeviceBuf<u32>,       // [L]
@@ -154,6 +158,8 @@ pub(crate) struct WorkspaceShape {
     pub ffn_width: usize,
     /// The widest matmul input given to cuBLAS as bf16 (0: no dense weights, so no cuBLAS).
     pub bf16_width: usize,
+    /// The widest quantized matmul input (0: no quantized weights).
+    pub quant_width: usize,
     pub vocab: usize,
     /// Captured values per row (taps · hidden, or what a stream target's taps read).
     pub capture_width: usize,
@@ -221,6 +227,7 @@ impl<X> CudaCache<X> {
             gate_up: dev.alloc_zeros(t * 2 * f)?,
             act: dev.alloc_zeros(t * f)?,
             x_bf16: dev.alloc_zeros((t * shape.bf16_width).max(1))?,
+            act_quant: dev.alloc_zeros(quantized_rows_bytes(t, shape.quant_width, 2).max(1))?,
             logits_in: dev.alloc_zeros(l * h)?,
             logits: dev.alloc_zeros(l * shape.vocab)?,
             ids: dev.alloc_zeros(l)?,

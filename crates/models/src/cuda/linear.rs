@@ -109,7 +109,8 @@ impl Linear<'_> {
                 MatIn::Normed { x, w: nw } | MatIn::Folded { x, w: nw, .. } => (x, Some((nw, self.eps))),
                 MatIn::Plain(x) => (x, None),
             };
-            return Ok(mmvq(dev, q, MmvqArgs { x, x_ld: w.k, m, norm, y, y_ld, epi })?);
+            let scratch = Some(ws.act_quant.view());
+            return Ok(mmvq(dev, q, MmvqArgs { x, x_ld: w.k, m, norm, y, y_ld, epi, scratch })?);
         }
         if let DevWeight::Bf16(wb) = &w.w {
             if cublas_bf16(w, m) {

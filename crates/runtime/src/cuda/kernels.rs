@@ -89,6 +89,15 @@ pub(crate) const MMQ_MIN_ROWS: usize = 128;
 /// (PERFORMANCE.md entry 89).
 pub(crate) const MMQ_WARP_WARPS: usize = 16;
 
+/// The warps one slab's tree may split over in the whole-tree kernel reading pre-quantized rows
+/// (`mmq_warp_pq_*_s{S}` in mmq_warp.cu; 1: the whole tree on one warp; `DFLASH_MMQ_WARP_SPLIT` picks one).
+pub(crate) const MMQ_WARP_SPLITS: [usize; 2] = [1, 2];
+
+/// A whole-tree launch on pre-quantized rows splits each slab's tree over two warps while that keeps it within
+/// this many warps an SM: a launch that leaves SMs idle runs its trees' halves side by side (PERFORMANCE.md
+/// entry 90).
+pub(crate) const MMQ_WARP_SPLIT_MAX_WARPS_PER_SM: usize = 8;
+
 /// From this many activation rows the quantized matmul runs as `mmq_warp_*` where its shared memory fits (unless
 /// `DFLASH_MMQ_WARP=0`): on an H100 it passes mmvq between 32 and 40 rows, and is 1.2-1.6x faster than mmvq from
 /// 40 to 127 rows and 1.4-1.6x faster than `mmq_*` from 128 rows on (PERFORMANCE.md entry 79).
@@ -156,8 +165,14 @@ pub(crate) struct Kernels {
     pub mmvq_half: Vec<[CudaFunction; 2]>,
     /// `mmq[format][passes - 1]`: `mmq_{fmt}` and `mmq_{fmt}_x2`, the tensor-core matmul of many rows.
     pub mmq: Vec<[CudaFunction; 2]>,
-    /// `mmq_warp[format][passes - 1]`: `mmq_warp_{fmt}{,_x2}`, the tensor-core matmul with a whole tree per warp.
+    /// `mmq_warp[format][passes - 1]`: `mmq_warp_{fmt}{,_x2}`, the tensor-core matmul with a whole tree per warp,
+    /// each block quantizing its rows.
     pub mmq_warp: Vec<[CudaFunction; 2]>,
+    /// `mmq_warp_pre[format][passes - 1][i]`: `mmq_warp_pq_{fmt}{,_s2,_s4}{,_x2}`, the same reading rows
+    /// `quantize_act_rows` quantized once, each slab's tree on `MMQ_WARP_SPLITS[i]` warps.
+    pub mmq_warp_pre: Vec<[Vec<CudaFunction>; 2]>,
+    /// `quantize_act_rows{,_x2}`: activation rows quantized once (one or two passes) for `mmq_warp_pre`.
+    pub quantize_act_rows: [CudaFunction; 2],
     pub embedding_quant: CudaFunction,
     pub rope_kv_write: CudaFunction,
     pub paged_attention: CudaFunction,
@@ -267,6 +282,14 @@ impl Kernels {
             .iter()
             .map(|fmt| Ok([big_smem(&format!("mmq_warp_{fmt}"))?, big_smem(&format!("mmq_warp_{fmt}_x2"))?]))
             .collect::<Result<Vec<_>, CudaError>>()?;
+        let mmq_warp_splits = |fmt: &str, passes: &str| -> Result<Vec<CudaFunction>, CudaError> {
+            let split = |s: usize| if s == 1 { String::new() } else { format!("_s{s}") };
+            MMQ_WARP_SPLITS.iter().map(|&s| big_smem(&format!("mmq_warp_pq_{fmt}{}{passes}", split(s)))).collect()
+        };
+        let mmq_warp_pre = ["q4_0", "q4_1", "q8_0"]
+            .iter()
+            .map(|fmt| Ok([mmq_warp_splits(fmt, "")?, mmq_warp_splits(fmt, "_x2")?]))
+            .collect::<Result<Vec<_>, CudaError>>()?;
         Ok(Kernels {
             embedding_f32: get("embedding_f32")?,
             embedding_bf16: get("embedding_bf16")?,
@@ -299,6 +322,8 @@ impl Kernels {
             mmvq_half,
             mmq,
             mmq_warp,
+            mmq_warp_pre,
+            quantize_act_rows: [get("quantize_act_rows")?, get("quantize_act_rows_x2")?],
             embedding_quant: get("embedding_quant")?,
             rope_kv_write: get("rope_kv_write")?,
             paged_attention: big_smem("paged_attention")?,

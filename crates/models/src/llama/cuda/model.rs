@@ -242,6 +242,7 @@ impl CudaLlamaModel {
             qkv_width: c.qkv_width(),
             ffn_width: f,
             bf16_width: if self.has_dense_weights() { h.max(f).max(qd) } else { 0 },
+            quant_width: if self.has_quant_weights() { h.max(f).max(qd) } else { 0 },
             vocab: c.vocab_size,
             capture_width: self.capture_width(),
             residual_streams: self.streams.as_ref().map_or(0, |s| s.dims.streams),
@@ -258,13 +259,22 @@ impl CudaLlamaModel {
 
     /// Whether any matrix is dense (its matmuls may go through cuBLAS).
     fn has_dense_weights(&self) -> bool {
-        let dense = |w: &DevWeight| !matches!(w, DevWeight::Quant(_));
+        self.any_matrix(|w| !matches!(w, DevWeight::Quant(_)))
+    }
+
+    /// Whether any matrix is block-quantized (its matmuls may share rows quantized once).
+    fn has_quant_weights(&self) -> bool {
+        self.any_matrix(|w| matches!(w, DevWeight::Quant(_)))
+    }
+
+    /// Whether `pred` holds for some matrix's weights.
+    fn any_matrix(&self, pred: impl Fn(&DevWeight) -> bool) -> bool {
         let proj = |p: &DevProjection| match p {
-            DevProjection::Fused(m) => dense(&m.w),
-            DevProjection::Split(parts) => parts.iter().any(|m| dense(&m.w)),
+            DevProjection::Fused(m) => pred(&m.w),
+            DevProjection::Split(parts) => parts.iter().any(|m| pred(&m.w)),
         };
-        dense(&self.lm_head().w)
-            || self.layers.iter().any(|l| proj(&l.qkv) || proj(&l.gate_up) || dense(&l.o_proj.w) || dense(&l.down.w))
+        pred(&self.lm_head().w)
+            || self.layers.iter().any(|l| proj(&l.qkv) || proj(&l.gate_up) || pred(&l.o_proj.w) || pred(&l.down.w))
     }
 
     /// Rows per attention tile (see [`TileRows`]): prompt rows on the tensor cores unless the weights are f32

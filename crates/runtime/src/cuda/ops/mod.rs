@@ -40,7 +40,10 @@ pub use gdn::{
 };
 pub use matmul::{gemm_bf16, gemv_bf16, matmul_bf16};
 pub use moe::{moe_forward, ExpertWeights, MoeArgs, MoeScratch, MOE_SMALL_BATCH};
-pub use quant::{embedding_quant, mmvq, mmvq_on, mmvq_smem_bytes, MmvqArgs, QuantFormat, QuantKernel, QuantMatrix};
+pub use quant::{
+    embedding_quant, mmvq, mmvq_on, mmvq_smem_bytes, quantized_rows_bytes, MmvqArgs, QuantFormat, QuantKernel,
+    QuantMatrix,
+};
 pub use sample::{pack_draws, sample_rows, unpack_drawn, SampleScratch, DRAWN_WORDS, DRAW_WORDS};
 pub use streams::{
     streams_broadcast, streams_collapse, streams_expand, streams_head, streams_mean, StreamConnection, StreamDims,

@@ -8,8 +8,8 @@ use super::fused::{fill_random_f16, fill_random_u32, Epilogue};
 use super::{dim, launch_err, shape_err, ROW_BLOCK};
 use crate::cuda::device::{CudaDevice, DeviceBuf};
 use crate::cuda::kernels::{
-    MAX_DYNAMIC_SMEM, MMQ_COLS_PER_BLOCK, MMQ_MIN_ROWS, MMQ_QUANT_ROWS, MMQ_WARP_MIN_ROWS, MMQ_WARP_WARPS,
-    MMVQ_HALF_MAX_K, MMVQ_HALF_MIN_ROWS, MMVQ_ROWS, MMVQ_X2_MAX_ROWS,
+    MAX_DYNAMIC_SMEM, MMQ_COLS_PER_BLOCK, MMQ_MIN_ROWS, MMQ_QUANT_ROWS, MMQ_WARP_MIN_ROWS, MMQ_WARP_SPLITS,
+    MMQ_WARP_SPLIT_MAX_WARPS_PER_SM, MMQ_WARP_WARPS, MMVQ_HALF_MAX_K, MMVQ_HALF_MIN_ROWS, MMVQ_ROWS, MMVQ_X2_MAX_ROWS,
 };
 use crate::cuda::view::{DevArg, DevSlice};
 use crate::cuda::Result;
@@ -192,7 +192,16 @@ fn mmq_warp_smem_bytes(format: QuantFormat, k: usize, passes: usize, warps: usiz
     let quants = if format == QuantFormat::Q8_0 { k } else { k / 2 };
     let wld = if (quants / 4) % 8 == 4 { quants } else { quants + 16 };
     let scale_row = if format == QuantFormat::Q4_1 { 4 * (nb | 1) } else { 2 * (nb + (6 - nb % 4) % 4) };
-    16 * mmq_row_bytes(k, passes) + 2 * 4 * 16 * nb + warps * 16 * (wld + scale_row)
+    // Each warp's region also holds the 8 x 32 floats of a split tree's part.
+    let slab = (16 * (wld + scale_row)).max(1024);
+    16 * mmq_row_bytes(k, passes) + 2 * 4 * 16 * nb + warps * slab
+}
+
+/// Bytes of `rows` activation rows of length `k` quantized once for the launches that share them
+/// ([`MmvqArgs::scratch`]): each of a row's `passes` quantized rows as the kernels' shared memory holds it (padded
+/// quants), then two f32 per 32-element block.
+pub fn quantized_rows_bytes(rows: usize, k: usize, passes: usize) -> usize {
+    rows * passes * (mmq_row_bytes(k, passes) + 8 * (k / 32))
 }
 
 /// One fused quantized matmul: `y = epi(quantize(prologue(x)) · Wᵀ)`.
@@ -208,6 +217,10 @@ pub struct MmvqArgs<'a> {
     pub y: DevSlice<'a, f32>,
     pub y_ld: usize,
     pub epi: Epilogue,
+    /// Device memory for the rows quantized once (at least [`quantized_rows_bytes`] of `m` rows at the weights'
+    /// passes): a launch whose blocks would each quantize the same rows (the whole-tree kernel) has one launch
+    /// quantize them here first. `None`, or too small: every block quantizes its rows.
+    pub scratch: Option<DevSlice<'a, u8>>,
 }
 
 /// The kernel a quantized matmul runs. Every one gives every row the same bits, alone or in any batch; the forward
@@ -221,8 +234,12 @@ pub enum QuantKernel {
     Mmvq,
     /// `mmq_*` (mmq.cu): the int8 tensor cores, each output's 32 leaves split over a block's warps.
     Mmq,
-    /// `mmq_warp_*` (mmq_warp.cu): the int8 tensor cores, a whole tree per warp over its own slab of weights.
+    /// `mmq_warp_*` (mmq_warp.cu): the int8 tensor cores, a whole tree per warp over its own slab of weights; with
+    /// a [`MmvqArgs::scratch`], the rows quantized once by a launch before it.
     MmqWarp,
+    /// `MmqWarp` on rows quantized once (needs a [`MmvqArgs::scratch`]), each slab's tree on this many warps (1 or
+    /// 2).
+    MmqWarpSplit(usize),
 }
 
 /// Runs one [`MmvqArgs`] against `w` (`n_out = w.n`, or `w.n / 2` for [`Epilogue::Swiglu`]) on the kernel
@@ -269,15 +286,58 @@ pub fn mmvq_on(dev: &CudaDevice, w: &QuantMatrix, a: MmvqArgs, kernel: QuantKern
     if mmvq_smem_bytes(k, passes) > MAX_DYNAMIC_SMEM as usize {
         return Err(shape_err(format!("mmvq: k = {k} does not fit shared memory at {passes} activation pass(es)")));
     }
-    let launch = match pick_kernel(kernel, w.format, a.m, k, passes) {
-        Some(QuantKernel::Mmq) => mmq_launch(dev, w, &a, n_out),
-        Some(QuantKernel::MmqWarp) => mmq_warp_launch(dev, w, &a, n_out),
-        Some(_) => mmvq_launch(dev, w, &a, n_out),
-        None => {
-            return Err(shape_err(format!("mmvq: {kernel:?} does not fit k = {k} at {passes} activation pass(es)")))
+    let pre = a.scratch.filter(|s| s.len() >= quantized_rows_bytes(a.m, k, passes));
+    let pre = pre.filter(|_| !crate::switches::switches().no_mmq_warp_pre);
+    let launch = match (pick_kernel(kernel, w.format, a.m, k, passes), pre) {
+        (Some(QuantKernel::Mmq), _) => mmq_launch(dev, w, &a, n_out),
+        (Some(QuantKernel::MmqWarp), None) => mmq_warp_launch(dev, w, &a, n_out, None),
+        (Some(QuantKernel::MmqWarp), Some(pre)) => return mmq_warp_pre(dev, w, &a, n_out, pre, None),
+        (Some(QuantKernel::MmqWarpSplit(split)), Some(pre)) => {
+            return mmq_warp_pre(dev, w, &a, n_out, pre, Some(split))
+        }
+        (Some(QuantKernel::Mmvq | QuantKernel::Auto), _) => mmvq_launch(dev, w, &a, n_out),
+        (Some(QuantKernel::MmqWarpSplit(_)), None) | (None, _) => {
+            return Err(shape_err(format!(
+                "mmvq: {kernel:?} does not fit k = {k} at {passes} activation pass(es), or has no scratch"
+            )))
         }
     };
-    run_launch(dev, w, &a, n_out, launch)
+    run_launch(dev, w, &a, n_out, launch, None)
+}
+
+/// The whole-tree kernel on rows quantized once into `pre`: `quantize_act_rows` (the prologue's norm and
+/// quantization, the same bytes), then `mmq_warp_pq_*` with each slab's tree on `split` warps (`None`:
+/// `DFLASH_MMQ_WARP_SPLIT`, else two where that keeps the launch within `MMQ_WARP_SPLIT_MAX_WARPS_PER_SM`).
+fn mmq_warp_pre(
+    dev: &CudaDevice,
+    w: &QuantMatrix,
+    a: &MmvqArgs,
+    n_out: usize,
+    pre: DevSlice<'_, u8>,
+    split: Option<usize>,
+) -> Result<()> {
+    let passes = w.act.passes();
+    let (norm_ptr, eps) = a.norm.map(|(nw, eps)| (nw.device_ptr(), eps)).unwrap_or((0, 0.0));
+    let ld = dim(mmq_row_bytes(w.k, passes), "quantized row")?;
+    let (x_ld, m, k) = (dim(a.x_ld, "x_ld")?, dim(a.m, "m")?, dim(w.k, "k")?);
+    // Four blocks a warp, four warps a block.
+    let groups = (w.k / 32).div_ceil(16);
+    let mut launch = dev.launch_builder(&dev.kernels.quantize_act_rows[passes - 1]);
+    launch.arg(a.x.arg()).arg(&x_ld).arg(&m).arg(&k).arg(&norm_ptr).arg(&eps).arg(pre.arg()).arg(&ld);
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (dim(groups, "row groups")?, m, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's signature; `pre` holds quantized_rows_bytes of the m rows (checked by
+    // the caller) and x the rows `mmvq_on` checked.
+    unsafe { launch.launch(cfg) }.map_err(launch_err("quantize_act_rows"))?;
+    let cols = if a.epi == Epilogue::Swiglu { 8 } else { 16 };
+    let warps = n_out.div_ceil(cols) * a.m.div_ceil(16 / passes);
+    let roomy = 2 * warps <= MMQ_WARP_SPLIT_MAX_WARPS_PER_SM * dev.info().multiprocessors.max(1) as usize;
+    let split = split.or(crate::switches::switches().mmq_warp_split).unwrap_or(if roomy { 2 } else { 1 });
+    let launch = mmq_warp_launch(dev, w, a, n_out, Some(split));
+    run_launch(dev, w, a, n_out, launch, Some(pre))
 }
 
 /// The kernel `asked` resolves to for `m` rows of length `k`, or `None` when a named tensor-core kernel's shared
@@ -300,6 +360,9 @@ fn pick_kernel(asked: QuantKernel, format: QuantFormat, m: usize, k: usize, pass
         }
         QuantKernel::Mmq => mmq_fits().then_some(QuantKernel::Mmq),
         QuantKernel::MmqWarp => warp_fits().then_some(QuantKernel::MmqWarp),
+        QuantKernel::MmqWarpSplit(split) => {
+            (MMQ_WARP_SPLITS.contains(&split) && warp_fits()).then_some(QuantKernel::MmqWarpSplit(split))
+        }
         QuantKernel::Mmvq => Some(QuantKernel::Mmvq),
     }
 }
@@ -327,18 +390,36 @@ fn mmq_launch<'k>(dev: &'k CudaDevice, w: &QuantMatrix, a: &MmvqArgs, n_out: usi
     }
 }
 
-/// The whole-tree tensor-core kernel: one slab of 16 weight rows per warp (8 gate and 8 up rows for SwiGLU), every
-/// slab of a chunk of 16 / passes rows in one wave, as many warps per block as shared memory allows (the block's
-/// warps share its rows' quantization, so more warps shorten it).
-fn mmq_warp_launch<'k>(dev: &'k CudaDevice, w: &QuantMatrix, a: &MmvqArgs, n_out: usize) -> QuantLaunch<'k> {
+/// The whole-tree tensor-core kernel: one slab of 16 weight rows per group of `split` warps (8 gate and 8 up rows
+/// for SwiGLU), every slab of a chunk of 16 / passes rows in one wave, as many warps per block as shared memory
+/// allows (the block's warps share its rows' quantization, so more warps shorten it). `split`: the rows come
+/// quantized (`mmq_warp_pq_*`), each slab's tree on that many warps (1 or 2); `None`: each block quantizes its
+/// rows, a whole tree per warp.
+fn mmq_warp_launch<'k>(
+    dev: &'k CudaDevice,
+    w: &QuantMatrix,
+    a: &MmvqArgs,
+    n_out: usize,
+    split: Option<usize>,
+) -> QuantLaunch<'k> {
     let passes = w.act.passes();
     let fits = |warps: usize| mmq_warp_smem_bytes(w.format, w.k, passes, warps) <= MAX_DYNAMIC_SMEM as usize;
     let most = crate::switches::switches().mmq_warp_warps.unwrap_or(MMQ_WARP_WARPS).min(MMQ_WARP_WARPS);
     let warps = (1..=most).rev().find(|&warps| fits(warps)).unwrap_or(1);
     let cols = if a.epi == Epilogue::Swiglu { 8 } else { 16 };
+    // A block holds whole groups of `split` warps.
+    let s = split.filter(|s| MMQ_WARP_SPLITS.contains(s) && *s <= warps).unwrap_or(1);
+    let warps = warps / s * s;
+    let kernel = match split {
+        Some(_) => {
+            let si = MMQ_WARP_SPLITS.iter().position(|&v| v == s).unwrap_or(0);
+            &dev.kernels.mmq_warp_pre[w.format.code()][passes - 1][si]
+        }
+        None => &dev.kernels.mmq_warp[w.format.code()][passes - 1],
+    };
     QuantLaunch {
-        kernel: &dev.kernels.mmq_warp[w.format.code()][passes - 1],
-        grid: (n_out.div_ceil(cols).div_ceil(warps), a.m.div_ceil(16 / passes)),
+        kernel,
+        grid: ((n_out.div_ceil(cols) * s).div_ceil(warps), a.m.div_ceil(16 / passes)),
         threads: 32 * warps,
         smem: mmq_warp_smem_bytes(w.format, w.k, passes, warps),
     }
@@ -367,10 +448,20 @@ fn mmvq_launch<'k>(dev: &'k CudaDevice, w: &QuantMatrix, a: &MmvqArgs, n_out: us
     QuantLaunch { kernel, grid: (grid_x, chunks), threads: 256, smem: mmvq_smem_bytes(k, r * passes) }
 }
 
-/// Launches one of the quantized matmul kernels (all take the same arguments).
-fn run_launch(dev: &CudaDevice, w: &QuantMatrix, a: &MmvqArgs, n_out: usize, l: QuantLaunch) -> Result<()> {
+/// Launches one of the quantized matmul kernels (all take the same arguments); with `pre`, on the rows quantized
+/// there (no norm: it was applied before quantizing).
+fn run_launch(
+    dev: &CudaDevice,
+    w: &QuantMatrix,
+    a: &MmvqArgs,
+    n_out: usize,
+    l: QuantLaunch,
+    pre: Option<DevSlice<'_, u8>>,
+) -> Result<()> {
     let (qs, sc) = (w.qs.view(), w.scales.view());
-    let (norm_ptr, eps) = a.norm.map(|(nw, eps)| (nw.device_ptr(), eps)).unwrap_or((0, 0.0));
+    let x_ptr = pre.map_or(a.x.device_ptr(), |p| p.device_ptr());
+    let norm = if pre.is_some() { None } else { a.norm };
+    let (norm_ptr, eps) = norm.map(|(nw, eps)| (nw.device_ptr(), eps)).unwrap_or((0, 0.0));
     let (x_ld, m, y_ld, n_out32, k32) =
         (dim(a.x_ld, "x_ld")?, dim(a.m, "m")?, dim(a.y_ld, "y_ld")?, dim(n_out, "n")?, dim(w.k, "k")?);
     let epi = a.epi.code();
@@ -378,7 +469,7 @@ fn run_launch(dev: &CudaDevice, w: &QuantMatrix, a: &MmvqArgs, n_out: usize, l: 
     launch
         .arg(qs.arg())
         .arg(sc.arg())
-        .arg(a.x.arg())
+        .arg(&x_ptr)
         .arg(&x_ld)
         .arg(&m)
         .arg(&norm_ptr)
