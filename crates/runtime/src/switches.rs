@@ -34,6 +34,9 @@ pub struct Switches {
     /// `DFLASH_MMQ_WARP_SPLIT=1|2`: whole-tree launches on pre-quantized rows split each slab's tree over this many
     /// warps (by default two where the launch leaves SMs idle, entry 90).
     pub mmq_warp_split: Option<usize>,
+    /// `DFLASH_MMQ_WARP_WIDE=0`: quantized matmuls below 40 rows stay on `mmvq` however many columns they have,
+    /// as before entry 91.
+    pub no_mmq_warp_wide: bool,
     /// `DFLASH_MMQ_WARP_PRE=0`: every whole-tree block quantizes its rows itself, as before entry 90, instead of
     /// one launch quantizing them for all.
     pub no_mmq_warp_pre: bool,
@@ -69,6 +72,7 @@ impl Switches {
             mmq_warp_min_rows: count("DFLASH_MMQ_WARP_MIN_ROWS"),
             mmq_warp_split: count("DFLASH_MMQ_WARP_SPLIT"),
             no_mmq_warp_pre: is("DFLASH_MMQ_WARP_PRE", "0"),
+            no_mmq_warp_wide: is("DFLASH_MMQ_WARP_WIDE", "0"),
             no_step_gate: is("DFLASH_STEP_GATE", "0"),
             no_draft_summary: is("DFLASH_DRAFT_SUMMARY", "0"),
             no_draft_graph: is("DFLASH_DRAFT_GRAPH", "0"),
@@ -107,6 +111,7 @@ mod tests {
             ("DFLASH_MMQ_WARP_MIN_ROWS", " 16"),
             ("DFLASH_MMQ_WARP_SPLIT", "1"),
             ("DFLASH_MMQ_WARP_PRE", "0"),
+            ("DFLASH_MMQ_WARP_WIDE", "0"),
             ("DFLASH_STEP_GATE", "0"),
             ("DFLASH_DRAFT_SUMMARY", "0"),
             ("DFLASH_DRAFT_GRAPH", "0"),
@@ -126,6 +131,7 @@ mod tests {
             mmq_warp_min_rows: Some(16),
             mmq_warp_split: Some(1),
             no_mmq_warp_pre: true,
+            no_mmq_warp_wide: true,
             no_step_gate: true,
             no_draft_summary: true,
             no_draft_graph: true,

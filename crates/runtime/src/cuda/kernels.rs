@@ -98,6 +98,15 @@ pub(crate) const MMQ_WARP_SPLITS: [usize; 2] = [1, 2];
 /// entry 90).
 pub(crate) const MMQ_WARP_SPLIT_MAX_WARPS_PER_SM: usize = 8;
 
+/// Below `MMQ_WARP_MIN_ROWS`, from `MMQ_WARP_WIDE_MIN_ROWS` rows, a quantized matmul whose whole-tree launch would
+/// hold at least this many warps an SM (the LM head's 3,072 slabs of 16 columns) takes it: it reads the weights
+/// once, where `mmvq` reads them again for every block row (PERFORMANCE.md entry 91).
+pub(crate) const MMQ_WARP_WIDE_WARPS_PER_SM: usize = 16;
+
+/// The fewest rows a wide launch takes the whole-tree kernel at: at 2 rows `mmvq` was 1% faster, from 3 it loses
+/// (entry 91).
+pub(crate) const MMQ_WARP_WIDE_MIN_ROWS: usize = 3;
+
 /// From this many activation rows the quantized matmul runs as `mmq_warp_*` where its shared memory fits (unless
 /// `DFLASH_MMQ_WARP=0`): on an H100 it passes mmvq between 32 and 40 rows, and is 1.2-1.6x faster than mmvq from
 /// 40 to 127 rows and 1.4-1.6x faster than `mmq_*` from 128 rows on (PERFORMANCE.md entry 79).

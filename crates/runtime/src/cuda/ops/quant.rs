@@ -9,7 +9,8 @@ use super::{dim, launch_err, shape_err, ROW_BLOCK};
 use crate::cuda::device::{CudaDevice, DeviceBuf};
 use crate::cuda::kernels::{
     MAX_DYNAMIC_SMEM, MMQ_COLS_PER_BLOCK, MMQ_MIN_ROWS, MMQ_QUANT_ROWS, MMQ_WARP_MIN_ROWS, MMQ_WARP_SPLITS,
-    MMQ_WARP_SPLIT_MAX_WARPS_PER_SM, MMQ_WARP_WARPS, MMVQ_HALF_MAX_K, MMVQ_HALF_MIN_ROWS, MMVQ_ROWS, MMVQ_X2_MAX_ROWS,
+    MMQ_WARP_SPLIT_MAX_WARPS_PER_SM, MMQ_WARP_WARPS, MMQ_WARP_WIDE_MIN_ROWS, MMQ_WARP_WIDE_WARPS_PER_SM,
+    MMVQ_HALF_MAX_K, MMVQ_HALF_MIN_ROWS, MMVQ_ROWS, MMVQ_X2_MAX_ROWS,
 };
 use crate::cuda::view::{DevArg, DevSlice};
 use crate::cuda::Result;
@@ -227,7 +228,9 @@ pub struct MmvqArgs<'a> {
 /// lets [`mmvq`] choose by rows, tests and benches name one to compare them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QuantKernel {
-    /// By rows: from `MMQ_WARP_MIN_ROWS` `MmqWarp` where its shared memory fits (unless `DFLASH_MMQ_WARP=0`);
+    /// By rows: from `MMQ_WARP_MIN_ROWS` (or from `MMQ_WARP_WIDE_MIN_ROWS` for a launch of
+    /// `MMQ_WARP_WIDE_WARPS_PER_SM` warps an SM)
+    /// `MmqWarp` where its shared memory fits (unless `DFLASH_MMQ_WARP=0`);
     /// else from `MMQ_MIN_ROWS` `Mmq` (unless `DFLASH_MMQ=0`); else `Mmvq`.
     Auto,
     /// `mmvq_*` (quant.cu): dp4a loops, a warp (or half) per column, a few rows per block.
@@ -288,7 +291,15 @@ pub fn mmvq_on(dev: &CudaDevice, w: &QuantMatrix, a: MmvqArgs, kernel: QuantKern
     }
     let pre = a.scratch.filter(|s| s.len() >= quantized_rows_bytes(a.m, k, passes));
     let pre = pre.filter(|_| !crate::switches::switches().no_mmq_warp_pre);
-    let launch = match (pick_kernel(kernel, w.format, a.m, k, passes), pre) {
+    // A launch of many columns (the LM head) fills the GPU with whole-tree warps even at a few rows, and reads its
+    // weights once where mmvq reads them again for every block row.
+    let cols = if a.epi == Epilogue::Swiglu { 8 } else { 16 };
+    let warps = n_out.div_ceil(cols) * a.m.div_ceil(16 / passes);
+    let sms = dev.info().multiprocessors.max(1) as usize;
+    let wide = a.m >= MMQ_WARP_WIDE_MIN_ROWS
+        && warps >= MMQ_WARP_WIDE_WARPS_PER_SM * sms
+        && !crate::switches::switches().no_mmq_warp_wide;
+    let launch = match (pick_kernel(kernel, w.format, a.m, k, passes, wide), pre) {
         (Some(QuantKernel::Mmq), _) => mmq_launch(dev, w, &a, n_out),
         (Some(QuantKernel::MmqWarp), None) => mmq_warp_launch(dev, w, &a, n_out, None),
         (Some(QuantKernel::MmqWarp), Some(pre)) => return mmq_warp_pre(dev, w, &a, n_out, pre, None),
@@ -340,9 +351,16 @@ fn mmq_warp_pre(
     run_launch(dev, w, a, n_out, launch, Some(pre))
 }
 
-/// The kernel `asked` resolves to for `m` rows of length `k`, or `None` when a named tensor-core kernel's shared
-/// memory does not fit.
-fn pick_kernel(asked: QuantKernel, format: QuantFormat, m: usize, k: usize, passes: usize) -> Option<QuantKernel> {
+/// The kernel `asked` resolves to for `m` rows of length `k` (`wide`: a launch of enough columns to fill the GPU
+/// with whole-tree warps at these rows), or `None` when a named tensor-core kernel's shared memory does not fit.
+fn pick_kernel(
+    asked: QuantKernel,
+    format: QuantFormat,
+    m: usize,
+    k: usize,
+    passes: usize,
+    wide: bool,
+) -> Option<QuantKernel> {
     let fits = |bytes: usize| bytes <= MAX_DYNAMIC_SMEM as usize;
     let mmq_fits = || fits(mmq_smem_bytes(k, passes));
     let warp_fits = || fits(mmq_warp_smem_bytes(format, k, passes, 1));
@@ -350,7 +368,7 @@ fn pick_kernel(asked: QuantKernel, format: QuantFormat, m: usize, k: usize, pass
         QuantKernel::Auto => {
             let switches = crate::switches::switches();
             let warp_min_rows = switches.mmq_warp_min_rows.unwrap_or(MMQ_WARP_MIN_ROWS);
-            Some(if m >= warp_min_rows && !switches.no_mmq_warp && warp_fits() {
+            Some(if (m >= warp_min_rows || wide) && !switches.no_mmq_warp && warp_fits() {
                 QuantKernel::MmqWarp
             } else if m >= MMQ_MIN_ROWS && !switches.no_mmq && mmq_fits() {
                 QuantKernel::Mmq
