@@ -112,9 +112,18 @@ mod gpu {
         let mut cc = CudaCacheConfig::new(pages + 1, PAGE, MAX_STEP_ROWS, 1, max_len);
         cc.max_logit_rows = MAX_STEP_ROWS;
         let mut cache = model.new_cache(cc, 1)?;
+        let shape = match a.shape {
+            super::HybridShape::Qwen3Next80b => "Qwen3-Next-80B-A3B shape",
+            super::HybridShape::ReferenceHybrid => "reference hybrid shape",
+        };
+        let base = &model.config().base;
         println!(
-            "Qwen3-Next-80B-A3B shape, {} of 48 layers, random bf16 weights made in {:.1} s; active weights {:.1} MB \
-             per row (decode floor {:.3} ms at 4.3 TB/s); state {:.1} MB per sequence; cache {:.0} MB",
+            "{shape} (hidden {}, vocabulary {}, {} hyper-connection streams), {} of 48 layers, random bf16 weights \
+             made in {:.1} s; active weights {:.1} MB per row (decode floor {:.3} ms at 4.3 TB/s); state {:.1} MB per \
+             sequence; cache {:.0} MB",
+            base.hidden_size,
+            base.vocab_size,
+            a.streams,
             a.layers,
             t.elapsed().as_secs_f64(),
             model.active_weight_bytes() as f64 / 1e6,
