@@ -499,6 +499,13 @@ impl Engine {
         self.retire(failed);
     }
 
+    fn fail_seq(&mut self, i: usize, message: &str) -> Outcome {
+        let seq = &mut self.sched.running[i];
+        tracing::error!("{} failed: {message}", seq.request.id);
+        seq.fail(message);
+        Outcome::Failed
+    }
+
     /// Removes finished sequences (highest index first, so earlier indices stay valid) and sends their last event.
     fn retire(&mut self, mut finished: Vec<(usize, Outcome)>) {
         finished.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));

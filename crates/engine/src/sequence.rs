@@ -40,11 +40,6 @@ pub struct Sequence {
     pub history: TokenHistory,
     decode: DecodeState,
     stop: StopScanner,
-    /// Tokens committed but not yet detokenized and streamed ([`Sequence::stream_pending`]): a sequence without stop
-    /// strings, whose text decides nothing, leaves them for the engine to stream beside the step's other sequences.
-    pending: Vec<(u32, Option<TokenLogprob>)>,
-    /// How the pending tokens end the sequence, if they do.
-    pending_end: Option<PendingEnd>,
     pub times: Timings,
     /// The speculation lane, when armed.
     pub lane: Option<SpecLane>,
@@ -54,15 +49,6 @@ pub struct Sequence {
     pub prefix: PrefixProgress,
     /// Its place in the request's grammar, when the output is constrained.
     pub grammar: Option<GrammarState>,
-}
-
-/// How a sequence's pending tokens end it ([`Sequence::stream_pending`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum PendingEnd {
-    /// After the last pending token (its budget or its grammar): the held-back text goes with that token.
-    AfterToken,
-    /// At an end-of-sequence token, which is not streamed: the held-back text goes alone.
-    EndOfSequence,
 }
 
 /// A sequence's place in the prefix cache.
@@ -180,8 +166,6 @@ impl Sequence {
             history,
             decode: DecodeState::new(true),
             stop,
-            pending: Vec::new(),
-            pending_end: None,
             times,
             lane: None,
             drafts: Vec::new(),
@@ -403,8 +387,7 @@ impl Sequence {
         self.tokens.push(id);
     }
 
-    /// Commits a sampled token and streams its text (for a sequence without stop strings, leaves it for
-    /// [`Sequence::stream_pending`]). Returns how the sequence finished, if it did.
+    /// Commits a sampled token and streams its text. Returns how the sequence finished, if it did.
     ///
     /// An end-of-sequence token ends the sequence without being emitted or counted (unless `ignore_eos`); a stop
     /// string ends it with the text before the match; the budget ends it after the token.
@@ -418,37 +401,33 @@ impl Sequence {
     ) -> Option<FinishReason> {
         self.times.first_token.get_or_insert(now);
         self.times.last_token = Some(now);
-        let defer = !self.stop.watches();
         if !self.request.ignore_eos && eos_ids.contains(&id) {
-            if defer {
-                self.pending_end = Some(PendingEnd::EndOfSequence);
-            } else {
-                let text = self.flush_text(tok);
-                self.emit(Vec::new(), text, None);
-            }
+            let text = self.flush_text(tok);
+            self.emit(Vec::new(), text, None);
             return Some(FinishReason::Stop);
         }
         self.tokens.push(id);
         self.history.push(id);
-        let grammar_done = self.advance_grammar(id);
-        let finish = if grammar_done {
-            Some(FinishReason::Stop)
-        } else {
-            (self.generated() >= self.request.max_tokens).then_some(FinishReason::Length)
+        let piece = match self.decode.push(tok, id) {
+            Ok(piece) => piece,
+            Err(e) => {
+                tracing::warn!("detokenizing {id}: {e}");
+                String::new()
+            }
         };
-        if defer {
-            self.pending.push((id, logprob));
-            self.pending_end = finish.map(|_| PendingEnd::AfterToken);
-            return finish;
-        }
-        let piece = self.decode_piece(tok, id);
         let logprobs = logprob.map(|lp| vec![lp]);
+        let grammar_done = self.advance_grammar(id);
         match self.stop.feed(&piece) {
             Scan::Stopped(text) => {
                 self.emit(vec![id], text, logprobs);
                 Some(FinishReason::Stop)
             }
             Scan::Emit(mut text) => {
+                let finish = if grammar_done {
+                    Some(FinishReason::Stop)
+                } else {
+                    (self.generated() >= self.request.max_tokens).then_some(FinishReason::Length)
+                };
                 if finish.is_some() {
                     text.push_str(&self.flush_text(tok));
                 }
@@ -456,39 +435,6 @@ impl Sequence {
                 finish
             }
         }
-    }
-
-    /// Whether committed tokens wait for [`Sequence::stream_pending`].
-    pub fn has_pending(&self) -> bool {
-        !self.pending.is_empty() || self.pending_end.is_some()
-    }
-
-    /// Detokenizes and streams the tokens [`Sequence::commit`] left pending, as it would have streamed them: an
-    /// event per token, the held-back text flushed with the last when it ended the sequence, or alone after an
-    /// end-of-sequence token.
-    pub fn stream_pending(&mut self, tok: &Tokenizer) {
-        let pending = std::mem::take(&mut self.pending);
-        let end = self.pending_end.take();
-        let last = pending.len();
-        for (n, (id, logprob)) in pending.into_iter().enumerate() {
-            let mut text = self.decode_piece(tok, id);
-            if n + 1 == last && end == Some(PendingEnd::AfterToken) {
-                text.push_str(&self.flush_text(tok));
-            }
-            self.emit(vec![id], text, logprob.map(|lp| vec![lp]));
-        }
-        if end == Some(PendingEnd::EndOfSequence) {
-            let text = self.flush_text(tok);
-            self.emit(Vec::new(), text, None);
-        }
-    }
-
-    /// The text `id` completes (empty, with a warning, when it cannot be decoded).
-    fn decode_piece(&mut self, tok: &Tokenizer, id: u32) -> String {
-        self.decode.push(tok, id).unwrap_or_else(|e| {
-            tracing::warn!("detokenizing {id}: {e}");
-            String::new()
-        })
     }
 
     /// Text still held back by the detokenizer and the stop scanner.
@@ -582,71 +528,5 @@ mod lane_tests {
         assert!(seq.lane.is_none() && seq.drafts.is_empty());
         seq.prepare_drafts();
         assert!(seq.drafts.is_empty(), "plain from then on");
-    }
-}
-
-#[cfg(test)]
-mod stream_tests {
-    use super::*;
-    use std::path::Path;
-    use std::sync::{Arc, Mutex};
-
-    /// Keeps every event, as the text an HTTP stream would show of it.
-    struct Collect(Arc<Mutex<Vec<String>>>);
-
-    impl EventSink for Collect {
-        fn send(&mut self, event: Event) -> bool {
-            self.0.lock().expect("events").push(format!("{event:?}"));
-            true
-        }
-        fn is_closed(&self) -> bool {
-            false
-        }
-    }
-
-    fn tokenizer() -> Tokenizer {
-        Tokenizer::from_hf_dir(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny-qwen3"))
-            .expect("tokenizer")
-    }
-
-    /// The events of a sequence committing `steps` (each step's tokens, then its pending streamed), ending at
-    /// `max_tokens` or at an end-of-sequence id 0; `stop`: stop strings.
-    fn events(tok: &Tokenizer, steps: &[Vec<u32>], max_tokens: usize, stop: Vec<String>) -> Vec<String> {
-        let request = Request { ignore_eos: false, stop, ..Request::for_test("r", vec![1, 2, 3], max_tokens) };
-        let events = Arc::new(Mutex::new(Vec::new()));
-        let mut seq = Sequence::new(request, Box::new(Collect(events.clone())));
-        'steps: for step in steps {
-            for &id in step {
-                let logprob = Some(TokenLogprob { token: format!("{id}"), logprob: -0.5, top: Vec::new() });
-                let finished = seq.commit(tok, &[0], id, logprob, Instant::now()).is_some();
-                if finished {
-                    seq.stream_pending(tok);
-                    break 'steps;
-                }
-            }
-            seq.stream_pending(tok);
-        }
-        let out = events.lock().expect("events").clone();
-        out
-    }
-
-    #[test]
-    fn tokens_streamed_after_the_step_give_the_events_of_tokens_streamed_at_once() {
-        let tok = tokenizer();
-        let vocab = tok.vocab_size() as u32;
-        // Ids across the vocabulary (bytes, merges, specials), in steps of one to four tokens.
-        let ids: Vec<u32> = (0..23u32).map(|i| 3 + (i * 7919) % (vocab - 3)).collect();
-        let steps: Vec<Vec<u32>> = ids.chunks(3).map(<[u32]>::to_vec).chain([vec![ids[4]]]).collect();
-        // A stop string that never matches makes the sequence stream each token as it commits.
-        let never = vec!["\u{7}\u{7}no such text".to_string()];
-        for max_tokens in [5, 24, 100] {
-            let deferred = events(&tok, &steps, max_tokens, Vec::new());
-            assert!(!deferred.is_empty());
-            assert_eq!(deferred, events(&tok, &steps, max_tokens, never.clone()), "budget {max_tokens}");
-        }
-        // An end-of-sequence token inside a step ends it, its held-back text flushed alone.
-        let mut with_eos = steps.clone();
-        with_eos[2].insert(1, 0);
-        assert_eq!(events(&tok, &with_eos, 100, Vec::new()), events(&tok, &with_eos, 100, never));
     }
 }

@@ -218,36 +218,6 @@ impl Engine {
     /// Advances every item's sequence; samples plain rows and verifies drafted rounds; streams the tokens.
     /// Returns the running indices that finished, with how.
     pub(super) fn sample_and_stream(&mut self, items: &[StepItem], out: &ForwardOut) -> Vec<(usize, Outcome)> {
-        let finished = self.sample_and_commit(items, out);
-        self.stream_pending();
-        finished
-    }
-
-    /// Streams the tokens the step's commits left pending (the sequences without stop strings), the sequences side
-    /// by side over the thread pool: detokenizing is most of a token's host work in a wide step.
-    fn stream_pending(&mut self) {
-        let started = Instant::now();
-        let tok = &self.tokenizer;
-        let pending = self.sched.running.iter().filter(|s| s.has_pending()).count();
-        if pending <= SERIAL_STREAMS {
-            self.sched.running.iter_mut().filter(|s| s.has_pending()).for_each(|s| s.stream_pending(tok));
-        } else {
-            self.sched.running.par_iter_mut().filter(|s| s.has_pending()).for_each(|s| s.stream_pending(tok));
-        }
-        self.emit_time += started.elapsed();
-    }
-
-    /// Fails `running[i]` with `message` (its tokens committed earlier in the step reach the client first).
-    pub(super) fn fail_seq(&mut self, i: usize, message: &str) -> Outcome {
-        let seq = &mut self.sched.running[i];
-        tracing::error!("{} failed: {message}", seq.request.id);
-        seq.stream_pending(&self.tokenizer);
-        seq.fail(message);
-        Outcome::Failed
-    }
-
-    /// [`Engine::sample_and_stream`] but for the streaming of sequences without stop strings.
-    fn sample_and_commit(&mut self, items: &[StepItem], out: &ForwardOut) -> Vec<(usize, Outcome)> {
         let vocab = out.logits.shape().last().copied().unwrap_or(0);
         let ids = out.ids.as_deref();
         let (logits, captured) = match (out.logits.as_f32(), out.captured.as_ref().map(|c| c.as_f32()).transpose()) {
@@ -533,9 +503,6 @@ impl Engine {
 
 /// Up to this many constrained sequences compute their masks on one thread.
 const SERIAL_MASK_JOBS: usize = 4;
-
-/// Up to this many sequences stream their step's tokens on one thread (a token's text takes microseconds).
-const SERIAL_STREAMS: usize = 8;
 
 /// A constrained sequence's grammar, taken out for the step so another thread can compute its masks.
 struct MaskJob {
