@@ -7,7 +7,8 @@
 // activation rows with two passes, 16 with one) and adds all 32 leaves itself, in the butterfly's order (mmq.cu's
 // header says why that order gives mmvq's bits). The slab is first copied into the warp's own shared memory with
 // cp.async, every load in flight at once, so the leaves read it there. The block's warps share the rows' quantized
-// activations (quantize_rows_smem, as mmvq and mmq). No barrier follows the prologue. Below about 40 rows a layer
+// activations (quantize_rows_smem, as mmvq and mmq, or rows quantize_act_rows quantized once for every block). No
+// barrier follows the prologue but the one that publishes the rows. Below about 40 rows a layer
 // matrix gives it too few warps (576 columns: 36), each walking a whole row, and mmvq is faster; from 40 rows it
 // beats mmvq, and mmq at every size measured, up to 2,048-row prefill chunks (entries 78 and 79). Where a step's
 // slabs and row chunks still leave SMs idle, a slab's tree splits over two warps (entry 90).

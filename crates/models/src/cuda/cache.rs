@@ -158,8 +158,10 @@ pub(crate) struct WorkspaceShape {
     pub ffn_width: usize,
     /// The widest matmul input given to cuBLAS as bf16 (0: no dense weights, so no cuBLAS).
     pub bf16_width: usize,
-    /// The widest quantized matmul input (0: no quantized weights).
+    /// The widest quantized matmul input.
     pub quant_width: usize,
+    /// The most activation passes of a quantized matrix (0: no quantized weights, so no rows quantized once).
+    pub quant_passes: usize,
     pub vocab: usize,
     /// Captured values per row (taps · hidden, or what a stream target's taps read).
     pub capture_width: usize,
@@ -227,7 +229,7 @@ impl<X> CudaCache<X> {
             gate_up: dev.alloc_zeros(t * 2 * f)?,
             act: dev.alloc_zeros(t * f)?,
             x_bf16: dev.alloc_zeros((t * shape.bf16_width).max(1))?,
-            act_quant: dev.alloc_zeros(quantized_rows_bytes(t, shape.quant_width, 2).max(1))?,
+            act_quant: dev.alloc_zeros(quantized_rows_bytes(t, shape.quant_width, shape.quant_passes).max(1))?,
             logits_in: dev.alloc_zeros(l * h)?,
             logits: dev.alloc_zeros(l * shape.vocab)?,
             ids: dev.alloc_zeros(l)?,

@@ -177,7 +177,7 @@ pub(crate) struct Kernels {
     /// `mmq_warp[format][passes - 1]`: `mmq_warp_{fmt}{,_x2}`, the tensor-core matmul with a whole tree per warp,
     /// each block quantizing its rows.
     pub mmq_warp: Vec<[CudaFunction; 2]>,
-    /// `mmq_warp_pre[format][passes - 1][i]`: `mmq_warp_pq_{fmt}{,_s2,_s4}{,_x2}`, the same reading rows
+    /// `mmq_warp_pre[format][passes - 1][i]`: `mmq_warp_pq_{fmt}{,_s2}{,_x2}`, the same reading rows
     /// `quantize_act_rows` quantized once, each slab's tree on `MMQ_WARP_SPLITS[i]` warps.
     pub mmq_warp_pre: Vec<[Vec<CudaFunction>; 2]>,
     /// `quantize_act_rows{,_x2}`: activation rows quantized once (one or two passes) for `mmq_warp_pre`.

@@ -97,8 +97,10 @@ impl CudaHybridModel {
             qkv_width: 2 * qd + 2 * b.num_kv_heads * b.head_dim,
             ffn_width: f,
             bf16_width: h.max(f).max(qd).max(vd),
-            // No room for rows quantized once: a quantized hybrid matrix quantizes its rows in each block.
+            // Not sized for rows quantized once (left until a quantized hybrid is measured): a quantized hybrid
+            // matrix quantizes its rows in each block, as before.
             quant_width: 0,
+            quant_passes: 0,
             vocab: b.vocab_size,
             capture_width: self.capture_width(),
             residual_streams: self.streams.as_ref().map_or(0, |s| s.dims.streams),

@@ -242,7 +242,8 @@ impl CudaLlamaModel {
             qkv_width: c.qkv_width(),
             ffn_width: f,
             bf16_width: if self.has_dense_weights() { h.max(f).max(qd) } else { 0 },
-            quant_width: if self.has_quant_weights() { h.max(f).max(qd) } else { 0 },
+            quant_width: h.max(f).max(qd),
+            quant_passes: self.quant_passes(),
             vocab: c.vocab_size,
             capture_width: self.capture_width(),
             residual_streams: self.streams.as_ref().map_or(0, |s| s.dims.streams),
@@ -259,22 +260,26 @@ impl CudaLlamaModel {
 
     /// Whether any matrix is dense (its matmuls may go through cuBLAS).
     fn has_dense_weights(&self) -> bool {
-        self.any_matrix(|w| !matches!(w, DevWeight::Quant(_)))
+        self.weights().any(|w| !matches!(w, DevWeight::Quant(_)))
     }
 
-    /// Whether any matrix is block-quantized (its matmuls may share rows quantized once).
-    fn has_quant_weights(&self) -> bool {
-        self.any_matrix(|w| matches!(w, DevWeight::Quant(_)))
+    /// The most activation passes of a block-quantized matrix (0: none), for the rows its matmuls quantize once.
+    fn quant_passes(&self) -> usize {
+        self.weights()
+            .filter_map(|w| if let DevWeight::Quant(q) = w { Some(q.act.passes()) } else { None })
+            .max()
+            .unwrap_or(0)
     }
 
-    /// Whether `pred` holds for some matrix's weights.
-    fn any_matrix(&self, pred: impl Fn(&DevWeight) -> bool) -> bool {
-        let proj = |p: &DevProjection| match p {
-            DevProjection::Fused(m) => pred(&m.w),
-            DevProjection::Split(parts) => parts.iter().any(|m| pred(&m.w)),
-        };
-        pred(&self.lm_head().w)
-            || self.layers.iter().any(|l| proj(&l.qkv) || proj(&l.gate_up) || pred(&l.o_proj.w) || pred(&l.down.w))
+    /// Every matrix's weights: the LM head's, then each layer's.
+    fn weights(&self) -> impl Iterator<Item = &DevWeight> {
+        let layers = self.layers.iter().flat_map(|l| {
+            let mut w = projection_weights(&l.qkv);
+            w.extend(projection_weights(&l.gate_up));
+            w.extend([&l.o_proj.w, &l.down.w]);
+            w
+        });
+        std::iter::once(&self.lm_head().w).chain(layers)
     }
 
     /// Rows per attention tile (see [`TileRows`]): prompt rows on the tensor cores unless the weights are f32
@@ -324,4 +329,12 @@ fn upload_layer(dev: &CudaDevice, i: usize, t: LayerTensors) -> Result<CudaLayer
         gate_up: DevProjection::upload(dev, &p("mlp.gate_up"), &[t.gate, t.up])?,
         down: DevMatrix::upload(dev, &p("mlp.down_proj.weight"), &t.down)?,
     })
+}
+
+/// A projection's matrices' weights (one when fused).
+fn projection_weights(p: &DevProjection) -> Vec<&DevWeight> {
+    match p {
+        DevProjection::Fused(m) => vec![&m.w],
+        DevProjection::Split(parts) => parts.iter().map(|m| &m.w).collect(),
+    }
 }

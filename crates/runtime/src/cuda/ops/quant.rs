@@ -198,6 +198,9 @@ fn mmq_warp_smem_bytes(format: QuantFormat, k: usize, passes: usize, warps: usiz
     16 * mmq_row_bytes(k, passes) + 2 * 4 * 16 * nb + warps * slab
 }
 
+/// The most rows a launch's grid y may hold.
+const MAX_GRID_Y: usize = 65_535;
+
 /// Bytes of `rows` activation rows of length `k` quantized once for the launches that share them
 /// ([`MmvqArgs::scratch`]): each of a row's `passes` quantized rows as the kernels' shared memory holds it (padded
 /// quants), then two f32 per 32-element block.
@@ -228,10 +231,9 @@ pub struct MmvqArgs<'a> {
 /// lets [`mmvq`] choose by rows, tests and benches name one to compare them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QuantKernel {
-    /// By rows: from `MMQ_WARP_MIN_ROWS` (or from `MMQ_WARP_WIDE_MIN_ROWS` for a launch of
-    /// `MMQ_WARP_WIDE_WARPS_PER_SM` warps an SM)
-    /// `MmqWarp` where its shared memory fits (unless `DFLASH_MMQ_WARP=0`);
-    /// else from `MMQ_MIN_ROWS` `Mmq` (unless `DFLASH_MMQ=0`); else `Mmvq`.
+    /// By rows: `MmqWarp` from `MMQ_WARP_MIN_ROWS` (or from `MMQ_WARP_WIDE_MIN_ROWS` for a launch of
+    /// `MMQ_WARP_WIDE_WARPS_PER_SM` warps an SM) where its shared memory fits (unless `DFLASH_MMQ_WARP=0`); else
+    /// `Mmq` from `MMQ_MIN_ROWS` (unless `DFLASH_MMQ=0`); else `Mmvq`.
     Auto,
     /// `mmvq_*` (quant.cu): dp4a loops, a warp (or half) per column, a few rows per block.
     Mmvq,
@@ -289,7 +291,12 @@ pub fn mmvq_on(dev: &CudaDevice, w: &QuantMatrix, a: MmvqArgs, kernel: QuantKern
     if mmvq_smem_bytes(k, passes) > MAX_DYNAMIC_SMEM as usize {
         return Err(shape_err(format!("mmvq: k = {k} does not fit shared memory at {passes} activation pass(es)")));
     }
-    let pre = a.scratch.filter(|s| s.len() >= quantized_rows_bytes(a.m, k, passes));
+    // The quantizing launch takes a row per grid row (at most 65,535) and stores words: a scratch it cannot use is
+    // left alone, and every block quantizes its rows.
+    let usable = |s: &DevSlice<'_, u8>| {
+        s.len() >= quantized_rows_bytes(a.m, k, passes) && s.device_ptr().is_multiple_of(16) && a.m <= MAX_GRID_Y
+    };
+    let pre = a.scratch.filter(usable);
     let pre = pre.filter(|_| !crate::switches::switches().no_mmq_warp_pre);
     // A launch of many columns (the LM head) fills the GPU with whole-tree warps even at a few rows, and reads its
     // weights once where mmvq reads them again for every block row.
