@@ -298,14 +298,9 @@ pub fn mmvq_on(dev: &CudaDevice, w: &QuantMatrix, a: MmvqArgs, kernel: QuantKern
     };
     let pre = a.scratch.filter(usable);
     let pre = pre.filter(|_| !crate::switches::switches().no_mmq_warp_pre);
-    // A launch of many columns (the LM head) fills the GPU with whole-tree warps even at a few rows, and reads its
-    // weights once where mmvq reads them again for every block row.
-    let cols = if a.epi == Epilogue::Swiglu { 8 } else { 16 };
-    let warps = n_out.div_ceil(cols) * a.m.div_ceil(16 / passes);
     let sms = dev.info().multiprocessors.max(1) as usize;
-    let wide = a.m >= MMQ_WARP_WIDE_MIN_ROWS
-        && warps >= MMQ_WARP_WIDE_WARPS_PER_SM * sms
-        && !crate::switches::switches().no_mmq_warp_wide;
+    let wide =
+        is_wide(a.m, whole_tree_warps(a.m, n_out, a.epi, passes), sms) && !crate::switches::switches().no_mmq_warp_wide;
     let launch = match (pick_kernel(kernel, w.format, a.m, k, passes, wide), pre) {
         (Some(QuantKernel::Mmq), _) => mmq_launch(dev, w, &a, n_out),
         (Some(QuantKernel::MmqWarp), None) => mmq_warp_launch(dev, w, &a, n_out, None),
@@ -350,12 +345,36 @@ fn mmq_warp_pre(
     // SAFETY: the arguments match the kernel's signature; `pre` holds quantized_rows_bytes of the m rows (checked by
     // the caller) and x the rows `mmvq_on` checked.
     unsafe { launch.launch(cfg) }.map_err(launch_err("quantize_act_rows"))?;
-    let cols = if a.epi == Epilogue::Swiglu { 8 } else { 16 };
-    let warps = n_out.div_ceil(cols) * a.m.div_ceil(16 / passes);
-    let roomy = 2 * warps <= MMQ_WARP_SPLIT_MAX_WARPS_PER_SM * dev.info().multiprocessors.max(1) as usize;
-    let split = split.or(crate::switches::switches().mmq_warp_split).unwrap_or(if roomy { 2 } else { 1 });
+    let sms = dev.info().multiprocessors.max(1) as usize;
+    let split = split
+        .or(crate::switches::switches().mmq_warp_split)
+        .unwrap_or_else(|| default_split(whole_tree_warps(a.m, n_out, a.epi, passes), sms));
     let launch = mmq_warp_launch(dev, w, a, n_out, Some(split));
     run_launch(dev, w, a, n_out, launch, Some(pre))
+}
+
+/// The warps of a whole-tree launch with one warp per tree: its slabs (16 columns, 8 for SwiGLU) times its chunks
+/// of 16 / `passes` rows.
+fn whole_tree_warps(m: usize, n_out: usize, epi: Epilogue, passes: usize) -> usize {
+    let cols = if epi == Epilogue::Swiglu { 8 } else { 16 };
+    n_out.div_ceil(cols) * m.div_ceil(16 / passes)
+}
+
+/// Whether a launch of `m` rows below `MMQ_WARP_MIN_ROWS` takes the whole-tree kernel all the same: its `warps`
+/// fill the GPU's `sms` (the LM head), and it reads the weights once where mmvq reads them again for every block
+/// row.
+fn is_wide(m: usize, warps: usize, sms: usize) -> bool {
+    m >= MMQ_WARP_WIDE_MIN_ROWS && warps >= MMQ_WARP_WIDE_WARPS_PER_SM * sms
+}
+
+/// The warps each tree of a whole-tree launch on pre-quantized rows runs on: two while that keeps the launch's
+/// `warps` (one a tree) within `MMQ_WARP_SPLIT_MAX_WARPS_PER_SM` an SM, else one.
+fn default_split(warps: usize, sms: usize) -> usize {
+    if 2 * warps <= MMQ_WARP_SPLIT_MAX_WARPS_PER_SM * sms {
+        2
+    } else {
+        1
+    }
 }
 
 /// The kernel `asked` resolves to for `m` rows of length `k` (`wide`: a launch of enough columns to fill the GPU
@@ -549,6 +568,28 @@ pub fn embedding_quant<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn wide_launches_and_split_trees_follow_the_measured_rules() {
+        // The default model on an H100 (132 SMs), two activation passes: hidden 576, MLP 1536, vocabulary 49,152.
+        let sms = 132;
+        let warps = |m, n, epi| whole_tree_warps(m, n, epi, 2);
+        // The LM head is wide from 3 rows; no layer matrix is below 40 rows; 2 rows stay on mmvq (entry 91).
+        assert!(is_wide(3, warps(3, 49_152, Epilogue::Store), sms));
+        assert!(is_wide(8, warps(8, 49_152, Epilogue::Store), sms));
+        assert!(!is_wide(2, warps(2, 49_152, Epilogue::Store), sms));
+        assert!(!is_wide(39, warps(39, 1_536, Epilogue::Swiglu), sms));
+        assert!(!is_wide(39, warps(39, 960, Epilogue::Store), sms));
+        // At 64 rows the q/k/v, output and down projections split their trees, the gate/up one does not; from 128
+        // rows none does (entry 90).
+        assert_eq!(default_split(warps(64, 960, Epilogue::Store), sms), 2);
+        assert_eq!(default_split(warps(64, 576, Epilogue::Add), sms), 2);
+        assert_eq!(default_split(warps(64, 1_536, Epilogue::Swiglu), sms), 1);
+        for n in [960, 576] {
+            assert_eq!(default_split(warps(128, n, Epilogue::Store), sms), 1, "{n} columns at 128 rows");
+        }
+        assert_eq!(default_split(warps(8, 49_152, Epilogue::Store), sms), 1, "the LM head");
+    }
 
     #[test]
     fn rows_per_block_splits_small_steps_and_covers_larger_ones_within_shared_memory() {
