@@ -211,8 +211,8 @@ __device__ __forceinline__ void mmqw_store(const float v[8], u32 g, u32 t, u32 r
 
 // Quantizes the m activation rows of x (row stride x_ld; RMS-normalised first when norm_w is not null) once, for the
 // launch that reads them pre-quantized: `out` holds xq [m P][ld] bytes, then xd and xs [m P][nb] f32, laid out as
-// quantize_rows_smem lays a block's rows in shared memory, with the same bytes (the norm's sum runs in the same
-// order, each block through the same quantize_block_quarter). Grid: x over groups of 4 W of a row's blocks (W warps
+// quantize_rows_smem lays a block's rows in shared memory, with the same bytes (both go through row_inv_rms,
+// load_block_quarter and quantize_block_quarter). Grid: x over groups of 4 W of a row's blocks (W warps
 // a block, 4 blocks a warp, 8 lanes a block), y over rows.
 template <int P>
 __device__ __forceinline__ void quantize_rows_global(const float* __restrict__ x, u32 x_ld, u32 m, u32 k,
@@ -221,27 +221,11 @@ __device__ __forceinline__ void quantize_rows_global(const float* __restrict__ x
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const u32 r = blockIdx.y, nb = k >> 5;
     const float* row = x + (u64)r * x_ld;
-    float inv = 0.0f;
-    if (norm_w != nullptr) {
-        float ss = 0.0f;
-        for (u32 i = lane; i < k; i += 32) {
-            const float v = row[i];
-            ss = fmaf(v, v, ss);
-        }
-        ss = warp_sum(ss);
-        inv = 1.0f / sqrtf(ss / (float)k + eps);
-    }
+    const float inv = norm_w != nullptr ? row_inv_rms(row, k, eps) : 0.0f;
     const u32 b = (blockIdx.x * warps + warp) * 4 + (lane >> 3), e = lane & 7u;
     const bool live = b < nb;
     float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (live) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const u32 c = b * 32 + 4 * e + i;
-            v[i] = row[c];
-            if (norm_w != nullptr) v[i] = __fmul_rn(__fmul_rn(v[i], inv), norm_w[c]);
-        }
-    }
+    if (live) load_block_quarter(row, b, e, norm_w, inv, v);
     float* xd = reinterpret_cast<float*>(out + (u64)m * P * ld);
     float* xs = xd + (u64)m * P * nb;
     quantize_block_quarter<P>(v, live, r * P, live ? b : 0u, k, ld, out, xd, xs);

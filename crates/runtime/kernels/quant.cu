@@ -89,6 +89,31 @@ __device__ __forceinline__ void quantize_block_quarter(const float v[4], bool li
     }
 }
 
+// A row's RMS-norm factor 1 / sqrt(mean(x^2) + eps), its squares summed by the calling warp in lane-strided order
+// (every lane gets it). Every kernel that quantizes a normalised row takes it from here, so a row's bytes do not
+// depend on which kernel quantized it.
+__device__ __forceinline__ float row_inv_rms(const float* __restrict__ row, u32 k, float eps) {
+    const u32 lane = threadIdx.x & 31u;
+    float ss = 0.0f;
+    for (u32 i = lane; i < k; i += 32) {
+        const float v = row[i];
+        ss = fmaf(v, v, ss);
+    }
+    ss = warp_sum(ss);
+    return 1.0f / sqrtf(ss / (float)k + eps);
+}
+
+// The lane's 4 elements of block b of `row` (elements 4 e .. 4 e + 3), (x * inv) * w when norm_w is not null.
+__device__ __forceinline__ void load_block_quarter(const float* __restrict__ row, u32 b, u32 e,
+                                                   const float* __restrict__ norm_w, float inv, float v[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const u32 c = b * 32 + 4 * e + i;
+        v[i] = row[c];
+        if (norm_w != nullptr) v[i] = __fmul_rn(__fmul_rn(v[i], inv), norm_w[c]);
+    }
+}
+
 // Quantizes up to R rows of x (row stride x_ld) into shared memory, P quantized rows per row (the row, then
 // its rounding error): xq [R P][k] int8 with rows `xq_ld` bytes apart, xd / xs [R P][k/32]. Rows past `rows` are
 // zeros (their outputs are never written). With `norm_w`, each row is first RMS-normalised as the CPU's rms_norm does:
@@ -102,15 +127,8 @@ __device__ __forceinline__ void quantize_rows_smem(const float* __restrict__ x, 
     const u32 nb = k >> 5;
     if (norm_w != nullptr) {
         for (u32 r = warp; r < R; r += warps) {
-            float ss = 0.0f;
-            if (r < rows) {
-                for (u32 i = lane; i < k; i += 32) {
-                    const float v = x[(u64)r * x_ld + i];
-                    ss = fmaf(v, v, ss);
-                }
-            }
-            ss = warp_sum(ss);
-            if (lane == 0) inv_rms[r] = 1.0f / sqrtf(ss / (float)k + eps);
+            const float inv = r < rows ? row_inv_rms(x + (u64)r * x_ld, k, eps) : 0.0f;
+            if (lane == 0) inv_rms[r] = inv;
         }
         __syncthreads();
     }
@@ -121,14 +139,7 @@ __device__ __forceinline__ void quantize_rows_smem(const float* __restrict__ x, 
         const bool live = blk < R * nb;
         const u32 r = live ? blk / nb : 0, b = live ? blk - r * nb : 0;
         float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (live && r < rows) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const u32 c = b * 32 + 4 * e + i;
-                v[i] = x[(u64)r * x_ld + c];
-                if (norm_w != nullptr) v[i] = __fmul_rn(__fmul_rn(v[i], inv_rms[r]), norm_w[c]);
-            }
-        }
+        if (live && r < rows) load_block_quarter(x + (u64)r * x_ld, b, e, norm_w, norm_w ? inv_rms[r] : 0.0f, v);
         quantize_block_quarter<P>(v, live, r * P, b, k, xq_ld, xq, xd, xs);
     }
     __syncthreads();
