@@ -347,6 +347,7 @@ impl Engine {
         self.audit_pages();
         self.publish_gauges();
         let rows = items.iter().map(|i| i.rows).sum();
+        let prompt_rows = items.iter().filter(|i| !i.is_round()).map(|i| i.rows).sum();
         let phases = [
             (StepPhase::Draft, draft),
             (StepPhase::Plan, plan),
@@ -355,7 +356,7 @@ impl Engine {
             (StepPhase::Emit, self.emit_time),
             (StepPhase::Finish, clock.lap()),
         ];
-        self.metrics.record_step(rows, &phases);
+        self.metrics.record_step((rows, prompt_rows), &phases);
         Ok(())
     }
 

@@ -95,6 +95,8 @@ pub struct EngineMetrics {
     step_retries: AtomicU64,
     /// Rows of every step's forward, summed (rows per step = this over `steps`).
     step_rows: AtomicU64,
+    /// Steps with prompt rows (the CUDA targets run them eagerly: no graph has their shape).
+    prompt_steps: AtomicU64,
     /// Nanoseconds of every step in each [`StepPhase`], summed.
     step_phase_ns: [AtomicU64; 6],
     spec_rounds: AtomicU64,
@@ -138,6 +140,7 @@ impl Default for EngineMetrics {
             steps: AtomicU64::new(0),
             step_retries: AtomicU64::new(0),
             step_rows: AtomicU64::new(0),
+            prompt_steps: AtomicU64::new(0),
             step_phase_ns: std::array::from_fn(|_| AtomicU64::new(0)),
             spec_rounds: AtomicU64::new(0),
             spec_drafted: AtomicU64::new(0),
@@ -258,13 +261,20 @@ impl EngineMetrics {
         self.step_retries.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// One step of `rows` forward rows, and how long it spent in each phase.
-    pub fn record_step(&self, rows: usize, phases: &[(StepPhase, std::time::Duration); 6]) {
+    /// One step of `rows` forward rows, `prompt_rows` of them prompt rows, and how long it spent in each phase
+    /// (each step also at debug level, target `dflash_step`, for profiles of steps by kind).
+    pub fn record_step(&self, (rows, prompt_rows): (usize, usize), phases: &[(StepPhase, std::time::Duration); 6]) {
         self.steps.fetch_add(1, Ordering::Relaxed);
         self.step_rows.fetch_add(rows as u64, Ordering::Relaxed);
+        self.prompt_steps.fetch_add(u64::from(prompt_rows > 0), Ordering::Relaxed);
         for (phase, took) in phases {
             let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
             self.step_phase_ns[*phase as usize].fetch_add(ns, Ordering::Relaxed);
+        }
+        if tracing::enabled!(target: "dflash_step", tracing::Level::DEBUG) {
+            let ms: Vec<String> =
+                phases.iter().map(|(p, t)| format!("{} {:.3}", p.name(), t.as_secs_f64() * 1e3)).collect();
+            tracing::debug!(target: "dflash_step", "rows {rows} prompt {prompt_rows} ms {}", ms.join(" "));
         }
     }
 
@@ -378,6 +388,7 @@ impl EngineMetrics {
             ("dflash_preemptions_total", "Sequences preempted for lack of KV pages.", &self.preemptions),
             ("dflash_engine_steps_total", "Batched forward steps run.", &self.steps),
             ("dflash_step_rows_total", "Rows of every step's forward, summed.", &self.step_rows),
+            ("dflash_prompt_steps_total", "Steps with prompt rows.", &self.prompt_steps),
             (
                 "dflash_step_retries_total",
                 "Steps whose forward failed and whose sequences ran again one by one.",

@@ -40,6 +40,9 @@ pub struct Switches {
     /// `DFLASH_MMQ_WARP_PRE=0`: every whole-tree block quantizes its rows itself, as before entry 90, instead of
     /// one launch quantizing them for all.
     pub no_mmq_warp_pre: bool,
+    /// `DFLASH_GRAPH_KEYS=0`: a graph step's attention is launched for the cache's longest sequence, as before
+    /// graphs were keyed by the step's keys (entry 94).
+    pub no_graph_keys: bool,
     /// `DFLASH_STEP_GATE=0`: every step runs the drafter pass its lanes planned, whatever the step gate measured.
     pub no_step_gate: bool,
     /// `DFLASH_DRAFT_SUMMARY=0`: a drafter pass on a device copies every draft logit back, as before passes
@@ -73,6 +76,7 @@ impl Switches {
             mmq_warp_split: count("DFLASH_MMQ_WARP_SPLIT"),
             no_mmq_warp_pre: is("DFLASH_MMQ_WARP_PRE", "0"),
             no_mmq_warp_wide: is("DFLASH_MMQ_WARP_WIDE", "0"),
+            no_graph_keys: is("DFLASH_GRAPH_KEYS", "0"),
             no_step_gate: is("DFLASH_STEP_GATE", "0"),
             no_draft_summary: is("DFLASH_DRAFT_SUMMARY", "0"),
             no_draft_graph: is("DFLASH_DRAFT_GRAPH", "0"),
@@ -112,6 +116,7 @@ mod tests {
             ("DFLASH_MMQ_WARP_SPLIT", "1"),
             ("DFLASH_MMQ_WARP_PRE", "0"),
             ("DFLASH_MMQ_WARP_WIDE", "0"),
+            ("DFLASH_GRAPH_KEYS", "0"),
             ("DFLASH_STEP_GATE", "0"),
             ("DFLASH_DRAFT_SUMMARY", "0"),
             ("DFLASH_DRAFT_GRAPH", "0"),
@@ -132,6 +137,7 @@ mod tests {
             mmq_warp_split: Some(1),
             no_mmq_warp_pre: true,
             no_mmq_warp_wide: true,
+            no_graph_keys: true,
             no_step_gate: true,
             no_draft_summary: true,
             no_draft_graph: true,

@@ -144,6 +144,9 @@ pub(crate) struct GraphKey {
     /// Some sequence's rows span two split size classes (their decode tiles are cut there; the graph holds room
     /// for those tiles).
     pub class_cut: bool,
+    /// Keys the attention is launched for (its split blocks per row): at least the step's most
+    /// ([`super::plan::graph_keys`]).
+    pub keys: usize,
 }
 
 /// What sizes a family's workspace: the widths of its activations.

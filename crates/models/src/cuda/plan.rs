@@ -244,13 +244,33 @@ pub(crate) fn graph_key(batch: &ForwardBatch, cfg: &CudaCacheConfig, kv_heads: u
         return None;
     }
     let class_cut = most > 0;
-    Some(GraphKey { seqs, rows, long_keys: long_keys(batch), class_cut })
+    let max_keys = batch.seqs.iter().map(|s| s.context_len + rows).max().unwrap_or(rows);
+    let keys = graph_keys(max_keys, cfg.max_seq_len, kv_heads);
+    Some(GraphKey { seqs, rows, long_keys: long_keys(batch), class_cut, keys })
+}
+
+/// Fewest keys a graph step's attention is launched for.
+const GRAPH_MIN_KEYS: usize = 128;
+
+/// Keys a graph step whose sequences attend at most `max_keys` keys launches its attention for: `max_keys` rounded
+/// up to a power of two (at least [`GRAPH_MIN_KEYS`]), or the cache's longest sequence `max_seq_len` once that
+/// many keys already give a row the most splits it can have. A launch for the longest sequence alone would give
+/// a step of short sequences mostly empty split blocks: at 8,192 keys and 3 KV heads, 128 per row and head where
+/// 200 keys use 7 (entry 94). Rows' bits do not depend on it: a row's splits follow its own keys.
+pub(crate) fn graph_keys(max_keys: usize, max_seq_len: usize, kv_heads: usize) -> usize {
+    let bucket = max_keys.next_power_of_two().max(GRAPH_MIN_KEYS).min(max_seq_len);
+    let whole = dflash_runtime::switches::switches().no_graph_keys
+        || attn_max_splits(bucket, kv_heads) >= attn_max_splits(max_seq_len, kv_heads);
+    if whole {
+        max_seq_len
+    } else {
+        bucket
+    }
 }
 
 /// Writes the inputs of `batch` into `host` and returns the plan. With `graph`, sequences are padded to
 /// `graph.seqs` (rows that write the cache's spare page and attend only it), every row's logits are
-/// computed, and the split count covers the cache's longest sequence, so the counts depend on the key
-/// alone.
+/// computed, and the split count covers the key's keys, so the counts depend on the key alone.
 pub(crate) fn plan(
     batch: &ForwardBatch,
     graph: Option<GraphKey>,
@@ -294,7 +314,7 @@ pub(crate) fn plan(
     let t = tokens.len();
     let logit_rows: Vec<u32> = if graph.is_some() { (0..t as u32).collect() } else { batch.logit_rows.to_vec() };
     let decode_splits = match graph {
-        Some(_) => attn_max_splits(cfg.max_seq_len, tile_rows.kv_heads),
+        Some(key) => attn_max_splits(key.keys, tile_rows.kv_heads),
         None => attn_max_splits(b.max_decode_keys, tile_rows.kv_heads),
     };
     let layout = Layout {
@@ -463,12 +483,12 @@ mod tests {
         let batch =
             ForwardBatch { tokens: &tokens, positions: &positions, seqs: &seqs, slots: &positions, logit_rows: &[1] };
         let key = graph_key(&batch, &cfg(), 8).expect("uniform decode batch");
-        assert_eq!(key, GraphKey { seqs: 4, rows: 2, long_keys: false, class_cut: false });
+        assert_eq!(key, GraphKey { seqs: 4, rows: 2, long_keys: false, class_cut: false, keys: 16 });
         // A sequence past the RoPE fold's key count replays another graph (the RoPE kernel of its own).
         let long = [mk(3), mk(ROPE_FOLD_MAX_KEYS - 1), mk(4)];
         let long_key = graph_key(&ForwardBatch { seqs: &long, ..batch }, &cfg(), 8).expect("uniform");
         // (Its rows' keys, 4,096 and 4,097, also span two split size classes.)
-        assert_eq!(long_key, GraphKey { long_keys: true, class_cut: true, ..key });
+        assert_eq!(long_key, GraphKey { long_keys: true, class_cut: true, keys: 16, ..key });
         let mut host = Vec::new();
         let p = plan(
             &batch,
@@ -496,6 +516,20 @@ mod tests {
         // A prompt row anywhere, or rows of different counts, take the eager path.
         let seqs3 = [mk(3), SeqRows { context_len: 1, ..mk(1) }, mk(4)];
         assert!(graph_key(&ForwardBatch { seqs: &seqs3, ..batch }, &cfg(), 8).is_none());
+    }
+
+    #[test]
+    fn graph_steps_launch_attention_for_their_keys_not_the_longest_sequence() {
+        // The default model: 3 KV heads, 32-key splits up to 4,096 keys, 128 splits a row from there.
+        assert_eq!(graph_keys(1, 8192, 3), GRAPH_MIN_KEYS);
+        assert_eq!(graph_keys(200, 8192, 3), 256);
+        assert_eq!(attn_max_splits(graph_keys(200, 8192, 3), 3), 8, "where the longest sequence's launch has 128");
+        assert_eq!(graph_keys(1500, 8192, 3), 2048);
+        assert_eq!(graph_keys(2049, 8192, 3), 8192, "4,096 keys already have a row's most splits");
+        // 8 KV heads reach their most splits at 1,024 keys: past that, one graph for every context.
+        assert_eq!(graph_keys(600, 8192, 8), 8192);
+        assert_eq!(graph_keys(100, 8192, 8), 128);
+        assert_eq!(graph_keys(100, 64, 8), 64, "never past the longest sequence");
     }
 
     #[test]

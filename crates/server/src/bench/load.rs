@@ -222,7 +222,12 @@ fn run_level(load: &Load<'_>, prompts: &[String], c: usize, args: &LoadArgs) -> 
 fn step_counters(api: &str) -> Option<Vec<(String, f64)>> {
     let root = api.trim_end_matches('/').trim_end_matches("/v1");
     let text = ureq::get(&format!("{root}/metrics")).call().ok()?.into_string().ok()?;
-    let wanted = ["dflash_engine_steps_total ", "dflash_step_rows_total ", "dflash_step_seconds_total{"];
+    let wanted = [
+        "dflash_engine_steps_total ",
+        "dflash_step_rows_total ",
+        "dflash_prompt_steps_total ",
+        "dflash_step_seconds_total{",
+    ];
     let counters: Vec<(String, f64)> = text
         .lines()
         .filter(|l| wanted.iter().any(|w| l.starts_with(w)))

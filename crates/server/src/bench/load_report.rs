@@ -38,6 +38,8 @@ pub struct Level {
 pub struct StepProfile {
     pub steps: f64,
     pub rows_per_step: f64,
+    /// Share of the steps with prompt rows.
+    pub prompt_step_share: f64,
     /// (phase, ms per step), in step order.
     pub ms_per_step: Vec<(String, f64)>,
 }
@@ -56,13 +58,24 @@ impl StepProfile {
             .filter_map(|(k, _)| k.strip_prefix("dflash_step_seconds_total{phase=\"").map(|p| (k, p)))
             .map(|(k, p)| (p.trim_end_matches("\"}").to_string(), per_step(delta(k)) * 1e3))
             .collect();
-        StepProfile { steps, rows_per_step: per_step(delta("dflash_step_rows_total")), ms_per_step }
+        StepProfile {
+            steps,
+            rows_per_step: per_step(delta("dflash_step_rows_total")),
+            prompt_step_share: per_step(delta("dflash_prompt_steps_total")),
+            ms_per_step,
+        }
     }
 
     /// `phase ms` pairs and the rows per step, for logs and tables.
     pub fn summary(&self) -> String {
         let phases: Vec<String> = self.ms_per_step.iter().map(|(p, ms)| format!("{p} {ms:.3}")).collect();
-        format!("{:.0} steps of {:.1} rows, ms per step: {}", self.steps, self.rows_per_step, phases.join(", "))
+        format!(
+            "{:.0} steps of {:.1} rows ({:.0}% with prompt rows), ms per step: {}",
+            self.steps,
+            self.rows_per_step,
+            self.prompt_step_share * 1e2,
+            phases.join(", ")
+        )
     }
 }
 
