@@ -8,6 +8,7 @@ use dflash_models::tokenizer::Tokenizer;
 use dflash_models::{KvCache, ResumeState, Target};
 
 mod draws;
+mod overlap;
 pub(crate) mod round_costs;
 mod shared_pass;
 mod step;
@@ -285,7 +286,7 @@ impl Engine {
                     self.context_window
                 )
             };
-            seq.fail(&why);
+            seq.fail(&self.tokenizer, &why);
             self.metrics.record_outcome(Outcome::Failed);
             return;
         }
@@ -320,6 +321,7 @@ impl Engine {
         let draft = clock.lap();
         let items = self.sched.plan();
         if items.is_empty() {
+            self.stream_pending_now();
             self.publish_gauges();
             return Ok(());
         }
@@ -365,12 +367,12 @@ impl Engine {
     pub fn abort_all(&mut self, message: &str) {
         while let Some(mut seq) = self.sched.waiting.pop_front() {
             self.target.release(seq.key);
-            seq.stop(message);
+            seq.stop(&self.tokenizer, message);
             self.metrics.record_outcome(Outcome::Failed);
         }
         while !self.sched.running.is_empty() {
             let mut seq = self.retire_seq(0);
-            seq.stop(message);
+            seq.stop(&self.tokenizer, message);
             self.metrics.record_outcome(Outcome::Failed);
         }
         self.publish_gauges();
@@ -500,20 +502,13 @@ impl Engine {
         self.retire(failed);
     }
 
-    fn fail_seq(&mut self, i: usize, message: &str) -> Outcome {
-        let seq = &mut self.sched.running[i];
-        tracing::error!("{} failed: {message}", seq.request.id);
-        seq.fail(message);
-        Outcome::Failed
-    }
-
     /// Removes finished sequences (highest index first, so earlier indices stay valid) and sends their last event.
     fn retire(&mut self, mut finished: Vec<(usize, Outcome)>) {
         finished.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));
         for (i, outcome) in finished {
             let mut seq = self.retire_seq(i);
             if let Outcome::Finished(reason) = outcome {
-                seq.finish(reason);
+                seq.finish(&self.tokenizer, reason);
             }
             if let Some(lane) = &seq.lane {
                 tracing::info!("{} {}", seq.request.id, lane.stats.log_line());

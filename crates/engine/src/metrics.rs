@@ -26,7 +26,8 @@ pub enum StepPhase {
     Forward,
     /// Sampling and verifying the rows the step returned (logprobs included).
     Sample,
-    /// Committing tokens: detokenizing, stop strings, events to the requests' channels.
+    /// Committing tokens: detokenizing, stop strings, events to the requests' channels (on a device target the
+    /// tokens of sequences without stop strings stream during the next forward instead, off this phase).
     Emit,
     /// After the rows: state checkpoints, round costs, prompt pages to the prefix cache, retiring, gauges.
     Finish,

@@ -4,13 +4,15 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use dflash_models::tokenizer::{DecodeState, Tokenizer};
+use dflash_models::tokenizer::Tokenizer;
 
 use crate::grammar::GrammarState;
 use crate::request::{Event, EventSink, FinishReason, Request, TokenLogprob, Usage};
 use crate::sampler::TokenHistory;
 use crate::spec::{DflashProposer, Proposal, ProposeInput, SpecLane};
-use crate::stop::{Scan, StopScanner};
+
+mod text_out;
+pub use text_out::TextOut;
 
 /// How a sequence ended, for metrics.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,15 +33,14 @@ pub struct Sequence {
     /// state keep it under this key). Assigned when the engine takes the request.
     pub key: u64,
     pub request: Request,
-    sink: Box<dyn EventSink>,
     tokens: Vec<u32>,
     prompt_len: usize,
     computed: usize,
     /// KV pages, in order.
     pub block_table: Vec<u32>,
     pub history: TokenHistory,
-    decode: DecodeState,
-    stop: StopScanner,
+    /// Its detokenizer, stop strings, pending tokens and event sink.
+    out: TextOut,
     pub times: Timings,
     /// The speculation lane, when armed.
     pub lane: Option<SpecLane>,
@@ -152,7 +153,7 @@ impl Sequence {
     pub fn new(request: Request, sink: Box<dyn EventSink>) -> Self {
         let tokens = request.prompt.clone();
         let history = TokenHistory::new(&tokens);
-        let stop = StopScanner::new(&request.stop);
+        let out = TextOut::new(sink, &request.stop);
         let times = Timings { arrived: Instant::now(), first_scheduled: None, first_token: None, last_token: None };
         let request_grammar = request.grammar.as_ref().map(|g| g.start());
         Sequence {
@@ -160,12 +161,10 @@ impl Sequence {
             prompt_len: tokens.len(),
             tokens,
             request,
-            sink,
             computed: 0,
             block_table: Vec::new(),
             history,
-            decode: DecodeState::new(true),
-            stop,
+            out,
             times,
             lane: None,
             drafts: Vec::new(),
@@ -378,7 +377,7 @@ impl Sequence {
 
     /// True once the client has gone away.
     pub fn is_abandoned(&self) -> bool {
-        self.sink.is_closed()
+        self.out.is_closed()
     }
 
     /// Appends a token without streaming it (scheduler tests).
@@ -387,7 +386,8 @@ impl Sequence {
         self.tokens.push(id);
     }
 
-    /// Commits a sampled token and streams its text. Returns how the sequence finished, if it did.
+    /// Commits a sampled token and streams its text (for a sequence without stop strings, leaves it pending:
+    /// [`Sequence::stream_pending`]). Returns how the sequence finished, if it did.
     ///
     /// An end-of-sequence token ends the sequence without being emitted or counted (unless `ignore_eos`); a stop
     /// string ends it with the text before the match; the budget ends it after the token.
@@ -401,75 +401,67 @@ impl Sequence {
     ) -> Option<FinishReason> {
         self.times.first_token.get_or_insert(now);
         self.times.last_token = Some(now);
+        let defer = self.out.defers();
         if !self.request.ignore_eos && eos_ids.contains(&id) {
-            let text = self.flush_text(tok);
-            self.emit(Vec::new(), text, None);
+            match defer {
+                true => self.out.defer_end_of_sequence(),
+                false => self.out.stream_end_of_sequence(tok),
+            }
             return Some(FinishReason::Stop);
         }
         self.tokens.push(id);
         self.history.push(id);
-        let piece = match self.decode.push(tok, id) {
-            Ok(piece) => piece,
-            Err(e) => {
-                tracing::warn!("detokenizing {id}: {e}");
-                String::new()
-            }
-        };
-        let logprobs = logprob.map(|lp| vec![lp]);
         let grammar_done = self.advance_grammar(id);
-        match self.stop.feed(&piece) {
-            Scan::Stopped(text) => {
-                self.emit(vec![id], text, logprobs);
-                Some(FinishReason::Stop)
-            }
-            Scan::Emit(mut text) => {
-                let finish = if grammar_done {
-                    Some(FinishReason::Stop)
-                } else {
-                    (self.generated() >= self.request.max_tokens).then_some(FinishReason::Length)
-                };
-                if finish.is_some() {
-                    text.push_str(&self.flush_text(tok));
-                }
-                self.emit(vec![id], text, logprobs);
-                finish
-            }
+        let finish = if grammar_done {
+            Some(FinishReason::Stop)
+        } else {
+            (self.generated() >= self.request.max_tokens).then_some(FinishReason::Length)
+        };
+        if defer {
+            self.out.defer(id, logprob, finish.is_some());
+            return finish;
+        }
+        match self.out.stream(tok, id, logprob, finish.is_some()) {
+            true => Some(FinishReason::Stop),
+            false => finish,
         }
     }
 
-    /// Text still held back by the detokenizer and the stop scanner.
-    fn flush_text(&mut self, tok: &Tokenizer) -> String {
-        let tail = self.decode.flush(tok).unwrap_or_default();
-        match self.stop.feed(&tail) {
-            Scan::Stopped(text) => text,
-            Scan::Emit(mut text) => {
-                text.push_str(&self.stop.flush());
-                text
-            }
-        }
+    /// Whether committed tokens wait for [`Sequence::stream_pending`].
+    pub fn has_pending(&self) -> bool {
+        self.out.has_pending()
     }
 
-    fn emit(&mut self, ids: Vec<u32>, text: String, logprobs: Option<Vec<TokenLogprob>>) {
-        if ids.is_empty() && text.is_empty() {
-            return;
-        }
-        self.sink.send(Event::Tokens { ids, text, logprobs });
+    /// Detokenizes and streams the tokens [`Sequence::commit`] left pending.
+    pub fn stream_pending(&mut self, tok: &Tokenizer) {
+        self.out.stream_pending(tok);
     }
 
-    /// Sends the final event.
-    pub fn finish(&mut self, reason: FinishReason) {
+    /// Takes the sequence's output out (a stand-in that sends nothing takes its place) so its pending tokens can
+    /// stream on another thread; [`Sequence::put_out_back`] returns it.
+    pub fn take_out(&mut self) -> TextOut {
+        std::mem::replace(&mut self.out, TextOut::detached())
+    }
+
+    /// Returns the output [`Sequence::take_out`] took.
+    pub fn put_out_back(&mut self, out: TextOut) {
+        self.out = out;
+    }
+
+    /// Sends the final event, after the pending tokens.
+    pub fn finish(&mut self, tok: &Tokenizer, reason: FinishReason) {
         let usage = self.usage();
-        self.sink.send(Event::Finished { reason, usage });
+        self.out.send_last(tok, Event::Finished { reason, usage });
     }
 
-    /// Sends an error as the final event.
-    pub fn fail(&mut self, message: &str) {
-        self.sink.send(Event::Error(message.to_string()));
+    /// Sends an error as the final event, after the pending tokens.
+    pub fn fail(&mut self, tok: &Tokenizer, message: &str) {
+        self.out.send_last(tok, Event::Error(message.to_string()));
     }
 
-    /// Ends the request because the engine stops (see [`Event::Stopped`]).
-    pub fn stop(&mut self, message: &str) {
-        self.sink.send(Event::Stopped(message.to_string()));
+    /// Ends the request because the engine stops (see [`Event::Stopped`]), after the pending tokens.
+    pub fn stop(&mut self, tok: &Tokenizer, message: &str) {
+        self.out.send_last(tok, Event::Stopped(message.to_string()));
     }
 
     pub fn usage(&self) -> Usage {
@@ -528,5 +520,71 @@ mod lane_tests {
         assert!(seq.lane.is_none() && seq.drafts.is_empty());
         seq.prepare_drafts();
         assert!(seq.drafts.is_empty(), "plain from then on");
+    }
+}
+
+#[cfg(test)]
+mod stream_tests {
+    use super::*;
+    use std::path::Path;
+    use std::sync::{Arc, Mutex};
+
+    /// Keeps every event, as the text an HTTP stream would show of it.
+    struct Collect(Arc<Mutex<Vec<String>>>);
+
+    impl EventSink for Collect {
+        fn send(&mut self, event: Event) -> bool {
+            self.0.lock().expect("events").push(format!("{event:?}"));
+            true
+        }
+        fn is_closed(&self) -> bool {
+            false
+        }
+    }
+
+    fn tokenizer() -> Tokenizer {
+        Tokenizer::from_hf_dir(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny-qwen3"))
+            .expect("tokenizer")
+    }
+
+    /// The events of a sequence committing `steps` (each step's tokens, then its pending streamed), ending at
+    /// `max_tokens` or at an end-of-sequence id 0; `stop`: stop strings.
+    fn events(tok: &Tokenizer, steps: &[Vec<u32>], max_tokens: usize, stop: Vec<String>) -> Vec<String> {
+        let request = Request { ignore_eos: false, stop, ..Request::for_test("r", vec![1, 2, 3], max_tokens) };
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let mut seq = Sequence::new(request, Box::new(Collect(events.clone())));
+        'steps: for step in steps {
+            for &id in step {
+                let logprob = Some(TokenLogprob { token: format!("{id}"), logprob: -0.5, top: Vec::new() });
+                let finished = seq.commit(tok, &[0], id, logprob, Instant::now()).is_some();
+                if finished {
+                    seq.stream_pending(tok);
+                    break 'steps;
+                }
+            }
+            seq.stream_pending(tok);
+        }
+        let out = events.lock().expect("events").clone();
+        out
+    }
+
+    #[test]
+    fn tokens_streamed_after_the_step_give_the_events_of_tokens_streamed_at_once() {
+        let tok = tokenizer();
+        let vocab = tok.vocab_size() as u32;
+        // Ids across the vocabulary (bytes, merges, specials), in steps of one to four tokens.
+        let ids: Vec<u32> = (0..23u32).map(|i| 3 + (i * 7919) % (vocab - 3)).collect();
+        let steps: Vec<Vec<u32>> = ids.chunks(3).map(<[u32]>::to_vec).chain([vec![ids[4]]]).collect();
+        // A stop string that never matches makes the sequence stream each token as it commits.
+        let never = vec!["\u{7}\u{7}no such text".to_string()];
+        for max_tokens in [5, 24, 100] {
+            let deferred = events(&tok, &steps, max_tokens, Vec::new());
+            assert!(!deferred.is_empty());
+            assert_eq!(deferred, events(&tok, &steps, max_tokens, never.clone()), "budget {max_tokens}");
+        }
+        // An end-of-sequence token inside a step ends it, its held-back text flushed alone.
+        let mut with_eos = steps.clone();
+        with_eos[2].insert(1, 0);
+        assert_eq!(events(&tok, &with_eos, 100, Vec::new()), events(&tok, &with_eos, 100, never));
     }
 }

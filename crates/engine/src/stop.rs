@@ -27,6 +27,11 @@ impl StopScanner {
         StopScanner { stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(), held: String::new() }
     }
 
+    /// Whether there are stop strings to watch for (without them, text never ends a sequence).
+    pub fn watches(&self) -> bool {
+        !self.stops.is_empty()
+    }
+
     /// Adds newly decoded text.
     pub fn feed(&mut self, text: &str) -> Scan {
         self.held.push_str(text);

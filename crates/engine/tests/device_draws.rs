@@ -73,18 +73,22 @@ fn run_drawn(m: &Model, spec: SpecConfig, requests: Vec<Request>) -> (Vec<Stream
 #[derive(Debug, PartialEq)]
 struct Streamed {
     ids: Vec<u32>,
+    text: String,
     logprobs: Vec<TokenLogprob>,
 }
 
 fn streamed(events: &[Event]) -> Streamed {
-    let mut out = Streamed { ids: Vec::new(), logprobs: Vec::new() };
+    let mut out = Streamed { ids: Vec::new(), text: String::new(), logprobs: Vec::new() };
     for event in events {
         match event {
-            Event::Tokens { ids, logprobs, .. } => {
+            Event::Tokens { ids, text, logprobs } => {
                 out.ids.extend(ids);
+                out.text.push_str(text);
                 out.logprobs.extend(logprobs.iter().flatten().cloned());
             }
-            Event::Finished { .. } => {}
+            Event::Finished { .. } => {
+                assert!(std::ptr::eq(event, &events[events.len() - 1]), "an event after the last")
+            }
             other => panic!("unexpected event {other:?}"),
         }
     }
@@ -155,6 +159,32 @@ fn drawn_steps_give_the_tokens_and_logprobs_of_the_logits() {
         }
         assert!(asked.iter().any(|a| matches!(a, Asked::Drawn(_))), "{asked:?}");
         assert!(!asked.contains(&Asked::Logits), "no step needs the logits on the host: {asked:?}");
+    }
+}
+
+#[test]
+fn tokens_streamed_beside_the_next_forward_are_the_tokens_streamed_at_once() {
+    // The drawing target stands for a device target: the tokens of sequences without stop strings stream while
+    // the next step runs. Twice the requests, a stop string on every third (those stream at once), against the CPU
+    // target, which streams every token right after its step.
+    let m = load();
+    let many = || {
+        let mut all = requests(&m, false);
+        all.extend(requests(&m, false));
+        for (i, r) in all.iter_mut().enumerate() {
+            r.id = format!("r{i}");
+            if i % 3 == 0 {
+                r.stop = vec!["the".into()];
+            }
+        }
+        all
+    };
+    let reference = run_reference(&m, many());
+    let off = SpecConfig { pld: None, ..SpecConfig::default() };
+    let (outcomes, _, _) = run_drawn(&m, off, many());
+    assert_eq!(outcomes.len(), 12);
+    for (i, (got, want)) in outcomes.iter().zip(&reference).enumerate() {
+        assert_eq!(got, want, "request {i}");
     }
 }
 

@@ -93,6 +93,12 @@ pub trait Target: Send {
         None
     }
 
+    /// Whether the forward runs on the host's thread pool (a CPU target), which is then busy during steps rather
+    /// than idle. True by default.
+    fn computes_on_host(&self) -> bool {
+        true
+    }
+
     /// Whether a step's captured rows also stay on the target's device ([`crate::ForwardOut::device_captured`]), and
     /// come back to the host only for sequences that ask ([`StepSeq::host_capture`]). False by default: every step's
     /// captured rows come back.

@@ -43,6 +43,9 @@ pub struct Switches {
     /// `DFLASH_GRAPH_KEYS=0`: a graph step's attention is launched for the cache's longest sequence, as before
     /// graphs were keyed by the step's keys (entry 94).
     pub no_graph_keys: bool,
+    /// `DFLASH_OVERLAP_STREAMS=0`: a device target's engine streams a step's tokens right after its commits
+    /// instead of while the next step runs on the device (entry 96).
+    pub no_overlap_streams: bool,
     /// `DFLASH_STEP_GATE=0`: every step runs the drafter pass its lanes planned, whatever the step gate measured.
     pub no_step_gate: bool,
     /// `DFLASH_DRAFT_SUMMARY=0`: a drafter pass on a device copies every draft logit back, as before passes
@@ -77,6 +80,7 @@ impl Switches {
             no_mmq_warp_pre: is("DFLASH_MMQ_WARP_PRE", "0"),
             no_mmq_warp_wide: is("DFLASH_MMQ_WARP_WIDE", "0"),
             no_graph_keys: is("DFLASH_GRAPH_KEYS", "0"),
+            no_overlap_streams: is("DFLASH_OVERLAP_STREAMS", "0"),
             no_step_gate: is("DFLASH_STEP_GATE", "0"),
             no_draft_summary: is("DFLASH_DRAFT_SUMMARY", "0"),
             no_draft_graph: is("DFLASH_DRAFT_GRAPH", "0"),
@@ -117,6 +121,7 @@ mod tests {
             ("DFLASH_MMQ_WARP_PRE", "0"),
             ("DFLASH_MMQ_WARP_WIDE", "0"),
             ("DFLASH_GRAPH_KEYS", "0"),
+            ("DFLASH_OVERLAP_STREAMS", "0"),
             ("DFLASH_STEP_GATE", "0"),
             ("DFLASH_DRAFT_SUMMARY", "0"),
             ("DFLASH_DRAFT_GRAPH", "0"),
@@ -138,6 +143,7 @@ mod tests {
             no_mmq_warp_pre: true,
             no_mmq_warp_wide: true,
             no_graph_keys: true,
+            no_overlap_streams: true,
             no_step_gate: true,
             no_draft_summary: true,
             no_draft_graph: true,

@@ -45,6 +45,8 @@ impl Engine {
         let readout = self.readout(items, false);
         let draws = (masks.is_none() && readout == Readout::Logits && self.draws_on_device(items))
             .then(|| self.step_draws(items));
+        // Pending tokens stream on a pool thread while the device runs this step (see `overlap`).
+        let mut outs = self.take_pending_outs();
         let page_size = self.page_size;
         let mut inputs = StepInputs::default();
         for item in items {
@@ -96,11 +98,24 @@ impl Engine {
                 host_capture: self.needs_host_capture(item),
             })
             .collect();
-        Ok(match (masks, draws) {
-            (Some(masks), _) => self.target.forward_step_masked(&batch, &keyed, masks)?,
-            (None, Some(draws)) => self.target.forward_step_drawn(&batch, &keyed, &draws)?,
-            (None, None) => self.target.forward_step(&batch, &keyed, readout)?,
-        })
+        let target = &mut self.target;
+        let run = move || match (masks, draws) {
+            (Some(masks), _) => target.forward_step_masked(&batch, &keyed, masks),
+            (None, Some(draws)) => target.forward_step_drawn(&batch, &keyed, &draws),
+            (None, None) => target.forward_step(&batch, &keyed, readout),
+        };
+        let out = if outs.is_empty() {
+            run()
+        } else {
+            let tok = &self.tokenizer;
+            let outs = &mut outs;
+            rayon::in_place_scope(|scope| {
+                scope.spawn(move |_| outs.iter_mut().for_each(|(_, out)| out.stream_pending(tok)));
+                run()
+            })
+        };
+        self.put_outs_back(outs);
+        Ok(out?)
     }
 
     /// Runs the forward of `items` while another thread computes the grammar masks of their sampled rows, so
@@ -215,9 +230,27 @@ impl Engine {
         }
     }
 
-    /// Advances every item's sequence; samples plain rows and verifies drafted rounds; streams the tokens.
-    /// Returns the running indices that finished, with how.
+    /// Advances every item's sequence; samples plain rows and verifies drafted rounds; streams the tokens (those of
+    /// sequences without stop strings beside the next forward on a device target: `overlap`). Returns the running
+    /// indices that finished, with how.
     pub(super) fn sample_and_stream(&mut self, items: &[StepItem], out: &ForwardOut) -> Vec<(usize, Outcome)> {
+        let finished = self.sample_and_commit(items, out);
+        if !self.streams_beside_forward() {
+            self.stream_pending_now();
+        }
+        finished
+    }
+
+    /// Fails `running[i]` with `message` (its tokens committed earlier in the step reach the client first).
+    pub(super) fn fail_seq(&mut self, i: usize, message: &str) -> Outcome {
+        let seq = &mut self.sched.running[i];
+        tracing::error!("{} failed: {message}", seq.request.id);
+        seq.fail(&self.tokenizer, message);
+        Outcome::Failed
+    }
+
+    /// [`Engine::sample_and_stream`] but for the streaming of sequences without stop strings.
+    fn sample_and_commit(&mut self, items: &[StepItem], out: &ForwardOut) -> Vec<(usize, Outcome)> {
         let vocab = out.logits.shape().last().copied().unwrap_or(0);
         let ids = out.ids.as_deref();
         let (logits, captured) = match (out.logits.as_f32(), out.captured.as_ref().map(|c| c.as_f32()).transpose()) {

@@ -70,6 +70,12 @@ impl Target for Hooked {
         self.draws.is_some()
     }
 
+    /// A target that draws on its device stands for a device target throughout (its tokens stream beside the
+    /// next forward).
+    fn computes_on_host(&self) -> bool {
+        self.draws.is_none()
+    }
+
     fn forward_step_drawn(
         &mut self,
         batch: &ForwardBatch,

@@ -197,6 +197,10 @@ impl Target for CudaHybridTarget {
         &GRAPH_CONTEXTS
     }
 
+    fn computes_on_host(&self) -> bool {
+        false
+    }
+
     fn host_heads(&self) -> Option<Arc<dyn TargetHeads>> {
         self.heads.as_ref().map(|h| Arc::clone(h) as Arc<dyn TargetHeads>)
     }

@@ -106,6 +106,10 @@ impl Target for CudaLlamaTarget {
     fn graph_contexts(&self) -> &[usize] {
         &GRAPH_CONTEXTS
     }
+
+    fn computes_on_host(&self) -> bool {
+        false
+    }
 }
 
 /// Whether a step of `seqs` copies its captured rows back: when any of them asks (or none is named).
