@@ -375,7 +375,7 @@ impl Sequence {
         self.lane.as_ref().is_some_and(|l| l.proposer.observes_target())
     }
 
-    /// True once the client has gone away.
+    /// True once the client has gone away (false while the output is out streaming: [`Sequence::take_out`]).
     pub fn is_abandoned(&self) -> bool {
         self.out.is_closed()
     }

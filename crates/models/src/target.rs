@@ -80,8 +80,8 @@ pub trait Target: Send {
     }
 
     /// Contexts (keys one sequence attends) past which the target's steps take other recorded forms (CUDA graphs
-    /// keyed by context): the engine's start-up probe steps every verify width past each once, so no request pays
-    /// for the recording. None by default.
+    /// keyed by context): the engine's round-cost probe steps every verify width past each once, so no request
+    /// pays for recording those. None by default.
     fn graph_contexts(&self) -> &[usize] {
         &[]
     }

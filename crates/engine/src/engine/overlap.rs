@@ -18,8 +18,9 @@ pub(super) enum Place {
     Waiting(usize),
 }
 
-/// The outputs with pending tokens, taken out of their sequences for the length of a forward.
-pub(super) type TakenOuts = Vec<(Place, TextOut)>;
+/// The outputs with pending tokens, taken out of their sequences (where they were, and their keys) for the length
+/// of a forward.
+pub(super) type TakenOuts = Vec<(Place, u64, TextOut)>;
 
 impl Engine {
     /// Whether pending tokens stream beside the next forward: the target computes on a device, and
@@ -45,20 +46,27 @@ impl Engine {
         }
         let running = self.sched.running.iter_mut().enumerate().map(|(i, s)| (Place::Running(i), s));
         let waiting = self.sched.waiting.iter_mut().enumerate().map(|(i, s)| (Place::Waiting(i), s));
-        running.chain(waiting).filter(|(_, s)| s.has_pending()).map(|(place, s)| (place, s.take_out())).collect()
+        let pending = running.chain(waiting).filter(|(_, s)| s.has_pending());
+        pending.map(|(place, s)| (place, s.key, s.take_out())).collect()
     }
 
-    /// Returns the outputs [`Engine::take_pending_outs`] took (their tokens streamed).
+    /// Returns the outputs [`Engine::take_pending_outs`] took (their tokens streamed) to their sequences. Nothing
+    /// moves sequences during a forward; should one have moved all the same, it is found by its key, and an
+    /// output whose sequence is gone is dropped with its client's channel (which then closes) rather than lost
+    /// behind the stand-in.
     pub(super) fn put_outs_back(&mut self, outs: TakenOuts) {
-        for (place, out) in outs {
-            let seq = match place {
+        for (place, key, out) in outs {
+            let at = match place {
                 Place::Running(i) => self.sched.running.get_mut(i),
                 Place::Waiting(i) => self.sched.waiting.get_mut(i),
             };
-            // The sequences stay where they were for the forward's length.
-            debug_assert!(seq.is_some(), "{place:?} moved during the forward");
-            if let Some(seq) = seq {
-                seq.put_out_back(out);
+            let seq = match at.filter(|s| s.key == key) {
+                Some(seq) => Some(seq),
+                None => self.sched.running.iter_mut().chain(self.sched.waiting.iter_mut()).find(|s| s.key == key),
+            };
+            match seq {
+                Some(seq) => seq.put_out_back(out),
+                None => tracing::error!("sequence {key} left during a forward; its output is dropped"),
             }
         }
     }

@@ -76,6 +76,8 @@ impl Engine {
         if self.costs_probed || !wanted {
             return;
         }
+        // The probe takes a while: the tokens the last step left pending go out first.
+        self.stream_pending_now();
         if let Err(e) = self.probe_round_costs() {
             tracing::warn!("round-cost probe failed ({e}); widths start from the prior costs");
         }
@@ -84,7 +86,8 @@ impl Engine {
     /// One untimed step of each width 1..=`rows_max` past each context where the target records other step graphs
     /// ([`crate::Target::graph_contexts`]), on scratch pages, so the first long round of a width does not pay for
     /// recording its graph inside a request (and inside a benchmark's timed decode). Skipped when the pages are not
-    /// free.
+    /// free. (Graphs of other batch sizes, and of a CUDA target's key buckets below those contexts, are recorded
+    /// on first use.)
     fn step_graph_contexts(&mut self, rows_max: usize) -> Result<(), EngineError> {
         let contexts = self.target.graph_contexts().to_vec();
         for context in contexts {

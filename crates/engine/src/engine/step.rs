@@ -110,7 +110,7 @@ impl Engine {
             let tok = &self.tokenizer;
             let outs = &mut outs;
             rayon::in_place_scope(|scope| {
-                scope.spawn(move |_| outs.iter_mut().for_each(|(_, out)| out.stream_pending(tok)));
+                scope.spawn(move |_| outs.iter_mut().for_each(|(_, _, out)| out.stream_pending(tok)));
                 run()
             })
         };
@@ -249,7 +249,8 @@ impl Engine {
         Outcome::Failed
     }
 
-    /// [`Engine::sample_and_stream`] but for the streaming of sequences without stop strings.
+    /// Samples, verifies and commits the step's rows ([`Engine::sample_and_stream`] without streaming the tokens
+    /// that commits leave pending).
     fn sample_and_commit(&mut self, items: &[StepItem], out: &ForwardOut) -> Vec<(usize, Outcome)> {
         let vocab = out.logits.shape().last().copied().unwrap_or(0);
         let ids = out.ids.as_deref();

@@ -134,8 +134,9 @@ pub(crate) struct Workspace {
     pub stream_comb: DeviceBuf<f32>,  // [T, streams * streams]
 }
 
-/// Which graph a uniform decode / verify step replays: sequences (a bucket, padded), rows per sequence, and whether
-/// some sequence's keys pass [`super::plan::ROPE_FOLD_MAX_KEYS`] (the graphs differ in where RoPE runs).
+/// Which graph a uniform decode / verify step replays: sequences (a bucket, padded), rows per sequence, whether
+/// some sequence's keys pass [`super::plan::ROPE_FOLD_MAX_KEYS`] (the graphs differ in where RoPE runs), and the
+/// keys its attention is launched for.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub(crate) struct GraphKey {
     pub seqs: usize,
@@ -284,7 +285,7 @@ impl<X> CudaCache<X> {
         &self.cfg
     }
 
-    /// Graphs captured so far (one per batch bucket and rows per sequence).
+    /// Graphs captured so far (one per batch bucket, rows per sequence and key bucket seen).
     pub fn graph_count(&self) -> usize {
         self.graphs.len()
     }
