@@ -9,7 +9,7 @@ mod common;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use common::hooked::Hooked;
-use common::{config, load, request, Model, Session};
+use common::{config, load, metric, request, Model, Session};
 use dflash_engine::grammar::{GrammarCompiler, GrammarSpec};
 use dflash_engine::spec::{NgramConfig, PolicyMode, SpecConfig};
 use dflash_engine::{Engine, EngineMetrics, Event, Request, SamplingParams, TokenLogprob};
@@ -52,7 +52,22 @@ fn draws_here(inner: LlamaTarget, asked: Arc<Mutex<Vec<Asked>>>) -> Hooked {
 /// Each request's tokens and logprobs, run together through [`DrawsHere`]; how every step was asked; and the
 /// rounds whose draft at position 1 (the second draft) was accepted.
 fn run_drawn(m: &Model, spec: SpecConfig, requests: Vec<Request>) -> (Vec<Streamed>, Vec<Asked>, u64) {
-    let cfg = config(128, 256, spec);
+    let (streamed, asked, metrics) = run_drawn_in(m, 128, spec, requests);
+    let second_accepted = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("dflash_spec_position_accepted_total{position=\"1\"} "))
+        .map_or(0, |n| n.parse().expect("a count"));
+    (streamed, asked, second_accepted)
+}
+
+/// [`run_drawn`] with a cache of `num_pages` pages; the metrics' text in place of the accepted count.
+fn run_drawn_in(
+    m: &Model,
+    num_pages: usize,
+    spec: SpecConfig,
+    requests: Vec<Request>,
+) -> (Vec<Streamed>, Vec<Asked>, String) {
+    let cfg = config(num_pages, 256, spec);
     let asked = Arc::new(Mutex::new(Vec::new()));
     let inner = LlamaTarget::new(Arc::clone(&m.model), cfg.num_pages, cfg.page_size).expect("target");
     let target = draws_here(inner, Arc::clone(&asked));
@@ -61,12 +76,7 @@ fn run_drawn(m: &Model, spec: SpecConfig, requests: Vec<Request>) -> (Vec<Stream
     let engine = engine.with_device_draws(true);
     let (recorders, _) = Session { engine, metrics: Arc::clone(&metrics) }.run_together(requests);
     let asked = asked.lock().unwrap_or_else(PoisonError::into_inner).clone();
-    let second_accepted = metrics
-        .render()
-        .lines()
-        .find_map(|l| l.strip_prefix("dflash_spec_position_accepted_total{position=\"1\"} "))
-        .map_or(0, |n| n.parse().expect("a count"));
-    (recorders.iter().map(|r| streamed(&r.0.lock().expect("events"))).collect(), asked, second_accepted)
+    (recorders.iter().map(|r| streamed(&r.0.lock().expect("events"))).collect(), asked, metrics.render())
 }
 
 /// A request's tokens and logprobs, however they were grouped into events.
@@ -180,11 +190,16 @@ fn tokens_streamed_beside_the_next_forward_are_the_tokens_streamed_at_once() {
         all
     };
     let reference = run_reference(&m, many());
-    let off = SpecConfig { pld: None, ..SpecConfig::default() };
-    let (outcomes, _, _) = run_drawn(&m, off, many());
-    assert_eq!(outcomes.len(), 12);
-    for (i, (got, want)) in outcomes.iter().zip(&reference).enumerate() {
-        assert_eq!(got, want, "request {i}");
+    // With 128 pages every sequence runs through; with 8, sequences are preempted (their pending tokens wait in
+    // the waiting queue) and recomputed.
+    for (pages, preempts) in [(128, false), (8, true)] {
+        let off = SpecConfig { pld: None, ..SpecConfig::default() };
+        let (outcomes, _, metrics) = run_drawn_in(&m, pages, off, many());
+        assert_eq!(metric(&metrics, "dflash_preemptions_total") > 0.0, preempts, "{pages} pages:\n{metrics}");
+        assert_eq!(outcomes.len(), 12);
+        for (i, (got, want)) in outcomes.iter().zip(&reference).enumerate() {
+            assert_eq!(got, want, "request {i}, {pages} pages");
+        }
     }
 }
 
