@@ -326,6 +326,7 @@ impl Engine {
             return Ok(());
         }
         let plan = clock.lap();
+        let prompt_rows = self.prompt_rows(&items);
         let started = Instant::now();
         let out = match self.forward_masked(&items, started) {
             Ok(out) => out,
@@ -349,7 +350,6 @@ impl Engine {
         self.audit_pages();
         self.publish_gauges();
         let rows = items.iter().map(|i| i.rows).sum();
-        let prompt_rows = items.iter().filter(|i| !i.is_round()).map(|i| i.rows).sum();
         let phases = [
             (StepPhase::Draft, draft),
             (StepPhase::Plan, plan),

@@ -54,6 +54,10 @@ fn batched_chunked_and_preempted_sequences_match_their_solo_runs() {
     let want = alone(&m, &prompts);
     let (got, text) = batched(&m, &prompts, 64, 8);
     assert_eq!(metric(&text, "dflash_preemptions_total"), 0.0);
+    // Five prompts in steps of 8 rows: some steps fill prompts, the rest only decode.
+    let (steps, prompt_steps) =
+        (metric(&text, "dflash_engine_steps_total"), metric(&text, "dflash_prompt_steps_total"));
+    assert!(prompt_steps >= 2.0 && prompt_steps < steps, "{prompt_steps} of {steps} steps with prompt rows");
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert_eq!(
             g,

@@ -118,6 +118,12 @@ impl Engine {
         Ok(out?)
     }
 
+    /// Rows of `items` (before their forward) that fill a prompt: a step with any runs eagerly on a CUDA target.
+    pub(super) fn prompt_rows(&self, items: &[StepItem]) -> usize {
+        let in_prompt = |i: &&StepItem| self.sched.running[i.seq].computed() < self.sched.running[i.seq].prompt_len();
+        items.iter().filter(in_prompt).map(|i| i.rows).sum()
+    }
+
     /// Runs the forward of `items` while another thread computes the grammar masks of their sampled rows, so
     /// constrained requests add no mask time to the step's critical path. When every constrained row is greedy
     /// (and the step would read back only ids without them), the masks go to the target, which applies them where
