@@ -120,7 +120,10 @@ impl Engine {
 
     /// Rows of `items` (before their forward) that fill a prompt: a step with any runs eagerly on a CUDA target.
     pub(super) fn prompt_rows(&self, items: &[StepItem]) -> usize {
-        let in_prompt = |i: &&StepItem| self.sched.running[i.seq].computed() < self.sched.running[i.seq].prompt_len();
+        let in_prompt = |i: &&StepItem| {
+            let seq = &self.sched.running[i.seq];
+            seq.computed() < seq.prompt_len()
+        };
         items.iter().filter(in_prompt).map(|i| i.rows).sum()
     }
 

@@ -106,11 +106,8 @@ impl TextOut {
         let end = self.pending_end.take();
         let last = pending.len();
         for (n, (id, logprob)) in pending.into_iter().enumerate() {
-            let mut text = self.decode_piece(tok, id);
-            if n + 1 == last && end == Some(PendingEnd::AfterToken) {
-                text.push_str(&self.flush_text(tok));
-            }
-            self.emit(vec![id], text, logprob.map(|lp| vec![lp]));
+            // Only a sequence without stop strings defers, so no stop string can end it here.
+            self.stream(tok, id, logprob, n + 1 == last && end == Some(PendingEnd::AfterToken));
         }
         if end == Some(PendingEnd::EndOfSequence) {
             self.stream_end_of_sequence(tok);
