@@ -358,7 +358,7 @@ impl Engine {
             (StepPhase::Emit, self.emit_time),
             (StepPhase::Finish, clock.lap()),
         ];
-        self.metrics.record_step((rows, prompt_rows), &phases);
+        self.metrics.record_step((rows, items.len(), prompt_rows), &phases);
         Ok(())
     }
 

@@ -262,9 +262,14 @@ impl EngineMetrics {
         self.step_retries.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// One step of `rows` forward rows, `prompt_rows` of them prompt rows, and how long it spent in each phase
-    /// (each step also at debug level, target `dflash_step`, for profiles of steps by kind).
-    pub fn record_step(&self, (rows, prompt_rows): (usize, usize), phases: &[(StepPhase, std::time::Duration); 6]) {
+    /// One step of `rows` forward rows over `seqs` sequences, `prompt_rows` of them prompt rows, and how long it
+    /// spent in each phase (each step also at debug level, target `dflash_step`, for profiles of steps by kind: a
+    /// step with more rows than sequences and no prompt rows verifies drafts).
+    pub fn record_step(
+        &self,
+        (rows, seqs, prompt_rows): (usize, usize, usize),
+        phases: &[(StepPhase, std::time::Duration); 6],
+    ) {
         self.steps.fetch_add(1, Ordering::Relaxed);
         self.step_rows.fetch_add(rows as u64, Ordering::Relaxed);
         self.prompt_steps.fetch_add(u64::from(prompt_rows > 0), Ordering::Relaxed);
@@ -275,7 +280,7 @@ impl EngineMetrics {
         if tracing::enabled!(target: "dflash_step", tracing::Level::DEBUG) {
             let ms: Vec<String> =
                 phases.iter().map(|(p, t)| format!("{} {:.3}", p.name(), t.as_secs_f64() * 1e3)).collect();
-            tracing::debug!(target: "dflash_step", "rows {rows} prompt {prompt_rows} ms {}", ms.join(" "));
+            tracing::debug!(target: "dflash_step", "rows {rows} seqs {seqs} prompt {prompt_rows} ms {}", ms.join(" "));
         }
     }
 
