@@ -372,6 +372,61 @@ fn batched_and_graph_steps_equal_solo_and_eager_ones() {
     }
 }
 
+/// A step whose sequences verify different counts of drafts (no prompt rows) replays a padded graph, and gives
+/// each sequence the logits of its own step run alone and eagerly.
+#[test]
+fn steps_verifying_different_draft_counts_replay_graphs_with_solo_bits() {
+    let Some(dev) = device() else { return };
+    for pair in tiny_pairs(&dev) {
+        let base = golden_tokens("tiny-llama");
+        let vocab = pair.cpu.config().vocab_size;
+        let (lens, step_rows) = ([5usize, 9, 13], [1usize, 4, 2]);
+        let seqs_tokens: Vec<Vec<u32>> =
+            lens.iter().map(|&l| base.iter().cycle().skip(l).take(l + 4).copied().collect()).collect();
+        let tables: Vec<Vec<u32>> = (0..3).map(|i| table_for(40, 10 * i as u32)).collect();
+        let mut cache = cache_for(&pair.gpu, true);
+        for i in 0..3 {
+            run_one(&pair.gpu, &mut cache, &seqs_tokens[i][..lens[i]], lens[i], 0, lens[i], &tables[i]);
+        }
+        let graphs_before = cache.graph_count();
+        let mut tokens = Vec::new();
+        let (mut positions, mut slots, mut seqs) = (Vec::new(), Vec::new(), Vec::new());
+        for i in 0..3 {
+            tokens.extend_from_slice(&seqs_tokens[i][lens[i]..lens[i] + step_rows[i]]);
+            positions.extend((lens[i]..lens[i] + step_rows[i]).map(|p| p as u32));
+            slots.extend(slots_of(&tables[i], lens[i], step_rows[i]));
+            let table = &tables[i];
+            seqs.push(SeqRows {
+                num_rows: step_rows[i],
+                context_len: lens[i],
+                block_table: table,
+                prompt_len: lens[i],
+            });
+        }
+        let rows: Vec<u32> = (0..tokens.len() as u32).collect();
+        let batch =
+            ForwardBatch { tokens: &tokens, positions: &positions, seqs: &seqs, slots: &slots, logit_rows: &rows };
+        let batched = pair.gpu.forward(&batch, &mut cache).expect("mixed").logits.as_f32().expect("f32").to_vec();
+        assert_eq!(cache.graph_count(), graphs_before + 1, "{}: the mixed step replays a graph", pair.name);
+        let mut at = 0;
+        for i in 0..3 {
+            let mut eager = cache_for(&pair.gpu, false);
+            let (alone, _) =
+                run_one(&pair.gpu, &mut eager, &seqs_tokens[i], lens[i], step_rows[i], lens[i], &tables[i]);
+            let (got, want) = (&batched[at * vocab..(at + step_rows[i]) * vocab], &alone[lens[i] * vocab..]);
+            let same = got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
+            let (err, _) = worst(got, want, largest(want));
+            say(&format!("{:<24} seq {i}: mixed graph = solo eager {same}, err {err:.2e}", pair.name));
+            if pair.invariant {
+                assert!(same, "{}: seq {i} in a mixed graph differs from its solo eager step", pair.name);
+            } else {
+                assert!(err <= pair.tol, "{}: seq {i} in a mixed graph off by {err}", pair.name);
+            }
+            at += step_rows[i];
+        }
+    }
+}
+
 /// Rows drawn on the device (`forward_drawn`: the keyed draw where the logits are, only tokens and logprobs back)
 /// equal the host's draw from the same step's logits: eager prompt chunks, and decode and verify steps replayed from
 /// graphs (whose logits rows are the batch's rows, not the logit rows' order).

@@ -43,6 +43,12 @@ pub struct Switches {
     /// `DFLASH_GRAPH_KEYS=0`: a graph step's attention is launched for the cache's longest sequence, as before
     /// graphs were keyed by the step's keys (entry 94).
     pub no_graph_keys: bool,
+    /// `DFLASH_GRAPH_BUCKETS=pow2`: a graph step pads its sequences to a power of two, as before finer buckets
+    /// (entry 98).
+    pub graph_pow2_buckets: bool,
+    /// `DFLASH_MIXED_GRAPHS=0`: a step whose sequences have different row counts runs eagerly, as before such
+    /// steps replayed padded graphs (entry 99).
+    pub no_mixed_graphs: bool,
     /// `DFLASH_OVERLAP_STREAMS=0`: a device target's engine streams a step's tokens right after its commits
     /// instead of while the next step runs on the device (entry 96).
     pub no_overlap_streams: bool,
@@ -80,6 +86,8 @@ impl Switches {
             no_mmq_warp_pre: is("DFLASH_MMQ_WARP_PRE", "0"),
             no_mmq_warp_wide: is("DFLASH_MMQ_WARP_WIDE", "0"),
             no_graph_keys: is("DFLASH_GRAPH_KEYS", "0"),
+            graph_pow2_buckets: is("DFLASH_GRAPH_BUCKETS", "pow2"),
+            no_mixed_graphs: is("DFLASH_MIXED_GRAPHS", "0"),
             no_overlap_streams: is("DFLASH_OVERLAP_STREAMS", "0"),
             no_step_gate: is("DFLASH_STEP_GATE", "0"),
             no_draft_summary: is("DFLASH_DRAFT_SUMMARY", "0"),
@@ -121,6 +129,8 @@ mod tests {
             ("DFLASH_MMQ_WARP_PRE", "0"),
             ("DFLASH_MMQ_WARP_WIDE", "0"),
             ("DFLASH_GRAPH_KEYS", "0"),
+            ("DFLASH_GRAPH_BUCKETS", "pow2"),
+            ("DFLASH_MIXED_GRAPHS", "0"),
             ("DFLASH_OVERLAP_STREAMS", "0"),
             ("DFLASH_STEP_GATE", "0"),
             ("DFLASH_DRAFT_SUMMARY", "0"),
@@ -143,6 +153,8 @@ mod tests {
             no_mmq_warp_pre: true,
             no_mmq_warp_wide: true,
             no_graph_keys: true,
+            graph_pow2_buckets: true,
+            no_mixed_graphs: true,
             no_overlap_streams: true,
             no_step_gate: true,
             no_draft_summary: true,

@@ -35,7 +35,7 @@ pub struct CudaCacheConfig {
     pub max_logit_rows: usize,
     /// Decode and verify rows (rows at or past their sequence's prompt) one forward may hold.
     pub max_decode_rows: usize,
-    /// Whether uniform decode / verify steps are captured into CUDA graphs and replayed.
+    /// Whether decode / verify steps are captured into CUDA graphs and replayed.
     pub graphs: bool,
 }
 
@@ -134,13 +134,16 @@ pub(crate) struct Workspace {
     pub stream_comb: DeviceBuf<f32>,  // [T, streams * streams]
 }
 
-/// Which graph a uniform decode / verify step replays: sequences (a bucket, padded), rows per sequence, whether
-/// some sequence's keys pass [`super::plan::ROPE_FOLD_MAX_KEYS`] (the graphs differ in where RoPE runs), and the
-/// keys its attention is launched for.
+/// Which graph a decode / verify step replays: sequences (a bucket, padded), the most rows a sequence has, rows in
+/// all (padded), whether some sequence's keys pass [`super::plan::ROPE_FOLD_MAX_KEYS`] (the graphs differ in where
+/// RoPE runs), and the keys its attention is launched for.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub(crate) struct GraphKey {
     pub seqs: usize,
     pub rows: usize,
+    /// `seqs · rows` when every sequence has `rows` rows; fewer for a step whose sequences verify different
+    /// counts of drafts (`super::plan::graph_shape`).
+    pub tokens: usize,
     pub long_keys: bool,
     /// Some sequence's rows span two split size classes (their decode tiles are cut there; the graph holds room
     /// for those tiles).

@@ -48,10 +48,14 @@ fn graph_class_cuts(rows: usize) -> usize {
 }
 
 /// Decode tiles of a graph step (padded with empty tiles to this count, so the layout depends on the key alone):
-/// room for the class cuts only when the key has one, and none with one-row tiles (a cut adds no tile there).
+/// for sequences of at most `rows` rows, `tokens` in all, at most `ceil(rows / tile)` tiles each and
+/// `seqs + tokens / tile` together (a sequence's `r` rows take `ceil(r / tile) <= 1 + r / tile` tiles); room for the
+/// class cuts only when the key has one, and none with one-row tiles (a cut adds no tile there).
 fn graph_decode_tiles(key: GraphKey, tile_rows: usize) -> usize {
-    let cuts = if key.class_cut && tile_rows > 1 { graph_class_cuts(key.rows) } else { 0 };
-    key.seqs * (key.rows.div_ceil(tile_rows.max(1)) + cuts)
+    let tile = tile_rows.max(1);
+    let cuts = if key.class_cut && tile > 1 { graph_class_cuts(key.rows) } else { 0 };
+    let tiles = (key.seqs * key.rows.div_ceil(tile)).min(key.seqs + key.tokens.div_ceil(tile));
+    tiles + key.seqs * cuts
 }
 
 /// Counts that fix where each input lies in the input buffer.
@@ -116,7 +120,7 @@ impl Layout {
 
     /// The largest input buffer any step within `cfg` needs.
     pub fn capacity(cfg: &CudaCacheConfig, tile_rows: TileRows) -> usize {
-        let (t, s) = (cfg.max_tokens.max(cfg.max_decode_rows), cfg.max_seqs);
+        let (t, s) = (cfg.max_tokens.max(cfg.max_decode_rows), graph_seq_limit(cfg));
         let tiles = s * (1 + MAX_CLASS_CUTS) + t.div_ceil(tile_rows.prompt.min(tile_rows.decode).max(1));
         Layout {
             t,
@@ -221,32 +225,69 @@ fn long_keys(batch: &ForwardBatch) -> bool {
     batch.seqs.iter().any(|s| s.context_len + s.num_rows > ROPE_FOLD_MAX_KEYS)
 }
 
-/// The graph a batch can replay: every sequence past its prompt with the same rows, padded to a
-/// power-of-two number of sequences within the cache's capacities.
-pub(crate) fn graph_key(batch: &ForwardBatch, cfg: &CudaCacheConfig, kv_heads: usize) -> Option<GraphKey> {
-    let first = batch.seqs.first()?;
-    let rows = first.num_rows;
-    let uniform = batch.seqs.iter().all(|s| s.num_rows == rows && s.context_len >= s.prompt_len);
-    if !cfg.graphs || !uniform || rows == 0 {
+/// The graph a batch can replay: every sequence past its prompt, padded as [`graph_shape`] says within the cache's
+/// capacities; with `mixed`, also batches whose sequences have different row counts.
+pub(crate) fn graph_key(batch: &ForwardBatch, cfg: &CudaCacheConfig, kv_heads: usize, mixed: bool) -> Option<GraphKey> {
+    let past_prompts = batch.seqs.iter().all(|s| s.num_rows > 0 && s.context_len >= s.prompt_len);
+    if !cfg.graphs || batch.seqs.is_empty() || !past_prompts {
         return None;
     }
-    let fits = |seqs: usize| {
-        seqs <= cfg.max_seqs && seqs * rows <= cfg.max_tokens.min(cfg.max_decode_rows).min(cfg.max_logit_rows)
-    };
-    let n = batch.seqs.len();
-    let seqs = [n.next_power_of_two(), n].into_iter().find(|&s| fits(s))?;
-    // Size-class changes within a sequence whose rows attend keys first ..= first + rows - 1 (the padded
-    // sequences': 1 ..= rows): the split size only grows with the keys, by doubling.
+    let (seqs, rows, tokens) = graph_shape(batch, cfg, mixed)?;
+    // Size-class changes within a sequence whose `rows` rows attend keys first ..= first + rows - 1 (the padded
+    // sequences': 1 ..= rows at most): the split size only grows with the keys, by doubling.
     let class = |keys: usize| attn_split_keys(keys, kv_heads);
-    let cuts = |first: usize| (class(first + rows - 1) / class(first)).ilog2() as usize;
-    let most = batch.seqs.iter().map(|s| cuts(s.context_len + 1)).chain([cuts(1)]).max().unwrap_or(0);
+    let cuts = |first: usize, rows: usize| (class(first + rows - 1) / class(first)).ilog2() as usize;
+    let real = batch.seqs.iter().map(|s| cuts(s.context_len + 1, s.num_rows));
+    let most = real.chain([cuts(1, rows)]).max().unwrap_or(0);
     if most > graph_class_cuts(rows) {
         return None;
     }
     let class_cut = most > 0;
-    let max_keys = batch.seqs.iter().map(|s| s.context_len + rows).max().unwrap_or(rows);
+    let max_keys = batch.seqs.iter().map(|s| s.context_len + s.num_rows).max().unwrap_or(rows);
     let keys = graph_keys(max_keys, cfg.max_seq_len, kv_heads);
-    Some(GraphKey { seqs, rows, long_keys: long_keys(batch), class_cut, keys })
+    Some(GraphKey { seqs, rows, tokens, long_keys: long_keys(batch), class_cut, keys })
+}
+
+/// Sequences, rows per sequence and rows in all of the graph step `batch` replays. Sequences with the same rows
+/// pad the sequences to a bucket ([`graph_seqs`]), each padded one with those rows. A step whose sequences verify
+/// different counts of drafts (with `mixed`) pads its rows in all to a bucket too, and its most rows per sequence
+/// to a power of two; the padded rows go to padded sequences, at most that many each (so a graph's attention keeps
+/// its tiles' shape), and some padded sequences may have none.
+fn graph_shape(batch: &ForwardBatch, cfg: &CudaCacheConfig, mixed: bool) -> Option<(usize, usize, usize)> {
+    let limit = cfg.max_tokens.min(cfg.max_decode_rows).min(cfg.max_logit_rows);
+    let fits = |&(seqs, _, tokens): &(usize, usize, usize)| seqs <= graph_seq_limit(cfg) && tokens <= limit;
+    let n = batch.seqs.len();
+    let first = batch.seqs.first()?.num_rows;
+    if batch.seqs.iter().all(|s| s.num_rows == first) {
+        return [graph_seqs(n), n].into_iter().map(|s| (s, first, s * first)).find(fits);
+    }
+    if !mixed {
+        return None;
+    }
+    let rows = batch.seqs.iter().map(|s| s.num_rows).max()?.next_power_of_two();
+    let total: usize = batch.seqs.iter().map(|s| s.num_rows).sum();
+    let tokens = graph_seqs(total);
+    let padded = (graph_seqs(n + (tokens - total).div_ceil(rows)), rows, tokens);
+    [padded, (n, rows, total)].into_iter().find(fits)
+}
+
+/// The most sequences a graph step may be padded to: past the cache's, room for the padded sequences that hold a
+/// mixed step's padded rows. (Only the inputs' block tables grow with it; a uniform step's bucket stays within
+/// the cache's sequences rounded up to a power of two.)
+fn graph_seq_limit(cfg: &CudaCacheConfig) -> usize {
+    2 * cfg.max_seqs
+}
+
+/// Sequences a graph step of `n` sequences is padded to: a power of two up to 16, past it the next multiple of an
+/// eighth of `n`'s power of two (20, 24, 28, 32, 40, 48, ...), so a step pads less than a quarter of its sequences
+/// where powers of two padded up to half (20 sequences ran as 32: entry 98). `DFLASH_GRAPH_BUCKETS=pow2` pads to
+/// powers of two.
+pub(crate) fn graph_seqs(n: usize) -> usize {
+    if n <= 16 || dflash_runtime::switches::switches().graph_pow2_buckets {
+        return n.next_power_of_two();
+    }
+    let step = n.next_power_of_two() / 8;
+    n.div_ceil(step) * step
 }
 
 /// Fewest keys a graph step's attention is launched for.
@@ -269,8 +310,8 @@ pub(crate) fn graph_keys(max_keys: usize, max_seq_len: usize, kv_heads: usize) -
 }
 
 /// Writes the inputs of `batch` into `host` and returns the plan. With `graph`, sequences are padded to
-/// `graph.seqs` (rows that write the cache's spare page and attend only it), every row's logits are
-/// computed, and the split count covers the key's keys, so the counts depend on the key alone.
+/// `graph.seqs` and rows to `graph.tokens` (rows that write the cache's spare page and attend only it), every row's
+/// logits are computed, and the split count covers the key's keys, so the counts depend on the key alone.
 pub(crate) fn plan(
     batch: &ForwardBatch,
     graph: Option<GraphKey>,
@@ -295,21 +336,26 @@ pub(crate) fn plan(
     let (mut tokens, mut positions, mut slots) =
         (batch.tokens.to_vec(), batch.positions.to_vec(), batch.slots.to_vec());
     if let Some(key) = graph {
+        let mut left = key.tokens - batch.tokens.len();
         for i in batch.seqs.len()..key.seqs {
+            let rows = left.min(key.rows);
+            left -= rows;
             let first = b.row_keys.len();
-            b.row_keys.extend((1..=key.rows).map(|j| j as u32));
-            b.tiles(i, first, key.rows, tile_rows.decode, true);
+            b.row_keys.extend((1..=rows).map(|j| j as u32));
+            b.tiles(i, first, rows, tile_rows.decode, true);
             b.tables.extend(std::iter::repeat_n(trash, stride));
-            tokens.extend(std::iter::repeat_n(0, key.rows));
-            positions.extend(std::iter::repeat_n(0, key.rows));
-            slots.extend((0..key.rows as u32).map(|j| trash * ps + j % ps));
+            tokens.extend(std::iter::repeat_n(0, rows));
+            positions.extend(std::iter::repeat_n(0, rows));
+            slots.extend((0..rows as u32).map(|j| trash * ps + j % ps));
         }
+        debug_assert_eq!(left, 0, "a graph key's padded sequences hold its padded rows");
         // Empty tiles (no rows: the kernels skip them) up to the key's count; full tiles' shared memory. (Padding
         // costs: a graph's empty tiles still launch their blocks, so keys without a class cut have none.)
         let tiles = graph_decode_tiles(key, tile_rows.decode);
         debug_assert!(b.decode_tiles.len() / 4 <= tiles, "a graph step's tiles exceed its key's count");
         b.decode_tiles.resize(4 * tiles, 0);
         b.max_decode_tile_rows = key.rows.min(tile_rows.decode);
+        b.max_decode_seq_rows = key.rows;
     }
     let t = tokens.len();
     let logit_rows: Vec<u32> = if graph.is_some() { (0..t as u32).collect() } else { batch.logit_rows.to_vec() };
@@ -460,7 +506,7 @@ mod tests {
         assert_eq!(&host[p.layout.decode_tiles()], &[0, 0, 3, 0, 0, 3, 3, 3]);
         assert_eq!(p.decode_splits, 32, "1,024 keys in 32-key splits");
         // As a graph step: padded with empty tiles to the key's count, full tiles' shared memory.
-        let key = graph_key(&batch, &cfg, 8).expect("uniform");
+        let key = graph_key(&batch, &cfg, 8, true).expect("uniform");
         assert!(key.class_cut, "keys 1,022..=1,027 span two size classes");
         let p = plan(&batch, Some(key), &cfg, rows, &mut host);
         assert_eq!(p.layout.decode_tiles, graph_decode_tiles(key, 4));
@@ -482,11 +528,11 @@ mod tests {
         let positions = [3u32, 4, 5, 6, 4, 5];
         let batch =
             ForwardBatch { tokens: &tokens, positions: &positions, seqs: &seqs, slots: &positions, logit_rows: &[1] };
-        let key = graph_key(&batch, &cfg(), 8).expect("uniform decode batch");
-        assert_eq!(key, GraphKey { seqs: 4, rows: 2, long_keys: false, class_cut: false, keys: 16 });
+        let key = graph_key(&batch, &cfg(), 8, true).expect("uniform decode batch");
+        assert_eq!(key, GraphKey { seqs: 4, rows: 2, tokens: 8, long_keys: false, class_cut: false, keys: 16 });
         // A sequence past the RoPE fold's key count replays another graph (the RoPE kernel of its own).
         let long = [mk(3), mk(ROPE_FOLD_MAX_KEYS - 1), mk(4)];
-        let long_key = graph_key(&ForwardBatch { seqs: &long, ..batch }, &cfg(), 8).expect("uniform");
+        let long_key = graph_key(&ForwardBatch { seqs: &long, ..batch }, &cfg(), 8, true).expect("uniform");
         // (Its rows' keys, 4,096 and 4,097, also span two split size classes.)
         assert_eq!(long_key, GraphKey { long_keys: true, class_cut: true, keys: 16, ..key });
         let mut host = Vec::new();
@@ -507,15 +553,91 @@ mod tests {
         let batch2 = ForwardBatch { seqs: &seqs2, ..batch };
         let p2 = plan(
             &batch2,
-            graph_key(&batch2, &cfg(), 8),
+            graph_key(&batch2, &cfg(), 8, true),
             &cfg(),
             TileRows { prompt: 16, decode: 4, kv_heads: 8, tensor_core_prompt: false },
             &mut host,
         );
         assert_eq!(p2.layout, p.layout);
-        // A prompt row anywhere, or rows of different counts, take the eager path.
+        // A prompt row anywhere takes the eager path.
         let seqs3 = [mk(3), SeqRows { context_len: 1, ..mk(1) }, mk(4)];
-        assert!(graph_key(&ForwardBatch { seqs: &seqs3, ..batch }, &cfg(), 8).is_none());
+        assert!(graph_key(&ForwardBatch { seqs: &seqs3, ..batch }, &cfg(), 8, true).is_none());
+    }
+
+    #[test]
+    fn steps_verifying_different_draft_counts_replay_padded_graphs() {
+        let table = [1u32, 2, 3, 4];
+        let mk = |rows: usize| SeqRows { num_rows: rows, context_len: 3, block_table: &table, prompt_len: 3 };
+        let tokens = [7u32; 6];
+        let positions = [3u32, 3, 4, 5, 3, 4];
+        let seqs = [mk(1), mk(3), mk(2)];
+        let batch =
+            ForwardBatch { tokens: &tokens, positions: &positions, seqs: &seqs, slots: &positions, logit_rows: &[0] };
+        assert!(graph_key(&batch, &cfg(), 8, false).is_none(), "a family without mixed graphs runs it eagerly");
+        // 6 rows pad to 8, the most rows (3) to 4: one padded sequence of 2 rows.
+        let key = graph_key(&batch, &cfg(), 8, true).expect("mixed decode and verify rows");
+        assert_eq!((key.seqs, key.rows, key.tokens), (4, 4, 8));
+        let tile_rows = TileRows { prompt: 16, decode: 4, kv_heads: 8, tensor_core_prompt: false };
+        let mut host = Vec::new();
+        let p = plan(&batch, Some(key), &cfg(), tile_rows, &mut host);
+        assert_eq!((p.layout.t, p.layout.l, p.layout.seqs, p.layout.decode_tiles), (8, 8, 4, 4));
+        assert_eq!(&host[p.layout.row_keys()][6..], &[1, 2], "the padded sequence's rows attend the spare page");
+        assert_eq!(p.max_decode_seq_rows, 4, "the key's rows, whatever the batch's most");
+        // Four sequences of 6 rows: the padded rows need a fifth sequence, so the sequences pad to 8 (past the
+        // cache's 4: padded sequences only take block-table room), three of them with no rows.
+        let four = [mk(1), mk(1), mk(1), mk(3)];
+        let key4 = graph_key(&ForwardBatch { seqs: &four, ..batch }, &cfg(), 8, true).expect("mixed");
+        assert_eq!((key4.seqs, key4.rows, key4.tokens), (8, 4, 8));
+        let p4 = plan(&ForwardBatch { seqs: &four, ..batch }, Some(key4), &cfg(), tile_rows, &mut host);
+        assert_eq!(p4.layout.seqs, 8);
+        assert!(Layout::capacity(&cfg(), tile_rows) >= p4.layout.len());
+    }
+
+    #[test]
+    fn a_graph_keys_layout_is_the_same_for_every_batch_it_takes() {
+        let table = [1u32, 2, 3, 4];
+        let tile_rows = TileRows { prompt: 16, decode: 3, kv_heads: 8, tensor_core_prompt: false };
+        let (mut layouts, mut host) = (std::collections::HashMap::new(), Vec::new());
+        // Every batch of 1-4 sequences of 1-5 rows each, at two contexts.
+        for code in 0..5usize.pow(4) {
+            for n in 1..=4 {
+                let rows: Vec<usize> = (0..n).map(|i| 1 + code / 5usize.pow(i as u32) % 5).collect();
+                let ctx = 3 + code % 2;
+                let seqs: Vec<SeqRows> = rows
+                    .iter()
+                    .map(|&r| SeqRows { num_rows: r, context_len: ctx, block_table: &table, prompt_len: 3 })
+                    .collect();
+                let t: usize = rows.iter().sum();
+                let (tokens, positions) = (vec![1u32; t], vec![4u32; t]);
+                let batch = ForwardBatch {
+                    tokens: &tokens,
+                    positions: &positions,
+                    seqs: &seqs,
+                    slots: &positions,
+                    logit_rows: &[0],
+                };
+                let Some(key) = graph_key(&batch, &cfg(), 8, true) else { continue };
+                let p = plan(&batch, Some(key), &cfg(), tile_rows, &mut host);
+                assert!(p.layout.t == key.tokens && p.layout.seqs == key.seqs && host.len() == p.layout.len());
+                let (lay, tile, seq_rows) = (p.layout, p.max_decode_tile_rows, p.max_decode_seq_rows);
+                let first = *layouts.entry(key).or_insert((lay, tile, seq_rows));
+                assert_eq!(first, (lay, tile, seq_rows), "rows {rows:?} under {key:?}");
+            }
+        }
+        assert!(layouts.keys().any(|k| k.tokens < k.seqs * k.rows), "some keys are mixed");
+    }
+
+    #[test]
+    fn graph_steps_pad_to_fine_buckets() {
+        let buckets: Vec<usize> = [1, 3, 5, 9, 16, 17, 20, 24, 33, 63, 64, 65, 100, 128, 129, 200, 256]
+            .iter()
+            .map(|&n| graph_seqs(n))
+            .collect();
+        assert_eq!(buckets, [1, 4, 8, 16, 16, 20, 20, 24, 40, 64, 64, 80, 112, 128, 160, 224, 256]);
+        for n in 17..=1024 {
+            let b = graph_seqs(n);
+            assert!(b >= n && 4 * (b - n) < n, "{n} sequences pad to {b}");
+        }
     }
 
     #[test]

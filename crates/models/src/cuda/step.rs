@@ -1,5 +1,5 @@
 //! The step every CUDA forward shares, whatever its family: one host-to-device copy of the step's inputs, then the
-//! replay of a CUDA graph captured per (batch bucket, rows per sequence) or the kernels queued eagerly, then the
+//! replay of a CUDA graph captured per (batch bucket, rows) or the kernels queued eagerly, then the
 //! results back after one synchronisation; and the attention core of every attention layer.
 
 use std::sync::Arc;
@@ -24,6 +24,10 @@ pub(crate) struct Step<'b> {
     pub model: &'b ModelConfig,
     pub model_id: u64,
     pub tile_rows: TileRows,
+    /// Whether steps whose sequences have different row counts may replay graphs (padded sequences then have
+    /// from none to the key's rows each; a family whose extra inputs give each padded sequence the key's rows
+    /// keeps them eager).
+    pub mixed_graphs: bool,
 }
 
 impl<X> CudaCache<X> {
@@ -49,7 +53,8 @@ impl<X> CudaCache<X> {
         }
         plan::validate(batch, &self.cfg, step.model)?;
         // The launch timeline needs the launches themselves, not a graph's replay.
-        let key = plan::graph_key(batch, &self.cfg, step.model.num_kv_heads).filter(|_| !dev.timeline_on());
+        let mixed = step.mixed_graphs && !dflash_runtime::switches::switches().no_mixed_graphs;
+        let key = plan::graph_key(batch, &self.cfg, step.model.num_kv_heads, mixed).filter(|_| !dev.timeline_on());
         super::timeline_section(dev, || {
             let rows = batch.tokens.len();
             format!("target step: {rows} rows, {} sequences", batch.seqs.len())

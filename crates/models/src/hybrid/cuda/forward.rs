@@ -251,7 +251,9 @@ impl CudaHybridModel {
                 first += graph_rows as u32;
             }
         };
-        let step = Step { batch, model: &self.cfg.base, model_id: self.id, tile_rows: self.tile_rows() };
+        // Padded graph sequences step the spare slot with the key's rows each, so only uniform steps replay graphs.
+        let (model, tile_rows) = (&self.cfg.base, self.tile_rows());
+        let step = Step { batch, model, model_id: self.id, tile_rows, mixed_graphs: false };
         cache.run_step(&self.dev, step, readout, runs, |cache, plan, runs_at, argmax| {
             self.record_step(cache, plan, runs_at, argmax)
         })
