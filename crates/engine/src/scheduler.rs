@@ -88,6 +88,9 @@ pub struct Scheduler {
     /// Preemptions so far.
     pub preemptions: u64,
     pub prefix_stats: PrefixStats,
+    /// The captured rows of an admission's cached pages, gathered for its lane; kept so its memory stays mapped
+    /// (a fresh buffer page-faults on first touch: PERFORMANCE.md entry 100).
+    captured_scratch: Vec<f32>,
 }
 
 impl Scheduler {
@@ -102,6 +105,7 @@ impl Scheduler {
                 .with_checkpoints(cfg.prefix_cache_checkpoints),
             preemptions: 0,
             prefix_stats: PrefixStats::default(),
+            captured_scratch: Vec::new(),
         }
     }
 
@@ -230,8 +234,12 @@ impl Scheduler {
             let Some(mut seq) = self.waiting.pop_front() else { break };
             if seq.uses_prefix_cache() && self.pages.prefix_cache().enabled() {
                 self.pages.share(&mut seq.block_table, &hit);
-                let captured = if seq.observes_target() { self.captured_rows(&hit) } else { Vec::new() };
+                let mut captured = std::mem::take(&mut self.captured_scratch);
+                if seq.observes_target() {
+                    self.captured_rows(&hit, &mut captured);
+                }
                 seq.resume_from_cache(hit.len(), page_size, &captured);
+                self.captured_scratch = captured;
                 seq.prefix.restore = checkpoint;
                 self.record_lookup(&seq, hit.len() * page_size);
             }
@@ -247,15 +255,15 @@ impl Scheduler {
         }
     }
 
-    /// The captured hidden states cached with `pages`, in order (`[pages · page_size, capture_width]`).
-    fn captured_rows(&self, pages: &[u32]) -> Vec<f32> {
+    /// The captured hidden states cached with `pages`, in order, into `rows` (`[pages · page_size, capture_width]`).
+    fn captured_rows(&self, pages: &[u32], rows: &mut Vec<f32>) {
         let per_page = self.cfg.page_size * self.cfg.capture_width;
-        let mut rows = Vec::with_capacity(pages.len() * per_page);
+        rows.clear();
+        rows.reserve(pages.len() * per_page);
         for &p in pages {
             rows.extend_from_slice(self.pages.captured(p).unwrap_or_default());
         }
         debug_assert_eq!(rows.len(), pages.len() * per_page, "a shared page without captured rows");
-        rows
     }
 
     fn record_lookup(&mut self, seq: &Sequence, reused: usize) {

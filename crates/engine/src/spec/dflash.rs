@@ -9,7 +9,7 @@
 //! Design notes: docs/ENGINE.md, "DFlash lane".
 
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use dflash_models::dflash::{
@@ -25,6 +25,9 @@ use crate::sampler::{gumbel, keyed_uniform, SamplingParams, STREAM_TARGET};
 /// `rows × taps × hidden` floats: 1.2 MB for the default model's drafter).
 pub const MAX_PENDING_ROWS: usize = 256;
 
+/// Pending-row buffers kept for the drafter's next lanes at most (up to [`MAX_PENDING_ROWS`] rows each).
+const KEPT_PENDING_BUFFERS: usize = 32;
+
 /// A loaded drafter and how wide its rounds may be.
 #[derive(Clone, Debug)]
 pub struct DrafterConfig {
@@ -33,6 +36,32 @@ pub struct DrafterConfig {
     pub block_size: usize,
     /// The tokens drafts are scored over, with their LM head rows gathered once; `None`: the whole vocabulary.
     pub draft_vocab: Option<Arc<DraftVocab>>,
+    /// Pending-row buffers of ended lanes, for the next ones.
+    pending_buffers: Arc<PendingBuffers>,
+}
+
+/// Buffers of observed rows that ended lanes gave back. A new buffer's memory is mapped on first touch: copying a
+/// cached prompt's captured rows into one cost about 0.1 ms a page of 16 rows, more than the copy itself, so a
+/// step admitting 20 requests spent 17 ms planning (PERFORMANCE.md entry 100). A kept buffer is already mapped.
+#[derive(Debug, Default)]
+struct PendingBuffers(Mutex<Vec<Vec<f32>>>);
+
+impl PendingBuffers {
+    fn take(&self, capacity: usize) -> Vec<f32> {
+        let kept = self.0.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        kept.unwrap_or_else(|| Vec::with_capacity(capacity))
+    }
+
+    fn give_back(&self, mut buffer: Vec<f32>) {
+        if buffer.capacity() == 0 {
+            return;
+        }
+        buffer.clear();
+        let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if kept.len() < KEPT_PENDING_BUFFERS {
+            kept.push(buffer);
+        }
+    }
 }
 
 impl DrafterConfig {
@@ -47,7 +76,7 @@ impl DrafterConfig {
         draft_vocab: Option<Arc<DraftVocab>>,
     ) -> Result<Self, ModelError> {
         let block_size = model.clamp_block_size(block_size)?;
-        Ok(DrafterConfig { model, block_size, draft_vocab })
+        Ok(DrafterConfig { model, block_size, draft_vocab, pending_buffers: Arc::default() })
     }
 }
 
@@ -57,8 +86,10 @@ pub struct DflashProposer {
     /// The target, for the embedding table and LM head the drafter borrows.
     target: Arc<dyn TargetHeads>,
     ctx: DrafterContext,
-    /// Observed captured rows not yet in `ctx` (`[rows, taps · hidden]`), the first at `pending_first`.
+    /// Observed captured rows not yet in `ctx` (`[rows, taps · hidden]`), the first at `pending_first`; its buffer
+    /// comes from `pending_buffers` when the first rows arrive (a lane on a device target may never have any).
     pending: Vec<f32>,
+    pending_buffers: Arc<PendingBuffers>,
     pending_first: usize,
     /// Floats per captured row.
     row_width: usize,
@@ -80,9 +111,8 @@ impl DflashProposer {
         let row_width = cfg.model.captured_width();
         Ok(DflashProposer {
             ctx: cfg.model.new_context()?,
-            // Room for a flush's worth of rows at once: growing the buffer row by row copied it over and over
-            // (entry 81: a third of a step's host time at 64 requests went to observing captured rows).
-            pending: Vec::with_capacity(MAX_PENDING_ROWS * row_width),
+            pending: Vec::new(),
+            pending_buffers: Arc::clone(&cfg.pending_buffers),
             pending_first: 0,
             row_width,
             model: Arc::clone(&cfg.model),
@@ -100,6 +130,16 @@ impl DflashProposer {
         self.pending = Vec::new();
     }
 
+    /// Empties the pending rows once they are in the context. A device drafter's lane gives its buffer back at once:
+    /// only a cached prompt's rows pass through it (the step's rows stay on the device), so a few buffers, kept
+    /// mapped, serve every admission.
+    fn flushed(&mut self) {
+        self.pending.clear();
+        if self.model.on_device() {
+            self.pending_buffers.give_back(std::mem::take(&mut self.pending));
+        }
+    }
+
     fn pending_rows(&self) -> usize {
         self.pending.len() / self.row_width.max(1)
     }
@@ -110,7 +150,7 @@ impl DflashProposer {
             return;
         }
         let result = self.model.append_context(&mut self.ctx, self.pending_first, &self.pending);
-        self.pending.clear();
+        self.flushed();
         if let Err(e) = result {
             self.fail("context", &e);
         }
@@ -153,7 +193,7 @@ impl DflashProposer {
     pub fn propose_batch(lanes: &mut [(&mut DflashProposer, ProposeInput<'_>, usize)]) -> Vec<Proposal> {
         let mut proposals = vec![Proposal::default(); lanes.len()];
         let timing = tracing::enabled!(target: "dflash_draft_timing", tracing::Level::DEBUG).then(Instant::now);
-        Self::flush_together(lanes);
+        Self::flush_together(lanes.iter_mut().map(|(lane, _, _)| &mut **lane).collect());
         let flushed = timing.map(|t| t.elapsed());
         let mut blocks = Vec::new(); // (lane, anchor, width)
         for (i, (lane, input, max)) in lanes.iter_mut().enumerate() {
@@ -229,17 +269,12 @@ impl DflashProposer {
         proposals
     }
 
-    /// Flushes the pending rows of the lanes that share the first pending lane's drafter in one append (on a
-    /// device one set of launches for all of them, not one per lane). If the joint append fails, each lane
-    /// flushes alone, so only a lane whose own rows fail is broken; lanes of other drafters flush when they draft.
     /// Appends each lane's rows of this step where the target left them (`captured`: rows `rows` of the step's, the
     /// first at position `first`), after the rows the lane holds on the host; lanes sharing a drafter in one append.
     /// If that append fails each of its lanes appends alone, and a lane whose own append fails stops drafting (its
     /// request goes on decoding): one lane's failure never stops another's.
     pub fn observe_on_device(lanes: &mut [(&mut DflashProposer, usize, Range<usize>)], captured: &DeviceCaptured) {
-        for (lane, _, _) in lanes.iter_mut() {
-            lane.flush();
-        }
+        Self::flush_together(lanes.iter_mut().map(|(lane, _, _)| &mut **lane).collect());
         let mut done = vec![false; lanes.len()];
         for g in 0..lanes.len() {
             if done[g] || lanes[g].0.broken {
@@ -279,35 +314,45 @@ impl DflashProposer {
         }
     }
 
-    fn flush_together(lanes: &mut [(&mut DflashProposer, ProposeInput<'_>, usize)]) {
-        let waiting = |l: &DflashProposer| !l.pending.is_empty() && !l.broken;
-        let Some(model) = lanes.iter().find(|(l, _, _)| waiting(l)).map(|(l, _, _)| Arc::clone(&l.model)) else {
-            return;
-        };
-        let together = |l: &DflashProposer| waiting(l) && Arc::ptr_eq(&l.model, &model);
-        if lanes.iter().filter(|(l, _, _)| together(l)).count() < 2 {
-            return;
-        }
-        let result = {
-            let mut appends: Vec<ContextAppend<'_>> = lanes
-                .iter_mut()
-                .filter(|(l, _, _)| together(l))
-                .map(|(l, _, _)| {
-                    let DflashProposer { ctx, pending, pending_first, .. } = &mut **l;
-                    ContextAppend { ctx, first_position: *pending_first, captured: pending }
-                })
-                .collect();
-            model.append_contexts(&mut appends)
-        };
-        for (lane, _, _) in lanes.iter_mut().filter(|(l, _, _)| together(l)) {
-            match &result {
-                Ok(()) => lane.pending.clear(),
-                Err(_) => lane.flush(),
+    /// Flushes the pending rows of `lanes`, those sharing a drafter in one append (on a device one upload and one
+    /// set of launches for all of them, not one per lane: a step admitting 20 requests from cached pages appended
+    /// 20 times, entry 100). If a joint append fails, each of its lanes flushes alone, so only a lane whose own rows
+    /// fail is broken.
+    fn flush_together(mut lanes: Vec<&mut DflashProposer>) {
+        lanes.retain(|l| !l.pending.is_empty() && !l.broken);
+        while let Some(model) = lanes.first().map(|l| Arc::clone(&l.model)) {
+            let (mut group, rest): (Vec<_>, Vec<_>) = lanes.into_iter().partition(|l| Arc::ptr_eq(&l.model, &model));
+            lanes = rest;
+            if group.len() == 1 {
+                group[0].flush();
+                continue;
+            }
+            let result = {
+                let mut appends: Vec<ContextAppend<'_>> = group
+                    .iter_mut()
+                    .map(|l| {
+                        let DflashProposer { ctx, pending, pending_first, .. } = &mut **l;
+                        ContextAppend { ctx, first_position: *pending_first, captured: pending }
+                    })
+                    .collect();
+                model.append_contexts(&mut appends)
+            };
+            for lane in group {
+                match &result {
+                    Ok(()) => lane.flushed(),
+                    Err(_) => lane.flush(),
+                }
+            }
+            if let Err(e) = result {
+                tracing::warn!("a joint drafter context append failed ({e}); its lanes appended one at a time");
             }
         }
-        if let Err(e) = result {
-            tracing::warn!("a joint drafter context append failed ({e}); its lanes appended one at a time");
-        }
+    }
+}
+
+impl Drop for DflashProposer {
+    fn drop(&mut self) {
+        self.pending_buffers.give_back(std::mem::take(&mut self.pending));
     }
 }
 
@@ -359,6 +404,11 @@ impl Proposer for DflashProposer {
         if self.pending.is_empty() {
             self.pending_first = first_position;
         }
+        if self.pending.capacity() == 0 {
+            // Room for a flush's worth of rows at once: growing the buffer row by row copied it over and over
+            // (entry 81: a third of a step's host time at 64 requests went to observing captured rows).
+            self.pending = self.pending_buffers.take(MAX_PENDING_ROWS * self.row_width);
+        }
         self.pending.extend_from_slice(captured);
         if self.pending_rows() >= MAX_PENDING_ROWS {
             self.flush();
@@ -405,6 +455,23 @@ impl Draw for KeyedDraw {
 mod tests {
     use super::*;
     use crate::sampler::{SamplingParams, TokenHistory};
+
+    #[test]
+    fn pending_buffers_are_kept_mapped_for_the_next_lanes_up_to_a_bound() {
+        let pool = PendingBuffers::default();
+        let mut first = pool.take(1024);
+        first.extend_from_slice(&[1.0; 100]);
+        let at = first.as_ptr();
+        pool.give_back(first);
+        let again = pool.take(1024);
+        assert_eq!((again.as_ptr(), again.len(), again.capacity() >= 1024), (at, 0, true), "the same memory, empty");
+        pool.give_back(Vec::new());
+        assert!(pool.0.lock().expect("pool").is_empty(), "a buffer that never held rows is not kept");
+        for _ in 0..KEPT_PENDING_BUFFERS + 5 {
+            pool.give_back(Vec::with_capacity(8));
+        }
+        assert_eq!(pool.0.lock().expect("pool").len(), KEPT_PENDING_BUFFERS);
+    }
 
     fn softmax(logits: &[f32]) -> Vec<f32> {
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
