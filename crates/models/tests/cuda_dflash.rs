@@ -311,7 +311,8 @@ fn cuda_passes_replayed_from_graphs_give_the_eager_bits() {
     drop(fillers);
 }
 
-/// Contexts appended together (one projection of all their rows on the device) hold what one append each gives.
+/// Contexts appended together (one projection of all their rows on the device, in chunks that cross from one
+/// context's rows to the next's) hold what one append each gives.
 #[test]
 fn cuda_joint_appends_match_one_append_each() {
     let Some(dev) = cuda_device("cuda_dflash") else { return };
@@ -321,17 +322,21 @@ fn cuda_joint_appends_match_one_append_each() {
     let width = rows.len() / POSITIONS;
     let fresh = || gpu.new_context().expect("context");
     let (mut a, mut b, mut ja, mut jb) = (fresh(), fresh(), fresh(), fresh());
+    let (mut c, mut jc) = (fresh(), fresh());
     for ctx in [&mut b, &mut jb] {
         gpu.append_context(ctx, 0, &rows[..7 * width]).expect("b's first rows");
     }
     gpu.append_context(&mut a, 0, &rows).expect("a");
     gpu.append_context(&mut b, 5, &rows[5 * width..80 * width]).expect("b");
+    gpu.append_context(&mut c, 0, &rows).expect("c");
+    // 150 + 73 + 150 new rows: more than one chunk of 256, the first chunk ending inside c's rows.
     gpu.append_contexts(&mut [
         ContextAppend { ctx: &mut ja, first_position: 0, captured: &rows },
         ContextAppend { ctx: &mut jb, first_position: 5, captured: &rows[5 * width..80 * width] },
+        ContextAppend { ctx: &mut jc, first_position: 0, captured: &rows },
     ])
     .expect("joint append");
-    for (name, one, joint) in [("a", &mut a, &mut ja), ("b", &mut b, &mut jb)] {
+    for (name, one, joint) in [("a", &mut a, &mut ja), ("b", &mut b, &mut jb), ("c", &mut c, &mut jc)] {
         assert_eq!(joint.len(), one.len(), "{name}: length");
         let pass = |ctx: &mut DrafterContext| {
             let mut requests = [BlockRequest { ctx, anchor: 3, width: 8 }];

@@ -26,7 +26,7 @@ use crate::sampler::{gumbel, keyed_uniform, SamplingParams, STREAM_TARGET};
 pub const MAX_PENDING_ROWS: usize = 256;
 
 /// Pending-row buffers kept for the drafter's next lanes at most (up to [`MAX_PENDING_ROWS`] rows each).
-const KEPT_PENDING_BUFFERS: usize = 32;
+const KEPT_PENDING_BUFFERS: usize = 64;
 
 /// A loaded drafter and how wide its rounds may be.
 #[derive(Clone, Debug)]

@@ -221,17 +221,31 @@ impl CudaDrafter {
             positions.extend((start..start + rows.len() / width).map(|p| p as u32));
             slots.extend((start..start + rows.len() / width).map(|p| kv.slot(p)));
         }
-        let joined: Vec<f32>;
-        let rows = match parts {
-            [(_, rows)] => *rows,
-            _ => {
-                joined = parts.iter().flat_map(|(_, rows)| rows.iter().copied()).collect();
-                &joined
-            }
+        let send = |chunk: &[f32], first: usize| {
+            let at = first..first + chunk.len() / width;
+            self.append_chunk(model, ChunkRows::Host(chunk), &positions[at.clone()], &slots[at])
         };
-        for (i, chunk) in rows.chunks(APPEND_CHUNK * width).enumerate() {
-            let at = i * APPEND_CHUNK..i * APPEND_CHUNK + chunk.len() / width;
-            self.append_chunk(model, ChunkRows::Host(chunk), &positions[at.clone()], &slots[at])?;
+        if let [(_, rows)] = parts {
+            for (i, chunk) in rows.chunks(APPEND_CHUNK * width).enumerate() {
+                send(chunk, i * APPEND_CHUNK)?;
+            }
+            return Ok(());
+        }
+        // Several contexts' rows go up in chunks gathered in a kept buffer: joined in a fresh one, they page-faulted
+        // through tens of MB at a step admitting many requests from cached pages (PERFORMANCE.md entry 100).
+        let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        staging.clear();
+        let mut first = 0;
+        for row in parts.iter().flat_map(|(_, rows)| rows.chunks_exact(width)) {
+            staging.extend_from_slice(row);
+            if staging.len() == APPEND_CHUNK * width {
+                send(&staging, first)?;
+                first += APPEND_CHUNK;
+                staging.clear();
+            }
+        }
+        if !staging.is_empty() {
+            send(&staging, first)?;
         }
         Ok(())
     }

@@ -43,6 +43,8 @@ pub(crate) struct CudaDrafter {
     /// The pages of every context made for this drafter.
     pool: Arc<PagePool>,
     work: Mutex<forward::Workspace>,
+    /// Host rows of several contexts gathered for one upload, kept so their memory stays mapped.
+    staging: Mutex<Vec<f32>>,
     /// DFlash2's candidate selector, which walks greedy blocks on the device.
     selector: Option<DeviceSelector>,
 }
@@ -103,7 +105,7 @@ impl CudaDrafter {
             pool.bytes() >> 20
         );
         let work = Mutex::new(forward::Workspace::default());
-        Ok(CudaDrafter { dev, weights, head, rope, pool, work, selector })
+        Ok(CudaDrafter { dev, weights, head, rope, pool, work, staging: Mutex::default(), selector })
     }
 
     /// Whether `head` is the head this drafter scores with on the device.
