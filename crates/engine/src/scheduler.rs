@@ -47,6 +47,10 @@ pub struct SchedulerConfig {
     pub prompt_cut_alignment: usize,
 }
 
+/// Floats of cached captured rows the scheduler's gathering buffer keeps between admissions (64 MiB); a longer
+/// cached prompt's rows are gathered in a buffer of their own.
+const KEPT_SCRATCH_FLOATS: usize = 16 << 20;
+
 /// What the prefix cache did at admissions.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PrefixStats {
@@ -239,7 +243,9 @@ impl Scheduler {
                     self.captured_rows(&hit, &mut captured);
                 }
                 seq.resume_from_cache(hit.len(), page_size, &captured);
-                self.captured_scratch = captured;
+                if captured.capacity() <= KEPT_SCRATCH_FLOATS {
+                    self.captured_scratch = captured;
+                }
                 seq.prefix.restore = checkpoint;
                 self.record_lookup(&seq, hit.len() * page_size);
             }

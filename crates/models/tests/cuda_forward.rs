@@ -307,6 +307,27 @@ fn gpu_greedy(model: &CudaLlamaModel, cache: &mut CudaCache, prompt: &[u32], n: 
     out
 }
 
+/// One step over sequences `seqs_tokens` after `lens` computed tokens each: `step_rows` rows of each (tokens,
+/// positions, slots, and their `SeqRows` with prompts of `prompt_lens`).
+type StepOf<'a> = (Vec<u32>, Vec<u32>, Vec<u32>, Vec<SeqRows<'a>>);
+fn step_of<'a>(
+    seqs_tokens: &[Vec<u32>],
+    lens: &[usize],
+    step_rows: &[usize],
+    prompt_lens: &[usize],
+    tables: &'a [Vec<u32>],
+) -> StepOf<'a> {
+    let (mut tokens, mut positions, mut slots, mut seqs) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for i in 0..seqs_tokens.len() {
+        let (at, rows) = (lens[i], step_rows[i]);
+        tokens.extend_from_slice(&seqs_tokens[i][at..at + rows]);
+        positions.extend((at..at + rows).map(|p| p as u32));
+        slots.extend(slots_of(&tables[i], at, rows));
+        seqs.push(SeqRows { num_rows: rows, context_len: at, block_table: &tables[i], prompt_len: prompt_lens[i] });
+    }
+    (tokens, positions, slots, seqs)
+}
+
 #[test]
 fn batched_and_graph_steps_equal_solo_and_eager_ones() {
     let Some(dev) = device() else { return };
@@ -331,19 +352,7 @@ fn batched_and_graph_steps_equal_solo_and_eager_ones() {
         for i in 0..3 {
             run_one(&pair.gpu, &mut cache, &seqs_tokens[i][..lens[i]], lens[i], 0, prompt_lens[i], &tables[i]);
         }
-        let mut tokens = Vec::new();
-        let (mut positions, mut slots, mut seqs) = (Vec::new(), Vec::new(), Vec::new());
-        for i in 0..3 {
-            tokens.extend_from_slice(&seqs_tokens[i][lens[i]..lens[i] + step_rows[i]]);
-            positions.extend((lens[i]..lens[i] + step_rows[i]).map(|p| p as u32));
-            slots.extend(slots_of(&tables[i], lens[i], step_rows[i]));
-            seqs.push(SeqRows {
-                num_rows: step_rows[i],
-                context_len: lens[i],
-                block_table: &tables[i],
-                prompt_len: prompt_lens[i],
-            });
-        }
+        let (tokens, positions, slots, seqs) = step_of(&seqs_tokens, &lens, &step_rows, &prompt_lens, &tables);
         let rows: Vec<u32> = (0..tokens.len() as u32).collect();
         let batch =
             ForwardBatch { tokens: &tokens, positions: &positions, seqs: &seqs, slots: &slots, logit_rows: &rows };
@@ -389,20 +398,7 @@ fn steps_verifying_different_draft_counts_replay_graphs_with_solo_bits() {
             run_one(&pair.gpu, &mut cache, &seqs_tokens[i][..lens[i]], lens[i], 0, lens[i], &tables[i]);
         }
         let graphs_before = cache.graph_count();
-        let mut tokens = Vec::new();
-        let (mut positions, mut slots, mut seqs) = (Vec::new(), Vec::new(), Vec::new());
-        for i in 0..3 {
-            tokens.extend_from_slice(&seqs_tokens[i][lens[i]..lens[i] + step_rows[i]]);
-            positions.extend((lens[i]..lens[i] + step_rows[i]).map(|p| p as u32));
-            slots.extend(slots_of(&tables[i], lens[i], step_rows[i]));
-            let table = &tables[i];
-            seqs.push(SeqRows {
-                num_rows: step_rows[i],
-                context_len: lens[i],
-                block_table: table,
-                prompt_len: lens[i],
-            });
-        }
+        let (tokens, positions, slots, seqs) = step_of(&seqs_tokens, &lens, &step_rows, &lens, &tables);
         let rows: Vec<u32> = (0..tokens.len() as u32).collect();
         let batch =
             ForwardBatch { tokens: &tokens, positions: &positions, seqs: &seqs, slots: &slots, logit_rows: &rows };

@@ -43,21 +43,29 @@ pub struct DrafterConfig {
 /// Buffers of observed rows that ended lanes gave back. A new buffer's memory is mapped on first touch: copying a
 /// cached prompt's captured rows into one cost about 0.1 ms a page of 16 rows, more than the copy itself, so a
 /// step admitting 20 requests spent 17 ms planning (PERFORMANCE.md entry 100). A kept buffer is already mapped.
-#[derive(Debug, Default)]
-struct PendingBuffers(Mutex<Vec<Vec<f32>>>);
+#[derive(Debug)]
+struct PendingBuffers {
+    kept: Mutex<Vec<Vec<f32>>>,
+    /// Floats of [`MAX_PENDING_ROWS`] rows: a buffer that grew past it (a long cached prompt's rows) is not kept.
+    capacity: usize,
+}
 
 impl PendingBuffers {
-    fn take(&self, capacity: usize) -> Vec<f32> {
-        let kept = self.0.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        kept.unwrap_or_else(|| Vec::with_capacity(capacity))
+    fn new(capacity: usize) -> Self {
+        PendingBuffers { kept: Mutex::default(), capacity }
+    }
+
+    fn take(&self) -> Vec<f32> {
+        let kept = self.kept.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        kept.unwrap_or_else(|| Vec::with_capacity(self.capacity))
     }
 
     fn give_back(&self, mut buffer: Vec<f32>) {
-        if buffer.capacity() == 0 {
+        if buffer.capacity() == 0 || buffer.capacity() > self.capacity {
             return;
         }
         buffer.clear();
-        let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
         if kept.len() < KEPT_PENDING_BUFFERS {
             kept.push(buffer);
         }
@@ -76,7 +84,8 @@ impl DrafterConfig {
         draft_vocab: Option<Arc<DraftVocab>>,
     ) -> Result<Self, ModelError> {
         let block_size = model.clamp_block_size(block_size)?;
-        Ok(DrafterConfig { model, block_size, draft_vocab, pending_buffers: Arc::default() })
+        let pending_buffers = Arc::new(PendingBuffers::new(MAX_PENDING_ROWS * model.captured_width()));
+        Ok(DrafterConfig { model, block_size, draft_vocab, pending_buffers })
     }
 }
 
@@ -400,6 +409,9 @@ impl Proposer for DflashProposer {
         // context sees them exactly as it would have one call at a time.
         if !self.pending.is_empty() && first_position != self.pending_first + self.pending_rows() {
             self.flush();
+            if self.broken {
+                return;
+            }
         }
         if self.pending.is_empty() {
             self.pending_first = first_position;
@@ -407,7 +419,7 @@ impl Proposer for DflashProposer {
         if self.pending.capacity() == 0 {
             // Room for a flush's worth of rows at once: growing the buffer row by row copied it over and over
             // (entry 81: a third of a step's host time at 64 requests went to observing captured rows).
-            self.pending = self.pending_buffers.take(MAX_PENDING_ROWS * self.row_width);
+            self.pending = self.pending_buffers.take();
         }
         self.pending.extend_from_slice(captured);
         if self.pending_rows() >= MAX_PENDING_ROWS {
@@ -458,19 +470,22 @@ mod tests {
 
     #[test]
     fn pending_buffers_are_kept_mapped_for_the_next_lanes_up_to_a_bound() {
-        let pool = PendingBuffers::default();
-        let mut first = pool.take(1024);
+        let pool = PendingBuffers::new(1024);
+        let kept = |pool: &PendingBuffers| pool.kept.lock().expect("pool").len();
+        let mut first = pool.take();
         first.extend_from_slice(&[1.0; 100]);
         let at = first.as_ptr();
         pool.give_back(first);
-        let again = pool.take(1024);
+        let again = pool.take();
         assert_eq!((again.as_ptr(), again.len(), again.capacity() >= 1024), (at, 0, true), "the same memory, empty");
         pool.give_back(Vec::new());
-        assert!(pool.0.lock().expect("pool").is_empty(), "a buffer that never held rows is not kept");
+        assert_eq!(kept(&pool), 0, "a buffer that never held rows is not kept");
+        pool.give_back(vec![0.0; 2048]);
+        assert_eq!(kept(&pool), 0, "nor one that grew past a flush's worth of rows");
         for _ in 0..KEPT_PENDING_BUFFERS + 5 {
             pool.give_back(Vec::with_capacity(8));
         }
-        assert_eq!(pool.0.lock().expect("pool").len(), KEPT_PENDING_BUFFERS);
+        assert_eq!(kept(&pool), KEPT_PENDING_BUFFERS);
     }
 
     fn softmax(logits: &[f32]) -> Vec<f32> {
