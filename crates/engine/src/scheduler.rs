@@ -238,10 +238,10 @@ impl Scheduler {
             let Some(mut seq) = self.waiting.pop_front() else { break };
             if seq.uses_prefix_cache() && self.pages.prefix_cache().enabled() {
                 self.pages.share(&mut seq.block_table, &hit);
+                // Rows only for a lane that reads them; none (not the last admission's) for any other.
                 let mut captured = std::mem::take(&mut self.captured_scratch);
-                if seq.observes_target() {
-                    self.captured_rows(&hit, &mut captured);
-                }
+                let observed: &[u32] = if seq.observes_target() { &hit } else { &[] };
+                self.captured_rows(observed, &mut captured);
                 seq.resume_from_cache(hit.len(), page_size, &captured);
                 if captured.capacity() <= KEPT_SCRATCH_FLOATS {
                     self.captured_scratch = captured;
