@@ -34,6 +34,20 @@ extern "C" __global__ void copy_columns(const float* __restrict__ src, float* __
     }
 }
 
+// dst[slots[r], :] = src[r, :] for src [rows, width] and dst [dst_rows, width]: a step's captured rows written to
+// their positions' cache slots. A slot past dst_rows is skipped. One block per row.
+// Memory floor: read and write rows * width * 4 bytes.
+extern "C" __global__ void scatter_rows(const float* __restrict__ src, const u32* __restrict__ slots,
+                                        float* __restrict__ dst, u32 width, u32 dst_rows) {
+    DF_GRID_DEPENDENCY();
+    const u64 r = blockIdx.x;
+    const u32 slot = slots[r];
+    if (slot >= dst_rows) return;
+    const float* from = src + r * width;
+    float* to = dst + (u64)slot * width;
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x) to[i] = from[i];
+}
+
 // A 64-bit mix (splitmix64's finaliser) of the seed and an element index: a counter-based generator, so
 // any element's value is known without running the others.
 __device__ __forceinline__ u64 mix64(u64 z) {

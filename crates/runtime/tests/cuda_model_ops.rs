@@ -621,6 +621,18 @@ fn gathered_final_norm_and_capture_copy_match_cpu() {
         want[r * dst_ld + col..][..width].copy_from_slice(&x[r * h..][..h]);
     }
     check("copy_columns", "9x576 into 9x1735 at 579", bit_mismatches(&got, &want), 0.0);
+
+    // Rows to cache slots, one slot past the pool's rows (skipped), the others in any order.
+    let pool_rows = 40;
+    let slots: Vec<u32> = vec![17, 3, 39, 0, pool_rows as u32, 22, 8, 31, 5];
+    let pool = poisoned(dev, pool_rows * h);
+    gpu::scatter_rows(dev, &x_dev, &dev.upload(&slots).expect("slots"), &pool, h).expect("scatter");
+    let got = dev.download(&pool).expect("download");
+    let mut want = vec![f32::NAN; pool_rows * h];
+    for (r, &slot) in slots.iter().enumerate().filter(|(_, &s)| (s as usize) < pool_rows) {
+        want[slot as usize * h..][..h].copy_from_slice(&x[r * h..][..h]);
+    }
+    check("scatter_rows", "9x576 into 40 slots", bit_mismatches(&got, &want), 0.0);
 }
 
 #[test]

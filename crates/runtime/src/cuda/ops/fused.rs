@@ -502,6 +502,40 @@ pub fn copy_columns<'a>(
     Ok(())
 }
 
+/// `dst[slots[r], :] = src[r, :]` for `src` `[rows, width]` (`slots`: `[rows]`) and `dst` `[dst rows, width]`:
+/// a step's captured rows written to their positions' cache slots. A slot past `dst`'s rows is skipped.
+///
+/// # Errors
+/// Lengths that do not form these shapes; a launch failure.
+pub fn scatter_rows<'a>(
+    dev: &CudaDevice,
+    src: impl DevArg<'a, f32>,
+    slots: impl DevArg<'a, u32>,
+    dst: impl DevArg<'a, f32>,
+    width: usize,
+) -> Result<()> {
+    let (src, slots, dst) = (src.dev(), slots.dev(), dst.dev());
+    if width == 0 || src.len() != slots.len() * width || !dst.len().is_multiple_of(width) {
+        return Err(shape_err(format!(
+            "scatter_rows: src {} for {} slots of width {width} into {}",
+            src.len(),
+            slots.len(),
+            dst.len()
+        )));
+    }
+    if slots.is_empty() {
+        return Ok(());
+    }
+    let (grid, width, dst_rows) =
+        (dim(slots.len(), "rows")?, dim(width, "width")?, dim(dst.len() / width, "dst rows")?);
+    let mut launch = dev.launch_builder(&dev.kernels.scatter_rows);
+    launch.arg(src.arg()).arg(slots.arg()).arg(dst.arg()).arg(&width).arg(&dst_rows);
+    // SAFETY: the arguments match the kernel's signature; the shapes were checked and the kernel skips slots past
+    // dst's rows.
+    unsafe { launch.launch(launch_cfg((grid, 1, 1), ROW_BLOCK)) }.map_err(launch_err("scatter_rows"))?;
+    Ok(())
+}
+
 /// Blocks of a grid-stride fill over `n` elements.
 fn fill_grid(n: usize) -> Result<u32> {
     dim(n.div_ceil(ROW_BLOCK as usize).clamp(1, 1 << 15), "blocks")
