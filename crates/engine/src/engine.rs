@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use dflash_models::tokenizer::Tokenizer;
-use dflash_models::{KvCache, ResumeState, Target};
+use dflash_models::{DeviceCaptured, KvCache, ResumeState, Target};
 
 mod draws;
 mod overlap;
@@ -88,6 +88,9 @@ pub struct Engine {
     next_key: u64,
     /// Time this step spent committing tokens (detokenizing, stop strings, events), for the step profile.
     emit_time: std::time::Duration,
+    /// The target's pages of captured rows, when the drafter reads them there: its lanes catch up from them before
+    /// they draft ([`Engine::catch_up_from_pages`]) instead of taking every step's rows.
+    captured_pages: Option<DeviceCaptured>,
 }
 
 impl Engine {
@@ -162,7 +165,17 @@ impl Engine {
                 target.device()
             )));
         }
-        let capture_width = target.capture_width();
+        // A drafter on the target's device reads its lanes' rows from the target's pages when they draft (entry
+        // 101): no step hands rows to the lanes, and no prompt's rows are cached on the host.
+        let mut drafter = cfg.drafter;
+        let captured_pages = drafter
+            .as_ref()
+            .and_then(|d| target.captured_pages().filter(|pages| d.model.takes_device_rows(pages)))
+            .filter(|_| !dflash_runtime::switches::switches().no_capture_pages);
+        if let Some(d) = drafter.as_mut() {
+            d.reads_pages = captured_pages.is_some();
+        }
+        let capture_width = if captured_pages.is_some() { 0 } else { target.capture_width() };
         let stride = checkpoint_stride(target.as_ref(), cfg.page_size, cfg.state_checkpoint_stride);
         let budget = PrefixBudget::plan(cfg.prefix_cache_pages, target.as_ref(), cfg.page_size, stride);
         let sched_cfg = SchedulerConfig {
@@ -183,15 +196,16 @@ impl Engine {
             metrics,
             context_window: cfg.context_window,
             eos_ids: cfg.eos_ids,
-            round_costs: SharedCosts::new(CostTable::new(widest_round(&cfg.spec, cfg.drafter.as_ref()))),
+            round_costs: SharedCosts::new(CostTable::new(widest_round(&cfg.spec, drafter.as_ref()))),
             costs_probed: false,
             step_gate: StepGate::default(),
             spec: cfg.spec,
-            drafter: cfg.drafter,
+            drafter,
             mtp: None,
             device_draws: false,
             next_key: 0,
             emit_time: std::time::Duration::ZERO,
+            captured_pages,
         };
         engine.publish_gauges();
         Ok(engine)
@@ -233,6 +247,14 @@ impl Engine {
         let widest = self.round_costs.lock().widest_round().max(mtp.depth.max() + 1);
         self.round_costs = SharedCosts::new(CostTable::new(widest));
         self.mtp = Some(mtp);
+        // The head reads its rows on the host, cached prompts' included; the block drafter then takes its rows as
+        // steps run too, rather than from the target's pages.
+        if self.captured_pages.take().is_some() {
+            if let Some(d) = self.drafter.as_mut() {
+                d.reads_pages = false;
+            }
+            self.sched.keep_captures_of_width(self.target.capture_width());
+        }
         Ok(self)
     }
 

@@ -328,6 +328,12 @@ impl Scheduler {
         }
     }
 
+    /// Keeps prompts' captured rows of `width` floats with their cached pages from now on (0: none), for lanes that
+    /// read them on the host.
+    pub fn keep_captures_of_width(&mut self, width: usize) {
+        self.cfg.capture_width = width;
+    }
+
     /// Whether `running[i]`'s prompt rows' captured states are kept to be cached with their pages
     /// ([`Scheduler::keep_capture`]).
     pub fn keeps_captures(&self, i: usize) -> bool {

@@ -244,6 +244,18 @@ impl Sequence {
         Some((drafter, ProposeInput { tokens: &self.tokens, sampling: &self.request.sampling }))
     }
 
+    /// The lane's block drafter, when it reads the target's pages, with the cache slots of the computed positions
+    /// its context lacks (`page · page_size + offset` for positions `from ..` computed, `from` the context's
+    /// length), for [`DflashProposer::observe_on_device`]; `None` when it lacks none.
+    pub fn rows_to_catch_up(&mut self, page_size: usize) -> Option<(&mut DflashProposer, usize, Vec<u32>)> {
+        let (table, computed) = (&self.block_table, self.computed);
+        let drafter = self.lane.as_mut()?.proposer.block_drafter().filter(|d| d.reads_pages())?;
+        let from = drafter.context_len();
+        let slot = |p: usize| table.get(p / page_size).map(|&page| page * page_size as u32 + (p % page_size) as u32);
+        let slots: Option<Vec<u32>> = (from..computed).map(slot).collect();
+        Some((drafter, from, slots.filter(|s| !s.is_empty())?))
+    }
+
     /// Ends a round [`Self::prepare_drafts`] planned for the shared pass without drafting it: the step's gate kept
     /// the pass from running, and the round is plain.
     pub fn skip_shared_round(&mut self) {

@@ -106,6 +106,14 @@ pub trait Target: Send {
         false
     }
 
+    /// Every cached position's captured rows where the target's device keeps them, each at its slot
+    /// (`page · page_size + offset`), valid while the position's K/V is: a drafter on that device reads a
+    /// sequence's rows from here when it needs them, so no step hands its rows to the lanes and no prompt's rows
+    /// cross to the host to be cached with its pages. `None` by default.
+    fn captured_pages(&self) -> Option<crate::DeviceCaptured> {
+        None
+    }
+
     /// The host copies of the embedding, LM head and final norm that drafters (block drafters, MTP heads) read,
     /// when the target keeps them ([`crate::TargetOptions::host_heads`]; a CPU target always has them).
     fn host_heads(&self) -> Option<Arc<dyn TargetHeads>>;

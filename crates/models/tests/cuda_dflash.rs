@@ -348,8 +348,8 @@ fn cuda_joint_appends_match_one_append_each() {
 }
 
 /// Rows a target left on the device (`DeviceCaptured`) appended where they are give the contexts the host's rows give:
-/// the same passes after the same appends, alone and jointly, rows a context already holds skipped; rows of another
-/// width, past the step's, or for a drafter on the host are refused.
+/// the same passes after the same appends, alone and jointly, rows a context already holds skipped, and rows gathered
+/// from cache slots out of order; rows of another width, past the step's, or for a drafter on the host are refused.
 #[test]
 fn cuda_appends_from_device_rows_match_host_appends() {
     let Some(dev) = cuda_device("cuda_dflash") else { return };
@@ -366,21 +366,41 @@ fn cuda_appends_from_device_rows_match_host_appends() {
     }
     gpu.append_context(&mut a, 0, &rows[..40 * width]).expect("a");
     gpu.append_context(&mut b, 5, &rows[5 * width..80 * width]).expect("b");
-    gpu.append_contexts_device(&mut [DeviceAppend { ctx: &mut da, first_position: 0, rows: 0..40 }], &step)
+    gpu.append_contexts_device(&mut [DeviceAppend { ctx: &mut da, first_position: 0, rows: ids(0..40) }], &step)
         .expect("a from the device");
-    gpu.append_contexts_device(&mut [DeviceAppend { ctx: &mut db, first_position: 5, rows: 5..80 }], &step)
+    gpu.append_contexts_device(&mut [DeviceAppend { ctx: &mut db, first_position: 5, rows: ids(5..80) }], &step)
         .expect("b from the device, its first rows skipped");
     gpu.append_context(&mut a, 40, &rows[40 * width..41 * width]).expect("a's next row");
     gpu.append_context(&mut b, 80, &rows[80 * width..83 * width]).expect("b's next rows");
     gpu.append_contexts_device(
         &mut [
-            DeviceAppend { ctx: &mut da, first_position: 40, rows: 40..41 },
-            DeviceAppend { ctx: &mut db, first_position: 80, rows: 80..83 },
+            DeviceAppend { ctx: &mut da, first_position: 40, rows: ids(40..41) },
+            DeviceAppend { ctx: &mut db, first_position: 80, rows: ids(80..83) },
         ],
         &step,
     )
     .expect("joint append from the device");
-    for (name, host, device) in [("a", &mut a, &mut da), ("b", &mut b, &mut db)] {
+    // b's rows from a pool of cache slots (pages of 16 positions, in reverse order, a spare slot row between):
+    // gathered by slot, in two appends.
+    let slot = |p: usize| ((POSITIONS.div_ceil(16) - 1 - p / 16) * 16 + p % 16) as u32;
+    let mut pool = vec![f32::NAN; (POSITIONS.div_ceil(16) * 16 + 1) * width];
+    for p in 0..POSITIONS {
+        pool[slot(p) as usize * width..][..width].copy_from_slice(&rows[p * width..][..width]);
+    }
+    let pool_rows = pool.len() / width;
+    let pages = DeviceCaptured::new(Arc::clone(&dev), Arc::new(dev.upload(&pool).expect("pool")), pool_rows, width);
+    let mut dp = fresh();
+    for span in [0..29, 29..83] {
+        let first_position = span.start;
+        let rows = span.map(slot).collect();
+        gpu.append_contexts_device(&mut [DeviceAppend { ctx: &mut dp, first_position, rows }], &pages)
+            .expect("b from the pages");
+    }
+    let mut b_again = fresh();
+    gpu.append_context(&mut b_again, 0, &rows[..83 * width]).expect("b again");
+    for (name, host, device) in
+        [("a", &mut a, &mut da), ("b", &mut b, &mut db), ("b from pages", &mut b_again, &mut dp)]
+    {
         assert_eq!(device.len(), host.len(), "{name}: length");
         let pass = |ctx: &mut DrafterContext| {
             let mut requests = [BlockRequest { ctx, anchor: 3, width: 8 }];
@@ -392,16 +412,22 @@ fn cuda_appends_from_device_rows_match_host_appends() {
     let narrow =
         DeviceCaptured::new(Arc::clone(&dev), Arc::new(dev.upload(&rows).expect("rows")), POSITIONS, width / 2);
     let mut c = fresh();
-    let refused = |c: &mut DrafterContext, captured: &DeviceCaptured, rows| {
+    let refused = |c: &mut DrafterContext, captured: &DeviceCaptured, rows: std::ops::Range<usize>| {
+        let rows = ids(rows);
         gpu.append_contexts_device(&mut [DeviceAppend { ctx: c, first_position: 0, rows }], captured).is_err()
     };
     assert!(refused(&mut c, &narrow, 0..4), "rows of another width");
     assert!(refused(&mut c, &step, POSITIONS - 1..POSITIONS + 1), "rows past the step's");
     assert!(!refused(&mut c, &step, 0..0) && c.is_empty(), "nothing to append");
     let mut host_ctx = cpu.new_context().expect("host context");
-    let host_refused =
-        cpu.append_contexts_device(&mut [DeviceAppend { ctx: &mut host_ctx, first_position: 0, rows: 0..4 }], &step);
+    let host_refused = cpu
+        .append_contexts_device(&mut [DeviceAppend { ctx: &mut host_ctx, first_position: 0, rows: ids(0..4) }], &step);
     assert!(host_refused.is_err(), "a drafter on the host");
+}
+
+/// Indices of captured rows.
+fn ids(rows: std::ops::Range<usize>) -> Vec<u32> {
+    rows.map(|r| r as u32).collect()
 }
 
 /// A drafter with sliding-window layers is named, and refused by the CUDA passes rather than run wrong; the server's

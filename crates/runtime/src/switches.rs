@@ -54,6 +54,10 @@ pub struct Switches {
     pub no_overlap_streams: bool,
     /// `DFLASH_STEP_GATE=0`: every step runs the drafter pass its lanes planned, whatever the step gate measured.
     pub no_step_gate: bool,
+    /// `DFLASH_CAPTURE_PAGES=0`: a drafter on the target's device takes every step's captured rows as they come,
+    /// and a cached prompt's rows from the host, as before it read them from the target's pages when it drafts
+    /// (entry 101).
+    pub no_capture_pages: bool,
     /// `DFLASH_DRAFT_SUMMARY=0`: a drafter pass on a device copies every draft logit back, as before passes
     /// summarised each slot there.
     pub no_draft_summary: bool,
@@ -90,6 +94,7 @@ impl Switches {
             no_mixed_graphs: is("DFLASH_MIXED_GRAPHS", "0"),
             no_overlap_streams: is("DFLASH_OVERLAP_STREAMS", "0"),
             no_step_gate: is("DFLASH_STEP_GATE", "0"),
+            no_capture_pages: is("DFLASH_CAPTURE_PAGES", "0"),
             no_draft_summary: is("DFLASH_DRAFT_SUMMARY", "0"),
             no_draft_graph: is("DFLASH_DRAFT_GRAPH", "0"),
             kernel_timeline: is("DFLASH_KERNEL_TIMELINE", "1"),
@@ -133,6 +138,7 @@ mod tests {
             ("DFLASH_MIXED_GRAPHS", "0"),
             ("DFLASH_OVERLAP_STREAMS", "0"),
             ("DFLASH_STEP_GATE", "0"),
+            ("DFLASH_CAPTURE_PAGES", "0"),
             ("DFLASH_DRAFT_SUMMARY", "0"),
             ("DFLASH_DRAFT_GRAPH", "0"),
             ("DFLASH_KERNEL_TIMELINE", "1"),
@@ -157,6 +163,7 @@ mod tests {
             no_mixed_graphs: true,
             no_overlap_streams: true,
             no_step_gate: true,
+            no_capture_pages: true,
             no_draft_summary: true,
             no_draft_graph: true,
             kernel_timeline: true,

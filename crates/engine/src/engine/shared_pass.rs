@@ -79,6 +79,7 @@ impl Engine {
             return;
         }
         let started = Instant::now();
+        self.catch_up_from_pages(planned);
         let mut members = Vec::with_capacity(planned.len());
         let proposals = {
             let mut lanes = Vec::with_capacity(planned.len());
@@ -103,6 +104,23 @@ impl Engine {
             }
             Err(_) => members.iter().for_each(|&(i, _)| self.sched.running[i].drop_lane("drafting in a shared pass")),
         }
+    }
+}
+
+impl Engine {
+    /// Brings the drafter contexts of the lanes drafting `planned` up to their sequences' cached positions from the
+    /// target's pages, when the drafter reads them there (entry 101): the rows of every step since each lane last
+    /// drafted, or of its whole prompt, in one append per drafter.
+    fn catch_up_from_pages(&mut self, planned: &[(usize, usize)]) {
+        let Some(pages) = &self.captured_pages else { return };
+        let mut wanted = planned.iter().peekable();
+        let mut lanes = Vec::with_capacity(planned.len());
+        for (i, seq) in self.sched.running.iter_mut().enumerate() {
+            if wanted.next_if(|&&(j, _)| j == i).is_some() {
+                lanes.extend(seq.rows_to_catch_up(self.page_size));
+            }
+        }
+        DflashProposer::observe_on_device(&mut lanes, pages);
     }
 }
 

@@ -402,14 +402,14 @@ impl Engine {
         for (i, start, rows) in device_rows {
             wanted[*i] = Some((*start, rows.clone()));
         }
-        let mut lanes: Vec<(&mut DflashProposer, usize, Range<usize>)> = self
+        let mut lanes: Vec<(&mut DflashProposer, usize, Vec<u32>)> = self
             .sched
             .running
             .iter_mut()
             .zip(wanted)
             .filter_map(|(seq, want)| {
                 let (start, rows) = want?;
-                Some((seq.lane.as_mut()?.proposer.block_drafter()?, start, rows))
+                Some((seq.lane.as_mut()?.proposer.block_drafter()?, start, rows.map(|r| r as u32).collect()))
             })
             .collect();
         DflashProposer::observe_on_device(&mut lanes, captured);

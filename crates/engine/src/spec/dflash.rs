@@ -8,7 +8,6 @@
 //! A draft vocabulary ([`DraftVocab`]) narrows what can be drafted, never what is committed.
 //! Design notes: docs/ENGINE.md, "DFlash lane".
 
-use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -38,6 +37,9 @@ pub struct DrafterConfig {
     pub draft_vocab: Option<Arc<DraftVocab>>,
     /// Pending-row buffers of ended lanes, for the next ones.
     pending_buffers: Arc<PendingBuffers>,
+    /// Whether lanes read their rows from the target's pages when they draft ([`DflashProposer::catch_up`]) rather
+    /// than take each step's rows as they come; set by the engine when its target keeps them there.
+    pub(crate) reads_pages: bool,
 }
 
 /// Buffers of observed rows that ended lanes gave back. A new buffer's memory is mapped on first touch: copying a
@@ -85,7 +87,7 @@ impl DrafterConfig {
     ) -> Result<Self, ModelError> {
         let block_size = model.clamp_block_size(block_size)?;
         let pending_buffers = Arc::new(PendingBuffers::new(MAX_PENDING_ROWS * model.captured_width()));
-        Ok(DrafterConfig { model, block_size, draft_vocab, pending_buffers })
+        Ok(DrafterConfig { model, block_size, draft_vocab, pending_buffers, reads_pages: false })
     }
 }
 
@@ -107,6 +109,9 @@ pub struct DflashProposer {
     kind: LaneKind,
     /// Set after a drafter error: the lane stops drafting (the request goes on, plain).
     broken: bool,
+    /// Whether the context catches up from the target's pages before the lane drafts
+    /// ([`DrafterConfig::reads_pages`]) instead of observing the steps' rows.
+    reads_pages: bool,
 }
 
 impl DflashProposer {
@@ -130,7 +135,19 @@ impl DflashProposer {
             draft_vocab: cfg.draft_vocab.clone(),
             kind,
             broken: false,
+            reads_pages: cfg.reads_pages,
         })
+    }
+
+    /// Whether the lane reads its rows from the target's pages ([`DrafterConfig::reads_pages`]).
+    pub fn reads_pages(&self) -> bool {
+        self.reads_pages
+    }
+
+    /// Positions the drafter's context holds (`0 ..` this): a lane that reads the target's pages catches up from
+    /// here.
+    pub fn context_len(&self) -> usize {
+        self.ctx.len()
     }
 
     fn fail(&mut self, what: &str, e: &ModelError) {
@@ -278,11 +295,12 @@ impl DflashProposer {
         proposals
     }
 
-    /// Appends each lane's rows of this step where the target left them (`captured`: rows `rows` of the step's, the
-    /// first at position `first`), after the rows the lane holds on the host; lanes sharing a drafter in one append.
+    /// Appends each lane's rows where the target left them on the device (`captured`: its rows at indices `rows`,
+    /// the first at position `first`; a step's rows, or the cache slots of the lane's positions when it catches up
+    /// from the target's pages), after the rows the lane holds on the host; lanes sharing a drafter in one append.
     /// If that append fails each of its lanes appends alone, and a lane whose own append fails stops drafting (its
     /// request goes on decoding): one lane's failure never stops another's.
-    pub fn observe_on_device(lanes: &mut [(&mut DflashProposer, usize, Range<usize>)], captured: &DeviceCaptured) {
+    pub fn observe_on_device(lanes: &mut [(&mut DflashProposer, usize, Vec<u32>)], captured: &DeviceCaptured) {
         Self::flush_together(lanes.iter_mut().map(|(lane, _, _)| &mut **lane).collect());
         let mut done = vec![false; lanes.len()];
         for g in 0..lanes.len() {
@@ -393,7 +411,8 @@ impl Proposer for DflashProposer {
     }
 
     fn observes_target(&self) -> bool {
-        true
+        // A lane reading the target's pages takes no rows as steps run; it catches up before it drafts.
+        !self.reads_pages
     }
 
     fn observes_on_device(&self) -> bool {

@@ -172,6 +172,9 @@ pub(crate) struct WorkspaceShape {
     pub vocab: usize,
     /// Captured values per row (taps · hidden, or what a stream target's taps read).
     pub capture_width: usize,
+    /// Whether the family's steps also write every row's captured values to its cache slot
+    /// ([`CudaCache::captured_pages`]).
+    pub capture_pages: bool,
     /// Hyper-connection streams per token (0: a plain residual).
     pub residual_streams: usize,
     pub num_heads: usize,
@@ -199,6 +202,10 @@ pub struct CudaCache<X = ()> {
     /// Floats of one layer's K (or V).
     pub(crate) layer_len: usize,
     pub(crate) ws: Workspace,
+    /// Every cached position's captured values at its slot (`[(pages + 1) · page_size, capture width]`), when the
+    /// family writes them there and captures any: a drafter on the device reads a sequence's rows from here when
+    /// it catches up, so a step hands its rows to no one, and a prompt's cached pages keep theirs on the device.
+    pub(crate) captured_pages: Option<Arc<DeviceBuf<f32>>>,
     pub(crate) graphs: HashMap<GraphKey, StepGraph>,
     /// Host staging of the inputs, reused every step.
     pub(crate) host_inputs: Vec<u32>,
@@ -271,6 +278,10 @@ impl<X> CudaCache<X> {
             ws.kv_bf16 = dev.alloc_zeros(2 * layer_len)?;
         }
         let kv_layers = shape.kv_layers.max(1);
+        let captured_pages = match capture_page_width(shape) {
+            0 => None,
+            width => Some(Arc::new(dev.alloc_zeros((cfg.num_pages + 1) * cfg.page_size * width)?)),
+        };
         Ok(CudaCache {
             cfg,
             model_id,
@@ -278,6 +289,7 @@ impl<X> CudaCache<X> {
             v: dev.alloc_zeros(kv_layers * layer_len)?,
             layer_len,
             ws,
+            captured_pages,
             graphs: HashMap::new(),
             host_inputs: Vec::with_capacity(inputs),
             extra,
@@ -293,9 +305,9 @@ impl<X> CudaCache<X> {
         self.graphs.len()
     }
 
-    /// Device bytes of the K and V pages.
+    /// Device bytes of the K and V pages (and of the captured values kept with them).
     pub fn kv_bytes(&self) -> usize {
-        4 * (self.k.len() + self.v.len())
+        4 * (self.k.len() + self.v.len() + self.captured_pages.as_ref().map_or(0, |p| p.len()))
     }
 
     /// Whether the next steps copy their captured rows back to the host (they stay on the device either way).
@@ -304,14 +316,25 @@ impl<X> CudaCache<X> {
     }
 }
 
+/// Captured values a page slot keeps (0: none kept in the pages).
+fn capture_page_width(shape: &WorkspaceShape) -> usize {
+    if shape.capture_pages {
+        shape.capture_width
+    } else {
+        0
+    }
+}
+
 /// `cfg` with its pages set from the device's free memory when it asks for that (the KV pages come last, after
 /// every other buffer): each page costs its K and V in f32 over the layers that keep K/V, plus the bf16 copy of one
-/// layer's K and V the tensor-core prompt attention reads; one page more is kept for padded graph rows.
+/// layer's K and V the tensor-core prompt attention reads and the captured values kept in the pages; one page more
+/// is kept for padded graph rows.
 fn fit_pages(dev: &CudaDevice, mut cfg: CudaCacheConfig, shape: &WorkspaceShape) -> Result<CudaCacheConfig> {
     let Some(fraction) = cfg.fit_free_memory else { return Ok(cfg) };
     let page_elems = cfg.page_size * shape.kv_heads * shape.head_dim;
     let bf16_copy = if shape.tile_rows.tensor_core_prompt { 2 * 2 * page_elems } else { 0 };
-    let page_bytes = 2 * 4 * page_elems * shape.kv_layers.max(1) + bf16_copy;
+    let captured = 4 * cfg.page_size * capture_page_width(shape);
+    let page_bytes = 2 * 4 * page_elems * shape.kv_layers.max(1) + bf16_copy + captured;
     let budget = (dev.free_memory()? as f64 * fraction.clamp(0.0, 1.0)) as usize;
     cfg.num_pages = (budget / page_bytes.max(1)).saturating_sub(1);
     if cfg.num_pages == 0 {

@@ -37,12 +37,13 @@ pub struct ContextAppend<'a> {
     pub captured: &'a [f32],
 }
 
-/// [`ContextAppend`] of rows a target left on the drafter's device ([`crate::DeviceCaptured`]): rows `rows` of the
-/// step's captured rows, the first at `first_position`.
+/// [`ContextAppend`] of rows a target left on the drafter's device ([`crate::DeviceCaptured`]): the rows of
+/// `captured` at indices `rows` (a step's rows, or the cache slots of a sequence's positions), the first at
+/// `first_position`.
 pub struct DeviceAppend<'a> {
     pub ctx: &'a mut DrafterContext,
     pub first_position: usize,
-    pub rows: std::ops::Range<usize>,
+    pub rows: Vec<u32>,
 }
 
 /// The drafter's output for one block.
@@ -162,7 +163,7 @@ impl DraftModel {
     /// passes its checks and the launches are queued.
     ///
     /// # Errors
-    /// A drafter that does not take these rows ([`DraftModel::takes_device_rows`]), rows past the step's, a context
+    /// A drafter that does not take these rows ([`DraftModel::takes_device_rows`]), rows past `captured`'s, a context
     /// the rows would leave a gap in; a device failure.
     pub fn append_contexts_device(
         &self,
@@ -179,8 +180,8 @@ impl DraftModel {
         }
         let mut new_rows = Vec::with_capacity(appends.len());
         for a in appends.iter_mut() {
-            if a.rows.end > captured.rows() {
-                return Err(ModelError::Batch(format!("rows {:?} of a step of {}", a.rows, captured.rows())));
+            if let Some(&row) = a.rows.iter().find(|&&r| r as usize >= captured.rows()) {
+                return Err(ModelError::Batch(format!("row {row} of {} captured rows", captured.rows())));
             }
             new_rows.push(self.prepare_rows(a.ctx, a.first_position, a.rows.len())?);
         }
@@ -190,7 +191,7 @@ impl DraftModel {
                 .iter()
                 .zip(&new_rows)
                 .filter(|(_, &m)| m > 0)
-                .map(|(a, &m)| (&*a.ctx, (a.rows.end - m..a.rows.end).map(|r| r as u32).collect::<Vec<u32>>()))
+                .map(|(a, &m)| (&*a.ctx, a.rows[a.rows.len() - m..].to_vec()))
                 .collect();
             device.append_device_rows(self, &parts, captured)?;
             appends.iter_mut().zip(&new_rows).for_each(|(a, &m)| a.ctx.commit(m));

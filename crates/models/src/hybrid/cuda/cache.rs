@@ -103,6 +103,7 @@ impl CudaHybridModel {
             quant_passes: 0,
             vocab: b.vocab_size,
             capture_width: self.capture_width(),
+            capture_pages: false,
             residual_streams: self.streams.as_ref().map_or(0, |s| s.dims.streams),
             num_heads: b.num_heads,
             kv_heads: b.num_kv_heads,

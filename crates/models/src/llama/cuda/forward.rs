@@ -2,7 +2,7 @@
 //! queued by the shared step runner ([`crate::cuda::CudaCache::run_step`]) eagerly or into a graph.
 
 use dflash_runtime::cuda::ops::{
-    self as gpu, copy_columns, embedding_quant, gather_rms_norm, small_gemm_fits, sum_sq_slots,
+    self as gpu, copy_columns, embedding_quant, gather_rms_norm, scatter_rows, small_gemm_fits, sum_sq_slots,
 };
 use dflash_runtime::cuda::DeviceBuf;
 
@@ -97,6 +97,10 @@ impl CudaLlamaModel {
         match &self.streams {
             None => self.plain_layers(cache, p)?,
             Some(streams) => self.stream_layers(cache, p, streams)?,
+        }
+        if let Some(pages) = &cache.captured_pages {
+            let width = self.capture_width();
+            scatter_rows(&self.dev, ws.captured.view().prefix(t * width)?, input(lay.slots())?, pages.view(), width)?;
         }
         let l = lay.l;
         let logits_in = ws.logits_in.view().prefix(l * h)?;

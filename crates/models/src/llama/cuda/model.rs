@@ -246,6 +246,7 @@ impl CudaLlamaModel {
             quant_passes: self.quant_passes(),
             vocab: c.vocab_size,
             capture_width: self.capture_width(),
+            capture_pages: true,
             residual_streams: self.streams.as_ref().map_or(0, |s| s.dims.streams),
             num_heads: c.num_heads,
             kv_heads: c.num_kv_heads,

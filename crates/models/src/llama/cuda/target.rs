@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::batch::{ForwardBatch, ForwardOut, Readout, StepDraws};
+use crate::batch::{DeviceCaptured, ForwardBatch, ForwardOut, Readout, StepDraws};
 use crate::config::ModelConfig;
 use crate::cuda::{CudaCache, CudaCacheConfig, GRAPH_CONTEXTS};
 use crate::error::Result;
@@ -93,6 +93,13 @@ impl Target for CudaLlamaTarget {
 
     fn keeps_captured_on_device(&self) -> bool {
         true
+    }
+
+    fn captured_pages(&self) -> Option<DeviceCaptured> {
+        let pages = self.cache.captured_pages.as_ref()?;
+        let cfg = self.cache.config();
+        let rows = (cfg.num_pages + 1) * cfg.page_size;
+        Some(DeviceCaptured::new(Arc::clone(self.model.device()), Arc::clone(pages), rows, self.capture_width()))
     }
 
     fn host_heads(&self) -> Option<Arc<dyn TargetHeads>> {
