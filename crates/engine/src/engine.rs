@@ -80,6 +80,9 @@ pub struct Engine {
     costs_probed: bool,
     /// Whether a step runs its drafter pass, from the measured speed of steps with and without one.
     step_gate: StepGate,
+    /// Whether a step without a pass verifies the drafts that need none (prompt lookup's), from the measured speed
+    /// of such steps with drafts and without.
+    draft_gate: StepGate,
     /// The MTP lane ([`Engine::with_mtp`]).
     mtp: Option<MtpLaneConfig>,
     /// Whether steps may ask a target that draws on its device to draw their rows ([`Engine::with_device_draws`]).
@@ -199,6 +202,7 @@ impl Engine {
             round_costs: SharedCosts::new(CostTable::new(widest_round(&cfg.spec, drafter.as_ref()))),
             costs_probed: false,
             step_gate: StepGate::default(),
+            draft_gate: StepGate::for_drafts(),
             spec: cfg.spec,
             drafter,
             mtp: None,
@@ -340,6 +344,9 @@ impl Engine {
             }
         }
         let ran_pass = self.gated_shared_pass(&shared, decoding);
+        if !ran_pass {
+            self.gate_drafts(decoding);
+        }
         let draft = clock.lap();
         let items = self.sched.plan();
         if items.is_empty() {

@@ -114,6 +114,8 @@ pub struct EngineMetrics {
     /// Steps whose planned drafter pass ran, and those the step gate made plain.
     step_passes_run: AtomicU64,
     step_passes_skipped: AtomicU64,
+    /// Steps without a pass whose drafts the drafts gate withdrew.
+    step_drafts_withheld: AtomicU64,
     /// The engine's round cost table, as of the last step that measured it.
     round_costs: Mutex<Option<CostTable>>,
     queue_depth: AtomicU64,
@@ -153,6 +155,7 @@ impl Default for EngineMetrics {
             spec_gated_lanes: AtomicU64::new(0),
             step_passes_run: AtomicU64::new(0),
             step_passes_skipped: AtomicU64::new(0),
+            step_drafts_withheld: AtomicU64::new(0),
             round_costs: Mutex::new(None),
             queue_depth: AtomicU64::new(0),
             running: AtomicU64::new(0),
@@ -250,6 +253,11 @@ impl EngineMetrics {
     pub fn record_step_pass(&self, ran: bool) {
         let counter = if ran { &self.step_passes_run } else { &self.step_passes_skipped };
         counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A step without a drafter pass whose drafts the drafts gate withdrew (its rounds went plain).
+    pub fn record_drafts_withheld(&self) {
+        self.step_drafts_withheld.fetch_add(1, Ordering::Relaxed);
     }
 
     /// The cost table's current figures (each step that measured it).
@@ -418,6 +426,11 @@ impl EngineMetrics {
                 "Steps whose lanes planned a drafter pass that the step gate made plain.",
                 &self.step_passes_skipped,
             ),
+            (
+                "dflash_spec_step_drafts_withheld_total",
+                "Steps without a drafter pass whose drafts the step gate made plain.",
+                &self.step_drafts_withheld,
+            ),
             ("dflash_prefix_cache_hits_total", "Admissions that reused cached prefix pages.", &self.prefix_cache_hits),
             (
                 "dflash_prefix_cache_misses_total",
@@ -496,6 +509,7 @@ mod tests {
         m.record_step_pass(true);
         m.record_step_pass(false);
         m.record_step_pass(false);
+        m.record_drafts_withheld();
         let mut costs = CostTable::new(2);
         costs.seed(&[10.0, 12.5]);
         costs.observe_draft(crate::spec::LaneKind::Pld, 0.25);
@@ -523,6 +537,7 @@ mod tests {
             "dflash_spec_gated_lanes 2",
             "dflash_spec_step_passes_total 1",
             "dflash_spec_step_passes_skipped_total 2",
+            "dflash_spec_step_drafts_withheld_total 1",
             "dflash_prefix_cache_checkpoints 3",
             "dflash_spec_round_cost_ms{context_below=\"1024\",rows=\"2\"} 12.500",
             "dflash_spec_draft_cost_ms{lane=\"pld\"} 0.250",

@@ -256,6 +256,14 @@ impl Sequence {
         Some((drafter, from, slots.filter(|s| !s.is_empty())?))
     }
 
+    /// Makes the round plain after its drafts were chosen: the step's drafts gate held every draft of the step back.
+    pub fn withdraw_drafts(&mut self) {
+        self.drafts.clear();
+        if let Some(lane) = self.lane.as_mut() {
+            lane.withdraw_round();
+        }
+    }
+
     /// Ends a round [`Self::prepare_drafts`] planned for the shared pass without drafting it: the step's gate kept
     /// the pass from running, and the round is plain.
     pub fn skip_shared_round(&mut self) {

@@ -154,6 +154,20 @@ impl SpecLane {
         self.round.gated = true;
     }
 
+    /// Makes the round in flight plain after its drafts were chosen (the step's drafts gate held them back): it
+    /// adds no rows to its step and nothing is verified, for this lane or its fallback.
+    pub fn withdraw_round(&mut self) {
+        self.round.gated = true;
+        self.round.share = RoundShare::default();
+        self.round.confidence = None;
+        if self.fallback_turn == FallbackTurn::Drafted {
+            self.fallback_turn = FallbackTurn::Asked;
+            if let Some(fallback) = self.fallback.as_mut() {
+                fallback.withdraw_round();
+            }
+        }
+    }
+
     /// The round's drafts from a proposal of a shared drafter pass whose cost was `draft_ms` per lane.
     pub fn shared_proposal(&mut self, input: &ProposeInput, max: usize, drafted: Proposal, draft_ms: f64) -> Vec<u32> {
         let proposal = self.proposer.proposal_from_shared_pass(input, max, drafted);
@@ -403,6 +417,25 @@ mod tests {
         assert_eq!(lane.stats.accepted, 0, "the drafter's figures hold its own rounds only");
         assert_eq!(lane.stats.rounds + fallback.rounds + lane.stats.plain_steps, 40);
         assert_eq!(lane.stats.widths[4], fallback.rounds, "every step is in the width histogram");
+    }
+
+    #[test]
+    fn a_withdrawn_round_is_plain_for_the_lane_and_its_fallback() {
+        let costs = SharedCosts::new(CostTable::new(9));
+        let pld = SpecLane::new(Box::new(Echo(vec![7; 4])), 4, 0, PolicyMode::Fixed, costs.clone());
+        let drafter = Box::new(Slow(vec![5; 8], std::time::Duration::ZERO));
+        let mut lane = SpecLane::new(drafter, 8, 0, PolicyMode::Fixed, costs).with_fallback(pld);
+        let sampling = SamplingParams::greedy();
+        let tokens = [1, 2, 3];
+        let input = ProposeInput { tokens: &tokens, sampling: &sampling };
+        assert_eq!(lane.fallback_drafts(&input, 100), vec![7; 4]);
+        lane.withdraw_round();
+        assert!(!lane.round_is_fallbacks(), "nothing of the fallback's is left to verify");
+        assert_eq!(lane.round_share(), RoundShare::default(), "the round adds nothing to its step");
+        lane.stepped(1, Some(StepTiming::alone(1, 10.0)));
+        let fallback = lane.stats.fallback.expect("fallback stats");
+        assert_eq!((fallback.rounds, lane.stats.rounds), (0, 0));
+        assert_eq!((lane.stats.plain_steps, lane.stats.gated_steps), (1, 1));
     }
 
     #[test]

@@ -75,12 +75,16 @@ struct Bucket {
     backoff: u32,
 }
 
-/// The gate over a step's drafter pass; see the module's documentation.
+/// The gate over a step's drafter pass; see the module's documentation. The same gate also judges drafts that
+/// need no pass (prompt lookup's) in steps without one ([`StepGate::for_drafts`]).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StepGate {
     buckets: [Bucket; SEQUENCE_BUCKETS],
     /// Whether the last step observed ran a pass (then the drafter contexts are caught up).
     previous_pass: bool,
+    /// A gate over drafts that need no drafter pass: every step of its drafting side is measured (nothing catches
+    /// up).
+    no_catch_up: bool,
 }
 
 /// What the gate knows of one batch size, for logs and metrics.
@@ -98,24 +102,34 @@ fn bucket_of(sequences: usize) -> usize {
 }
 
 impl StepGate {
+    /// A gate over the drafts of steps without a drafter pass (prompt lookup's): verifying them against verifying
+    /// none, by the same measure.
+    pub fn for_drafts() -> Self {
+        StepGate { no_catch_up: true, ..StepGate::default() }
+    }
+
     /// Whether a step of `sequences` decoding sequences, some of whose lanes planned a round, runs the pass. Until
     /// both sides are measured it drafts (the lanes' own choice) and takes a plain step where too few were seen.
     pub fn allows_pass(&mut self, sequences: usize) -> bool {
-        let bucket = &mut self.buckets[bucket_of(sequences)];
-        if !bucket.drafted.settled() {
+        let b = bucket_of(sequences);
+        let inherits_closed = self.inherits_closed(b);
+        let bucket = &mut self.buckets[b];
+        if !bucket.drafted.settled() && !inherits_closed {
             return true;
         }
         if !bucket.plain.settled() {
             return false;
         }
-        let open = Self::favours_drafting(bucket);
+        let open = !inherits_closed && Self::favours_drafting(bucket);
         if bucket.explore_left > 0 {
             bucket.explore_left -= 1;
             return !open;
         }
         // An exploration (a plain step, or EXPLORE_PASSES passes) starts once the favoured side has run long
         // enough that it is the exploring share of the time (EXPLORE_SHARE, halved per confirming exploration).
-        let (other_ms, steps) = if open { (bucket.plain.step_ms, 1) } else { (bucket.drafted.step_ms, EXPLORE_PASSES) };
+        // A bucket closed by a smaller one's decision has no drafting steps yet: a plain step's time stands in.
+        let drafted_ms = if bucket.drafted.settled() { bucket.drafted.step_ms } else { bucket.plain.step_ms };
+        let (other_ms, steps) = if open { (bucket.plain.step_ms, 1) } else { (drafted_ms, EXPLORE_PASSES) };
         let share = EXPLORE_SHARE / f64::from(1u32 << bucket.backoff);
         if bucket.since_explore_ms * share >= other_ms * f64::from(steps) * (1.0 - share) {
             bucket.since_explore_ms = 0.0;
@@ -130,13 +144,16 @@ impl StepGate {
     /// committed `tokens` and took `ms` from its drafting to its last sample. A pass right after a plain step is
     /// not measured (it catches the drafter contexts up).
     pub fn observe(&mut self, sequences: usize, drafted: bool, tokens: usize, ms: f64) {
-        let caught_up = !drafted || self.previous_pass;
+        let caught_up = !drafted || self.previous_pass || self.no_catch_up;
         self.previous_pass = drafted;
         if sequences == 0 || tokens == 0 || !(ms.is_finite() && ms > 0.0) {
             return;
         }
-        let bucket = &mut self.buckets[bucket_of(sequences)];
-        let favoured = Self::favours_drafting(bucket);
+        let b = bucket_of(sequences);
+        // A bucket holding a smaller one's closed decision favours plain steps until its drafting is measured.
+        let inherits_closed = self.inherits_closed(b);
+        let bucket = &mut self.buckets[b];
+        let favoured = !inherits_closed && Self::favours_drafting(bucket);
         if drafted == favoured {
             bucket.since_explore_ms += ms;
         }
@@ -155,12 +172,27 @@ impl StepGate {
 
     /// The gate at `sequences` decoding sequences.
     pub fn view(&self, sequences: usize) -> GateView {
-        let bucket = &self.buckets[bucket_of(sequences)];
+        let b = bucket_of(sequences);
+        let bucket = &self.buckets[b];
+        let settled = bucket.drafted.settled() && bucket.plain.settled();
         GateView {
             drafted: (bucket.drafted.tokens_per_ms, bucket.drafted.steps),
             plain: (bucket.plain.tokens_per_ms, bucket.plain.steps),
-            open: !(bucket.drafted.settled() && bucket.plain.settled()) || Self::favours_drafting(bucket),
+            open: if settled { Self::favours_drafting(bucket) } else { !self.inherits_closed(b) },
         }
+    }
+
+    /// Whether bucket `b`, its drafting side not yet measured, takes the decision of the nearest smaller bucket
+    /// measured on both sides, and that decision is to hold drafting back: a round's extra rows cost a step about
+    /// as much at more sequences while its tokens are a smaller share of the step's, so drafting that loses at a
+    /// batch size loses at larger ones, and a server ramping up to 64 requests need not draft its way through
+    /// every larger bucket to find out (entry 101).
+    fn inherits_closed(&self, b: usize) -> bool {
+        if self.buckets[b].drafted.settled() {
+            return false;
+        }
+        let measured = self.buckets[..b].iter().rev().find(|k| k.drafted.settled() && k.plain.settled());
+        measured.is_some_and(|k| !Self::favours_drafting(k))
     }
 
     fn favours_drafting(bucket: &Bucket) -> bool {
@@ -256,6 +288,47 @@ mod tests {
         assert!(gate.view(1).open, "one sequence: drafting pays");
         assert!(!gate.view(100).open, "a hundred: it does not");
         assert!(gate.view(3).open, "an unmeasured size drafts until measured");
+    }
+
+    #[test]
+    fn a_larger_batch_takes_a_smaller_ones_closed_decision_until_it_measures_its_own() {
+        let mut gate = StepGate::default();
+        serve(&mut gate, 8, 0.6, 500);
+        assert!(!gate.view(8).open);
+        assert!(!gate.view(64).open, "64 sequences inherit the closed decision of 8");
+        assert!(gate.view(2).open, "smaller batches do not");
+        // At 64 the gate now serves plain steps, exploring now and then; there drafting pays, so it opens.
+        let (_, drafted) = serve(&mut gate, 64, 1.5, 3000);
+        assert!(drafted > 0.5 && gate.view(64).open, "{drafted} {:?}", gate.buckets[bucket_of(64)]);
+        // Where it does not pay, the inherited decision holds from the first step: no warm-up passes.
+        let mut gate = StepGate::default();
+        serve(&mut gate, 8, 0.6, 500);
+        let first: Vec<bool> = (0..16)
+            .map(|_| {
+                let pass = gate.allows_pass(64);
+                gate.observe(64, pass, if pass { 96 } else { 64 }, 5.2);
+                pass
+            })
+            .collect();
+        assert!(first.iter().all(|&pass| !pass), "{first:?}");
+        let (_, drafted) = serve(&mut gate, 64, 0.6, 2000);
+        assert!(drafted < 0.1, "{drafted}");
+    }
+
+    #[test]
+    fn a_gate_over_drafts_measures_every_drafting_step() {
+        // Drafting steps alternate with plain ones; a pass gate skips each first pass after a plain step (its
+        // catch-up), a drafts gate measures them all.
+        let (mut passes, mut drafts) = (StepGate::default(), StepGate::for_drafts());
+        for step in 0..40 {
+            let drafted = step % 2 == 0;
+            for gate in [&mut passes, &mut drafts] {
+                gate.observe(8, drafted, if drafted { 4 } else { 8 }, 1.0);
+            }
+        }
+        assert_eq!(passes.view(8).drafted.1, 0, "every pass followed a plain step");
+        assert_eq!(drafts.view(8).drafted.1, 20);
+        assert!(!drafts.view(8).open, "drafting steps committed half as much");
     }
 
     #[test]
