@@ -84,13 +84,15 @@ impl Engine {
     }
 
     /// One untimed step of each width 1..=`rows_max` past each context where the target records other step graphs
-    /// ([`crate::Target::graph_contexts`]), on scratch pages, so the first long round of a width does not pay for
+    /// ([`crate::Target::graph_contexts`]) that the context window leaves room for, on scratch pages, so the first long round of a width does not pay for
     /// recording its graph inside a request (and inside a benchmark's timed decode). Skipped when the pages are not
     /// free. (Graphs of other batch sizes, and of a CUDA target's key buckets below those contexts, are recorded
     /// on first use.)
     fn step_graph_contexts(&mut self, rows_max: usize) -> Result<(), EngineError> {
         let contexts = self.target.graph_contexts().to_vec();
-        for context in contexts {
+        // A context whose widest round would pass the window is never stepped (a sequence stops before it).
+        let window = self.context_window;
+        for context in contexts.into_iter().filter(|&c| c + rows_max <= window) {
             let mut pages = Vec::new();
             if !self.sched.pages.reserve(&mut pages, context + rows_max, self.page_size) {
                 continue;
