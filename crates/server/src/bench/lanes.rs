@@ -146,16 +146,22 @@ pub fn run(model: &ModelArgs, spec: &SpecArgs, args: &LanesArgs) -> Result<()> {
                     };
                     let engine = engines.for_lane(kind)?;
                     let lane_choice = (lane.as_str(), kind, policy, oracle);
+                    // A random-weight target's batched copies may part (see `run_copies`): reported, not refused.
+                    let strict = copies == 1 || (args.random_target.is_none() && args.random_hybrid.is_none());
                     let (usage, ttft_ms, ids) =
-                        run_copies(engine, &prompt, lane_choice, sampling.clone(), args.max_tokens, copies)?;
+                        run_copies(engine, &prompt, lane_choice, sampling.clone(), args.max_tokens, (copies, strict))?;
                     if kind == BenchLane::Plain {
                         plain_ids = ids;
                     } else if ids != plain_ids && !(lossy && temperature > 0.0) {
-                        bail!(
+                        let message = format!(
                             "prompt #{i} at T={temperature}: lane {lane} gave other tokens than plain decoding \
                              (first difference at token {})",
                             first_difference(&ids, &plain_ids)
                         );
+                        if strict {
+                            bail!(message);
+                        }
+                        tracing::warn!("{message}");
                     }
                     let r = RunResult {
                         group: entry.group.clone(),
@@ -430,15 +436,17 @@ impl EventSink for UsageProbe {
 }
 
 /// `copies` identical requests through `engine` at once on `lane` (its name, kind and width policy); returns the
-/// first one's usage, TTFT in ms and tokens. Every copy must give the same tokens: a row's result never depends on
-/// the rest of its batch.
+/// first one's usage, TTFT in ms and tokens. With `strict`, every copy must give the same tokens: a row's result
+/// never depends on the rest of its batch. Without (a random-weight target), copies that part are reported: such a
+/// target's bf16 matmuls go to cuBLAS, which picks its kernel by a step's rows, and random weights put near-ties
+/// everywhere, so one bit can change a greedy token.
 fn run_copies(
     engine: &mut Engine,
     prompt: &[u32],
     (lane, kind, spec_policy, oracle): (&str, BenchLane, Option<PolicyMode>, Option<OracleDraft>),
     sampling: SamplingParams,
     max_tokens: usize,
-    copies: usize,
+    (copies, strict): (usize, bool),
 ) -> Result<(Usage, f64, Vec<u32>)> {
     let probes: Vec<UsageProbe> = (0..copies.max(1)).map(|_| UsageProbe::default()).collect();
     let started = Instant::now();
@@ -479,10 +487,14 @@ fn run_copies(
         match &first {
             None => first = Some((usage, ttft_ms, ids)),
             Some((_, _, want)) if ids != *want => {
-                bail!(
+                let message = format!(
                     "copy {copy} of the {lane} run gave other tokens than copy 0 (first difference at token {})",
                     first_difference(&ids, want)
-                )
+                );
+                if strict {
+                    bail!(message);
+                }
+                tracing::warn!("{message}; the figures are copy 0's");
             }
             Some(_) => {}
         }

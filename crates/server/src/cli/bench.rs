@@ -107,7 +107,9 @@ pub struct LanesArgs {
     #[arg(long, default_value_t = 2)]
     pub repeat: usize,
     /// Copies of every request run at once (the same prompt, lane and sampling), as a server with that many
-    /// concurrent requests would batch them; the figures are the first copy's, and every copy must give its tokens.
+    /// concurrent requests would batch them; the figures are the first copy's, and every copy must give its tokens
+    /// (on a random-weight target, whose bf16 rows differ by batch shape where random weights tie, copies that part
+    /// from each other or from plain decoding are reported instead).
     #[arg(long, default_value_t = 1)]
     pub concurrency: usize,
     /// Where the JSON goes.
