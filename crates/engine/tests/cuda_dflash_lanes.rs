@@ -24,9 +24,7 @@ use dflash_engine::{Engine, EngineConfig, EngineMetrics, Request, SamplingParams
 use dflash_models::dflash::{DraftConfig, DraftModel, TargetShape};
 use dflash_models::resolve::ModelSource;
 use dflash_models::tokenizer::Tokenizer;
-use dflash_models::{
-    open_target, CachePlan, Checkpoint, Device, KvPages, LoadOptions, ModelError, Target, TargetOptions,
-};
+use dflash_models::{open_target, Checkpoint, Device, LoadOptions, ModelError, Target, TargetOptions};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures").join(name)
@@ -35,13 +33,7 @@ fn fixture(name: &str) -> PathBuf {
 /// The tiny target capturing `taps`, f32 weights, on `device`, with a cache for `cfg` and host heads for drafters.
 fn target(device: Device, taps: &[usize], cfg: &EngineConfig) -> Result<Box<dyn Target>, ModelError> {
     let checkpoint = Checkpoint::open(&ModelSource::HfDir(fixture("tiny-qwen3")), None)?;
-    let cache = CachePlan {
-        pages: KvPages::Fixed(cfg.num_pages),
-        page_size: cfg.page_size,
-        max_batch_tokens: cfg.max_batch_tokens,
-        max_seqs: cfg.max_running,
-        context_window: cfg.context_window,
-    };
+    let cache = common::cache_plan(cfg);
     let load = LoadOptions { f32_weights: true, capture_layers: taps.to_vec(), ..LoadOptions::default() };
     let opts = TargetOptions { load, host_heads: true, cache, tensor_parallel: 1 };
     Ok(open_target(checkpoint, device, &opts)?.target)

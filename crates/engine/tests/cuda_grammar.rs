@@ -16,9 +16,7 @@ use dflash_engine::spec::{NgramConfig, PolicyMode, SpecConfig};
 use dflash_engine::{Engine, EngineConfig, EngineMetrics, Request, SamplingParams};
 use dflash_models::resolve::{ensure_default_model, ModelSource};
 use dflash_models::tokenizer::Tokenizer;
-use dflash_models::{
-    open_target, CachePlan, Checkpoint, Device, KvPages, LoadOptions, ModelError, Target, TargetOptions,
-};
+use dflash_models::{open_target, Checkpoint, Device, LoadOptions, ModelError, Target, TargetOptions};
 use serde_json::json;
 
 fn checkpoint() -> Checkpoint {
@@ -27,13 +25,7 @@ fn checkpoint() -> Checkpoint {
 }
 
 fn cuda_target(cfg: &EngineConfig) -> Result<Box<dyn Target>, ModelError> {
-    let cache = CachePlan {
-        pages: KvPages::Fixed(cfg.num_pages),
-        page_size: cfg.page_size,
-        max_batch_tokens: cfg.max_batch_tokens,
-        max_seqs: cfg.max_running,
-        context_window: cfg.context_window,
-    };
+    let cache = common::cache_plan(cfg);
     let opts = TargetOptions { load: LoadOptions::default(), host_heads: false, cache, tensor_parallel: 1 };
     Ok(open_target(checkpoint(), Device::Cuda(0), &opts)?.target)
 }

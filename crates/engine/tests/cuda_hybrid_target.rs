@@ -20,9 +20,7 @@ use dflash_engine::spec::{NgramConfig, OracleDraft, PolicyMode, SpecConfig};
 use dflash_engine::{Engine, EngineConfig, EngineMetrics, Request};
 use dflash_models::resolve::ModelSource;
 use dflash_models::tokenizer::Tokenizer;
-use dflash_models::{
-    open_target, CachePlan, Checkpoint, Device, KvPages, LoadOptions, ModelError, Target, TargetOptions,
-};
+use dflash_models::{open_target, Checkpoint, Device, LoadOptions, ModelError, Target, TargetOptions};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures").join(name)
@@ -46,13 +44,7 @@ const FIXTURES: [&str; 2] = ["tiny-qwen3-next", "tiny-qwen3-next-hc"];
 /// Hybrid fixture `name` with f32 weights on `device`, with a cache for `cfg`.
 fn target(name: &str, device: Device, cfg: &EngineConfig) -> Result<Box<dyn Target>, ModelError> {
     let checkpoint = Checkpoint::open(&ModelSource::HfDir(fixture(name)), None)?;
-    let cache = CachePlan {
-        pages: KvPages::Fixed(cfg.num_pages),
-        page_size: cfg.page_size,
-        max_batch_tokens: cfg.max_batch_tokens,
-        max_seqs: cfg.max_running,
-        context_window: cfg.context_window,
-    };
+    let cache = common::cache_plan(cfg);
     let load = LoadOptions { f32_weights: true, ..LoadOptions::default() };
     let opts = TargetOptions { load, host_heads: false, cache, tensor_parallel: 1 };
     Ok(open_target(checkpoint, device, &opts)?.target)

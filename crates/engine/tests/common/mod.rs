@@ -138,6 +138,18 @@ pub fn target(m: &Model, cfg: &EngineConfig) -> Box<dyn Target> {
     Box::new(LlamaTarget::new(Arc::clone(&m.model), cfg.num_pages, cfg.page_size).expect("target"))
 }
 
+/// The cache a target opened through the one door needs for an engine of `cfg`: its pages, page size, step rows,
+/// sequences and window.
+pub fn cache_plan(cfg: &EngineConfig) -> dflash_models::CachePlan {
+    dflash_models::CachePlan {
+        pages: dflash_models::KvPages::Fixed(cfg.num_pages),
+        page_size: cfg.page_size,
+        max_batch_tokens: cfg.max_batch_tokens,
+        max_seqs: cfg.max_running,
+        context_window: cfg.context_window,
+    }
+}
+
 /// An engine of `num_pages` pages of 16 tokens, with a context window of the whole cache (at most 512).
 pub fn config(num_pages: usize, max_batch_tokens: usize, spec: SpecConfig) -> EngineConfig {
     EngineConfig {
