@@ -178,7 +178,8 @@ impl Engine {
         }
         let capture_width = if captured_pages.is_some() { 0 } else { target.capture_width() };
         let stride = checkpoint_stride(target.as_ref(), cfg.page_size, cfg.state_checkpoint_stride);
-        let budget = PrefixBudget::plan(cfg.prefix_cache_pages, target.as_ref(), cfg.page_size, stride);
+        let budget =
+            PrefixBudget::plan(cfg.prefix_cache_pages, target.as_ref(), (cfg.page_size, capture_width), stride);
         let sched_cfg = SchedulerConfig {
             max_running: cfg.max_running,
             max_batch_tokens: cfg.max_batch_tokens,
@@ -544,11 +545,17 @@ struct PrefixBudget {
 }
 
 impl PrefixBudget {
-    /// Spends the bytes of `kv_pages` K/V pages. Each cached page also keeps the target's captured hidden states
-    /// of its positions when it captures any (f32 rows of `taps · hidden`; one target, one layout); with state
+    /// Spends the bytes of `kv_pages` K/V pages. Each cached page also keeps on the host the target's captured
+    /// hidden states of its positions, `row_width` f32 values a position (`taps · hidden`; 0 when none are kept
+    /// there: a target that captures none, or a drafter that reads them from the target's pages); with state
     /// checkpoints (`stride` > 0), every `stride / page_size` pages also carry one snapshot of the target's
     /// state. So the budget buys whole strides (their pages and a checkpoint), then pages without one.
-    fn plan(kv_pages: usize, target: &dyn Target, page_size: usize, stride: usize) -> PrefixBudget {
+    fn plan(
+        kv_pages: usize,
+        target: &dyn Target,
+        (page_size, row_width): (usize, usize),
+        stride: usize,
+    ) -> PrefixBudget {
         let snapshot_bytes = match target.resume_state() {
             ResumeState::Pages => 0,
             ResumeState::Snapshot { floats } => floats * std::mem::size_of::<f32>(),
@@ -563,7 +570,7 @@ impl PrefixBudget {
         }
         let c = target.config();
         let kv_bytes = KvCache::bytes_per_token(target.kv_layers(), c.num_kv_heads, c.head_dim) * page_size;
-        let row_bytes = target.capture_width() * std::mem::size_of::<f32>() * page_size;
+        let row_bytes = row_width * std::mem::size_of::<f32>() * page_size;
         if kv_pages == 0 || row_bytes + snapshot_bytes == 0 {
             return PrefixBudget { pages: kv_pages, checkpoints: 0 };
         }
@@ -645,19 +652,38 @@ mod tests {
         let plain = hybrid("tiny-qwen3-next", Vec::new());
         assert_eq!(plain.resume_state(), ResumeState::Snapshot { floats: 1344 });
         // 24 pages of K/V (96 KiB) buy 4 strides of 4 pages and a checkpoint (21,760 bytes each), then 2 pages.
-        assert_eq!(PrefixBudget::plan(24, &plain, 16, 64), PrefixBudget { pages: 18, checkpoints: 4 });
+        assert_eq!(
+            PrefixBudget::plan(24, &plain, (16, plain.capture_width()), 64),
+            PrefixBudget { pages: 18, checkpoints: 4 }
+        );
         // Captured rows of the last layer add 2 KiB a page: 3 strides, then 1 page.
         let capturing = hybrid("tiny-qwen3-next", vec![3]);
-        assert_eq!(PrefixBudget::plan(24, &capturing, 16, 64), PrefixBudget { pages: 13, checkpoints: 3 });
-        assert_eq!(PrefixBudget::plan(24, &plain, 16, 0), PrefixBudget::default(), "no checkpoints: off");
-        assert_eq!(PrefixBudget::plan(1, &plain, 16, 64), PrefixBudget::default(), "not one stride: off");
-        assert_eq!(PrefixBudget::plan(0, &plain, 16, 64), PrefixBudget::default());
+        assert_eq!(
+            PrefixBudget::plan(24, &capturing, (16, capturing.capture_width()), 64),
+            PrefixBudget { pages: 13, checkpoints: 3 }
+        );
+        // Rows a drafter reads from the target's pages cost the host nothing.
+        assert_eq!(PrefixBudget::plan(24, &capturing, (16, 0), 64), PrefixBudget { pages: 18, checkpoints: 4 });
+        assert_eq!(
+            PrefixBudget::plan(24, &plain, (16, plain.capture_width()), 0),
+            PrefixBudget::default(),
+            "no checkpoints: off"
+        );
+        assert_eq!(
+            PrefixBudget::plan(1, &plain, (16, plain.capture_width()), 64),
+            PrefixBudget::default(),
+            "not one stride: off"
+        );
+        assert_eq!(PrefixBudget::plan(0, &plain, (16, plain.capture_width()), 64), PrefixBudget::default());
 
         // A target without recurrent layers needs no checkpoint: the pages cost their K/V only.
         let moe = hybrid("tiny-qwen3-moe", Vec::new());
         assert_eq!(moe.resume_state(), ResumeState::Pages);
         assert_eq!(checkpoint_stride(&moe, 16, 512), 0);
-        assert_eq!(PrefixBudget::plan(24, &moe, 16, 0), PrefixBudget { pages: 24, checkpoints: 0 });
+        assert_eq!(
+            PrefixBudget::plan(24, &moe, (16, moe.capture_width()), 0),
+            PrefixBudget { pages: 24, checkpoints: 0 }
+        );
     }
 
     /// A target whose device cache was planned for steps of `.1` rows.
