@@ -34,8 +34,8 @@ impl Engine {
         false
     }
 
-    /// Withdraws every decoding sequence's drafts (prompt lookup's, in a step without a drafter pass) unless the
-    /// drafts gate lets a step of `decoding` sequences verify them, a drafting lane has a fixed policy, or
+    /// Withdraws every decoding sequence's drafts in a step without a drafter pass (prompt lookup's, the MTP
+    /// head's) unless the drafts gate lets a step of `decoding` sequences verify them, a drafting lane has a fixed policy, or
     /// `DFLASH_STEP_GATE=0`: where such steps measure slower than plain ones (eight requests on an H100, entry 101),
     /// the rounds go plain.
     pub(super) fn gate_drafts(&mut self, decoding: usize) {
@@ -91,8 +91,9 @@ impl Engine {
         if planned.is_empty() {
             return;
         }
-        let started = Instant::now();
+        // A catch-up is not drafting: a lane's first pass appends its whole prompt, which no later round pays.
         self.catch_up_from_pages(planned);
+        let started = Instant::now();
         let mut members = Vec::with_capacity(planned.len());
         let proposals = {
             let mut lanes = Vec::with_capacity(planned.len());
