@@ -110,9 +110,11 @@ pub enum Readout {
     Argmax,
 }
 
-/// A step's captured rows left on the device that ran it (`[T, width]` f32; [`ForwardOut::device_captured`]), so a
-/// drafter there appends them to its contexts without a round trip through the host. They stay valid until the
-/// target's next step writes them: work queued on the device's one stream before that step reads them in order.
+/// Captured rows on the device that computed them (`[rows, width]` f32), so a drafter there appends them to its
+/// contexts without a round trip through the host: a step's rows ([`ForwardOut::device_captured`]), valid until
+/// the target's next step writes them (work queued on the device's one stream before that step reads them in
+/// order), or the target's pages of them ([`crate::Target::captured_pages`]), a position's row valid while its K/V
+/// is.
 #[derive(Clone)]
 pub struct DeviceCaptured {
     #[cfg(feature = "cuda")]
@@ -135,7 +137,7 @@ impl DeviceCaptured {
         DeviceCaptured { dev, buf, rows, width }
     }
 
-    /// Rows the step captured.
+    /// Rows held (a step's rows, or the pages' slots).
     pub fn rows(&self) -> usize {
         self.rows
     }

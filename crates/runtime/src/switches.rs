@@ -56,7 +56,7 @@ pub struct Switches {
     pub no_step_gate: bool,
     /// `DFLASH_CAPTURE_PAGES=0`: a drafter on the target's device takes every step's captured rows as they come,
     /// and a cached prompt's rows from the host, as before it read them from the target's pages when it drafts
-    /// (entry 101).
+    /// (entry 101; the target still writes its pages).
     pub no_capture_pages: bool,
     /// `DFLASH_DRAFT_SUMMARY=0`: a drafter pass on a device copies every draft logit back, as before passes
     /// summarised each slot there.

@@ -37,8 +37,9 @@ pub struct DrafterConfig {
     pub draft_vocab: Option<Arc<DraftVocab>>,
     /// Pending-row buffers of ended lanes, for the next ones.
     pending_buffers: Arc<PendingBuffers>,
-    /// Whether lanes read their rows from the target's pages when they draft ([`DflashProposer::catch_up`]) rather
-    /// than take each step's rows as they come; set by the engine when its target keeps them there.
+    /// Whether lanes read their rows from the target's pages when they draft (the engine catches each lane of a
+    /// pass up first) rather than take each step's rows as they come; set by the engine when its target keeps them
+    /// there.
     pub(crate) reads_pages: bool,
 }
 
@@ -190,7 +191,8 @@ impl DflashProposer {
         let width = self.block_size.min(max + 1);
         let (&anchor, before) = input.tokens.split_last()?;
         self.flush();
-        // The context must hold every position before the anchor (the engine observes each computed row).
+        // The context must hold every position before the anchor (the engine hands over each computed row, or
+        // catches the lane up from the target's pages before its pass).
         (!self.broken && width >= 2 && self.ctx.len() == before.len()).then_some((anchor, width))
     }
 

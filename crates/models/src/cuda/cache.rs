@@ -203,8 +203,9 @@ pub struct CudaCache<X = ()> {
     pub(crate) layer_len: usize,
     pub(crate) ws: Workspace,
     /// Every cached position's captured values at its slot (`[(pages + 1) · page_size, capture width]`), when the
-    /// family writes them there and captures any: a drafter on the device reads a sequence's rows from here when
-    /// it catches up, so a step hands its rows to no one, and a prompt's cached pages keep theirs on the device.
+    /// family writes them there and captures any: a drafter on the device can read a sequence's rows from here
+    /// when it catches up, and a prompt's cached pages keep theirs on the device. Kept whether or not a drafter
+    /// reads them (the target is planned before the drafter is placed).
     pub(crate) captured_pages: Option<Arc<DeviceBuf<f32>>>,
     pub(crate) graphs: HashMap<GraphKey, StepGraph>,
     /// Host staging of the inputs, reused every step.

@@ -76,7 +76,7 @@ struct Bucket {
 }
 
 /// The gate over a step's drafter pass; see the module's documentation. The same gate also judges drafts that
-/// need no pass (prompt lookup's) in steps without one ([`StepGate::for_drafts`]).
+/// need no pass (prompt lookup's, the MTP head's) in steps without one ([`StepGate::for_drafts`]).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StepGate {
     buckets: [Bucket; SEQUENCE_BUCKETS],
@@ -102,8 +102,8 @@ fn bucket_of(sequences: usize) -> usize {
 }
 
 impl StepGate {
-    /// A gate over the drafts of steps without a drafter pass (prompt lookup's): verifying them against verifying
-    /// none, by the same measure.
+    /// A gate over the drafts of steps without a drafter pass (prompt lookup's, the MTP head's): verifying them
+    /// against verifying none, by the same measure.
     pub fn for_drafts() -> Self {
         StepGate { no_catch_up: true, ..StepGate::default() }
     }
@@ -142,7 +142,7 @@ impl StepGate {
 
     /// Feeds a decode-only step of `sequences` decoding sequences that ran a drafter pass (`drafted`) or not,
     /// committed `tokens` and took `ms` from its drafting to its last sample. A pass right after a plain step is
-    /// not measured (it catches the drafter contexts up).
+    /// not measured (it catches the drafter contexts up), except by a gate over drafts ([`StepGate::for_drafts`]).
     pub fn observe(&mut self, sequences: usize, drafted: bool, tokens: usize, ms: f64) {
         let caught_up = !drafted || self.previous_pass || self.no_catch_up;
         self.previous_pass = drafted;
