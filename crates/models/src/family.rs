@@ -53,6 +53,9 @@ pub struct CachePlan {
     pub max_seqs: usize,
     /// Tokens one sequence may hold.
     pub context_window: usize,
+    /// Whether a device target keeps every position's captured rows in its pages, for a drafter on its device to
+    /// read there ([`crate::Target::captured_pages`]): set where one will, as they take room from the K/V.
+    pub captured_pages: bool,
 }
 
 impl CachePlan {

@@ -155,6 +155,7 @@ fn a_hybrid_target_splits_its_linear_attention_and_experts() {
             max_batch_tokens: 64,
             max_seqs: 4,
             context_window: 64,
+            captured_pages: false,
         };
         let opts = TargetOptions { load: LoadOptions::default(), host_heads: true, cache, tensor_parallel };
         open_target(checkpoint, Device::Cpu, &opts).expect("open").target

@@ -19,7 +19,7 @@ use dflash_models::dflash::{
 use dflash_models::mtp::{TrunkNorm, PREFIX as MTP_PREFIX};
 use dflash_models::resolve::{ModelSource, DEFAULT_MODEL_FILE};
 use dflash_models::safetensors_dir::read_json;
-use dflash_models::{Checkpoint, ModelConfig, MtpHead, OpenedTarget, StreamTap, Target, TargetHeads};
+use dflash_models::{Checkpoint, Device, ModelConfig, MtpHead, OpenedTarget, StreamTap, Target, TargetHeads};
 use dflash_runtime::Tensor;
 
 use crate::assets::assets_dir;
@@ -101,6 +101,13 @@ impl DrafterPlan {
             }
             DrafterPlan::Block { .. } | DrafterPlan::None => Ok(StreamTap::default()),
         }
+    }
+
+    /// Whether a block drafter will run on a target on `device` and read its captured rows from the target's pages
+    /// there (`--drafter-device auto` on a CUDA target; a drafter the CUDA passes refuse still stays on the host,
+    /// leaving the pages unread).
+    pub fn reads_device_pages(&self, device: Device, placement: Placement) -> bool {
+        matches!(self, DrafterPlan::Block { .. }) && matches!(device, Device::Cuda(_)) && placement == Placement::Auto
     }
 
     /// Whether a drafter will read the target's embedding, LM head or final norm.
@@ -395,6 +402,12 @@ mod tests {
         assert!(plan("tiny-qwen3", &["--mtp", &head, "--mtp-depth", "0"]).is_err());
         let drafter = plan("tiny-qwen3", &["--drafter", &fixture("dflash-v2")]).expect("plan");
         assert_eq!(drafter.capture_layers(), vec![0, 1], "the drafter's taps");
+        // Only a block drafter placed on a CUDA target reads the target's pages of captured rows.
+        let (cuda, cpu) = (Device::Cuda(0), Device::Cpu);
+        assert!(drafter.reads_device_pages(cuda, Placement::Auto));
+        assert!(!drafter.reads_device_pages(cuda, Placement::Cpu) && !drafter.reads_device_pages(cpu, Placement::Auto));
+        let head = plan("tiny-qwen3", &["--mtp", &head]).expect("mtp plan");
+        assert!(!head.reads_device_pages(cuda, Placement::Auto), "the MTP head reads its rows on the host");
     }
 
     #[test]

@@ -144,6 +144,7 @@ impl Startup {
                 max_batch_tokens: plan.max_batch_tokens,
                 max_seqs: plan.max_running,
                 context_window: plan.context_window,
+                captured_pages: drafter.reads_device_pages(device, spec.drafter_device),
             },
             tensor_parallel: args.tensor_parallel_size,
         };

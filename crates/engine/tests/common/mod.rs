@@ -125,8 +125,15 @@ pub fn load() -> Model {
 pub fn trunk_norm(source: &ModelSource) -> dflash_models::mtp::TrunkNorm {
     use dflash_models::{open_target, CachePlan, Checkpoint, Device, KvPages, TargetOptions};
     let checkpoint = Checkpoint::open(source, None).expect("checkpoint");
-    let cache =
-        CachePlan { pages: KvPages::Fixed(1), page_size: 16, max_batch_tokens: 16, max_seqs: 1, context_window: 16 };
+    let pages = KvPages::Fixed(1);
+    let cache = CachePlan {
+        pages,
+        page_size: 16,
+        max_batch_tokens: 16,
+        max_seqs: 1,
+        context_window: 16,
+        captured_pages: false,
+    };
     let opts = TargetOptions { load: LoadOptions::default(), host_heads: true, cache, tensor_parallel: 1 };
     let opened = open_target(checkpoint, Device::Cpu, &opts).expect("target");
     let heads = opened.target.host_heads().expect("host heads");
@@ -139,7 +146,7 @@ pub fn target(m: &Model, cfg: &EngineConfig) -> Box<dyn Target> {
 }
 
 /// The cache a target opened through the one door needs for an engine of `cfg`: its pages, page size, step rows,
-/// sequences and window.
+/// sequences and window, with captured rows kept in the pages for a drafter on the target's device.
 pub fn cache_plan(cfg: &EngineConfig) -> dflash_models::CachePlan {
     dflash_models::CachePlan {
         pages: dflash_models::KvPages::Fixed(cfg.num_pages),
@@ -147,6 +154,7 @@ pub fn cache_plan(cfg: &EngineConfig) -> dflash_models::CachePlan {
         max_batch_tokens: cfg.max_batch_tokens,
         max_seqs: cfg.max_running,
         context_window: cfg.context_window,
+        captured_pages: true,
     }
 }
 

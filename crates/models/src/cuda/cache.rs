@@ -37,6 +37,9 @@ pub struct CudaCacheConfig {
     pub max_decode_rows: usize,
     /// Whether decode / verify steps are captured into CUDA graphs and replayed.
     pub graphs: bool,
+    /// Whether the pages also keep every position's captured rows, where the family captures any
+    /// ([`CachePlan::captured_pages`]).
+    pub captured_pages: bool,
 }
 
 impl CudaCacheConfig {
@@ -54,6 +57,7 @@ impl CudaCacheConfig {
             max_logit_rows: decode.max(1),
             max_decode_rows: decode,
             graphs: true,
+            captured_pages: false,
         }
     }
 
@@ -67,6 +71,7 @@ impl CudaCacheConfig {
         };
         CudaCacheConfig {
             fit_free_memory: fit,
+            captured_pages: plan.captured_pages,
             ..Self::new(pages, plan.page_size, rows, plan.max_seqs, plan.context_window)
         }
     }
@@ -204,8 +209,8 @@ pub struct CudaCache<X = ()> {
     pub(crate) ws: Workspace,
     /// Every cached position's captured values at its slot (`[(pages + 1) · page_size, capture width]`), when the
     /// family writes them there and captures any: a drafter on the device can read a sequence's rows from here
-    /// when it catches up, and a prompt's cached pages keep theirs on the device. Kept whether or not a drafter
-    /// reads them (the target is planned before the drafter is placed).
+    /// when it catches up, and a prompt's cached pages keep theirs on the device. Kept where the plan says a
+    /// drafter will read them ([`CudaCacheConfig::captured_pages`]).
     pub(crate) captured_pages: Option<Arc<DeviceBuf<f32>>>,
     pub(crate) graphs: HashMap<GraphKey, StepGraph>,
     /// Host staging of the inputs, reused every step.
@@ -279,7 +284,7 @@ impl<X> CudaCache<X> {
             ws.kv_bf16 = dev.alloc_zeros(2 * layer_len)?;
         }
         let kv_layers = shape.kv_layers.max(1);
-        let captured_pages = match capture_page_width(shape) {
+        let captured_pages = match capture_page_width(&cfg, shape) {
             0 => None,
             width => Some(Arc::new(dev.alloc_zeros((cfg.num_pages + 1) * cfg.page_size * width)?)),
         };
@@ -318,8 +323,8 @@ impl<X> CudaCache<X> {
 }
 
 /// Captured values a page slot keeps (0: none kept in the pages).
-fn capture_page_width(shape: &WorkspaceShape) -> usize {
-    if shape.capture_pages {
+fn capture_page_width(cfg: &CudaCacheConfig, shape: &WorkspaceShape) -> usize {
+    if cfg.captured_pages && shape.capture_pages {
         shape.capture_width
     } else {
         0
@@ -334,7 +339,7 @@ fn fit_pages(dev: &CudaDevice, mut cfg: CudaCacheConfig, shape: &WorkspaceShape)
     let Some(fraction) = cfg.fit_free_memory else { return Ok(cfg) };
     let page_elems = cfg.page_size * shape.kv_heads * shape.head_dim;
     let bf16_copy = if shape.tile_rows.tensor_core_prompt { 2 * 2 * page_elems } else { 0 };
-    let captured = 4 * cfg.page_size * capture_page_width(shape);
+    let captured = 4 * cfg.page_size * capture_page_width(&cfg, shape);
     let page_bytes = 2 * 4 * page_elems * shape.kv_layers.max(1) + bf16_copy + captured;
     let budget = (dev.free_memory()? as f64 * fraction.clamp(0.0, 1.0)) as usize;
     cfg.num_pages = (budget / page_bytes.max(1)).saturating_sub(1);

@@ -270,6 +270,8 @@ impl RandomRun {
             max_batch_tokens: plan.max_batch_tokens,
             max_seqs: plan.max_running,
             context_window: plan.context_window,
+            // A random drafter, if any, runs on the target's device.
+            captured_pages: true,
         };
         Ok(RandomRun { tokenizer, device, cache, num_pages, plan })
     }
