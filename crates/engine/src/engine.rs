@@ -78,8 +78,8 @@ pub struct Engine {
     costs_probed: bool,
     /// Whether a step runs its drafter pass, from the measured speed of steps with and without one.
     step_gate: StepGate,
-    /// Whether a step without a pass verifies the drafts that need none (prompt lookup's), from the measured speed
-    /// of such steps with drafts and without.
+    /// Whether a step without a pass verifies the drafts that need none (prompt lookup's, the MTP head's), from the
+    /// measured speed of such steps with drafts and without.
     draft_gate: StepGate,
     /// The MTP lane ([`Engine::with_mtp`]).
     mtp: Option<MtpLaneConfig>,

@@ -10,17 +10,13 @@ use crate::spec::{DflashProposer, PolicyMode, SharedCosts, StepGate};
 
 impl Engine {
     /// Runs the step's drafter pass over the rounds `planned` when the step gate lets a step of `decoding`
-    /// sequences run one, or a planned lane drafts every round (a fixed policy), or `DFLASH_STEP_GATE=0`;
-    /// otherwise those rounds go plain. Returns whether a pass ran.
+    /// sequences run one, or the gates do not judge this step ([`Self::gates_judge`]); otherwise those rounds go
+    /// plain. Returns whether a pass ran.
     pub(super) fn gated_shared_pass(&mut self, planned: &[(usize, usize)], decoding: usize) -> bool {
         if planned.is_empty() {
             return false;
         }
-        let fixed = planned
-            .iter()
-            .any(|&(i, _)| self.sched.running[i].lane.as_ref().is_some_and(|l| l.policy.mode() == PolicyMode::Fixed));
-        let ungated = dflash_runtime::switches::switches().no_step_gate;
-        let runs = fixed || ungated || self.step_gate.allows_pass(decoding);
+        let runs = !self.gates_judge(planned.iter().map(|&(i, _)| i)) || self.step_gate.allows_pass(decoding);
         self.metrics.record_step_pass(runs);
         if runs {
             self.draft_in_one_pass(planned);
@@ -35,25 +31,27 @@ impl Engine {
     }
 
     /// Withdraws every decoding sequence's drafts in a step without a drafter pass (prompt lookup's, the MTP
-    /// head's) unless the drafts gate lets a step of `decoding` sequences verify them, a drafting lane has a fixed policy, or
-    /// `DFLASH_STEP_GATE=0`: where such steps measure slower than plain ones (eight requests on an H100, entry 101),
-    /// the rounds go plain.
+    /// head's) unless the drafts gate lets a step of `decoding` sequences verify them, or the gates do not judge
+    /// this step ([`Self::gates_judge`]): where such steps measure slower than plain ones (eight requests on an
+    /// H100, entry 101), the rounds go plain.
     pub(super) fn gate_drafts(&mut self, decoding: usize) {
-        let drafting: Vec<usize> =
-            self.sched.running.iter().enumerate().filter(|(_, s)| !s.drafts.is_empty()).map(|(i, _)| i).collect();
-        if drafting.is_empty() {
-            return;
-        }
-        let fixed = drafting
-            .iter()
-            .any(|&i| self.sched.running[i].lane.as_ref().is_some_and(|l| l.policy.mode() == PolicyMode::Fixed));
-        if fixed || dflash_runtime::switches::switches().no_step_gate || self.draft_gate.allows_pass(decoding) {
+        let drafting = |s: &Sequence| !s.drafts.is_empty();
+        let running = &self.sched.running;
+        let drafters = running.iter().enumerate().filter(|(_, s)| drafting(s)).map(|(i, _)| i);
+        let judged = running.iter().any(drafting) && self.gates_judge(drafters);
+        if !judged || self.draft_gate.allows_pass(decoding) {
             return;
         }
         self.metrics.record_drafts_withheld();
-        for i in drafting {
-            self.sched.running[i].withdraw_drafts();
-        }
+        self.sched.running.iter_mut().filter(|s| drafting(s)).for_each(Sequence::withdraw_drafts);
+    }
+
+    /// Whether the step gates judge a step drafting for the running sequences `drafting`: not when one of their
+    /// lanes drafts every round (a fixed policy), nor under `DFLASH_STEP_GATE=0`.
+    fn gates_judge(&self, mut drafting: impl Iterator<Item = usize>) -> bool {
+        let fixed =
+            drafting.any(|i| self.sched.running[i].lane.as_ref().is_some_and(|l| l.policy.mode() == PolicyMode::Fixed));
+        !fixed && !dflash_runtime::switches::switches().no_step_gate
     }
 
     /// Tokens the decoding sequences among `items` have generated so far.
