@@ -13,6 +13,8 @@
 #   --budget-s N       seconds for generation + training, setup included (default 1200)
 #   --gen-share F      share of the budget for generation (default 0.4)
 #   --num-shards N     prompt shards of the series (default 2)
+#   --shard K          this run's prompt shard instead of (N-1) mod shards (a series restarted from shipped
+#                      weights takes the shard they have not seen)
 #   --variants N       sampled-prefix responses per prompt besides greedy (default 2)
 #   --gen-args "..."   more generate.py options (e.g. "--max-rows 1536 --kv-gib 96 --max-new-tokens 1024")
 #   --total-steps N    the series' step budget (required for run 1; later runs keep the checkpoint's)
@@ -30,7 +32,7 @@ export PYTHONUNBUFFERED=1
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 all_args=("$@")
-out="" run_index="" resume="" stage_dir="" budget=1200 gen_share=0.4 num_shards=2 variants=2 total_steps=""
+out="" run_index="" resume="" stage_dir="" budget=1200 gen_share=0.4 num_shards=2 shard="" variants=2 total_steps=""
 gguf="${DFLASH_MODELS_DIR:-${HOME}/.cache/dflash/models}/SmolLM2-135M-Instruct.Q4_1.gguf"
 wheels="" from="generate" do_export="" pack="" detach="" py="python3" smoke="" gen_args=""
 train_extra=()
@@ -43,6 +45,7 @@ while [[ $# -gt 0 ]]; do
         --budget-s) budget="$2"; shift 2 ;;
         --gen-share) gen_share="$2"; shift 2 ;;
         --num-shards) num_shards="$2"; shift 2 ;;
+        --shard) shard="$2"; shift 2 ;;
         --variants) variants="$2"; shift 2 ;;
         --gen-args) gen_args="$2"; shift 2 ;;
         --total-steps) total_steps="$2"; shift 2 ;;
@@ -55,7 +58,7 @@ while [[ $# -gt 0 ]]; do
         --python) py="$2"; shift 2 ;;
         --smoke) smoke="--smoke"; shift ;;
         --) shift; train_extra=("$@"); break ;;
-        *) echo "unknown argument: $1" >&2; sed -n '2,31p' "$0" >&2; exit 2 ;;
+        *) echo "unknown argument: $1" >&2; sed -n '2,33p' "$0" >&2; exit 2 ;;
     esac
 done
 [[ -n "${out}" && -n "${run_index}" ]] || { echo "--out DIR and --run N are required" >&2; exit 2; }
@@ -106,7 +109,8 @@ if not torch.cuda.is_available() and not os.environ["SMOKE"]:
     raise SystemExit("no GPU visible")
 PY
 
-shard=$(((run_index - 1) % num_shards))
+[[ -n "${shard}" ]] || shard=$(((run_index - 1) % num_shards))
+((shard >= 0 && shard < num_shards)) || { echo "--shard must be in 0..${num_shards}" >&2; exit 2; }
 gen_budget=$("${py}" -c "print(int(${budget} * ${gen_share}))")
 resume_arg=()
 [[ -z "${resume}" ]] || resume_arg=(--resume "${resume}")
