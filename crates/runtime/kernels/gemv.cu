@@ -203,12 +203,15 @@ __device__ __forceinline__ void gemm_f32_rows_sums(const float* __restrict__ w, 
 // made f32 and f16 checkpoints' decode and verify rows differ). These matrices are small (a drafter's: 144 to
 // 8,192 columns of 576 to 3,456), so latency bounds them: C columns per warp put C weight loads in flight per
 // lane and read each activation load C times from registers rather than from L1.
-// Epilogue as gemv_bf16_ep; y [m, y_ld]. Grid: (ceil(n_out / (GEMV_WARPS * C)), ceil(m / R)).
+// The row chunks of one column block are neighbours in the grid (chunks on x), so they run together and all but
+// the first read the block's weights from L2: more rows than one chunk cost L2 reads, not DRAM reads (one chunk of
+// 32 rows instead held 32 rows' sums per lane and ran at a quarter of 8-row chunks' speed on a drafter's LM head).
+// Epilogue as gemv_bf16_ep; y [m, y_ld]. Grid: (ceil(m / R), ceil(n_out / (GEMV_WARPS * C))).
 template <int R, int C>
 __device__ __forceinline__ void gemm_f32_rows(const float* __restrict__ w, const float* __restrict__ x,
                                               float* __restrict__ y, u32 y_ld, u32 n_out, u32 k, u32 m, u32 epi) {
-    const u32 lane = threadIdx.x & 31u, col0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * C;
-    const u32 row0 = blockIdx.y * R, rows = min((u32)R, m - row0);
+    const u32 lane = threadIdx.x & 31u, col0 = (blockIdx.y * GEMV_WARPS + (threadIdx.x >> 5)) * C;
+    const u32 row0 = blockIdx.x * R, rows = min((u32)R, m - row0);
     if (col0 >= n_out) return;  // uniform per warp
     const u32 cols = min((u32)C, n_out - col0);
     const bool swiglu = epi == EPI_SWIGLU;
@@ -255,7 +258,6 @@ __device__ __forceinline__ void gemm_f32_rows(const float* __restrict__ w, const
     }
 DF_GEMM_F32_ROWS(1, 4)
 DF_GEMM_F32_ROWS(8, 2)
-DF_GEMM_F32_ROWS(32, 1)
 
 // ---------------------------------------------------------------------------------------------------------
 // Batch-invariant small-batch bf16 matmul on tensor cores (the decode and verify rows of bf16 targets).

@@ -64,10 +64,10 @@ pub(crate) const GEMV_ROWS_PER_BLOCK: u32 = 8;
 pub(crate) const MAX_DYNAMIC_SMEM: u32 = 160 * 1024;
 
 /// Row chunks the batch-invariant f32 matmul is compiled for (`gemm_f32_rows_r{R}` in gemv.cu).
-pub(crate) const F32_ROWS_CHUNKS: [usize; 3] = [1, 8, 32];
+pub(crate) const F32_ROWS_CHUNKS: [usize; 2] = [1, 8];
 
 /// Output columns per warp of each `gemm_f32_rows_r{R}` (the `C` of `DF_GEMM_F32_ROWS(R, C)` in gemv.cu).
-pub(crate) const F32_ROWS_COLUMNS: [usize; 3] = [4, 2, 1];
+pub(crate) const F32_ROWS_COLUMNS: [usize; 2] = [4, 2];
 
 /// Activation-row counts the quantized matmul kernels are compiled for (`mmvq_*_r{R}` in quant.cu).
 pub(crate) const MMVQ_ROWS: [usize; 4] = [1, 2, 4, 8];

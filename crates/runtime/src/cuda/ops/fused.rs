@@ -8,7 +8,7 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::driver::LaunchConfig;
 use half::bf16;
 
-use super::{dim, launch_cfg, launch_err, shape_err, ROW_BLOCK};
+use super::{dim, launch_cfg, launch_err, shape_err, MAX_GRID_Y, ROW_BLOCK};
 use crate::cuda::device::CudaDevice;
 use crate::cuda::kernels::{
     F32_ROWS_CHUNKS, F32_ROWS_COLUMNS, GEMV_ROWS_PER_BLOCK, MAX_DYNAMIC_SMEM, SMALL_GEMM_COLS_PER_BLOCK,
@@ -217,9 +217,9 @@ pub fn gemv_bf16_ep<'a>(
 }
 
 /// `m` activation rows through an f32 matrix with an epilogue, batch-invariant: a row's result has the same
-/// bits whatever `m` and the other rows (a warp per output column takes a chunk of up to 32 rows, reading each
-/// weight once for all of them and summing each row in a fixed order), unlike cuBLAS, which picks its kernel by
-/// shape. For the few-row decode and verify steps of f32 and f16 checkpoints.
+/// bits whatever `m` and the other rows (a warp per output column takes a chunk of up to 8 rows, reading each
+/// weight once for all of them and summing each row in a fixed order; a chunk's neighbours read the weights from
+/// L2), unlike cuBLAS, which picks its kernel by shape. For the few-row decode and verify steps of f32 and f16 checkpoints.
 ///
 /// `w`: `[epi.weight_rows(n_out), k]` f32; `x`: `[m, k]` f32; `y`: `[m, y_ld]`, columns `0..n_out` written.
 ///
@@ -250,7 +250,11 @@ pub fn gemm_f32_rows<'a>(
     // The smallest chunk that covers m (the largest beyond it).
     let ci = F32_ROWS_CHUNKS.iter().position(|&r| r >= m).unwrap_or(F32_ROWS_CHUNKS.len() - 1);
     let (chunk, per_block) = (F32_ROWS_CHUNKS[ci], GEMV_ROWS_PER_BLOCK as usize * F32_ROWS_COLUMNS[ci]);
-    let grid = (dim(n_out.div_ceil(per_block), "blocks")?, dim(m.div_ceil(chunk), "chunks")?, 1);
+    let col_blocks = n_out.div_ceil(per_block);
+    if col_blocks > MAX_GRID_Y as usize {
+        return Err(shape_err(format!("gemm_f32_rows: {n_out} outputs exceed the grid's {MAX_GRID_Y} column blocks")));
+    }
+    let grid = (dim(m.div_ceil(chunk), "chunks")?, dim(col_blocks, "blocks")?, 1);
     let (y_ld32, n, k32, m32, code) = (dim(y_ld, "y_ld")?, dim(n_out, "n")?, dim(k, "k")?, dim(m, "m")?, epi.code());
     let mut launch = dev.launch_builder(&dev.kernels.gemm_f32_rows[ci]);
     launch.arg(w.arg()).arg(x.arg()).arg(y.arg()).arg(&y_ld32).arg(&n).arg(&k32).arg(&m32).arg(&code);
