@@ -58,10 +58,14 @@ while [[ $# -gt 0 ]]; do
         --python) py="$2"; shift 2 ;;
         --smoke) smoke="--smoke"; shift ;;
         --) shift; train_extra=("$@"); break ;;
-        *) echo "unknown argument: $1" >&2; sed -n '2,33p' "$0" >&2; exit 2 ;;
+        *) echo "unknown argument: $1" >&2; sed -n '2,29p' "$0" >&2; exit 2 ;;
     esac
 done
 [[ -n "${out}" && -n "${run_index}" ]] || { echo "--out DIR and --run N are required" >&2; exit 2; }
+if [[ -n "${shard}" ]] && ! { [[ "${shard}" =~ ^[0-9]+$ ]] && ((10#${shard} < num_shards)); }; then
+    echo "--shard must be one of 0 .. $((num_shards - 1))" >&2
+    exit 2
+fi
 mkdir -p "${out}/data" "${out}/ckpt"
 
 if [[ -n "${detach}" ]]; then
@@ -109,8 +113,7 @@ if not torch.cuda.is_available() and not os.environ["SMOKE"]:
     raise SystemExit("no GPU visible")
 PY
 
-[[ -n "${shard}" ]] || shard=$(((run_index - 1) % num_shards))
-((shard >= 0 && shard < num_shards)) || { echo "--shard must be in 0..${num_shards}" >&2; exit 2; }
+if [[ -n "${shard}" ]]; then shard=$((10#${shard})); else shard=$(((run_index - 1) % num_shards)); fi
 gen_budget=$("${py}" -c "print(int(${budget} * ${gen_share}))")
 resume_arg=()
 [[ -z "${resume}" ]] || resume_arg=(--resume "${resume}")

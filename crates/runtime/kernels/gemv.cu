@@ -171,7 +171,7 @@ __device__ __forceinline__ void gemm_f32_rows_sums(const float* __restrict__ w, 
                                                    u32 k, u32 rows, u32 cols, float (&acc)[C][R],
                                                    float (&acc_up)[C][R]) {
     const u32 lane = threadIdx.x & 31u, groups = (k + 3u) >> 2;
-    // Two groups in flight per lane where the registers allow (32 rows' activations fill them alone).
+    // Two groups in flight per lane where the registers allow (R * C sums a lane: 8 for every chunk kernel).
     constexpr int UNROLL = R * C <= 8 ? 2 : 1;
 #pragma unroll UNROLL
     for (u32 g = lane; g < groups; g += 32) {
@@ -200,9 +200,10 @@ __device__ __forceinline__ void gemm_f32_rows_sums(const float* __restrict__ w, 
 // of four) and adds them into every row's sums, then the warp sum per row and column. A sum has the same order
 // whatever R, C, m, the other rows and the load width (a group's four products are added in order either way; past
 // k the scalar path adds zeros), so its bits do not depend on the batch (cuBLAS picks its kernel by shape, which
-// made f32 and f16 checkpoints' decode and verify rows differ). These matrices are small (a drafter's: 144 to
-// 8,192 columns of 576 to 3,456), so latency bounds them: C columns per warp put C weight loads in flight per
-// lane and read each activation load C times from registers rather than from L1.
+// made f32 and f16 checkpoints' decode and verify rows differ). The default model's drafter's matrices are small
+// (144 to 8,192 columns of 576 to 3,456), so latency bounds them: C columns per warp put C weight loads in flight
+// per lane and read each activation load C times from registers rather than from L1; a real-shape drafter's (up to
+// a 151,936 x 4,096 LM head) are bound by their bytes.
 // The row chunks of one column block are neighbours in the grid (chunks on x), so they run together and all but
 // the first read the block's weights from L2: more rows than one chunk cost L2 reads, not DRAM reads (one chunk of
 // 32 rows instead held 32 rows' sums per lane and ran at a quarter of 8-row chunks' speed on a drafter's LM head).

@@ -182,7 +182,7 @@ fn f32_rows_matmul_matches_cpu_and_is_batch_invariant() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(23);
     // (m, n_out, k): odd widths; 1 and 8 rows are whole chunks of the kernel, 3 is not; 13, 16, 32 and 40 rows
-    // take several chunks, the last of 13 and 40 partial.
+    // take several chunks, the last of 13 partial.
     let shapes = [(1, 37, 100), (3, 64, 128), (8, 129, 576), (13, 40, 96), (16, 33, 200), (32, 20, 33), (40, 24, 64)];
     for (m, n_out, k) in shapes {
         for epi in [Epilogue::Store, Epilogue::Add, Epilogue::Swiglu] {

@@ -219,7 +219,8 @@ pub fn gemv_bf16_ep<'a>(
 /// `m` activation rows through an f32 matrix with an epilogue, batch-invariant: a row's result has the same
 /// bits whatever `m` and the other rows (a warp per output column takes a chunk of up to 8 rows, reading each
 /// weight once for all of them and summing each row in a fixed order; a chunk's neighbours read the weights from
-/// L2), unlike cuBLAS, which picks its kernel by shape. For the few-row decode and verify steps of f32 and f16 checkpoints.
+/// L2), unlike cuBLAS, which picks its kernel by shape. For the few-row decode and verify steps of f32 and f16
+/// checkpoints.
 ///
 /// `w`: `[epi.weight_rows(n_out), k]` f32; `x`: `[m, k]` f32; `y`: `[m, y_ld]`, columns `0..n_out` written.
 ///
