@@ -18,6 +18,8 @@ pub mod acceptance;
 pub mod backoff;
 #[cfg(test)]
 mod bench_sim;
+#[cfg(test)]
+mod bench_sim_projection;
 pub mod choice;
 pub mod costs;
 pub mod step_gate;
