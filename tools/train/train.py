@@ -146,6 +146,9 @@ def resumed_configs(args, state: dict, cfg: TargetConfig) -> dict:
             cfg.hidden_size:
         raise SystemExit("the checkpoint was trained for another target")
     sched = dict(state["schedule"])
+    kept = ", ".join(f"{k} {sched[k]}" for k in ("kind", "warmup_steps", "decay_frac", "peak_lr") if k in sched)
+    log(f"schedule kept from the checkpoint ({kept}): --warmup-steps, --decay-frac, --lr and --schedule apply to a "
+        "fresh series only")
     if args.total_steps > 0 and args.total_steps != sched["total_steps"]:
         log(f"schedule: total steps {sched['total_steps']} -> {args.total_steps}")
         sched["total_steps"] = args.total_steps
@@ -339,6 +342,8 @@ def run_summary(run_index, samples, trainer, first_step, curve, evals, seconds, 
                                           "response_tokens", "greedy_response_tokens", "prompt_tokens", "seconds",
                                           "tokens_per_second", "prompts_sha256_jsonl", "gguf_sha256", "splits")},
         "steps": {"start": first_step, "end": trainer.step, "total": trainer.cfg.schedule["total_steps"]},
+        # The schedule the steps ran on: a resumed run keeps its checkpoint's, whatever "args" below says.
+        "schedule": dict(trainer.cfg.schedule),
         "train_seconds": round(seconds, 1),
         "steps_per_second": round(steps_done / max(seconds, 1e-9), 3),
         "trained": dict(trainer.totals),
