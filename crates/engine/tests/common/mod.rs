@@ -125,9 +125,8 @@ pub fn load() -> Model {
 pub fn trunk_norm(source: &ModelSource) -> dflash_models::mtp::TrunkNorm {
     use dflash_models::{open_target, CachePlan, Checkpoint, Device, KvPages, TargetOptions};
     let checkpoint = Checkpoint::open(source, None).expect("checkpoint");
-    let pages = KvPages::Fixed(1);
     let cache = CachePlan {
-        pages,
+        pages: KvPages::Fixed(1),
         page_size: 16,
         max_batch_tokens: 16,
         max_seqs: 1,

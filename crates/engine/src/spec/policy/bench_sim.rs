@@ -51,11 +51,13 @@ fn draft_right(key: u64, position: usize, j: usize, acceptance: f64) -> bool {
     oracle::unit(oracle::mix(key, position as u64, j as u64)) < acceptance as f32
 }
 
-/// One engine of a cell: its shared cost table, the real ladder, the timing noise, and what its lanes did.
-struct Engine {
+/// One engine of a cell: its shared cost table, the real ladder, the drafts' acceptance by position and their
+/// drafting cost, the timing noise, and what its lanes did.
+pub(super) struct Engine {
     costs: CostTable,
-    ladder: [f64; 8],
-    accept: [f64; 7],
+    ladder: Vec<f64>,
+    accept: Vec<f64>,
+    draft_ms: f64,
     context: usize,
     noise: Rng,
     /// Per lane: tokens and ms over every prompt, and each prompt's decode rate (tokens per ms).
@@ -67,14 +69,21 @@ struct Engine {
 }
 
 impl Engine {
+    /// An engine of the table's cells: its probe ran on the 1K cell's ladder, its drafts cost [`DRAFT_MS`].
     fn new(ladder: [f64; 8], accept: [f64; 7], context: usize, seed: u64) -> Self {
-        let mut costs = CostTable::new(8);
-        // The probe times the forward alone at a short context: a little under the round.
-        let probe: Vec<f64> = CELLS[0].2.iter().map(|ms| ms - 0.2).collect();
-        costs.seed(&probe);
+        Self::of(&ladder, &CELLS[0].2, &accept, DRAFT_MS, context, seed)
+    }
+
+    /// An engine whose steps cost `ladder` (ms by rows), whose start-up probe timed steps a little faster than
+    /// `probed` (it times the forward alone at a short context), whose drafts cost `draft_ms` and land with
+    /// conditional probability `accept` by position.
+    pub(super) fn of(ladder: &[f64], probed: &[f64], accept: &[f64], draft_ms: f64, context: usize, seed: u64) -> Self {
+        let mut costs = CostTable::new(ladder.len());
+        costs.seed(&probed.iter().map(|ms| ms - 0.2).collect::<Vec<_>>());
         let noise = Rng(seed.wrapping_mul(0x2545_f491_4f6c_dd1d) ^ 0x5851_f42d);
         let (tokens, ms, rates, widths) = ([0.0; 5], [0.0; 5], [[0.0; MAX_PROMPTS]; 5], [0; 9]);
-        Engine { costs, ladder, accept, context, noise, tokens, ms, rates, widths }
+        let (ladder, accept) = (ladder.to_vec(), accept.to_vec());
+        Engine { costs, ladder, accept, draft_ms, context, noise, tokens, ms, rates, widths }
     }
 
     /// A step of `rows` rows: its time, fed to the table.
@@ -86,18 +95,25 @@ impl Engine {
 
     /// One round of `policy` at `generated` tokens (at most `cap` drafts) for the prompt keyed `key`: its verify
     /// rows, the tokens it committed and its ms.
-    fn round(&mut self, policy: &mut RoundPolicy, key: u64, generated: usize, cap: usize) -> (usize, usize, f64) {
+    pub(super) fn round(
+        &mut self,
+        policy: &mut RoundPolicy,
+        key: u64,
+        generated: usize,
+        cap: usize,
+    ) -> (usize, usize, f64) {
         if let RoundPlan::Plain = policy.plan(&self.costs, self.context, cap) {
             return (1, 1, self.step(1));
         }
-        self.costs.observe_draft(LaneKind::Oracle, DRAFT_MS);
-        let keep = policy.choose(&self.costs, self.context, cap, None, DRAFT_MS).drafts;
+        let draft_ms = self.draft_ms;
+        self.costs.observe_draft(LaneKind::Oracle, draft_ms);
+        let keep = policy.choose(&self.costs, self.context, cap, None, draft_ms).drafts;
         if keep == 0 {
-            return (1, 1, DRAFT_MS + self.step(1));
+            return (1, 1, draft_ms + self.step(1));
         }
         let accepted = (0..keep).take_while(|&j| draft_right(key, generated, j, self.accept[j])).count();
         policy.record_verified(&mut self.costs, keep, accepted, None);
-        let ms = DRAFT_MS + self.step(keep + 1);
+        let ms = draft_ms + self.step(keep + 1);
         policy.record_round(&self.costs, self.context, RoundTiming::alone(&self.costs, self.context, accepted + 1, ms));
         (keep + 1, accepted + 1, ms)
     }
