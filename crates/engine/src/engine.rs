@@ -332,7 +332,13 @@ impl Engine {
         self.probe_round_costs_once();
         // Lanes draft one after another, each pricing its round as part of the whole step so far.
         let decoding = self.sched.running.iter().filter(|s| s.is_decoding()).count();
-        self.round_costs.lock().begin_step(decoding);
+        {
+            let mut costs = self.round_costs.lock();
+            costs.begin_step(decoding);
+            if !self.draft_gate.view(decoding).open {
+                costs.hold_back_drafts();
+            }
+        }
         let mut clock = PhaseClock::start();
         let step_started = Instant::now();
         let mut shared = Vec::new();

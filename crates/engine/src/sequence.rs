@@ -9,7 +9,7 @@ use dflash_models::tokenizer::Tokenizer;
 use crate::grammar::GrammarState;
 use crate::request::{Event, EventSink, FinishReason, Request, TokenLogprob, Usage};
 use crate::sampler::TokenHistory;
-use crate::spec::{DflashProposer, Proposal, ProposeInput, SpecLane};
+use crate::spec::{DflashProposer, Proposal, ProposeInput, RoundStart, SpecLane};
 
 mod text_out;
 pub use text_out::TextOut;
@@ -223,9 +223,9 @@ impl Sequence {
         // A proposer that panics (a drafter bug) must not take the engine thread, and with it every request,
         // down: the lane is dropped and the request decodes plain, with the tokens it would have had anyway.
         let planned = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match shared {
-            true => match lane.plan_round(&input, cap) {
-                Some(max) => (Some(max), Vec::new()),
-                None => (None, lane.fallback_drafts(&input, cap)),
+            true => match lane.start_round(&input, cap) {
+                RoundStart::Drafter(max) => (Some(max), Vec::new()),
+                RoundStart::Drafts(drafts) => (None, drafts),
             },
             false => (None, lane.draft(&input, cap)),
         }));

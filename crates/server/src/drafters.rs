@@ -189,7 +189,7 @@ fn load_mtp(spec: &SpecArgs, dir: &Path, f32_weights: bool, heads: &dyn TargetHe
     let depth = spec.mtp.depth()?;
     let typical = spec.mtp.typical()?;
     tracing::info!(
-        "speculation: MTP head from {} (depth {}{}); prompt lookup {}: the rounds the head leaves plain, and requests \
+        "speculation: MTP head from {} (depth {}{}); prompt lookup {}: the rounds the head leaves plain or lookup's drafts win, and requests \
          that opt out of drafters",
         dir.display(),
         match depth {
@@ -345,7 +345,7 @@ fn log_lanes(spec: &SpecArgs, drafter: Option<(&DrafterConfig, &Path, bool)>) {
     };
     tracing::info!(
         "speculation: {origin}{:?} drafter from {} on {} (block {} of {} trained, taps {:?}, {vocab}); prompt lookup \
-         {pld}: the rounds the drafter leaves plain, and requests that opt out of it (--no-drafter to turn it off)",
+         {pld}: the rounds the drafter leaves plain or lookup's drafts win, and requests that opt out of it (--no-drafter to turn it off)",
         d.model.kind(),
         dir.display(),
         d.model.device(),

@@ -9,7 +9,8 @@ use crate::spec::{
 
 impl Engine {
     /// The request's lane: the MTP head, else the block drafter, when the server has one and the request does not
-    /// opt out of drafters, with prompt lookup drafting the rounds it leaves plain; else prompt lookup alone.
+    /// opt out of drafters, with prompt lookup drafting the rounds it leaves plain or lookup's drafts win; else prompt
+    /// lookup alone.
     pub(super) fn arm_lane(&self, req: &Request) -> Option<SpecLane> {
         if let Some(draft) = &req.oracle {
             let max = draft.max_draft;

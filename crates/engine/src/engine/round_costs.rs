@@ -151,8 +151,10 @@ impl Engine {
     /// the step's timing. Drafting is not in it: that is the lanes', timed on their own.
     ///
     /// The table's cells are whole steps by their rows in all: every sequence in a step waits for all of it, and a
-    /// lane choosing a width pays what the step's rows with its round cost against the step's rows without. Steps
-    /// with prompt rows say nothing about a round's cost and are left out.
+    /// lane choosing a width pays what the step's rows with its round cost against the step's rows without. Plain
+    /// steps and a lone sequence's feed the cells; steps of many sequences with verify rows feed the factor their
+    /// batch size prices such rows by ([`CostTable::observe_step`]). Steps with prompt rows say nothing about a
+    /// round's cost and are left out.
     pub(super) fn record_round_times(&mut self, items: &[StepItem], step_ms: f64) {
         let decode_only = items.iter().all(StepItem::is_round);
         let rows: usize = items.iter().map(|i| i.rows).sum();
@@ -169,7 +171,7 @@ impl Engine {
                 "round timed"
             );
             let mut costs = self.round_costs.lock();
-            costs.observe(context, rows, step_ms);
+            costs.observe_step(context, items.len(), rows, step_ms);
             self.metrics.publish_round_costs(&costs);
         }
         let timing = decode_only.then_some(StepTiming {

@@ -1,6 +1,6 @@
 //! A sequence's armed lane: its proposer, round policy and stats against the engine's cost table, and the round in
 //! flight between drafting, verification and the step's timing. A drafter's lane may carry prompt lookup as a
-//! fallback that drafts the rounds the drafter's policy leaves plain.
+//! fallback that drafts the rounds the drafter's policy leaves plain and those where its free drafts promise more.
 
 use std::time::Instant;
 
@@ -57,11 +57,28 @@ pub struct SpecLane {
     costs: SharedCosts,
     max_draft: usize,
     round: RoundInFlight,
-    /// Prompt lookup, drafting the rounds this (drafter's) lane leaves plain: free drafts where the text repeats
+    /// Prompt lookup, drafting the rounds this (drafter's) lane leaves plain, and first where its drafts promise
+    /// more ([`Self::lookup_first`]): free drafts where the text repeats
     /// itself, while the drafter's policy finds its own rounds do not pay.
     fallback: Option<Box<SpecLane>>,
     /// What the fallback did in the round in flight.
     fallback_turn: FallbackTurn,
+    /// Rounds in a row the fallback had drafts for and the drafter's round was preferred.
+    fallback_passed_over: u32,
+}
+
+/// A fallback passed over this many rounds in a row where it had drafts takes the next one, so its acceptance
+/// estimates stay measured: of the rounds it has drafts for, at most one in this many plus one goes to it where
+/// the drafter's would have promised more.
+pub const FALLBACK_EXPLORE_ROUNDS: u32 = 8;
+
+/// How a lane's round starts ([`SpecLane::start_round`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RoundStart {
+    /// The drafter proposes at most this many drafts (alone, or in the step's shared drafter pass).
+    Drafter(usize),
+    /// The fallback's drafts, or none (a plain round): the drafter does not run.
+    Drafts(Vec<u32>),
 }
 
 /// The fallback's part in the round in flight.
@@ -97,10 +114,12 @@ impl SpecLane {
             round: RoundInFlight::default(),
             fallback: None,
             fallback_turn: FallbackTurn::Idle,
+            fallback_passed_over: 0,
         }
     }
 
-    /// This lane with `fallback` drafting the rounds its policy leaves plain (prompt lookup under a drafter).
+    /// This lane with `fallback` drafting the rounds its policy leaves plain and those its drafts win (prompt lookup
+    /// under a drafter).
     pub fn with_fallback(mut self, fallback: SpecLane) -> Self {
         self.stats.fallback = Some(FallbackStats { lane: fallback.stats.lane, ..FallbackStats::default() });
         self.fallback = Some(Box::new(fallback));
@@ -110,8 +129,8 @@ impl SpecLane {
     /// Drafts for the next round (at most `cap`): none when the policy makes it plain, else the prefix of the
     /// proposal the policy chooses to verify.
     pub fn draft(&mut self, input: &ProposeInput, cap: usize) -> Vec<u32> {
-        match self.plan_round(input, cap) {
-            Some(max) => {
+        match self.start_round(input, cap) {
+            RoundStart::Drafter(max) => {
                 let (proposal, draft_ms) = self.timed_proposal(input, max);
                 let drafts = self.finish_round(proposal, max, draft_ms);
                 if drafts.is_empty() {
@@ -119,7 +138,7 @@ impl SpecLane {
                 }
                 drafts
             }
-            None => self.fallback_drafts(input, cap),
+            RoundStart::Drafts(drafts) => drafts,
         }
     }
 
@@ -129,26 +148,69 @@ impl SpecLane {
         let Some(fallback) = self.fallback.as_mut() else { return Vec::new() };
         let drafts = fallback.draft(input, cap);
         self.fallback_turn = if drafts.is_empty() { FallbackTurn::Asked } else { FallbackTurn::Drafted };
+        if !drafts.is_empty() {
+            self.fallback_passed_over = 0;
+        }
         drafts
     }
 
-    /// Starts the next round: `Some(max)` when the lane drafts at most `max` tokens, `None` when the round is plain.
-    pub fn plan_round(&mut self, input: &ProposeInput, cap: usize) -> Option<usize> {
+    /// Starts the next round (at most `cap` drafts): the drafter's, or the fallback's drafts (none: a plain round)
+    /// where the drafter's policy makes the round plain or the fallback's drafts promise more
+    /// ([`Self::lookup_first`]).
+    pub fn start_round(&mut self, input: &ProposeInput, cap: usize) -> RoundStart {
         let context = input.tokens.len();
         let max = cap.min(self.max_draft);
         self.round = RoundInFlight { context, ..RoundInFlight::default() };
         self.fallback_turn = FallbackTurn::Idle;
         if max == 0 {
-            return None;
+            return RoundStart::Drafts(self.fallback_drafts(input, cap));
         }
-        if let RoundPlan::Plain = self.policy.plan(&self.costs.lock(), context, max) {
+        if let Some(drafts) = self.lookup_first(input, cap, max) {
+            return RoundStart::Drafts(drafts);
+        }
+        let plan = self.policy.plan(&self.costs.lock(), context, max);
+        if plan == RoundPlan::Plain {
             self.round.gated = true;
-            return None;
+            return RoundStart::Drafts(self.fallback_drafts(input, cap));
         }
-        Some(max)
+        RoundStart::Drafter(max)
     }
 
-    /// Ends a round [`Self::plan_round`] planned without drafting it: the step's gate kept the drafter pass from
+    /// The fallback's (prompt lookup's) drafts for this round, taken before the drafter's round where they promise
+    /// the step more tokens per ms than the drafter's round at its best width (at most `max` drafts, at its
+    /// drafting cost): they cost no drafting call, so where the text repeats itself they often do. `None` leaves
+    /// the round to the drafter: a lane of fixed widths, a drafter that owes plain rounds (its plain round asks
+    /// the fallback anyway), a step whose drafts without a pass are held back ([`StepOutlook::drafts_held_back`]),
+    /// no lookup drafts, or none its own policy keeps. Estimates of rounds that never run never move: a fallback
+    /// passed over [`FALLBACK_EXPLORE_ROUNDS`] rounds in a row where it had drafts that could pay takes the next.
+    fn lookup_first(&mut self, input: &ProposeInput, cap: usize, max: usize) -> Option<Vec<u32>> {
+        let fallback = self.fallback.as_mut()?;
+        if self.policy.mode() == PolicyMode::Fixed || self.policy.backoff().owed() > 0 {
+            return None;
+        }
+        let costs = self.costs.lock();
+        let found = fallback.proposer.propose(input, cap).tokens.len();
+        if costs.step().drafts_held_back || found == 0 {
+            return None;
+        }
+        let context = input.tokens.len();
+        let lookup = fallback.policy.expected_rate(&costs, context, found, 0.0)?;
+        let drafter = self.policy.expected_rate(&costs, context, max, costs.draft_cost(self.stats.lane));
+        drop(costs);
+        self.fallback_passed_over += 1;
+        if drafter.is_some_and(|d| d >= lookup) && self.fallback_passed_over <= FALLBACK_EXPLORE_ROUNDS {
+            return None;
+        }
+        let drafts = self.fallback_drafts(input, cap);
+        if drafts.is_empty() {
+            // Its policy keeps none: the round is the drafter's after all.
+            self.fallback_turn = FallbackTurn::Idle;
+            return None;
+        }
+        Some(drafts)
+    }
+
+    /// Ends a round [`Self::start_round`] planned for the drafter without drafting it: the step's gate kept the drafter pass from
     /// running ([`StepGate`]), so the round is plain.
     pub fn skip_planned_round(&mut self) {
         self.round.gated = true;
@@ -417,6 +479,54 @@ mod tests {
         assert_eq!(lane.stats.accepted, 0, "the drafter's figures hold its own rounds only");
         assert_eq!(lane.stats.rounds + fallback.rounds + lane.stats.plain_steps, 40);
         assert_eq!(lane.stats.widths[4], fallback.rounds, "every step is in the width histogram");
+    }
+
+    /// Proposes the same drafts where the context's length is even (text that repeats itself every other round).
+    struct EvenEcho(Vec<u32>);
+
+    impl Proposer for EvenEcho {
+        fn kind(&self) -> LaneKind {
+            LaneKind::Pld
+        }
+
+        fn propose(&mut self, input: &ProposeInput, max: usize) -> Proposal {
+            let found = if input.tokens.len().is_multiple_of(2) { self.0.len() } else { 0 };
+            self.0.iter().copied().take(found.min(max)).collect::<Vec<_>>().into()
+        }
+    }
+
+    /// 40 rounds of a drafter lane whose drafter proposes 8 drafts in `draft` and whose prompt lookup proposes 4
+    /// every other round, every draft landing, in steps of 10 ms plus 1 ms a row; returns the drafter's rounds and
+    /// the fallback's.
+    fn rounds_of_drafter_and_lookup(draft: std::time::Duration) -> (u64, u64) {
+        let mut table = CostTable::new(9);
+        table.seed(&[10.0, 11.0, 12.0, 13.0, 14.0, 15.0, 16.0, 17.0, 18.0]);
+        let costs = SharedCosts::new(table);
+        let pld = SpecLane::new(Box::new(EvenEcho(vec![7; 4])), 4, 0, PolicyMode::Adaptive, costs.clone());
+        let drafter = Box::new(Slow(vec![5; 8], draft));
+        let mut lane = SpecLane::new(drafter, 8, 8, PolicyMode::Adaptive, costs).with_fallback(pld);
+        let sampling = SamplingParams::greedy();
+        for round in 0..40 {
+            let tokens = vec![1; 3 + round];
+            let drafts = lane.draft(&ProposeInput { tokens: &tokens, sampling: &sampling }, 100);
+            if !drafts.is_empty() {
+                lane.verified(drafts.len(), drafts.len());
+            }
+            lane.stepped(1 + drafts.len(), Some(StepTiming::alone(1 + drafts.len(), 10.0 + drafts.len() as f64)));
+        }
+        (lane.stats.rounds, lane.stats.fallback.expect("fallback stats").rounds)
+    }
+
+    #[test]
+    fn prompt_lookup_takes_the_rounds_where_its_free_drafts_beat_the_drafters() {
+        // Lookup: 5 tokens for 14 ms where it finds drafts (every other round). A drafter that lands 8 drafts for
+        // 18 ms plus a 12 ms call (9 for 30) leaves it those rounds once lookup's drafts were measured; one whose
+        // call is free (9 for 18) takes them.
+        let (drafter, lookup) = rounds_of_drafter_and_lookup(std::time::Duration::from_millis(12));
+        assert!(lookup >= 10 && drafter >= 20, "a slow drafter: {drafter} rounds, lookup {lookup}");
+        // The free drafter leaves lookup only the rounds that keep its estimates measured (one in nine).
+        let (drafter, lookup) = rounds_of_drafter_and_lookup(std::time::Duration::ZERO);
+        assert!(drafter >= 35 && (1..=4).contains(&lookup), "a free drafter: {drafter} rounds, lookup {lookup}");
     }
 
     #[test]

@@ -116,7 +116,7 @@ pub(crate) struct SpecUsage {
     pub gate_pauses: u64,
     /// Time spent drafting, in ms.
     pub draft_ms: f64,
-    /// Prompt lookup's rounds among those the drafter left plain (absent without it).
+    /// Prompt lookup's rounds: those the drafter left plain, and those lookup's drafts won (absent without it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fallback: Option<FallbackUsage>,
 }

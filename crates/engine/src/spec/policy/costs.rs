@@ -2,7 +2,9 @@
 //!
 //! One table per engine (one target on one device), shared by every lane. A cell is a whole step of `rows` rows,
 //! whichever sequences they belong to: one sequence verifying 8 rows and 8 sequences decoding one each read the
-//! weights alike, and a lane's extra verify rows cost the step what moving from its rows to the wider cell costs.
+//! weights alike, and a lane's extra verify rows cost the step what moving from its rows to the wider cell costs,
+//! scaled in a step of many sequences by what such steps measured against the cells (`extra_rows`): the cells learn
+//! from plain steps and a lone sequence's rounds.
 //! Each context bucket models a step as `level x shape[rows]`: the level is how fast the machine runs right now,
 //! the shape how much each extra row adds relative to it. A start-up probe gives the first shape (ms for 1..B rows
 //! at a short context); steps wider than any cell extend the shape along its last segment. The bucket's most measured width (its anchor) moves the level quickly; every other width
@@ -17,6 +19,7 @@
 use std::fmt::Write;
 
 use super::acceptance::PositionAcceptance;
+use super::extra_rows::ExtraRowFactors;
 use crate::spec::LaneKind;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -52,6 +55,9 @@ pub struct StepOutlook {
     pub tokens: f64,
     /// Drafting calls already made for the step (ms): every sequence waits for them.
     pub draft_ms: f64,
+    /// Whether the step's drafts gate would hold back drafts verified without a drafter pass (prompt lookup's):
+    /// a drafter's lane then leaves its rounds to the drafter rather than to lookup.
+    pub drafts_held_back: bool,
 }
 
 impl Default for StepOutlook {
@@ -65,7 +71,7 @@ impl StepOutlook {
     /// A step of `sequences` decoding sequences before any lane drafted.
     pub fn of(sequences: usize) -> Self {
         let sequences = sequences.max(1);
-        StepOutlook { sequences, rows: sequences, tokens: sequences as f64, draft_ms: 0.0 }
+        StepOutlook { sequences, rows: sequences, tokens: sequences as f64, draft_ms: 0.0, drafts_held_back: false }
     }
 
     /// Adds a lane's round: `extra_rows` verify rows expected to commit `extra_tokens` more, drafted in `draft_ms`.
@@ -101,6 +107,8 @@ pub struct CostTable {
     step: StepOutlook,
     /// Steps begun so far ([`Self::begin_step`]).
     steps_begun: u64,
+    /// What rows past one a sequence cost steps of many sequences against the cells' price ([`Self::step_cost`]).
+    extra_rows: ExtraRowFactors,
 }
 
 /// What the engine knows of one lane kind across its sequences.
@@ -232,13 +240,28 @@ impl CostTable {
         let buckets = vec![None; CONTEXT_BUCKETS.len()];
         let start = Bucket::from_curve(&prior);
         let step = StepOutlook::default();
-        CostTable { start, probed: false, buckets, lanes: Vec::new(), widest_round, step, steps_begun: 0 }
+        CostTable {
+            start,
+            probed: false,
+            buckets,
+            lanes: Vec::new(),
+            widest_round,
+            step,
+            steps_begun: 0,
+            extra_rows: ExtraRowFactors::default(),
+        }
     }
 
     /// Starts the step of `sequences` decoding sequences the lanes are about to draft for (the engine).
     pub fn begin_step(&mut self, sequences: usize) {
         self.step = StepOutlook::of(sequences);
         self.steps_begun += 1;
+    }
+
+    /// Marks the step being drafted for as one whose drafts without a drafter pass would be held back (the engine,
+    /// from its drafts gate).
+    pub fn hold_back_drafts(&mut self) {
+        self.step.drafts_held_back = true;
     }
 
     /// Adds a lane's round to the step being drafted for (the engine, after each lane drafted).
@@ -296,15 +319,44 @@ impl CostTable {
         self.buckets[b].insert(bucket).observe(rows - 1, ms);
     }
 
-    /// Expected ms of a step of `rows` rows in all (at least 1) at `context` tokens.
+    /// Feeds a measured step of `sequences` decoding sequences and `rows` rows in all at `context` tokens that took
+    /// `ms`. A plain step, or a lone sequence's, feeds the cell of its rows ([`Self::observe`]); a step of many
+    /// sequences with verify rows feeds its batch size's factor on the cells' price of those rows
+    /// ([`Self::step_cost`]).
+    pub fn observe_step(&mut self, context: usize, sequences: usize, rows: usize, ms: f64) {
+        let sequences = sequences.max(1);
+        if sequences == 1 || rows <= sequences {
+            return self.observe(context, rows, ms);
+        }
+        if rows > MAX_STEP_ROWS || !(ms.is_finite() && ms > 0.0) {
+            return;
+        }
+        let plain = self.cost(context, sequences);
+        self.extra_rows.observe(sequences, ms - plain, self.cost(context, rows) - plain);
+    }
+
+    /// Expected ms of a step of `rows` rows in all (at least 1) at `context` tokens, by the cells alone: a plain
+    /// step of that many sequences, or a lone sequence verifying that many rows.
     pub fn cost(&self, context: usize, rows: usize) -> f64 {
         let b = bucket_of(context);
         self.buckets[b].as_ref().unwrap_or_else(|| self.fallback(b)).cost(rows.max(1) - 1)
     }
 
-    /// What `extra` more rows add to a step of `rows` rows at `context` tokens (ms).
-    pub fn added_cost(&self, context: usize, rows: usize, extra: usize) -> f64 {
-        self.cost(context, rows + extra) - self.cost(context, rows)
+    /// Expected ms of a step of `sequences` decoding sequences and `rows` rows in all at `context` tokens: a plain
+    /// step of the sequences, and the cells' price of the rows past it scaled by what such steps of as many
+    /// sequences measured.
+    pub fn step_cost(&self, context: usize, sequences: usize, rows: usize) -> f64 {
+        let sequences = sequences.max(1);
+        if sequences == 1 || rows <= sequences {
+            return self.cost(context, rows);
+        }
+        let plain = self.cost(context, sequences);
+        plain + self.extra_rows.factor(sequences) * (self.cost(context, rows) - plain).max(0.0)
+    }
+
+    /// What `extra` verify rows add to a plain step of `sequences` sequences at `context` tokens (ms).
+    pub fn added_cost(&self, context: usize, sequences: usize, extra: usize) -> f64 {
+        self.step_cost(context, sequences, sequences + extra) - self.cost(context, sequences)
     }
 
     /// Feeds a drafting call of lane kind `lane` that took `ms`.
@@ -438,6 +490,9 @@ impl CostTable {
             for ((rows, ms), n) in view.rows.iter().zip(&view.ms).zip(&view.samples) {
                 let _ = write!(out, " {rows}={ms:.2}{}", if *n > 0 { "*" } else { "" });
             }
+        }
+        for (sequences, factor, _) in self.extra_rows.measured() {
+            let _ = write!(out, " extra-rows[{sequences}+]={factor:.2}");
         }
         for (lane, ms) in self.draft_costs() {
             let _ = write!(out, " draft[{lane}]={ms:.2}");

@@ -22,6 +22,7 @@ mod bench_sim;
 mod bench_sim_projection;
 pub mod choice;
 pub mod costs;
+pub mod extra_rows;
 pub mod step_gate;
 #[cfg(test)]
 mod tests;
@@ -239,7 +240,8 @@ impl RoundPolicy {
         // The drafting time is spent whatever is verified: it is part of every width's step.
         let sunk = if draft_ms.is_finite() { draft_ms.max(0.0) } else { 0.0 };
         let step = costs.step();
-        let step_cost = |rows: usize| step.draft_ms + sunk + costs.cost(context, step.rows - 1 + rows);
+        let step_cost =
+            |rows: usize| step.draft_ms + sunk + costs.step_cost(context, step.sequences, step.rows - 1 + rows);
         let keep = choose_rows_in_step(&accept, drafted + 1, step.tokens - 1.0, step_cost) - 1;
         if self.trial {
             return chosen(keep.max(1));
@@ -292,11 +294,31 @@ impl RoundPolicy {
     /// Whether the best width of a round whose drafts land with conditional probability `accept`, drafted in
     /// `draft_ms`, is no drafts at all (the whole step priced, as [`Self::plan`] prices it).
     fn loses_at(&self, costs: &CostTable, context: usize, accept: &[f64], draft_ms: f64) -> bool {
+        let step_cost = Self::step_cost(costs, context, draft_ms);
+        choose_rows_in_step(accept, accept.len() + 1, costs.step().tokens - 1.0, step_cost) == 1
+    }
+
+    /// The step's expected tokens per ms with a round of this lane at its best width (at most `drafts` drafts,
+    /// drafted in `draft_ms`, this lane's acceptance estimates), priced as [`Self::plan`] prices it; `None` where
+    /// the best width is no drafts. Read only: it compares this lane's round with another proposer's for the same
+    /// sequence.
+    pub fn expected_rate(&self, costs: &CostTable, context: usize, drafts: usize, draft_ms: f64) -> Option<f64> {
+        let accept = self.acceptance(costs, drafts, None);
         let step = costs.step();
-        let step_cost = |rows: usize| {
-            step.draft_ms + costs.cost(context, step.rows - 1 + rows) + if rows > 1 { draft_ms } else { 0.0 }
-        };
-        choose_rows_in_step(accept, accept.len() + 1, step.tokens - 1.0, step_cost) == 1
+        let step_cost = Self::step_cost(costs, context, draft_ms);
+        let rows = choose_rows_in_step(&accept, drafts + 1, step.tokens - 1.0, &step_cost);
+        let rate = (step.tokens - 1.0 + expected_tokens(&accept, rows)) / step_cost(rows).max(f64::MIN_POSITIVE);
+        (rows > 1).then_some(rate)
+    }
+
+    /// The step's cost (ms) with a round of `rows` verify rows of this lane, drafted in `draft_ms` (paid only where
+    /// it verifies drafts), beside the rows and drafting the step already holds.
+    fn step_cost(costs: &CostTable, context: usize, draft_ms: f64) -> impl Fn(usize) -> f64 + '_ {
+        let step = costs.step();
+        move |rows: usize| {
+            let verify = costs.step_cost(context, step.sequences, step.rows - 1 + rows);
+            step.draft_ms + verify + if rows > 1 { draft_ms } else { 0.0 }
+        }
     }
 
     /// How far apart probes are at `context`: at most enough rounds that failed probes cost [`PROBE_SHARE`] of plain

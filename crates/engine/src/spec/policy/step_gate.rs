@@ -14,6 +14,8 @@
 //! steps also feeds each drafter context the rows those steps captured, a catch-up steady drafting does not pay: it
 //! is not measured, and a closed gate explores with [`EXPLORE_PASSES`] passes in a row.
 
+use super::extra_rows::{sequence_bucket, SEQUENCE_BUCKETS};
+
 /// Share of the time spent on steps of the side the rates do not favour, so a rate cannot go stale.
 pub const EXPLORE_SHARE: f64 = 1.0 / 16.0;
 /// Halvings of that share while explorations keep confirming the favoured side: after this many, a gate whose
@@ -29,8 +31,6 @@ const YOUNG_STEPS: u64 = 4;
 const RATE_WEIGHT: f64 = 0.1;
 /// A step's rate is clamped to these factors of the settled rate (one stalled step must not flip the gate).
 const RATE_CLAMP: (f64, f64) = (0.5, 2.0);
-/// Batch-size buckets: 1, 2-3, 4-7, ..., 128-255, 256 and more decoding sequences.
-const SEQUENCE_BUCKETS: usize = 9;
 
 /// Tokens per millisecond and milliseconds of one kind of step: running means of the first [`YOUNG_STEPS`], then
 /// clamped moving averages.
@@ -97,10 +97,6 @@ pub struct GateView {
     pub open: bool,
 }
 
-fn bucket_of(sequences: usize) -> usize {
-    (usize::BITS - sequences.max(1).leading_zeros() - 1).min(SEQUENCE_BUCKETS as u32 - 1) as usize
-}
-
 impl StepGate {
     /// A gate over the drafts of steps without a drafter pass (prompt lookup's, the MTP head's): verifying them
     /// against verifying none, by the same measure.
@@ -111,7 +107,7 @@ impl StepGate {
     /// Whether a step of `sequences` decoding sequences, some of whose lanes planned a round, runs the pass. Until
     /// both sides are measured it drafts (the lanes' own choice) and takes a plain step where too few were seen.
     pub fn allows_pass(&mut self, sequences: usize) -> bool {
-        let b = bucket_of(sequences);
+        let b = sequence_bucket(sequences);
         let inherits_closed = self.inherits_closed(b);
         let bucket = &mut self.buckets[b];
         if !bucket.drafted.settled() && !inherits_closed {
@@ -149,7 +145,7 @@ impl StepGate {
         if sequences == 0 || tokens == 0 || !(ms.is_finite() && ms > 0.0) {
             return;
         }
-        let b = bucket_of(sequences);
+        let b = sequence_bucket(sequences);
         // A bucket holding a smaller one's closed decision favours plain steps until its drafting is measured.
         let inherits_closed = self.inherits_closed(b);
         let bucket = &mut self.buckets[b];
@@ -172,7 +168,7 @@ impl StepGate {
 
     /// The gate at `sequences` decoding sequences.
     pub fn view(&self, sequences: usize) -> GateView {
-        let b = bucket_of(sequences);
+        let b = sequence_bucket(sequences);
         let bucket = &self.buckets[b];
         let settled = bucket.drafted.settled() && bucket.plain.settled();
         GateView {
@@ -299,7 +295,7 @@ mod tests {
         assert!(gate.view(2).open, "smaller batches do not");
         // At 64 the gate now serves plain steps, exploring now and then; there drafting pays, so it opens.
         let (_, drafted) = serve(&mut gate, 64, 1.5, 3000);
-        assert!(drafted > 0.5 && gate.view(64).open, "{drafted} {:?}", gate.buckets[bucket_of(64)]);
+        assert!(drafted > 0.5 && gate.view(64).open, "{drafted} {:?}", gate.buckets[sequence_bucket(64)]);
         // Where it does not pay, the inherited decision holds from the first step: no warm-up passes.
         let mut gate = StepGate::default();
         serve(&mut gate, 8, 0.6, 500);
@@ -360,15 +356,5 @@ mod tests {
         assert!(gate.view(16).open);
         gate.observe(16, true, 16, 1e4);
         assert!(gate.view(16).open);
-    }
-
-    #[test]
-    fn buckets_cover_every_batch_size() {
-        assert_eq!(bucket_of(0), 0);
-        assert_eq!(bucket_of(1), 0);
-        assert_eq!(bucket_of(3), 1);
-        assert_eq!(bucket_of(64), 6);
-        assert_eq!(bucket_of(255), 7);
-        assert_eq!(bucket_of(100_000), SEQUENCE_BUCKETS - 1);
     }
 }
