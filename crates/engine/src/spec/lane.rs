@@ -65,6 +65,8 @@ pub struct SpecLane {
     fallback_turn: FallbackTurn,
     /// Rounds in a row the fallback had drafts for and the drafter's round was preferred.
     fallback_passed_over: u32,
+    /// The fallback was asked first this round and kept no drafts ([`Self::lookup_first`]).
+    fallback_declined: bool,
 }
 
 /// A fallback passed over this many rounds in a row where it had drafts takes the next one, so its acceptance
@@ -115,6 +117,7 @@ impl SpecLane {
             fallback: None,
             fallback_turn: FallbackTurn::Idle,
             fallback_passed_over: 0,
+            fallback_declined: false,
         }
     }
 
@@ -146,6 +149,11 @@ impl SpecLane {
     /// proposer had none): none without a fallback, or when the fallback's own policy makes the round plain too.
     pub fn fallback_drafts(&mut self, input: &ProposeInput, cap: usize) -> Vec<u32> {
         let Some(fallback) = self.fallback.as_mut() else { return Vec::new() };
+        if self.fallback_declined {
+            // Asked once this round already (its policy kept none): asking again would count its pause down twice.
+            self.fallback_turn = FallbackTurn::Asked;
+            return Vec::new();
+        }
         let drafts = fallback.draft(input, cap);
         self.fallback_turn = if drafts.is_empty() { FallbackTurn::Asked } else { FallbackTurn::Drafted };
         if !drafts.is_empty() {
@@ -162,6 +170,7 @@ impl SpecLane {
         let max = cap.min(self.max_draft);
         self.round = RoundInFlight { context, ..RoundInFlight::default() };
         self.fallback_turn = FallbackTurn::Idle;
+        self.fallback_declined = false;
         if max == 0 {
             return RoundStart::Drafts(self.fallback_drafts(input, cap));
         }
@@ -179,13 +188,14 @@ impl SpecLane {
     /// The fallback's (prompt lookup's) drafts for this round, taken before the drafter's round where they promise
     /// the step more tokens per ms than the drafter's round at its best width (at most `max` drafts, at its
     /// drafting cost): they cost no drafting call, so where the text repeats itself they often do. `None` leaves
-    /// the round to the drafter: a lane of fixed widths, a drafter that owes plain rounds (its plain round asks
-    /// the fallback anyway), a step whose drafts without a pass are held back ([`StepOutlook::drafts_held_back`]),
+    /// the round to the drafter: a lane of fixed widths, a drafter or fallback that owes plain rounds (the drafter's
+    /// plain round asks the fallback anyway; the fallback's pause counts down there), a step whose drafts without a pass are held back ([`StepOutlook::drafts_held_back`]),
     /// no lookup drafts, or none its own policy keeps. Estimates of rounds that never run never move: a fallback
     /// passed over [`FALLBACK_EXPLORE_ROUNDS`] rounds in a row where it had drafts that could pay takes the next.
     fn lookup_first(&mut self, input: &ProposeInput, cap: usize, max: usize) -> Option<Vec<u32>> {
         let fallback = self.fallback.as_mut()?;
-        if self.policy.mode() == PolicyMode::Fixed || self.policy.backoff().owed() > 0 {
+        let paused = self.policy.backoff().owed() > 0 || fallback.policy.backoff().owed() > 0;
+        if self.policy.mode() == PolicyMode::Fixed || paused {
             return None;
         }
         let costs = self.costs.lock();
@@ -197,14 +207,15 @@ impl SpecLane {
         let lookup = fallback.policy.expected_rate(&costs, context, found, 0.0)?;
         let drafter = self.policy.expected_rate(&costs, context, max, costs.draft_cost(self.stats.lane));
         drop(costs);
-        self.fallback_passed_over += 1;
-        if drafter.is_some_and(|d| d >= lookup) && self.fallback_passed_over <= FALLBACK_EXPLORE_ROUNDS {
+        if drafter.is_some_and(|d| d >= lookup) && self.fallback_passed_over < FALLBACK_EXPLORE_ROUNDS {
+            self.fallback_passed_over += 1;
             return None;
         }
         let drafts = self.fallback_drafts(input, cap);
         if drafts.is_empty() {
-            // Its policy keeps none: the round is the drafter's after all.
+            // Its policy keeps none: the round is the drafter's after all, and the fallback is not asked again.
             self.fallback_turn = FallbackTurn::Idle;
+            self.fallback_declined = true;
             return None;
         }
         Some(drafts)
