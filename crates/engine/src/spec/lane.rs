@@ -72,7 +72,7 @@ pub struct SpecLane {
 /// A fallback passed over this many rounds in a row where it had drafts takes the next one, so its acceptance
 /// estimates stay measured: of the rounds it has drafts for, at most one in this many plus one goes to it where
 /// the drafter's would have promised more.
-pub const FALLBACK_EXPLORE_ROUNDS: u32 = 8;
+const FALLBACK_EXPLORE_ROUNDS: u32 = 8;
 
 /// How a lane's round starts ([`SpecLane::start_round`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -188,21 +188,22 @@ impl SpecLane {
     /// The fallback's (prompt lookup's) drafts for this round, taken before the drafter's round where they promise
     /// the step more tokens per ms than the drafter's round at its best width (at most `max` drafts, at its
     /// drafting cost): they cost no drafting call, so where the text repeats itself they often do. `None` leaves
-    /// the round to the drafter: a lane of fixed widths, a drafter or fallback that owes plain rounds (the drafter's
-    /// plain round asks the fallback anyway; the fallback's pause counts down there), a step whose drafts without a pass are held back ([`StepOutlook::drafts_held_back`]),
-    /// no lookup drafts, or none its own policy keeps. Estimates of rounds that never run never move: a fallback
-    /// passed over [`FALLBACK_EXPLORE_ROUNDS`] rounds in a row where it had drafts that could pay takes the next.
+    /// the round to the drafter: a lane of fixed widths, a drafter or fallback that owes plain rounds (the
+    /// drafter's plain round asks the fallback anyway; the fallback's pause counts down there), a step whose
+    /// drafts without a pass are held back (`StepOutlook::drafts_held_back`), no lookup drafts, or none its own
+    /// policy keeps. Estimates of rounds that never run never move: a fallback passed over
+    /// [`FALLBACK_EXPLORE_ROUNDS`] rounds in a row where it had drafts that could pay takes the next.
     fn lookup_first(&mut self, input: &ProposeInput, cap: usize, max: usize) -> Option<Vec<u32>> {
         let fallback = self.fallback.as_mut()?;
         let paused = self.policy.backoff().owed() > 0 || fallback.policy.backoff().owed() > 0;
-        if self.policy.mode() == PolicyMode::Fixed || paused {
+        if self.policy.mode() == PolicyMode::Fixed || paused || self.costs.lock().step().drafts_held_back {
+            return None;
+        }
+        let found = fallback.proposer.propose(input, cap).tokens.len();
+        if found == 0 {
             return None;
         }
         let costs = self.costs.lock();
-        let found = fallback.proposer.propose(input, cap).tokens.len();
-        if costs.step().drafts_held_back || found == 0 {
-            return None;
-        }
         let context = input.tokens.len();
         let lookup = fallback.policy.expected_rate(&costs, context, found, 0.0)?;
         let drafter = self.policy.expected_rate(&costs, context, max, costs.draft_cost(self.stats.lane));
@@ -221,8 +222,8 @@ impl SpecLane {
         Some(drafts)
     }
 
-    /// Ends a round [`Self::start_round`] planned for the drafter without drafting it: the step's gate kept the drafter pass from
-    /// running ([`StepGate`]), so the round is plain.
+    /// Ends a round [`Self::start_round`] planned for the drafter without drafting it: the step's gate kept the
+    /// drafter pass from running ([`StepGate`]), so the round is plain.
     pub fn skip_planned_round(&mut self) {
         self.round.gated = true;
     }

@@ -18,7 +18,7 @@ pub mod verify;
 
 pub use dflash::{DflashProposer, DrafterConfig};
 pub use gate::prompt_gate_passes;
-pub use lane::{RoundStart, SpecLane, StepTiming, FALLBACK_EXPLORE_ROUNDS};
+pub use lane::{RoundStart, SpecLane, StepTiming};
 pub use mtp::{MtpDepth, MtpLaneConfig, MtpProposer};
 pub use ngram::{NgramConfig, NgramProposer};
 pub use oracle::{OracleDraft, OracleProposer};
@@ -183,8 +183,8 @@ pub struct SpecStats {
 }
 
 /// What a drafter lane's fallback (prompt lookup) did in the rounds it drafted: those the drafter's policy left plain
-/// and those its drafts won. Its rounds are
-/// not in the drafter's own figures (rounds, acceptance by position); the width histogram counts every step.
+/// and those its drafts won. Its rounds are not in the drafter's own figures (rounds, acceptance by position); the
+/// width histogram counts every step.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FallbackStats {
     pub lane: LaneKind,
