@@ -154,22 +154,6 @@ __device__ __forceinline__ float4 f32_rows_load4(const float* __restrict__ p, u3
     return v;
 }
 
-// The same of a bf16 row, widened (exactly) to f32: one 8-byte load where `vec` (k a multiple of 4, the row 8-byte
-// aligned). The sums then add the very products an f32 copy of the matrix gives, in the same order.
-__device__ __forceinline__ float4 f32_rows_load4(const bf16_t* __restrict__ p, u32 i, u32 k, bool vec) {
-    if (vec) {
-        const uint2 b = __ldg(reinterpret_cast<const uint2*>(p + i));
-        return make_float4(__uint_as_float(b.x << 16), __uint_as_float(b.x & 0xffff0000u),
-                           __uint_as_float(b.y << 16), __uint_as_float(b.y & 0xffff0000u));
-    }
-    float4 v;
-    v.x = i < k ? bf16_to_f32(__ldg(p + i)) : 0.0f;
-    v.y = i + 1 < k ? bf16_to_f32(__ldg(p + i + 1)) : 0.0f;
-    v.z = i + 2 < k ? bf16_to_f32(__ldg(p + i + 2)) : 0.0f;
-    v.w = i + 3 < k ? bf16_to_f32(__ldg(p + i + 3)) : 0.0f;
-    return v;
-}
-
 // acc + w . x, the four products added in order.
 __device__ __forceinline__ float f32_rows_dot4(float acc, float4 w, float4 x) {
     acc = fmaf(w.x, x.x, acc);
@@ -182,8 +166,8 @@ __device__ __forceinline__ float f32_rows_dot4(float acc, float4 w, float4 x) {
 // the chunk's rows in gemm_f32_rows: lane-strided groups of four, in order. Rows past `rows` repeat the last row and
 // columns past `cols` the last column (their sums are dropped), so the loop has no branch but its bound and its
 // loads can be issued ahead; VEC and SWIGLU are fixed per instantiation for the same reason.
-template <int R, int C, bool VEC, bool SWIGLU, typename TW>
-__device__ __forceinline__ void gemm_f32_rows_sums(const TW* __restrict__ w, u64 up, const float* __restrict__ xs,
+template <int R, int C, bool VEC, bool SWIGLU>
+__device__ __forceinline__ void gemm_f32_rows_sums(const float* __restrict__ w, u64 up, const float* __restrict__ xs,
                                                    u32 k, u32 rows, u32 cols, float (&acc)[C][R],
                                                    float (&acc_up)[C][R]) {
     const u32 lane = threadIdx.x & 31u, groups = (k + 3u) >> 2;
@@ -195,7 +179,7 @@ __device__ __forceinline__ void gemm_f32_rows_sums(const TW* __restrict__ w, u64
         float4 wg[C], wu[C];
 #pragma unroll
         for (int c = 0; c < C; ++c) {
-            const TW* wcol = w + (u64)min((u32)c, cols - 1u) * k;
+            const float* wcol = w + (u64)min((u32)c, cols - 1u) * k;
             wg[c] = f32_rows_load4(wcol, i, k, VEC);
             wu[c] = SWIGLU ? f32_rows_load4(wcol + up, i, k, VEC) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
@@ -211,9 +195,9 @@ __device__ __forceinline__ void gemm_f32_rows_sums(const TW* __restrict__ w, u64
     }
 }
 
-// m activation rows (x [m, k]) through an f32 or bf16 matrix: each warp takes C consecutive output columns (the
-// last warp fewer) and a chunk of up to R rows; each lane reads four weights of each column at a time (lane-strided
-// groups of four) and adds them into every row's sums, then the warp sum per row and column. A sum has the same order
+// m activation rows (x [m, k]) through an f32 matrix: each warp takes C consecutive output columns (the last warp
+// fewer) and a chunk of up to R rows; each lane reads four weights of each column at a time (lane-strided groups
+// of four) and adds them into every row's sums, then the warp sum per row and column. A sum has the same order
 // whatever R, C, m, the other rows and the load width (a group's four products are added in order either way; past
 // k the scalar path adds zeros), so its bits do not depend on the batch (cuBLAS picks its kernel by shape, which
 // made f32 and f16 checkpoints' decode and verify rows differ). The default model's drafter's matrices are small
@@ -224,15 +208,15 @@ __device__ __forceinline__ void gemm_f32_rows_sums(const TW* __restrict__ w, u64
 // the first read the block's weights from L2: more rows than one chunk cost L2 reads, not DRAM reads (one chunk of
 // 32 rows instead held 32 rows' sums per lane and ran at a quarter of 8-row chunks' speed on a drafter's LM head).
 // Epilogue as gemv_bf16_ep; y [m, y_ld]. Grid: (ceil(m / R), ceil(n_out / (GEMV_WARPS * C))).
-template <int R, int C, typename TW>
-__device__ __forceinline__ void gemm_f32_rows(const TW* __restrict__ w, const float* __restrict__ x,
+template <int R, int C>
+__device__ __forceinline__ void gemm_f32_rows(const float* __restrict__ w, const float* __restrict__ x,
                                               float* __restrict__ y, u32 y_ld, u32 n_out, u32 k, u32 m, u32 epi) {
     const u32 lane = threadIdx.x & 31u, col0 = (blockIdx.y * GEMV_WARPS + (threadIdx.x >> 5)) * C;
     const u32 row0 = blockIdx.x * R, rows = min((u32)R, m - row0);
     if (col0 >= n_out) return;  // uniform per warp
     const u32 cols = min((u32)C, n_out - col0);
     const bool swiglu = epi == EPI_SWIGLU;
-    const TW* wc = w + (u64)col0 * k;
+    const float* wc = w + (u64)col0 * k;
     const float* xs = x + (u64)row0 * k;
     const u64 up = (u64)n_out * k;
     float acc[C][R], acc_up[C][R];
@@ -241,8 +225,7 @@ __device__ __forceinline__ void gemm_f32_rows(const TW* __restrict__ w, const fl
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[c][r] = acc_up[c][r] = 0.0f;
     }
-    const bool w_aligned = sizeof(TW) == 4 ? aligned16(w) : ((u64)w & 7u) == 0;
-    const bool vec = (k & 3u) == 0 && w_aligned && aligned16(x);
+    const bool vec = (k & 3u) == 0 && aligned16(w) && aligned16(x);
     if (vec && swiglu) {
         gemm_f32_rows_sums<R, C, true, true>(wc, up, xs, k, rows, cols, acc, acc_up);
     } else if (vec) {
@@ -267,19 +250,15 @@ __device__ __forceinline__ void gemm_f32_rows(const TW* __restrict__ w, const fl
     }
 }
 
-// `gemm_f32_rows_r{R}` takes an f32 matrix, `gemm_f32_rows_bf16w_r{R}` a bf16 one (a drafter's matrices as stored:
-// half the bytes, the same sums as their f32 widening).
-#define DF_GEMM_F32_ROWS(R, C, NAME, TW)                                                                         \
+#define DF_GEMM_F32_ROWS(R, C)                                                                                   \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                                \
-        NAME##_r##R(const TW* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, u32 y_ld,      \
-                    u32 n_out, u32 k, u32 m, u32 epi) {                                                          \
+        gemm_f32_rows_r##R(const float* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,     \
+                           u32 y_ld, u32 n_out, u32 k, u32 m, u32 epi) {                                          \
         DF_GRID_DEPENDENCY();                                                                                    \
-        gemm_f32_rows<R, C, TW>(w, x, y, y_ld, n_out, k, m, epi);                                                \
+        gemm_f32_rows<R, C>(w, x, y, y_ld, n_out, k, m, epi);                                                    \
     }
-DF_GEMM_F32_ROWS(1, 4, gemm_f32_rows, float)
-DF_GEMM_F32_ROWS(8, 2, gemm_f32_rows, float)
-DF_GEMM_F32_ROWS(1, 4, gemm_f32_rows_bf16w, bf16_t)
-DF_GEMM_F32_ROWS(8, 2, gemm_f32_rows_bf16w, bf16_t)
+DF_GEMM_F32_ROWS(1, 4)
+DF_GEMM_F32_ROWS(8, 2)
 
 // ---------------------------------------------------------------------------------------------------------
 // Batch-invariant small-batch bf16 matmul on tensor cores (the decode and verify rows of bf16 targets).

@@ -215,34 +215,6 @@ fn f32_rows_matmul_matches_cpu_and_is_batch_invariant() {
     }
 }
 
-/// The bf16-weight rows kernel widens each weight exactly and sums in the f32 kernel's order, so on a bf16 matrix
-/// it gives the f32 kernel's bits on that matrix widened (a drafter's pass on bf16 weights stays the f32 pass).
-#[test]
-fn f32_rows_matmul_on_bf16_weights_equals_it_on_their_widening() {
-    let Some(dev) = device() else { return };
-    let mut rng = Rng::new(24);
-    // k = 4 · j takes the 8-byte loads, 33 and 102 the scalar path (102: rows 4-byte aligned, not 8); 600 rows
-    // take 75 chunks of 8 (a prompt's append).
-    let shapes = [(1, 37, 100), (3, 64, 33), (8, 129, 576), (13, 40, 102), (600, 24, 64)];
-    for (m, n_out, k) in shapes {
-        for epi in [Epilogue::Store, Epilogue::Add, Epilogue::Swiglu] {
-            let n = epi.weight_rows(n_out);
-            let w: Vec<bf16> = rng.vec(n * k, 1.0).into_iter().map(bf16::from_f32).collect();
-            let wf: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
-            let x = rng.vec(m * k, 2.0);
-            let base = |r: usize, c: usize| ((r * n_out + c) % 5) as f32;
-            let y_start = y_start(epi, m, n_out, n_out, base);
-            let (wb, wf, xd) = (dev.upload(&w).expect("w"), dev.upload(&wf).expect("wf"), dev.upload(&x).expect("x"));
-            let (yb, yf) = (dev.upload(&y_start).expect("yb"), dev.upload(&y_start).expect("yf"));
-            gpu::gemm_f32_rows(dev, &wb, n_out, &xd, m, &yb, n_out, epi).expect("bf16 weights");
-            gpu::gemm_f32_rows(dev, &wf, n_out, &xd, m, &yf, n_out, epi).expect("f32 weights");
-            let (got, want) = (dev.download(&yb).expect("yb"), dev.download(&yf).expect("yf"));
-            let what = format!("gemm_f32_rows on bf16 {epi:?}");
-            check(&what, &format!("{m}x{k} . {n}x{k}"), bit_mismatches(&got, &want), 0.0);
-        }
-    }
-}
-
 #[test]
 fn bf16_gemv_epilogues_match_cpu() {
     let Some(dev) = device() else { return };

@@ -158,8 +158,6 @@ pub(crate) struct Kernels {
     pub gemv_bf16_ep: CudaFunction,
     /// `gemm_f32_rows_r{R}` for the row chunks of [`F32_ROWS_CHUNKS`].
     pub gemm_f32_rows: Vec<CudaFunction>,
-    /// `gemm_f32_rows_bf16w_r{R}`: the same kernels on bf16 matrices.
-    pub gemm_f32_rows_bf16w: Vec<CudaFunction>,
     /// `gemm_bf16_small_t{T}` for the tile counts of [`SMALL_GEMM_TILES`]; `[1]`: `gemm_bf16_small_stream_t{T}`,
     /// the weight loads hinted for a stream from DRAM.
     pub gemm_bf16_small: [Vec<CudaFunction>; 2],
@@ -320,10 +318,6 @@ impl Kernels {
             gemm_f32_rows: F32_ROWS_CHUNKS
                 .iter()
                 .map(|r| get(&format!("gemm_f32_rows_r{r}")))
-                .collect::<Result<_, _>>()?,
-            gemm_f32_rows_bf16w: F32_ROWS_CHUNKS
-                .iter()
-                .map(|r| get(&format!("gemm_f32_rows_bf16w_r{r}")))
                 .collect::<Result<_, _>>()?,
             gemm_bf16_small: [small_gemm("gemm_bf16_small", "")?, small_gemm("gemm_bf16_small", "_stream")?],
             gemm_bf16_small_norm: [

@@ -3,8 +3,8 @@
 use dflash_runtime::cuda::ops::{
     add_rms_norm, attn_split_keys, dflash2_walk, dflash_conv, draft_top_k, draft_top_k_scratch, embedding_f32,
     f32_rows_fit, gemm, gemm_f32_rows, paged_attention, rms_norm, rope_kv_write, swiglu_fused, AttentionArgs,
-    AttentionScratch, ConvSide, Epilogue, F32RowsWeight, GemmArgs, KeySplit, LogitScale, RopeKvArgs, SelectorWeights,
-    WalkBlocks, ATTN_MAX_QUERIES, DRAFT_TOP_K_MAX,
+    AttentionScratch, ConvSide, Epilogue, GemmArgs, KeySplit, LogitScale, RopeKvArgs, SelectorWeights, WalkBlocks,
+    ATTN_MAX_QUERIES, DRAFT_TOP_K_MAX,
 };
 use dflash_runtime::cuda::{CudaDevice, DevSlice, DeviceBuf};
 use dflash_runtime::Tensor;
@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use super::context::Pages;
 use super::graphs::{PassGraphs, PassKey};
-use super::weights::{DeviceConv, DeviceLayer, MatrixView};
+use super::weights::{DeviceConv, DeviceLayer};
 use super::{CudaDrafter, DeviceKv, DeviceSelector};
 use crate::dflash::context::{ContextKv, DrafterContext, PAGE_SIZE};
 use crate::dflash::cpu::forward::{BlockLayout, BlockOutput, BlockRequest};
@@ -179,51 +179,32 @@ fn device_kv<'c>(ctx: &'c DrafterContext, drafter: &CudaDrafter) -> Result<&'c D
 }
 
 /// `y[m, n] = x[m, k] · W[n, k]ᵀ` in f32: the few-row kernel up to 32 rows (a pass's and a step's appends; cuBLAS
-/// spent 55 us on a 144-column matrix of 8 rows there, PERFORMANCE.md entry 86), cuBLAS beyond; a bf16 matrix the
-/// few-row kernel at any row count (it reads the matrix as stored, once per chunk of 8 rows from L2).
-fn matmul(dev: &CudaDevice, w: MatrixView, n: usize, x: DevSlice<f32>, m: usize, y: DevSlice<f32>) -> Result<()> {
+/// spent 55 us on a 144-column matrix of 8 rows there, PERFORMANCE.md entry 86), cuBLAS beyond.
+fn matmul(dev: &CudaDevice, w: DevSlice<f32>, n: usize, x: DevSlice<f32>, m: usize, y: DevSlice<f32>) -> Result<()> {
     let k = w.len().checked_div(n).unwrap_or(0);
-    match w {
-        MatrixView::Bf16(w) => rows_kernel(dev, w, n, x, m, (y, n), Epilogue::Store),
-        MatrixView::F32(w) if f32_rows_fit(m) => rows_kernel(dev, w, n, x, m, (y, n), Epilogue::Store),
-        MatrixView::F32(w) => gemm(dev, GemmArgs::f32(w, n, k, x, m, y, n, false)).map_err(device_err),
+    if f32_rows_fit(m) {
+        let x = x.prefix(m * k).map_err(device_err)?;
+        return gemm_f32_rows(dev, w, n, x, m, y, n, Epilogue::Store).map_err(device_err);
     }
-}
-
-/// [`gemm_f32_rows`] on `x`'s first `m` rows (`k` = the matrix's elements over its weight rows) into `y` `[m, ld]`.
-fn rows_kernel<T: F32RowsWeight>(
-    dev: &CudaDevice,
-    w: DevSlice<T>,
-    n: usize,
-    x: DevSlice<f32>,
-    m: usize,
-    (y, ld): (DevSlice<f32>, usize),
-    epi: Epilogue,
-) -> Result<()> {
-    let k = w.len().checked_div(epi.weight_rows(n)).unwrap_or(0);
-    let x = x.prefix(m * k).map_err(device_err)?;
-    gemm_f32_rows(dev, w, n, x, m, y, ld, epi).map_err(device_err)
+    gemm(dev, GemmArgs::f32(w, n, k, x, m, y, n, false)).map_err(device_err)
 }
 
 /// `act[m, f] = silu(x · Wgᵀ) * (x · Wuᵀ)` for `gate_up` = `[Wg; Wu]` (`[2f, k]`): the epilogue of the few-row
-/// kernel up to 32 rows (at any row count for bf16), else the matmul into `gate_up` (`[m, 2f]`) and the SwiGLU
-/// kernel.
+/// kernel up to 32 rows, else the matmul into `gate_up` (`[m, 2f]`) and the SwiGLU kernel.
 fn mlp_gate_up(
     dev: &CudaDevice,
-    w: MatrixView,
+    w: DevSlice<f32>,
     f: usize,
     x: DevSlice<f32>,
     m: usize,
     (gate_up, act): (DevSlice<f32>, DevSlice<f32>),
 ) -> Result<()> {
-    match w {
-        MatrixView::Bf16(w) => rows_kernel(dev, w, f, x, m, (act, f), Epilogue::Swiglu),
-        MatrixView::F32(w) if f32_rows_fit(m) => rows_kernel(dev, w, f, x, m, (act, f), Epilogue::Swiglu),
-        MatrixView::F32(_) => {
-            matmul(dev, w, 2 * f, x, m, gate_up)?;
-            swiglu_fused(dev, gate_up, act, m).map_err(device_err)
-        }
+    if f32_rows_fit(m) {
+        let x = x.prefix(m * w.len().checked_div(2 * f).unwrap_or(0)).map_err(device_err)?;
+        return gemm_f32_rows(dev, w, f, x, m, act, f, Epilogue::Swiglu).map_err(device_err);
     }
+    matmul(dev, w, 2 * f, x, m, gate_up)?;
+    swiglu_fused(dev, gate_up, act, m).map_err(device_err)
 }
 
 impl CudaDrafter {
@@ -337,7 +318,7 @@ impl CudaDrafter {
         let (positions, slots) = (ints_part(buf(&w.ints)?, 0, m)?, ints_part(buf(&w.ints)?, m, m)?);
         for (l, layer) in wt.layers.iter().enumerate() {
             let kv_out = part(kv_rows, 0, m * 2 * kd)?;
-            matmul(dev, layer.qkv.view().sub(qd * h, 2 * kd * h)?, 2 * kd, normed, m, kv_out)?;
+            matmul(dev, part(&layer.qkv, qd * h, 2 * kd * h)?, 2 * kd, normed, m, kv_out)?;
             rope_kv_write(
                 dev,
                 RopeKvArgs {

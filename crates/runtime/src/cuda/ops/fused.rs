@@ -5,7 +5,7 @@ use std::ffi::c_void;
 
 use cudarc::cublas::result::gemm_ex;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t};
-use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
+use cudarc::driver::LaunchConfig;
 use half::bf16;
 
 use super::{dim, launch_cfg, launch_err, shape_err, MAX_GRID_Y, ROW_BLOCK};
@@ -216,39 +216,20 @@ pub fn gemv_bf16_ep<'a>(
     Ok(())
 }
 
-/// The weight element types [`gemm_f32_rows`] takes: f32, and bf16 widened as it loads (a drafter's matrices
-/// as stored, half the bytes of an f32 copy, the same products and sums).
-pub trait F32RowsWeight: DeviceRepr {
-    /// The kernels of [`F32_ROWS_CHUNKS`] for this element type.
-    fn kernels(dev: &CudaDevice) -> &[CudaFunction];
-}
-
-impl F32RowsWeight for f32 {
-    fn kernels(dev: &CudaDevice) -> &[CudaFunction] {
-        &dev.kernels.gemm_f32_rows
-    }
-}
-
-impl F32RowsWeight for bf16 {
-    fn kernels(dev: &CudaDevice) -> &[CudaFunction] {
-        &dev.kernels.gemm_f32_rows_bf16w
-    }
-}
-
-/// `m` activation rows through an f32 (or bf16) matrix with an epilogue, in f32, batch-invariant: a row's result
-/// has the same bits whatever `m` and the other rows (a warp per output column takes a chunk of up to 8 rows,
-/// reading each weight once for all of them and summing each row in a fixed order; a chunk's neighbours read the
-/// weights from L2), unlike cuBLAS, which picks its kernel by shape. For the few-row decode and verify steps of f32
-/// and f16 checkpoints, and for drafters, whose bf16 matrices it reads as they are stored.
+/// `m` activation rows through an f32 matrix with an epilogue, batch-invariant: a row's result has the same
+/// bits whatever `m` and the other rows (a warp per output column takes a chunk of up to 8 rows, reading each
+/// weight once for all of them and summing each row in a fixed order; a chunk's neighbours read the weights from
+/// L2), unlike cuBLAS, which picks its kernel by shape. For the few-row decode and verify steps of f32 and f16
+/// checkpoints.
 ///
-/// `w`: `[epi.weight_rows(n_out), k]` f32 or bf16; `x`: `[m, k]` f32; `y`: `[m, y_ld]`, columns `0..n_out` written.
+/// `w`: `[epi.weight_rows(n_out), k]` f32; `x`: `[m, k]` f32; `y`: `[m, y_ld]`, columns `0..n_out` written.
 ///
 /// # Errors
 /// Lengths that do not form these shapes; a launch failure.
 #[allow(clippy::too_many_arguments)]
-pub fn gemm_f32_rows<'a, T: F32RowsWeight + 'a>(
+pub fn gemm_f32_rows<'a>(
     dev: &CudaDevice,
-    w: impl DevArg<'a, T>,
+    w: impl DevArg<'a, f32>,
     n_out: usize,
     x: impl DevArg<'a, f32>,
     m: usize,
@@ -276,7 +257,7 @@ pub fn gemm_f32_rows<'a, T: F32RowsWeight + 'a>(
     }
     let grid = (dim(m.div_ceil(chunk), "chunks")?, dim(col_blocks, "blocks")?, 1);
     let (y_ld32, n, k32, m32, code) = (dim(y_ld, "y_ld")?, dim(n_out, "n")?, dim(k, "k")?, dim(m, "m")?, epi.code());
-    let mut launch = dev.launch_builder(&T::kernels(dev)[ci]);
+    let mut launch = dev.launch_builder(&dev.kernels.gemm_f32_rows[ci]);
     launch.arg(w.arg()).arg(x.arg()).arg(y.arg()).arg(&y_ld32).arg(&n).arg(&k32).arg(&m32).arg(&code);
     let cfg = LaunchConfig { grid_dim: grid, block_dim: (GEMV_ROWS_PER_BLOCK * 32, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: the arguments match the kernel's signature and the shapes were checked above.

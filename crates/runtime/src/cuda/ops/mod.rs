@@ -32,7 +32,7 @@ pub use drafter::{
 pub use fused::{
     copy_columns, f32_rows_fit, fill_random_bf16, fill_random_f16, fill_random_f32, fill_random_u32, gather_rms_norm,
     gemm, gemm_bf16_small, gemm_f32_rows, gemv_bf16_ep, scatter_rows, small_gemm_fits, sum_sq_slots, Epilogue,
-    F32RowsWeight, FoldedNorm, GemmArgs, SmallGemmNorm,
+    FoldedNorm, GemmArgs, SmallGemmNorm,
 };
 pub use gdn::{
     gdn_conv, gdn_gated_norm, gdn_prep, gdn_rule, sigmoid_gate_mul, GdnConvArgs, GdnPrepArgs, GdnRuleArgs, GdnRuns,
