@@ -64,6 +64,10 @@ pub struct Switches {
     /// `DFLASH_DRAFT_GRAPH=0`: a drafter pass on a device launches its kernels one by one every time instead of
     /// replaying a CUDA graph of them.
     pub no_draft_graph: bool,
+    /// `DFLASH_DRAFT_TF32=1` (an optimisation not yet on by default): a drafter's matmuls of more than 32 rows on
+    /// a device (passes of many sequences, prompt appends) run on TF32 tensor cores instead of in full f32 (entry
+    /// 108).
+    pub draft_tf32: bool,
     /// `DFLASH_KERNEL_TIMELINE=1`: an event after every CUDA launch, and the drafter's passes and the target's
     /// steps run eagerly, so their launches' GPU times can be logged (`cuda::timeline`).
     pub kernel_timeline: bool,
@@ -97,6 +101,7 @@ impl Switches {
             no_capture_pages: is("DFLASH_CAPTURE_PAGES", "0"),
             no_draft_summary: is("DFLASH_DRAFT_SUMMARY", "0"),
             no_draft_graph: is("DFLASH_DRAFT_GRAPH", "0"),
+            draft_tf32: is("DFLASH_DRAFT_TF32", "1"),
             kernel_timeline: is("DFLASH_KERNEL_TIMELINE", "1"),
         }
     }
@@ -141,6 +146,7 @@ mod tests {
             ("DFLASH_CAPTURE_PAGES", "0"),
             ("DFLASH_DRAFT_SUMMARY", "0"),
             ("DFLASH_DRAFT_GRAPH", "0"),
+            ("DFLASH_DRAFT_TF32", "1"),
             ("DFLASH_KERNEL_TIMELINE", "1"),
         ]));
         let want = Switches {
@@ -166,6 +172,7 @@ mod tests {
             no_capture_pages: true,
             no_draft_summary: true,
             no_draft_graph: true,
+            draft_tf32: true,
             kernel_timeline: true,
         };
         assert_eq!(all, want);

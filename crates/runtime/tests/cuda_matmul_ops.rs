@@ -2,7 +2,8 @@
 //! set to NaN or (where they are added to) known values, and a write outside the output columns failing: the
 //! quantized matmul (every format, row count, prologue and epilogue; each of its three kernels on every shape), the
 //! f32 matmul for up to 32 rows, the bf16 GEMV with epilogues, the small tensor-core bf16 matmul (with the pre-norm
-//! folded in from the sums of squares it leaves), and cuBLAS with strides and accumulation. The quantized, f32 and small bf16 matmuls give each row the same bits alone as in a batch.
+//! folded in from the sums of squares it leaves), and cuBLAS with strides and accumulation, and on TF32 tensor cores.
+//! The quantized, f32 and small bf16 matmuls give each row the same bits alone as in a batch.
 //!
 //! Without a CUDA device every test prints a SKIP notice and passes. Tolerances are multiples of `Σ|w·x|` per
 //! output (`err` = |gpu − cpu|), from `1e-6` for the f32 matmul against f64 sums to `2e-4` for the quantized matmul
@@ -453,4 +454,27 @@ fn cublas_gemm_with_row_stride_and_accumulation_matches_cpu() {
             format!("gemm {}{}", if bf16_operands { "bf16" } else { "f32" }, if accumulate { " +=" } else { "" });
         check(&what, &format!("{m}x{k} . {n}x{k}, ld {ld} col {col}"), max_err_over(&got, &want, &scale), tol);
     }
+}
+
+/// A gemm on TF32 tensor cores (a drafter's many-row passes under `DFLASH_DRAFT_TF32=1`) stays within TF32's
+/// rounding of the CPU's f32 product: each operand keeps a 10-bit mantissa, so about 1e-3 of the sum of |w · x|.
+#[test]
+fn cublas_gemm_on_tf32_stays_within_its_rounding_of_cpu() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(27);
+    let (m, n, k) = (64, 300, 576);
+    let (w, x) = (rng.vec(n * k, 1.0), rng.vec(m * k, 2.0));
+    let mut prod = f32_tensor(&vec![0.0; m * n], &[m, n]);
+    cpu::matmul(&f32_tensor(&x, &[m, k]), &f32_tensor(&w, &[n, k]), &mut prod).expect("cpu");
+    let (wd, xd, y) =
+        (dev.upload(&w).expect("w"), dev.upload(&x).expect("x"), dev.upload(&vec![0.0f32; m * n]).expect("y"));
+    gpu::gemm(dev, gpu::GemmArgs::f32(wd.view(), n, k, xd.view(), m, y.view(), n, false).tf32()).expect("gemm");
+    let got = dev.download(&y).expect("download");
+    let scale = abs_dot(&w, &x, n, k);
+    check(
+        "gemm f32 on tf32",
+        &format!("{m}x{k} . {n}x{k}"),
+        max_err_over(&got, prod.as_f32().expect("f32"), &scale),
+        2e-3,
+    );
 }

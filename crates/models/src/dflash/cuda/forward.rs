@@ -7,6 +7,7 @@ use dflash_runtime::cuda::ops::{
     ATTN_MAX_QUERIES, DRAFT_TOP_K_MAX,
 };
 use dflash_runtime::cuda::{CudaDevice, DevSlice, DeviceBuf};
+use dflash_runtime::switches::switches;
 use dflash_runtime::Tensor;
 use std::time::Instant;
 
@@ -179,14 +180,17 @@ fn device_kv<'c>(ctx: &'c DrafterContext, drafter: &CudaDrafter) -> Result<&'c D
 }
 
 /// `y[m, n] = x[m, k] · W[n, k]ᵀ` in f32: the few-row kernel up to 32 rows (a pass's and a step's appends; cuBLAS
-/// spent 55 us on a 144-column matrix of 8 rows there, PERFORMANCE.md entry 86), cuBLAS beyond.
+/// spent 55 us on a 144-column matrix of 8 rows there, PERFORMANCE.md entry 86), cuBLAS beyond (on TF32 tensor
+/// cores under `DFLASH_DRAFT_TF32=1`, entry 108).
 fn matmul(dev: &CudaDevice, w: DevSlice<f32>, n: usize, x: DevSlice<f32>, m: usize, y: DevSlice<f32>) -> Result<()> {
     let k = w.len().checked_div(n).unwrap_or(0);
     if f32_rows_fit(m) {
         let x = x.prefix(m * k).map_err(device_err)?;
         return gemm_f32_rows(dev, w, n, x, m, y, n, Epilogue::Store).map_err(device_err);
     }
-    gemm(dev, GemmArgs::f32(w, n, k, x, m, y, n, false)).map_err(device_err)
+    let args = GemmArgs::f32(w, n, k, x, m, y, n, false);
+    let args = if switches().draft_tf32 { args.tf32() } else { args };
+    gemm(dev, args).map_err(device_err)
 }
 
 /// `act[m, f] = silu(x · Wgᵀ) * (x · Wuᵀ)` for `gate_up` = `[Wg; Wu]` (`[2f, k]`): the epilogue of the few-row

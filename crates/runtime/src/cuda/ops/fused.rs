@@ -53,6 +53,8 @@ impl Epilogue {
 enum GemmType {
     Bf16,
     F32,
+    /// f32 operands multiplied on TF32 tensor cores (10-bit mantissas), summed in f32.
+    F32Tf32,
 }
 
 /// One `y[m, n] (+)= x[m, k] · W[n, k]ᵀ` through cuBLAS, checked at construction.
@@ -105,6 +107,16 @@ impl GemmArgs {
         Self::new(GemmType::F32, ptrs, (w.len(), x.len(), y.len()), (m, n, k), y_ld, accumulate)
     }
 
+    /// The same f32 matmul on TF32 tensor cores: each product's operands rounded to 10-bit mantissas (a relative
+    /// error of about 5e-4 a product), several times the f32 arithmetic's speed. For passes whose rows need not
+    /// match the CPU's bits (a drafter's many-row passes: its drafts are verified). Other types are left as they are.
+    pub fn tf32(mut self) -> Self {
+        if self.ty == GemmType::F32 {
+            self.ty = GemmType::F32Tf32;
+        }
+        self
+    }
+
     fn new(
         ty: GemmType,
         (w, x, y): (u64, u64, u64),
@@ -141,9 +153,10 @@ pub fn gemm(dev: &CudaDevice, a: GemmArgs) -> Result<()> {
     }
     let int = |v: usize, what: &str| i32::try_from(v).map_err(|_| shape_err(format!("gemm: {what} = {v} exceeds i32")));
     let (m, n, k, ldy) = (int(a.m, "m")?, int(a.n, "n")?, int(a.k, "k")?, int(a.y_ld, "y_ld")?);
-    let ty = match a.ty {
-        GemmType::Bf16 => cudaDataType_t::CUDA_R_16BF,
-        GemmType::F32 => cudaDataType_t::CUDA_R_32F,
+    let (ty, compute) = match a.ty {
+        GemmType::Bf16 => (cudaDataType_t::CUDA_R_16BF, cublasComputeType_t::CUBLAS_COMPUTE_32F),
+        GemmType::F32 => (cudaDataType_t::CUDA_R_32F, cublasComputeType_t::CUBLAS_COMPUTE_32F),
+        GemmType::F32Tf32 => (cudaDataType_t::CUDA_R_32F, cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32),
     };
     let (alpha, beta) = (1.0f32, if a.accumulate { 1.0f32 } else { 0.0 });
     let blas = dev.blas()?;
@@ -169,7 +182,7 @@ pub fn gemm(dev: &CudaDevice, a: GemmArgs) -> Result<()> {
             a.y as *mut c_void,
             cudaDataType_t::CUDA_R_32F,
             ldy,
-            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            compute,
             cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
     }
