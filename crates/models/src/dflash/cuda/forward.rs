@@ -2,17 +2,17 @@
 
 use dflash_runtime::cuda::ops::{
     add_rms_norm, attn_split_keys, dflash2_walk, dflash_conv, draft_top_k, draft_top_k_scratch, embedding_f32,
-    f32_rows_fit, gemm, gemm_f32_rows, paged_attention, rms_norm, rope_kv_write, swiglu_fused, AttentionArgs,
-    AttentionScratch, ConvSide, Epilogue, GemmArgs, KeySplit, LogitScale, RopeKvArgs, SelectorWeights, WalkBlocks,
-    ATTN_MAX_QUERIES, DRAFT_TOP_K_MAX,
+    paged_attention, rms_norm, rope_kv_write, AttentionArgs, AttentionScratch, ConvSide, KeySplit, LogitScale,
+    RopeKvArgs, SelectorWeights, WalkBlocks, ATTN_MAX_QUERIES, DRAFT_TOP_K_MAX,
 };
 use dflash_runtime::cuda::{CudaDevice, DevSlice, DeviceBuf};
-use dflash_runtime::switches::switches;
 use dflash_runtime::Tensor;
+use half::bf16;
 use std::time::Instant;
 
 use super::context::Pages;
 use super::graphs::{PassGraphs, PassKey};
+use super::matmul::{matmul, mlp_gate_up};
 use super::weights::{DeviceConv, DeviceLayer};
 use super::{CudaDrafter, DeviceKv, DeviceSelector};
 use crate::dflash::context::{ContextKv, DrafterContext, PAGE_SIZE};
@@ -56,6 +56,8 @@ pub(super) struct Workspace {
     walked: Option<DeviceBuf<u32>>, // [rows]: DFlash2's greedy walk, target ids
     projected: Option<DeviceBuf<f32>>, // [rows, selector rank]
     captured: Option<DeviceBuf<f32>>, // [rows, fc_in]
+    /// `[rows, widest matrix row]`: bf16 matrices' activations for cuBLAS (`DFLASH_DRAFT_BF16=1`, past 32 rows).
+    pub(super) x_bf16: Option<DeviceBuf<bf16>>,
     ints: Option<DeviceBuf<u32>>,
     scratch: Option<(AttentionScratch, usize)>, // and the partial states it holds
     /// Allocations so far: a change tells the graphs their addresses are gone.
@@ -64,7 +66,7 @@ pub(super) struct Workspace {
 }
 
 /// The buffer behind an `Option` filled by [`Workspace::ensure`].
-fn buf<T>(b: &Option<DeviceBuf<T>>) -> Result<&DeviceBuf<T>> {
+pub(super) fn buf<T>(b: &Option<DeviceBuf<T>>) -> Result<&DeviceBuf<T>> {
     b.as_ref().ok_or_else(|| ModelError::Device("drafter workspace used before it was sized".into()))
 }
 
@@ -107,6 +109,8 @@ impl Workspace {
             self.gate_up = Some(alloc(rows * 2 * f)?);
             self.act = Some(alloc(rows * f)?);
             self.captured = Some(alloc(rows * fc_in)?);
+            let widest = fc_in.max(h).max(qd).max(f);
+            self.x_bf16 = Some(dev.alloc_zeros::<bf16>(rows * widest).map_err(device_err)?);
             self.rows = rows;
         }
         if self.ints.as_ref().is_none_or(|b| b.len() < ints) {
@@ -177,38 +181,6 @@ fn device_kv<'c>(ctx: &'c DrafterContext, drafter: &CudaDrafter) -> Result<&'c D
         ContextKv::Cuda(_) => Err(ModelError::Batch("a drafter context of another CUDA drafter".into())),
         ContextKv::Host(_) => Err(ModelError::Batch("a host drafter context used by the CUDA drafter".into())),
     }
-}
-
-/// `y[m, n] = x[m, k] · W[n, k]ᵀ` in f32: the few-row kernel up to 32 rows (a pass's and a step's appends; cuBLAS
-/// spent 55 us on a 144-column matrix of 8 rows there, PERFORMANCE.md entry 86), cuBLAS beyond (on TF32 tensor
-/// cores under `DFLASH_DRAFT_TF32=1`, entry 108).
-fn matmul(dev: &CudaDevice, w: DevSlice<f32>, n: usize, x: DevSlice<f32>, m: usize, y: DevSlice<f32>) -> Result<()> {
-    let k = w.len().checked_div(n).unwrap_or(0);
-    if f32_rows_fit(m) {
-        let x = x.prefix(m * k).map_err(device_err)?;
-        return gemm_f32_rows(dev, w, n, x, m, y, n, Epilogue::Store).map_err(device_err);
-    }
-    let args = GemmArgs::f32(w, n, k, x, m, y, n, false);
-    let args = if switches().draft_tf32 { args.tf32() } else { args };
-    gemm(dev, args).map_err(device_err)
-}
-
-/// `act[m, f] = silu(x · Wgᵀ) * (x · Wuᵀ)` for `gate_up` = `[Wg; Wu]` (`[2f, k]`): the epilogue of the few-row
-/// kernel up to 32 rows, else the matmul into `gate_up` (`[m, 2f]`) and the SwiGLU kernel.
-fn mlp_gate_up(
-    dev: &CudaDevice,
-    w: DevSlice<f32>,
-    f: usize,
-    x: DevSlice<f32>,
-    m: usize,
-    (gate_up, act): (DevSlice<f32>, DevSlice<f32>),
-) -> Result<()> {
-    if f32_rows_fit(m) {
-        let x = x.prefix(m * w.len().checked_div(2 * f).unwrap_or(0)).map_err(device_err)?;
-        return gemm_f32_rows(dev, w, f, x, m, act, f, Epilogue::Swiglu).map_err(device_err);
-    }
-    matmul(dev, w, 2 * f, x, m, gate_up)?;
-    swiglu_fused(dev, gate_up, act, m).map_err(device_err)
 }
 
 impl CudaDrafter {
@@ -317,12 +289,12 @@ impl CudaDrafter {
         let dev = &*self.dev;
         let (x, normed, kv_rows) = (part(buf(&w.x)?, 0, m * h)?, part(buf(&w.normed)?, 0, m * h)?, buf(&w.qkv)?);
         let wt = &self.weights;
-        matmul(dev, wt.fc.view(), h, part(buf(&w.captured)?, 0, m * model.weights.fc.row_len())?, m, x)?;
+        matmul(dev, w, wt.fc.view(), h, part(buf(&w.captured)?, 0, m * model.weights.fc.row_len())?, m, x)?;
         rms_norm(dev, x, &wt.hidden_norm, b.rms_norm_eps, normed).map_err(device_err)?;
         let (positions, slots) = (ints_part(buf(&w.ints)?, 0, m)?, ints_part(buf(&w.ints)?, m, m)?);
         for (l, layer) in wt.layers.iter().enumerate() {
             let kv_out = part(kv_rows, 0, m * 2 * kd)?;
-            matmul(dev, part(&layer.qkv, qd * h, 2 * kd * h)?, 2 * kd, normed, m, kv_out)?;
+            matmul(dev, w, layer.qkv.view().sub(qd * h, 2 * kd * h)?, 2 * kd, normed, m, kv_out)?;
             rope_kv_write(
                 dev,
                 RopeKvArgs {
@@ -632,7 +604,7 @@ impl Pass<'_> {
         }
         let (dev, h, n, rows) = (&*drafter.dev, self.model.cfg.hidden_size(), drafter.head.rows, self.rows);
         let logits = part(buf(&self.work.logits)?, 0, rows * n)?;
-        matmul(dev, drafter.head.w.view(), n, part(buf(&self.work.normed)?, 0, rows * h)?, rows, logits)?;
+        matmul(dev, self.work, drafter.head.w.view(), n, part(buf(&self.work.normed)?, 0, rows * h)?, rows, logits)?;
         let Some(k) = top_k else { return Ok(()) };
         let cfg = &self.model.cfg;
         let scale = LogitScale { multiplier: cfg.output_multiplier, softcap: cfg.final_logit_softcapping };
@@ -657,7 +629,15 @@ impl Pass<'_> {
         let (dev, r) = (&*self.drafter.dev, selector.rank);
         // The slots' projections first, every row at once (the walk itself is a chain of choices per block).
         let projected = part(buf(&self.work.projected)?, 0, rows * r)?;
-        matmul(dev, selector.projection.view(), r, part(buf(&self.work.normed)?, 0, rows * h)?, rows, projected)?;
+        matmul(
+            dev,
+            self.work,
+            selector.projection.view(),
+            r,
+            part(buf(&self.work.normed)?, 0, rows * h)?,
+            rows,
+            projected,
+        )?;
         let weights =
             SelectorWeights { predecessor: selector.predecessor.view(), successor: selector.successor.view(), rank: r };
         let summary = buf(&self.work.summary)?.view().sub(0, rows * (2 * k + 1)).map_err(device_err)?;
@@ -689,10 +669,10 @@ impl Pass<'_> {
             None => normed,
         };
         let qkv = self.rows_of(&w.qkv, qd + 2 * kd)?;
-        matmul(dev, layer.qkv.view(), qd + 2 * kd, attn_in, self.rows, qkv)?;
+        matmul(dev, self.work, layer.qkv.view(), qd + 2 * kd, attn_in, self.rows, qkv)?;
         self.attention(l, layer)?;
         let attended = self.rows_of(&w.attended, qd)?;
-        matmul(dev, layer.o.view(), h, attended, self.rows, delta)?;
+        matmul(dev, self.work, layer.o.view(), h, attended, self.rows, delta)?;
         let attn_out = match convs {
             Some([conv, _]) => self.conv_finish(conv, delta)?,
             None => delta,
@@ -703,8 +683,8 @@ impl Pass<'_> {
             None => normed,
         };
         let (gate_up, act) = (self.rows_of(&w.gate_up, 2 * f)?, self.rows_of(&w.act, f)?);
-        mlp_gate_up(dev, layer.gate_up.view(), f, mlp_in, self.rows, (gate_up, act))?;
-        matmul(dev, layer.down.view(), h, act, self.rows, delta)?;
+        mlp_gate_up(dev, self.work, layer.gate_up.view(), f, mlp_in, self.rows, (gate_up, act))?;
+        matmul(dev, self.work, layer.down.view(), h, act, self.rows, delta)?;
         let mlp_out = match convs {
             Some([_, conv]) => self.conv_finish(conv, delta)?,
             None => delta,
@@ -716,7 +696,7 @@ impl Pass<'_> {
     fn conv_prepare(&self, conv: &DeviceConv, input: DevSlice<'_, f32>) -> Result<DevSlice<'_, f32>> {
         let coefs = 2 * conv.taps * conv.groups;
         let dynamic = self.rows_of(&self.work.dynamic, coefs)?;
-        matmul(&self.drafter.dev, conv.projection.view(), coefs, input, self.rows, dynamic)?;
+        matmul(&self.drafter.dev, self.work, conv.projection.view(), coefs, input, self.rows, dynamic)?;
         self.convolve(conv, 0, input)
     }
 

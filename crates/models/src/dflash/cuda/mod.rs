@@ -14,6 +14,7 @@
 mod context;
 mod forward;
 mod graphs;
+mod matmul;
 mod weights;
 
 use std::sync::{Arc, Mutex};
@@ -28,7 +29,7 @@ use crate::dflash::{BlockRequest, DraftModel, DrafterContext};
 use crate::error::{ModelError, Result};
 use crate::target::device_err;
 use dflash_runtime::Tensor;
-use weights::{f32_upload, DeviceWeights};
+use weights::{f32_upload, DeviceMatrix, DeviceWeights};
 
 // The engine asks for summaries of at most this many columns; the kernel must keep them all.
 const _: () = assert!(crate::dflash::cpu::draft::MAX_SUMMARY_COLUMNS == dflash_runtime::cuda::ops::DRAFT_TOP_K_MAX);
@@ -49,10 +50,10 @@ pub(crate) struct CudaDrafter {
     selector: Option<DeviceSelector>,
 }
 
-/// DFlash2's candidate selector on the device, widened to f32.
+/// DFlash2's candidate selector on the device (its walk's tables widened to f32).
 #[derive(Debug)]
 struct DeviceSelector {
-    projection: DeviceBuf<f32>,  // [r, H]
+    projection: DeviceMatrix,    // [r, H]
     predecessor: DeviceBuf<f32>, // [V, r]
     successor: DeviceBuf<f32>,   // [V, r]
     rank: usize,
@@ -62,7 +63,7 @@ struct DeviceSelector {
 /// The LM head the drafter scores with: the target's whole head, or a draft vocabulary's rows.
 #[derive(Debug)]
 struct DeviceHead {
-    w: DeviceBuf<f32>, // [rows, Ht]
+    w: DeviceMatrix, // [rows, Ht]
     rows: usize,
     /// A draft vocabulary's target ids; `None`: the whole head.
     ids: Option<Arc<[u32]>>,
@@ -79,13 +80,13 @@ impl CudaDrafter {
         let matrix = head.matrix();
         let ids = head.token_ids();
         let device_ids = ids.as_deref().map(|ids| dev.upload(ids)).transpose().map_err(device_err)?;
-        let head = DeviceHead { w: f32_upload(&dev, matrix)?, rows: matrix.rows(), ids, device_ids };
+        let head = DeviceHead { w: DeviceMatrix::upload(&dev, matrix)?, rows: matrix.rows(), ids, device_ids };
         let selector = model
             .selector()
             .map(|s| {
                 let (projection, predecessor, successor) = s.weights();
                 Ok::<_, ModelError>(DeviceSelector {
-                    projection: f32_upload(&dev, projection)?,
+                    projection: DeviceMatrix::upload(&dev, projection)?,
                     predecessor: f32_upload(&dev, predecessor)?,
                     successor: f32_upload(&dev, successor)?,
                     rank: s.rank(),
@@ -98,9 +99,9 @@ impl CudaDrafter {
         let b = &model.cfg.backbone;
         let pool = Arc::new(PagePool::new(&dev, b.num_layers, b.num_kv_heads * b.head_dim)?);
         tracing::info!(
-            "drafter on cuda:{}: {} MiB of f32 weights, a {}-row LM head, {} MiB of context pages to start",
+            "drafter on cuda:{}: {} MiB of weights, a {}-row LM head, {} MiB of context pages to start",
             dev.info().ordinal,
-            (weights.bytes() + 4 * head.w.len()) >> 20,
+            (weights.bytes() + head.w.bytes()) >> 20,
             head.rows,
             pool.bytes() >> 20
         );
