@@ -31,6 +31,8 @@ pub mod weights;
 pub use batch::{DeviceCaptured, ForwardBatch, ForwardOut, KvCache, Readout, SeqRows, StepDraws};
 pub use checkpoint::{Checkpoint, GenerationDefaults, LoadOptions, ModelInfo};
 pub use config::ModelConfig;
+#[cfg(feature = "cuda")]
+pub use dflash::DraftMatrices;
 pub use dflash::{DraftModel, DrafterContext, TargetShape};
 pub use error::ModelError;
 pub use family::{open_target, CachePlan, Device, Family, KvPages, OpenedTarget, TargetOptions};

@@ -5,7 +5,8 @@
 //! DFlash2's selector walk) identical. Passes and appends whose shapes ran before replay CUDA graphs (the warm-up's
 //! appends of 1 and 64 rows, the one-row append before the last comparison). A pass that keeps only each slot's
 //! best columns (the summary drafting reads) gives the CPU's top columns, their logits to 1e-4 and top
-//! probabilities to 1e-4, and the same drafts. The drafter's warm-up passes run first and must leave no trace.
+//! probabilities to 1e-4, and the same drafts. The drafter's warm-up passes run first and must leave no trace. On
+//! bf16 tensor cores (`DraftMatrices::Bf16`) the rows and logits stay within 5e-2 of the CPU's.
 //!
 //! Without a CUDA device every test prints a SKIP notice and passes.
 #![cfg(feature = "cuda")]
@@ -18,8 +19,8 @@ use std::sync::Arc;
 use common::{assert_close, cuda_device, fixtures};
 use dflash_models::config::ModelConfig;
 use dflash_models::dflash::{
-    BlockOutput, BlockRequest, BlockScores, ContextAppend, DeviceAppend, DraftHead, DraftModel, DraftSampling,
-    DraftVocab, DrafterContext, InverseCdf, SamplingFilter, ScoreReadback, TargetShape,
+    BlockOutput, BlockRequest, BlockScores, ContextAppend, DeviceAppend, DraftHead, DraftMatrices, DraftModel,
+    DraftSampling, DraftVocab, DrafterContext, InverseCdf, SamplingFilter, ScoreReadback, TargetShape,
 };
 use dflash_models::llama::{load_hf_weights, LlamaModel};
 use dflash_models::safetensors_dir::read_json;
@@ -200,6 +201,68 @@ fn cuda_batched_passes_match_single_passes() {
         let mut requests = [BlockRequest { ctx: &mut ctx, anchor, width: w }];
         let want = cpu.forward_blocks(&mut requests, embed, lm_head, None).expect("cpu pass").remove(0);
         check_block(&format!("batched request {i}"), &both[i], &want);
+    }
+}
+
+/// With [`DraftMatrices::Bf16`] the drafter's bf16 matrices run on bf16 tensor cores, its activations rounded to
+/// bf16 (8 bits of mantissa, 2e-3 a rounding) before every matmul: the hidden rows and logits stay within a few
+/// such roundings of the CPU's through the appends (pieces of up to 64 rows: cuBLAS past 32), passes of every width
+/// (the small batch-invariant kernel) and a batched pass of 40 rows (cuBLAS).
+#[test]
+fn cuda_drafters_on_bf16_tensor_cores_stay_within_bf16_rounding_of_the_cpu() {
+    const TOL_BF16: f32 = 5e-2;
+    let Some(dev) = cuda_device("cuda_dflash") else { return };
+    for name in ["dflash-v1", "dflash-v2"] {
+        let (cpu, target, rows) = cpu_pair(name);
+        let (embed, lm_head) = (target.embedding(), target.lm_head());
+        let gpu = DraftModel::load(&windowless(name), cpu.target())
+            .expect("drafter")
+            .to_cuda_with(Arc::clone(&dev), DraftHead::Full(lm_head), 1024, DraftMatrices::Bf16)
+            .expect("to cuda");
+        let width = rows.len() / POSITIONS;
+        let check = |what: &str, got: &BlockOutput, want: &BlockOutput| {
+            let dense = |b: &BlockOutput| b.scores.dense().expect("dense").as_f32().expect("f32").to_vec();
+            assert_close(
+                &format!("{what} hidden"),
+                got.hidden.as_f32().expect("f32"),
+                want.hidden.as_f32().expect("f32"),
+                TOL_BF16,
+            );
+            assert_close(&format!("{what} logits"), &dense(got), &dense(want), TOL_BF16);
+        };
+        let (mut cpu_ctx, mut gpu_ctx) = (cpu.new_context().expect("cpu"), gpu.new_context().expect("gpu"));
+        append_in_pieces(&cpu, &mut cpu_ctx, &rows, width);
+        append_in_pieces(&gpu, &mut gpu_ctx, &rows, width);
+        for w in 2..=cpu.block_size() {
+            let anchor = (17 + 31 * w as u32) % 256;
+            let pass = |model: &DraftModel, ctx: &mut DrafterContext| {
+                let mut requests = [BlockRequest { ctx, anchor, width: w }];
+                model.forward_blocks(&mut requests, embed, lm_head, None).expect("pass").remove(0)
+            };
+            let (want, got) = (pass(&cpu, &mut cpu_ctx), pass(&gpu, &mut gpu_ctx));
+            check(&format!("{name} bf16 width {w}"), &got, &want);
+        }
+        let w = cpu.block_size();
+        let mut contexts: Vec<DrafterContext> = (0..5)
+            .map(|_| {
+                let mut ctx = gpu.new_context().expect("context");
+                gpu.append_context(&mut ctx, 0, &rows).expect("append");
+                ctx
+            })
+            .collect();
+        let mut requests: Vec<BlockRequest> = contexts
+            .iter_mut()
+            .enumerate()
+            .map(|(i, ctx)| BlockRequest { ctx, anchor: 3 + i as u32, width: w })
+            .collect();
+        let batched = gpu.forward_blocks(&mut requests, embed, lm_head, None).expect("batched pass");
+        for (i, got) in batched.iter().enumerate() {
+            let mut ctx = cpu.new_context().expect("context");
+            cpu.append_context(&mut ctx, 0, &rows).expect("append");
+            let mut requests = [BlockRequest { ctx: &mut ctx, anchor: 3 + i as u32, width: w }];
+            let want = cpu.forward_blocks(&mut requests, embed, lm_head, None).expect("cpu pass").remove(0);
+            check(&format!("{name} bf16 batched request {i}"), got, &want);
+        }
     }
 }
 

@@ -457,24 +457,30 @@ fn cublas_gemm_with_row_stride_and_accumulation_matches_cpu() {
 }
 
 /// A gemm on TF32 tensor cores (a drafter's many-row passes under `DFLASH_DRAFT_TF32=1`) stays within TF32's
-/// rounding of the CPU's f32 product: each operand keeps a 10-bit mantissa, so about 1e-3 of the sum of |w · x|.
+/// rounding of the CPU's f32 product (each operand keeps a 10-bit mantissa: about 1e-3 of a product, less of a sum
+/// of products of random signs) and is not the full-f32 gemm's result (the switch does something).
 #[test]
 fn cublas_gemm_on_tf32_stays_within_its_rounding_of_cpu() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(27);
-    let (m, n, k) = (64, 300, 576);
+    let (m, n, k) = (128, 512, 1024);
     let (w, x) = (rng.vec(n * k, 1.0), rng.vec(m * k, 2.0));
     let mut prod = f32_tensor(&vec![0.0; m * n], &[m, n]);
     cpu::matmul(&f32_tensor(&x, &[m, k]), &f32_tensor(&w, &[n, k]), &mut prod).expect("cpu");
-    let (wd, xd, y) =
-        (dev.upload(&w).expect("w"), dev.upload(&x).expect("x"), dev.upload(&vec![0.0f32; m * n]).expect("y"));
-    gpu::gemm(dev, gpu::GemmArgs::f32(wd.view(), n, k, xd.view(), m, y.view(), n, false).tf32()).expect("gemm");
-    let got = dev.download(&y).expect("download");
+    let (wd, xd) = (dev.upload(&w).expect("w"), dev.upload(&x).expect("x"));
+    let run = |tf32: bool| {
+        let y = dev.upload(&vec![0.0f32; m * n]).expect("y");
+        let args = gpu::GemmArgs::f32(wd.view(), n, k, xd.view(), m, y.view(), n, false);
+        gpu::gemm(dev, if tf32 { args.tf32() } else { args }).expect("gemm");
+        dev.download(&y).expect("download")
+    };
+    let (tf32, full) = (run(true), run(false));
     let scale = abs_dot(&w, &x, n, k);
     check(
         "gemm f32 on tf32",
         &format!("{m}x{k} . {n}x{k}"),
-        max_err_over(&got, prod.as_f32().expect("f32"), &scale),
+        max_err_over(&tf32, prod.as_f32().expect("f32"), &scale),
         2e-3,
     );
+    assert!(bit_mismatches(&tf32, &full) > 0.0, "the TF32 gemm gave the full-f32 gemm's bits: TF32 was not used");
 }

@@ -18,6 +18,8 @@ mod context;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+pub use cuda::DraftMatrices;
 mod sampling;
 mod scores;
 mod target_shape;

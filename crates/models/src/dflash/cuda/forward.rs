@@ -57,7 +57,9 @@ pub(super) struct Workspace {
     projected: Option<DeviceBuf<f32>>, // [rows, selector rank]
     captured: Option<DeviceBuf<f32>>, // [rows, fc_in]
     /// `[rows, widest matrix row]`: bf16 matrices' activations for cuBLAS (`DFLASH_DRAFT_BF16=1`, past 32 rows).
-    pub(super) x_bf16: Option<DeviceBuf<bf16>>,
+    x_bf16: Option<DeviceBuf<bf16>>,
+    /// Whether the drafter holds bf16 matrices (then `x_bf16` is sized with the rest).
+    bf16_matrices: bool,
     ints: Option<DeviceBuf<u32>>,
     scratch: Option<(AttentionScratch, usize)>, // and the partial states it holds
     /// Allocations so far: a change tells the graphs their addresses are gone.
@@ -66,7 +68,7 @@ pub(super) struct Workspace {
 }
 
 /// The buffer behind an `Option` filled by [`Workspace::ensure`].
-pub(super) fn buf<T>(b: &Option<DeviceBuf<T>>) -> Result<&DeviceBuf<T>> {
+fn buf<T>(b: &Option<DeviceBuf<T>>) -> Result<&DeviceBuf<T>> {
     b.as_ref().ok_or_else(|| ModelError::Device("drafter workspace used before it was sized".into()))
 }
 
@@ -85,6 +87,16 @@ fn ints_part(b: &DeviceBuf<u32>, first: usize, len: usize) -> Result<DevSlice<'_
 }
 
 impl Workspace {
+    /// An empty workspace for a drafter with (`bf16_matrices`) or without bf16 matrices.
+    pub(super) fn new(bf16_matrices: bool) -> Self {
+        Workspace { bf16_matrices, ..Workspace::default() }
+    }
+
+    /// `[rows, widest matrix row]` bf16: a bf16 matrix's activations for cuBLAS.
+    pub(super) fn x_bf16(&self) -> Result<&DeviceBuf<bf16>> {
+        buf(&self.x_bf16)
+    }
+
     /// Makes every row buffer hold `rows` rows of `model`'s pass (and `ints` u32s), reallocating what is too small.
     /// The logits are sized by [`Workspace::ensure_logits`]: an append has none.
     fn ensure(&mut self, dev: &CudaDevice, model: &DraftModel, rows: usize, ints: usize) -> Result<()> {
@@ -109,8 +121,10 @@ impl Workspace {
             self.gate_up = Some(alloc(rows * 2 * f)?);
             self.act = Some(alloc(rows * f)?);
             self.captured = Some(alloc(rows * fc_in)?);
-            let widest = fc_in.max(h).max(qd).max(f);
-            self.x_bf16 = Some(dev.alloc_zeros::<bf16>(rows * widest).map_err(device_err)?);
+            if self.bf16_matrices {
+                let widest = fc_in.max(h).max(qd).max(f);
+                self.x_bf16 = Some(dev.alloc_zeros::<bf16>(rows * widest).map_err(device_err)?);
+            }
             self.rows = rows;
         }
         if self.ints.as_ref().is_none_or(|b| b.len() < ints) {

@@ -1,5 +1,5 @@
-//! The drafter's matmul dispatch: by the matrix's storage (f32, or bf16 under `DFLASH_DRAFT_BF16=1`) and the
-//! row count, onto the few-row f32 kernel, the small tensor-core bf16 matmul or cuBLAS.
+//! The drafter's matmul dispatch: by the matrix's storage (f32, or bf16 with `DraftMatrices::Bf16`) and the row
+//! count, onto the few-row f32 kernel, the small tensor-core bf16 matmul or cuBLAS.
 
 use dflash_runtime::cuda::ops::{
     f32_rows_fit, f32_to_bf16, gemm, gemm_bf16_small, gemm_f32_rows, small_gemm_fits, swiglu_fused, Epilogue, GemmArgs,
@@ -8,14 +8,14 @@ use dflash_runtime::cuda::ops::{
 use dflash_runtime::cuda::{CudaDevice, DevSlice};
 use dflash_runtime::switches::switches;
 
-use super::forward::{buf, Workspace};
+use super::forward::Workspace;
 use super::weights::MatrixView;
 use crate::error::Result;
 use crate::target::device_err;
 
 /// `y[m, n] = x[m, k] · W[n, k]ᵀ`. An f32 matrix: the few-row kernel up to 32 rows (a pass's and a step's appends;
 /// cuBLAS spent 55 us on a 144-column matrix of 8 rows there, PERFORMANCE.md entry 86), cuBLAS beyond (on TF32
-/// tensor cores under `DFLASH_DRAFT_TF32=1`, entry 108). A bf16 one (`DFLASH_DRAFT_BF16=1`, entry 109): the
+/// tensor cores under `DFLASH_DRAFT_TF32=1`, entry 108). A bf16 one (`DraftMatrices::Bf16`, entry 109): the
 /// small tensor-core matmul up to 32 rows, cuBLAS in bf16 beyond, its activations cast into `ws`'s bf16 rows.
 pub(super) fn matmul(
     dev: &CudaDevice,
@@ -44,7 +44,7 @@ pub(super) fn matmul(
             gemm_bf16_small(dev, w, n, x, m, y, n, Epilogue::Store, SmallGemmNorm::default()).map_err(device_err)
         }
         MatrixView::Bf16(w) => {
-            let xb = buf(&ws.x_bf16)?.view().prefix(m * k).map_err(device_err)?;
+            let xb = ws.x_bf16()?.view().prefix(m * k).map_err(device_err)?;
             f32_to_bf16(dev, x.prefix(m * k).map_err(device_err)?, xb).map_err(device_err)?;
             gemm(dev, GemmArgs::bf16(w, n, k, xb, m, y, n, false)).map_err(device_err)
         }

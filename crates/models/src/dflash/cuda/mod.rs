@@ -1,5 +1,5 @@
 //! The drafters' CUDA forward: the same context appends and block passes as the CPU's (`../cpu/forward.rs`), on
-//! device weights widened to f32 and device-resident contexts, with the LM head (or a draft vocabulary's rows of
+//! device weights (widened to f32, or bf16 matrices kept bf16: `DraftMatrices`) and device-resident contexts, with the LM head (or a draft vocabulary's rows of
 //! it) on the device too. What comes back per block is what the CPU pass returns, the draft rows' final hidden
 //! states and their scores, so choosing drafts (argmax, sampling, DFlash2's selector walk) stays one code path;
 //! the scores are every logit, or, where drafting reads no more, each slot's best columns and top probability
@@ -28,8 +28,11 @@ use crate::dflash::vocab::DraftHead;
 use crate::dflash::{BlockRequest, DraftModel, DrafterContext};
 use crate::error::{ModelError, Result};
 use crate::target::device_err;
+use dflash_runtime::switches::switches;
 use dflash_runtime::Tensor;
 use weights::{f32_upload, DeviceMatrix, DeviceWeights};
+
+pub use weights::DraftMatrices;
 
 // The engine asks for summaries of at most this many columns; the kernel must keep them all.
 const _: () = assert!(crate::dflash::cpu::draft::MAX_SUMMARY_COLUMNS == dflash_runtime::cuda::ops::DRAFT_TOP_K_MAX);
@@ -72,7 +75,13 @@ struct DeviceHead {
 }
 
 impl CudaDrafter {
-    fn new(model: &DraftModel, dev: Arc<CudaDevice>, head: DraftHead<'_>, max_positions: usize) -> Result<Self> {
+    fn new(
+        model: &DraftModel,
+        dev: Arc<CudaDevice>,
+        head: DraftHead<'_>,
+        max_positions: usize,
+        matrices: DraftMatrices,
+    ) -> Result<Self> {
         if let Some(why) = model.cuda_refusal() {
             return Err(ModelError::Unsupported(why));
         }
@@ -80,13 +89,14 @@ impl CudaDrafter {
         let matrix = head.matrix();
         let ids = head.token_ids();
         let device_ids = ids.as_deref().map(|ids| dev.upload(ids)).transpose().map_err(device_err)?;
-        let head = DeviceHead { w: DeviceMatrix::upload(&dev, matrix)?, rows: matrix.rows(), ids, device_ids };
+        let w = DeviceMatrix::upload(&dev, matrix, matrices)?;
+        let head = DeviceHead { w, rows: matrix.rows(), ids, device_ids };
         let selector = model
             .selector()
             .map(|s| {
                 let (projection, predecessor, successor) = s.weights();
                 Ok::<_, ModelError>(DeviceSelector {
-                    projection: DeviceMatrix::upload(&dev, projection)?,
+                    projection: DeviceMatrix::upload(&dev, projection, matrices)?,
                     predecessor: f32_upload(&dev, predecessor)?,
                     successor: f32_upload(&dev, successor)?,
                     rank: s.rank(),
@@ -95,7 +105,7 @@ impl CudaDrafter {
             })
             .transpose()?;
         let rope = CudaRopeTable::new(&dev, &model.rope, max_positions.max(1)).map_err(device_err)?;
-        let weights = DeviceWeights::upload(&dev, &model.weights)?;
+        let weights = DeviceWeights::upload(&dev, &model.weights, matrices)?;
         let b = &model.cfg.backbone;
         let pool = Arc::new(PagePool::new(&dev, b.num_layers, b.num_kv_heads * b.head_dim)?);
         tracing::info!(
@@ -105,7 +115,7 @@ impl CudaDrafter {
             head.rows,
             pool.bytes() >> 20
         );
-        let work = Mutex::new(forward::Workspace::default());
+        let work = Mutex::new(forward::Workspace::new(matrices == DraftMatrices::Bf16));
         Ok(CudaDrafter { dev, weights, head, rope, pool, work, staging: Mutex::default(), selector })
     }
 
@@ -126,12 +136,28 @@ impl CudaDrafter {
 impl DraftModel {
     /// Moves the drafter's passes to CUDA device `dev` (the target's, so both queue on one stream): weights,
     /// contexts and `head` (the target's LM head, or the draft vocabulary the lanes will pass) go to the device,
-    /// widened to f32. Contexts made afterwards live there; RoPE covers positions `0..max_positions`.
+    /// widened to f32 (bf16 matrices kept bf16 under `DFLASH_DRAFT_BF16=1`). Contexts made afterwards live there;
+    /// RoPE covers positions `0..max_positions`.
     ///
     /// # Errors
     /// What [`DraftModel::cuda_refusal`] names (`Unsupported`), out of device memory, a driver failure.
-    pub fn to_cuda(mut self, dev: Arc<CudaDevice>, head: DraftHead<'_>, max_positions: usize) -> Result<Self> {
-        self.cuda = Some(Arc::new(CudaDrafter::new(&self, dev, head, max_positions)?));
+    pub fn to_cuda(self, dev: Arc<CudaDevice>, head: DraftHead<'_>, max_positions: usize) -> Result<Self> {
+        let matrices = if switches().draft_bf16 { DraftMatrices::Bf16 } else { DraftMatrices::F32 };
+        self.to_cuda_with(dev, head, max_positions, matrices)
+    }
+
+    /// [`DraftModel::to_cuda`] with its matrices as `matrices` says.
+    ///
+    /// # Errors
+    /// As [`DraftModel::to_cuda`].
+    pub fn to_cuda_with(
+        mut self,
+        dev: Arc<CudaDevice>,
+        head: DraftHead<'_>,
+        max_positions: usize,
+        matrices: DraftMatrices,
+    ) -> Result<Self> {
+        self.cuda = Some(Arc::new(CudaDrafter::new(&self, dev, head, max_positions, matrices)?));
         Ok(self)
     }
 

@@ -1,11 +1,11 @@
 //! A drafter's weights on the device, widened to f32: the drafter runs in f32 on every device (its activations
 //! exceed f16, and its matmuls are small), so the CUDA pass computes what the CPU pass computes up to the order
-//! of the sums. Under `DFLASH_DRAFT_BF16=1` (entry 109) bf16 matrices stay bf16 and their matmuls run on bf16
-//! tensor cores, the activations rounded to bf16: half the bytes a real-shape drafter's pass reads, at the cost of
-//! drafts that may differ from the CPU's (verification keeps the output lossless).
+//! of the sums. With [`DraftMatrices::Bf16`] (`DFLASH_DRAFT_BF16=1`, PERFORMANCE.md entry 109) bf16 matrices stay
+//! bf16 and their matmuls run on bf16 tensor cores, the activations rounded to bf16: half the bytes a real-shape
+//! drafter's pass reads, at the cost of drafts that may differ from the CPU's (verification keeps the output
+//! lossless).
 
 use dflash_runtime::cuda::{CudaDevice, DevSlice, DeviceBuf};
-use dflash_runtime::switches::switches;
 use dflash_runtime::{DType, Tensor};
 use half::bf16;
 
@@ -49,15 +49,15 @@ pub(super) struct DeviceWeights {
 }
 
 impl DeviceWeights {
-    /// Uploads `w`.
+    /// Uploads `w`, its matrices as `matrices` says.
     ///
     /// # Errors
     /// Out of device memory, a dtype that cannot be widened.
-    pub fn upload(dev: &CudaDevice, w: &DraftWeights) -> Result<Self> {
+    pub fn upload(dev: &CudaDevice, w: &DraftWeights, matrices: DraftMatrices) -> Result<Self> {
         Ok(DeviceWeights {
-            fc: DeviceMatrix::upload(dev, &w.fc)?,
+            fc: DeviceMatrix::upload(dev, &w.fc, matrices)?,
             hidden_norm: f32_upload(dev, &w.hidden_norm)?,
-            layers: w.layers.iter().map(|l| upload_layer(dev, l)).collect::<Result<_>>()?,
+            layers: w.layers.iter().map(|l| upload_layer(dev, l, matrices)).collect::<Result<_>>()?,
             norm: f32_upload(dev, &w.norm)?,
         })
     }
@@ -74,29 +74,29 @@ impl DeviceWeights {
     }
 }
 
-fn upload_layer(dev: &CudaDevice, l: &DraftLayer) -> Result<DeviceLayer> {
+fn upload_layer(dev: &CudaDevice, l: &DraftLayer, matrices: DraftMatrices) -> Result<DeviceLayer> {
     let convs = match (&l.attention_conv, &l.mlp_conv) {
-        (Some(a), Some(m)) => Some([upload_conv(dev, a)?, upload_conv(dev, m)?]),
+        (Some(a), Some(m)) => Some([upload_conv(dev, a, matrices)?, upload_conv(dev, m, matrices)?]),
         _ => None,
     };
     Ok(DeviceLayer {
         input_norm: f32_upload(dev, &l.input_norm)?,
         post_norm: f32_upload(dev, &l.post_norm)?,
-        qkv: DeviceMatrix::stacked(dev, &[&l.q, &l.kv])?,
+        qkv: DeviceMatrix::stacked(dev, &[&l.q, &l.kv], matrices)?,
         q_norm: f32_upload(dev, &l.q_norm)?,
         k_norm: f32_upload(dev, &l.k_norm)?,
-        o: DeviceMatrix::upload(dev, &l.o)?,
-        gate_up: DeviceMatrix::upload(dev, &l.gate_up)?,
-        down: DeviceMatrix::upload(dev, &l.down)?,
+        o: DeviceMatrix::upload(dev, &l.o, matrices)?,
+        gate_up: DeviceMatrix::upload(dev, &l.gate_up, matrices)?,
+        down: DeviceMatrix::upload(dev, &l.down, matrices)?,
         convs,
     })
 }
 
-fn upload_conv(dev: &CudaDevice, c: &DynamicConv) -> Result<DeviceConv> {
+fn upload_conv(dev: &CudaDevice, c: &DynamicConv, matrices: DraftMatrices) -> Result<DeviceConv> {
     let (taps, groups) = c.taps_and_groups();
     Ok(DeviceConv {
         base: dev.upload(c.base()).map_err(device_err)?,
-        projection: DeviceMatrix::upload(dev, c.projection())?,
+        projection: DeviceMatrix::upload(dev, c.projection(), matrices)?,
         taps,
         groups,
     })
@@ -107,7 +107,17 @@ pub(super) fn f32_upload(dev: &CudaDevice, t: &Tensor) -> Result<DeviceBuf<f32>>
     dev.upload(t.to_f32()?.as_f32()?).map_err(device_err)
 }
 
-/// A drafter matrix on the device: widened to f32, or bf16 as stored under `DFLASH_DRAFT_BF16=1`.
+/// How a drafter's matrices live on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DraftMatrices {
+    /// Widened to f32: the CPU pass's arithmetic up to the order of the sums.
+    F32,
+    /// bf16 matrices (rows of a multiple of 8 elements) kept bf16, their matmuls on bf16 tensor cores with the
+    /// activations rounded to bf16; other matrices widened to f32.
+    Bf16,
+}
+
+/// A drafter matrix on the device: widened to f32, or bf16 as stored ([`DraftMatrices::Bf16`]).
 #[derive(Debug)]
 pub(crate) enum DeviceMatrix {
     F32(DeviceBuf<f32>),
@@ -122,22 +132,22 @@ pub(crate) enum MatrixView<'a> {
 }
 
 impl DeviceMatrix {
-    /// Uploads `t`: bf16 as it is under `DFLASH_DRAFT_BF16=1` (rows of a multiple of 8 elements, as the tensor-core
-    /// matmul takes them), anything else widened to f32.
+    /// Uploads `t` as `matrices` says.
     ///
     /// # Errors
     /// Out of device memory, a dtype that cannot be widened.
-    pub fn upload(dev: &CudaDevice, t: &Tensor) -> Result<Self> {
-        Self::stacked(dev, &[t])
+    pub fn upload(dev: &CudaDevice, t: &Tensor, matrices: DraftMatrices) -> Result<Self> {
+        Self::stacked(dev, &[t], matrices)
     }
 
     /// Uploads `parts` (equal row lengths) stacked, `[Σ rows, k]`, as [`DeviceMatrix::upload`] would one of them.
     ///
     /// # Errors
     /// As [`DeviceMatrix::upload`].
-    pub fn stacked(dev: &CudaDevice, parts: &[&Tensor]) -> Result<Self> {
-        let keep_bf16 =
-            switches().draft_bf16 && parts.iter().all(|t| t.dtype() == DType::BF16 && t.row_len().is_multiple_of(8));
+    pub fn stacked(dev: &CudaDevice, parts: &[&Tensor], matrices: DraftMatrices) -> Result<Self> {
+        debug_assert!(parts.windows(2).all(|p| p[0].row_len() == p[1].row_len()), "stacked rows of one length");
+        let keep_bf16 = matrices == DraftMatrices::Bf16
+            && parts.iter().all(|t| t.dtype() == DType::BF16 && t.row_len().is_multiple_of(8));
         if keep_bf16 {
             let mut host: Vec<bf16> = Vec::with_capacity(parts.iter().map(|t| t.len()).sum());
             for t in parts {
@@ -145,6 +155,9 @@ impl DeviceMatrix {
                 host.extend(bytes.map(|p| bf16::from_bits(u16::from_le_bytes([p[0], p[1]]))));
             }
             return Ok(DeviceMatrix::Bf16(dev.upload(&host).map_err(device_err)?));
+        }
+        if let [t] = parts {
+            return Ok(DeviceMatrix::F32(f32_upload(dev, t)?));
         }
         let mut host: Vec<f32> = Vec::with_capacity(parts.iter().map(|t| t.len()).sum());
         for t in parts {

@@ -107,8 +107,8 @@ impl GemmArgs {
         Self::new(GemmType::F32, ptrs, (w.len(), x.len(), y.len()), (m, n, k), y_ld, accumulate)
     }
 
-    /// The same f32 matmul on TF32 tensor cores: each product's operands rounded to 10-bit mantissas (a relative
-    /// error of about 5e-4 a product), several times the f32 arithmetic's speed. For passes whose rows need not
+    /// The same f32 matmul on TF32 tensor cores: each product's operands rounded to 10-bit mantissas (about 1e-3 of
+    /// a product), several times the f32 arithmetic's speed. For passes whose rows need not
     /// match the CPU's bits (a drafter's many-row passes: its drafts are verified). Other types are left as they are.
     pub fn tf32(mut self) -> Self {
         if self.ty == GemmType::F32 {
