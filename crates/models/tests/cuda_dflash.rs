@@ -81,19 +81,42 @@ fn append_in_pieces(model: &DraftModel, ctx: &mut DrafterContext, rows: &[f32], 
     assert_eq!(ctx.len(), rows.len() / width);
 }
 
+/// A new context of `model` holding `rows` (`width` wide), appended in pieces.
+fn appended(model: &DraftModel, rows: &[f32], width: usize) -> DrafterContext {
+    let mut ctx = model.new_context().expect("context");
+    append_in_pieces(model, &mut ctx, rows, width);
+    ctx
+}
+
+/// One block pass of `width` rows from `anchor` on `ctx`, scoring every logit.
+fn one_pass(
+    model: &DraftModel,
+    ctx: &mut DrafterContext,
+    (anchor, width): (u32, usize),
+    heads: (&Tensor, &Tensor),
+) -> BlockOutput {
+    let mut requests = [BlockRequest { ctx, anchor, width }];
+    model.forward_blocks(&mut requests, heads.0, heads.1, None).expect("pass").remove(0)
+}
+
 fn check_block(what: &str, got: &BlockOutput, want: &BlockOutput) {
+    check_block_within(what, got, want, TOL);
+}
+
+/// [`check_block`] to relative tolerance `tol`.
+fn check_block_within(what: &str, got: &BlockOutput, want: &BlockOutput, tol: f32) {
     assert_eq!(got.start, want.start, "{what}: start");
     assert_eq!(
         got.scores.dense().expect("dense").shape(),
         want.scores.dense().expect("dense").shape(),
         "{what}: logits shape"
     );
-    assert_close(&format!("{what} hidden"), got.hidden.as_f32().expect("f32"), want.hidden.as_f32().expect("f32"), TOL);
+    assert_close(&format!("{what} hidden"), got.hidden.as_f32().expect("f32"), want.hidden.as_f32().expect("f32"), tol);
     assert_close(
         &format!("{what} logits"),
         got.scores.dense().expect("dense").as_f32().expect("f32"),
         want.scores.dense().expect("dense").as_f32().expect("f32"),
-        TOL,
+        tol,
     );
 }
 
@@ -122,15 +145,11 @@ fn cuda_drafters_match_the_cpu_drafters_at_every_width() {
         // checks below could see.
         gpu.warm_up(embed, lm_head).expect("warm-up");
         let width = rows.len() / POSITIONS;
-        let (mut cpu_ctx, mut gpu_ctx) = (cpu.new_context().expect("cpu"), gpu.new_context().expect("gpu"));
-        append_in_pieces(&cpu, &mut cpu_ctx, &rows, width);
-        append_in_pieces(&gpu, &mut gpu_ctx, &rows, width);
+        let (mut cpu_ctx, mut gpu_ctx) = (appended(&cpu, &rows, width), appended(&gpu, &rows, width));
         for w in 2..=cpu.block_size() {
             let anchor = (17 + 31 * w as u32) % 256;
-            let pass = |model: &DraftModel, ctx: &mut DrafterContext| {
-                let mut requests = [BlockRequest { ctx, anchor, width: w }];
-                model.forward_blocks(&mut requests, embed, lm_head, None).expect("pass").remove(0)
-            };
+            let pass =
+                |model: &DraftModel, ctx: &mut DrafterContext| one_pass(model, ctx, (anchor, w), (embed, lm_head));
             let (want, got) = (pass(&cpu, &mut cpu_ctx), pass(&gpu, &mut gpu_ctx));
             check_block(&format!("{name} width {w}"), &got, &want);
             let readback = gpu.readback_for(true);
@@ -220,25 +239,12 @@ fn cuda_drafters_on_bf16_tensor_cores_stay_within_bf16_rounding_of_the_cpu() {
             .to_cuda_with(Arc::clone(&dev), DraftHead::Full(lm_head), 1024, DraftMatrices::Bf16)
             .expect("to cuda");
         let width = rows.len() / POSITIONS;
-        let check = |what: &str, got: &BlockOutput, want: &BlockOutput| {
-            let dense = |b: &BlockOutput| b.scores.dense().expect("dense").as_f32().expect("f32").to_vec();
-            assert_close(
-                &format!("{what} hidden"),
-                got.hidden.as_f32().expect("f32"),
-                want.hidden.as_f32().expect("f32"),
-                TOL_BF16,
-            );
-            assert_close(&format!("{what} logits"), &dense(got), &dense(want), TOL_BF16);
-        };
-        let (mut cpu_ctx, mut gpu_ctx) = (cpu.new_context().expect("cpu"), gpu.new_context().expect("gpu"));
-        append_in_pieces(&cpu, &mut cpu_ctx, &rows, width);
-        append_in_pieces(&gpu, &mut gpu_ctx, &rows, width);
+        let check = |what: &str, got: &BlockOutput, want: &BlockOutput| check_block_within(what, got, want, TOL_BF16);
+        let (mut cpu_ctx, mut gpu_ctx) = (appended(&cpu, &rows, width), appended(&gpu, &rows, width));
         for w in 2..=cpu.block_size() {
             let anchor = (17 + 31 * w as u32) % 256;
-            let pass = |model: &DraftModel, ctx: &mut DrafterContext| {
-                let mut requests = [BlockRequest { ctx, anchor, width: w }];
-                model.forward_blocks(&mut requests, embed, lm_head, None).expect("pass").remove(0)
-            };
+            let pass =
+                |model: &DraftModel, ctx: &mut DrafterContext| one_pass(model, ctx, (anchor, w), (embed, lm_head));
             let (want, got) = (pass(&cpu, &mut cpu_ctx), pass(&gpu, &mut gpu_ctx));
             check(&format!("{name} bf16 width {w}"), &got, &want);
         }
@@ -259,8 +265,7 @@ fn cuda_drafters_on_bf16_tensor_cores_stay_within_bf16_rounding_of_the_cpu() {
         for (i, got) in batched.iter().enumerate() {
             let mut ctx = cpu.new_context().expect("context");
             cpu.append_context(&mut ctx, 0, &rows).expect("append");
-            let mut requests = [BlockRequest { ctx: &mut ctx, anchor: 3 + i as u32, width: w }];
-            let want = cpu.forward_blocks(&mut requests, embed, lm_head, None).expect("cpu pass").remove(0);
+            let want = one_pass(&cpu, &mut ctx, (3 + i as u32, w), (embed, lm_head));
             check(&format!("{name} bf16 batched request {i}"), got, &want);
         }
     }
