@@ -171,7 +171,8 @@ __device__ __forceinline__ void gemm_f32_rows_sums(const float* __restrict__ w, 
                                                    u32 k, u32 rows, u32 cols, float (&acc)[C][R],
                                                    float (&acc_up)[C][R]) {
     const u32 lane = threadIdx.x & 31u, groups = (k + 3u) >> 2;
-    // Two groups in flight per lane where the registers allow (R * C sums a lane: 8 for every chunk kernel).
+    // Two groups in flight per lane where the registers allow: the one-row kernel (R * C = 4 sums a lane); the 8-row
+    // kernel (16) keeps one, which may cap its stream on large drafters (PERFORMANCE.md entry 106).
     constexpr int UNROLL = R * C <= 8 ? 2 : 1;
 #pragma unroll UNROLL
     for (u32 g = lane; g < groups; g += 32) {
