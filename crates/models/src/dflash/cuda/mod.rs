@@ -1,10 +1,10 @@
 //! The drafters' CUDA forward: the same context appends and block passes as the CPU's (`../cpu/forward.rs`), on
-//! device weights (widened to f32, or bf16 matrices kept bf16: `DraftMatrices`) and device-resident contexts, with the LM head (or a draft vocabulary's rows of
-//! it) on the device too. What comes back per block is what the CPU pass returns, the draft rows' final hidden
-//! states and their scores, so choosing drafts (argmax, sampling, DFlash2's selector walk) stays one code path;
-//! the scores are every logit, or, where drafting reads no more, each slot's best columns and top probability
-//! found on the device (`ScoreReadback`); a DFlash2 drafter's summarised passes also walk its candidate selector
-//! greedily there, which greedy drafts take instead of walking on the host.
+//! device weights (widened to f32, or bf16 matrices kept bf16: `DraftMatrices`) and device-resident contexts, with
+//! the LM head (or a draft vocabulary's rows of it) on the device too. What comes back per block is what the CPU
+//! pass returns, the draft rows' final hidden states and their scores, so choosing drafts (argmax, sampling,
+//! DFlash2's selector walk) stays one code path; the scores are every logit, or, where drafting reads no more, each
+//! slot's best columns and top probability found on the device (`ScoreReadback`); a DFlash2 drafter's summarised
+//! passes also walk its candidate selector greedily there, which greedy drafts take instead of walking on the host.
 //!
 //! Contexts keep their K/V in one page pool per drafter, so a pass over many sequences attends in one launch per
 //! layer. Captured target rows come from the host, or straight from a target on the same device
