@@ -135,7 +135,7 @@ impl DrafterPlan {
                 Ok(Drafters::default())
             }
             DrafterPlan::Mtp { head_dir, .. } => {
-                let mtp = load_mtp(spec, &head_dir, f32_weights, heads()?.as_ref())?;
+                let mtp = load_mtp(spec, &head_dir, f32_weights, opened, context_window)?;
                 Ok(Drafters { block: None, mtp: Some(mtp) })
             }
             DrafterPlan::Block { dir, shipped, .. } => {
@@ -181,17 +181,26 @@ fn mtp_plan(spec: &SpecArgs, source: &ModelSource, checkpoint: &Checkpoint) -> R
     Ok(Some(DrafterPlan::Mtp { head_dir, last_layer: checkpoint.config().num_layers - 1 }))
 }
 
-/// The head in `dir`, reading the target's final norm from its host heads.
-fn load_mtp(spec: &SpecArgs, dir: &Path, f32_weights: bool, heads: &dyn TargetHeads) -> Result<MtpLaneConfig> {
-    let trunk = TrunkNorm::from_heads(heads).context("the target's final norm")?;
+/// The head in `dir`, reading the target's final norm from its host heads, placed as `--drafter-device` says.
+fn load_mtp(
+    spec: &SpecArgs,
+    dir: &Path,
+    f32_weights: bool,
+    opened: &OpenedTarget,
+    context_window: usize,
+) -> Result<MtpLaneConfig> {
+    let heads = opened.target.host_heads().context("the target keeps no host copy of the heads drafters read")?;
+    let trunk = TrunkNorm::from_heads(heads.as_ref()).context("the target's final norm")?;
     let head =
         MtpHead::load(dir, trunk, f32_weights).with_context(|| format!("loading the MTP head in {}", dir.display()))?;
+    let head = place_mtp(head, spec.drafter_device, opened.target.as_ref(), heads.as_ref(), context_window)?;
     let depth = spec.mtp.depth()?;
     let typical = spec.mtp.typical()?;
     tracing::info!(
-        "speculation: MTP head from {} (depth {}{}); prompt lookup {}: the rounds the head leaves plain or lookup's drafts win, and requests \
-         that opt out of drafters",
+        "speculation: MTP head from {} on {} (depth {}{}); prompt lookup {}: the rounds the head leaves plain or lookup's drafts win, and \
+         requests that opt out of drafters",
         dir.display(),
+        head.device(),
         match depth {
             MtpDepth::Fixed(n) => n.to_string(),
             MtpDepth::Auto { max } => format!("auto up to {max}"),
@@ -305,6 +314,32 @@ pub fn place_drafter(
         return Ok(drafter);
     }
     Ok(drafter)
+}
+
+/// Puts an MTP head where `--drafter-device` says: `auto` is the target's device (the host in a build without
+/// CUDA), or the host for a head the device does not run (a sparse layer; said in the log).
+///
+/// # Errors
+/// The device failing to take the head (memory, the driver).
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+fn place_mtp(
+    head: MtpHead,
+    device: Placement,
+    target: &dyn Target,
+    heads: &dyn TargetHeads,
+    context_window: usize,
+) -> Result<MtpHead> {
+    #[cfg(feature = "cuda")]
+    if let (Placement::Auto, Some(dev)) = (device, target.cuda_device()) {
+        if let Some(why) = head.cuda_refusal() {
+            tracing::info!("--drafter-device auto: the MTP head stays on the host ({why})");
+            return Ok(head);
+        }
+        return head
+            .to_cuda(dev, heads.embedding(), heads.lm_head(), context_window)
+            .context("putting the MTP head on the target's GPU");
+    }
+    Ok(head)
 }
 
 /// The draft vocabulary `requested` asks for (default: the size recorded with the drafter's ranking, else all),

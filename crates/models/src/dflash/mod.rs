@@ -17,7 +17,7 @@ mod config;
 mod context;
 mod cpu;
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::DraftMatrices;
 mod sampling;

@@ -11,7 +11,10 @@
 //! Maths and tensor layout: docs/MODELS.md, "MTP heads".
 
 mod config;
+mod context;
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod trunk;
 
 use std::path::Path;
@@ -20,7 +23,7 @@ use dflash_runtime::ops::{RopeStyle, RopeTable};
 use dflash_runtime::Tensor;
 
 pub use config::MtpConfig;
-pub use cpu::context::MtpContext;
+pub use context::MtpContext;
 pub use trunk::TrunkNorm;
 
 use crate::error::{ModelError, Result};
@@ -47,6 +50,9 @@ pub struct MtpHead {
     ffn: Ffn,
     norm: Tensor, // [hidden]
     rope: RopeTable,
+    /// The head's device half, once moved there ([`MtpHead::to_cuda`]).
+    #[cfg(feature = "cuda")]
+    cuda: Option<cuda::CudaMtp>,
 }
 
 impl MtpHead {
@@ -103,6 +109,8 @@ impl MtpHead {
             rope,
             cfg,
             trunk_norm,
+            #[cfg(feature = "cuda")]
+            cuda: None,
         })
     }
 
@@ -110,12 +118,83 @@ impl MtpHead {
         &self.cfg
     }
 
-    /// An empty history for one sequence.
+    /// An empty history for one sequence, where the head runs.
     ///
     /// # Errors
     /// When the first page cannot be allocated.
     pub fn new_context(&self) -> Result<MtpContext> {
+        #[cfg(feature = "cuda")]
+        if let Some(cuda) = &self.cuda {
+            return cuda.new_context(&self.cfg);
+        }
         MtpContext::new(self.cfg.attn.kv_heads, self.cfg.attn.head_dim)
+    }
+
+    /// Where the head runs: `cpu` or `cuda:N`.
+    pub fn device(&self) -> String {
+        #[cfg(feature = "cuda")]
+        if let Some(cuda) = &self.cuda {
+            return cuda.device();
+        }
+        "cpu".into()
+    }
+
+    /// Appends committed entries at positions `ctx.len() ..`: `trunk` `[n, hidden]` holds the target's last-layer
+    /// outputs at those positions (before its final norm, as captured), `next_tokens` `[n]` the token after
+    /// each. `embedding` is the target's `[vocab, hidden]` table. Returns the entries' outputs `[n, hidden]`
+    /// (after `mtp.norm`): the last one drafts the token after the next committed one.
+    ///
+    /// # Errors
+    /// Shapes that do not match, a token outside the vocabulary, an op failure; the history is then unchanged.
+    pub fn append(
+        &self,
+        ctx: &mut MtpContext,
+        embedding: &Tensor,
+        trunk: &Tensor, // [n, hidden]
+        next_tokens: &[u32],
+    ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(cuda) = &self.cuda {
+            self.check_rows(trunk, next_tokens.len())?;
+            return cuda.append(self, ctx, trunk, next_tokens);
+        }
+        self.append_host(ctx, embedding, trunk, next_tokens)
+    }
+
+    /// One chained draft step past the history, at position `ctx.len() + step` (steps `0, 1, …` of a round, in
+    /// order): `previous` `[1, hidden]` is the output the step continues (the last appended entry's for step 0,
+    /// else the previous step's), `token` the token drafted from it. Returns the step's output `[1, hidden]`.
+    /// Nothing is committed: the next [`MtpHead::append`] overwrites the scratch slots.
+    ///
+    /// # Errors
+    /// As [`MtpHead::append`].
+    pub fn chain(
+        &self,
+        ctx: &mut MtpContext,
+        embedding: &Tensor,
+        previous: &Tensor, // [1, hidden]
+        token: u32,
+        step: usize,
+    ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(cuda) = &self.cuda {
+            self.check_rows(previous, 1)?;
+            return cuda.chain(self, ctx, previous, token, step);
+        }
+        self.chain_host(ctx, embedding, previous, token, step)
+    }
+
+    /// Logits `[n, vocab]` of head outputs `[n, hidden]` through the target's LM head `[vocab, hidden]` (on the
+    /// head's device, the copy it took there).
+    ///
+    /// # Errors
+    /// Mismatched shapes or an op failure.
+    pub fn logits(&self, lm_head: &Tensor, out: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(cuda) = &self.cuda {
+            return cuda.logits(self, out);
+        }
+        self.logits_host(lm_head, out)
     }
 
     /// Checks the head fits a target with this embedding table and LM head.

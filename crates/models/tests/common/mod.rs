@@ -9,6 +9,7 @@ use dflash_models::{ForwardBatch, ForwardOut, KvCache, SeqRows};
 use safetensors::{Dtype, SafeTensors};
 
 pub mod hybrid;
+pub mod mtp;
 
 /// Writes one line straight to stderr, past the harness's capture (tables and SKIP notices show without
 /// `--nocapture`).

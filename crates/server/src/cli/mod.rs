@@ -233,9 +233,9 @@ pub struct SpecArgs {
     /// the maximum draft length). Requests may override it with `spec_policy`.
     #[arg(long, default_value = "adaptive", value_parser = parse_spec_policy())]
     pub spec_policy: PolicyMode,
-    /// Where the block drafter's passes run: `cpu` on the host, `auto` on the target's device (a CUDA target's
-    /// drafter on its GPU, unless it has layers the GPU passes do not run: sliding windows). Drafts are the same up
-    /// to the order of float sums.
+    /// Where the drafters' passes run (the block drafter's, an MTP head's): `cpu` on the host, `auto` on the
+    /// target's device (a CUDA target's drafter on its GPU, unless it has layers the GPU passes do not run: sliding
+    /// windows, a sparse MTP layer). Drafts are the same up to the order of float sums.
     #[arg(long, value_enum, default_value_t = Placement::Auto)]
     pub drafter_device: Placement,
     #[command(flatten)]

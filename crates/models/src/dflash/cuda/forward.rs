@@ -92,9 +92,9 @@ impl Workspace {
         Workspace { bf16_matrices, ..Workspace::default() }
     }
 
-    /// `[rows, widest matrix row]` bf16: a bf16 matrix's activations for cuBLAS.
-    pub(super) fn x_bf16(&self) -> Result<&DeviceBuf<bf16>> {
-        buf(&self.x_bf16)
+    /// `[rows, widest matrix row]` bf16, with bf16 matrices: their activations for cuBLAS.
+    fn bf16_rows(&self) -> Option<&DeviceBuf<bf16>> {
+        self.x_bf16.as_ref()
     }
 
     /// Makes every row buffer hold `rows` rows of `model`'s pass (and `ints` u32s), reallocating what is too small.
@@ -303,12 +303,12 @@ impl CudaDrafter {
         let dev = &*self.dev;
         let (x, normed, kv_rows) = (part(buf(&w.x)?, 0, m * h)?, part(buf(&w.normed)?, 0, m * h)?, buf(&w.qkv)?);
         let wt = &self.weights;
-        matmul(dev, w, wt.fc.view(), h, part(buf(&w.captured)?, 0, m * model.weights.fc.row_len())?, m, x)?;
+        matmul(dev, w.bf16_rows(), wt.fc.view(), h, part(buf(&w.captured)?, 0, m * model.weights.fc.row_len())?, m, x)?;
         rms_norm(dev, x, &wt.hidden_norm, b.rms_norm_eps, normed).map_err(device_err)?;
         let (positions, slots) = (ints_part(buf(&w.ints)?, 0, m)?, ints_part(buf(&w.ints)?, m, m)?);
         for (l, layer) in wt.layers.iter().enumerate() {
             let kv_out = part(kv_rows, 0, m * 2 * kd)?;
-            matmul(dev, w, layer.qkv.view().sub(qd * h, 2 * kd * h)?, 2 * kd, normed, m, kv_out)?;
+            matmul(dev, w.bf16_rows(), layer.qkv.view().sub(qd * h, 2 * kd * h)?, 2 * kd, normed, m, kv_out)?;
             rope_kv_write(
                 dev,
                 RopeKvArgs {
@@ -618,7 +618,15 @@ impl Pass<'_> {
         }
         let (dev, h, n, rows) = (&*drafter.dev, self.model.cfg.hidden_size(), drafter.head.rows, self.rows);
         let logits = part(buf(&self.work.logits)?, 0, rows * n)?;
-        matmul(dev, self.work, drafter.head.w.view(), n, part(buf(&self.work.normed)?, 0, rows * h)?, rows, logits)?;
+        matmul(
+            dev,
+            self.work.bf16_rows(),
+            drafter.head.w.view(),
+            n,
+            part(buf(&self.work.normed)?, 0, rows * h)?,
+            rows,
+            logits,
+        )?;
         let Some(k) = top_k else { return Ok(()) };
         let cfg = &self.model.cfg;
         let scale = LogitScale { multiplier: cfg.output_multiplier, softcap: cfg.final_logit_softcapping };
@@ -645,7 +653,7 @@ impl Pass<'_> {
         let projected = part(buf(&self.work.projected)?, 0, rows * r)?;
         matmul(
             dev,
-            self.work,
+            self.work.bf16_rows(),
             selector.projection.view(),
             r,
             part(buf(&self.work.normed)?, 0, rows * h)?,
@@ -683,10 +691,10 @@ impl Pass<'_> {
             None => normed,
         };
         let qkv = self.rows_of(&w.qkv, qd + 2 * kd)?;
-        matmul(dev, self.work, layer.qkv.view(), qd + 2 * kd, attn_in, self.rows, qkv)?;
+        matmul(dev, self.work.bf16_rows(), layer.qkv.view(), qd + 2 * kd, attn_in, self.rows, qkv)?;
         self.attention(l, layer)?;
         let attended = self.rows_of(&w.attended, qd)?;
-        matmul(dev, self.work, layer.o.view(), h, attended, self.rows, delta)?;
+        matmul(dev, self.work.bf16_rows(), layer.o.view(), h, attended, self.rows, delta)?;
         let attn_out = match convs {
             Some([conv, _]) => self.conv_finish(conv, delta)?,
             None => delta,
@@ -697,8 +705,8 @@ impl Pass<'_> {
             None => normed,
         };
         let (gate_up, act) = (self.rows_of(&w.gate_up, 2 * f)?, self.rows_of(&w.act, f)?);
-        mlp_gate_up(dev, self.work, layer.gate_up.view(), f, mlp_in, self.rows, (gate_up, act))?;
-        matmul(dev, self.work, layer.down.view(), h, act, self.rows, delta)?;
+        mlp_gate_up(dev, self.work.bf16_rows(), layer.gate_up.view(), f, mlp_in, self.rows, (gate_up, act))?;
+        matmul(dev, self.work.bf16_rows(), layer.down.view(), h, act, self.rows, delta)?;
         let mlp_out = match convs {
             Some([_, conv]) => self.conv_finish(conv, delta)?,
             None => delta,
@@ -710,7 +718,7 @@ impl Pass<'_> {
     fn conv_prepare(&self, conv: &DeviceConv, input: DevSlice<'_, f32>) -> Result<DevSlice<'_, f32>> {
         let coefs = 2 * conv.taps * conv.groups;
         let dynamic = self.rows_of(&self.work.dynamic, coefs)?;
-        matmul(&self.drafter.dev, self.work, conv.projection.view(), coefs, input, self.rows, dynamic)?;
+        matmul(&self.drafter.dev, self.work.bf16_rows(), conv.projection.view(), coefs, input, self.rows, dynamic)?;
         self.convolve(conv, 0, input)
     }
 

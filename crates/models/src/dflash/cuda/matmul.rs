@@ -5,21 +5,22 @@ use dflash_runtime::cuda::ops::{
     f32_rows_fit, f32_to_bf16, gemm, gemm_bf16_small, gemm_f32_rows, small_gemm_fits, swiglu_fused, Epilogue, GemmArgs,
     SmallGemmNorm,
 };
-use dflash_runtime::cuda::{CudaDevice, DevSlice};
+use dflash_runtime::cuda::{CudaDevice, DevSlice, DeviceBuf};
 use dflash_runtime::switches::switches;
+use half::bf16;
 
-use super::forward::Workspace;
 use super::weights::MatrixView;
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 use crate::target::device_err;
 
 /// `y[m, n] = x[m, k] · W[n, k]ᵀ`. An f32 matrix: the few-row kernel up to 32 rows (a pass's and a step's appends;
 /// cuBLAS spent 55 us on a 144-column matrix of 8 rows there, PERFORMANCE.md entry 86), cuBLAS beyond (on TF32
 /// tensor cores under `DFLASH_DRAFT_TF32=1`, entry 108). A bf16 one (`DraftMatrices::Bf16`, entry 109): the
-/// small tensor-core matmul up to 32 rows, cuBLAS in bf16 beyond, its activations cast into `ws`'s bf16 rows.
-pub(super) fn matmul(
+/// small tensor-core matmul up to 32 rows, cuBLAS in bf16 beyond, its activations cast into `x_bf16`
+/// (`[m, k]` at least; only a bf16 matrix of more than 32 rows needs it).
+pub(crate) fn matmul(
     dev: &CudaDevice,
-    ws: &Workspace,
+    x_bf16: Option<&DeviceBuf<bf16>>,
     w: MatrixView,
     n: usize,
     x: DevSlice<f32>,
@@ -44,7 +45,8 @@ pub(super) fn matmul(
             gemm_bf16_small(dev, w, n, x, m, y, n, Epilogue::Store, SmallGemmNorm::default()).map_err(device_err)
         }
         MatrixView::Bf16(w) => {
-            let xb = ws.x_bf16()?.view().prefix(m * k).map_err(device_err)?;
+            let xb = x_bf16.ok_or_else(|| ModelError::Device("a bf16 matmul of many rows without bf16 rows".into()))?;
+            let xb = xb.view().prefix(m * k).map_err(device_err)?;
             f32_to_bf16(dev, x.prefix(m * k).map_err(device_err)?, xb).map_err(device_err)?;
             gemm(dev, GemmArgs::bf16(w, n, k, xb, m, y, n, false)).map_err(device_err)
         }
@@ -54,9 +56,9 @@ pub(super) fn matmul(
 /// `act[m, f] = silu(x · Wgᵀ) * (x · Wuᵀ)` for `gate_up` = `[Wg; Wu]` (`[2f, k]`): the epilogue of the few-row
 /// kernel (or, bf16, of the small tensor-core matmul) up to 32 rows, else the matmul into `gate_up` (`[m, 2f]`) and
 /// the SwiGLU kernel.
-pub(super) fn mlp_gate_up(
+pub(crate) fn mlp_gate_up(
     dev: &CudaDevice,
-    ws: &Workspace,
+    x_bf16: Option<&DeviceBuf<bf16>>,
     w: MatrixView,
     f: usize,
     x: DevSlice<f32>,
@@ -74,7 +76,7 @@ pub(super) fn mlp_gate_up(
             gemm_bf16_small(dev, wb, f, x, m, act, f, Epilogue::Swiglu, SmallGemmNorm::default()).map_err(device_err)
         }
         _ => {
-            matmul(dev, ws, w, 2 * f, x, m, gate_up)?;
+            matmul(dev, x_bf16, w, 2 * f, x, m, gate_up)?;
             swiglu_fused(dev, gate_up, act, m).map_err(device_err)
         }
     }

@@ -30,9 +30,12 @@ use crate::error::{ModelError, Result};
 use crate::target::device_err;
 use dflash_runtime::switches::switches;
 use dflash_runtime::Tensor;
-use weights::{f32_upload, DeviceMatrix, DeviceWeights};
+use weights::{f32_upload, DeviceWeights};
 
 pub use weights::DraftMatrices;
+// The MTP heads' device forward runs its matrices through the drafters' dispatch.
+pub(crate) use matmul::{matmul, mlp_gate_up};
+pub(crate) use weights::{DeviceMatrix, MatrixView};
 
 // The engine asks for summaries of at most this many columns; the kernel must keep them all.
 const _: () = assert!(crate::dflash::cpu::draft::MAX_SUMMARY_COLUMNS == dflash_runtime::cuda::ops::DRAFT_TOP_K_MAX);

@@ -10,14 +10,8 @@ use crate::hybrid::rows::RowPlan;
 use crate::mtp::{MtpContext, MtpHead};
 
 impl MtpHead {
-    /// Appends committed entries at positions `ctx.len() ..`: `trunk` `[n, hidden]` holds the target's last-layer
-    /// outputs at those positions (before its final norm, as captured), `next_tokens` `[n]` the token after
-    /// each. `embedding` is the target's `[vocab, hidden]` table. Returns the entries' outputs `[n, hidden]`
-    /// (after `mtp.norm`): the last one drafts the token after the next committed one.
-    ///
-    /// # Errors
-    /// Shapes that do not match, a token outside the vocabulary, an op failure; the history is then unchanged.
-    pub fn append(
+    /// [`MtpHead::append`] on the host.
+    pub(crate) fn append_host(
         &self,
         ctx: &mut MtpContext,
         embedding: &Tensor,
@@ -33,14 +27,8 @@ impl MtpHead {
         Ok(out)
     }
 
-    /// One chained draft step past the history, at position `ctx.len() + step` (steps `0, 1, …` of a round, in
-    /// order): `previous` `[1, hidden]` is the output the step continues (the last appended entry's for step 0,
-    /// else the previous step's), `token` the token drafted from it. Returns the step's output `[1, hidden]`.
-    /// Nothing is committed: the next [`MtpHead::append`] overwrites the scratch slots.
-    ///
-    /// # Errors
-    /// As [`MtpHead::append`].
-    pub fn chain(
+    /// [`MtpHead::chain`] on the host.
+    pub(crate) fn chain_host(
         &self,
         ctx: &mut MtpContext,
         embedding: &Tensor,
@@ -53,17 +41,14 @@ impl MtpHead {
         self.run(ctx, embedding, previous, &[token], first, false)
     }
 
-    /// Logits `[n, vocab]` of head outputs `[n, hidden]` through the target's LM head `[vocab, hidden]`.
-    ///
-    /// # Errors
-    /// Mismatched shapes or an op failure.
-    pub fn logits(&self, lm_head: &Tensor, out: &Tensor) -> Result<Tensor> {
+    /// [`MtpHead::logits`] on the host.
+    pub(crate) fn logits_host(&self, lm_head: &Tensor, out: &Tensor) -> Result<Tensor> {
         let mut logits = Tensor::zeros(DType::F32, &[out.rows(), lm_head.rows()])?;
         ops::matmul(out, lm_head, &mut logits)?;
         Ok(logits)
     }
 
-    fn check_rows(&self, x: &Tensor, rows: usize) -> Result<()> {
+    pub(crate) fn check_rows(&self, x: &Tensor, rows: usize) -> Result<()> {
         let h = self.cfg.hidden_size();
         if x.shape() != [rows, h] {
             return Err(ModelError::Batch(format!("MTP input {:?} for {rows} rows of {h}", x.shape())));
@@ -88,12 +73,12 @@ impl MtpHead {
             return Ok(Tensor::zeros(DType::F32, &[0, h])?);
         }
         let mut x = self.combine(embedding, hidden, tokens)?; // [n, hidden]
-        ctx.reserve(first + n)?;
+        let host = ctx.host_reserve(first + n)?;
         let positions: Vec<u32> = (first..first + n).map(|p| p as u32).collect();
         let seqs = [SeqRows {
             num_rows: n,
             context_len: first,
-            block_table: &ctx.block_table,
+            block_table: &host.block_table,
             prompt_len: if committed { first + n } else { 0 },
         }];
         let batch = ForwardBatch { tokens, positions: &positions, seqs: &seqs, slots: &positions, logit_rows: &[] };
@@ -101,7 +86,7 @@ impl MtpHead {
         let mut normed = Tensor::zeros(DType::F32, &[n, h])?;
         let mut delta = Tensor::zeros(DType::F32, &[n, h])?;
         ops::rms_norm(&x, &self.attn_norm, eps, &mut normed)?;
-        self.attn.forward(&plan, &batch, &mut ctx.kv, 0, &self.rope, &normed, &mut delta)?;
+        self.attn.forward(&plan, &batch, &mut host.kv, 0, &self.rope, &normed, &mut delta)?;
         ops::add_rms_norm(&mut x, &delta, &self.ffn_norm, eps, &mut normed)?;
         self.ffn.forward(&plan, &normed, &mut delta)?;
         ops::add_in_place(&mut x, &delta)?;

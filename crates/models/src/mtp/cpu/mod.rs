@@ -1,5 +1,4 @@
-//! The MTP heads' CPU forward: a sequence's history of committed entries ([`context::MtpContext`]) and one chained
-//! draft step (`forward`). A GPU forward would sit beside it, as the target families' do.
+//! The MTP heads' CPU forward: committed entries appended to a history and chained draft steps past it; the CUDA
+//! forward sits beside it (`../cuda`).
 
-pub(super) mod context;
 mod forward;
