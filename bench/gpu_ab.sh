@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The speculation and serving figures of record on a CUDA machine, two builds or settings alternating A B A B, from
 # the repository root:
-#   A=path/to/dflash B="env DFLASH_DRAFT_BF16=1 path/to/dflash" OUT=dir bench/gpu_ab.sh [what ...]
+#   A=path/to/dflash B="env DFLASH_DRAFT_BF16=0 path/to/dflash" OUT=dir bench/gpu_ab.sh [what ...]
 # what (default: serve lanes projection):
 #   serve       the drafting server (drafter and prompt lookup) beside a plain one at 1, 8 and 64 requests
 #   split       as serve, with a lookup-only and a drafter-only server beside them

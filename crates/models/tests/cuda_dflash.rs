@@ -62,11 +62,12 @@ fn cpu_pair(name: &str) -> (DraftModel, LlamaModel, Vec<f32>) {
     (model, target, rows)
 }
 
-/// The windowless fixture drafter `name` (see [`windowless`]) on the device, scoring the target's whole LM head.
+/// The windowless fixture drafter `name` (see [`windowless`]) on the device, scoring the target's whole LM head, its
+/// matrices in f32 (the CPU pass's rounding; the default bf16 tensor cores have their own test).
 fn on_gpu(name: &str, dev: &Arc<CudaDevice>, cpu: &DraftModel, lm_head: &Tensor) -> DraftModel {
     DraftModel::load(&windowless(name), cpu.target())
         .expect("drafter")
-        .to_cuda(Arc::clone(dev), DraftHead::Full(lm_head), 1024)
+        .to_cuda_with(Arc::clone(dev), DraftHead::Full(lm_head), 1024, DraftMatrices::F32)
         .expect("to cuda")
 }
 
@@ -223,15 +224,17 @@ fn cuda_batched_passes_match_single_passes() {
     }
 }
 
-/// With [`DraftMatrices::Bf16`] the drafter's bf16 matrices run on bf16 tensor cores, its activations rounded to
-/// bf16 (8 bits of mantissa, 2e-3 a rounding) before every matmul: the hidden rows and logits stay within a few
-/// such roundings of the CPU's through the appends (pieces of up to 64 rows: cuBLAS past 32), passes of every width
-/// (the small batch-invariant kernel) and a batched pass of 40 rows (cuBLAS).
+/// With [`DraftMatrices::Bf16`] (the default) the drafter's bf16 matrices run on bf16 tensor cores, its activations
+/// rounded to bf16 (8 bits of mantissa, 2e-3 a rounding) before every matmul: the hidden rows and logits stay within
+/// a few such roundings of the CPU's through the appends (pieces of up to 64 rows: cuBLAS past 32), passes of every
+/// width (the small batch-invariant kernel) and a batched pass of 40 rows (cuBLAS). DFlash2's dynamic convolution
+/// multiplies coefficients computed from rounded rows into rounded rows, which compounds: its logits were off by up
+/// to 0.081 (relative to max(|logit|, 1)) on an H200, against 5e-2 for DFlash v1. A wrong layout or a lost row is
+/// off by the logits' own size.
 #[test]
 fn cuda_drafters_on_bf16_tensor_cores_stay_within_bf16_rounding_of_the_cpu() {
-    const TOL_BF16: f32 = 5e-2;
     let Some(dev) = cuda_device("cuda_dflash") else { return };
-    for name in ["dflash-v1", "dflash-v2"] {
+    for (name, tol) in [("dflash-v1", 5e-2), ("dflash-v2", 0.2)] {
         let (cpu, target, rows) = cpu_pair(name);
         let (embed, lm_head) = (target.embedding(), target.lm_head());
         let gpu = DraftModel::load(&windowless(name), cpu.target())
@@ -239,7 +242,7 @@ fn cuda_drafters_on_bf16_tensor_cores_stay_within_bf16_rounding_of_the_cpu() {
             .to_cuda_with(Arc::clone(&dev), DraftHead::Full(lm_head), 1024, DraftMatrices::Bf16)
             .expect("to cuda");
         let width = rows.len() / POSITIONS;
-        let check = |what: &str, got: &BlockOutput, want: &BlockOutput| check_block_within(what, got, want, TOL_BF16);
+        let check = |what: &str, got: &BlockOutput, want: &BlockOutput| check_block_within(what, got, want, tol);
         let (mut cpu_ctx, mut gpu_ctx) = (appended(&cpu, &rows, width), appended(&gpu, &rows, width));
         for w in 2..=cpu.block_size() {
             let anchor = (17 + 31 * w as u32) % 256;
@@ -280,7 +283,7 @@ fn cuda_drafters_score_a_draft_vocabulary() {
     let vocab = DraftVocab::gather(lm_head, &ids).expect("vocab");
     let gpu = DraftModel::load(&windowless("dflash-v2"), cpu.target())
         .expect("drafter")
-        .to_cuda(dev.clone(), DraftHead::Vocab(&vocab), 1024)
+        .to_cuda_with(dev.clone(), DraftHead::Vocab(&vocab), 1024, DraftMatrices::F32)
         .expect("to cuda");
     let (mut cpu_ctx, mut gpu_ctx) = (cpu.new_context().expect("cpu"), gpu.new_context().expect("gpu"));
     cpu.append_context(&mut cpu_ctx, 0, &rows).expect("append");

@@ -68,9 +68,9 @@ pub struct Switches {
     /// a device (passes of many sequences, prompt appends) run on TF32 tensor cores instead of in full f32 (entry
     /// 108).
     pub draft_tf32: bool,
-    /// `DFLASH_DRAFT_BF16=1` (an optimisation not yet on by default): a drafter's bf16 matrices stay bf16 on a
-    /// device and its matmuls run on bf16 tensor cores, the activations rounded to bf16 (entry 109).
-    pub draft_bf16: bool,
+    /// `DFLASH_DRAFT_BF16=0`: a drafter's bf16 matrices are widened to f32 on a device and its matmuls run in f32,
+    /// as before they ran on bf16 tensor cores by default (entries 109-110).
+    pub no_draft_bf16: bool,
     /// `DFLASH_KERNEL_TIMELINE=1`: an event after every CUDA launch, and the drafter's passes and the target's
     /// steps run eagerly, so their launches' GPU times can be logged (`cuda::timeline`).
     pub kernel_timeline: bool,
@@ -105,7 +105,7 @@ impl Switches {
             no_draft_summary: is("DFLASH_DRAFT_SUMMARY", "0"),
             no_draft_graph: is("DFLASH_DRAFT_GRAPH", "0"),
             draft_tf32: is("DFLASH_DRAFT_TF32", "1"),
-            draft_bf16: is("DFLASH_DRAFT_BF16", "1"),
+            no_draft_bf16: is("DFLASH_DRAFT_BF16", "0"),
             kernel_timeline: is("DFLASH_KERNEL_TIMELINE", "1"),
         }
     }
@@ -151,7 +151,7 @@ mod tests {
             ("DFLASH_DRAFT_SUMMARY", "0"),
             ("DFLASH_DRAFT_GRAPH", "0"),
             ("DFLASH_DRAFT_TF32", "1"),
-            ("DFLASH_DRAFT_BF16", "1"),
+            ("DFLASH_DRAFT_BF16", "0"),
             ("DFLASH_KERNEL_TIMELINE", "1"),
         ]));
         let want = Switches {
@@ -178,7 +178,7 @@ mod tests {
             no_draft_summary: true,
             no_draft_graph: true,
             draft_tf32: true,
-            draft_bf16: true,
+            no_draft_bf16: true,
             kernel_timeline: true,
         };
         assert_eq!(all, want);

@@ -56,7 +56,7 @@ pub(super) struct Workspace {
     walked: Option<DeviceBuf<u32>>, // [rows]: DFlash2's greedy walk, target ids
     projected: Option<DeviceBuf<f32>>, // [rows, selector rank]
     captured: Option<DeviceBuf<f32>>, // [rows, fc_in]
-    /// `[rows, widest matrix row]`: bf16 matrices' activations for cuBLAS (`DFLASH_DRAFT_BF16=1`, past 32 rows).
+    /// `[rows, widest matrix row]`: bf16 matrices' activations for cuBLAS (past 32 rows).
     x_bf16: Option<DeviceBuf<bf16>>,
     /// Whether the drafter holds bf16 matrices (then `x_bf16` is sized with the rest).
     bf16_matrices: bool,

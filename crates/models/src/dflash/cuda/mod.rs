@@ -139,13 +139,14 @@ impl CudaDrafter {
 impl DraftModel {
     /// Moves the drafter's passes to CUDA device `dev` (the target's, so both queue on one stream): weights,
     /// contexts and `head` (the target's LM head, or the draft vocabulary the lanes will pass) go to the device,
-    /// widened to f32 (bf16 matrices kept bf16 under `DFLASH_DRAFT_BF16=1`). Contexts made afterwards live there;
+    /// bf16 matrices kept bf16 for its tensor cores (widened to f32 under `DFLASH_DRAFT_BF16=0`, as other matrices
+    /// are). Contexts made afterwards live there;
     /// RoPE covers positions `0..max_positions`.
     ///
     /// # Errors
     /// What [`DraftModel::cuda_refusal`] names (`Unsupported`), out of device memory, a driver failure.
     pub fn to_cuda(self, dev: Arc<CudaDevice>, head: DraftHead<'_>, max_positions: usize) -> Result<Self> {
-        let matrices = if switches().draft_bf16 { DraftMatrices::Bf16 } else { DraftMatrices::F32 };
+        let matrices = if switches().no_draft_bf16 { DraftMatrices::F32 } else { DraftMatrices::Bf16 };
         self.to_cuda_with(dev, head, max_positions, matrices)
     }
 

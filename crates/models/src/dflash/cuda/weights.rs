@@ -1,9 +1,9 @@
-//! A drafter's weights on the device, widened to f32: the drafter runs in f32 on every device (its activations
-//! exceed f16, and its matmuls are small), so the CUDA pass computes what the CPU pass computes up to the order
-//! of the sums. With [`DraftMatrices::Bf16`] (`DFLASH_DRAFT_BF16=1`, PERFORMANCE.md entry 109) bf16 matrices stay
-//! bf16 and their matmuls run on bf16 tensor cores, the activations rounded to bf16: half the bytes a real-shape
-//! drafter's pass reads, at the cost of drafts that may differ from the CPU's (verification keeps the output
-//! lossless).
+//! A drafter's weights on the device. With [`DraftMatrices::Bf16`] (the default; PERFORMANCE.md entries 109-110)
+//! bf16 matrices stay bf16 and their matmuls run on bf16 tensor cores, the activations rounded to bf16: half the
+//! bytes a real-shape drafter's pass reads, at the cost of drafts that may differ from the CPU's (verification keeps
+//! the output lossless). With [`DraftMatrices::F32`] (`DFLASH_DRAFT_BF16=0`, and matrices stored wider) they are
+//! widened to f32, so the CUDA pass computes what the CPU pass computes up to the order of the sums (activations
+//! exceed f16, so f16 is never used).
 
 use dflash_runtime::cuda::{CudaDevice, DevSlice, DeviceBuf};
 use dflash_runtime::{DType, Tensor};
