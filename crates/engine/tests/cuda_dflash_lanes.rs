@@ -1,7 +1,8 @@
 //! The DFlash lane on a GPU target with its drafter on the same device, where the drafter reads its lanes' rows
 //! from the target's pages when they draft (no step hands them over, no cached prompt's rows go to the host):
-//! greedy and seeded outputs equal plain decoding's on the GPU, and the drafts are the CPU engine's, whose lanes take
-//! every step's rows and cached prompts' rows on the host. The same prompts run twice, so the second time their
+//! greedy and seeded outputs equal plain decoding's on the GPU, and the drafts (its matrices in f32) are the CPU
+//! engine's, whose lanes take every step's rows and cached prompts' rows on the host; with the default bf16 matrices
+//! the drafts differ, the tokens do not. The same prompts run twice, so the second time their
 //! leading pages come from the prefix cache and the lanes catch up from pages other sequences computed.
 //!
 //! Target and drafter are the tiny random checkpoints of the models crate's parity tests (a 3-layer Qwen3 target
@@ -54,9 +55,19 @@ fn windowless_drafter() -> PathBuf {
     dir
 }
 
-/// The windowless DFlash2 fixture for `target`, moved to the target's device when it has one, drafting blocks of
-/// `block`.
-fn drafter(target: &dyn Target, block: usize) -> DrafterConfig {
+/// How the drafter's matrices live on a GPU target's device.
+#[derive(Clone, Copy, PartialEq)]
+enum Matrices {
+    /// Widened to f32: the CPU drafter's drafts, up to the order of the sums.
+    F32,
+    /// As the server places them by default: bf16 on tensor cores, drafts within bf16 rounding.
+    Default,
+}
+
+/// The windowless DFlash2 fixture for `target`, moved to the target's device when it has one (its matrices as
+/// `matrices` says), drafting blocks of `block`.
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+fn drafter(target: &dyn Target, block: usize, matrices: Matrices) -> DrafterConfig {
     let shape = TargetShape::of(target.config());
     #[allow(unused_mut)] // moved to the device only in a CUDA build
     let mut model = DraftModel::load(&windowless_drafter(), &shape).expect("drafter");
@@ -64,7 +75,11 @@ fn drafter(target: &dyn Target, block: usize) -> DrafterConfig {
     if let Some(dev) = target.cuda_device() {
         let heads = target.host_heads().expect("host heads");
         let head = dflash_models::dflash::DraftHead::Full(heads.lm_head());
-        model = model.to_cuda(dev, head, 1024).expect("drafter on the device");
+        model = match matrices {
+            Matrices::F32 => model.to_cuda_with(dev, head, 1024, dflash_models::DraftMatrices::F32),
+            Matrices::Default => model.to_cuda(dev, head, 1024),
+        }
+        .expect("drafter on the device");
     }
     DrafterConfig::new(Arc::new(model), Some(block), None).expect("block size")
 }
@@ -124,18 +139,26 @@ fn a_drafter_reading_the_target_pages_drafts_as_the_cpu_engine_and_changes_no_to
     for block in [4, 8] {
         let cpu_target = target(Device::Cpu, &taps, &cfg).expect("cpu target");
         let mut cpu_cfg = cfg.clone();
-        cpu_cfg.drafter = Some(drafter(cpu_target.as_ref(), block));
+        cpu_cfg.drafter = Some(drafter(cpu_target.as_ref(), block, Matrices::F32));
         let (_, cpu_accepted, _) = two_passes(cpu_target, cpu_cfg);
 
         let gpu_target = target(Device::Cuda(0), &taps, &cfg).expect("cuda target");
         assert!(gpu_target.captured_pages().is_some(), "the GPU target keeps its captured rows in its pages");
         let mut gpu_cfg = cfg.clone();
-        gpu_cfg.drafter = Some(drafter(gpu_target.as_ref(), block));
+        gpu_cfg.drafter = Some(drafter(gpu_target.as_ref(), block, Matrices::F32));
         let (ids, accepted, cached) = two_passes(gpu_target, gpu_cfg);
         assert_eq!(ids, plain, "block {block}: drafting changed the output on the GPU");
         assert!(cached > 0, "block {block}: the second pass took nothing from the prefix cache");
         assert!(accepted.iter().all(|&a| a > 0.0), "block {block}: no draft landed in a pass: {accepted:?}");
         assert_eq!(accepted, cpu_accepted, "block {block}: drafts accepted per pass, GPU (pages) against CPU");
         let _ = writeln!(std::io::stderr(), "block {block}: accepted per pass {accepted:?}, {cached} cached tokens");
+
+        // The server's default placement (bf16 tensor cores): other drafts, the same tokens.
+        let gpu_target = target(Device::Cuda(0), &taps, &cfg).expect("cuda target");
+        let mut bf16_cfg = cfg.clone();
+        bf16_cfg.drafter = Some(drafter(gpu_target.as_ref(), block, Matrices::Default));
+        let (ids, accepted, _) = two_passes(gpu_target, bf16_cfg);
+        assert_eq!(ids, plain, "block {block}: the default (bf16) drafter changed the output on the GPU");
+        assert!(accepted.iter().all(|&a| a > 0.0), "block {block}: no bf16 draft landed in a pass: {accepted:?}");
     }
 }

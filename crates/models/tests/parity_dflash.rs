@@ -12,7 +12,7 @@ mod common;
 use std::collections::HashMap;
 use std::path::Path;
 
-use common::{assert_close, fixtures, read_golden, run_sequence, Golden};
+use common::{assert_close, edited_checkpoint, fixtures, read_golden, run_sequence, Golden};
 use dflash_models::config::ModelConfig;
 use dflash_models::dflash::{
     BlockRequest, BlockTrace, CaptureLayout, ContextAppend, DraftKind, DraftModel, DraftProbs, DraftSampling,
@@ -200,28 +200,6 @@ fn dflash_v1_matches_the_reference() {
 #[test]
 fn dflash2_matches_the_reference() {
     check_drafter("dflash-v2", DraftKind::DFlash2);
-}
-
-/// A copy of a fixture checkpoint whose tensors pass through `edit` (name, dtype, shape, bytes).
-fn edited_checkpoint(
-    name: &str,
-    edit: impl Fn(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>),
-) -> tempfile::TempDir {
-    let src = fixtures().join(name);
-    let dir = tempfile::tempdir().expect("tempdir");
-    std::fs::copy(src.join("config.json"), dir.path().join("config.json")).expect("copy config");
-    let bytes = std::fs::read(src.join("model.safetensors")).expect("read checkpoint");
-    let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse checkpoint");
-    let mut tensors: Vec<_> =
-        st.tensors().into_iter().map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec())).collect();
-    edit(&mut tensors);
-    let views: Vec<_> = tensors
-        .iter()
-        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).expect("view")))
-        .collect();
-    let out = safetensors::tensor::serialize(views, None).expect("serialize");
-    std::fs::write(dir.path().join("model.safetensors"), out).expect("write checkpoint");
-    dir
 }
 
 fn load_err(dir: &Path, target: &TargetShape) -> String {

@@ -64,9 +64,9 @@ pub struct Switches {
     /// `DFLASH_DRAFT_GRAPH=0`: a drafter pass on a device launches its kernels one by one every time instead of
     /// replaying a CUDA graph of them.
     pub no_draft_graph: bool,
-    /// `DFLASH_DRAFT_TF32=1` (an optimisation not yet on by default): a drafter's matmuls of more than 32 rows on
-    /// a device (passes of many sequences, prompt appends) run on TF32 tensor cores instead of in full f32 (entry
-    /// 108).
+    /// `DFLASH_DRAFT_TF32=1` (an optimisation not on by default): a drafter's (or a device MTP head's) f32 matmuls
+    /// of more than 32 rows on a device (passes of many sequences, prompt appends) run on TF32 tensor cores instead
+    /// of in full f32 (entries 108, 110).
     pub draft_tf32: bool,
     /// `DFLASH_DRAFT_BF16=0`: a drafter's bf16 matrices are widened to f32 on a device and its matmuls run in f32,
     /// as before they ran on bf16 tensor cores by default (entries 109-110).

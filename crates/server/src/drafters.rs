@@ -193,7 +193,7 @@ fn load_mtp(
     let trunk = TrunkNorm::from_heads(heads.as_ref()).context("the target's final norm")?;
     let head =
         MtpHead::load(dir, trunk, f32_weights).with_context(|| format!("loading the MTP head in {}", dir.display()))?;
-    let head = place_mtp(head, spec.drafter_device, opened.target.as_ref(), heads.as_ref(), context_window)?;
+    let head = place_mtp(head, spec.drafter_device, opened.target.as_ref(), heads.as_ref(), context_window);
     let depth = spec.mtp.depth()?;
     let typical = spec.mtp.typical()?;
     tracing::info!(
@@ -317,29 +317,25 @@ pub fn place_drafter(
 }
 
 /// Puts an MTP head where `--drafter-device` says: `auto` is the target's device (the host in a build without
-/// CUDA), or the host for a head the device does not run (a sparse layer; said in the log).
-///
-/// # Errors
-/// The device failing to take the head (memory, the driver).
-#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+/// CUDA), or the host for a head the device does not run (a sparse layer) or cannot take (its memory): said in the
+/// log either way.
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables, unused_mut))]
 fn place_mtp(
-    head: MtpHead,
+    mut head: MtpHead,
     device: Placement,
     target: &dyn Target,
     heads: &dyn TargetHeads,
     context_window: usize,
-) -> Result<MtpHead> {
+) -> MtpHead {
     #[cfg(feature = "cuda")]
     if let (Placement::Auto, Some(dev)) = (device, target.cuda_device()) {
         if let Some(why) = head.cuda_refusal() {
             tracing::info!("--drafter-device auto: the MTP head stays on the host ({why})");
-            return Ok(head);
+        } else if let Err(e) = head.to_cuda(dev, heads.embedding(), heads.lm_head(), context_window) {
+            tracing::warn!("the MTP head stays on the host: putting it on the target's GPU failed ({e})");
         }
-        return head
-            .to_cuda(dev, heads.embedding(), heads.lm_head(), context_window)
-            .context("putting the MTP head on the target's GPU");
     }
-    Ok(head)
+    head
 }
 
 /// The draft vocabulary `requested` asks for (default: the size recorded with the drafter's ranking, else all),

@@ -6,7 +6,8 @@
 //! logits for token `j + 2`. A chained step continues from the previous step's output in place of the hidden state.
 //!
 //! The head holds weights only; each sequence's history of committed entries is an [`MtpContext`] the caller
-//! owns ([`MtpHead::new_context`]). The embedding and LM head are the target's.
+//! owns ([`MtpHead::new_context`]). The embedding and LM head are the target's (a head on a device keeps its own
+//! copy of them there: [`MtpHead::to_cuda`]).
 //!
 //! Maths and tensor layout: docs/MODELS.md, "MTP heads".
 

@@ -148,3 +148,25 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
         want[worst.0]
     );
 }
+
+/// A copy of a fixture checkpoint whose tensors pass through `edit` (name, dtype, shape, bytes).
+pub fn edited_checkpoint(
+    name: &str,
+    edit: impl Fn(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>),
+) -> tempfile::TempDir {
+    let src = fixtures().join(name);
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::copy(src.join("config.json"), dir.path().join("config.json")).expect("copy config");
+    let bytes = std::fs::read(src.join("model.safetensors")).expect("read checkpoint");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse checkpoint");
+    let mut tensors: Vec<_> =
+        st.tensors().into_iter().map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec())).collect();
+    edit(&mut tensors);
+    let views: Vec<_> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).expect("view")))
+        .collect();
+    let out = safetensors::tensor::serialize(views, None).expect("serialize");
+    std::fs::write(dir.path().join("model.safetensors"), out).expect("write checkpoint");
+    dir
+}

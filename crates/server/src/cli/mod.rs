@@ -235,7 +235,9 @@ pub struct SpecArgs {
     pub spec_policy: PolicyMode,
     /// Where the drafters' passes run (the block drafter's, an MTP head's): `cpu` on the host, `auto` on the
     /// target's device (a CUDA target's drafter on its GPU, unless it has layers the GPU passes do not run: sliding
-    /// windows, a sparse MTP layer). Drafts are the same up to the order of float sums.
+    /// windows, a sparse MTP layer). On the GPU a drafter's bf16 matrices run on bf16 tensor cores, so its drafts
+    /// may differ from the host's by that rounding (`DFLASH_DRAFT_BF16=0` widens them to f32); the output never
+    /// does.
     #[arg(long, value_enum, default_value_t = Placement::Auto)]
     pub drafter_device: Placement,
     #[command(flatten)]

@@ -9,6 +9,7 @@ mod history;
 
 use std::sync::{Arc, Mutex};
 
+use dflash_runtime::cuda::ops::ATTN_MAX_QUERIES;
 use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DeviceBuf};
 use dflash_runtime::Tensor;
 
@@ -129,36 +130,46 @@ impl DeviceMtp {
 }
 
 impl MtpHead {
-    /// Why the head cannot run on a CUDA device, if it cannot: a sparse (MoE) layer.
+    /// Why the head cannot run on a CUDA device, if it cannot: a sparse (MoE) layer, or attention heads the device
+    /// kernels do not take.
     pub fn cuda_refusal(&self) -> Option<String> {
-        matches!(self.ffn, Ffn::Sparse(_)).then(|| "its layer is sparse (MoE), which runs on the host".into())
+        if matches!(self.ffn, Ffn::Sparse(_)) {
+            return Some("its layer is sparse (MoE), which runs on the host".into());
+        }
+        let (heads, kv_heads, d) = (self.attn.heads, self.attn.kv_heads, self.attn.head_dim);
+        let group = heads.checked_div(kv_heads).filter(|_| heads.is_multiple_of(kv_heads.max(1)));
+        match group {
+            Some(g) if (1..=ATTN_MAX_QUERIES).contains(&g) && d.is_multiple_of(4) && (4..=256).contains(&d) => None,
+            _ => Some(format!("its attention ({heads} heads, {kv_heads} KV heads of {d}) is not one the device runs")),
+        }
     }
 
     /// Moves the head to CUDA device `dev` (the target's, so both queue on one stream), with its own copies of the
-    /// target's `embedding` and `lm_head` (`[vocab, hidden]` each, one copy when tied); RoPE covers positions
-    /// `0..max_positions`. Histories made afterwards ([`MtpHead::new_context`]) live there.
+    /// target's `embedding` and `lm_head` (`[vocab, hidden]` each, one copy when tied) widened to f32; RoPE covers
+    /// positions `0..max_positions`. Histories made afterwards ([`MtpHead::new_context`]) live there. On an error
+    /// the head stays on the host, whole.
     ///
     /// # Errors
     /// What [`MtpHead::cuda_refusal`] names (`Unsupported`), tables of the wrong shape, out of device memory, a
     /// driver failure.
     pub fn to_cuda(
-        mut self,
+        &mut self,
         dev: Arc<CudaDevice>,
         embedding: &Tensor,
         lm_head: &Tensor,
         max_positions: usize,
-    ) -> Result<Self> {
+    ) -> Result<()> {
         if let Some(why) = self.cuda_refusal() {
             return Err(ModelError::Unsupported(why));
         }
         self.check_target(embedding, lm_head)?;
         dev.init_blas().map_err(device_err)?;
-        let w = DeviceMtp::upload(&dev, &self, embedding, lm_head)?;
+        let w = DeviceMtp::upload(&dev, self, embedding, lm_head)?;
         let max_positions = max_positions.max(1);
         let rope = CudaRopeTable::new(&dev, &self.rope, max_positions).map_err(device_err)?;
         tracing::info!("MTP head on cuda:{}: {} MiB of weights", dev.info().ordinal, w.bytes() >> 20);
         self.cuda = Some(CudaMtp { dev, w, rope, max_positions, work: Mutex::default() });
-        Ok(self)
+        Ok(())
     }
 }
 
