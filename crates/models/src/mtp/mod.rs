@@ -154,12 +154,10 @@ impl MtpHead {
         trunk: &Tensor, // [n, hidden]
         next_tokens: &[u32],
     ) -> Result<Tensor> {
-        #[cfg(feature = "cuda")]
-        if let Some(cuda) = &self.cuda {
-            self.check_rows(trunk, next_tokens.len())?;
-            return cuda.append(self, ctx, trunk, next_tokens);
-        }
-        self.append_host(ctx, embedding, trunk, next_tokens)
+        self.check_rows(trunk, next_tokens.len())?;
+        let out = self.forward(ctx, embedding, trunk, next_tokens, ctx.len(), true)?;
+        ctx.commit(next_tokens.len());
+        Ok(out)
     }
 
     /// One chained draft step past the history, at position `ctx.len() + step` (steps `0, 1, …` of a round, in
@@ -177,12 +175,26 @@ impl MtpHead {
         token: u32,
         step: usize,
     ) -> Result<Tensor> {
+        self.check_rows(previous, 1)?;
+        self.forward(ctx, embedding, previous, &[token], ctx.len() + step, false)
+    }
+
+    /// The head over entries at positions `first ..` where it runs (`trunk`: `input` holds captured rows, else a
+    /// previous output); nothing committed.
+    fn forward(
+        &self,
+        ctx: &mut MtpContext,
+        embedding: &Tensor,
+        input: &Tensor, // [n, hidden]
+        tokens: &[u32],
+        first: usize,
+        trunk: bool,
+    ) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let Some(cuda) = &self.cuda {
-            self.check_rows(previous, 1)?;
-            return cuda.chain(self, ctx, previous, token, step);
+            return cuda.run(self, ctx, input, tokens, first, trunk);
         }
-        self.chain_host(ctx, embedding, previous, token, step)
+        self.run_host(ctx, embedding, input, tokens, first, trunk)
     }
 
     /// Logits `[n, vocab]` of head outputs `[n, hidden]` through the target's LM head `[vocab, hidden]` (on the

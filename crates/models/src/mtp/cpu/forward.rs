@@ -1,5 +1,5 @@
-//! The head's forward: committed entries appended to a sequence's history, chained draft steps past it, and
-//! logits through the target's LM head.
+//! The head's forward on the host: committed entries appended to a sequence's history, chained draft steps past
+//! it, and logits through the target's LM head.
 
 use dflash_runtime::ops;
 use dflash_runtime::{DType, Tensor};
@@ -10,42 +10,31 @@ use crate::hybrid::rows::RowPlan;
 use crate::mtp::{MtpContext, MtpHead};
 
 impl MtpHead {
-    /// [`MtpHead::append`] on the host.
-    pub(crate) fn append_host(
-        &self,
-        ctx: &mut MtpContext,
-        embedding: &Tensor,
-        trunk: &Tensor, // [n, hidden]
-        next_tokens: &[u32],
-    ) -> Result<Tensor> {
-        self.check_rows(trunk, next_tokens.len())?;
-        let mut hidden = Tensor::zeros(DType::F32, trunk.shape())?;
-        ops::rms_norm(trunk, &self.trunk_norm.weight, self.trunk_norm.eps, &mut hidden)?;
-        let first = ctx.len();
-        let out = self.run(ctx, embedding, &hidden, next_tokens, first, true)?;
-        ctx.commit(next_tokens.len());
-        Ok(out)
-    }
-
-    /// [`MtpHead::chain`] on the host.
-    pub(crate) fn chain_host(
-        &self,
-        ctx: &mut MtpContext,
-        embedding: &Tensor,
-        previous: &Tensor, // [1, hidden]
-        token: u32,
-        step: usize,
-    ) -> Result<Tensor> {
-        self.check_rows(previous, 1)?;
-        let first = ctx.len() + step;
-        self.run(ctx, embedding, previous, &[token], first, false)
-    }
-
     /// [`MtpHead::logits`] on the host.
     pub(crate) fn logits_host(&self, lm_head: &Tensor, out: &Tensor) -> Result<Tensor> {
         let mut logits = Tensor::zeros(DType::F32, &[out.rows(), lm_head.rows()])?;
         ops::matmul(out, lm_head, &mut logits)?;
         Ok(logits)
+    }
+
+    /// The head on the host over entries at positions `first ..`: `input` `[n, hidden]` holds the target's captured
+    /// rows (`trunk`: normed by its final norm first) or a previous output, `tokens` their next tokens. Returns the
+    /// outputs `[n, hidden]` after `mtp.norm`.
+    pub(crate) fn run_host(
+        &self,
+        ctx: &mut MtpContext,
+        embedding: &Tensor,
+        input: &Tensor, // [n, hidden]
+        tokens: &[u32],
+        first: usize,
+        trunk: bool,
+    ) -> Result<Tensor> {
+        if !trunk {
+            return self.run(ctx, embedding, input, tokens, first, false);
+        }
+        let mut hidden = Tensor::zeros(DType::F32, input.shape())?;
+        ops::rms_norm(input, &self.trunk_norm.weight, self.trunk_norm.eps, &mut hidden)?;
+        self.run(ctx, embedding, &hidden, tokens, first, true)
     }
 
     pub(crate) fn check_rows(&self, x: &Tensor, rows: usize) -> Result<()> {

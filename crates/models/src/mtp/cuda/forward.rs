@@ -165,33 +165,6 @@ impl Ints {
 }
 
 impl CudaMtp {
-    /// [`MtpHead::append`] on the device (rows checked).
-    pub(in crate::mtp) fn append(
-        &self,
-        head: &MtpHead,
-        ctx: &mut MtpContext,
-        trunk: &Tensor, // [n, hidden]
-        next_tokens: &[u32],
-    ) -> Result<Tensor> {
-        let first = ctx.len();
-        let out = self.run(head, ctx, trunk, next_tokens, first, true)?;
-        ctx.commit(next_tokens.len());
-        Ok(out)
-    }
-
-    /// [`MtpHead::chain`] on the device (rows checked).
-    pub(in crate::mtp) fn chain(
-        &self,
-        head: &MtpHead,
-        ctx: &mut MtpContext,
-        previous: &Tensor, // [1, hidden]
-        token: u32,
-        step: usize,
-    ) -> Result<Tensor> {
-        let first = ctx.len() + step;
-        self.run(head, ctx, previous, &[token], first, false)
-    }
-
     /// [`MtpHead::logits`] on the device: `out` `[n, hidden]` up, `[n, vocab]` back.
     pub(in crate::mtp) fn logits(&self, head: &MtpHead, out: &Tensor) -> Result<Tensor> {
         let d = Dims::of(head);
@@ -214,10 +187,10 @@ impl CudaMtp {
         Ok(logits)
     }
 
-    /// The head over entries at positions `first ..`: `input` `[n, hidden]` holds the target's captured rows
-    /// (`trunk`: normed by its final norm first) or a previous output; their K/V go to the same slots. Returns
-    /// the outputs `[n, hidden]` after `mtp.norm`.
-    fn run(
+    /// The head on the device over entries at positions `first ..`: `input` `[n, hidden]` holds the target's
+    /// captured rows (`trunk`: normed by its final norm first) or a previous output; their K/V go to the same
+    /// slots. Returns the outputs `[n, hidden]` after `mtp.norm`; commits nothing.
+    pub(in crate::mtp) fn run(
         &self,
         head: &MtpHead,
         ctx: &mut MtpContext,
