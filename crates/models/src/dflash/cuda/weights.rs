@@ -110,10 +110,12 @@ pub(super) fn f32_upload(dev: &CudaDevice, t: &Tensor) -> Result<DeviceBuf<f32>>
 /// How a drafter's matrices live on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DraftMatrices {
-    /// Widened to f32: the CPU pass's arithmetic up to the order of the sums.
+    /// Widened to f32: the CPU pass's arithmetic up to the order of the sums (`DFLASH_DRAFT_BF16=0`).
     F32,
     /// bf16 matrices (rows of a multiple of 8 elements) kept bf16, their matmuls on bf16 tensor cores with the
-    /// activations rounded to bf16; other matrices widened to f32.
+    /// activations rounded to bf16; other matrices widened to f32. What [`DraftModel::to_cuda`] takes by default.
+    ///
+    /// [`DraftModel::to_cuda`]: crate::DraftModel::to_cuda
     Bf16,
 }
 
