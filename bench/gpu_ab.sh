@@ -9,13 +9,15 @@
 #   projection  the Qwen3-8B shape with a real-shape DFlash2 drafter paid every round, at 1, 8 and 32 copies
 #   plain       plain serving at 1 to 256 requests, 256-token completions
 # B may be left out: then A runs alone (twice). ROUNDS (default 2) is each serving stream's completions a level: 8
-# weighs the servers' warm-up (the step gates' first explorations) less. Each run's tables land in
+# weighs the servers' warm-up (the step gates' first explorations) less. SPREAD (default 0) spreads the serving
+# completions' lengths over 128 · (1 ± SPREAD), so prompts arrive one at a time rather than in waves. Each run's tables land in
 # OUT/<what>-<A|B>-<round>/; the lines of record are printed as they come.
 set -euo pipefail
 A=${A:?A=path/to/dflash}
 B=${B:-}
 OUT=${OUT:-bench/out/ab}
 ROUNDS=${ROUNDS:-2}
+SPREAD=${SPREAD:-0}
 # A binary built elsewhere looks for the shipped drafters where it was built.
 export DFLASH_ASSETS_DIR=${DFLASH_ASSETS_DIR:-$PWD/assets}
 whats=("$@")
@@ -34,7 +36,8 @@ run() { # run WHAT NAME CMD...: one measurement into OUT/WHAT-NAME-ROUND
         local extra=()
         [[ $what == split ]] && extra=(--start "pld=$S --no-drafter" --start "drafter=$S --no-pld")
         "$@" bench serve --start "plain=$S --no-drafter --no-pld" "${extra[@]}" --start "served=$S" \
-            --concurrency 1,8,64 --max-tokens 128 --rounds "$ROUNDS" --out-dir "$dir" >"$dir/log" 2>&1
+            --concurrency 1,8,64 --max-tokens 128 --rounds "$ROUNDS" --length-spread "$SPREAD" --out-dir "$dir" \
+            >"$dir/log" 2>&1
         echo "== $what $name $round"; sed -n '/^| concurrent/,/^$/p' "$dir/serve-load.md" | head -6 ;;
     lanes)
         "$@" bench --device cuda lanes --lanes plain,pld,dflash,dflash-fixed --per-group 2 --max-tokens 128 \

@@ -2,7 +2,8 @@
 //! other server) is one command.
 //!
 //! Each level runs `c` streams, one thread each; a stream sends `--rounds` streamed chat completions back to back
-//! (greedy, `max_tokens` with `ignore_eos`, prompts from `--prompts` in turn). Per request it records the time to the
+//! (greedy, `max_tokens` with `ignore_eos`, or lengths spread around it by `--length-spread`; prompts from
+//! `--prompts` in turn). Per request it records the time to the
 //! first content chunk and the gaps between content chunks (one token each when no drafter runs; a speculative
 //! round may bring several), and the completion tokens the final usage chunk reports. A level's aggregate tok/s is
 //! all completion tokens over the time from its first request to its last answer. Servers are loaded one after the
@@ -62,6 +63,9 @@ pub struct Sample {
 /// # Errors
 /// Unreadable prompts, a server that does not start or answer, no level at all.
 pub fn run(args: &LoadArgs) -> Result<()> {
+    if !(0.0..1.0).contains(&args.length_spread) {
+        bail!("--length-spread {} is not in [0, 1)", args.length_spread);
+    }
     let prompts = read_prompts(&args.prompts)?;
     let levels: Vec<usize> = args.concurrency.iter().copied().filter(|&c| c > 0).collect();
     if levels.is_empty() {
@@ -202,8 +206,9 @@ fn run_level(load: &Load<'_>, prompts: &[String], c: usize, args: &LoadArgs) -> 
                             return mine;
                         }
                         let prompt = &prompts[i % prompts.len()];
+                        let max_tokens = completion_length(args.max_tokens, args.length_spread, i);
                         mine.push(
-                            complete(load, prompt, args.max_tokens)
+                            complete(load, prompt, max_tokens)
                                 .unwrap_or_else(|e| Sample { error: Some(format!("{e:#}")), ..Sample::default() }),
                         );
                     }
@@ -215,6 +220,20 @@ fn run_level(load: &Load<'_>, prompts: &[String], c: usize, args: &LoadArgs) -> 
     let mut level = Level::of(c, &samples, started.elapsed());
     level.profile = before.zip(step_counters(load.api)).map(|(a, b)| StepProfile::between(&a, &b));
     Ok(level)
+}
+
+/// The length the `i`-th request of a level asks for: `max_tokens` spread uniformly over `max_tokens · (1 ±
+/// spread)` by a hash of `i` (SplitMix64), so every server gets the same lengths; at least 1.
+fn completion_length(max_tokens: usize, spread: f64, i: usize) -> usize {
+    if spread <= 0.0 {
+        return max_tokens;
+    }
+    let mut z = (i as u64).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    let u = (z ^ (z >> 31)) as f64 / u64::MAX as f64; // [0, 1]
+    let length = max_tokens as f64 * (1.0 - spread + 2.0 * spread * u);
+    (length.round() as usize).max(1)
 }
 
 /// The engine's step counters (`dflash serve`'s /metrics: steps, rows, seconds by phase); `None` for a server
@@ -290,4 +309,25 @@ fn read_prompts(path: &Path) -> Result<Vec<String>> {
         bail!("{} holds no prompts", path.display());
     }
     Ok(entries.into_iter().map(|e| e.prompt).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::completion_length;
+
+    #[test]
+    fn spread_lengths_are_fixed_by_the_request_bounded_and_keep_the_mean() {
+        assert_eq!(completion_length(128, 0.0, 7), 128, "no spread: every completion max_tokens long");
+        let lengths: Vec<usize> = (0..4096).map(|i| completion_length(128, 0.5, i)).collect();
+        assert!(lengths.iter().all(|l| (64..=192).contains(l)), "within max_tokens · (1 ± 0.5)");
+        let again: Vec<usize> = (0..4096).map(|i| completion_length(128, 0.5, i)).collect();
+        assert_eq!(lengths, again, "the same lengths for every server");
+        let mean = lengths.iter().sum::<usize>() as f64 / lengths.len() as f64;
+        assert!((mean - 128.0).abs() < 2.0, "mean {mean}");
+        let mut distinct = lengths.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert!(distinct.len() > 100, "lengths spread over the range: {} distinct", distinct.len());
+        assert_eq!(completion_length(1, 0.9, 3), 1, "at least one token");
+    }
 }

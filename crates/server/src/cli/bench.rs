@@ -260,6 +260,12 @@ pub struct LoadArgs {
     /// Completions per stream at each level (each stream sends them back to back).
     #[arg(long, default_value_t = 2)]
     pub rounds: usize,
+    /// Completion lengths spread over `max_tokens · (1 ± F)`, F in [0, 1): the i-th request of a level asks for a
+    /// length drawn from i alone (the same lengths for every server, the same mean), so streams finish at different
+    /// steps and prompts arrive one at a time, as a real server sees them. 0: every completion `max_tokens` long, so
+    /// a plain server's streams finish together and their next prompts arrive in waves.
+    #[arg(long, default_value_t = 0.0)]
+    pub length_spread: f64,
     /// JSON list of {"group": ..., "prompt": ...}; sent as chat messages, in turn.
     #[arg(long, default_value = "bench/prompts/lanes.json")]
     pub prompts: PathBuf,
