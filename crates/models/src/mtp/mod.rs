@@ -34,6 +34,16 @@ use crate::hybrid::weights::norm_weight;
 use crate::safetensors_dir::{read_json, SafetensorsDir};
 use crate::weights::{WeightFile, WeightStore};
 
+/// Entries a forward runs the head over: `input` `[n, hidden]`, their next `tokens` `[n]`, at positions `first ..`.
+#[derive(Clone, Copy)]
+pub(crate) struct Entries<'a> {
+    pub(crate) input: &'a Tensor,
+    pub(crate) tokens: &'a [u32],
+    pub(crate) first: usize,
+    /// `input` holds the target's captured rows, which its final norm still has to norm (else a previous output).
+    pub(crate) trunk: bool,
+}
+
 /// Where the head's tensors live in a checkpoint.
 pub const PREFIX: &str = "mtp.";
 
@@ -155,7 +165,8 @@ impl MtpHead {
         next_tokens: &[u32],
     ) -> Result<Tensor> {
         self.check_rows(trunk, next_tokens.len())?;
-        let out = self.forward(ctx, embedding, trunk, next_tokens, ctx.len(), true)?;
+        let entries = Entries { input: trunk, tokens: next_tokens, first: ctx.len(), trunk: true };
+        let out = self.forward(ctx, embedding, entries)?;
         ctx.commit(next_tokens.len());
         Ok(out)
     }
@@ -176,25 +187,17 @@ impl MtpHead {
         step: usize,
     ) -> Result<Tensor> {
         self.check_rows(previous, 1)?;
-        self.forward(ctx, embedding, previous, &[token], ctx.len() + step, false)
+        let entries = Entries { input: previous, tokens: &[token], first: ctx.len() + step, trunk: false };
+        self.forward(ctx, embedding, entries)
     }
 
-    /// The head over entries at positions `first ..` where it runs (`trunk`: `input` holds captured rows, else a
-    /// previous output); nothing committed.
-    fn forward(
-        &self,
-        ctx: &mut MtpContext,
-        embedding: &Tensor,
-        input: &Tensor, // [n, hidden]
-        tokens: &[u32],
-        first: usize,
-        trunk: bool,
-    ) -> Result<Tensor> {
+    /// The head over `entries` where it runs; nothing committed.
+    fn forward(&self, ctx: &mut MtpContext, embedding: &Tensor, entries: Entries<'_>) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let Some(cuda) = &self.cuda {
-            return cuda.run(self, ctx, input, tokens, first, trunk);
+            return cuda.run(self, ctx, entries);
         }
-        self.run_host(ctx, embedding, input, tokens, first, trunk)
+        self.run_host(ctx, embedding, entries)
     }
 
     /// Logits `[n, vocab]` of head outputs `[n, hidden]` through the target's LM head `[vocab, hidden]` (on the

@@ -7,7 +7,7 @@ use dflash_runtime::{DType, Tensor};
 use crate::batch::{ForwardBatch, SeqRows};
 use crate::error::{ModelError, Result};
 use crate::hybrid::rows::RowPlan;
-use crate::mtp::{MtpContext, MtpHead};
+use crate::mtp::{Entries, MtpContext, MtpHead};
 
 impl MtpHead {
     /// [`MtpHead::logits`] on the host.
@@ -17,18 +17,10 @@ impl MtpHead {
         Ok(logits)
     }
 
-    /// The head on the host over entries at positions `first ..`: `input` `[n, hidden]` holds the target's captured
-    /// rows (`trunk`: normed by its final norm first) or a previous output, `tokens` their next tokens. Returns the
-    /// outputs `[n, hidden]` after `mtp.norm`.
-    pub(crate) fn run_host(
-        &self,
-        ctx: &mut MtpContext,
-        embedding: &Tensor,
-        input: &Tensor, // [n, hidden]
-        tokens: &[u32],
-        first: usize,
-        trunk: bool,
-    ) -> Result<Tensor> {
+    /// The head on the host over `entries` (trunk rows normed by the target's final norm first). Returns the outputs
+    /// `[n, hidden]` after `mtp.norm`.
+    pub(crate) fn run_host(&self, ctx: &mut MtpContext, embedding: &Tensor, entries: Entries<'_>) -> Result<Tensor> {
+        let Entries { input, tokens, first, trunk } = entries;
         if !trunk {
             return self.run(ctx, embedding, input, tokens, first, false);
         }

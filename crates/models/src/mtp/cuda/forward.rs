@@ -12,7 +12,7 @@ use super::history::{DeviceHistory, PAGE_SIZE};
 use super::CudaMtp;
 use crate::dflash::cuda::{matmul, mlp_gate_up, MatrixView};
 use crate::error::{ModelError, Result};
-use crate::mtp::{MtpContext, MtpHead};
+use crate::mtp::{Entries, MtpContext, MtpHead};
 use crate::target::device_err;
 
 /// Rows of one launch sequence: a long prompt's entries go in chunks, so they do not size the workspace.
@@ -187,18 +187,10 @@ impl CudaMtp {
         Ok(logits)
     }
 
-    /// The head on the device over entries at positions `first ..`: `input` `[n, hidden]` holds the target's
-    /// captured rows (`trunk`: normed by its final norm first) or a previous output; their K/V go to the same
-    /// slots. Returns the outputs `[n, hidden]` after `mtp.norm`; commits nothing.
-    pub(in crate::mtp) fn run(
-        &self,
-        head: &MtpHead,
-        ctx: &mut MtpContext,
-        input: &Tensor, // [n, hidden]
-        tokens: &[u32],
-        first: usize,
-        trunk: bool,
-    ) -> Result<Tensor> {
+    /// The head on the device over `entries` (trunk rows normed by the target's final norm inside each chunk); their
+    /// K/V go to the slots of their positions. Returns the outputs `[n, hidden]` after `mtp.norm`; commits nothing.
+    pub(in crate::mtp) fn run(&self, head: &MtpHead, ctx: &mut MtpContext, entries: Entries<'_>) -> Result<Tensor> {
+        let Entries { input, tokens, first, trunk } = entries;
         let d = Dims::of(head);
         let (n, h) = (tokens.len(), d.hidden);
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= d.vocab) {
