@@ -65,10 +65,33 @@ fn cpu_pair(name: &str) -> (DraftModel, LlamaModel, Vec<f32>) {
 /// The windowless fixture drafter `name` (see [`windowless`]) on the device, scoring the target's whole LM head, its
 /// matrices in f32 (the CPU pass's rounding; the default bf16 tensor cores have their own test).
 fn on_gpu(name: &str, dev: &Arc<CudaDevice>, cpu: &DraftModel, lm_head: &Tensor) -> DraftModel {
+    on_gpu_with(name, dev, cpu, lm_head, DraftMatrices::F32)
+}
+
+/// [`on_gpu`] with its matrices as `matrices` says.
+fn on_gpu_with(
+    name: &str,
+    dev: &Arc<CudaDevice>,
+    cpu: &DraftModel,
+    lm_head: &Tensor,
+    matrices: DraftMatrices,
+) -> DraftModel {
     DraftModel::load(&windowless(name), cpu.target())
         .expect("drafter")
-        .to_cuda_with(Arc::clone(dev), DraftHead::Full(lm_head), 1024, DraftMatrices::F32)
+        .to_cuda_with(Arc::clone(dev), DraftHead::Full(lm_head), 1024, matrices)
         .expect("to cuda")
+}
+
+/// The block pass of width `w` (from an anchor of its own) on the CPU drafter's and the GPU drafter's contexts:
+/// the anchor, the CPU's output and the GPU's.
+fn pass_at_width(
+    (cpu, gpu): (&DraftModel, &DraftModel),
+    (cpu_ctx, gpu_ctx): (&mut DrafterContext, &mut DrafterContext),
+    w: usize,
+    heads: (&Tensor, &Tensor),
+) -> (u32, BlockOutput, BlockOutput) {
+    let anchor = (17 + 31 * w as u32) % 256;
+    (anchor, one_pass(cpu, cpu_ctx, (anchor, w), heads), one_pass(gpu, gpu_ctx, (anchor, w), heads))
 }
 
 /// Appends `rows` in pieces of uneven sizes, as the engine's flushes would.
@@ -148,10 +171,8 @@ fn cuda_drafters_match_the_cpu_drafters_at_every_width() {
         let width = rows.len() / POSITIONS;
         let (mut cpu_ctx, mut gpu_ctx) = (appended(&cpu, &rows, width), appended(&gpu, &rows, width));
         for w in 2..=cpu.block_size() {
-            let anchor = (17 + 31 * w as u32) % 256;
-            let pass =
-                |model: &DraftModel, ctx: &mut DrafterContext| one_pass(model, ctx, (anchor, w), (embed, lm_head));
-            let (want, got) = (pass(&cpu, &mut cpu_ctx), pass(&gpu, &mut gpu_ctx));
+            let contexts = (&mut cpu_ctx, &mut gpu_ctx);
+            let (anchor, want, got) = pass_at_width((&cpu, &gpu), contexts, w, (embed, lm_head));
             check_block(&format!("{name} width {w}"), &got, &want);
             let readback = gpu.readback_for(true);
             let ScoreReadback::Top(k) = readback else { panic!("{name}: greedy drafting reads a summary") };
@@ -237,18 +258,12 @@ fn cuda_drafters_on_bf16_tensor_cores_stay_within_bf16_rounding_of_the_cpu() {
     for (name, tol) in [("dflash-v1", 5e-2), ("dflash-v2", 0.2)] {
         let (cpu, target, rows) = cpu_pair(name);
         let (embed, lm_head) = (target.embedding(), target.lm_head());
-        let gpu = DraftModel::load(&windowless(name), cpu.target())
-            .expect("drafter")
-            .to_cuda_with(Arc::clone(&dev), DraftHead::Full(lm_head), 1024, DraftMatrices::Bf16)
-            .expect("to cuda");
+        let gpu = on_gpu_with(name, &dev, &cpu, lm_head, DraftMatrices::Bf16);
         let width = rows.len() / POSITIONS;
         let check = |what: &str, got: &BlockOutput, want: &BlockOutput| check_block_within(what, got, want, tol);
         let (mut cpu_ctx, mut gpu_ctx) = (appended(&cpu, &rows, width), appended(&gpu, &rows, width));
         for w in 2..=cpu.block_size() {
-            let anchor = (17 + 31 * w as u32) % 256;
-            let pass =
-                |model: &DraftModel, ctx: &mut DrafterContext| one_pass(model, ctx, (anchor, w), (embed, lm_head));
-            let (want, got) = (pass(&cpu, &mut cpu_ctx), pass(&gpu, &mut gpu_ctx));
+            let (_, want, got) = pass_at_width((&cpu, &gpu), (&mut cpu_ctx, &mut gpu_ctx), w, (embed, lm_head));
             check(&format!("{name} bf16 width {w}"), &got, &want);
         }
         let w = cpu.block_size();

@@ -10,6 +10,7 @@ use dflash_runtime::Tensor;
 use half::bf16;
 use std::time::Instant;
 
+use super::buffers::{buf, buf_mut, ints_part, part};
 use super::context::Pages;
 use super::graphs::{PassGraphs, PassKey};
 use super::matmul::{matmul, mlp_gate_up};
@@ -65,25 +66,6 @@ pub(super) struct Workspace {
     /// Allocations so far: a change tells the graphs their addresses are gone.
     allocations: u64,
     graphs: PassGraphs,
-}
-
-/// The buffer behind an `Option` filled by [`Workspace::ensure`].
-fn buf<T>(b: &Option<DeviceBuf<T>>) -> Result<&DeviceBuf<T>> {
-    b.as_ref().ok_or_else(|| ModelError::Device("drafter workspace used before it was sized".into()))
-}
-
-fn buf_mut<T>(b: &mut Option<DeviceBuf<T>>) -> Result<&mut DeviceBuf<T>> {
-    b.as_mut().ok_or_else(|| ModelError::Device("drafter workspace used before it was sized".into()))
-}
-
-/// Elements `first .. first + len` of a buffer.
-fn part(b: &DeviceBuf<f32>, first: usize, len: usize) -> Result<DevSlice<'_, f32>> {
-    b.view().sub(first, len).map_err(device_err)
-}
-
-/// [`part`] of the u32 inputs.
-fn ints_part(b: &DeviceBuf<u32>, first: usize, len: usize) -> Result<DevSlice<'_, u32>> {
-    b.view().sub(first, len).map_err(device_err)
 }
 
 impl Workspace {

@@ -11,6 +11,7 @@
 //! (`DraftModel::append_contexts_device`). docs/MODELS.md, "DFlash drafters on CUDA", says what is not on the
 //! device yet.
 
+mod buffers;
 mod context;
 mod forward;
 mod graphs;
@@ -34,6 +35,7 @@ use weights::{f32_upload, DeviceWeights};
 
 pub use weights::DraftMatrices;
 // The MTP heads' device forward runs its matrices through the drafters' dispatch.
+pub(crate) use buffers::{buf, buf_mut, ints_part, part};
 pub(crate) use matmul::{matmul, mlp_gate_up};
 pub(crate) use weights::{DeviceMatrix, MatrixView};
 
@@ -140,8 +142,7 @@ impl DraftModel {
     /// Moves the drafter's passes to CUDA device `dev` (the target's, so both queue on one stream): weights,
     /// contexts and `head` (the target's LM head, or the draft vocabulary the lanes will pass) go to the device,
     /// bf16 matrices kept bf16 for its tensor cores (widened to f32 under `DFLASH_DRAFT_BF16=0`, as other matrices
-    /// are). Contexts made afterwards live there;
-    /// RoPE covers positions `0..max_positions`.
+    /// are). Contexts made afterwards live there; RoPE covers positions `0..max_positions`.
     ///
     /// # Errors
     /// What [`DraftModel::cuda_refusal`] names (`Unsupported`), out of device memory, a driver failure.

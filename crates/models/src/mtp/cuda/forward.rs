@@ -10,7 +10,7 @@ use dflash_runtime::{DType, Tensor};
 
 use super::history::{DeviceHistory, PAGE_SIZE};
 use super::CudaMtp;
-use crate::dflash::cuda::{matmul, mlp_gate_up, MatrixView};
+use crate::dflash::cuda::{buf, buf_mut, ints_part, matmul, mlp_gate_up, part, MatrixView};
 use crate::error::{ModelError, Result};
 use crate::mtp::{Entries, MtpContext, MtpHead};
 use crate::target::device_err;
@@ -41,23 +41,9 @@ pub(super) struct Workspace {
     logits: Option<DeviceBuf<f32>>,
 }
 
-fn buf<T>(b: &Option<DeviceBuf<T>>) -> Result<&DeviceBuf<T>> {
-    b.as_ref().ok_or_else(|| ModelError::Device("MTP workspace used before it was sized".into()))
-}
-
-/// Elements `first .. first + len` of a buffer.
-fn part(b: &Option<DeviceBuf<f32>>, first: usize, len: usize) -> Result<DevSlice<'_, f32>> {
-    buf(b)?.view().sub(first, len).map_err(device_err)
-}
-
-/// `part(b, 0, m · width)`: the first `m` rows of a buffer of rows `width` wide.
+/// The first `m` rows of a workspace buffer of rows `width` wide.
 fn first_rows(m: usize) -> impl for<'b> Fn(&'b Option<DeviceBuf<f32>>, usize) -> Result<DevSlice<'b, f32>> {
-    move |b, width| part(b, 0, m * width)
-}
-
-/// [`part`] of the u32 inputs.
-fn ints_part(b: &Option<DeviceBuf<u32>>, first: usize, len: usize) -> Result<DevSlice<'_, u32>> {
-    buf(b)?.view().sub(first, len).map_err(device_err)
+    move |b, width| part(buf(b)?, 0, m * width)
 }
 
 /// The sizes of the head's layer.
@@ -177,9 +163,8 @@ impl CudaMtp {
             let m = rows.len() / h;
             work.ensure(dev, d, m)?;
             work.ensure_logits(dev, m * v)?;
-            let input = work.input.as_mut().ok_or_else(|| ModelError::Device("no MTP input rows".into()))?;
-            dev.upload_prefix(rows, input).map_err(device_err)?;
-            let (x, y) = (part(&work.input, 0, m * h)?, part(&work.logits, 0, m * v)?);
+            dev.upload_prefix(rows, buf_mut(&mut work.input)?).map_err(device_err)?;
+            let (x, y) = (part(buf(&work.input)?, 0, m * h)?, part(buf(&work.logits)?, 0, m * v)?);
             matmul(dev, None, self.w.lm_head.view(), v, x, m, y)?;
             dev.download_into(buf(&work.logits)?, 0, host).map_err(device_err)?;
         }
@@ -237,12 +222,11 @@ impl CudaMtp {
         w.ensure(dev, d, m)?;
         w.ensure_ints(dev, plan.ints.len())?;
         w.ensure_scratch(dev, d, m, splits)?;
-        let missing = || ModelError::Device("MTP workspace used before it was sized".into());
-        dev.upload_prefix(&plan.ints, w.ints.as_mut().ok_or_else(missing)?).map_err(device_err)?;
-        dev.upload_prefix(c.rows, w.input.as_mut().ok_or_else(missing)?).map_err(device_err)?;
+        dev.upload_prefix(&plan.ints, buf_mut(&mut w.ints)?).map_err(device_err)?;
+        dev.upload_prefix(c.rows, buf_mut(&mut w.input)?).map_err(device_err)?;
         let w = &*w;
         let rows = first_rows(m);
-        let ints = |first: usize, len: usize| ints_part(&w.ints, first, len);
+        let ints = |first: usize, len: usize| ints_part(buf(&w.ints)?, first, len);
         let (tokens, positions, keys) = (ints(0, m)?, ints(m, m)?, ints(2 * m, m)?);
         let (eps, wt) = (d.eps, &self.w);
         // x = fc([pre_fc_norm_embedding(embed(tokens)) | pre_fc_norm_hidden(hidden)]), by fc's two halves.
@@ -298,11 +282,11 @@ impl CudaMtp {
             scale: 1.0 / (d.head_dim as f32).sqrt(),
             split: KeySplit::Fixed { keys: split_keys, max_splits: splits, partial_rows: m },
         };
-        let scratch = &w.scratch.as_ref().ok_or_else(missing)?.0;
+        let scratch = &w.scratch.as_ref().ok_or_else(|| ModelError::Device("no attention scratch".into()))?.0;
         paged_attention(dev, args, scratch).map_err(device_err)?;
         if head.attn.gated {
             // The gate columns follow q, k and v in each row.
-            let gate = part(&w.qkv, qd + 2 * kd, (m - 1) * d.qkv + qd)?;
+            let gate = part(buf(&w.qkv)?, qd + 2 * kd, (m - 1) * d.qkv + qd)?;
             sigmoid_gate_mul(dev, rows(&w.attended, qd)?, qd, gate, d.qkv).map_err(device_err)?;
         }
         matmul(dev, None, wt.o.view(), h, rows(&w.attended, qd)?, m, rows(&w.delta, h)?)?;
