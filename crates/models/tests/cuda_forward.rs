@@ -577,3 +577,88 @@ fn default_model_greedy_and_logits_match_the_cpu() {
     say(&format!("default model, f32 weights: prefill logits err {err:.2e} of the largest logit"));
     assert!(err <= 1e-4, "f32 weights: prefill logits off by {err}");
 }
+
+/// A step that carries prompt chunks beside decode and verify rows replays a padded graph (the default model's
+/// prompt rows take the tensor-core attention, whose launch a graph can fix; the tiny fixtures' head sizes keep
+/// theirs on the f32 kernel, eager), and gives every sequence the bits of its own steps run alone and eagerly. A
+/// later step of the same key (other contexts, another prompt of the same bucket) replays the same graph.
+#[test]
+fn steps_carrying_a_prompt_chunk_replay_graphs_with_solo_bits() {
+    let Some(dev) = device() else { return };
+    let path = std::env::var_os("DFLASH_TEST_GGUF").map(Into::into).unwrap_or_else(default_model_path);
+    if !path.exists() {
+        say(&format!("SKIP prompt-chunk graphs: {} not present", path.display()));
+        return;
+    }
+    let gpu =
+        CudaLlamaModel::from_source(dev.clone(), &ModelSource::GgufFile(path), &LoadOptions::default()).expect("model");
+    let base = golden_tokens("tiny-llama");
+    // Sequences a and b are prefilled (20 and 30 tokens), then decode and verify; c and d are new prompts of 45
+    // and 40 tokens, one chunk each, in the first and the second step.
+    let prompts = [20usize, 30, 45, 40];
+    let seqs_tokens: Vec<Vec<u32>> =
+        prompts.iter().map(|&l| base.iter().cycle().skip(3 * l).take(l + 8).copied().collect()).collect();
+    let tables: Vec<Vec<u32>> = (0..4).map(|i| table_for(80, 24 * i as u32)).collect();
+    let cache_cfg = |graphs: bool| CudaCacheConfig { graphs, ..default_model_cache() };
+    let mut cache = gpu.new_cache(cache_cfg(true)).expect("cache");
+    for i in 0..2 {
+        run_one(&gpu, &mut cache, &seqs_tokens[i][..prompts[i]], prompts[i], 0, prompts[i], &tables[i]);
+    }
+    // (sequence, rows, context) per step; every decode row's logits, a chunk's last row's.
+    let steps: [[(usize, usize, usize); 3]; 2] =
+        [[(0, 1, 20), (2, 45, 0), (1, 3, 30)], [(0, 1, 21), (1, 3, 33), (3, 40, 0)]];
+    let mut got: Vec<Vec<f32>> = vec![Vec::new(); 4];
+    for (n, step) in steps.iter().enumerate() {
+        let (mut tokens, mut positions, mut slots, mut seqs, mut logit_rows) = (vec![], vec![], vec![], vec![], vec![]);
+        for &(i, rows, at) in step {
+            let first = tokens.len() as u32;
+            tokens.extend_from_slice(&seqs_tokens[i][at..at + rows]);
+            positions.extend((at..at + rows).map(|p| p as u32));
+            slots.extend(slots_of(&tables[i], at, rows));
+            seqs.push(SeqRows { num_rows: rows, context_len: at, block_table: &tables[i], prompt_len: prompts[i] });
+            let chunk = i >= 2;
+            logit_rows.extend(if chunk {
+                first + rows as u32 - 1..first + rows as u32
+            } else {
+                first..first + rows as u32
+            });
+        }
+        let batch = ForwardBatch {
+            tokens: &tokens,
+            positions: &positions,
+            seqs: &seqs,
+            slots: &slots,
+            logit_rows: &logit_rows,
+        };
+        let graphs_before = cache.graph_count();
+        let out = gpu.forward(&batch, &mut cache).expect("step with a prompt chunk");
+        let new_graphs = cache.graph_count() - graphs_before;
+        assert_eq!(new_graphs, usize::from(n == 0), "step {n}: the first captures a graph, the second replays it");
+        let logits = out.logits.as_f32().expect("f32");
+        let vocab = gpu.config().vocab_size;
+        let mut at = 0;
+        for &(i, rows, _) in step {
+            let n_logits = if i >= 2 { 1 } else { rows };
+            got[i].extend_from_slice(&logits[at * vocab..(at + n_logits) * vocab]);
+            at += n_logits;
+        }
+    }
+    let vocab = gpu.config().vocab_size;
+    for i in 0..4 {
+        let mut eager = gpu.new_cache(cache_cfg(false)).expect("cache");
+        let (first, step, extra) = match i {
+            0 => (20, 1, 2),
+            1 => (30, 3, 6),
+            _ => (prompts[i], 0, 0),
+        };
+        let (alone, _) =
+            run_one(&gpu, &mut eager, &seqs_tokens[i][..first + extra], first, step, prompts[i], &tables[i]);
+        let want = match i {
+            0 | 1 => &alone[first * vocab..],
+            _ => &alone[(first - 1) * vocab..first * vocab],
+        };
+        let same = got[i].len() == want.len() && got[i].iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
+        say(&format!("default model, prompt-chunk graphs: sequence {i} = solo eager {same}"));
+        assert!(same, "sequence {i}: rows in a graph with a prompt chunk differ from its solo eager steps");
+    }
+}

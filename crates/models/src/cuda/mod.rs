@@ -11,6 +11,7 @@
 
 mod cache;
 mod error;
+mod graph_key;
 mod linear;
 mod plan;
 mod step;
