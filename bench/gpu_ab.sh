@@ -38,7 +38,8 @@ run() { # run WHAT NAME CMD...: one measurement into OUT/WHAT-NAME-ROUND
         "$@" bench serve --start "plain=$S --no-drafter --no-pld" "${extra[@]}" --start "served=$S" \
             --concurrency 1,8,64 --max-tokens 128 --rounds "$ROUNDS" --length-spread "$SPREAD" --out-dir "$dir" \
             >"$dir/log" 2>&1
-        echo "== $what $name $round"; sed -n '/^| concurrent/,/^$/p' "$dir/serve-load.md" | head -6 ;;
+        echo "== $what $name $round"; sed -n '/^| concurrent/,/^$/p' "$dir/serve-load.md" | head -6
+        grep -E "^\* .*repeated request" "$dir/serve-load.md" ;;
     lanes)
         "$@" bench --device cuda lanes --lanes plain,pld,dflash,dflash-fixed --per-group 2 --max-tokens 128 \
             --repeat 1 --out-dir "$dir" >"$dir/log" 2>&1
@@ -52,7 +53,8 @@ run() { # run WHAT NAME CMD...: one measurement into OUT/WHAT-NAME-ROUND
     plain)
         "$@" bench serve --start "plain=--device cuda --no-drafter --no-pld --max-concurrent 256" \
             --concurrency 1,8,32,64,128,256 --max-tokens 256 --out-dir "$dir" >"$dir/log" 2>&1
-        echo "== $what $name $round"; sed -n '/^| concurrent/,/^$/p' "$dir/serve-load.md" | head -9 ;;
+        echo "== $what $name $round"; sed -n '/^| concurrent/,/^$/p' "$dir/serve-load.md" | head -9
+        grep -E "^\* .*repeated request" "$dir/serve-load.md" ;;
     *) echo "unknown: $what" >&2; exit 2 ;;
     esac
 }

@@ -7,8 +7,11 @@
 //! first content chunk and the gaps between content chunks (one token each when no drafter runs; a speculative
 //! round may bring several), and the completion tokens the final usage chunk reports. A level's aggregate tok/s is
 //! all completion tokens over the time from its first request to its last answer. Servers are loaded one after the
-//! other, each with one warm-up request first. Results: JSON, a Markdown table and an SVG plot ([`super::load_report`]).
+//! other, each with one warm-up request first. Every completion's text is compared with the first one of the same
+//! request (prompt, length and variant) on any server and level: greedy decoding is deterministic and speculation
+//! lossless, so they must agree, however the steps batched them. Results: JSON, a Markdown table and an SVG plot ([`super::load_report`]).
 
+use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -56,6 +59,10 @@ pub struct Sample {
     pub gaps: Vec<Duration>,
     pub tokens: usize,
     pub error: Option<String>,
+    /// What it asked for (prompt index, max_tokens): greedy completions of the same request must agree.
+    pub request: (usize, usize),
+    /// The completion's text.
+    pub text: String,
 }
 
 /// Runs the bench (see the module docs).
@@ -73,6 +80,9 @@ pub fn run(args: &LoadArgs) -> Result<()> {
     }
     let variants = variants(args)?;
     let mut runs = Vec::new();
+    // The first text of each request (prompt, length) seen, by variant: every later greedy completion of it, on any
+    // server, at any concurrency, must be the same text (lossless speculation, batch-invariant steps).
+    let mut first_texts = FirstTexts::default();
     for server in servers(args) {
         let server = server?;
         let model = served_model(&server.api)?;
@@ -86,7 +96,7 @@ pub fn run(args: &LoadArgs) -> Result<()> {
         for &c in &levels {
             for (variant, run) in variants.iter().zip(&mut server_runs) {
                 let load = Load { api: &server.api, model: &model, extra: &variant.extra };
-                let level = run_level(&load, &prompts, c, args)?;
+                let level = run_level(&load, &prompts, c, args, &mut first_texts)?;
                 eprintln!("[bench] {} c={c}: {}", run.name, level.summary());
                 run.levels.push(level);
             }
@@ -189,8 +199,40 @@ fn served_model(api: &str) -> Result<String> {
     Ok(id.to_string())
 }
 
+/// The first text of each (variant fields, prompt index, max_tokens) a bench saw.
+#[derive(Default)]
+struct FirstTexts(HashMap<(String, usize, usize), String>);
+
+impl FirstTexts {
+    /// Completions of `samples` (sent with `extra`) compared to the first of the same request, and how many of those
+    /// differ; the first of each is kept.
+    fn compare(&mut self, extra: &serde_json::Map<String, Value>, samples: &[Sample]) -> (usize, usize) {
+        let variant = Value::Object(extra.clone()).to_string();
+        let (mut compared, mut differing) = (0, 0);
+        for s in samples.iter().filter(|s| s.error.is_none()) {
+            let key = (variant.clone(), s.request.0, s.request.1);
+            match self.0.get(&key) {
+                Some(first) => {
+                    compared += 1;
+                    differing += usize::from(*first != s.text);
+                }
+                None => {
+                    self.0.insert(key, s.text.clone());
+                }
+            }
+        }
+        (compared, differing)
+    }
+}
+
 /// One level: `c` streams, `rounds` completions each.
-fn run_level(load: &Load<'_>, prompts: &[String], c: usize, args: &LoadArgs) -> Result<Level> {
+fn run_level(
+    load: &Load<'_>,
+    prompts: &[String],
+    c: usize,
+    args: &LoadArgs,
+    first_texts: &mut FirstTexts,
+) -> Result<Level> {
     let before = step_counters(load.api);
     let total = c * args.rounds.max(1);
     let next = AtomicUsize::new(0);
@@ -207,10 +249,10 @@ fn run_level(load: &Load<'_>, prompts: &[String], c: usize, args: &LoadArgs) -> 
                         }
                         let prompt = &prompts[i % prompts.len()];
                         let max_tokens = completion_length(args.max_tokens, args.length_spread, i);
-                        mine.push(
-                            complete(load, prompt, max_tokens)
-                                .unwrap_or_else(|e| Sample { error: Some(format!("{e:#}")), ..Sample::default() }),
-                        );
+                        let request = (i % prompts.len(), max_tokens);
+                        let sample = complete(load, prompt, max_tokens)
+                            .unwrap_or_else(|e| Sample { error: Some(format!("{e:#}")), ..Sample::default() });
+                        mine.push(Sample { request, ..sample });
                     }
                 })
             })
@@ -218,6 +260,7 @@ fn run_level(load: &Load<'_>, prompts: &[String], c: usize, args: &LoadArgs) -> 
         workers.into_iter().flat_map(|w| w.join().unwrap_or_default()).collect()
     });
     let mut level = Level::of(c, &samples, started.elapsed());
+    (level.texts_compared, level.texts_differing) = first_texts.compare(load.extra, &samples);
     level.profile = before.zip(step_counters(load.api)).map(|(a, b)| StepProfile::between(&a, &b));
     Ok(level)
 }
@@ -289,6 +332,7 @@ fn complete(load: &Load<'_>, prompt: &str, max_tokens: usize) -> Result<Sample> 
             sample.tokens = n as usize;
         }
         let content = chunk["choices"][0]["delta"]["content"].as_str().unwrap_or_default();
+        sample.text.push_str(content);
         if !content.is_empty() {
             let now = Instant::now();
             match last {
@@ -313,7 +357,23 @@ fn read_prompts(path: &Path) -> Result<Vec<String>> {
 
 #[cfg(test)]
 mod tests {
-    use super::completion_length;
+    use super::{completion_length, FirstTexts, Sample};
+
+    #[test]
+    fn completions_of_a_request_are_compared_with_its_first_text() {
+        let done =
+            |prompt, length, text: &str| Sample { request: (prompt, length), text: text.into(), ..Sample::default() };
+        let failed = Sample { request: (0, 8), error: Some("HTTP 500".into()), ..Sample::default() };
+        let (plain, json) = (serde_json::Map::new(), serde_json::json!({"response_format": {"type": "json_object"}}));
+        let json = json.as_object().expect("object").clone();
+        let mut first = FirstTexts::default();
+        assert_eq!(first.compare(&plain, &[done(0, 8, "a b"), done(1, 8, "c"), done(0, 4, "a")]), (0, 0), "all new");
+        // The same prompt and length again (another level or server), one of them differing; failures not compared.
+        assert_eq!(first.compare(&plain, &[done(0, 8, "a b"), done(1, 8, "x"), failed]), (2, 1));
+        // Another variant's requests are its own.
+        assert_eq!(first.compare(&json, &[done(0, 8, "{}")]), (0, 0));
+        assert_eq!(first.compare(&json, &[done(0, 8, "{}")]), (1, 0));
+    }
 
     #[test]
     fn spread_lengths_are_fixed_by_the_request_bounded_and_keep_the_mean() {

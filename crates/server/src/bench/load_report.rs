@@ -31,6 +31,10 @@ pub struct Level {
     pub itl_p99_ms: f64,
     /// Where the server's engine steps spent their time during the level (servers that export the counters).
     pub profile: Option<StepProfile>,
+    /// Completions of a request the bench had seen answered before (same prompt, length and variant, on any
+    /// server and level), and how many of them differ from that first text.
+    pub texts_compared: usize,
+    pub texts_differing: usize,
 }
 
 /// A level's engine steps: how many, rows per step, and ms per step by phase.
@@ -101,6 +105,8 @@ impl Level {
             itl_p50_ms: percentile(&mut gaps, 0.50),
             itl_p99_ms: percentile(&mut gaps, 0.99),
             profile: None,
+            texts_compared: 0,
+            texts_differing: 0,
         }
     }
 
@@ -112,9 +118,24 @@ impl Level {
         };
         let profile = self.profile.as_ref().map(|p| format!("; {}", p.summary())).unwrap_or_default();
         format!(
-            "{:.0} tok/s, TTFT p50 {:.1} ms p99 {:.1} ms, ITL p50 {:.2} ms p99 {:.2} ms, {} requests{errors}{profile}",
-            self.tok_s, self.ttft_p50_ms, self.ttft_p99_ms, self.itl_p50_ms, self.itl_p99_ms, self.requests
+            "{:.0} tok/s, TTFT p50 {:.1} ms p99 {:.1} ms, ITL p50 {:.2} ms p99 {:.2} ms, {} requests{errors}, {}{profile}",
+            self.tok_s,
+            self.ttft_p50_ms,
+            self.ttft_p99_ms,
+            self.itl_p50_ms,
+            self.itl_p99_ms,
+            self.requests,
+            self.agreement()
         )
+    }
+
+    /// How its completions agree with the first of the same request.
+    pub fn agreement(&self) -> String {
+        match (self.texts_compared, self.texts_differing) {
+            (0, _) => "no repeated request".to_string(),
+            (n, 0) => format!("all {n} repeated requests gave the first text"),
+            (n, d) => format!("{d} of {n} repeated requests DIFFER from the first text"),
+        }
     }
 }
 
@@ -178,10 +199,23 @@ fn table(runs: &[ServerRun]) -> String {
         }
     }
     out.push('\n');
+    agreement_lines(&mut out, runs);
     for r in runs {
         profile_table(&mut out, r);
     }
     out
+}
+
+/// One line per server: how its greedy completions agree with the first text of the same request.
+fn agreement_lines(out: &mut String, runs: &[ServerRun]) {
+    let _ = write!(out, "\nGreedy completions against the first text of the same request (any server, any level):\n");
+    for r in runs {
+        let compared: usize = r.levels.iter().map(|l| l.texts_compared).sum();
+        let differing: usize = r.levels.iter().map(|l| l.texts_differing).sum();
+        let level = Level { texts_compared: compared, texts_differing: differing, ..Level::of(0, &[], Duration::ZERO) };
+        let _ = write!(out, "\n* {}: {}", r.name, level.agreement());
+    }
+    out.push('\n');
 }
 
 /// The engine's step profile by level, for a server that exports it: rows per step and ms per step by phase.
@@ -264,7 +298,7 @@ mod tests {
             ttft: Some(Duration::from_millis(ttft_ms)),
             gaps: gaps_ms.iter().map(|&g| Duration::from_millis(g)).collect(),
             tokens,
-            error: None,
+            ..Sample::default()
         }
     }
 
@@ -293,6 +327,11 @@ mod tests {
         let table = write_reports(&dir, &runs).expect("reports");
         assert!(table.contains("| 8 | 500 |"), "{table}");
         assert!(table.contains("| 1 | 100 |") && table.contains(" 80 |"), "{table}");
+        assert!(table.contains("* a: no repeated request"), "{table}");
+        let differing = Level { texts_compared: 4, texts_differing: 1, ..level(1, 1.0) };
+        let agreeing = Level { texts_compared: 4, ..level(1, 1.0) };
+        assert_eq!(differing.agreement(), "1 of 4 repeated requests DIFFER from the first text");
+        assert_eq!(agreeing.agreement(), "all 4 repeated requests gave the first text");
         let svg = std::fs::read_to_string(dir.join("serve-load.svg")).expect("svg");
         assert!(svg.starts_with("<svg") && svg.contains("aggregate tok/s"), "an SVG with its panels");
         let _ = std::fs::remove_dir_all(&dir);
