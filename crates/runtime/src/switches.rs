@@ -49,9 +49,6 @@ pub struct Switches {
     /// `DFLASH_MIXED_GRAPHS=0`: a step whose sequences have different row counts runs eagerly, as before such
     /// steps replayed padded graphs (entry 99).
     pub no_mixed_graphs: bool,
-    /// `DFLASH_PROMPT_GRAPHS=0`: a step that carries a prompt chunk runs eagerly, as before such steps replayed
-    /// padded graphs (entry 112).
-    pub no_prompt_graphs: bool,
     /// `DFLASH_OVERLAP_STREAMS=0`: a device target's engine streams a step's tokens right after its commits
     /// instead of while the next step runs on the device (entry 96).
     pub no_overlap_streams: bool,
@@ -102,7 +99,6 @@ impl Switches {
             no_graph_keys: is("DFLASH_GRAPH_KEYS", "0"),
             graph_pow2_buckets: is("DFLASH_GRAPH_BUCKETS", "pow2"),
             no_mixed_graphs: is("DFLASH_MIXED_GRAPHS", "0"),
-            no_prompt_graphs: is("DFLASH_PROMPT_GRAPHS", "0"),
             no_overlap_streams: is("DFLASH_OVERLAP_STREAMS", "0"),
             no_step_gate: is("DFLASH_STEP_GATE", "0"),
             no_capture_pages: is("DFLASH_CAPTURE_PAGES", "0"),
@@ -149,7 +145,6 @@ mod tests {
             ("DFLASH_GRAPH_KEYS", "0"),
             ("DFLASH_GRAPH_BUCKETS", "pow2"),
             ("DFLASH_MIXED_GRAPHS", "0"),
-            ("DFLASH_PROMPT_GRAPHS", "0"),
             ("DFLASH_OVERLAP_STREAMS", "0"),
             ("DFLASH_STEP_GATE", "0"),
             ("DFLASH_CAPTURE_PAGES", "0"),
@@ -177,7 +172,6 @@ mod tests {
             no_graph_keys: true,
             graph_pow2_buckets: true,
             no_mixed_graphs: true,
-            no_prompt_graphs: true,
             no_overlap_streams: true,
             no_step_gate: true,
             no_capture_pages: true,

@@ -13,7 +13,6 @@ use dflash_runtime::cuda::{CudaDevice, DeviceBuf, StepGraph};
 use half::bf16;
 
 use super::error::{CudaModelError, Result};
-use super::graph_key::GraphKey;
 use super::plan::{Layout, TileRows};
 use crate::family::{CachePlan, KvPages};
 
@@ -138,6 +137,25 @@ pub(crate) struct Workspace {
     pub stream_mixes: DeviceBuf<f32>, // [T, (2 + streams) * streams]: a connection's projection
     pub stream_post: DeviceBuf<f32>,  // [T, streams]
     pub stream_comb: DeviceBuf<f32>,  // [T, streams * streams]
+}
+
+/// Which graph a decode / verify step replays: sequences (a bucket, padded), the most rows a sequence has, rows in
+/// all (padded), whether some sequence's keys pass [`super::plan::ROPE_FOLD_MAX_KEYS`] (the graphs differ in where
+/// RoPE runs), and the keys its attention is launched for.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub(crate) struct GraphKey {
+    pub seqs: usize,
+    pub rows: usize,
+    /// `seqs · rows` when every sequence has `rows` rows; fewer for a step whose sequences verify different
+    /// counts of drafts (`super::plan::graph_shape`).
+    pub tokens: usize,
+    pub long_keys: bool,
+    /// Some sequence's rows span two split size classes (their decode tiles are cut there; the graph holds room
+    /// for those tiles).
+    pub class_cut: bool,
+    /// Keys the attention is launched for (its split blocks per row): at least the step's most
+    /// ([`super::plan::graph_keys`]).
+    pub keys: usize,
 }
 
 /// What sizes a family's workspace: the widths of its activations.

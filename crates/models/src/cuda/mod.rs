@@ -11,7 +11,6 @@
 
 mod cache;
 mod error;
-mod graph_key;
 mod linear;
 mod plan;
 mod step;

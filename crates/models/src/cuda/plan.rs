@@ -9,9 +9,8 @@ use dflash_runtime::cuda::ops::{
     TC_ATTN_TILE_ROWS,
 };
 
-use super::cache::CudaCacheConfig;
+use super::cache::{CudaCacheConfig, GraphKey};
 use super::error::{CudaModelError, Result};
-use super::graph_key::{graph_decode_tiles, graph_prompt_tiles, graph_seq_limit, long_keys, GraphKey};
 use crate::batch::ForwardBatch;
 use crate::config::ModelConfig;
 
@@ -40,7 +39,24 @@ impl TileRows {
 
 /// The most places a sequence's decode tiles are cut besides every `tile_rows` rows: where the split size class
 /// changes (at 1,024, 2,048, 4,096 and 8,192 keys; `attn_split_keys`).
-pub(crate) const MAX_CLASS_CUTS: usize = (ATTN_SPLIT_MAX_KEYS / ATTN_KEY_CHUNK).ilog2() as usize;
+const MAX_CLASS_CUTS: usize = (ATTN_SPLIT_MAX_KEYS / ATTN_KEY_CHUNK).ilog2() as usize;
+
+/// Size-class cuts a graph step's sequence may have (`graph_key` refuses batches with more): `rows` consecutive key
+/// counts cross at most one size-class boundary per 1,024 (the boundaries are 1,024 or more keys apart).
+fn graph_class_cuts(rows: usize) -> usize {
+    (1 + rows / 1024).min(MAX_CLASS_CUTS)
+}
+
+/// Decode tiles of a graph step (padded with empty tiles to this count, so the layout depends on the key alone):
+/// for sequences of at most `rows` rows, `tokens` in all, at most `ceil(rows / tile)` tiles each and
+/// `seqs + tokens / tile` together (a sequence's `r` rows take `ceil(r / tile) <= 1 + r / tile` tiles); room for the
+/// class cuts only when the key has one, and none with one-row tiles (a cut adds no tile there).
+fn graph_decode_tiles(key: GraphKey, tile_rows: usize) -> usize {
+    let tile = tile_rows.max(1);
+    let cuts = if key.class_cut && tile > 1 { graph_class_cuts(key.rows) } else { 0 };
+    let tiles = (key.seqs * key.rows.div_ceil(tile)).min(key.seqs + key.tokens.div_ceil(tile));
+    tiles + key.seqs * cuts
+}
 
 /// Counts that fix where each input lies in the input buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -204,8 +220,98 @@ pub(crate) const ROPE_FOLD_MAX_KEYS: usize = 4096;
 /// attends more than [`ROPE_FOLD_MAX_KEYS`] keys.
 pub const GRAPH_CONTEXTS: [usize; 1] = [ROPE_FOLD_MAX_KEYS];
 
-/// Writes the inputs of `batch` into `host` and returns the plan. With `graph`, the step is padded to the key
-/// ([`pad_to_key`]) and the split count covers the key's keys, so the counts depend on the key alone.
+/// Whether some sequence of `batch` attends more than [`ROPE_FOLD_MAX_KEYS`] keys.
+fn long_keys(batch: &ForwardBatch) -> bool {
+    batch.seqs.iter().any(|s| s.context_len + s.num_rows > ROPE_FOLD_MAX_KEYS)
+}
+
+/// The graph a batch can replay: every sequence past its prompt, padded as [`graph_shape`] says within the cache's
+/// capacities; with `mixed`, also batches whose sequences have different row counts.
+pub(crate) fn graph_key(batch: &ForwardBatch, cfg: &CudaCacheConfig, kv_heads: usize, mixed: bool) -> Option<GraphKey> {
+    let past_prompts = batch.seqs.iter().all(|s| s.num_rows > 0 && s.context_len >= s.prompt_len);
+    if !cfg.graphs || batch.seqs.is_empty() || !past_prompts {
+        return None;
+    }
+    let (seqs, rows, tokens) = graph_shape(batch, cfg, mixed)?;
+    // Size-class changes within a sequence whose `rows` rows attend keys first ..= first + rows - 1 (the padded
+    // sequences': 1 ..= rows at most): the split size only grows with the keys, by doubling.
+    let class = |keys: usize| attn_split_keys(keys, kv_heads);
+    let cuts = |first: usize, rows: usize| (class(first + rows - 1) / class(first)).ilog2() as usize;
+    let real = batch.seqs.iter().map(|s| cuts(s.context_len + 1, s.num_rows));
+    let most = real.chain([cuts(1, rows)]).max().unwrap_or(0);
+    if most > graph_class_cuts(rows) {
+        return None;
+    }
+    let class_cut = most > 0;
+    let max_keys = batch.seqs.iter().map(|s| s.context_len + s.num_rows).max().unwrap_or(rows);
+    let keys = graph_keys(max_keys, cfg.max_seq_len, kv_heads);
+    Some(GraphKey { seqs, rows, tokens, long_keys: long_keys(batch), class_cut, keys })
+}
+
+/// Sequences, rows per sequence and rows in all of the graph step `batch` replays. Sequences with the same rows
+/// pad the sequences to a bucket ([`graph_seqs`]), each padded one with those rows. A step whose sequences verify
+/// different counts of drafts (with `mixed`) pads its rows in all to a bucket too, and its most rows per sequence
+/// to a power of two; the padded rows go to padded sequences, at most that many each (so a graph's attention keeps
+/// its tiles' shape), and some padded sequences may have none.
+fn graph_shape(batch: &ForwardBatch, cfg: &CudaCacheConfig, mixed: bool) -> Option<(usize, usize, usize)> {
+    let limit = cfg.max_tokens.min(cfg.max_decode_rows).min(cfg.max_logit_rows);
+    let fits = |&(seqs, _, tokens): &(usize, usize, usize)| seqs <= graph_seq_limit(cfg) && tokens <= limit;
+    let n = batch.seqs.len();
+    let first = batch.seqs.first()?.num_rows;
+    if batch.seqs.iter().all(|s| s.num_rows == first) {
+        return [graph_seqs(n), n].into_iter().map(|s| (s, first, s * first)).find(fits);
+    }
+    if !mixed {
+        return None;
+    }
+    let rows = batch.seqs.iter().map(|s| s.num_rows).max()?.next_power_of_two();
+    let total: usize = batch.seqs.iter().map(|s| s.num_rows).sum();
+    let tokens = graph_seqs(total);
+    let padded = (graph_seqs(n + (tokens - total).div_ceil(rows)), rows, tokens);
+    [padded, (n, rows, total)].into_iter().find(fits)
+}
+
+/// The most sequences a graph step may be padded to: past the cache's, room for the padded sequences that hold a
+/// mixed step's padded rows. (Only the inputs' block tables grow with it; a uniform step's bucket stays within
+/// the cache's sequences rounded up to a power of two.)
+fn graph_seq_limit(cfg: &CudaCacheConfig) -> usize {
+    2 * cfg.max_seqs
+}
+
+/// Sequences a graph step of `n` sequences is padded to: a power of two up to 16, past it the next multiple of an
+/// eighth of `n`'s power of two (20, 24, 28, 32, 40, 48, ...), so a step pads less than a quarter of its sequences
+/// where powers of two padded up to half (20 sequences ran as 32: entry 98). `DFLASH_GRAPH_BUCKETS=pow2` pads to
+/// powers of two.
+pub(crate) fn graph_seqs(n: usize) -> usize {
+    if n <= 16 || dflash_runtime::switches::switches().graph_pow2_buckets {
+        return n.next_power_of_two();
+    }
+    let step = n.next_power_of_two() / 8;
+    n.div_ceil(step) * step
+}
+
+/// Fewest keys a graph step's attention is launched for.
+const GRAPH_MIN_KEYS: usize = 128;
+
+/// Keys a graph step whose sequences attend at most `max_keys` keys launches its attention for: `max_keys` rounded
+/// up to a power of two (at least [`GRAPH_MIN_KEYS`]), or the cache's longest sequence `max_seq_len` once that
+/// many keys already give a row the most splits it can have. A launch for the longest sequence alone would give
+/// a step of short sequences mostly empty split blocks: at 8,192 keys and 3 KV heads, 128 per row and head where
+/// 200 keys use 7 (entry 94). Rows' bits do not depend on it: a row's splits follow its own keys.
+pub(crate) fn graph_keys(max_keys: usize, max_seq_len: usize, kv_heads: usize) -> usize {
+    let bucket = max_keys.next_power_of_two().max(GRAPH_MIN_KEYS).min(max_seq_len);
+    let whole = dflash_runtime::switches::switches().no_graph_keys
+        || attn_max_splits(bucket, kv_heads) >= attn_max_splits(max_seq_len, kv_heads);
+    if whole {
+        max_seq_len
+    } else {
+        bucket
+    }
+}
+
+/// Writes the inputs of `batch` into `host` and returns the plan. With `graph`, sequences are padded to
+/// `graph.seqs` and rows to `graph.tokens` (rows that write the cache's spare page and attend only it), every row's
+/// logits are computed, and the split count covers the key's keys, so the counts depend on the key alone.
 pub(crate) fn plan(
     batch: &ForwardBatch,
     graph: Option<GraphKey>,
@@ -215,39 +321,44 @@ pub(crate) fn plan(
 ) -> StepPlan {
     let stride = cfg.table_stride();
     let trash = cfg.trash_page() as u32;
+    let ps = cfg.page_size as u32;
     let mut b = Builder { kv_heads: tile_rows.kv_heads, ..Builder::default() };
     for (i, s) in batch.seqs.iter().enumerate() {
         let first = b.row_keys.len();
         b.row_keys.extend((0..s.num_rows).map(|j| (s.context_len + j + 1) as u32));
         let prompt = prompt_rows(s.prompt_len, s.context_len, s.num_rows);
-        b.prompt_rows += prompt;
         b.tiles(i, first, prompt, tile_rows.prompt, false);
         b.tiles(i, first + prompt, s.num_rows - prompt, tile_rows.decode, true);
         let used = s.block_table.len().min(stride);
         b.tables.extend_from_slice(&s.block_table[..used]);
         b.tables.extend(std::iter::repeat_n(trash, stride - used));
     }
-    let mut rows = PaddedRows {
-        tokens: batch.tokens.to_vec(),
-        positions: batch.positions.to_vec(),
-        slots: batch.slots.to_vec(),
-        trash_page: trash,
-        page_size: cfg.page_size as u32,
-        stride,
-    };
+    let (mut tokens, mut positions, mut slots) =
+        (batch.tokens.to_vec(), batch.positions.to_vec(), batch.slots.to_vec());
     if let Some(key) = graph {
-        pad_to_key(&mut b, &mut rows, batch, key, tile_rows);
-    }
-    let t = rows.tokens.len();
-    let logit_rows: Vec<u32> = match graph {
-        Some(key) if key.every_row_logits() => (0..t as u32).collect(),
-        Some(key) => {
-            let mut logit_rows = batch.logit_rows.to_vec();
-            logit_rows.resize(key.logit_rows(), 0);
-            logit_rows
+        let mut left = key.tokens - batch.tokens.len();
+        for i in batch.seqs.len()..key.seqs {
+            let rows = left.min(key.rows);
+            left -= rows;
+            let first = b.row_keys.len();
+            b.row_keys.extend((1..=rows).map(|j| j as u32));
+            b.tiles(i, first, rows, tile_rows.decode, true);
+            b.tables.extend(std::iter::repeat_n(trash, stride));
+            tokens.extend(std::iter::repeat_n(0, rows));
+            positions.extend(std::iter::repeat_n(0, rows));
+            slots.extend((0..rows as u32).map(|j| trash * ps + j % ps));
         }
-        None => batch.logit_rows.to_vec(),
-    };
+        debug_assert_eq!(left, 0, "a graph key's padded sequences hold its padded rows");
+        // Empty tiles (no rows: the kernels skip them) up to the key's count; full tiles' shared memory. (Padding
+        // costs: a graph's empty tiles still launch their blocks, so keys without a class cut have none.)
+        let tiles = graph_decode_tiles(key, tile_rows.decode);
+        debug_assert!(b.decode_tiles.len() / 4 <= tiles, "a graph step's tiles exceed its key's count");
+        b.decode_tiles.resize(4 * tiles, 0);
+        b.max_decode_tile_rows = key.rows.min(tile_rows.decode);
+        b.max_decode_seq_rows = key.rows;
+    }
+    let t = tokens.len();
+    let logit_rows: Vec<u32> = if graph.is_some() { (0..t as u32).collect() } else { batch.logit_rows.to_vec() };
     let decode_splits = match graph {
         Some(key) => attn_max_splits(key.keys, tile_rows.kv_heads),
         None => attn_max_splits(b.max_decode_keys, tile_rows.kv_heads),
@@ -262,8 +373,7 @@ pub(crate) fn plan(
         stride,
     };
     host.clear();
-    let row_inputs = [&rows.tokens, &rows.positions, &rows.slots, &b.row_keys, &logit_rows];
-    for part in row_inputs.into_iter().chain([&b.prompt_tiles, &b.decode_tiles, &b.tables]) {
+    for part in [&tokens, &positions, &slots, &b.row_keys, &logit_rows, &b.prompt_tiles, &b.decode_tiles, &b.tables] {
         host.extend_from_slice(part);
     }
     StepPlan {
@@ -275,50 +385,6 @@ pub(crate) fn plan(
         max_decode_seq_rows: b.max_decode_seq_rows,
         long_keys: graph.map_or_else(|| long_keys(batch), |key| key.long_keys),
     }
-}
-
-/// A step's per-row inputs as padding extends them, and where padded rows write.
-struct PaddedRows {
-    tokens: Vec<u32>,
-    positions: Vec<u32>,
-    slots: Vec<u32>,
-    /// The cache's spare page (padded rows write there and attend only it).
-    trash_page: u32,
-    page_size: u32,
-    /// Block-table entries per sequence.
-    stride: usize,
-}
-
-/// Pads a planned batch to graph `key`: padded decode sequences (after the real ones) up to `key.seqs` decode
-/// sequences of at most `key.rows` rows holding `key.tokens` rows in all; with a prompt chunk, one padded prompt
-/// sequence holding the rest of `key.prompt_tokens`; then empty tiles (no rows: the kernels skip them) up to the
-/// key's counts, and the tiles' shared memory as full tiles'. Padded rows write the cache's spare page and attend
-/// only it; they never share a tile with a real row, so real rows keep their bits.
-fn pad_to_key(b: &mut Builder, rows: &mut PaddedRows, batch: &ForwardBatch, key: GraphKey, tile_rows: TileRows) {
-    let decode_seqs = batch.seqs.len() - key.prompt_seqs;
-    let mut left = key.tokens - (batch.tokens.len() - b.prompt_rows);
-    let mut seq = batch.seqs.len();
-    for _ in decode_seqs..key.seqs {
-        let n = left.min(key.rows);
-        left -= n;
-        b.padded_sequence(rows, seq, n, tile_rows.decode, true);
-        seq += 1;
-    }
-    debug_assert_eq!(left, 0, "a graph key's padded sequences hold its padded rows");
-    if key.prompt_seqs > 0 {
-        b.padded_sequence(rows, seq, key.prompt_tokens - b.prompt_rows, tile_rows.prompt, false);
-        let tiles = graph_prompt_tiles(key, tile_rows.prompt);
-        debug_assert!(b.prompt_tiles.len() / 4 <= tiles, "a graph step's prompt tiles exceed its key's count");
-        b.prompt_tiles.resize(4 * tiles, 0);
-        // The tensor-core kernel's launch does not depend on it (graph_key takes prompts only for that kernel).
-        b.max_prompt_tile_rows = tile_rows.prompt;
-    }
-    // (Padding costs: a graph's empty tiles still launch their blocks, so keys without a class cut have none.)
-    let tiles = graph_decode_tiles(key, tile_rows.decode);
-    debug_assert!(b.decode_tiles.len() / 4 <= tiles, "a graph step's tiles exceed its key's count");
-    b.decode_tiles.resize(4 * tiles, 0);
-    b.max_decode_tile_rows = key.rows.min(tile_rows.decode);
-    b.max_decode_seq_rows = key.rows;
 }
 
 /// The per-row and per-tile inputs as they are built.
@@ -336,23 +402,9 @@ struct Builder {
     max_decode_tile_rows: usize,
     max_decode_keys: usize,
     max_decode_seq_rows: usize,
-    /// Prompt rows of the batch's sequences.
-    prompt_rows: usize,
 }
 
 impl Builder {
-    /// A padded sequence `seq` of `n` rows (decode or prompt rows, tiled as such) attending the spare page.
-    fn padded_sequence(&mut self, rows: &mut PaddedRows, seq: usize, n: usize, tile_rows: usize, decode: bool) {
-        let first = self.row_keys.len();
-        self.row_keys.extend((1..=n).map(|j| j as u32));
-        self.tiles(seq, first, n, tile_rows, decode);
-        self.tables.extend(std::iter::repeat_n(rows.trash_page, rows.stride));
-        rows.tokens.extend(std::iter::repeat_n(0, n));
-        rows.positions.extend(std::iter::repeat_n(0, n));
-        let ps = rows.page_size;
-        rows.slots.extend((0..n as u32).map(|j| rows.trash_page * ps + j % ps));
-    }
-
     /// Tiles of at most `tile_rows` rows over rows `first .. first + rows` of sequence `seq` (prompt rows come first in
     /// a sequence: its first prompt tile starts at key 0).
     fn tiles(&mut self, seq: usize, first: usize, rows: usize, tile_rows: usize, decode: bool) {
@@ -386,12 +438,6 @@ impl Builder {
 mod tests {
     use super::*;
     use crate::batch::SeqRows;
-    use crate::cuda::graph_key::{graph_key, GraphKinds};
-
-    /// Steps of different row counts replay graphs, and so do steps with a prompt chunk.
-    const MIXED: GraphKinds = GraphKinds { mixed: true, prompts: true };
-    /// Only steps whose sequences have the same rows replay graphs.
-    const UNIFORM: GraphKinds = GraphKinds { mixed: false, prompts: false };
 
     fn cfg() -> CudaCacheConfig {
         CudaCacheConfig::new(8, 4, 32, 4, 16)
@@ -460,7 +506,7 @@ mod tests {
         assert_eq!(&host[p.layout.decode_tiles()], &[0, 0, 3, 0, 0, 3, 3, 3]);
         assert_eq!(p.decode_splits, 32, "1,024 keys in 32-key splits");
         // As a graph step: padded with empty tiles to the key's count, full tiles' shared memory.
-        let key = graph_key(&batch, &cfg, 8, MIXED).expect("uniform");
+        let key = graph_key(&batch, &cfg, 8, true).expect("uniform");
         assert!(key.class_cut, "keys 1,022..=1,027 span two size classes");
         let p = plan(&batch, Some(key), &cfg, rows, &mut host);
         assert_eq!(p.layout.decode_tiles, graph_decode_tiles(key, 4));
@@ -482,23 +528,11 @@ mod tests {
         let positions = [3u32, 4, 5, 6, 4, 5];
         let batch =
             ForwardBatch { tokens: &tokens, positions: &positions, seqs: &seqs, slots: &positions, logit_rows: &[1] };
-        let key = graph_key(&batch, &cfg(), 8, MIXED).expect("uniform decode batch");
-        assert_eq!(
-            key,
-            GraphKey {
-                seqs: 4,
-                rows: 2,
-                tokens: 8,
-                long_keys: false,
-                class_cut: false,
-                keys: 16,
-                prompt_seqs: 0,
-                prompt_tokens: 0,
-            }
-        );
+        let key = graph_key(&batch, &cfg(), 8, true).expect("uniform decode batch");
+        assert_eq!(key, GraphKey { seqs: 4, rows: 2, tokens: 8, long_keys: false, class_cut: false, keys: 16 });
         // A sequence past the RoPE fold's key count replays another graph (the RoPE kernel of its own).
         let long = [mk(3), mk(ROPE_FOLD_MAX_KEYS - 1), mk(4)];
-        let long_key = graph_key(&ForwardBatch { seqs: &long, ..batch }, &cfg(), 8, MIXED).expect("uniform");
+        let long_key = graph_key(&ForwardBatch { seqs: &long, ..batch }, &cfg(), 8, true).expect("uniform");
         // (Its rows' keys, 4,096 and 4,097, also span two split size classes.)
         assert_eq!(long_key, GraphKey { long_keys: true, class_cut: true, keys: 16, ..key });
         let mut host = Vec::new();
@@ -519,110 +553,15 @@ mod tests {
         let batch2 = ForwardBatch { seqs: &seqs2, ..batch };
         let p2 = plan(
             &batch2,
-            graph_key(&batch2, &cfg(), 8, MIXED),
+            graph_key(&batch2, &cfg(), 8, true),
             &cfg(),
             TileRows { prompt: 16, decode: 4, kv_heads: 8, tensor_core_prompt: false },
             &mut host,
         );
         assert_eq!(p2.layout, p.layout);
-        // A prompt chunk replays a graph only where the family takes them; a sequence whose rows are part prompt,
-        // part decode runs eagerly.
+        // A prompt row anywhere takes the eager path.
         let seqs3 = [mk(3), SeqRows { context_len: 1, ..mk(1) }, mk(4)];
-        assert!(graph_key(&ForwardBatch { seqs: &seqs3, ..batch }, &cfg(), 8, UNIFORM).is_none());
-        let seqs4 = [mk(3), SeqRows { context_len: 2, ..mk(1) }, mk(4)];
-        assert!(graph_key(&ForwardBatch { seqs: &seqs4, ..batch }, &cfg(), 8, MIXED).is_none());
-    }
-
-    #[test]
-    fn steps_with_a_prompt_chunk_replay_padded_graphs_and_keep_the_real_rows_tiles() {
-        let table = [1u32, 2, 3, 4];
-        let decode = |ctx: usize| SeqRows { num_rows: 1, context_len: ctx, block_table: &table, prompt_len: 3 };
-        let chunk =
-            |rows: usize, ctx: usize| SeqRows { num_rows: rows, context_len: ctx, block_table: &table, prompt_len: 64 };
-        // Three decode rows and a 37-row chunk (its prompt's first 3 tokens already cached) among them.
-        let seqs = [decode(5), chunk(37, 3), decode(9), decode(4)];
-        let (tokens, positions) = (vec![7u32; 40], vec![1u32; 40]);
-        let logit_rows = [0u32, 37, 38, 39];
-        let batch = ForwardBatch {
-            tokens: &tokens,
-            positions: &positions,
-            seqs: &seqs,
-            slots: &positions,
-            logit_rows: &logit_rows,
-        };
-        let cfg = CudaCacheConfig::new(16, 4, 128, 8, 64);
-        assert!(graph_key(&batch, &cfg, 8, UNIFORM).is_none(), "a family without prompt graphs runs it eagerly");
-        let key = graph_key(&batch, &cfg, 8, MIXED).expect("decode rows and a prompt chunk");
-        assert_eq!((key.seqs, key.rows, key.tokens, key.prompt_seqs, key.prompt_tokens), (4, 1, 4, 1, 64));
-        assert_eq!((key.total_rows(), key.logit_rows()), (68, 5));
-        let tile_rows = TileRows { prompt: 16, decode: 4, kv_heads: 8, tensor_core_prompt: true };
-        let (mut eager_host, mut host) = (Vec::new(), Vec::new());
-        let eager = plan(&batch, None, &cfg, tile_rows, &mut eager_host);
-        let p = plan(&batch, Some(key), &cfg, tile_rows, &mut host);
-        let l = p.layout;
-        assert_eq!((l.t, l.l, l.seqs), (68, 5, 6), "a padded decode sequence and a padded prompt sequence");
-        assert_eq!((l.prompt_tiles, l.decode_tiles), (graph_prompt_tiles(key, 16), graph_decode_tiles(key, 4)));
-        assert_eq!(&host[l.row_keys()][..40], &eager_host[eager.layout.row_keys()]);
-        // The real rows' tiles are the eager step's; the padded ones follow, then empty tiles.
-        let (real_prompt, real_decode) =
-            (&eager_host[eager.layout.prompt_tiles()], &eager_host[eager.layout.decode_tiles()]);
-        assert_eq!(&host[l.prompt_tiles()][..real_prompt.len()], real_prompt);
-        assert_eq!(&host[l.decode_tiles()][..real_decode.len()], real_decode);
-        assert_eq!(&host[l.prompt_tiles()][real_prompt.len()..real_prompt.len() + 8], &[5, 41, 16, 0, 5, 57, 11, 16]);
-        assert!(host[l.prompt_tiles()][real_prompt.len() + 8..].chunks(4).all(|t| t[2] == 0));
-        let trash = 4 * cfg.trash_page() as u32;
-        assert_eq!(
-            &host[l.slots()][40..44],
-            &[trash, trash, trash + 1, trash + 2],
-            "the padded decode row, then the padded prompt rows, write the spare page"
-        );
-        assert_eq!(&host[l.logit_rows()], &[0, 37, 38, 39, 0], "the step's logit rows in order, padded");
-        assert_eq!(p.max_prompt_tile_rows, 16);
-        // Another step of the same key (a whole 50-row prompt, other contexts) has the same layout.
-        let seqs2 = [decode(7), decode(3), chunk(50, 0), decode(12)];
-        let tokens2 = vec![7u32; 53];
-        let batch2 = ForwardBatch { tokens: &tokens2, positions: &tokens2, seqs: &seqs2, slots: &tokens2, ..batch };
-        assert_eq!(graph_key(&batch2, &cfg, 8, MIXED), Some(key));
-        assert_eq!(plan(&batch2, Some(key), &cfg, tile_rows, &mut host).layout, l);
-        assert!(Layout::capacity(&cfg, tile_rows) >= l.len());
-        // A prompt-only step replays a graph with no decode tiles.
-        let alone = [chunk(37, 3)];
-        let batch3 = ForwardBatch {
-            seqs: &alone,
-            tokens: &tokens[..37],
-            positions: &tokens[..37],
-            slots: &tokens[..37],
-            logit_rows: &[36],
-        };
-        let key3 = graph_key(&batch3, &cfg, 8, MIXED).expect("a prompt chunk alone");
-        let p3 = plan(&batch3, Some(key3), &cfg, tile_rows, &mut host);
-        assert_eq!((p3.layout.t, p3.layout.l, p3.layout.decode_tiles, p3.layout.seqs), (64, 1, 0, 2));
-        // Refused: a chunk past the largest bucket, three chunks, a chunk that ends in decode rows.
-        let big = [chunk(60, 0), decode(3)];
-        let cfg_big = CudaCacheConfig::new(16, 4, 512, 8, 512);
-        let big_seqs = [SeqRows { num_rows: 300, prompt_len: 300, ..big[0] }, big[1]];
-        let tokens4 = vec![7u32; 301];
-        let batch4 =
-            ForwardBatch { seqs: &big_seqs, tokens: &tokens4, positions: &tokens4, slots: &tokens4, logit_rows: &[] };
-        assert!(graph_key(&batch4, &cfg_big, 8, MIXED).is_none(), "300 prompt rows");
-        let three = [chunk(10, 0), chunk(10, 0), chunk(10, 0)];
-        let batch5 = ForwardBatch {
-            seqs: &three,
-            tokens: &tokens[..30],
-            positions: &tokens[..30],
-            slots: &tokens[..30],
-            logit_rows: &[],
-        };
-        assert!(graph_key(&batch5, &cfg, 8, MIXED).is_none(), "three prompt chunks");
-        let ending = [SeqRows { context_len: 60, num_rows: 6, ..chunk(0, 0) }];
-        let batch6 = ForwardBatch {
-            seqs: &ending,
-            tokens: &tokens[..6],
-            positions: &tokens[..6],
-            slots: &tokens[..6],
-            logit_rows: &[],
-        };
-        assert!(graph_key(&batch6, &cfg, 8, MIXED).is_none(), "a chunk ending in decode rows");
+        assert!(graph_key(&ForwardBatch { seqs: &seqs3, ..batch }, &cfg(), 8, true).is_none());
     }
 
     #[test]
@@ -634,9 +573,9 @@ mod tests {
         let seqs = [mk(1), mk(3), mk(2)];
         let batch =
             ForwardBatch { tokens: &tokens, positions: &positions, seqs: &seqs, slots: &positions, logit_rows: &[0] };
-        assert!(graph_key(&batch, &cfg(), 8, UNIFORM).is_none(), "a family without mixed graphs runs it eagerly");
+        assert!(graph_key(&batch, &cfg(), 8, false).is_none(), "a family without mixed graphs runs it eagerly");
         // 6 rows pad to 8, the most rows (3) to 4: one padded sequence of 2 rows.
-        let key = graph_key(&batch, &cfg(), 8, MIXED).expect("mixed decode and verify rows");
+        let key = graph_key(&batch, &cfg(), 8, true).expect("mixed decode and verify rows");
         assert_eq!((key.seqs, key.rows, key.tokens), (4, 4, 8));
         let tile_rows = TileRows { prompt: 16, decode: 4, kv_heads: 8, tensor_core_prompt: false };
         let mut host = Vec::new();
@@ -647,7 +586,7 @@ mod tests {
         // Four sequences of 6 rows: the padded rows need a fifth sequence, so the sequences pad to 8 (past the
         // cache's 4: padded sequences only take block-table room), three of them with no rows.
         let four = [mk(1), mk(1), mk(1), mk(3)];
-        let key4 = graph_key(&ForwardBatch { seqs: &four, ..batch }, &cfg(), 8, MIXED).expect("mixed");
+        let key4 = graph_key(&ForwardBatch { seqs: &four, ..batch }, &cfg(), 8, true).expect("mixed");
         assert_eq!((key4.seqs, key4.rows, key4.tokens), (8, 4, 8));
         let p4 = plan(&ForwardBatch { seqs: &four, ..batch }, Some(key4), &cfg(), tile_rows, &mut host);
         assert_eq!(p4.layout.seqs, 8);
@@ -677,7 +616,7 @@ mod tests {
                     slots: &positions,
                     logit_rows: &[0],
                 };
-                let Some(key) = graph_key(&batch, &cfg(), 8, MIXED) else { continue };
+                let Some(key) = graph_key(&batch, &cfg(), 8, true) else { continue };
                 let p = plan(&batch, Some(key), &cfg(), tile_rows, &mut host);
                 assert!(p.layout.t == key.tokens && p.layout.seqs == key.seqs && host.len() == p.layout.len());
                 let (lay, tile, seq_rows) = (p.layout, p.max_decode_tile_rows, p.max_decode_seq_rows);
@@ -686,6 +625,33 @@ mod tests {
             }
         }
         assert!(layouts.keys().any(|k| k.tokens < k.seqs * k.rows), "some keys are mixed");
+    }
+
+    #[test]
+    fn graph_steps_pad_to_fine_buckets() {
+        let buckets: Vec<usize> = [1, 3, 5, 9, 16, 17, 20, 24, 33, 63, 64, 65, 100, 128, 129, 200, 256]
+            .iter()
+            .map(|&n| graph_seqs(n))
+            .collect();
+        assert_eq!(buckets, [1, 4, 8, 16, 16, 20, 20, 24, 40, 64, 64, 80, 112, 128, 160, 224, 256]);
+        for n in 17..=1024 {
+            let b = graph_seqs(n);
+            assert!(b >= n && 4 * (b - n) < n, "{n} sequences pad to {b}");
+        }
+    }
+
+    #[test]
+    fn graph_steps_launch_attention_for_their_keys_not_the_longest_sequence() {
+        // The default model: 3 KV heads, 32-key splits up to 4,096 keys, 128 splits a row from there.
+        assert_eq!(graph_keys(1, 8192, 3), GRAPH_MIN_KEYS);
+        assert_eq!(graph_keys(200, 8192, 3), 256);
+        assert_eq!(attn_max_splits(graph_keys(200, 8192, 3), 3), 8, "where the longest sequence's launch has 128");
+        assert_eq!(graph_keys(1500, 8192, 3), 2048);
+        assert_eq!(graph_keys(2049, 8192, 3), 8192, "4,096 keys already have a row's most splits");
+        // 8 KV heads reach their most splits at 1,024 keys: past that, one graph for every context.
+        assert_eq!(graph_keys(600, 8192, 8), 8192);
+        assert_eq!(graph_keys(100, 8192, 8), 128);
+        assert_eq!(graph_keys(100, 64, 8), 64, "never past the longest sequence");
     }
 
     #[test]

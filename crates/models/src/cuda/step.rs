@@ -14,7 +14,6 @@ use dflash_runtime::Tensor;
 
 use super::cache::{CudaCache, Workspace};
 use super::error::{CudaModelError, Result};
-use super::graph_key::{graph_key, GraphKinds};
 use super::plan::{self, StepPlan, TileRows};
 use crate::batch::{DeviceCaptured, ForwardBatch, ForwardOut, Readout, StepDraws};
 use crate::config::ModelConfig;
@@ -29,9 +28,6 @@ pub(crate) struct Step<'b> {
     /// from none to the key's rows each; a family whose extra inputs give each padded sequence the key's rows
     /// keeps them eager).
     pub mixed_graphs: bool,
-    /// Whether steps carrying a prompt chunk may replay graphs (a family whose extra inputs know only decode rows
-    /// keeps them eager).
-    pub prompt_graphs: bool,
 }
 
 impl<X> CudaCache<X> {
@@ -56,13 +52,9 @@ impl<X> CudaCache<X> {
             return Err(CudaModelError::Batch("this cache was made for another model".into()));
         }
         plan::validate(batch, &self.cfg, step.model)?;
-        let switches = dflash_runtime::switches::switches();
-        let kinds = GraphKinds {
-            mixed: step.mixed_graphs && !switches.no_mixed_graphs,
-            prompts: step.prompt_graphs && step.tile_rows.tensor_core_prompt && !switches.no_prompt_graphs,
-        };
         // The launch timeline needs the launches themselves, not a graph's replay.
-        let key = graph_key(batch, &self.cfg, step.model.num_kv_heads, kinds).filter(|_| !dev.timeline_on());
+        let mixed = step.mixed_graphs && !dflash_runtime::switches::switches().no_mixed_graphs;
+        let key = plan::graph_key(batch, &self.cfg, step.model.num_kv_heads, mixed).filter(|_| !dev.timeline_on());
         super::timeline_section(dev, || {
             let rows = batch.tokens.len();
             format!("target step: {rows} rows, {} sequences", batch.seqs.len())
@@ -86,11 +78,10 @@ impl<X> CudaCache<X> {
             }
             None => record(self, &plan, extra_at, readout == Readout::Argmax)?,
         }
-        // Decode / verify graphs compute every row's logits in row order; eager steps and graphs with a prompt
-        // chunk the requested rows in order.
+        // Graph steps compute every row's logits in row order; eager steps the requested rows in order.
         Ok(match key {
-            Some(key) if key.every_row_logits() => batch.logit_rows.iter().map(|&r| r as usize).collect(),
-            _ => (0..batch.logit_rows.len()).collect(),
+            Some(_) => batch.logit_rows.iter().map(|&r| r as usize).collect(),
+            None => (0..batch.logit_rows.len()).collect(),
         })
     }
 }

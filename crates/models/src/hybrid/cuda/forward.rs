@@ -253,7 +253,7 @@ impl CudaHybridModel {
         };
         // Padded graph sequences step the spare slot with the key's rows each, so only uniform steps replay graphs.
         let (model, tile_rows) = (&self.cfg.base, self.tile_rows());
-        let step = Step { batch, model, model_id: self.id, tile_rows, mixed_graphs: false, prompt_graphs: false };
+        let step = Step { batch, model, model_id: self.id, tile_rows, mixed_graphs: false };
         cache.run_step(&self.dev, step, readout, runs, |cache, plan, runs_at, argmax| {
             self.record_step(cache, plan, runs_at, argmax)
         })

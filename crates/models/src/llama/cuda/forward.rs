@@ -70,9 +70,7 @@ impl CudaLlamaModel {
     }
 
     fn run(&self, batch: &ForwardBatch, cache: &mut CudaCache, readout: Readout) -> Result<Vec<usize>> {
-        let tile_rows = self.tile_rows();
-        let step =
-            Step { batch, model: &self.cfg, model_id: self.id, tile_rows, mixed_graphs: true, prompt_graphs: true };
+        let step = Step { batch, model: &self.cfg, model_id: self.id, tile_rows: self.tile_rows(), mixed_graphs: true };
         cache.run_step(
             &self.dev,
             step,
