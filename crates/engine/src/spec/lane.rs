@@ -231,6 +231,11 @@ impl SpecLane {
     /// Makes the round in flight plain after its drafts were chosen (the step's drafts gate held them back): it
     /// adds no rows to its step and nothing is verified, for this lane or its fallback.
     pub fn withdraw_round(&mut self) {
+        if !self.round.gated && self.fallback_turn != FallbackTurn::Drafted {
+            // This lane's own drafts, drafted for nothing.
+            let costs = self.costs.lock();
+            self.policy.withdrawn(&costs, self.round.context);
+        }
         self.round.gated = true;
         self.round.share = RoundShare::default();
         self.round.confidence = None;
@@ -558,6 +563,28 @@ mod tests {
         let fallback = lane.stats.fallback.expect("fallback stats");
         assert_eq!((fallback.rounds, lane.stats.rounds), (0, 0));
         assert_eq!((lane.stats.plain_steps, lane.stats.gated_steps), (1, 1));
+    }
+
+    #[test]
+    fn a_lane_whose_drafts_the_step_withdraws_backs_off_instead_of_drafting_every_step() {
+        let mut table = CostTable::new(9);
+        table.seed(&[10.0, 11.0, 12.0, 13.0, 14.0, 15.0, 16.0, 17.0, 18.0]);
+        let costs = SharedCosts::new(table);
+        let drafter = Box::new(Slow(vec![5; 4], std::time::Duration::from_millis(2)));
+        let mut lane = SpecLane::new(drafter, 4, 0, PolicyMode::Adaptive, costs);
+        let sampling = SamplingParams::greedy();
+        let tokens = [1, 2, 3];
+        for _ in 0..64 {
+            let drafts = lane.draft(&ProposeInput { tokens: &tokens, sampling: &sampling }, 100);
+            if !drafts.is_empty() {
+                // The step's drafts gate holds every draft back: nothing is verified.
+                lane.withdraw_round();
+            }
+            lane.stepped(1, Some(StepTiming::alone(1, 10.0)));
+        }
+        // Each withdrawn round defers the lane (pauses of 2, 4, 8, ... rounds): a handful of calls, not one a step.
+        assert!(lane.stats.draft_calls <= 8, "{} drafting calls in 64 withdrawn steps", lane.stats.draft_calls);
+        assert_eq!(lane.stats.rounds, 0);
     }
 
     #[test]

@@ -252,6 +252,18 @@ impl RoundPolicy {
         chosen(keep)
     }
 
+    /// A drafted round the step's drafts gate withdrew before verification (at `context`): its drafting call was
+    /// spent for nothing, so the lane backs off as for a round predicted plain, and a probe in flight stays
+    /// unjudged. Without it a lane whose drafts the gate keeps holding back would pay a drafting call every step
+    /// (an MTP head's probe, never verified, was redrafted step after step: 0.71-0.84x of plain; entry 112).
+    pub fn withdrawn(&mut self, costs: &CostTable, context: usize) {
+        if self.mode == PolicyMode::Fixed {
+            return;
+        }
+        self.trial = false;
+        self.backoff.defer(self.probe_spacing(costs, context));
+    }
+
     /// Feeds what a verified round accepted (`confidence`: of the verified drafts, when the lane reports it), to
     /// this lane and to what the engine's `costs` table keeps of its lane kind.
     pub fn record_verified(
