@@ -177,7 +177,7 @@ impl PrefixCache {
     }
 
     /// Indexes `page` (held by a sequence) under `hash`, with what rides with it (`payload`); its checkpoint is
-    /// kept when there is room for one ([`PrefixCache::make_room_for_checkpoint`]). The caller checked that
+    /// kept when there is room for one (`PrefixCache::make_room_for_checkpoint`). The caller checked that
     /// neither is indexed and that there is room.
     pub fn insert(&mut self, page: u32, hash: u64, parent: u64, tokens: &[u32], payload: PagePayload) {
         debug_assert!(!self.contains_hash(hash) && !self.contains_page(page) && !self.is_full());

@@ -1,10 +1,10 @@
 //! Hyper-connection residual streams (mHC, as transformers' `DeepseekV4HyperConnection` / `DeepseekV4HyperHead`).
 //!
 //! A stream target keeps its residual as `N` parallel streams per token, `[T, N · H]` stream-major. Every block
-//! (token mixer, feed-forward) enters through a [`HyperConnection`]: from the RMS-normalised flat streams it
+//! (token mixer, feed-forward) enters through a `HyperConnection`: from the RMS-normalised flat streams it
 //! computes `pre`, `post` and `comb` weights, collapses the streams to the block's input `Σₙ preₙ · Sₙ`, and on the
 //! way out writes `S'ₖ = postₖ · out + Σⱼ comb[j, k] · Sⱼ` (`comb` made doubly stochastic by Sinkhorn iterations).
-//! The embedding enters as `N` copies; the [`StreamHead`] collapses the last layer's streams before the final norm.
+//! The embedding enters as `N` copies; the `StreamHead` collapses the last layer's streams before the final norm.
 //! Every row depends on its own row only, so batching and speculation never change a row's bits.
 //!
 //! Drafters read a tap as the per-token mean of its streams, the raw streams, or the head's collapse

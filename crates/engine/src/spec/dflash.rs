@@ -111,7 +111,7 @@ pub struct DflashProposer {
     /// Set after a drafter error: the lane stops drafting (the request goes on, plain).
     broken: bool,
     /// Whether the context catches up from the target's pages before the lane drafts
-    /// ([`DrafterConfig::reads_pages`]) instead of observing the steps' rows.
+    /// (`DrafterConfig::reads_pages`) instead of observing the steps' rows.
     reads_pages: bool,
 }
 
@@ -140,7 +140,7 @@ impl DflashProposer {
         })
     }
 
-    /// Whether the lane reads its rows from the target's pages ([`DrafterConfig::reads_pages`]).
+    /// Whether the lane reads its rows from the target's pages (`DrafterConfig::reads_pages`).
     pub fn reads_pages(&self) -> bool {
         self.reads_pages
     }

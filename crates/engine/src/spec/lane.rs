@@ -58,7 +58,7 @@ pub struct SpecLane {
     max_draft: usize,
     round: RoundInFlight,
     /// Prompt lookup, drafting the rounds this (drafter's) lane leaves plain, and first where its drafts promise
-    /// more ([`Self::lookup_first`]): free drafts where the text repeats
+    /// more (`Self::lookup_first`): free drafts where the text repeats
     /// itself, while the drafter's policy finds its own rounds do not pay.
     fallback: Option<Box<SpecLane>>,
     /// What the fallback did in the round in flight.
@@ -164,7 +164,7 @@ impl SpecLane {
 
     /// Starts the next round (at most `cap` drafts): the drafter's, or the fallback's drafts (none: a plain round)
     /// where the drafter's policy makes the round plain or the fallback's drafts promise more
-    /// ([`Self::lookup_first`]).
+    /// (`Self::lookup_first`).
     pub fn start_round(&mut self, input: &ProposeInput, cap: usize) -> RoundStart {
         let context = input.tokens.len();
         let max = cap.min(self.max_draft);
@@ -223,7 +223,7 @@ impl SpecLane {
     }
 
     /// Ends a round [`Self::start_round`] planned for the drafter without drafting it: the step's gate kept the
-    /// drafter pass from running ([`StepGate`]), so the round is plain.
+    /// drafter pass from running (`StepGate`), so the round is plain.
     pub fn skip_planned_round(&mut self) {
         self.round.gated = true;
     }
@@ -301,7 +301,7 @@ impl SpecLane {
     }
 
     /// What this step's round adds to the step beyond a plain row (rows, expected tokens, drafting), for the lanes
-    /// that decide after it ([`CostTable::add_to_step`]).
+    /// that decide after it (`CostTable::add_to_step`).
     pub fn round_share(&self) -> RoundShare {
         match (self.fallback_turn, &self.fallback) {
             (FallbackTurn::Drafted | FallbackTurn::Asked, Some(fallback)) => fallback.round_share(),

@@ -3,7 +3,7 @@
 //! * `weights`: the checkpoint layout, named once for every device.
 //! * `cpu` ([`LlamaModel`]) and `target` ([`LlamaTarget`]): the CPU forward and its engine-facing target.
 //! * [`open_parallel`]: the CPU forward split over tensor-parallel ranks ([`crate::parallel`]).
-//! * `cuda` (feature `cuda`): the same on one GPU ([`cuda::CudaLlamaModel`], [`cuda::CudaLlamaTarget`]).
+//! * `cuda` (feature `cuda`): the same on one GPU (`cuda::CudaLlamaModel`, `cuda::CudaLlamaTarget`).
 
 mod cpu;
 #[cfg(feature = "cuda")]

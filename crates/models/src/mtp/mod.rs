@@ -7,7 +7,7 @@
 //!
 //! The head holds weights only; each sequence's history of committed entries is an [`MtpContext`] the caller
 //! owns ([`MtpHead::new_context`]). The embedding and LM head are the target's (a head on a device keeps its own
-//! copy of them there: [`MtpHead::to_cuda`]).
+//! copy of them there: `MtpHead::to_cuda`).
 //!
 //! Maths and tensor layout: docs/MODELS.md, "MTP heads".
 

@@ -1,6 +1,6 @@
 //! The CPU op set every model is written against.
 //!
-//! All activations are f32 host tensors, row-major; weights may be any [`DType`](crate::DType). Ops take
+//! All activations are f32 host tensors, row-major; weights may be any [`DType`]. Ops take
 //! their outputs as `&mut Tensor` so callers can reuse buffers across steps, check shapes up front and
 //! return [`RuntimeError::Shape`] / [`RuntimeError::DType`] instead of panicking. The Gated DeltaNet ops take
 //! f32 slices and row strides, as their CUDA twins do, so a layer hands them columns of its projection.

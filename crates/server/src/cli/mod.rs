@@ -50,7 +50,7 @@ pub struct ModelArgs {
     /// fetched on first use.
     #[arg(long, short = 'm')]
     pub model: Option<String>,
-    /// Device: cpu, cuda[:N] or auto (the first GPU when this build has the CUDA backend and the driver reports
+    /// Device: cpu, `cuda[:N]` or auto (the first GPU when this build has the CUDA backend and the driver reports
     /// one, for the families that run there by default; else the CPU).
     #[arg(long, default_value = "auto", value_parser = parse_device)]
     pub device: DeviceArg,
