@@ -39,7 +39,7 @@ run() { # run WHAT NAME CMD...: one measurement into OUT/WHAT-NAME-ROUND
             --concurrency 1,8,64 --max-tokens 128 --rounds "$ROUNDS" --length-spread "$SPREAD" --out-dir "$dir" \
             >"$dir/log" 2>&1
         echo "== $what $name $round"; sed -n '/^| concurrent/,/^$/p' "$dir/serve-load.md" | head -6
-        grep -E "^\* .*repeated request" "$dir/serve-load.md" ;;
+        grep -E "^\* .*repeated request" "$dir/serve-load.md" || true ;;
     lanes)
         "$@" bench --device cuda lanes --lanes plain,pld,dflash,dflash-fixed --per-group 2 --max-tokens 128 \
             --repeat 1 --out-dir "$dir" >"$dir/log" 2>&1
@@ -54,7 +54,7 @@ run() { # run WHAT NAME CMD...: one measurement into OUT/WHAT-NAME-ROUND
         "$@" bench serve --start "plain=--device cuda --no-drafter --no-pld --max-concurrent 256" \
             --concurrency 1,8,32,64,128,256 --max-tokens 256 --out-dir "$dir" >"$dir/log" 2>&1
         echo "== $what $name $round"; sed -n '/^| concurrent/,/^$/p' "$dir/serve-load.md" | head -9
-        grep -E "^\* .*repeated request" "$dir/serve-load.md" ;;
+        grep -E "^\* .*repeated request" "$dir/serve-load.md" || true ;;
     *) echo "unknown: $what" >&2; exit 2 ;;
     esac
 }

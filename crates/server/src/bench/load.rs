@@ -9,7 +9,8 @@
 //! all completion tokens over the time from its first request to its last answer. Servers are loaded one after the
 //! other, each with one warm-up request first. Every completion's text is compared with the first one of the same
 //! request (prompt, length and variant) on any server and level: greedy decoding is deterministic and speculation
-//! lossless, so they must agree, however the steps batched them. Results: JSON, a Markdown table and an SVG plot ([`super::load_report`]).
+//! lossless, so on servers of one engine and build they must agree however the steps batched them (a server of
+//! another engine, or a variant that samples, is reported, not expected to agree). Results: JSON, a Markdown table and an SVG plot ([`super::load_report`]).
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
@@ -328,6 +329,10 @@ fn complete(load: &Load<'_>, prompt: &str, max_tokens: usize) -> Result<Sample> 
             break;
         }
         let chunk: Value = serde_json::from_str(data).with_context(|| format!("a chunk that is not JSON: {data}"))?;
+        if let Some(error) = chunk.get("error") {
+            // A failure mid-stream: the text so far is not the completion (and must not be compared as one).
+            bail!("error in the stream: {error}");
+        }
         if let Some(n) = chunk["usage"]["completion_tokens"].as_u64() {
             sample.tokens = n as usize;
         }

@@ -131,11 +131,16 @@ impl Level {
 
     /// How its completions agree with the first of the same request.
     pub fn agreement(&self) -> String {
-        match (self.texts_compared, self.texts_differing) {
-            (0, _) => "no repeated request".to_string(),
-            (n, 0) => format!("all {n} repeated requests gave the first text"),
-            (n, d) => format!("{d} of {n} repeated requests DIFFER from the first text"),
-        }
+        agreement(self.texts_compared, self.texts_differing)
+    }
+}
+
+/// `compared` repeated requests, `differing` of them not giving their first text, in words.
+fn agreement(compared: usize, differing: usize) -> String {
+    match (compared, differing) {
+        (0, _) => "no repeated request".to_string(),
+        (n, 0) => format!("all {n} repeated requests gave the first text"),
+        (n, d) => format!("{d} of {n} repeated requests DIFFER from the first text"),
     }
 }
 
@@ -206,14 +211,14 @@ fn table(runs: &[ServerRun]) -> String {
     out
 }
 
-/// One line per server: how its greedy completions agree with the first text of the same request.
+/// One line per run (server, or server and variant): how its greedy completions agree with the first text of the
+/// same request.
 fn agreement_lines(out: &mut String, runs: &[ServerRun]) {
     let _ = write!(out, "\nGreedy completions against the first text of the same request (any server, any level):\n");
     for r in runs {
         let compared: usize = r.levels.iter().map(|l| l.texts_compared).sum();
         let differing: usize = r.levels.iter().map(|l| l.texts_differing).sum();
-        let level = Level { texts_compared: compared, texts_differing: differing, ..Level::of(0, &[], Duration::ZERO) };
-        let _ = write!(out, "\n* {}: {}", r.name, level.agreement());
+        let _ = write!(out, "\n* {}: {}", r.name, agreement(compared, differing));
     }
     out.push('\n');
 }
