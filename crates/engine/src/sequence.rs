@@ -213,7 +213,9 @@ impl Sequence {
     /// [`Self::finish_shared_drafts`] ends the round with the pass's proposal.
     pub fn prepare_drafts(&mut self) -> Option<usize> {
         self.drafts.clear();
-        if !self.is_decoding() {
+        // Not while the row left is the prompt's last token (a chunk cut one short of it, or a cached prefix): drafts
+        // would make a prompt row a verify row, which a recurrent target cannot roll back.
+        if !self.is_decoding() || self.computed < self.prompt_len {
             return None;
         }
         let cap = self.draft_cap();
@@ -534,12 +536,47 @@ mod lane_tests {
         let mut seq = Sequence::new(request, Box::new(crate::request::NullSink));
         let costs = SharedCosts::new(CostTable::new(9));
         seq.lane = Some(SpecLane::new(Box::new(Panics), 4, 4, PolicyMode::Fixed, costs));
-        seq.advance(2);
+        seq.push_for_test(4);
+        seq.advance(3);
         assert!(seq.is_decoding());
         seq.prepare_drafts();
         assert!(seq.lane.is_none() && seq.drafts.is_empty());
         seq.prepare_drafts();
         assert!(seq.drafts.is_empty(), "plain from then on");
+    }
+}
+
+#[cfg(test)]
+mod prompt_row_tests {
+    use super::*;
+    use crate::spec::{CostTable, LaneKind, PolicyMode, Proposal, Proposer, SharedCosts, SpecLane};
+
+    struct Drafts;
+
+    impl Proposer for Drafts {
+        fn kind(&self) -> LaneKind {
+            LaneKind::Pld
+        }
+
+        fn propose(&mut self, _input: &ProposeInput, max: usize) -> Proposal {
+            vec![7; max.min(3)].into()
+        }
+    }
+
+    /// A prompt chunked one token short of its end leaves that token as the sequence's only row: it must not carry
+    /// drafts (it is a prompt row, which a recurrent target's verify cannot hold); the row after it may.
+    #[test]
+    fn the_prompts_last_token_is_never_a_verify_row() {
+        let request = Request { cache_prompt: false, ..Request::for_test("r", vec![1, 2, 3], 8) };
+        let mut seq = Sequence::new(request, Box::new(crate::request::NullSink));
+        let costs = SharedCosts::new(CostTable::new(9));
+        seq.lane = Some(SpecLane::new(Box::new(Drafts), 4, 0, PolicyMode::Fixed, costs));
+        seq.advance(2);
+        assert!(seq.is_decoding(), "one row left");
+        assert_eq!((seq.prepare_drafts(), seq.drafts.len()), (None, 0), "the prompt's last token drafts nothing");
+        seq.advance(1);
+        seq.push_for_test(4);
+        assert_eq!((seq.prepare_drafts(), seq.drafts.len()), (None, 3), "past the prompt the lane drafts");
     }
 }
 
