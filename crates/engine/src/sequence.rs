@@ -530,27 +530,6 @@ mod lane_tests {
         }
     }
 
-    #[test]
-    fn a_panicking_proposer_loses_its_lane_not_the_request() {
-        let request = Request { cache_prompt: false, ..Request::for_test("r", vec![1, 2, 3], 8) };
-        let mut seq = Sequence::new(request, Box::new(crate::request::NullSink));
-        let costs = SharedCosts::new(CostTable::new(9));
-        seq.lane = Some(SpecLane::new(Box::new(Panics), 4, 4, PolicyMode::Fixed, costs));
-        seq.push_for_test(4);
-        seq.advance(3);
-        assert!(seq.is_decoding());
-        seq.prepare_drafts();
-        assert!(seq.lane.is_none() && seq.drafts.is_empty());
-        seq.prepare_drafts();
-        assert!(seq.drafts.is_empty(), "plain from then on");
-    }
-}
-
-#[cfg(test)]
-mod prompt_row_tests {
-    use super::*;
-    use crate::spec::{CostTable, LaneKind, PolicyMode, Proposal, Proposer, SharedCosts, SpecLane};
-
     struct Drafts;
 
     impl Proposer for Drafts {
@@ -563,14 +542,32 @@ mod prompt_row_tests {
         }
     }
 
+    /// A sequence of the 3-token prompt `[1, 2, 3]` drafting with `proposer` on a fixed policy.
+    fn drafting_with(proposer: Box<dyn Proposer>) -> Sequence {
+        let request = Request { cache_prompt: false, ..Request::for_test("r", vec![1, 2, 3], 8) };
+        let mut seq = Sequence::new(request, Box::new(crate::request::NullSink));
+        let costs = SharedCosts::new(CostTable::new(9));
+        seq.lane = Some(SpecLane::new(proposer, 4, 4, PolicyMode::Fixed, costs));
+        seq
+    }
+
+    #[test]
+    fn a_panicking_proposer_loses_its_lane_not_the_request() {
+        let mut seq = drafting_with(Box::new(Panics));
+        seq.push_for_test(4);
+        seq.advance(3);
+        assert!(seq.is_decoding());
+        seq.prepare_drafts();
+        assert!(seq.lane.is_none() && seq.drafts.is_empty());
+        seq.prepare_drafts();
+        assert!(seq.drafts.is_empty(), "plain from then on");
+    }
+
     /// A prompt chunked one token short of its end leaves that token as the sequence's only row: it must not carry
     /// drafts (it is a prompt row, which a recurrent target's verify cannot hold); the row after it may.
     #[test]
     fn the_prompts_last_token_is_never_a_verify_row() {
-        let request = Request { cache_prompt: false, ..Request::for_test("r", vec![1, 2, 3], 8) };
-        let mut seq = Sequence::new(request, Box::new(crate::request::NullSink));
-        let costs = SharedCosts::new(CostTable::new(9));
-        seq.lane = Some(SpecLane::new(Box::new(Drafts), 4, 0, PolicyMode::Fixed, costs));
+        let mut seq = drafting_with(Box::new(Drafts));
         seq.advance(2);
         assert!(seq.is_decoding(), "one row left");
         assert_eq!((seq.prepare_drafts(), seq.drafts.len()), (None, 0), "the prompt's last token drafts nothing");

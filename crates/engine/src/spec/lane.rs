@@ -233,11 +233,12 @@ impl SpecLane {
     pub fn withdraw_round(&mut self) {
         // This lane's own drafts, drafted for nothing while the gate holds drafts back (not a step the gate took
         // plain to explore, which says nothing against drafting).
-        let costs = self.costs.lock();
-        if !self.round.gated && self.fallback_turn != FallbackTurn::Drafted && costs.step().drafts_held_back {
-            self.policy.withdrawn(&costs, self.round.context);
+        if !self.round.gated && self.fallback_turn != FallbackTurn::Drafted {
+            let costs = self.costs.lock();
+            if costs.step().drafts_held_back {
+                self.policy.withdrawn(&costs, self.round.context);
+            }
         }
-        drop(costs);
         self.round.gated = true;
         self.round.share = RoundShare::default();
         self.round.confidence = None;

@@ -246,7 +246,8 @@ impl SpecStats {
         let per_position: Vec<String> = self.per_position().iter().map(|r| format!("{r:.2}")).collect();
         format!(
             "[spec-stats] mode={}{block} rounds={} drafted={} accepted={} accept_rate={:.3} tokens_per_round={:.2} \
-             per_position=[{}] plain_steps={} gate_pauses={} policy={} widths=[{}] gated_steps={} draft_calls={} draft_ms={:.2}",
+             per_position=[{}] plain_steps={} gate_pauses={} policy={} widths=[{}] gated_steps={} draft_calls={} \
+             draft_ms={:.2}",
             self.lane,
             self.rounds,
             self.drafted,

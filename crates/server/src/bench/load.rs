@@ -10,8 +10,10 @@
 //! other, each with one warm-up request first. Every completion's text is compared with the first one of the same
 //! request (prompt, length and variant) on any server and level: greedy decoding is deterministic and speculation
 //! lossless, so on servers of one engine and build they must agree however the steps batched them (a server of
-//! another engine, or a variant that samples, is reported, not expected to agree). Results: JSON, a Markdown table and an SVG plot ([`super::load_report`]).
+//! another engine, or a variant that samples, is reported, not expected to agree). Results: JSON, a Markdown table
+//! and an SVG plot ([`super::load_report`]).
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
@@ -211,14 +213,13 @@ impl FirstTexts {
         let variant = Value::Object(extra.clone()).to_string();
         let (mut compared, mut differing) = (0, 0);
         for s in samples.iter().filter(|s| s.error.is_none()) {
-            let key = (variant.clone(), s.request.0, s.request.1);
-            match self.0.get(&key) {
-                Some(first) => {
+            match self.0.entry((variant.clone(), s.request.0, s.request.1)) {
+                Entry::Occupied(first) => {
                     compared += 1;
-                    differing += usize::from(*first != s.text);
+                    differing += usize::from(*first.get() != s.text);
                 }
-                None => {
-                    self.0.insert(key, s.text.clone());
+                Entry::Vacant(slot) => {
+                    slot.insert(s.text.clone());
                 }
             }
         }

@@ -118,7 +118,8 @@ impl Level {
         };
         let profile = self.profile.as_ref().map(|p| format!("; {}", p.summary())).unwrap_or_default();
         format!(
-            "{:.0} tok/s, TTFT p50 {:.1} ms p99 {:.1} ms, ITL p50 {:.2} ms p99 {:.2} ms, {} requests{errors}, {}{profile}",
+            "{:.0} tok/s, TTFT p50 {:.1} ms p99 {:.1} ms, ITL p50 {:.2} ms p99 {:.2} ms, {} requests{errors}, \
+             {}{profile}",
             self.tok_s,
             self.ttft_p50_ms,
             self.ttft_p99_ms,

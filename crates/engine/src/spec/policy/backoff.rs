@@ -4,8 +4,8 @@
 //! milliseconds it took, both kept as moving averages. When drafting loses, the lane owes `period` plain rounds and
 //! the period doubles; the next drafted round is a probe: a winning one clears the debt, a losing one owes the
 //! doubled period. A round predicted plain, or whose drafts were not worth a row, or that the step's drafts gate
-//! withdrew while it holds drafts back, backs off without a verdict ([`Backoff::defer`]). The caller caps the period by what a failed probe costs on its target and floors it
-//! ([`Spacing`]).
+//! withdrew while it holds drafts back, backs off without a verdict ([`Backoff::defer`]). The caller caps the period
+//! by what a failed probe costs on its target and floors it ([`Spacing`]).
 //!
 //! Design notes: docs/ENGINE.md, "Round policy: backoff".
 

@@ -252,10 +252,11 @@ impl RoundPolicy {
         chosen(keep)
     }
 
-    /// A drafted round the step's drafts gate withdrew before verification while it holds drafts back (at `context`): its drafting call was
-    /// spent for nothing, so the lane backs off as for a round predicted plain, and a probe in flight stays
-    /// unjudged. Without it a lane whose drafts the gate keeps holding back would pay a drafting call every step
-    /// (an MTP head's probe, never verified, was redrafted step after step: 0.76-0.84x of plain; entry 112).
+    /// A drafted round the step's drafts gate withdrew before verification while it holds drafts back (at
+    /// `context`): its drafting call was spent for nothing, so the lane backs off as for a round predicted plain, and
+    /// a probe in flight stays unjudged. Without it a lane whose drafts the gate keeps holding back would pay a
+    /// drafting call every step (an MTP head's probe, never verified, was redrafted step after step: 0.76-0.84x of
+    /// plain; entry 112).
     pub fn withdrawn(&mut self, costs: &CostTable, context: usize) {
         if self.mode == PolicyMode::Fixed {
             return;
