@@ -24,6 +24,9 @@ pub struct Switches {
     pub no_mmq: bool,
     /// `DFLASH_MMVQ_HALF=0`: one-row quantized matmuls of short rows keep a whole warp per column.
     pub no_mmvq_half: bool,
+    /// `DFLASH_TILE_QUERIES=N`: a decode or verify attention tile holds at most N query vectors (rows times the
+    /// query heads of a KV head) instead of 16 (entry 113).
+    pub decode_tile_queries: Option<usize>,
     /// `DFLASH_MMQ_WARP=0`: quantized matmuls of 40 rows and more run as before the whole-tree kernel
     /// (`mmq_warp`) took them: `mmq` from 128 rows, the dp4a kernel below.
     pub no_mmq_warp: bool,
@@ -90,6 +93,7 @@ impl Switches {
             no_fold_rope: is("DFLASH_FOLD_ROPE", "0"),
             no_mmq: is("DFLASH_MMQ", "0"),
             no_mmvq_half: is("DFLASH_MMVQ_HALF", "0"),
+            decode_tile_queries: count("DFLASH_TILE_QUERIES"),
             no_mmq_warp: is("DFLASH_MMQ_WARP", "0"),
             mmq_warp_warps: count("DFLASH_MMQ_WARP_WARPS"),
             mmq_warp_min_rows: count("DFLASH_MMQ_WARP_MIN_ROWS"),
@@ -136,6 +140,7 @@ mod tests {
             ("DFLASH_FOLD_ROPE", "0"),
             ("DFLASH_MMQ", "0"),
             ("DFLASH_MMVQ_HALF", "0"),
+            ("DFLASH_TILE_QUERIES", "8"),
             ("DFLASH_MMQ_WARP", "0"),
             ("DFLASH_MMQ_WARP_WARPS", "4"),
             ("DFLASH_MMQ_WARP_MIN_ROWS", " 16"),
@@ -163,6 +168,7 @@ mod tests {
             no_fold_rope: true,
             no_mmq: true,
             no_mmvq_half: true,
+            decode_tile_queries: Some(8),
             no_mmq_warp: true,
             mmq_warp_warps: Some(4),
             mmq_warp_min_rows: Some(16),

@@ -17,11 +17,24 @@ mod common;
 
 use common::gpu::{bit_mismatches, check, cpu_rms_norm, device, f32_tensor, max_err_over, quant_matrix};
 use common::Rng;
+use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use dflash_runtime::cuda::ops::{self as gpu, AttentionArgs, AttentionScratch, Epilogue, KeySplit, MmvqArgs};
 use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DeviceBuf};
 use dflash_runtime::ops::{self as cpu, RopeScaling, RopeStyle, RopeTable};
 use dflash_runtime::{DType, Tensor};
+
+/// The tests share one device and its stream, and a graph capture needs the stream to itself (another test's
+/// synchronisation while it captures fails both): the capture test takes this for writing, the others for reading.
+static STREAM_USE: RwLock<()> = RwLock::new(());
+
+fn stream_shared() -> RwLockReadGuard<'static, ()> {
+    STREAM_USE.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn stream_alone() -> RwLockWriteGuard<'static, ()> {
+    STREAM_USE.write().unwrap_or_else(PoisonError::into_inner)
+}
 
 fn poisoned(dev: &CudaDevice, len: usize) -> DeviceBuf<f32> {
     dev.upload(&vec![f32::NAN; len]).expect("poisoned output")
@@ -29,6 +42,7 @@ fn poisoned(dev: &CudaDevice, len: usize) -> DeviceBuf<f32> {
 
 #[test]
 fn quantized_embedding_dequantizes_exactly() {
+    let _stream = stream_shared();
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(22);
     for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
@@ -50,6 +64,7 @@ fn quantized_embedding_dequantizes_exactly() {
 
 #[test]
 fn rope_kv_write_matches_cpu_norm_rope_and_kv_write() {
+    let _stream = stream_shared();
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(23);
     let eps = 1e-6;
@@ -284,6 +299,7 @@ fn attention_on_device(
 
 #[test]
 fn paged_attention_matches_reference_and_is_batch_invariant() {
+    let _stream = stream_shared();
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(24);
     let cases = [
@@ -380,6 +396,7 @@ fn paged_attention_matches_reference_and_is_batch_invariant() {
 /// the same inputs: the same output bits and the same caches after.
 #[test]
 fn attention_with_rope_folded_in_equals_rope_kv_write_then_attention() {
+    let _stream = stream_shared();
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(28);
     let eps = 1e-6;
@@ -522,6 +539,7 @@ fn attention_with_rope_folded_in_equals_rope_kv_write_then_attention() {
 
 #[test]
 fn tensor_core_prompt_attention_matches_reference_within_bf16_rounding() {
+    let _stream = stream_shared();
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(25);
     let cases = [
@@ -595,6 +613,7 @@ fn tensor_core_prompt_attention_matches_reference_within_bf16_rounding() {
 
 #[test]
 fn gathered_final_norm_and_capture_copy_match_cpu() {
+    let _stream = stream_shared();
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(27);
     let (t, h) = (9, 576);
@@ -637,6 +656,7 @@ fn gathered_final_norm_and_capture_copy_match_cpu() {
 
 #[test]
 fn captured_graph_replays_with_new_inputs() {
+    let _stream = stream_alone();
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(28);
     let (vocab, hidden, n, rows) = (64, 96, 70, 3);

@@ -26,15 +26,30 @@ pub(crate) struct TileRows {
 }
 
 impl TileRows {
-    /// Tiles for `num_heads` query heads over `kv_heads` of `head_dim`: decode tiles (and f32 prompt tiles) of
-    /// the most rows whose query vectors fit one attention block; with `tensor_core_prompt` (and a head_dim the
-    /// kernel takes) prompt tiles of [`TC_ATTN_TILE_ROWS`].
+    /// Tiles for `num_heads` query heads over `kv_heads` of `head_dim`: f32 prompt tiles of the most rows whose
+    /// query vectors fit one attention block, decode tiles of the most whose [`decode_tile_queries`] do; with
+    /// `tensor_core_prompt` (and a head_dim the kernel takes) prompt tiles of [`TC_ATTN_TILE_ROWS`].
     pub fn new(num_heads: usize, kv_heads: usize, head_dim: usize, tensor_core_prompt: bool) -> Self {
-        let rows = (ATTN_MAX_QUERIES / (num_heads / kv_heads.max(1)).max(1)).max(1);
+        let group = (num_heads / kv_heads.max(1)).max(1);
+        let rows = |queries: usize| (queries.min(ATTN_MAX_QUERIES) / group).max(1);
         let tensor_core_prompt = tensor_core_prompt && tc_prompt_attention_fits(head_dim);
-        let prompt = if tensor_core_prompt { TC_ATTN_TILE_ROWS } else { rows };
-        TileRows { prompt, decode: rows, kv_heads, tensor_core_prompt }
+        let prompt = if tensor_core_prompt { TC_ATTN_TILE_ROWS } else { rows(ATTN_MAX_QUERIES) };
+        TileRows { prompt, decode: rows(decode_tile_queries(num_heads)), kv_heads, tensor_core_prompt }
     }
+}
+
+/// Models of at most this many query heads give a decode or verify tile one query vector per warp of the attention
+/// block (its 8 warps), so no warp walks the keys twice: verifies of 3-16 rows 4-10% faster on the default model and
+/// 7-8% on the Qwen3-0.6B shape. With more heads the narrower tiles' blocks pass what the GPU holds at once (a
+/// 16-row verify of the Qwen3-8B shape: 320 blocks at 144 keys, 2% slower), so they keep 16 (PERFORMANCE.md entry
+/// 113).
+const ONE_QUERY_PER_WARP_MAX_HEADS: usize = 16;
+
+/// Query vectors (rows times the query heads of a KV head) a decode tile of a model of `num_heads` query heads
+/// holds: 8 up to [`ONE_QUERY_PER_WARP_MAX_HEADS`], else [`ATTN_MAX_QUERIES`]; `DFLASH_TILE_QUERIES` overrides.
+fn decode_tile_queries(num_heads: usize) -> usize {
+    let default = if num_heads <= ONE_QUERY_PER_WARP_MAX_HEADS { ATTN_MAX_QUERIES / 2 } else { ATTN_MAX_QUERIES };
+    dflash_runtime::switches::switches().decode_tile_queries.unwrap_or(default)
 }
 
 /// The most places a sequence's decode tiles are cut besides every `tile_rows` rows: where the split size class
@@ -441,6 +456,27 @@ mod tests {
 
     fn cfg() -> CudaCacheConfig {
         CudaCacheConfig::new(8, 4, 32, 4, 16)
+    }
+
+    #[test]
+    fn decode_tiles_give_each_warp_one_query_vector_on_models_of_few_heads() {
+        if dflash_runtime::switches::switches().decode_tile_queries.is_some() {
+            return; // DFLASH_TILE_QUERIES set for this process
+        }
+        // The default model (9 query heads over 3): 2 rows a decode tile (6 vectors), 5 a prompt tile.
+        assert_eq!(
+            TileRows::new(9, 3, 64, false),
+            TileRows { prompt: 5, decode: 2, kv_heads: 3, tensor_core_prompt: false }
+        );
+        // Qwen3-0.6B (16 over 8): 4 rows; Qwen3-8B (32 over 8) keeps 16 vectors, 4 rows.
+        assert_eq!(TileRows::new(16, 8, 128, true).decode, 4);
+        assert_eq!(TileRows::new(32, 8, 128, true).decode, 4);
+        assert_eq!(TileRows::new(32, 8, 128, false).prompt, 4);
+        // Qwen3-Next's attention (16 over 2): one row of 8 vectors a decode tile.
+        assert_eq!(
+            TileRows::new(16, 2, 256, false),
+            TileRows { prompt: 2, decode: 1, kv_heads: 2, tensor_core_prompt: false }
+        );
     }
 
     #[test]
