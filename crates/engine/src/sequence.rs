@@ -302,12 +302,19 @@ impl Sequence {
         self.cut_drafts_by_grammar();
     }
 
-    /// Cuts the drafts at the first token the sequence's grammar forbids.
+    /// Cuts the drafts at the first token the sequence's grammar forbids. Where it forbids the first, the round is
+    /// one that accepted none of its drafts (the target samples under the same grammar, so it could not have taken
+    /// it), and the lane is told so: a round with nothing to verify is otherwise never judged, and the lane would
+    /// pay a drafting call every step for drafts the grammar keeps refusing.
     fn cut_drafts_by_grammar(&mut self) {
-        if let Some(grammar) = self.grammar.as_mut().filter(|_| !self.drafts.is_empty()) {
-            let valid = grammar.valid_drafts(&self.drafts);
-            self.drafts.truncate(valid);
+        let Some(grammar) = self.grammar.as_mut().filter(|_| !self.drafts.is_empty()) else { return };
+        let valid = grammar.valid_drafts(&self.drafts);
+        if valid == 0 {
+            if let Some(lane) = self.lane.as_mut() {
+                lane.verified(self.drafts.len(), 0);
+            }
         }
+        self.drafts.truncate(valid);
     }
 
     /// Moves the grammar past committed token `id`; true when the grammar is complete, or broke (see
@@ -561,6 +568,55 @@ mod lane_tests {
         assert!(seq.lane.is_none() && seq.drafts.is_empty());
         seq.prepare_drafts();
         assert!(seq.drafts.is_empty(), "plain from then on");
+    }
+
+    /// Drafts a grammar always refuses (a drafter writing prose where a JSON schema holds): each round counts as
+    /// one that accepted nothing, so the adaptive lane backs off instead of drafting, for nothing, every step.
+    #[test]
+    fn drafts_the_grammar_refuses_back_the_lane_off() {
+        use crate::grammar::{GrammarCompiler, GrammarSpec};
+        use crate::spec::StepTiming;
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny-qwen3");
+        let tok = dflash_models::tokenizer::Tokenizer::from_hf_dir(&dir).expect("tokenizer");
+        let grammar = GrammarCompiler::new(&tok).expect("compiler").compile(&GrammarSpec::Regex("yes".into()));
+        let refused = tok.encode("zzz", false).expect("encode")[0];
+        let request = Request { cache_prompt: false, ..Request::for_test("r", vec![1, 2, 3], 200) };
+        let mut seq = Sequence::new(request, Box::new(crate::request::NullSink));
+        seq.grammar = Some(grammar.expect("grammar").start());
+        let mut table = CostTable::new(9);
+        table.seed(&[10.0, 11.0, 12.0, 13.0, 14.0, 15.0, 16.0, 17.0, 18.0]);
+        let costs = SharedCosts::new(table);
+        let refusing = Slow(vec![refused; 4], std::time::Duration::from_millis(2));
+        seq.lane = Some(SpecLane::new(Box::new(refusing), 4, 0, PolicyMode::Adaptive, costs.clone()));
+        seq.push_for_test(4);
+        seq.advance(3);
+        for step in 0..64 {
+            costs.lock().begin_step(1);
+            seq.prepare_drafts();
+            assert!(seq.drafts.is_empty(), "step {step}: a refused draft went to verification");
+            seq.lane.as_mut().expect("lane").stepped(1, Some(StepTiming::alone(1, 10.0)));
+            seq.push_for_test(4);
+            seq.advance(1);
+        }
+        let calls = seq.lane.as_ref().expect("lane").stats.draft_calls;
+        assert!(calls <= 12, "{calls} drafting calls in 64 steps whose drafts the grammar refused");
+    }
+
+    /// A proposer that takes `1` to draft `0`.
+    struct Slow(Vec<u32>, std::time::Duration);
+
+    impl Proposer for Slow {
+        fn kind(&self) -> LaneKind {
+            LaneKind::Dflash
+        }
+
+        fn propose(&mut self, _input: &ProposeInput, max: usize) -> Proposal {
+            let started = std::time::Instant::now();
+            while started.elapsed() < self.1 {
+                std::hint::spin_loop();
+            }
+            self.0.iter().copied().take(max).collect::<Vec<_>>().into()
+        }
     }
 
     /// A prompt chunked one token short of its end leaves that token as the sequence's only row: it must not carry
