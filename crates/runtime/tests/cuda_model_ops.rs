@@ -15,26 +15,15 @@
 
 mod common;
 
-use common::gpu::{bit_mismatches, check, cpu_rms_norm, device, f32_tensor, max_err_over, quant_matrix};
+use common::gpu::{
+    bit_mismatches, check, cpu_rms_norm, device, f32_tensor, max_err_over, quant_matrix, stream_alone, stream_shared,
+};
 use common::Rng;
-use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use dflash_runtime::cuda::ops::{self as gpu, AttentionArgs, AttentionScratch, Epilogue, KeySplit, MmvqArgs};
 use dflash_runtime::cuda::{CudaDevice, CudaRopeTable, DeviceBuf};
 use dflash_runtime::ops::{self as cpu, RopeScaling, RopeStyle, RopeTable};
 use dflash_runtime::{DType, Tensor};
-
-/// The tests share one device and its stream, and a graph capture needs the stream to itself (another test's
-/// synchronisation while it captures fails both): the capture test takes this for writing, the others for reading.
-static STREAM_USE: RwLock<()> = RwLock::new(());
-
-fn stream_shared() -> RwLockReadGuard<'static, ()> {
-    STREAM_USE.read().unwrap_or_else(PoisonError::into_inner)
-}
-
-fn stream_alone() -> RwLockWriteGuard<'static, ()> {
-    STREAM_USE.write().unwrap_or_else(PoisonError::into_inner)
-}
 
 fn poisoned(dev: &CudaDevice, len: usize) -> DeviceBuf<f32> {
     dev.upload(&vec![f32::NAN; len]).expect("poisoned output")

@@ -15,7 +15,7 @@
 
 mod common;
 
-use common::gpu::open_device;
+use common::gpu::{open_device, stream_alone, stream_shared};
 use common::{say, Rng};
 use std::sync::OnceLock;
 
@@ -278,6 +278,7 @@ const SIZES: [(usize, usize, usize, usize); 6] =
 
 #[test]
 fn moe_forward_matches_cpu_reference() {
+    let _stream = stream_shared();
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(61);
     // One scratch for every case (sized for the largest): stale plans or slots from an earlier case would
@@ -311,6 +312,7 @@ fn moe_forward_matches_cpu_reference() {
 
 #[test]
 fn moe_forward_rows_alone_equal_rows_in_a_batch_of_16() {
+    let _stream = stream_shared();
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(62);
     let scratch = MoeScratch::new(dev, 16, 3000, 8, 256, 96).expect("scratch");
@@ -345,6 +347,7 @@ fn moe_forward_rows_alone_equal_rows_in_a_batch_of_16() {
 
 #[test]
 fn moe_forward_replays_in_a_cuda_graph() {
+    let _stream = stream_alone();
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(63);
     let case =
@@ -375,6 +378,7 @@ fn moe_forward_replays_in_a_cuda_graph() {
 
 #[test]
 fn moe_forward_rejects_bad_shapes_without_launching() {
+    let _stream = stream_shared();
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(64);
     let case =
@@ -424,6 +428,7 @@ fn moe_forward_rejects_bad_shapes_without_launching() {
 #[test]
 #[ignore]
 fn moe_decode_timing() {
+    let _stream = stream_alone();
     let Some(dev) = device() else { return };
     let (h, i, e, k, layers) = (2048, 512, 512, 10, 8);
     let gate_up = dev.alloc_zeros::<bf16>(e * 2 * i * h).expect("gate_up");

@@ -1,7 +1,7 @@
 //! Helpers the CUDA model-op test binaries (cuda_model_ops, cuda_matmul_ops) share: the device, opened once,
 //! the table of measured errors against tolerances, error measures, and CPU references both use.
 
-use std::sync::OnceLock;
+use std::sync::{OnceLock, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use dflash_runtime::cuda::CudaDevice;
 use dflash_runtime::ops as cpu;
@@ -9,6 +9,21 @@ use dflash_runtime::quant;
 use dflash_runtime::{DType, Tensor};
 
 use super::{say, Rng};
+
+/// A binary's tests share one device and its stream, and a graph capture needs the stream to itself (another test's
+/// synchronisation while it captures fails both): a test that captures holds [`stream_alone`], the others
+/// [`stream_shared`].
+static STREAM_USE: RwLock<()> = RwLock::new(());
+
+/// The device's stream beside other tests that share it.
+pub fn stream_shared() -> RwLockReadGuard<'static, ()> {
+    STREAM_USE.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The device's stream to this test alone (a graph capture).
+pub fn stream_alone() -> RwLockWriteGuard<'static, ()> {
+    STREAM_USE.write().unwrap_or_else(PoisonError::into_inner)
+}
 
 /// Device 0 for the binary `tests`, `header` printed once it is open; `None`, after a SKIP line, on a machine with no
 /// CUDA device. A device that is there but fails to open (a kernel that does not compile or load, a driver error)
