@@ -586,7 +586,7 @@ mod lane_tests {
         let mut table = CostTable::new(9);
         table.seed(&[10.0, 11.0, 12.0, 13.0, 14.0, 15.0, 16.0, 17.0, 18.0]);
         let costs = SharedCosts::new(table);
-        let refusing = Slow(vec![refused; 4], std::time::Duration::from_millis(2));
+        let refusing = crate::spec::SlowProposer(vec![refused; 4], std::time::Duration::from_millis(2));
         seq.lane = Some(SpecLane::new(Box::new(refusing), 4, 0, PolicyMode::Adaptive, costs.clone()));
         seq.push_for_test(4);
         seq.advance(3);
@@ -600,23 +600,6 @@ mod lane_tests {
         }
         let calls = seq.lane.as_ref().expect("lane").stats.draft_calls;
         assert!(calls <= 12, "{calls} drafting calls in 64 steps whose drafts the grammar refused");
-    }
-
-    /// A proposer that takes `1` to draft `0`.
-    struct Slow(Vec<u32>, std::time::Duration);
-
-    impl Proposer for Slow {
-        fn kind(&self) -> LaneKind {
-            LaneKind::Dflash
-        }
-
-        fn propose(&mut self, _input: &ProposeInput, max: usize) -> Proposal {
-            let started = std::time::Instant::now();
-            while started.elapsed() < self.1 {
-                std::hint::spin_loop();
-            }
-            self.0.iter().copied().take(max).collect::<Vec<_>>().into()
-        }
     }
 
     /// A prompt chunked one token short of its end leaves that token as the sequence's only row: it must not carry

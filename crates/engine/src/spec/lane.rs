@@ -415,22 +415,9 @@ mod tests {
         assert_eq!((lane.stats.gate_pauses, lane.stats.plain_steps), (0, 0));
     }
 
-    /// Proposes the same drafts every round, after spinning for at least `spin` (a drafting call of known least cost).
-    struct Slow(Vec<u32>, std::time::Duration);
-
-    impl Proposer for Slow {
-        fn kind(&self) -> LaneKind {
-            LaneKind::Dflash
-        }
-
-        fn propose(&mut self, _input: &ProposeInput, max: usize) -> Proposal {
-            let started = std::time::Instant::now();
-            while started.elapsed() < self.1 {
-                std::hint::spin_loop();
-            }
-            self.0.iter().copied().take(max).collect::<Vec<_>>().into()
-        }
-    }
+    /// Proposes the same drafts every round, after spinning for at least a given time (a drafting call of known
+    /// least cost).
+    use crate::spec::SlowProposer as Slow;
 
     /// Rounds of a lane whose drafts are all accepted and whose drafting call takes 1 ms, in steps of `sequences`
     /// sequences that take 10 ms plus a microsecond a row (a GPU target far from its compute bound), judged by the

@@ -280,6 +280,25 @@ impl SpecStats {
     }
 }
 
+/// A proposer for tests that spends `1` (spinning, so the lane measures a real drafting time) to draft `0`.
+#[cfg(test)]
+pub(crate) struct SlowProposer(pub Vec<u32>, pub std::time::Duration);
+
+#[cfg(test)]
+impl Proposer for SlowProposer {
+    fn kind(&self) -> LaneKind {
+        LaneKind::Dflash
+    }
+
+    fn propose(&mut self, _input: &ProposeInput, max: usize) -> Proposal {
+        let started = std::time::Instant::now();
+        while started.elapsed() < self.1 {
+            std::hint::spin_loop();
+        }
+        self.0.iter().copied().take(max).collect::<Vec<_>>().into()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
