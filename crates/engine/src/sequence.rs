@@ -311,7 +311,7 @@ impl Sequence {
         let valid = grammar.valid_drafts(&self.drafts);
         if valid == 0 {
             if let Some(lane) = self.lane.as_mut() {
-                lane.verified(self.drafts.len(), 0);
+                lane.refused_by_grammar(self.drafts.len());
             }
         }
         self.drafts.truncate(valid);
@@ -598,8 +598,10 @@ mod lane_tests {
             seq.push_for_test(4);
             seq.advance(1);
         }
-        let calls = seq.lane.as_ref().expect("lane").stats.draft_calls;
+        let stats = &seq.lane.as_ref().expect("lane").stats;
+        let calls = stats.draft_calls;
         assert!(calls <= 12, "{calls} drafting calls in 64 steps whose drafts the grammar refused");
+        assert_eq!((stats.rounds, stats.plain_steps), (0, 64), "every step plain, none a verified round");
     }
 
     /// A prompt chunked one token short of its end leaves that token as the sequence's only row: it must not carry

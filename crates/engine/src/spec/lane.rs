@@ -330,6 +330,22 @@ impl SpecLane {
         self.round.committed = Some(accepted + 1);
     }
 
+    /// Records a round whose `drafted` drafts the request's grammar refused from the first, so nothing went to
+    /// verification: the target, sampling under the same grammar, could have taken none. The policy learns it as a
+    /// round that accepted nothing and, at the step, judges what it cost ([`Self::stepped`]); the stats keep it a
+    /// plain step with a drafting call, and the engine's shared acceptance of the lane kind does not see it.
+    pub fn refused_by_grammar(&mut self, drafted: usize) {
+        if self.fallback_turn == FallbackTurn::Drafted {
+            if let Some(fallback) = self.fallback.as_mut() {
+                fallback.refused_by_grammar(drafted);
+            }
+            return;
+        }
+        self.round.confidence = None;
+        self.policy.record_refused(drafted);
+        self.round.committed = Some(1);
+    }
+
     /// Records the decode step this lane's round ran in: `rows` verify rows (1: plain), and the step's timing when
     /// it says what the round cost (a step with prompt rows in it does not). Returns true when the gate paused
     /// drafting.

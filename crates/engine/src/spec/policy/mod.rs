@@ -285,6 +285,17 @@ impl RoundPolicy {
         self.trial &= accepted > 0;
     }
 
+    /// Feeds a round of `drafted` drafts that the request's grammar refused from the first: to this lane a round
+    /// that accepted nothing, kept from the engine's acceptance of its lane kind (another request's drafts are not
+    /// held to this grammar).
+    pub fn record_refused(&mut self, drafted: usize) {
+        if drafted == 0 {
+            return;
+        }
+        self.positions.record(drafted, 0);
+        self.trial = false;
+    }
+
     /// Feeds what a verified drafted round cost and committed, at `context` tokens; the gate judges it against
     /// plain decoding in a step of as many sequences. Returns true when the gate paused drafting. Not judged while
     /// no plain cost was measured or probed at that context.
