@@ -361,6 +361,7 @@ impl Engine {
         }
         let plan = clock.lap();
         let prompt_rows = self.prompt_rows(&items);
+        let graphs_before = self.target.graphs_captured();
         let started = Instant::now();
         let out = match self.forward_masked(&items, started) {
             Ok(out) => out,
@@ -376,8 +377,13 @@ impl Engine {
         // was accepted and keeping checkpoints. Lanes add their own drafting. All of it is paid per round, so a
         // table of forwards alone would price every round too low, and a few wide rounds too low against narrow.
         let round_ms = started.elapsed().as_secs_f64() * 1e3;
-        self.record_round_times(&items, round_ms);
-        self.observe_step_gate(&items, decoding, ran_pass, generated, step_started);
+        // A step that captured a graph took the capture's time too, so it prices nothing: a width first met that
+        // way was priced at up to twice its cost (the cost table's young clamp), and lanes then kept away from it.
+        let timed = self.target.graphs_captured() == graphs_before;
+        self.record_round_times(&items, round_ms, timed);
+        if timed {
+            self.observe_step_gate(&items, decoding, ran_pass, generated, step_started);
+        }
         self.sched.publish_prompt_pages();
         self.retire(finished);
         #[cfg(debug_assertions)]

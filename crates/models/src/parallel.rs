@@ -199,6 +199,10 @@ impl Target for TensorParallelTarget {
         self.ranks[0].prompt_cut_alignment()
     }
 
+    fn graphs_captured(&self) -> usize {
+        self.ranks.iter().map(|rank| rank.graphs_captured()).sum()
+    }
+
     /// Every rank's snapshot, in rank order.
     fn snapshot_state(&self, key: u64) -> Option<Vec<f32>> {
         let mut all = Vec::new();

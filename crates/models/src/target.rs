@@ -99,6 +99,13 @@ pub trait Target: Send {
         true
     }
 
+    /// Step graphs the target has captured so far (a CUDA target records one per step shape it meets; 0 by default):
+    /// a step during which the count grew took a capture's one-off time, which says nothing about what a step of
+    /// its shape costs.
+    fn graphs_captured(&self) -> usize {
+        0
+    }
+
     /// Whether a step's captured rows also stay on the target's device ([`crate::ForwardOut::device_captured`]), and
     /// come back to the host only for sequences that ask ([`StepSeq::host_capture`]). False by default: every step's
     /// captured rows come back.

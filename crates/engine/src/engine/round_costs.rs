@@ -154,9 +154,9 @@ impl Engine {
     /// lane choosing a width pays what the step's rows with its round cost against the step's rows without. Plain
     /// steps and a lone sequence's feed the cells; steps of many sequences with verify rows feed the factor their
     /// batch size prices such rows by ([`CostTable::observe_step`]). Steps with prompt rows say nothing about a
-    /// round's cost and are left out.
-    pub(super) fn record_round_times(&mut self, items: &[StepItem], step_ms: f64) {
-        let decode_only = items.iter().all(StepItem::is_round);
+    /// round's cost and are left out, as are steps not `timed` (the target captured a graph during them).
+    pub(super) fn record_round_times(&mut self, items: &[StepItem], step_ms: f64, timed: bool) {
+        let decode_only = timed && items.iter().all(StepItem::is_round);
         let rows: usize = items.iter().map(|i| i.rows).sum();
         if decode_only && !items.is_empty() {
             let context = items.iter().map(|i| self.sched.running[i.seq].len()).max().unwrap_or(0);

@@ -201,6 +201,10 @@ impl Target for CudaHybridTarget {
         false
     }
 
+    fn graphs_captured(&self) -> usize {
+        self.cache.graph_count()
+    }
+
     fn host_heads(&self) -> Option<Arc<dyn TargetHeads>> {
         self.heads.as_ref().map(|h| Arc::clone(h) as Arc<dyn TargetHeads>)
     }

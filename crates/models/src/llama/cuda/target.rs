@@ -117,6 +117,10 @@ impl Target for CudaLlamaTarget {
     fn computes_on_host(&self) -> bool {
         false
     }
+
+    fn graphs_captured(&self) -> usize {
+        self.cache.graph_count()
+    }
 }
 
 /// Whether a step of `seqs` copies its captured rows back: when any of them asks (or none is named).
