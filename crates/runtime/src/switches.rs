@@ -25,7 +25,8 @@ pub struct Switches {
     /// `DFLASH_MMVQ_HALF=0`: one-row quantized matmuls of short rows keep a whole warp per column.
     pub no_mmvq_half: bool,
     /// `DFLASH_TILE_QUERIES=N`: a decode or verify attention tile holds at most N query vectors (rows times the
-    /// query heads of a KV head) instead of 16 (entry 113).
+    /// query heads of a KV head), at least one row, instead of the default (8 on models of up to 16 query heads,
+    /// else 16; entry 113).
     pub decode_tile_queries: Option<usize>,
     /// `DFLASH_MMQ_WARP=0`: quantized matmuls of 40 rows and more run as before the whole-tree kernel
     /// (`mmq_warp`) took them: `mmq` from 128 rows, the dp4a kernel below.

@@ -40,9 +40,9 @@ impl TileRows {
 
 /// Models of at most this many query heads give a decode or verify tile one query vector per warp of the attention
 /// block (its 8 warps), so no warp walks the keys twice: verifies of 3-16 rows 4-10% faster on the default model and
-/// 7-8% on the Qwen3-0.6B shape. With more heads the narrower tiles' blocks pass what the GPU holds at once (a
-/// 16-row verify of the Qwen3-8B shape: 320 blocks at 144 keys, 2% slower), so they keep 16 (PERFORMANCE.md entry
-/// 113).
+/// 7-8% on the Qwen3-0.6B shape. With more heads the narrower tiles' blocks can pass what the GPU holds at once (a
+/// 16-row verify of the Qwen3-8B shape: 320 blocks at 144 keys, 2% slower in one run, though 8 and 12 rows ran
+/// faster), so they keep 16 until a rule by the step's blocks is measured (PERFORMANCE.md entry 113).
 const ONE_QUERY_PER_WARP_MAX_HEADS: usize = 16;
 
 /// Query vectors (rows times the query heads of a KV head) a decode tile of a model of `num_heads` query heads
