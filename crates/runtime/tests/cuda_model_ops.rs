@@ -191,11 +191,13 @@ struct AttnInputs {
 }
 
 /// How decode rows are tiled: as many rows per tile as fit (fixed splits), also cut where the split size class
-/// changes (scaled splits, as the model's planner), or one row per tile.
+/// changes (scaled splits, as the model's planner), as that with at most 8 query vectors a tile (the planner's
+/// tiles on models of up to 16 query heads), or one row per tile.
 #[derive(Clone, Copy, PartialEq)]
 enum Tiling {
     Fixed,
     Scaled,
+    ScaledEight,
     RowByRow,
 }
 
@@ -225,6 +227,10 @@ fn attention_inputs(case: &AttnCase, only_seq: Option<usize>, tiling: Tiling) ->
                     m = match tiling {
                         Tiling::Fixed => m,
                         Tiling::Scaled => (1..m).find(|&i| class(r + i) != class(r)).unwrap_or(m),
+                        Tiling::ScaledEight => {
+                            let m = m.min((8 / (case.nh / case.kvh)).max(1));
+                            (1..m).find(|&i| class(r + i) != class(r)).unwrap_or(m)
+                        }
                         Tiling::RowByRow => 1,
                     };
                     a.decode_tiles.extend([s as u32, r as u32, m as u32, a.partial_rows.len() as u32]);
@@ -376,6 +382,9 @@ fn paged_attention_matches_reference_and_is_batch_invariant() {
                 let rows = attention_inputs(&case, None, Tiling::RowByRow);
                 let got3 = run(&rows, split(splits, rows.partial_rows.len()));
                 check("scaled splits: one row per tile", &shape, decode_mismatches(&rows, &got3, &got), 0.0);
+                let eight = attention_inputs(&case, None, Tiling::ScaledEight);
+                let got4 = run(&eight, split(splits, eight.partial_rows.len()));
+                check("scaled splits: 8 vectors a tile", &shape, decode_mismatches(&eight, &got4, &got), 0.0);
             }
         }
     }
