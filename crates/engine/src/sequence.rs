@@ -578,11 +578,12 @@ mod lane_tests {
         use crate::spec::StepTiming;
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny-qwen3");
         let tok = dflash_models::tokenizer::Tokenizer::from_hf_dir(&dir).expect("tokenizer");
-        let grammar = GrammarCompiler::new(&tok).expect("compiler").compile(&GrammarSpec::Regex("yes".into()));
+        let compiler = GrammarCompiler::new(&tok).expect("compiler");
+        let grammar = compiler.compile(&GrammarSpec::Regex("yes".into())).expect("grammar");
         let refused = tok.encode("zzz", false).expect("encode")[0];
         let request = Request { cache_prompt: false, ..Request::for_test("r", vec![1, 2, 3], 200) };
         let mut seq = Sequence::new(request, Box::new(crate::request::NullSink));
-        seq.grammar = Some(grammar.expect("grammar").start());
+        seq.grammar = Some(grammar.start());
         let mut table = CostTable::new(9);
         table.seed(&[10.0, 11.0, 12.0, 13.0, 14.0, 15.0, 16.0, 17.0, 18.0]);
         let costs = SharedCosts::new(table);

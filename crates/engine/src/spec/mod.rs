@@ -280,7 +280,8 @@ impl SpecStats {
     }
 }
 
-/// A proposer for tests that spends `1` (spinning, so the lane measures a real drafting time) to draft `0`.
+/// A proposer for tests: each call spins for the duration (so the lane measures a real drafting time), then drafts
+/// the tokens.
 #[cfg(test)]
 pub(crate) struct SlowProposer(pub Vec<u32>, pub std::time::Duration);
 
