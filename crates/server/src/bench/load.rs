@@ -8,10 +8,10 @@
 //! round may bring several), and the completion tokens the final usage chunk reports. A level's aggregate tok/s is
 //! all completion tokens over the time from its first request to its last answer. Servers are loaded one after the
 //! other, each with one warm-up request first. Every completion's text is compared with the first one of the same
-//! request (prompt, length and variant) on any server and level: greedy decoding is deterministic and speculation
-//! lossless, so on servers of one engine and build they must agree however the steps batched them (a server of
-//! another engine, or a variant that samples, is reported, not expected to agree). Results: JSON, a Markdown table
-//! and an SVG plot ([`super::load_report`]).
+//! request (prompt, length and variant) on any server of the same engine and any level: greedy decoding is
+//! deterministic and speculation lossless, so the servers this bench starts (one engine and build) must agree however
+//! the steps batched them; a `--server` one is compared with itself only, and a variant that samples is reported, not
+//! expected to agree. Results: JSON, a Markdown table and an SVG plot ([`super::load_report`]).
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
@@ -38,6 +38,9 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
 struct Server {
     name: String,
     api: String,
+    /// Whose texts this server's are compared with: every server this bench starts is one engine and build
+    /// (`dflash`); a `--server` one is its own (its name).
+    engine: String,
     child: Option<Child>,
 }
 
@@ -92,13 +95,13 @@ pub fn run(args: &LoadArgs) -> Result<()> {
         eprintln!("[bench] {}: {} ({model})", server.name, server.api);
         let mut server_runs: Vec<ServerRun> = Vec::new();
         for variant in &variants {
-            let warm_up = Load { api: &server.api, model: &model, extra: &variant.extra };
+            let warm_up = Load { api: &server.api, engine: &server.engine, model: &model, extra: &variant.extra };
             complete(&warm_up, &prompts[0], args.max_tokens.min(16)).context("the warm-up request")?;
             server_runs.push(ServerRun { name: variant.run_name(&server.name), levels: Vec::new() });
         }
         for &c in &levels {
             for (variant, run) in variants.iter().zip(&mut server_runs) {
-                let load = Load { api: &server.api, model: &model, extra: &variant.extra };
+                let load = Load { api: &server.api, engine: &server.engine, model: &model, extra: &variant.extra };
                 let level = run_level(&load, &prompts, c, args, &mut first_texts)?;
                 eprintln!("[bench] {} c={c}: {}", run.name, level.summary());
                 run.levels.push(level);
@@ -146,6 +149,7 @@ fn variants(args: &LoadArgs) -> Result<Vec<Variant>> {
 /// Where one level's requests go and what they add to the plain request.
 struct Load<'a> {
     api: &'a str,
+    engine: &'a str,
     model: &'a str,
     extra: &'a serde_json::Map<String, Value>,
 }
@@ -158,7 +162,8 @@ fn servers(args: &LoadArgs) -> impl Iterator<Item = Result<Server>> + '_ {
     };
     let given = args.servers.iter().map(|s| {
         let (name, url) = s.split_once('=').with_context(|| format!("--server {s}: expected NAME=URL"))?;
-        Ok(Server { name: name.to_string(), api: url.trim_end_matches('/').to_string(), child: None })
+        let api = url.trim_end_matches('/').to_string();
+        Ok(Server { name: name.to_string(), api, engine: name.to_string(), child: None })
     });
     given.chain(starts.into_iter().map(|s| start(&s, &args.out_dir)))
 }
@@ -189,7 +194,8 @@ fn start(spec: &str, out_dir: &Path) -> Result<Server> {
             }
         }
     });
-    let mut server = Server { name: name.to_string(), api: String::new(), child: Some(child) };
+    let engine = STARTED_ENGINE.to_string();
+    let mut server = Server { name: name.to_string(), api: String::new(), engine, child: Some(child) };
     let addr = rx.recv_timeout(STARTUP_DEADLINE).map_err(|_| anyhow::anyhow!("{name}: the server did not start"))?;
     server.api = format!("{addr}/v1");
     Ok(server)
@@ -202,18 +208,21 @@ fn served_model(api: &str) -> Result<String> {
     Ok(id.to_string())
 }
 
-/// The first text of each (variant fields, prompt index, max_tokens) a bench saw.
+/// The engine of every server this bench starts.
+const STARTED_ENGINE: &str = "dflash";
+
+/// The first text of each (engine, variant fields, prompt index, max_tokens) a bench saw.
 #[derive(Default)]
-struct FirstTexts(HashMap<(String, usize, usize), String>);
+struct FirstTexts(HashMap<(String, String, usize, usize), String>);
 
 impl FirstTexts {
-    /// Completions of `samples` (sent with `extra`) compared to the first of the same request, and how many of those
-    /// differ; the first of each is kept.
-    fn compare(&mut self, extra: &serde_json::Map<String, Value>, samples: &[Sample]) -> (usize, usize) {
+    /// Completions of `samples` (sent to a server of `engine` with `extra`) compared to the first of the same request
+    /// on that engine, and how many of those differ; the first of each is kept.
+    fn compare(&mut self, engine: &str, extra: &serde_json::Map<String, Value>, samples: &[Sample]) -> (usize, usize) {
         let variant = Value::Object(extra.clone()).to_string();
         let (mut compared, mut differing) = (0, 0);
         for s in samples.iter().filter(|s| s.error.is_none()) {
-            match self.0.entry((variant.clone(), s.request.0, s.request.1)) {
+            match self.0.entry((engine.to_string(), variant.clone(), s.request.0, s.request.1)) {
                 Entry::Occupied(first) => {
                     compared += 1;
                     differing += usize::from(*first.get() != s.text);
@@ -262,7 +271,7 @@ fn run_level(
         workers.into_iter().flat_map(|w| w.join().unwrap_or_default()).collect()
     });
     let mut level = Level::of(c, &samples, started.elapsed());
-    (level.texts_compared, level.texts_differing) = first_texts.compare(load.extra, &samples);
+    (level.texts_compared, level.texts_differing) = first_texts.compare(load.engine, load.extra, &samples);
     level.profile = before.zip(step_counters(load.api)).map(|(a, b)| StepProfile::between(&a, &b));
     Ok(level)
 }
@@ -373,12 +382,17 @@ mod tests {
         let (plain, json) = (serde_json::Map::new(), serde_json::json!({"response_format": {"type": "json_object"}}));
         let json = json.as_object().expect("object").clone();
         let mut first = FirstTexts::default();
-        assert_eq!(first.compare(&plain, &[done(0, 8, "a b"), done(1, 8, "c"), done(0, 4, "a")]), (0, 0), "all new");
+        let ours = "dflash";
+        assert_eq!(first.compare(ours, &plain, &[done(0, 8, "a b"), done(1, 8, "c"), done(0, 4, "a")]), (0, 0));
         // The same prompt and length again (another level or server), one of them differing; failures not compared.
-        assert_eq!(first.compare(&plain, &[done(0, 8, "a b"), done(1, 8, "x"), failed]), (2, 1));
+        assert_eq!(first.compare(ours, &plain, &[done(0, 8, "a b"), done(1, 8, "x"), failed]), (2, 1));
         // Another variant's requests are its own.
-        assert_eq!(first.compare(&json, &[done(0, 8, "{}")]), (0, 0));
-        assert_eq!(first.compare(&json, &[done(0, 8, "{}")]), (1, 0));
+        assert_eq!(first.compare(ours, &json, &[done(0, 8, "{}")]), (0, 0));
+        assert_eq!(first.compare(ours, &json, &[done(0, 8, "{}")]), (1, 0));
+        // Another engine's texts are compared with its own first ones, never with ours.
+        assert_eq!(first.compare("llama.cpp", &plain, &[done(0, 8, "other")]), (0, 0));
+        assert_eq!(first.compare("llama.cpp", &plain, &[done(0, 8, "other")]), (1, 0));
+        assert_eq!(first.compare(ours, &plain, &[done(0, 8, "a b")]), (1, 0));
     }
 
     #[test]
