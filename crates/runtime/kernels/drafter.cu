@@ -174,6 +174,158 @@ extern "C" __global__ void __launch_bounds__(DRAFT_TOP_K_THREADS)
     }
 }
 
+// The summary by selection rather than sorting (draft_top_k_part_select / draft_top_k_merge_select: the same
+// arguments and outputs as draft_top_k_part / draft_top_k_merge, bit for bit). A block wants k <= 32 of up to 4,096
+// values, where the sorts' bitonic networks (66 barrier-separated stages for 2,048) took 0.17 ms over a step of 16
+// rows of 151,936 (PERFORMANCE.md entry 116). Here each warp takes its slice's best k in k rounds of a warp-wide
+// best, with no barrier, and one warp merges the warps' lists the same way.
+
+// The best head of this lane's runs (j = lane, lane + 32, ... < runs; run j: v / idx [j * run_len, +run_len), best
+// first, its next entry at pos[j]; runs of at most DRAFT_TOP_K_MAX) into (bv, bi, brun); DRAFT_NO_COLUMN and NaN
+// when its runs are spent.
+__device__ __forceinline__ void lane_best_head(const float* v, const u32* idx, u32 runs, u32 run_len,
+                                               const unsigned char* pos, float& bv, u32& bi, u32& brun) {
+    bv = DF_NAN;
+    bi = DRAFT_NO_COLUMN;
+    for (u32 j = threadIdx.x & 31u; j < runs; j += 32) {
+        const u32 p = pos[j];
+        if (p >= run_len) continue;
+        const float cv = v[j * run_len + p];
+        const u32 ci = idx[j * run_len + p];
+        if (draft_ranks_before(cv, ci, bv, bi)) {
+            bv = cv;
+            bi = ci;
+            brun = j;
+        }
+    }
+}
+
+// The best `k` of `runs` sorted runs by one warp, best first in draft_ranks_before's order, into out_v / out_i [k]:
+// each round the warp's best head (a butterfly over the lanes' best heads; columns are unique, so every lane finds
+// the same one) is written and its run advances. `pos` [runs]: zeroed by the caller; lane l reads and writes only
+// its runs' entries. Past the candidates: DRAFT_NO_COLUMN and NaN.
+__device__ void warp_best_of_runs(const float* v, const u32* idx, u32 runs, u32 run_len, unsigned char* pos, u32 k,
+                                  float* out_v, u32* out_i) {
+    float bv;
+    u32 bi, brun = 0;
+    lane_best_head(v, idx, runs, run_len, pos, bv, bi, brun);
+    for (u32 r = 0; r < k; ++r) {
+        float wv = bv;
+        u32 wi = bi;
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            const float ov = __shfl_xor_sync(DF_FULL_MASK, wv, offset);
+            const u32 oi = __shfl_xor_sync(DF_FULL_MASK, wi, offset);
+            if (draft_ranks_before(ov, oi, wv, wi)) {
+                wv = ov;
+                wi = oi;
+            }
+        }
+        if ((threadIdx.x & 31u) == 0) {
+            out_v[r] = wv;
+            out_i[r] = wi;
+        }
+        if (wi != DRAFT_NO_COLUMN && bi == wi) {
+            pos[brun] += 1;
+            lane_best_head(v, idx, runs, run_len, pos, bv, bi, brun);
+        }
+    }
+}
+
+// The block's warps' lists [warps, k] (best first each) merged by warp 0 into the block's best k, written as a
+// summary's first 2k u32s at dst (k columns, then k value bits). The whole block calls it.
+__device__ void merge_warp_lists(const float* wv, const u32* wi, unsigned char* pos, u32 k, float* fv, u32* fi,
+                                 u32* __restrict__ dst) {
+    const u32 warps = blockDim.x >> 5;
+    __syncthreads();  // every warp's list written, and its runs' positions no longer read
+    if (threadIdx.x < warps) pos[threadIdx.x] = 0;
+    __syncthreads();
+    if (threadIdx.x < 32) warp_best_of_runs(wv, wi, warps, k, pos, k, fv, fi);
+    __syncthreads();
+    for (u32 r = threadIdx.x; r < k; r += blockDim.x) {
+        dst[r] = fi[r];
+        dst[k + r] = __float_as_uint(fv[r]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(DRAFT_TOP_K_THREADS)
+    draft_top_k_part_select(const float* __restrict__ logits, u32 row_len, u32 chunk, u32 k, float multiplier,
+                            float softcap, u32* __restrict__ part) {
+    DF_GRID_DEPENDENCY();
+    constexpr u32 WARPS = DRAFT_TOP_K_THREADS / 32;
+    __shared__ float sv[DRAFT_TOP_K_CHUNK_MAX];
+    __shared__ u32 si[DRAFT_TOP_K_CHUNK_MAX];
+    __shared__ unsigned char pos[DRAFT_TOP_K_CHUNK_MAX];
+    __shared__ float wv[WARPS * DRAFT_TOP_K_MAX], fv[DRAFT_TOP_K_MAX];
+    __shared__ u32 wi[WARPS * DRAFT_TOP_K_MAX], fi[DRAFT_TOP_K_MAX];
+    __shared__ float scratch[2 * WARPS];
+    const u32 first = blockIdx.x * chunk;
+    const float* row = logits + (u64)blockIdx.y * row_len;
+    float m = DF_NEG_INF, s = 0.0f;
+    for (u32 j = threadIdx.x; j < chunk; j += blockDim.x) {
+        const u32 c = first + j;
+        float v = DF_NAN;
+        if (c < row_len) {
+            v = row[c] * multiplier;
+            if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
+            if (v > m) {  // false for NaN and -inf, which add nothing
+                s = s * expf(m - v) + 1.0f;
+                m = v;
+            } else if (v == v && v != DF_NEG_INF) {
+                s += expf(v - m);
+            }
+        }
+        sv[j] = v;
+        si[j] = c < row_len ? c : DRAFT_NO_COLUMN;
+        pos[j] = 0;
+    }
+    block_softmax_merge(m, s, scratch);
+    __syncthreads();
+    // Warp w takes values [w * slice, +slice) as runs of one.
+    const u32 warp = threadIdx.x >> 5, slice = (chunk + WARPS - 1) / WARPS;
+    const u32 lo = min(chunk, warp * slice), n = min(chunk, lo + slice) - lo;
+    warp_best_of_runs(sv + lo, si + lo, n, 1, pos + lo, k, wv + warp * k, wi + warp * k);
+    u32* dst = part + ((u64)blockIdx.y * gridDim.x + blockIdx.x) * (2u * k + 2u);
+    merge_warp_lists(wv, wi, pos, k, fv, fi, dst);
+    if (threadIdx.x == 0) {
+        dst[2u * k] = __float_as_uint(m);
+        dst[2u * k + 1u] = __float_as_uint(s);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(DRAFT_TOP_K_THREADS)
+    draft_top_k_merge_select(const u32* __restrict__ part, u32 parts, u32 row_len, u32 k, u32* __restrict__ out) {
+    DF_GRID_DEPENDENCY();
+    constexpr u32 WARPS = DRAFT_TOP_K_THREADS / 32;
+    __shared__ float sv[DRAFT_TOP_K_MERGE];
+    __shared__ u32 si[DRAFT_TOP_K_MERGE];
+    __shared__ unsigned char pos[DRAFT_TOP_K_MERGE];
+    __shared__ float wv[WARPS * DRAFT_TOP_K_MAX], fv[DRAFT_TOP_K_MAX];
+    __shared__ u32 wi[WARPS * DRAFT_TOP_K_MAX], fi[DRAFT_TOP_K_MAX];
+    const u32 stride = 2u * k + 2u, count = parts * k;
+    const u32* src = part + (u64)blockIdx.x * parts * stride;
+    for (u32 j = threadIdx.x; j < count; j += blockDim.x) {
+        const u32 p = j / k, r = j - p * k;
+        sv[j] = __uint_as_float(src[p * stride + k + r]);
+        si[j] = src[p * stride + r];
+    }
+    for (u32 p = threadIdx.x; p < parts; p += blockDim.x) pos[p] = 0;
+    __syncthreads();
+    // Warp w takes parts [w * per, +per), each part's list a run of k.
+    const u32 warp = threadIdx.x >> 5, per = (parts + WARPS - 1) / WARPS;
+    const u32 lo = min(parts, warp * per), n = min(parts, lo + per) - lo;
+    warp_best_of_runs(sv + lo * k, si + lo * k, n, k, pos + lo, k, wv + warp * k, wi + warp * k);
+    u32* dst = out + (u64)blockIdx.x * (2u * k + 1u);
+    merge_warp_lists(wv, wi, pos, k, fv, fi, dst);
+    if (threadIdx.x == 0) {
+        float m = DF_NEG_INF, s = 0.0f;
+        for (u32 p = 0; p < parts; ++p) {
+            softmax_merge(m, s, __uint_as_float(src[p * stride + 2u * k]), __uint_as_float(src[p * stride + 2u * k + 1u]));
+        }
+        dst[2u * k] = __float_as_uint(m == DF_NEG_INF ? 1.0f / (float)row_len : 1.0f / s);
+    }
+}
+
 // DFlash2's greedy candidate walk over a pass's summaries, one warp per drafted block; CPU twin: the greedy
 // CandidateSelector::walk in the models crate. Block b's rows are first[b] .. first[b] + width[b] (its anchor, then
 // its slots); for each slot row i the candidates are the summary's k columns of row i (`summary` [rows, 2k + 1],

@@ -65,6 +65,9 @@ pub struct Switches {
     /// `DFLASH_DRAFT_SUMMARY=0`: a drafter pass on a device copies every draft logit back, as before passes
     /// summarised each slot there.
     pub no_draft_summary: bool,
+    /// `DFLASH_DRAFT_TOPK=select`: the drafter's logit summary finds each block's best k by warp-wide selection
+    /// instead of sorting the block's values (entry 116; the same outputs).
+    pub draft_top_k_select: bool,
     /// `DFLASH_DRAFT_GRAPH=0`: a drafter pass on a device launches its kernels one by one every time instead of
     /// replaying a CUDA graph of them.
     pub no_draft_graph: bool,
@@ -108,6 +111,7 @@ impl Switches {
             no_step_gate: is("DFLASH_STEP_GATE", "0"),
             no_capture_pages: is("DFLASH_CAPTURE_PAGES", "0"),
             no_draft_summary: is("DFLASH_DRAFT_SUMMARY", "0"),
+            draft_top_k_select: is("DFLASH_DRAFT_TOPK", "select"),
             no_draft_graph: is("DFLASH_DRAFT_GRAPH", "0"),
             draft_tf32: is("DFLASH_DRAFT_TF32", "1"),
             no_draft_bf16: is("DFLASH_DRAFT_BF16", "0"),
@@ -155,6 +159,7 @@ mod tests {
             ("DFLASH_STEP_GATE", "0"),
             ("DFLASH_CAPTURE_PAGES", "0"),
             ("DFLASH_DRAFT_SUMMARY", "0"),
+            ("DFLASH_DRAFT_TOPK", "select"),
             ("DFLASH_DRAFT_GRAPH", "0"),
             ("DFLASH_DRAFT_TF32", "1"),
             ("DFLASH_DRAFT_BF16", "0"),
@@ -183,6 +188,7 @@ mod tests {
             no_step_gate: true,
             no_capture_pages: true,
             no_draft_summary: true,
+            draft_top_k_select: true,
             no_draft_graph: true,
             draft_tf32: true,
             no_draft_bf16: true,

@@ -13,7 +13,7 @@ mod common;
 use common::gpu::{bit_mismatches, check, device, max_err_over};
 use common::Rng;
 
-use dflash_runtime::cuda::ops::{self as gpu, LogitScale, DRAFT_TOP_K_MAX};
+use dflash_runtime::cuda::ops::{self as gpu, LogitScale, TopKKernel, DRAFT_TOP_K_MAX};
 use dflash_runtime::cuda::{CudaDevice, DeviceBuf};
 use dflash_runtime::ops as cpu;
 
@@ -135,14 +135,16 @@ fn draft_top_k_matches_the_host_top_k_and_softmax() {
     // length that is not a multiple of the block, rows shorter than k, and a vocabulary whose parts must grow to
     // keep the merge within its bound (Qwen3's, with the most candidates).
     let shapes = [(49_152, 16), (49_152, 1), (1000, DRAFT_TOP_K_MAX), (257, 16), (10, 16), (1, 1), (151_936, 32)];
-    for (n, k) in shapes {
+    // Both ways of finding a block's best k give the same summary.
+    let cases = shapes.into_iter().flat_map(|s| [TopKKernel::Sort, TopKKernel::Select].map(|kernel| (s, kernel)));
+    for ((n, k), kernel) in cases {
         for scale in scales {
             let rows = 9;
             let logits: Vec<f32> = (0..rows).flat_map(|r| logit_row(&mut rng, n, r % 4)).collect();
             let dlogits = dev.upload(&logits).expect("logits");
             let out = dev.upload(&vec![0xdead_beef_u32; rows * (2 * k + 1)]).expect("poisoned summary");
             let scratch = dev.upload(&vec![0xdead_beef_u32; gpu::draft_top_k_scratch(rows, n, k)]).expect("scratch");
-            gpu::draft_top_k(dev, &dlogits, n, k, scale, &scratch, &out).expect("draft_top_k");
+            gpu::draft_top_k_on(dev, &dlogits, n, k, scale, &scratch, &out, kernel).expect("draft_top_k");
             let got = dev.download(&out).expect("download");
             let (mut columns, mut value_err, mut top_err) = (0.0, 0.0f64, 0.0f64);
             for (r, row) in logits.chunks_exact(n).enumerate() {
@@ -166,7 +168,7 @@ fn draft_top_k_matches_the_host_top_k_and_softmax() {
                 let top = f32::from_bits(g[2 * k]);
                 top_err = top_err.max(((top - want_top) / want_top).abs() as f64);
             }
-            let shape = format!("{rows}x{n}, k {k}, x{} cap {:?}", scale.multiplier, scale.softcap);
+            let shape = format!("{rows}x{n}, k {k}, x{} cap {:?}, {kernel:?}", scale.multiplier, scale.softcap);
             check("draft_top_k columns", &shape, columns, 0.0);
             check("draft_top_k values", &shape, value_err, if scale.softcap.is_some() { 4.0 } else { 0.0 });
             check("draft_top_k top probability", &shape, top_err, 1e-5);

@@ -226,6 +226,9 @@ pub(crate) struct Kernels {
     pub dflash_conv: CudaFunction,
     pub draft_top_k_part: CudaFunction,
     pub draft_top_k_merge: CudaFunction,
+    /// The summary's two launches by selection (`DFLASH_DRAFT_TOPK=select`; entry 116).
+    pub draft_top_k_part_select: CudaFunction,
+    pub draft_top_k_merge_select: CudaFunction,
     pub dflash2_walk: CudaFunction,
     pub sample_rows: CudaFunction,
 }
@@ -377,6 +380,8 @@ impl Kernels {
             dflash_conv: get("dflash_conv")?,
             draft_top_k_part: get("draft_top_k_part")?,
             draft_top_k_merge: get("draft_top_k_merge")?,
+            draft_top_k_part_select: get("draft_top_k_part_select")?,
+            draft_top_k_merge_select: get("draft_top_k_merge_select")?,
             dflash2_walk: get("dflash2_walk")?,
             sample_rows: get("sample_rows")?,
         })

@@ -122,17 +122,22 @@ pub fn draft_top_k_scratch(rows: usize, row_len: usize, k: usize) -> usize {
     top_k_parts(row_len, k).map_or(0, |(_, parts)| rows * parts * (2 * k + 2))
 }
 
-/// A summary of every row of `logits` (`[rows, row_len]`), each value scaled by `scale` first: `out[r]` =
-/// `[k columns, k value bits, top probability bits]` (`[rows, 2k + 1]` u32): the row's best `k` columns, larger values
-/// first then lower columns (NaN last, `u32::MAX` past a row of fewer than `k`), their scaled values as f32 bits,
-/// and the softmax probability of the best column (NaNs skipped). Twin of `ops::top_k` and `ops::softmax_in_place`
-/// on the scaled row; the values are the scaled logits' exact bits, the probability rounds its sum in another
-/// order. Two launches: each row's parts sorted side by side into `scratch` (at least [`draft_top_k_scratch`]
-/// u32s), then merged.
+/// How [`draft_top_k_on`] finds each block's best `k`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TopKKernel {
+    /// `DFLASH_DRAFT_TOPK=select` picks [`TopKKernel::Select`], else [`TopKKernel::Sort`].
+    Auto,
+    /// `draft_top_k_part` / `_merge`: each block sorts all of its values (bitonic, in shared memory).
+    Sort,
+    /// `draft_top_k_part_select` / `_merge_select`: each warp selects its best `k` in `k` warp-wide rounds, and one
+    /// warp merges the warps' lists; the same outputs, bit for bit.
+    Select,
+}
+
+/// [`draft_top_k_on`] with the kernel the switches pick.
 ///
 /// # Errors
-/// `k` outside `1..=DRAFT_TOP_K_MAX`, lengths that do not form these shapes, rows too long for the merge (over
-/// 2,048 / k parts of 4,096); a launch failure.
+/// As [`draft_top_k_on`].
 pub fn draft_top_k<'a>(
     dev: &CudaDevice,
     logits: impl DevArg<'a, f32>,
@@ -141,6 +146,31 @@ pub fn draft_top_k<'a>(
     scale: LogitScale,
     scratch: impl DevArg<'a, u32>,
     out: impl DevArg<'a, u32>,
+) -> Result<()> {
+    draft_top_k_on(dev, logits, row_len, k, scale, scratch, out, TopKKernel::Auto)
+}
+
+/// A summary of every row of `logits` (`[rows, row_len]`), each value scaled by `scale` first: `out[r]` =
+/// `[k columns, k value bits, top probability bits]` (`[rows, 2k + 1]` u32): the row's best `k` columns, larger values
+/// first then lower columns (NaN last, `u32::MAX` past a row of fewer than `k`), their scaled values as f32 bits,
+/// and the softmax probability of the best column (NaNs skipped). Twin of `ops::top_k` and `ops::softmax_in_place`
+/// on the scaled row; the values are the scaled logits' exact bits, the probability rounds its sum in another
+/// order. Two launches: each row's parts summarised side by side into `scratch` (at least [`draft_top_k_scratch`]
+/// u32s), then merged; `kernel` picks how a block finds its best `k`.
+///
+/// # Errors
+/// `k` outside `1..=DRAFT_TOP_K_MAX`, lengths that do not form these shapes, rows too long for the merge (over
+/// 2,048 / k parts of 4,096); a launch failure.
+#[allow(clippy::too_many_arguments)] // the summary's shape, its buffers and the kernel asked for
+pub fn draft_top_k_on<'a>(
+    dev: &CudaDevice,
+    logits: impl DevArg<'a, f32>,
+    row_len: usize,
+    k: usize,
+    scale: LogitScale,
+    scratch: impl DevArg<'a, u32>,
+    out: impl DevArg<'a, u32>,
+    kernel: TopKKernel,
 ) -> Result<()> {
     let (logits, scratch, out) = (logits.dev(), scratch.dev(), out.dev());
     let rows = logits.len().checked_div(row_len).unwrap_or(0);
@@ -163,7 +193,18 @@ pub fn draft_top_k<'a>(
     let (row_len, k32, chunk, parts) =
         (dim(row_len, "row_len")?, dim(k, "k")?, dim(chunk, "chunk")?, dim(parts, "parts")?);
     let softcap = scale.softcap.unwrap_or(0.0);
-    let mut launch = dev.launch_builder(&dev.kernels.draft_top_k_part);
+    let select = match kernel {
+        TopKKernel::Auto => crate::switches::switches().draft_top_k_select,
+        TopKKernel::Sort => false,
+        TopKKernel::Select => true,
+    };
+    let k_ = &dev.kernels;
+    let (part, merge) = if select {
+        (&k_.draft_top_k_part_select, &k_.draft_top_k_merge_select)
+    } else {
+        (&k_.draft_top_k_part, &k_.draft_top_k_merge)
+    };
+    let mut launch = dev.launch_builder(part);
     launch
         .arg(logits.arg())
         .arg(&row_len)
@@ -176,7 +217,7 @@ pub fn draft_top_k<'a>(
     // most `chunk` values of row r and writes `2k + 2` u32s at part p of row r).
     unsafe { launch.launch(launch_cfg((parts, dim(rows, "rows")?, 1), DRAFT_TOP_K_THREADS)) }
         .map_err(launch_err("draft_top_k_part"))?;
-    let mut launch = dev.launch_builder(&dev.kernels.draft_top_k_merge);
+    let mut launch = dev.launch_builder(merge);
     launch.arg(scratch.arg()).arg(&parts).arg(&row_len).arg(&k32).arg(out.arg());
     // SAFETY: as above; parts x k is at most the merge's DRAFT_TOP_K_MERGE (top_k_parts), one block per row.
     unsafe { launch.launch(launch_cfg((dim(rows, "rows")?, 1, 1), DRAFT_TOP_K_THREADS)) }
