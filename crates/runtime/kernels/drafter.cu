@@ -94,26 +94,15 @@ __device__ __forceinline__ void block_softmax_merge(float& m, float& s, float* s
     }
 }
 
-// The draft logits' summary, in two launches. draft_top_k_part, grid (parts, rows), DRAFT_TOP_K_THREADS threads:
-// block (p, r) scales logits p * chunk .. (p + 1) * chunk of row r as the drafter's head scales them (times
-// `multiplier`, then tanh(v / softcap) * softcap when softcap > 0), sorts them in shared memory and writes its best
-// k and its softmax partial (m, s) to part[r, p] = [k columns, k value bits, m bits, s bits] (u32 [rows, parts,
-// 2k + 2]). draft_top_k_merge, grid rows: sorts the parts' candidates of a row and writes out[row] = [k columns, k
-// value bits, top probability bits] (u32 [rows, 2k + 1]): the k best columns in ops::top_k's order
-// (DRAFT_NO_COLUMN and NaN past a row of fewer than k) and the softmax probability of the best one (NaNs skipped;
-// 1 / row_len when every value is -inf, as the CPU's softmax makes such a row uniform). CPU twin: scale, then
-// ops::top_k and ops::softmax_in_place. One block per row took 122 us for 8 rows of 8,192 on an H100 (its loads
-// one at a time per thread, PERFORMANCE.md entry 86); the parts spread a row over the GPU.
-extern "C" __global__ void __launch_bounds__(DRAFT_TOP_K_THREADS)
-    draft_top_k_part(const float* __restrict__ logits, u32 row_len, u32 chunk, u32 k, float multiplier,
-                     float softcap, u32* __restrict__ part) {
-    DF_GRID_DEPENDENCY();
-    __shared__ float sv[DRAFT_TOP_K_CHUNK_MAX];
-    __shared__ u32 si[DRAFT_TOP_K_CHUNK_MAX];
-    __shared__ float scratch[2 * DRAFT_TOP_K_THREADS / 32];
+// Block (p, r)'s chunk of row r (logits p * chunk .., [rows, row_len]) scaled as the drafter's head scales them into
+// sv / si [chunk] (NaN and DRAFT_NO_COLUMN past the row), and the chunk's softmax partial (m, s) for thread 0. The
+// whole block calls it; it ends with a barrier.
+__device__ void draft_scaled_chunk(const float* __restrict__ logits, u32 row_len, u32 chunk, float multiplier,
+                                   float softcap, float* sv, u32* si, float& m, float& s, float* scratch) {
     const u32 first = blockIdx.x * chunk;
     const float* row = logits + (u64)blockIdx.y * row_len;
-    float m = DF_NEG_INF, s = 0.0f;
+    m = DF_NEG_INF;
+    s = 0.0f;
     for (u32 j = threadIdx.x; j < chunk; j += blockDim.x) {
         const u32 c = first + j;
         float v = DF_NAN;
@@ -132,6 +121,37 @@ extern "C" __global__ void __launch_bounds__(DRAFT_TOP_K_THREADS)
     }
     block_softmax_merge(m, s, scratch);
     __syncthreads();
+}
+
+// The top probability of a row from its parts' softmax partials (`src`: the row's parts, `stride` u32s each, (m, s)
+// after the 2k candidates): 1 / the merged sum, or 1 / row_len where every value was -inf (the CPU's uniform row).
+__device__ float draft_top_probability(const u32* src, u32 parts, u32 stride, u32 k, u32 row_len) {
+    float m = DF_NEG_INF, s = 0.0f;
+    for (u32 p = 0; p < parts; ++p) {
+        softmax_merge(m, s, __uint_as_float(src[p * stride + 2u * k]), __uint_as_float(src[p * stride + 2u * k + 1u]));
+    }
+    return m == DF_NEG_INF ? 1.0f / (float)row_len : 1.0f / s;
+}
+
+// The draft logits' summary, in two launches. draft_top_k_part, grid (parts, rows), DRAFT_TOP_K_THREADS threads:
+// block (p, r) scales logits p * chunk .. (p + 1) * chunk of row r as the drafter's head scales them (times
+// `multiplier`, then tanh(v / softcap) * softcap when softcap > 0), sorts them in shared memory and writes its best
+// k and its softmax partial (m, s) to part[r, p] = [k columns, k value bits, m bits, s bits] (u32 [rows, parts,
+// 2k + 2]). draft_top_k_merge, grid rows: sorts the parts' candidates of a row and writes out[row] = [k columns, k
+// value bits, top probability bits] (u32 [rows, 2k + 1]): the k best columns in ops::top_k's order
+// (DRAFT_NO_COLUMN and NaN past a row of fewer than k) and the softmax probability of the best one (NaNs skipped;
+// 1 / row_len when every value is -inf, as the CPU's softmax makes such a row uniform). CPU twin: scale, then
+// ops::top_k and ops::softmax_in_place. One block per row took 122 us for 8 rows of 8,192 on an H100 (its loads
+// one at a time per thread, PERFORMANCE.md entry 86); the parts spread a row over the GPU.
+extern "C" __global__ void __launch_bounds__(DRAFT_TOP_K_THREADS)
+    draft_top_k_part(const float* __restrict__ logits, u32 row_len, u32 chunk, u32 k, float multiplier,
+                     float softcap, u32* __restrict__ part) {
+    DF_GRID_DEPENDENCY();
+    __shared__ float sv[DRAFT_TOP_K_CHUNK_MAX];
+    __shared__ u32 si[DRAFT_TOP_K_CHUNK_MAX];
+    __shared__ float scratch[2 * DRAFT_TOP_K_THREADS / 32];
+    float m, s;
+    draft_scaled_chunk(logits, row_len, chunk, multiplier, softcap, sv, si, m, s, scratch);
     draft_sort(sv, si, chunk);
     u32* dst = part + ((u64)blockIdx.y * gridDim.x + blockIdx.x) * (2u * k + 2u);
     for (u32 r = threadIdx.x; r < k; r += blockDim.x) {
@@ -165,13 +185,7 @@ extern "C" __global__ void __launch_bounds__(DRAFT_TOP_K_THREADS)
         dst[r] = si[r];
         dst[k + r] = __float_as_uint(sv[r]);
     }
-    if (threadIdx.x == 0) {
-        float m = DF_NEG_INF, s = 0.0f;
-        for (u32 p = 0; p < parts; ++p) {
-            softmax_merge(m, s, __uint_as_float(src[p * stride + 2u * k]), __uint_as_float(src[p * stride + 2u * k + 1u]));
-        }
-        dst[2u * k] = __float_as_uint(m == DF_NEG_INF ? 1.0f / (float)row_len : 1.0f / s);
-    }
+    if (threadIdx.x == 0) dst[2u * k] = __float_as_uint(draft_top_probability(src, parts, stride, k, row_len));
 }
 
 // The summary by selection rather than sorting (draft_top_k_part_select / draft_top_k_merge_select: the same
@@ -259,28 +273,9 @@ extern "C" __global__ void __launch_bounds__(DRAFT_TOP_K_THREADS)
     __shared__ float wv[WARPS * DRAFT_TOP_K_MAX], fv[DRAFT_TOP_K_MAX];
     __shared__ u32 wi[WARPS * DRAFT_TOP_K_MAX], fi[DRAFT_TOP_K_MAX];
     __shared__ float scratch[2 * WARPS];
-    const u32 first = blockIdx.x * chunk;
-    const float* row = logits + (u64)blockIdx.y * row_len;
-    float m = DF_NEG_INF, s = 0.0f;
-    for (u32 j = threadIdx.x; j < chunk; j += blockDim.x) {
-        const u32 c = first + j;
-        float v = DF_NAN;
-        if (c < row_len) {
-            v = row[c] * multiplier;
-            if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
-            if (v > m) {  // false for NaN and -inf, which add nothing
-                s = s * expf(m - v) + 1.0f;
-                m = v;
-            } else if (v == v && v != DF_NEG_INF) {
-                s += expf(v - m);
-            }
-        }
-        sv[j] = v;
-        si[j] = c < row_len ? c : DRAFT_NO_COLUMN;
-        pos[j] = 0;
-    }
-    block_softmax_merge(m, s, scratch);
-    __syncthreads();
+    for (u32 j = threadIdx.x; j < chunk; j += blockDim.x) pos[j] = 0;
+    float m, s;
+    draft_scaled_chunk(logits, row_len, chunk, multiplier, softcap, sv, si, m, s, scratch);
     // Warp w takes values [w * slice, +slice) as runs of one.
     const u32 warp = threadIdx.x >> 5, slice = (chunk + WARPS - 1) / WARPS;
     const u32 lo = min(chunk, warp * slice), n = min(chunk, lo + slice) - lo;
@@ -317,13 +312,7 @@ extern "C" __global__ void __launch_bounds__(DRAFT_TOP_K_THREADS)
     warp_best_of_runs(sv + lo * k, si + lo * k, n, k, pos + lo, k, wv + warp * k, wi + warp * k);
     u32* dst = out + (u64)blockIdx.x * (2u * k + 1u);
     merge_warp_lists(wv, wi, pos, k, fv, fi, dst);
-    if (threadIdx.x == 0) {
-        float m = DF_NEG_INF, s = 0.0f;
-        for (u32 p = 0; p < parts; ++p) {
-            softmax_merge(m, s, __uint_as_float(src[p * stride + 2u * k]), __uint_as_float(src[p * stride + 2u * k + 1u]));
-        }
-        dst[2u * k] = __float_as_uint(m == DF_NEG_INF ? 1.0f / (float)row_len : 1.0f / s);
-    }
+    if (threadIdx.x == 0) dst[2u * k] = __float_as_uint(draft_top_probability(src, parts, stride, k, row_len));
 }
 
 // DFlash2's greedy candidate walk over a pass's summaries, one warp per drafted block; CPU twin: the greedy
