@@ -246,11 +246,10 @@ __device__ void warp_best_of_runs(const float* v, const u32* idx, u32 runs, u32 
     }
 }
 
-// The block's warps' lists [warps, k] (best first each) merged by warp 0 into the block's best k, written as a
+// The block's `warps` lists [warps, k] (best first each) merged by warp 0 into the block's best k, written as a
 // summary's first 2k u32s at dst (k columns, then k value bits). The whole block calls it.
-__device__ void merge_warp_lists(const float* wv, const u32* wi, unsigned char* pos, u32 k, float* fv, u32* fi,
-                                 u32* __restrict__ dst) {
-    const u32 warps = blockDim.x >> 5;
+__device__ void merge_warp_lists(const float* wv, const u32* wi, u32 warps, unsigned char* pos, u32 k, float* fv,
+                                 u32* fi, u32* __restrict__ dst) {
     __syncthreads();  // every warp's list written, and its runs' positions no longer read
     if (threadIdx.x < warps) pos[threadIdx.x] = 0;
     __syncthreads();
@@ -281,7 +280,7 @@ extern "C" __global__ void __launch_bounds__(DRAFT_TOP_K_THREADS)
     const u32 lo = min(chunk, warp * slice), n = min(chunk, lo + slice) - lo;
     warp_best_of_runs(sv + lo, si + lo, n, 1, pos + lo, k, wv + warp * k, wi + warp * k);
     u32* dst = part + ((u64)blockIdx.y * gridDim.x + blockIdx.x) * (2u * k + 2u);
-    merge_warp_lists(wv, wi, pos, k, fv, fi, dst);
+    merge_warp_lists(wv, wi, WARPS, pos, k, fv, fi, dst);
     if (threadIdx.x == 0) {
         dst[2u * k] = __float_as_uint(m);
         dst[2u * k + 1u] = __float_as_uint(s);
@@ -311,7 +310,7 @@ extern "C" __global__ void __launch_bounds__(DRAFT_TOP_K_THREADS)
     const u32 lo = min(parts, warp * per), n = min(parts, lo + per) - lo;
     warp_best_of_runs(sv + lo * k, si + lo * k, n, k, pos + lo, k, wv + warp * k, wi + warp * k);
     u32* dst = out + (u64)blockIdx.x * (2u * k + 1u);
-    merge_warp_lists(wv, wi, pos, k, fv, fi, dst);
+    merge_warp_lists(wv, wi, WARPS, pos, k, fv, fi, dst);
     if (threadIdx.x == 0) dst[2u * k] = __float_as_uint(draft_top_probability(src, parts, stride, k, row_len));
 }
 

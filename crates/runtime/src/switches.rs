@@ -66,7 +66,7 @@ pub struct Switches {
     /// summarised each slot there.
     pub no_draft_summary: bool,
     /// `DFLASH_DRAFT_TOPK=select`: the drafter's logit summary finds each block's best k by warp-wide selection
-    /// instead of sorting the block's values (entry 116; the same outputs).
+    /// instead of sorting the block's values (entry 118; the same outputs).
     pub draft_top_k_select: bool,
     /// `DFLASH_DRAFT_GRAPH=0`: a drafter pass on a device launches its kernels one by one every time instead of
     /// replaying a CUDA graph of them.

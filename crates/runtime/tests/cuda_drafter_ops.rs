@@ -1,7 +1,8 @@
 //! The kernels only block drafters use (kernels/drafter.cu) against their CPU twins on random inputs: DFlash2's
 //! convolution bit for bit, and `draft_top_k`, the summary a drafter pass reads back in place of its logits, over
 //! the default model's vocabulary and small ones, rows with ties, NaN and -inf, wholly masked rows and rows shorter
-//! than k, with and without the head's multiplier and softcap.
+//! than k, with and without the head's multiplier and softcap; its two kernels (sorting, selecting) against each
+//! other bit for bit.
 //!
 //! Without a CUDA device every test prints a SKIP notice and passes. Tolerances: columns exact; values bit for bit
 //! without a softcap, within 4 ulps with one (CUDA's tanhf against the host's libm); top probabilities 1e-5
@@ -135,45 +136,59 @@ fn draft_top_k_matches_the_host_top_k_and_softmax() {
     // length that is not a multiple of the block, rows shorter than k, and a vocabulary whose parts must grow to
     // keep the merge within its bound (Qwen3's, with the most candidates).
     let shapes = [(49_152, 16), (49_152, 1), (1000, DRAFT_TOP_K_MAX), (257, 16), (10, 16), (1, 1), (151_936, 32)];
-    // Both ways of finding a block's best k give the same summary.
-    let cases = shapes.into_iter().flat_map(|s| [TopKKernel::Sort, TopKKernel::Select].map(|kernel| (s, kernel)));
-    for ((n, k), kernel) in cases {
+    for (n, k) in shapes {
         for scale in scales {
             let rows = 9;
             let logits: Vec<f32> = (0..rows).flat_map(|r| logit_row(&mut rng, n, r % 4)).collect();
             let dlogits = dev.upload(&logits).expect("logits");
-            let out = dev.upload(&vec![0xdead_beef_u32; rows * (2 * k + 1)]).expect("poisoned summary");
-            let scratch = dev.upload(&vec![0xdead_beef_u32; gpu::draft_top_k_scratch(rows, n, k)]).expect("scratch");
-            gpu::draft_top_k_on(dev, &dlogits, n, k, scale, &scratch, &out, kernel).expect("draft_top_k");
-            let got = dev.download(&out).expect("download");
-            let (mut columns, mut value_err, mut top_err) = (0.0, 0.0f64, 0.0f64);
-            for (r, row) in logits.chunks_exact(n).enumerate() {
-                let (want_columns, want_values, want_top) = top_k_reference(row, k, scale);
-                let g = &got[r * (2 * k + 1)..(r + 1) * (2 * k + 1)];
-                let kept = want_columns.len();
-                columns += g[..kept].iter().zip(&want_columns).filter(|(a, b)| a != b).count() as f64;
-                columns += g[kept..k].iter().filter(|&&c| c != u32::MAX).count() as f64;
-                let values: Vec<f32> = g[k..k + kept].iter().map(|&b| f32::from_bits(b)).collect();
-                // NaN is NaN: the device's arithmetic gives the canonical NaN, the host's keeps the payload.
-                columns += values.iter().zip(&want_values).filter(|(a, b)| a.is_nan() != b.is_nan()).count() as f64;
-                let numbers = |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| if x.is_nan() { 0.0 } else { x }).collect() };
-                let (values, want_values) = (numbers(&values), numbers(&want_values));
-                value_err = value_err.max(match scale.softcap {
-                    None => bit_mismatches(&values, &want_values),
-                    Some(_) => {
-                        let ulps: Vec<f64> = want_values.iter().map(|v| (v.abs().max(1e-30) * 1.2e-7) as f64).collect();
-                        max_err_over(&values, &want_values, &ulps)
-                    }
-                });
-                let top = f32::from_bits(g[2 * k]);
-                top_err = top_err.max(((top - want_top) / want_top).abs() as f64);
+            let shape = format!("{rows}x{n}, k {k}, x{} cap {:?}", scale.multiplier, scale.softcap);
+            let mut summaries = Vec::new();
+            for kernel in [TopKKernel::Sort, TopKKernel::Select] {
+                let out = dev.upload(&vec![0xdead_beef_u32; rows * (2 * k + 1)]).expect("poisoned summary");
+                let scratch_len = gpu::draft_top_k_scratch(rows, n, k);
+                let scratch = dev.upload(&vec![0xdead_beef_u32; scratch_len]).expect("scratch");
+                gpu::draft_top_k_on(dev, &dlogits, n, k, scale, &scratch, &out, kernel).expect("draft_top_k");
+                let got = dev.download(&out).expect("download");
+                check_summary(&got, &logits, n, k, scale, &format!("{shape}, {kernel:?}"));
+                summaries.push((got, dev.download(&scratch).expect("scratch")));
             }
-            let shape = format!("{rows}x{n}, k {k}, x{} cap {:?}, {kernel:?}", scale.multiplier, scale.softcap);
-            check("draft_top_k columns", &shape, columns, 0.0);
-            check("draft_top_k values", &shape, value_err, if scale.softcap.is_some() { 4.0 } else { 0.0 });
-            check("draft_top_k top probability", &shape, top_err, 1e-5);
+            // Both ways of finding a block's best k give the same summary and the same parts, every bit (padding,
+            // NaN payloads and the top probability included).
+            let differing = |a: &[u32], b: &[u32]| a.iter().zip(b).filter(|(x, y)| x != y).count() as f64;
+            let ((sort, sort_parts), (select, select_parts)) = (&summaries[0], &summaries[1]);
+            check("draft_top_k select against sort", &shape, differing(select, sort), 0.0);
+            check("draft_top_k select's parts against sort's", &shape, differing(select_parts, sort_parts), 0.0);
         }
     }
+}
+
+/// Checks a device summary `got` (`[rows, 2k + 1]`) of `logits` (rows of `n`) against the host's top k and softmax.
+fn check_summary(got: &[u32], logits: &[f32], n: usize, k: usize, scale: LogitScale, shape: &str) {
+    let (mut columns, mut value_err, mut top_err) = (0.0, 0.0f64, 0.0f64);
+    for (r, row) in logits.chunks_exact(n).enumerate() {
+        let (want_columns, want_values, want_top) = top_k_reference(row, k, scale);
+        let g = &got[r * (2 * k + 1)..(r + 1) * (2 * k + 1)];
+        let kept = want_columns.len();
+        columns += g[..kept].iter().zip(&want_columns).filter(|(a, b)| a != b).count() as f64;
+        columns += g[kept..k].iter().filter(|&&c| c != u32::MAX).count() as f64;
+        let values: Vec<f32> = g[k..k + kept].iter().map(|&b| f32::from_bits(b)).collect();
+        // NaN is NaN: the device's arithmetic gives the canonical NaN, the host's keeps the payload.
+        columns += values.iter().zip(&want_values).filter(|(a, b)| a.is_nan() != b.is_nan()).count() as f64;
+        let numbers = |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| if x.is_nan() { 0.0 } else { x }).collect() };
+        let (values, want_values) = (numbers(&values), numbers(&want_values));
+        value_err = value_err.max(match scale.softcap {
+            None => bit_mismatches(&values, &want_values),
+            Some(_) => {
+                let ulps: Vec<f64> = want_values.iter().map(|v| (v.abs().max(1e-30) * 1.2e-7) as f64).collect();
+                max_err_over(&values, &want_values, &ulps)
+            }
+        });
+        let top = f32::from_bits(g[2 * k]);
+        top_err = top_err.max(((top - want_top) / want_top).abs() as f64);
+    }
+    check("draft_top_k columns", shape, columns, 0.0);
+    check("draft_top_k values", shape, value_err, if scale.softcap.is_some() { 4.0 } else { 0.0 });
+    check("draft_top_k top probability", shape, top_err, 1e-5);
 }
 
 #[test]

@@ -226,7 +226,7 @@ pub(crate) struct Kernels {
     pub dflash_conv: CudaFunction,
     pub draft_top_k_part: CudaFunction,
     pub draft_top_k_merge: CudaFunction,
-    /// The summary's two launches by selection (`DFLASH_DRAFT_TOPK=select`; entry 116).
+    /// The summary's two launches by selection (`DFLASH_DRAFT_TOPK=select`; entry 118).
     pub draft_top_k_part_select: CudaFunction,
     pub draft_top_k_merge_select: CudaFunction,
     pub dflash2_walk: CudaFunction,
