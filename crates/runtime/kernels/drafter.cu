@@ -314,6 +314,23 @@ extern "C" __global__ void __launch_bounds__(DRAFT_TOP_K_THREADS)
     if (threadIdx.x == 0) dst[2u * k] = __float_as_uint(draft_top_probability(src, parts, stride, k, row_len));
 }
 
+// The lane of the warp's first best candidate: the lowest lane among the largest scores (NaN and DRAFT_NO_COLUMN
+// never win); 32 when no lane has one.
+__device__ __forceinline__ u32 walk_best_lane(float score, u32 id) {
+    float best = score;
+    u32 at = score == score && id != DRAFT_NO_COLUMN ? (threadIdx.x & 31u) : 32u;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float ob = __shfl_xor_sync(DF_FULL_MASK, best, offset);
+        const u32 oa = __shfl_xor_sync(DF_FULL_MASK, at, offset);
+        if (oa < 32u && (at == 32u || ob > best || (ob == best && oa < at))) {
+            best = ob;
+            at = oa;
+        }
+    }
+    return at;
+}
+
 // DFlash2's greedy candidate walk over a pass's summaries, one warp per drafted block; CPU twin: the greedy
 // CandidateSelector::walk in the models crate. Block b's rows are first[b] .. first[b] + width[b] (its anchor, then
 // its slots); for each slot row i the candidates are the summary's k columns of row i (`summary` [rows, 2k + 1],
@@ -348,20 +365,62 @@ extern "C" __global__ void __launch_bounds__(32)
                 id = DRAFT_NO_COLUMN;
             }
         }
-        // The first best: the lowest lane among the largest scores (NaN never wins).
-        float best = score;
-        u32 at = score == score && id != DRAFT_NO_COLUMN ? lane : 32u;
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            const float ob = __shfl_xor_sync(DF_FULL_MASK, best, offset);
-            const u32 oa = __shfl_xor_sync(DF_FULL_MASK, at, offset);
-            if (oa < 32u && (at == 32u || ob > best || (ob == best && oa < at))) {
-                best = ob;
-                at = oa;
-            }
-        }
+        const u32 at = walk_best_lane(score, id);
         const u32 chosen = __shfl_sync(DF_FULL_MASK, id, at < 32u ? at : 0u);
         prev = at < 32u ? chosen : prev;
         if (lane == 0) path[row0 + s] = at < 32u ? chosen : DRAFT_NO_COLUMN;
     }
 }
+
+// dflash2_walk with each slot's operands staged in shared memory first (DFLASH_DRAFT_WALK=staged): the k candidates'
+// successor rows, the slot's projected row and the predecessor row of the token before it, each read by the whole
+// warp in coalesced runs, so that a lane's sum over the rank reads shared memory instead of waiting on a load of its
+// own row for every term (0.14-0.17 ms for a walk of 15 slots at rank 256, PERFORMANCE.md entry 116). The same
+// products and sums in the same order: the same path, bit for bit. Dynamic shared memory: k (rank + 1) + 2 rank
+// floats (candidate rows padded by one so the lanes' reads of a term fall in distinct banks).
+extern "C" __global__ void __launch_bounds__(32)
+    dflash2_walk_staged(const u32* __restrict__ summary, u32 k, const u32* __restrict__ token_ids,
+                        const float* __restrict__ projected, u32 rank, const float* __restrict__ pred_code,
+                        const float* __restrict__ succ_code, u32 codes, const u32* __restrict__ first,
+                        const u32* __restrict__ width, const u32* __restrict__ anchor, u32* __restrict__ path) {
+    DF_GRID_DEPENDENCY();
+    extern __shared__ float walk_smem[];
+    const u32 b = blockIdx.x, row0 = first[b] + 1, slots = width[b] - 1, lane = threadIdx.x, stride = rank + 1;
+    float* cand = walk_smem;          // [k, rank + 1]: candidate c's successor row
+    float* pred = cand + k * stride;  // [rank]: the previous token's predecessor row
+    float* proj = pred + rank;        // [rank]: the slot's projected hidden state
+    u32 prev = anchor[b];
+    for (u32 s = 0; s < slots; ++s) {
+        const u32* row = summary + (u64)(row0 + s) * (2u * k + 1u);
+        u32 id = DRAFT_NO_COLUMN;
+        if (lane < k && row[lane] != DRAFT_NO_COLUMN) {
+            id = token_ids != nullptr ? token_ids[row[lane]] : row[lane];
+            if (!(id < codes && prev < codes)) id = DRAFT_NO_COLUMN;
+        }
+        for (u32 c = 0; c < k; ++c) {
+            const u32 cid = __shfl_sync(DF_FULL_MASK, id, c);
+            if (cid == DRAFT_NO_COLUMN) continue;  // the same for every lane
+            const float* src = succ_code + (u64)cid * rank;
+            for (u32 j = lane; j < rank; j += 32) cand[c * stride + j] = src[j];
+        }
+        const float* pr = projected + (u64)(row0 + s) * rank;
+        for (u32 j = lane; j < rank; j += 32) {
+            proj[j] = pr[j];
+            if (prev < codes) pred[j] = pred_code[(u64)prev * rank + j];
+        }
+        __syncwarp();
+        float score = DF_NEG_INF;
+        if (id != DRAFT_NO_COLUMN) {
+            const float* bc = cand + lane * stride;
+            float sum = 0.0f;
+            for (u32 j = 0; j < rank; ++j) sum = __fadd_rn(sum, __fmul_rn(__fmul_rn(pred[j], proj[j]), bc[j]));
+            score = __fadd_rn(__uint_as_float(row[k + lane]), sum);
+        }
+        const u32 at = walk_best_lane(score, id);
+        const u32 chosen = __shfl_sync(DF_FULL_MASK, id, at < 32u ? at : 0u);
+        prev = at < 32u ? chosen : prev;
+        if (lane == 0) path[row0 + s] = at < 32u ? chosen : DRAFT_NO_COLUMN;
+        __syncwarp();  // every lane's reads done before the next slot's rows overwrite them
+    }
+}
+

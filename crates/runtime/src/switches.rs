@@ -68,6 +68,9 @@ pub struct Switches {
     /// `DFLASH_DRAFT_TOPK=select`: the drafter's logit summary finds each block's best k by warp-wide selection
     /// instead of sorting the block's values (entry 118; the same outputs).
     pub draft_top_k_select: bool,
+    /// `DFLASH_DRAFT_WALK=staged`: DFlash2's walk stages each slot's codebook rows in shared memory before scoring
+    /// (entry 118; the same path).
+    pub draft_walk_staged: bool,
     /// `DFLASH_DRAFT_GRAPH=0`: a drafter pass on a device launches its kernels one by one every time instead of
     /// replaying a CUDA graph of them.
     pub no_draft_graph: bool,
@@ -112,6 +115,7 @@ impl Switches {
             no_capture_pages: is("DFLASH_CAPTURE_PAGES", "0"),
             no_draft_summary: is("DFLASH_DRAFT_SUMMARY", "0"),
             draft_top_k_select: is("DFLASH_DRAFT_TOPK", "select"),
+            draft_walk_staged: is("DFLASH_DRAFT_WALK", "staged"),
             no_draft_graph: is("DFLASH_DRAFT_GRAPH", "0"),
             draft_tf32: is("DFLASH_DRAFT_TF32", "1"),
             no_draft_bf16: is("DFLASH_DRAFT_BF16", "0"),
@@ -160,6 +164,7 @@ mod tests {
             ("DFLASH_CAPTURE_PAGES", "0"),
             ("DFLASH_DRAFT_SUMMARY", "0"),
             ("DFLASH_DRAFT_TOPK", "select"),
+            ("DFLASH_DRAFT_WALK", "staged"),
             ("DFLASH_DRAFT_GRAPH", "0"),
             ("DFLASH_DRAFT_TF32", "1"),
             ("DFLASH_DRAFT_BF16", "0"),
@@ -189,6 +194,7 @@ mod tests {
             no_capture_pages: true,
             no_draft_summary: true,
             draft_top_k_select: true,
+            draft_walk_staged: true,
             no_draft_graph: true,
             draft_tf32: true,
             no_draft_bf16: true,

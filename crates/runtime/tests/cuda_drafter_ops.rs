@@ -2,7 +2,7 @@
 //! convolution bit for bit, and `draft_top_k`, the summary a drafter pass reads back in place of its logits, over
 //! the default model's vocabulary and small ones, rows with ties, NaN and -inf, wholly masked rows and rows shorter
 //! than k, with and without the head's multiplier and softcap; its two kernels (sorting, selecting) against each
-//! other bit for bit.
+//! other bit for bit; and DFlash2's walk, either kernel, against its CPU twin's path.
 //!
 //! Without a CUDA device every test prints a SKIP notice and passes. Tolerances: columns exact; values bit for bit
 //! without a softcap, within 4 ulps with one (CUDA's tanhf against the host's libm); top probabilities 1e-5
@@ -208,4 +208,90 @@ fn draft_top_k_refuses_bad_shapes() {
     assert!(top_k(32, 8, &scratch, &out).is_err(), "a summary buffer of the wrong size");
     let small = dev.upload(&vec![0u32; gpu::draft_top_k_scratch(2, 32, 16) - 1]).expect("scratch");
     assert!(top_k(32, 16, &small, &out).is_err(), "a scratch buffer too small");
+}
+
+/// DFlash2's greedy walk as its CPU twin computes it (models crate, `CandidateSelector::walk`): for each slot, every
+/// valid candidate scored `value + Σ_j (pred[prev][j] · proj[j]) · succ[cand][j]`, rounded term by term; the first
+/// best is taken (`u32::MAX` where none is valid, and the walk goes on from the previous token).
+fn walk_reference(
+    summary: &[u32],
+    k: usize,
+    ids: &[u32],
+    projected: &[f32],
+    (pred, succ, rank): (&[f32], &[f32], usize),
+    (first, width, anchor): (u32, u32, u32),
+) -> Vec<u32> {
+    let codes = (pred.len() / rank) as u32;
+    let mut prev = anchor;
+    let mut path = Vec::new();
+    for row in (first + 1) as usize..(first + width) as usize {
+        let entry = &summary[row * (2 * k + 1)..(row + 1) * (2 * k + 1)];
+        let mut best: Option<(f32, u32)> = None;
+        for c in 0..k {
+            if entry[c] == u32::MAX {
+                continue;
+            }
+            let id = ids[entry[c] as usize];
+            if id >= codes || prev >= codes {
+                continue;
+            }
+            let (a, b, p) = (&pred[prev as usize * rank..], &succ[id as usize * rank..], &projected[row * rank..]);
+            let sum = (0..rank).fold(0f32, |sum, j| sum + (a[j] * p[j]) * b[j]);
+            let score = f32::from_bits(entry[k + c]) + sum;
+            if !score.is_nan() && best.is_none_or(|(s, _)| score > s) {
+                best = Some((score, id));
+            }
+        }
+        path.push(best.map_or(u32::MAX, |(_, id)| id));
+        prev = best.map_or(prev, |(_, id)| id);
+    }
+    path
+}
+
+#[test]
+fn dflash2_walk_staged_or_not_gives_the_cpu_path() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(53);
+    // (rank, k): the default drafter's selector, the 8B projection's, and the most candidates at that rank.
+    for (rank, k) in [(24, 16), (256, 16), (256, DRAFT_TOP_K_MAX)] {
+        let (codes, head) = (300, 400);
+        // Blocks of 1 (no slot), 8 and 16 rows; the last anchor outside the codebooks (every slot then has none).
+        let (first, width, anchor) = (vec![0u32, 1, 9, 25], vec![1u32, 8, 16, 4], vec![7u32, 11, 250, codes as u32]);
+        let rows = 29;
+        // Head columns map to target ids through `ids`; some past the codebooks, some columns missing.
+        let ids: Vec<u32> = (0..head).map(|_| rng.below(codes + 40) as u32).collect();
+        let summary: Vec<u32> = (0..rows)
+            .flat_map(|_| {
+                let cols: Vec<u32> =
+                    (0..k).map(|_| if rng.below(10) == 0 { u32::MAX } else { rng.below(head) as u32 }).collect();
+                let values: Vec<u32> = (0..k).map(|_| rng.uniform().to_bits()).collect();
+                cols.into_iter().chain(values).chain([0.5f32.to_bits()]).collect::<Vec<u32>>()
+            })
+            .collect();
+        let (pred, succ, projected) =
+            (rng.vec(codes * rank, 1.0), rng.vec(codes * rank, 1.0), rng.vec(rows * rank, 1.0));
+        let up = |v: &[u32]| dev.upload(v).expect("upload");
+        let (d_summary, d_ids, d_first, d_width, d_anchor) =
+            (up(&summary), up(&ids), up(&first), up(&width), up(&anchor));
+        let (d_pred, d_succ, d_proj) =
+            (dev.upload(&pred).expect("pred"), dev.upload(&succ).expect("succ"), dev.upload(&projected).expect("proj"));
+        let selector = gpu::SelectorWeights { predecessor: d_pred.view(), successor: d_succ.view(), rank };
+        let blocks = gpu::WalkBlocks { first: d_first.view(), width: d_width.view(), anchor: d_anchor.view() };
+        for staged in [false, true] {
+            let path = dev.upload(&vec![0xdead_beef_u32; rows]).expect("path");
+            let token_ids = Some(d_ids.view());
+            gpu::dflash2_walk_on(dev, &d_summary, k, token_ids, &d_proj, selector, blocks, &path, staged)
+                .expect("walk");
+            let got = dev.download(&path).expect("download");
+            let mut wrong = 0.0;
+            for b in 0..first.len() {
+                let block = (first[b], width[b], anchor[b]);
+                let want = walk_reference(&summary, k, &ids, &projected, (&pred, &succ, rank), block);
+                let at = (first[b] + 1) as usize;
+                wrong += got[at..at + want.len()].iter().zip(&want).filter(|(g, w)| g != w).count() as f64;
+                wrong += f64::from(got[first[b] as usize] != 0xdead_beef);
+            }
+            check("dflash2_walk", &format!("rank {rank}, k {k}, staged {staged}"), wrong, 0.0);
+        }
+    }
 }

@@ -230,6 +230,8 @@ pub(crate) struct Kernels {
     pub draft_top_k_part_select: CudaFunction,
     pub draft_top_k_merge_select: CudaFunction,
     pub dflash2_walk: CudaFunction,
+    /// The walk with each slot's operands staged in shared memory (`DFLASH_DRAFT_WALK=staged`; entry 118).
+    pub dflash2_walk_staged: CudaFunction,
     pub sample_rows: CudaFunction,
 }
 
@@ -383,6 +385,7 @@ impl Kernels {
             draft_top_k_part_select: get("draft_top_k_part_select")?,
             draft_top_k_merge_select: get("draft_top_k_merge_select")?,
             dflash2_walk: get("dflash2_walk")?,
+            dflash2_walk_staged: get("dflash2_walk_staged")?,
             sample_rows: get("sample_rows")?,
         })
     }

@@ -264,6 +264,34 @@ pub fn dflash2_walk<'a>(
     blocks: WalkBlocks<'a>,
     path: impl DevArg<'a, u32>,
 ) -> Result<()> {
+    let staged = crate::switches::switches().draft_walk_staged;
+    dflash2_walk_on(dev, summary, k, token_ids, projected, selector, blocks, path, staged)
+}
+
+/// Shared memory of the staged walk for `k` candidates of rank `rank`, in bytes: `k` successor rows padded by one,
+/// the predecessor row and the projected row.
+fn walk_staged_smem(k: usize, rank: usize) -> usize {
+    4 * (k * (rank + 1) + 2 * rank)
+}
+
+/// [`dflash2_walk`] on the kernel asked for: `staged` stages each slot's codebook rows in shared memory first
+/// (`dflash2_walk_staged`, the same path bit for bit) where they fit the 48 KB a launch may take unasked; else, or
+/// with `staged` false, each lane reads its candidate's row term by term (`dflash2_walk`).
+///
+/// # Errors
+/// As [`dflash2_walk`].
+#[allow(clippy::too_many_arguments)]
+pub fn dflash2_walk_on<'a>(
+    dev: &CudaDevice,
+    summary: impl DevArg<'a, u32>,
+    k: usize,
+    token_ids: Option<DevSlice<'a, u32>>,
+    projected: impl DevArg<'a, f32>,
+    selector: SelectorWeights<'a>,
+    blocks: WalkBlocks<'a>,
+    path: impl DevArg<'a, u32>,
+    staged: bool,
+) -> Result<()> {
     let (summary, projected, path) = (summary.dev(), projected.dev(), path.dev());
     let (rows, r) = (path.len(), selector.rank);
     let codes = selector.predecessor.len().checked_div(r).unwrap_or(0);
@@ -290,7 +318,10 @@ pub fn dflash2_walk<'a>(
     }
     let ids_ptr = token_ids.map_or(0u64, |t| t.device_ptr());
     let (k32, r32, codes32) = (dim(k, "k")?, dim(r, "rank")?, dim(codes, "codes")?);
-    let mut launch = dev.launch_builder(&dev.kernels.dflash2_walk);
+    let smem = walk_staged_smem(k, r);
+    let staged = staged && smem <= 48 * 1024;
+    let kernel = if staged { &dev.kernels.dflash2_walk_staged } else { &dev.kernels.dflash2_walk };
+    let mut launch = dev.launch_builder(kernel);
     launch
         .arg(summary.arg())
         .arg(&k32)
@@ -304,8 +335,14 @@ pub fn dflash2_walk<'a>(
         .arg(blocks.width.arg())
         .arg(blocks.anchor.arg())
         .arg(path.arg());
-    // SAFETY: the arguments match the kernel's signature; the shapes were checked above (each block reads the rows
-    // of its block, which the caller lays out within `rows`); token ids are read only where given.
-    unsafe { launch.launch(launch_cfg((dim(n, "blocks")?, 1, 1), 32)) }.map_err(launch_err("dflash2_walk"))?;
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (dim(n, "blocks")?, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: if staged { dim(smem, "shared memory")? } else { 0 },
+    };
+    // SAFETY: the arguments match both kernels' signature; the shapes were checked above (each block reads the rows
+    // of its block, which the caller lays out within `rows`); token ids are read only where given; the staged
+    // kernel gets the shared memory it carves (within the 48 KB a launch takes without an attribute).
+    unsafe { launch.launch(cfg) }.map_err(launch_err("dflash2_walk"))?;
     Ok(())
 }
