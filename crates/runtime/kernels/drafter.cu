@@ -373,11 +373,17 @@ extern "C" __global__ void __launch_bounds__(32)
 }
 
 // dflash2_walk with each slot's operands staged in shared memory first (DFLASH_DRAFT_WALK=staged): the k candidates'
-// successor rows, the slot's projected row and the predecessor row of the token before it, each read by the whole
-// warp in coalesced runs, so that a lane's sum over the rank reads shared memory instead of waiting on a load of its
-// own row for every term (0.14-0.17 ms for a walk of 15 slots at rank 256, PERFORMANCE.md entry 116). The same
-// products and sums in the same order: the same path, bit for bit. Dynamic shared memory: k (rank + 1) + 2 rank
-// floats (candidate rows padded by one so the lanes' reads of a term fall in distinct banks).
+// successor rows, the slot's projected row and the predecessor row of the token before it, every element copied by
+// cp.async with none waited on until all are issued (one memory round trip a slot), so that a lane's sum over the
+// rank reads shared memory instead of waiting on its own row's loads (0.14-0.17 ms for a walk of 15 slots at rank
+// 256, PERFORMANCE.md entry 116). The same products and sums in the same order: the same path, bit for bit.
+// Dynamic shared memory: k (rank | 1) + 2 rank floats (candidate rows at an odd stride, so the lanes' reads of a
+// term fall in distinct banks).
+__device__ __forceinline__ void walk_cp_async4(float* smem, const float* gmem) {
+    const u32 dst = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(gmem) : "memory");
+}
+
 extern "C" __global__ void __launch_bounds__(32)
     dflash2_walk_staged(const u32* __restrict__ summary, u32 k, const u32* __restrict__ token_ids,
                         const float* __restrict__ projected, u32 rank, const float* __restrict__ pred_code,
@@ -385,8 +391,8 @@ extern "C" __global__ void __launch_bounds__(32)
                         const u32* __restrict__ width, const u32* __restrict__ anchor, u32* __restrict__ path) {
     DF_GRID_DEPENDENCY();
     extern __shared__ float walk_smem[];
-    const u32 b = blockIdx.x, row0 = first[b] + 1, slots = width[b] - 1, lane = threadIdx.x, stride = rank + 1;
-    float* cand = walk_smem;          // [k, rank + 1]: candidate c's successor row
+    const u32 b = blockIdx.x, row0 = first[b] + 1, slots = width[b] - 1, lane = threadIdx.x, stride = rank | 1u;
+    float* cand = walk_smem;          // [k, rank | 1]: candidate c's successor row
     float* pred = cand + k * stride;  // [rank]: the previous token's predecessor row
     float* proj = pred + rank;        // [rank]: the slot's projected hidden state
     u32 prev = anchor[b];
@@ -401,14 +407,15 @@ extern "C" __global__ void __launch_bounds__(32)
             const u32 cid = __shfl_sync(DF_FULL_MASK, id, c);
             if (cid == DRAFT_NO_COLUMN) continue;  // the same for every lane
             const float* src = succ_code + (u64)cid * rank;
-            for (u32 j = lane; j < rank; j += 32) cand[c * stride + j] = src[j];
+            for (u32 j = lane; j < rank; j += 32) walk_cp_async4(cand + c * stride + j, src + j);
         }
         const float* pr = projected + (u64)(row0 + s) * rank;
         for (u32 j = lane; j < rank; j += 32) {
-            proj[j] = pr[j];
-            if (prev < codes) pred[j] = pred_code[(u64)prev * rank + j];
+            walk_cp_async4(proj + j, pr + j);
+            if (prev < codes) walk_cp_async4(pred + j, pred_code + (u64)prev * rank + j);
         }
-        __syncwarp();
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        __syncwarp();  // every lane's copies landed and visible to the warp
         float score = DF_NEG_INF;
         if (id != DRAFT_NO_COLUMN) {
             const float* bc = cand + lane * stride;

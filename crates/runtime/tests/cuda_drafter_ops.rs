@@ -248,28 +248,55 @@ fn walk_reference(
     path
 }
 
+/// A slot's candidate value: mostly uniform, with NaN (never chosen), -inf (chosen only alone) and a repeated value
+/// (ties, broken by the lower lane) mixed in where `special`.
+fn walk_value(rng: &mut Rng, special: bool) -> f32 {
+    match (special, rng.below(8)) {
+        (true, 0) => f32::NAN,
+        (true, 1) => f32::NEG_INFINITY,
+        (true, 2) => 0.25,
+        _ => rng.uniform(),
+    }
+}
+
 #[test]
 fn dflash2_walk_staged_or_not_gives_the_cpu_path() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(53);
-    // (rank, k): the default drafter's selector, the 8B projection's, and the most candidates at that rank.
-    for (rank, k) in [(24, 16), (256, 16), (256, DRAFT_TOP_K_MAX)] {
-        let (codes, head) = (300, 400);
+    // (rank, k, head columns mapped through ids, special values): the default drafter's selector, the 8B
+    // projection's, the most candidates, odd and non-multiple-of-32 ranks, columns that are target ids, NaN / -inf /
+    // ties, and a rank past the staged kernel's shared memory (it falls back).
+    let cases = [
+        (24, 16, true, false),
+        (256, 16, true, false),
+        (256, DRAFT_TOP_K_MAX, true, true),
+        (37, 16, false, true),
+        (100, 8, true, true),
+        (400, DRAFT_TOP_K_MAX, true, false),
+    ];
+    for (rank, k, mapped, special) in cases {
+        assert_eq!(gpu::walk_staged_fits(k, rank), rank < 400, "which cases the staged kernel takes");
+        let (codes, head) = (300, if mapped { 400 } else { 300 });
         // Blocks of 1 (no slot), 8 and 16 rows; the last anchor outside the codebooks (every slot then has none).
         let (first, width, anchor) = (vec![0u32, 1, 9, 25], vec![1u32, 8, 16, 4], vec![7u32, 11, 250, codes as u32]);
         let rows = 29;
-        // Head columns map to target ids through `ids`; some past the codebooks, some columns missing.
-        let ids: Vec<u32> = (0..head).map(|_| rng.below(codes + 40) as u32).collect();
+        // Head columns map to target ids through `ids` (some past the codebooks), or are target ids; some missing.
+        let ids: Vec<u32> = (0..head).map(|c| if mapped { rng.below(codes + 40) as u32 } else { c as u32 }).collect();
         let summary: Vec<u32> = (0..rows)
             .flat_map(|_| {
                 let cols: Vec<u32> =
                     (0..k).map(|_| if rng.below(10) == 0 { u32::MAX } else { rng.below(head) as u32 }).collect();
-                let values: Vec<u32> = (0..k).map(|_| rng.uniform().to_bits()).collect();
+                let values: Vec<u32> = (0..k).map(|_| walk_value(&mut rng, special).to_bits()).collect();
                 cols.into_iter().chain(values).chain([0.5f32.to_bits()]).collect::<Vec<u32>>()
             })
             .collect();
-        let (pred, succ, projected) =
+        let (pred, mut succ, projected) =
             (rng.vec(codes * rank, 1.0), rng.vec(codes * rank, 1.0), rng.vec(rows * rank, 1.0));
+        if special {
+            // Two target ids with the same successor row: equal scores where their values tie.
+            let (from, to) = (3 * rank, 5 * rank);
+            succ.copy_within(from..from + rank, to);
+        }
         let up = |v: &[u32]| dev.upload(v).expect("upload");
         let (d_summary, d_ids, d_first, d_width, d_anchor) =
             (up(&summary), up(&ids), up(&first), up(&width), up(&anchor));
@@ -279,7 +306,7 @@ fn dflash2_walk_staged_or_not_gives_the_cpu_path() {
         let blocks = gpu::WalkBlocks { first: d_first.view(), width: d_width.view(), anchor: d_anchor.view() };
         for staged in [false, true] {
             let path = dev.upload(&vec![0xdead_beef_u32; rows]).expect("path");
-            let token_ids = Some(d_ids.view());
+            let token_ids = mapped.then(|| d_ids.view());
             gpu::dflash2_walk_on(dev, &d_summary, k, token_ids, &d_proj, selector, blocks, &path, staged)
                 .expect("walk");
             let got = dev.download(&path).expect("download");
@@ -291,7 +318,8 @@ fn dflash2_walk_staged_or_not_gives_the_cpu_path() {
                 wrong += got[at..at + want.len()].iter().zip(&want).filter(|(g, w)| g != w).count() as f64;
                 wrong += f64::from(got[first[b] as usize] != 0xdead_beef);
             }
-            check("dflash2_walk", &format!("rank {rank}, k {k}, staged {staged}"), wrong, 0.0);
+            let what = format!("rank {rank}, k {k}, mapped {mapped}, special values {special}, staged {staged}");
+            check("dflash2_walk", &what, wrong, 0.0);
         }
     }
 }

@@ -268,10 +268,16 @@ pub fn dflash2_walk<'a>(
     dflash2_walk_on(dev, summary, k, token_ids, projected, selector, blocks, path, staged)
 }
 
-/// Shared memory of the staged walk for `k` candidates of rank `rank`, in bytes: `k` successor rows padded by one,
-/// the predecessor row and the projected row.
+/// Shared memory of the staged walk for `k` candidates of rank `rank`, in bytes: `k` successor rows at an odd
+/// stride (`rank | 1`), the predecessor row and the projected row.
 fn walk_staged_smem(k: usize, rank: usize) -> usize {
-    4 * (k * (rank + 1) + 2 * rank)
+    4 * (k * (rank | 1) + 2 * rank)
+}
+
+/// Whether [`dflash2_walk_on`] asked for the staged walk takes it for `k` candidates of rank `rank`: where its
+/// shared memory fits the 48 KB a launch takes without an attribute.
+pub fn walk_staged_fits(k: usize, rank: usize) -> bool {
+    walk_staged_smem(k, rank) <= 48 * 1024
 }
 
 /// [`dflash2_walk`] on the kernel asked for: `staged` stages each slot's codebook rows in shared memory first
@@ -319,7 +325,7 @@ pub fn dflash2_walk_on<'a>(
     let ids_ptr = token_ids.map_or(0u64, |t| t.device_ptr());
     let (k32, r32, codes32) = (dim(k, "k")?, dim(r, "rank")?, dim(codes, "codes")?);
     let smem = walk_staged_smem(k, r);
-    let staged = staged && smem <= 48 * 1024;
+    let staged = staged && walk_staged_fits(k, r);
     let kernel = if staged { &dev.kernels.dflash2_walk_staged } else { &dev.kernels.dflash2_walk };
     let mut launch = dev.launch_builder(kernel);
     launch
