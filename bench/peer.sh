@@ -16,6 +16,7 @@ MAX_TOKENS=${MAX_TOKENS:-256}
 LEVELS=${LEVELS:-1,8,32,64,128,256}
 GGUF=${GGUF:-$HOME/.cache/dflash/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 PORT=${PORT:-8089}
+DEVICE=${DEVICE:-cuda} # our servers' --device (cpu runs the script end to end without a GPU)
 export DFLASH_ASSETS_DIR=${DFLASH_ASSETS_DIR:-$PWD/assets}
 
 peer_level() { # peer_level ROUND LEVEL: a llama.cpp server with LEVEL slots, loaded at LEVEL requests
@@ -37,7 +38,7 @@ peer_level() { # peer_level ROUND LEVEL: a llama.cpp server with LEVEL slots, lo
     sed -n '/^| concurrent/,/^$/p' "$dir/serve-load.md" | sed -n 3p
 }
 
-S="--device cuda --max-concurrent 256"
+S="--device $DEVICE --max-concurrent 256"
 for round in 1 2; do
     echo "== round $round: llama.cpp, a server sized to each level"
     for level in ${LEVELS//,/ }; do peer_level "$round" "$level"; done
