@@ -348,8 +348,8 @@ impl Engine {
                 None => add_round_to_step(&self.round_costs, seq),
             }
         }
-        let ran_pass = self.gated_shared_pass(&shared, decoding);
-        if !ran_pass {
+        let pass = self.gated_shared_pass(&shared, decoding);
+        if !pass.ran {
             self.gate_drafts(decoding);
         }
         let draft = clock.lap();
@@ -379,10 +379,11 @@ impl Engine {
         let round_ms = started.elapsed().as_secs_f64() * 1e3;
         // A step that captured a graph took the capture's time too, so it prices nothing: a width first met that
         // way was priced at up to twice its cost (the cost table's young clamp), and lanes then kept away from it.
+        // A step whose drafter pass captured its graph does not feed the step gate either.
         let timed = self.target.graphs_captured() == graphs_before;
         self.record_round_times(&items, round_ms, timed);
-        if timed {
-            self.observe_step_gate(&items, decoding, ran_pass, generated, step_started);
+        if timed && !pass.captured_graph {
+            self.observe_step_gate(&items, decoding, pass.ran, generated, step_started);
         }
         self.sched.publish_prompt_pages();
         self.retire(finished);

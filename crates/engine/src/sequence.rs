@@ -9,7 +9,7 @@ use dflash_models::tokenizer::Tokenizer;
 use crate::grammar::GrammarState;
 use crate::request::{Event, EventSink, FinishReason, Request, TokenLogprob, Usage};
 use crate::sampler::TokenHistory;
-use crate::spec::{DflashProposer, Proposal, ProposeInput, RoundStart, SpecLane};
+use crate::spec::{DflashProposer, DraftTime, Proposal, ProposeInput, RoundStart, SpecLane};
 
 mod text_out;
 pub use text_out::TextOut;
@@ -287,14 +287,13 @@ impl Sequence {
         self.request.max_tokens.saturating_sub(self.generated() + 1)
     }
 
-    /// Ends a round [`Self::prepare_drafts`] planned with the shared pass's proposal for it (`draft_ms`: this
-    /// lane's share of the pass).
-    pub fn finish_shared_drafts(&mut self, max: usize, drafted: Proposal, draft_ms: f64) {
+    /// Ends a round [`Self::prepare_drafts`] planned with the shared pass's proposal for it (`time`: this lane's
+    /// share of the pass).
+    pub fn finish_shared_drafts(&mut self, max: usize, drafted: Proposal, time: DraftTime) {
         let Some(lane) = self.lane.as_mut() else { return };
         let input = ProposeInput { tokens: &self.tokens, sampling: &self.request.sampling };
-        let finished = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            lane.shared_proposal(&input, max, drafted, draft_ms)
-        }));
+        let finished =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lane.shared_proposal(&input, max, drafted, time)));
         match finished {
             Ok(drafts) => self.drafts = drafts,
             Err(_) => self.drop_lane("drafting"),

@@ -6,28 +6,36 @@ use std::time::Instant;
 use super::Engine;
 use crate::scheduler::StepItem;
 use crate::sequence::Sequence;
-use crate::spec::{DflashProposer, PolicyMode, SharedCosts, StepGate};
+use crate::spec::{DflashProposer, DraftTime, PolicyMode, SharedCosts, StepGate};
+
+/// What a step's shared drafter pass did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct PassRun {
+    /// A pass ran (the step gate let it, or did not judge the step).
+    pub ran: bool,
+    /// It captured a CUDA graph of the drafter's pass: the step's time includes the capture.
+    pub captured_graph: bool,
+}
 
 impl Engine {
     /// Runs the step's drafter pass over the rounds `planned` when the step gate lets a step of `decoding`
     /// sequences run one, or the gates do not judge this step ([`Self::gates_judge`]); otherwise those rounds go
-    /// plain. Returns whether a pass ran.
-    pub(super) fn gated_shared_pass(&mut self, planned: &[(usize, usize)], decoding: usize) -> bool {
+    /// plain.
+    pub(super) fn gated_shared_pass(&mut self, planned: &[(usize, usize)], decoding: usize) -> PassRun {
         if planned.is_empty() {
-            return false;
+            return PassRun::default();
         }
         let runs = !self.gates_judge(planned.iter().map(|&(i, _)| i)) || self.step_gate.allows_pass(decoding);
         self.metrics.record_step_pass(runs);
         if runs {
-            self.draft_in_one_pass(planned);
-            return true;
+            return PassRun { ran: true, captured_graph: self.draft_in_one_pass(planned) };
         }
         for &(i, _) in planned {
             let seq = &mut self.sched.running[i];
             seq.skip_shared_round();
             add_round_to_step(&self.round_costs, seq);
         }
-        false
+        PassRun::default()
     }
 
     /// Withdraws every decoding sequence's drafts in a step without a drafter pass (prompt lookup's, the MTP
@@ -83,11 +91,12 @@ impl Engine {
     }
 
     /// Drafts the rounds `planned` (`(index into the running sequences, most drafts)`, in order) in one drafter
-    /// pass; each lane is charged an equal share of its time. A pass that panics drops those lanes (their requests
-    /// decode on, plain).
-    pub(super) fn draft_in_one_pass(&mut self, planned: &[(usize, usize)]) {
+    /// pass; each lane is charged an equal share of its time, unless the pass captured a CUDA graph (then its time
+    /// is the capture's, and the lanes price their rounds at the table's drafting cost). A pass that panics drops
+    /// those lanes (their requests decode on, plain). Returns whether the pass captured a graph.
+    pub(super) fn draft_in_one_pass(&mut self, planned: &[(usize, usize)]) -> bool {
         if planned.is_empty() {
-            return;
+            return false;
         }
         // A catch-up is not drafting: a lane's first pass appends its whole prompt, which no later round pays.
         self.catch_up_from_pages(planned);
@@ -103,19 +112,26 @@ impl Engine {
                     members.push((i, max));
                 }
             }
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| DflashProposer::propose_batch(&mut lanes)))
+            let graphs_before: usize = lanes.iter().map(|(drafter, _, _)| drafter.pass_graphs()).sum();
+            let proposals =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| DflashProposer::propose_batch(&mut lanes)));
+            let graphs_after: usize = lanes.iter().map(|(drafter, _, _)| drafter.pass_graphs()).sum();
+            (proposals, graphs_after != graphs_before)
         };
+        let (proposals, captured) = proposals;
         let share_ms = started.elapsed().as_secs_f64() * 1e3 / members.len().max(1) as f64;
+        let time = if captured { DraftTime::Captured(share_ms) } else { DraftTime::Priced(share_ms) };
         match proposals {
             Ok(proposals) => {
                 for (&(i, max), proposal) in members.iter().zip(proposals) {
                     let seq = &mut self.sched.running[i];
-                    seq.finish_shared_drafts(max, proposal, share_ms);
+                    seq.finish_shared_drafts(max, proposal, time);
                     add_round_to_step(&self.round_costs, seq);
                 }
             }
             Err(_) => members.iter().for_each(|&(i, _)| self.sched.running[i].drop_lane("drafting in a shared pass")),
         }
+        captured
     }
 }
 

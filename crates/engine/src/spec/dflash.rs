@@ -151,6 +151,11 @@ impl DflashProposer {
         self.ctx.len()
     }
 
+    /// CUDA graphs of block passes the lane's drafter holds (none on the host): a pass that adds one captured it.
+    pub fn pass_graphs(&self) -> usize {
+        self.model.pass_graphs()
+    }
+
     fn fail(&mut self, what: &str, e: &ModelError) {
         tracing::warn!("{} drafter: {what}: {e}; drafting off for this request", self.kind);
         self.broken = true;

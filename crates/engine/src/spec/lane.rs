@@ -74,6 +74,15 @@ pub struct SpecLane {
 /// the drafter's would have promised more.
 const FALLBACK_EXPLORE_ROUNDS: u32 = 8;
 
+/// A drafting call's time as a lane books it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum DraftTime {
+    /// What the call (or the lane's share of a shared pass) took: fed to the table of drafting costs.
+    Priced(f64),
+    /// A time that includes capturing the pass's CUDA graph: kept in the stats, not fed to the table.
+    Captured(f64),
+}
+
 /// How a lane's round starts ([`SpecLane::start_round`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum RoundStart {
@@ -250,10 +259,22 @@ impl SpecLane {
         }
     }
 
-    /// The round's drafts from a proposal of a shared drafter pass whose cost was `draft_ms` per lane.
-    pub fn shared_proposal(&mut self, input: &ProposeInput, max: usize, drafted: Proposal, draft_ms: f64) -> Vec<u32> {
+    /// The round's drafts from a proposal of a shared drafter pass, `time` this lane's share of it.
+    pub fn shared_proposal(
+        &mut self,
+        input: &ProposeInput,
+        max: usize,
+        drafted: Proposal,
+        time: DraftTime,
+    ) -> Vec<u32> {
         let proposal = self.proposer.proposal_from_shared_pass(input, max, drafted);
-        self.record_draft_ms(draft_ms);
+        let draft_ms = match time {
+            DraftTime::Priced(ms) => {
+                self.record_draft_ms(ms);
+                ms
+            }
+            DraftTime::Captured(ms) => self.record_captured_draft(ms),
+        };
         let drafts = self.finish_round(proposal, max, draft_ms);
         if drafts.is_empty() {
             return self.fallback_drafts(input, max);
@@ -293,6 +314,17 @@ impl SpecLane {
         let draft_ms = started.elapsed().as_secs_f64() * 1e3;
         self.record_draft_ms(draft_ms);
         (proposal, draft_ms)
+    }
+
+    /// Records a drafting call whose `draft_ms` included capturing the pass's CUDA graph: counted in the stats, its
+    /// round priced at the table's drafting cost, which it does not feed (a capture is not what a call costs).
+    /// Returns the price.
+    fn record_captured_draft(&mut self, draft_ms: f64) -> f64 {
+        self.stats.draft_calls += 1;
+        self.stats.draft_us += (draft_ms * 1e3) as u64;
+        let price = self.costs.lock().draft_cost(self.stats.lane);
+        self.round.draft_ms = price;
+        price
     }
 
     /// Records a drafting call of `draft_ms` (this lane's share of a shared pass).
@@ -434,6 +466,26 @@ mod tests {
     /// Proposes the same drafts every round, after spinning for at least a given time (a drafting call of known
     /// least cost).
     use crate::spec::SlowProposer as Slow;
+
+    #[test]
+    fn a_shared_pass_that_captured_its_graph_is_counted_but_does_not_price_drafting() {
+        let costs = SharedCosts::new(CostTable::new(9));
+        let mut lane = SpecLane::new(Box::new(Echo(vec![5; 4])), 4, 0, PolicyMode::Fixed, costs.clone());
+        let kind = lane.stats.lane;
+        let sampling = SamplingParams::greedy();
+        let tokens = [1, 2, 3];
+        let input = ProposeInput { tokens: &tokens, sampling: &sampling };
+        let proposal = || Proposal { tokens: vec![5; 4], confidence: None };
+        for (time, price) in [(DraftTime::Priced(2.0), 2.0), (DraftTime::Captured(50.0), 2.0)] {
+            assert_eq!(lane.start_round(&input, 4), RoundStart::Drafter(4));
+            assert_eq!(lane.shared_proposal(&input, 4, proposal(), time), vec![5; 4], "{time:?}: the drafts stand");
+            assert_eq!(costs.lock().draft_cost(kind), price, "{time:?}: a capture's time is not a call's cost");
+            lane.verified(4, 4);
+            lane.stepped(5, Some(StepTiming::alone(5, 10.0)));
+        }
+        assert_eq!(lane.stats.draft_calls, 2, "both calls counted");
+        assert_eq!(lane.stats.draft_us, 52_000, "and their time spent");
+    }
 
     /// Rounds of a lane whose drafts are all accepted and whose drafting call takes 1 ms, in steps of `sequences`
     /// sequences that take 10 ms plus a microsecond a row (a GPU target far from its compute bound), judged by the

@@ -18,7 +18,7 @@ pub mod verify;
 
 pub use dflash::{DflashProposer, DrafterConfig};
 pub use gate::prompt_gate_passes;
-pub use lane::{RoundStart, SpecLane, StepTiming};
+pub use lane::{DraftTime, RoundStart, SpecLane, StepTiming};
 pub use mtp::{MtpDepth, MtpLaneConfig, MtpProposer};
 pub use ngram::{NgramConfig, NgramProposer};
 pub use oracle::{OracleDraft, OracleProposer};

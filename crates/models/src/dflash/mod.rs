@@ -194,6 +194,12 @@ impl DraftModel {
         false
     }
 
+    /// CUDA graphs of block passes the drafter holds (none in a build without CUDA).
+    #[cfg(not(feature = "cuda"))]
+    pub fn pass_graphs(&self) -> usize {
+        0
+    }
+
     /// Whether the drafter's contexts take rows left on a device (never, in a build without CUDA).
     #[cfg(not(feature = "cuda"))]
     pub fn takes_device_rows(&self, _captured: &crate::DeviceCaptured) -> bool {
