@@ -355,10 +355,12 @@ fn cuda_passes_replayed_from_graphs_give_the_eager_bits() {
     for readback in [ScoreReadback::Dense, summary] {
         // The first pass of a readback sizes its buffers (which drops the graphs held) and runs eagerly.
         let eager = pass(&mut ctx, readback);
-        let graphs = gpu.pass_graphs();
+        let (graphs, captures) = (gpu.pass_graphs(), gpu.pass_captures());
         let captured = pass(&mut ctx, readback);
         assert_eq!(gpu.pass_graphs(), graphs + 1, "{readback:?}: the second pass is captured");
+        assert_eq!(gpu.pass_captures(), captures + 1, "{readback:?}: and counted once");
         let replayed = pass(&mut ctx, readback);
+        assert_eq!(gpu.pass_captures(), captures + 1, "{readback:?}: a replay captures nothing");
         assert_eq!(captured, eager, "{readback:?}: the captured pass");
         assert_eq!(replayed, eager, "{readback:?}: the replayed pass");
     }
@@ -387,11 +389,13 @@ fn cuda_passes_replayed_from_graphs_give_the_eager_bits() {
         })
         .collect();
     // (The fillers' appends may hold graphs of their own by now.)
-    let graphs = gpu.pass_graphs();
+    let (graphs, captures) = (gpu.pass_graphs(), gpu.pass_captures());
     let eager = pass(&mut ctx, ScoreReadback::Dense);
     assert_eq!(gpu.pass_graphs(), graphs, "the pool moved: the pass is new again, and runs eagerly");
+    assert_eq!(gpu.pass_captures(), captures, "the graphs dropped, none captured");
     pass(&mut ctx, ScoreReadback::Dense);
     assert_eq!(gpu.pass_graphs(), graphs + 1, "and is captured anew");
+    assert_eq!(gpu.pass_captures(), captures + 1, "counted once more");
     assert_eq!(pass(&mut ctx, ScoreReadback::Dense), eager, "replayed over the moved pool");
     assert_eq!(eager, replayed, "the moved pool holds the same context");
     drop(fillers);

@@ -112,11 +112,11 @@ impl Engine {
                     members.push((i, max));
                 }
             }
-            let graphs_before: usize = lanes.iter().map(|(drafter, _, _)| drafter.pass_graphs()).sum();
+            let captures_before: usize = lanes.iter().map(|(drafter, _, _)| drafter.pass_captures()).sum();
             let proposals =
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| DflashProposer::propose_batch(&mut lanes)));
-            let graphs_after: usize = lanes.iter().map(|(drafter, _, _)| drafter.pass_graphs()).sum();
-            (proposals, graphs_after != graphs_before)
+            let captures_after: usize = lanes.iter().map(|(drafter, _, _)| drafter.pass_captures()).sum();
+            (proposals, captures_after != captures_before)
         };
         let (proposals, captured) = proposals;
         let share_ms = started.elapsed().as_secs_f64() * 1e3 / members.len().max(1) as f64;

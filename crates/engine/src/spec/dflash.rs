@@ -151,9 +151,10 @@ impl DflashProposer {
         self.ctx.len()
     }
 
-    /// CUDA graphs of block passes the lane's drafter holds (none on the host): a pass that adds one captured it.
-    pub fn pass_graphs(&self) -> usize {
-        self.model.pass_graphs()
+    /// CUDA graphs of block passes the lane's drafter has captured so far (none on the host; it only grows): a pass
+    /// that raised it captured one.
+    pub fn pass_captures(&self) -> usize {
+        self.model.pass_captures()
     }
 
     fn fail(&mut self, what: &str, e: &ModelError) {

@@ -317,12 +317,15 @@ impl SpecLane {
     }
 
     /// Records a drafting call whose `draft_ms` included capturing the pass's CUDA graph: counted in the stats, its
-    /// round priced at the table's drafting cost, which it does not feed (a capture is not what a call costs).
-    /// Returns the price.
+    /// round priced at the table's drafting cost, which it does not feed (a capture is not what a call costs), or
+    /// at `draft_ms` while the table has no drafting sample of the lane's kind (drafting is not free). Returns the
+    /// price.
     fn record_captured_draft(&mut self, draft_ms: f64) -> f64 {
         self.stats.draft_calls += 1;
         self.stats.draft_us += (draft_ms * 1e3) as u64;
-        let price = self.costs.lock().draft_cost(self.stats.lane);
+        let costs = self.costs.lock();
+        let price = if costs.draft_samples(self.stats.lane) > 0 { costs.draft_cost(self.stats.lane) } else { draft_ms };
+        drop(costs);
         self.round.draft_ms = price;
         price
     }
@@ -476,15 +479,23 @@ mod tests {
         let tokens = [1, 2, 3];
         let input = ProposeInput { tokens: &tokens, sampling: &sampling };
         let proposal = || Proposal { tokens: vec![5; 4], confidence: None };
-        for (time, price) in [(DraftTime::Priced(2.0), 2.0), (DraftTime::Captured(50.0), 2.0)] {
+        // (time, the table's drafting cost after, the round's price): a capture before any sample is priced at its
+        // own time (drafting is not free) but not learned; after one, at the table's.
+        let rounds = [
+            (DraftTime::Captured(40.0), 0.0, 40.0),
+            (DraftTime::Priced(2.0), 2.0, 2.0),
+            (DraftTime::Captured(50.0), 2.0, 2.0),
+        ];
+        for (time, table, price) in rounds {
             assert_eq!(lane.start_round(&input, 4), RoundStart::Drafter(4));
             assert_eq!(lane.shared_proposal(&input, 4, proposal(), time), vec![5; 4], "{time:?}: the drafts stand");
-            assert_eq!(costs.lock().draft_cost(kind), price, "{time:?}: a capture's time is not a call's cost");
+            assert_eq!(costs.lock().draft_cost(kind), table, "{time:?}: a capture's time is not a call's cost");
+            assert_eq!(lane.round_share().draft_ms, price, "{time:?}: the round's price");
             lane.verified(4, 4);
             lane.stepped(5, Some(StepTiming::alone(5, 10.0)));
         }
-        assert_eq!(lane.stats.draft_calls, 2, "both calls counted");
-        assert_eq!(lane.stats.draft_us, 52_000, "and their time spent");
+        assert_eq!(lane.stats.draft_calls, 3, "every call counted");
+        assert_eq!(lane.stats.draft_us, 92_000, "and its time spent");
     }
 
     /// Rounds of a lane whose drafts are all accepted and whose drafting call takes 1 ms, in steps of `sequences`

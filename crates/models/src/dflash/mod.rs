@@ -194,9 +194,9 @@ impl DraftModel {
         false
     }
 
-    /// CUDA graphs of block passes the drafter holds (none in a build without CUDA).
+    /// CUDA graphs of block passes the drafter has captured (none in a build without CUDA).
     #[cfg(not(feature = "cuda"))]
-    pub fn pass_graphs(&self) -> usize {
+    pub fn pass_captures(&self) -> usize {
         0
     }
 

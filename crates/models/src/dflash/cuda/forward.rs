@@ -415,6 +415,11 @@ impl CudaDrafter {
         self.work.lock().unwrap_or_else(|p| p.into_inner()).graphs.len()
     }
 
+    /// Graphs this drafter has captured so far, ever (held or since dropped).
+    pub(crate) fn pass_captures(&self) -> usize {
+        self.work.lock().unwrap_or_else(|p| p.into_inner()).graphs.captures()
+    }
+
     /// Every row's logits, copied back and scaled.
     fn dense_scores(&self, model: &DraftModel, work: &Workspace, rows: usize) -> Result<PassScores> {
         let n = self.head.rows;

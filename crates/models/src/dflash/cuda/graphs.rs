@@ -65,6 +65,8 @@ pub(super) struct PassGraphs {
     over: Buffers,
     /// Set when a capture failed: this drafter's passes stay eager.
     failed: bool,
+    /// Graphs captured so far, ever (the held ones drop when buffers move; this only grows).
+    captures: usize,
 }
 
 impl PassGraphs {
@@ -118,6 +120,7 @@ impl PassGraphs {
             Ok(graph) => {
                 graph.launch().map_err(device_err)?;
                 self.graphs.insert(key, graph);
+                self.captures += 1;
                 tracing::debug!("drafter pass graph captured for {key:?} ({} held)", self.graphs.len());
                 Ok(())
             }
@@ -132,5 +135,10 @@ impl PassGraphs {
     /// Graphs held (for tests and logs).
     pub(super) fn len(&self) -> usize {
         self.graphs.len()
+    }
+
+    /// Graphs captured so far, ever: a pass that raised it captured one.
+    pub(super) fn captures(&self) -> usize {
+        self.captures
     }
 }

@@ -201,6 +201,12 @@ impl DraftModel {
         self.cuda.as_ref().map_or(0, |c| c.pass_graphs())
     }
 
+    /// CUDA graphs of block passes the drafter has captured so far, ever (it only grows: a pass that raised it
+    /// captured one, and its time includes the capture).
+    pub fn pass_captures(&self) -> usize {
+        self.cuda.as_ref().map_or(0, |c| c.pass_captures())
+    }
+
     /// Where the drafter's passes run: `cpu` or `cuda:N`.
     pub fn device(&self) -> String {
         match &self.cuda {
