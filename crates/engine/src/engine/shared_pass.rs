@@ -102,7 +102,7 @@ impl Engine {
         self.catch_up_from_pages(planned);
         let started = Instant::now();
         let mut members = Vec::with_capacity(planned.len());
-        let proposals = {
+        let (proposals, captured) = {
             let mut lanes = Vec::with_capacity(planned.len());
             let mut wanted = planned.iter().peekable();
             for (i, seq) in self.sched.running.iter_mut().enumerate() {
@@ -118,7 +118,6 @@ impl Engine {
             let captures_after: usize = lanes.iter().map(|(drafter, _, _)| drafter.pass_captures()).sum();
             (proposals, captures_after != captures_before)
         };
-        let (proposals, captured) = proposals;
         let share_ms = started.elapsed().as_secs_f64() * 1e3 / members.len().max(1) as f64;
         let time = if captured { DraftTime::Captured(share_ms) } else { DraftTime::Priced(share_ms) };
         match proposals {

@@ -268,13 +268,7 @@ impl SpecLane {
         time: DraftTime,
     ) -> Vec<u32> {
         let proposal = self.proposer.proposal_from_shared_pass(input, max, drafted);
-        let draft_ms = match time {
-            DraftTime::Priced(ms) => {
-                self.record_draft_ms(ms);
-                ms
-            }
-            DraftTime::Captured(ms) => self.record_captured_draft(ms),
-        };
+        let draft_ms = self.record_draft(time);
         let drafts = self.finish_round(proposal, max, draft_ms);
         if drafts.is_empty() {
             return self.fallback_drafts(input, max);
@@ -312,30 +306,34 @@ impl SpecLane {
         let started = Instant::now();
         let proposal = self.proposer.propose(input, max);
         let draft_ms = started.elapsed().as_secs_f64() * 1e3;
-        self.record_draft_ms(draft_ms);
+        self.record_draft(DraftTime::Priced(draft_ms));
         (proposal, draft_ms)
     }
 
-    /// Records a drafting call whose `draft_ms` included capturing the pass's CUDA graph: counted in the stats, its
-    /// round priced at the table's drafting cost, which it does not feed (a capture is not what a call costs), or
-    /// at `draft_ms` while the table has no drafting sample of the lane's kind (drafting is not free). Returns the
-    /// price.
-    fn record_captured_draft(&mut self, draft_ms: f64) -> f64 {
+    /// Records a drafting call (or this lane's share of a shared pass): its time in the stats, and the round's
+    /// price, which it returns. A priced call is its own time and feeds the table of drafting costs; one that
+    /// captured the pass's CUDA graph does not (a capture is not what a call costs) and is priced at the table's
+    /// cost, or at its own time while the table has no sample of the lane's kind (drafting is not free).
+    fn record_draft(&mut self, time: DraftTime) -> f64 {
+        let (ms, priced) = match time {
+            DraftTime::Priced(ms) => (ms, true),
+            DraftTime::Captured(ms) => (ms, false),
+        };
         self.stats.draft_calls += 1;
-        self.stats.draft_us += (draft_ms * 1e3) as u64;
-        let costs = self.costs.lock();
-        let price = if costs.draft_samples(self.stats.lane) > 0 { costs.draft_cost(self.stats.lane) } else { draft_ms };
+        self.stats.draft_us += (ms * 1e3) as u64;
+        let lane = self.stats.lane;
+        let mut costs = self.costs.lock();
+        let price = match (priced, costs.draft_samples(lane)) {
+            (true, _) => {
+                costs.observe_draft(lane, ms);
+                ms
+            }
+            (false, 0) => ms,
+            (false, _) => costs.draft_cost(lane),
+        };
         drop(costs);
         self.round.draft_ms = price;
         price
-    }
-
-    /// Records a drafting call of `draft_ms` (this lane's share of a shared pass).
-    fn record_draft_ms(&mut self, draft_ms: f64) {
-        self.round.draft_ms = draft_ms;
-        self.stats.draft_calls += 1;
-        self.stats.draft_us += (draft_ms * 1e3) as u64;
-        self.costs.lock().observe_draft(self.stats.lane, draft_ms);
     }
 
     /// What this step's round adds to the step beyond a plain row (rows, expected tokens, drafting), for the lanes
@@ -466,8 +464,6 @@ mod tests {
         assert_eq!((lane.stats.gate_pauses, lane.stats.plain_steps), (0, 0));
     }
 
-    /// Proposes the same drafts every round, after spinning for at least a given time (a drafting call of known
-    /// least cost).
     use crate::spec::SlowProposer as Slow;
 
     #[test]

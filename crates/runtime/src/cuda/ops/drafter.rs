@@ -198,11 +198,11 @@ pub fn draft_top_k_on<'a>(
         TopKKernel::Sort => false,
         TopKKernel::Select => true,
     };
-    let k_ = &dev.kernels;
+    let kernels = &dev.kernels;
     let (part, merge) = if select {
-        (&k_.draft_top_k_part_select, &k_.draft_top_k_merge_select)
+        (&kernels.draft_top_k_part_select, &kernels.draft_top_k_merge_select)
     } else {
-        (&k_.draft_top_k_part, &k_.draft_top_k_merge)
+        (&kernels.draft_top_k_part, &kernels.draft_top_k_merge)
     };
     let mut launch = dev.launch_builder(part);
     launch
