@@ -31,10 +31,12 @@ peer_level() { # peer_level ROUND LEVEL: a llama.cpp server with LEVEL slots, lo
         kill -0 $peer 2>/dev/null || { echo "llama.cpp's server exited; see $dir/server.log" >&2; return 1; }
         sleep 0.5
     done
+    local loaded=0
     "$DFLASH" bench serve --server "llama.cpp=http://127.0.0.1:$PORT/v1" --concurrency "$2" \
-        --max-tokens "$MAX_TOKENS" --out-dir "$dir" >"$dir/log" 2>&1 || true
+        --max-tokens "$MAX_TOKENS" --out-dir "$dir" >"$dir/log" 2>&1 || loaded=$?
     kill $peer 2>/dev/null || true
     wait $peer 2>/dev/null || true
+    if [[ $loaded -ne 0 ]]; then echo "| $2 | the bench failed: see $dir/log |"; return 0; fi
     sed -n '/^| concurrent/,/^$/p' "$dir/serve-load.md" | sed -n 3p
 }
 
