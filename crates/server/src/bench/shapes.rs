@@ -189,7 +189,7 @@ mod gpu {
             bytes / FLOOR_BYTES_PER_S * 1e3 / med
         );
         if !a.quick {
-            batch_steps(model, &mut cache, pages_per_seq, &a.seqs)?;
+            batch_steps(model, &mut cache, pages_per_seq, &a.seqs, a.mixed_rows.map(|r| r as usize))?;
             verify_steps(model, &mut cache, &table, &[1, 2, 3, 4, 6, 8, 12, 16])?;
         } else if let Some(rows) = a.verify_rows {
             verify_steps(model, &mut cache, &table, &[rows as usize])?;
@@ -229,7 +229,8 @@ mod gpu {
             }
             seqs.push(SeqRows { num_rows: t.len(), context_len: c, block_table: table, prompt_len });
         }
-        let logit_rows: Vec<u32> = if tokens.iter().all(|t| t.len() == 1) || all.len() <= 16 {
+        // Decode and verify steps read every row's logits (a verify needs each row's); a prompt only its last.
+        let logit_rows: Vec<u32> = if tokens.len() > 1 || all.len() <= 16 {
             (0..all.len() as u32).collect()
         } else {
             vec![all.len() as u32 - 1]
@@ -244,12 +245,13 @@ mod gpu {
     }
 
     /// Steps of each of `counts` sequences decoding one row each at contexts near the prompt length, with ids
-    /// and with logits read back.
+    /// and with logits read back; with `mixed_rows`, also with the first sequence verifying that many rows.
     fn batch_steps(
         model: &CudaLlamaModel,
         cache: &mut CudaCache,
         pages_per_seq: usize,
         counts: &[usize],
+        mixed_rows: Option<usize>,
     ) -> Result<()> {
         let most = counts.iter().copied().max().unwrap_or(1);
         let tables: Vec<Vec<u32>> =
@@ -259,28 +261,24 @@ mod gpu {
             let prompt: Vec<u32> = (0..PROMPT as u32).map(|i| (i * 31 + s as u32 * 101) % vocab).collect();
             step(model, cache, &[&prompt], &[0], &[table], PROMPT)?;
         }
+        let mixed_head = mixed_rows.map(|r| format!(" {:>16}", format!("ms, 1 seq {r} rows"))).unwrap_or_default();
         println!(
-            "{:>6} {:>12} {:>12} {:>16} {:>12} {:>10}",
+            "{:>6} {:>12} {:>12} {:>16} {:>12} {:>10}{mixed_head}",
             "seqs", "ms/step", "tok/s", "ms with logits", "floor ms", "floor/t"
         );
         for &b in counts {
+            let tabs: Vec<&[u32]> = tables[..b].iter().map(Vec::as_slice).collect();
             let mut med = [0.0; 2];
             for (m, readout) in med.iter_mut().zip([Readout::Argmax, Readout::Logits]) {
-                let mut times = Vec::new();
-                let mut toks = vec![1u32; b];
-                for i in 0..24 {
-                    let ctx: Vec<usize> = vec![PROMPT + i; b];
-                    let tokens: Vec<&[u32]> = toks.chunks(1).collect();
-                    let tabs: Vec<&[u32]> = tables[..b].iter().map(Vec::as_slice).collect();
-                    let t = Instant::now();
-                    toks = step_as(model, cache, (&tokens, &ctx, &tabs), PROMPT, readout)?;
-                    times.push(t.elapsed().as_secs_f64() * 1e3);
-                }
-                *m = median(&mut times[2..].to_vec());
+                *m = batch_median(model, cache, &tabs, 1, readout)?;
             }
+            let mixed = match mixed_rows {
+                Some(r) => format!(" {:>16.4}", batch_median(model, cache, &tabs, r, Readout::Argmax)?),
+                None => String::new(),
+            };
             let floor = step_bytes(model, b, PROMPT + 12) / FLOOR_BYTES_PER_S * 1e3;
             println!(
-                "{b:>6} {:>12.4} {:>12.0} {:>16.4} {floor:>12.4} {:>10.2}",
+                "{b:>6} {:>12.4} {:>12.0} {:>16.4} {floor:>12.4} {:>10.2}{mixed}",
                 med[0],
                 b as f64 / med[0] * 1e3,
                 med[1],
@@ -288,6 +286,28 @@ mod gpu {
             );
         }
         Ok(())
+    }
+
+    /// The median ms of 22 steps (after 2) of one sequence per table, the first with `first_rows` rows and the
+    /// others one each, at contexts near the prompt length.
+    fn batch_median(
+        model: &CudaLlamaModel,
+        cache: &mut CudaCache,
+        tabs: &[&[u32]],
+        first_rows: usize,
+        readout: Readout,
+    ) -> Result<f64> {
+        let mut times = Vec::new();
+        let mut toks = vec![1u32; tabs.len() + first_rows - 1];
+        for i in 0..24 {
+            let ctx: Vec<usize> = vec![PROMPT + i; tabs.len()];
+            let (head, rest) = toks.split_at(first_rows);
+            let tokens: Vec<&[u32]> = std::iter::once(head).chain(rest.chunks(1)).collect();
+            let t = Instant::now();
+            toks = step_as(model, cache, (&tokens, &ctx, tabs), PROMPT, readout)?;
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        Ok(median(&mut times[2..]))
     }
 
     /// Verify steps of one sequence with each of `widths` rows at once (the rows overwrite the same slots); the

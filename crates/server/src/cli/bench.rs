@@ -218,6 +218,10 @@ pub struct ShapesArgs {
     /// With `--quick`: then 24 verify steps of this many rows of the single sequence (for profiling one width).
     #[arg(long, requires = "quick", value_parser = clap::value_parser!(u64).range(1..=64))]
     pub verify_rows: Option<u64>,
+    /// Also time each batch of `--seqs` with its first sequence verifying this many rows (the rest one row each):
+    /// the mixed step a server runs when some of its sequences draft.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(2..=64))]
+    pub mixed_rows: Option<u64>,
 }
 
 /// `dflash bench hybrid` flags.
