@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -61,6 +61,8 @@ struct PromptEntry {
 /// What one streamed completion showed.
 #[derive(Clone, Debug, Default)]
 pub struct Sample {
+    /// When it was sent, from the start of its level.
+    pub sent: Duration,
     pub ttft: Option<Duration>,
     pub gaps: Vec<Duration>,
     pub tokens: usize,
@@ -69,6 +71,22 @@ pub struct Sample {
     pub request: (usize, usize),
     /// The completion's text.
     pub text: String,
+}
+
+impl Sample {
+    /// Its tokens received by `t` from the start of its level, pro rata by content chunks (a chunk may carry
+    /// several tokens where a step committed several).
+    pub fn tokens_by(&self, t: Duration) -> f64 {
+        let Some(ttft) = self.ttft else { return 0.0 };
+        let mut at = self.sent + ttft;
+        let chunks = 1 + self.gaps.len();
+        let mut received = usize::from(at <= t);
+        for gap in &self.gaps {
+            at += *gap;
+            received += usize::from(at <= t);
+        }
+        self.tokens as f64 * received as f64 / chunks as f64
+    }
 }
 
 /// Runs the bench (see the module docs).
@@ -248,6 +266,8 @@ fn run_level(
     let total = c * args.rounds.max(1);
     let next = AtomicUsize::new(0);
     let started = Instant::now();
+    // When the first stream ran out of requests (ns from the start): until then every stream had one in flight.
+    let all_busy_until = AtomicU64::new(u64::MAX);
     let samples: Vec<Sample> = std::thread::scope(|s| {
         let workers: Vec<_> = (0..c)
             .map(|_| {
@@ -256,21 +276,26 @@ fn run_level(
                     loop {
                         let i = next.fetch_add(1, Ordering::Relaxed);
                         if i >= total {
+                            let now = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                            all_busy_until.fetch_min(now, Ordering::Relaxed);
                             return mine;
                         }
                         let prompt = &prompts[i % prompts.len()];
                         let max_tokens = completion_length(args.max_tokens, args.length_spread, i);
                         let request = (i % prompts.len(), max_tokens);
+                        let sent = started.elapsed();
                         let sample = complete(load, prompt, max_tokens)
                             .unwrap_or_else(|e| Sample { error: Some(format!("{e:#}")), ..Sample::default() });
-                        mine.push(Sample { request, ..sample });
+                        mine.push(Sample { request, sent, ..sample });
                     }
                 })
             })
             .collect();
         workers.into_iter().flat_map(|w| w.join().unwrap_or_default()).collect()
     });
-    let mut level = Level::of(c, &samples, started.elapsed());
+    let wall = started.elapsed();
+    let all_busy = Duration::from_nanos(all_busy_until.load(Ordering::Relaxed)).min(wall);
+    let mut level = Level::of(c, &samples, wall, all_busy);
     (level.texts_compared, level.texts_differing) = first_texts.compare(load.engine, load.extra, &samples);
     level.profile = before.zip(step_counters(load.api)).map(|(a, b)| StepProfile::between(&a, &b));
     Ok(level)

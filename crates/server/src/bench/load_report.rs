@@ -24,6 +24,12 @@ pub struct Level {
     pub wall_s: f64,
     /// Completion tokens of all requests over the level's wall time.
     pub tok_s: f64,
+    /// Completion tokens per second while every stream had a request in flight: from the level's start until the
+    /// first stream ran out of requests. The whole level's figure also holds its drain, the last completions
+    /// running beside ever fewer others, which is longer where streams drifted apart (speculation commits
+    /// different counts a step, so equal-length completions stop ending together).
+    pub all_busy_tok_s: f64,
+    pub all_busy_s: f64,
     pub ttft_p50_ms: f64,
     pub ttft_p99_ms: f64,
     /// Gaps between content chunks.
@@ -84,14 +90,16 @@ impl StepProfile {
 }
 
 impl Level {
-    /// The level's figures from its requests' samples, run in `wall`.
-    pub fn of(concurrency: usize, samples: &[Sample], wall: Duration) -> Level {
+    /// The level's figures from its requests' samples, run in `wall`, every stream busy for the first `all_busy`.
+    pub fn of(concurrency: usize, samples: &[Sample], wall: Duration, all_busy: Duration) -> Level {
         let ok: Vec<&Sample> = samples.iter().filter(|s| s.error.is_none()).collect();
         let tokens: usize = ok.iter().map(|s| s.tokens).sum();
         let ms = |d: &Duration| d.as_secs_f64() * 1e3;
         let mut ttft: Vec<f64> = ok.iter().filter_map(|s| s.ttft.as_ref().map(ms)).collect();
         let mut gaps: Vec<f64> = ok.iter().flat_map(|s| s.gaps.iter().map(ms)).collect();
         let wall_s = wall.as_secs_f64();
+        let all_busy_s = all_busy.as_secs_f64();
+        let busy_tokens: f64 = ok.iter().map(|s| s.tokens_by(all_busy)).sum();
         Level {
             concurrency,
             requests: samples.len(),
@@ -100,6 +108,8 @@ impl Level {
             tokens,
             wall_s,
             tok_s: if wall_s > 0.0 { tokens as f64 / wall_s } else { 0.0 },
+            all_busy_tok_s: if all_busy_s > 0.0 { busy_tokens / all_busy_s } else { 0.0 },
+            all_busy_s,
             ttft_p50_ms: percentile(&mut ttft, 0.50),
             ttft_p99_ms: percentile(&mut ttft, 0.99),
             itl_p50_ms: percentile(&mut gaps, 0.50),
@@ -118,9 +128,10 @@ impl Level {
         };
         let profile = self.profile.as_ref().map(|p| format!("; {}", p.summary())).unwrap_or_default();
         format!(
-            "{:.0} tok/s, TTFT p50 {:.1} ms p99 {:.1} ms, ITL p50 {:.2} ms p99 {:.2} ms, {} requests{errors}, \
-             {}{profile}",
+            "{:.0} tok/s ({:.0} while every stream was busy), TTFT p50 {:.1} ms p99 {:.1} ms, ITL p50 {:.2} ms p99 \
+             {:.2} ms, {} requests{errors}, {}{profile}",
             self.tok_s,
+            self.all_busy_tok_s,
             self.ttft_p50_ms,
             self.ttft_p99_ms,
             self.itl_p50_ms,
@@ -188,7 +199,7 @@ fn table(runs: &[ServerRun]) -> String {
     let mut levels: Vec<usize> = runs.iter().flat_map(|r| r.levels.iter().map(|l| l.concurrency)).collect();
     levels.sort_unstable();
     levels.dedup();
-    for c in levels {
+    for &c in &levels {
         let _ = write!(out, "\n| {c} |");
         for r in runs {
             match r.levels.iter().find(|l| l.concurrency == c) {
@@ -205,11 +216,40 @@ fn table(runs: &[ServerRun]) -> String {
         }
     }
     out.push('\n');
+    all_busy_table(&mut out, runs, &levels);
     agreement_lines(&mut out, runs);
     for r in runs {
         profile_table(&mut out, r);
     }
     out
+}
+
+/// Tok/s while every stream had a request in flight, by level, a column per server; past the first server, also
+/// its ratio to the first.
+fn all_busy_table(out: &mut String, runs: &[ServerRun], levels: &[usize]) {
+    let _ =
+        write!(out, "\nTok/s while every stream had a request in flight (until the first ran out of requests):\n\n");
+    out.push_str("| concurrent requests |");
+    for r in runs {
+        let _ = write!(out, " {} |", r.name);
+    }
+    let _ = write!(out, "\n| --- |{}", " --- |".repeat(runs.len()));
+    for &c in levels {
+        let _ = write!(out, "\n| {c} |");
+        let first = runs.first().and_then(|r| r.levels.iter().find(|l| l.concurrency == c)).map(|l| l.all_busy_tok_s);
+        for (i, r) in runs.iter().enumerate() {
+            match (r.levels.iter().find(|l| l.concurrency == c), first) {
+                (Some(l), Some(f)) if i > 0 && f > 0.0 => {
+                    let _ = write!(out, " {:.0} ({:.2}x) |", l.all_busy_tok_s, l.all_busy_tok_s / f);
+                }
+                (Some(l), _) => {
+                    let _ = write!(out, " {:.0} |", l.all_busy_tok_s);
+                }
+                (None, _) => out.push_str(" |"),
+            }
+        }
+    }
+    out.push('\n');
 }
 
 /// One line per run (server, or server and variant): how its greedy completions agree with the first text of the
@@ -312,7 +352,7 @@ mod tests {
     fn a_level_counts_tokens_over_its_wall_time_and_takes_nearest_rank_percentiles() {
         let failed = Sample { error: Some("HTTP 503".into()), ..Sample::default() };
         let samples = [sample(10, &[1, 2], 3), sample(30, &[4], 2), failed];
-        let l = Level::of(2, &samples, Duration::from_secs(2));
+        let l = Level::of(2, &samples, Duration::from_secs(2), Duration::from_secs(2));
         assert_eq!((l.requests, l.errors, l.tokens), (3, 1, 5));
         assert!((l.tok_s - 2.5).abs() < 1e-9);
         assert_eq!((l.ttft_p50_ms, l.ttft_p99_ms), (10.0, 30.0));
@@ -322,9 +362,29 @@ mod tests {
     }
 
     #[test]
+    fn the_busy_window_counts_the_tokens_received_in_it_pro_rata_by_chunks() {
+        // Sent at 0 and 100 ms; chunks at 10, 20, 30, 40 ms and 150, 250 ms.
+        let early = sample(10, &[10, 10, 10], 8);
+        let late = Sample { sent: Duration::from_millis(100), ..sample(50, &[100], 6) };
+        assert_eq!(early.tokens_by(Duration::from_millis(25)), 4.0);
+        assert_eq!(late.tokens_by(Duration::from_millis(200)), 3.0);
+        assert_eq!(late.tokens_by(Duration::from_millis(100)), 0.0);
+        let l = Level::of(2, &[early, late], Duration::from_millis(250), Duration::from_millis(200));
+        assert!((l.tok_s - 14.0 / 0.25).abs() < 1e-9);
+        // By 200 ms: all 8 of the first, 3 of the second's 6.
+        assert!((l.all_busy_tok_s - 11.0 / 0.2).abs() < 1e-9, "{}", l.all_busy_tok_s);
+        assert!((l.all_busy_s - 0.2).abs() < 1e-12);
+    }
+
+    #[test]
     fn reports_are_written_with_a_column_group_per_server() {
-        let level =
-            |c, tok_s| Level { concurrency: c, tok_s, ..Level::of(c, &[sample(5, &[1], 4)], Duration::from_secs(1)) };
+        let one = Duration::from_secs(1);
+        let level = |c, tok_s| Level {
+            concurrency: c,
+            tok_s,
+            all_busy_tok_s: tok_s * 1.1,
+            ..Level::of(c, &[sample(5, &[1], 4)], one, one)
+        };
         let runs = [
             ServerRun { name: "a".into(), levels: vec![level(1, 100.0), level(8, 500.0)] },
             ServerRun { name: "b".into(), levels: vec![level(1, 80.0)] },
@@ -334,6 +394,7 @@ mod tests {
         assert!(table.contains("| 8 | 500 |"), "{table}");
         assert!(table.contains("| 1 | 100 |") && table.contains(" 80 |"), "{table}");
         assert!(table.contains("* a: no repeated request"), "{table}");
+        assert!(table.contains("| 1 | 110 | 88 (0.80x) |") && table.contains("| 8 | 550 | |"), "{table}");
         let differing = Level { texts_compared: 4, texts_differing: 1, ..level(1, 1.0) };
         let agreeing = Level { texts_compared: 4, ..level(1, 1.0) };
         assert_eq!(differing.agreement(), "1 of 4 repeated requests DIFFER from the first text");
