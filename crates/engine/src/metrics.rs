@@ -96,6 +96,9 @@ pub struct EngineMetrics {
     step_retries: AtomicU64,
     /// Rows of every step's forward, summed (rows per step = this over `steps`).
     step_rows: AtomicU64,
+    /// Sequences of every step, summed (sequences per step = this over `steps`: fewer than the requests in flight
+    /// where some sit between their prompt and their first step, or between completions).
+    step_seqs: AtomicU64,
     /// Steps with prompt rows (the CUDA targets run them eagerly: no graph has their shape).
     prompt_steps: AtomicU64,
     /// Nanoseconds of every step in each [`StepPhase`], summed.
@@ -143,6 +146,7 @@ impl Default for EngineMetrics {
             steps: AtomicU64::new(0),
             step_retries: AtomicU64::new(0),
             step_rows: AtomicU64::new(0),
+            step_seqs: AtomicU64::new(0),
             prompt_steps: AtomicU64::new(0),
             step_phase_ns: std::array::from_fn(|_| AtomicU64::new(0)),
             spec_rounds: AtomicU64::new(0),
@@ -280,6 +284,7 @@ impl EngineMetrics {
     ) {
         self.steps.fetch_add(1, Ordering::Relaxed);
         self.step_rows.fetch_add(rows as u64, Ordering::Relaxed);
+        self.step_seqs.fetch_add(seqs as u64, Ordering::Relaxed);
         self.prompt_steps.fetch_add(u64::from(prompt_rows > 0), Ordering::Relaxed);
         for (phase, took) in phases {
             let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
@@ -402,6 +407,7 @@ impl EngineMetrics {
             ("dflash_preemptions_total", "Sequences preempted for lack of KV pages.", &self.preemptions),
             ("dflash_engine_steps_total", "Batched forward steps run.", &self.steps),
             ("dflash_step_rows_total", "Rows of every step's forward, summed.", &self.step_rows),
+            ("dflash_step_sequences_total", "Sequences of every step's forward, summed.", &self.step_seqs),
             ("dflash_prompt_steps_total", "Steps with prompt rows.", &self.prompt_steps),
             (
                 "dflash_step_retries_total",

@@ -323,6 +323,7 @@ fn step_counters(api: &str) -> Option<Vec<(String, f64)>> {
     let wanted = [
         "dflash_engine_steps_total ",
         "dflash_step_rows_total ",
+        "dflash_step_sequences_total ",
         "dflash_prompt_steps_total ",
         "dflash_step_seconds_total{",
     ];

@@ -48,6 +48,7 @@ pub struct Level {
 pub struct StepProfile {
     pub steps: f64,
     pub rows_per_step: f64,
+    pub sequences_per_step: f64,
     /// Share of the steps with prompt rows.
     pub prompt_step_share: f64,
     /// (phase, ms per step), in step order.
@@ -71,6 +72,7 @@ impl StepProfile {
         StepProfile {
             steps,
             rows_per_step: per_step(delta("dflash_step_rows_total")),
+            sequences_per_step: per_step(delta("dflash_step_sequences_total")),
             prompt_step_share: per_step(delta("dflash_prompt_steps_total")),
             ms_per_step,
         }
@@ -80,9 +82,10 @@ impl StepProfile {
     pub fn summary(&self) -> String {
         let phases: Vec<String> = self.ms_per_step.iter().map(|(p, ms)| format!("{p} {ms:.3}")).collect();
         format!(
-            "{:.0} steps of {:.1} rows ({:.0}% with prompt rows), ms per step: {}",
+            "{:.0} steps of {:.1} rows over {:.1} sequences ({:.0}% with prompt rows), ms per step: {}",
             self.steps,
             self.rows_per_step,
+            self.sequences_per_step,
             self.prompt_step_share * 1e2,
             phases.join(", ")
         )
@@ -264,19 +267,23 @@ fn agreement_lines(out: &mut String, runs: &[ServerRun]) {
     out.push('\n');
 }
 
-/// The engine's step profile by level, for a server that exports it: rows per step and ms per step by phase.
+/// The engine's step profile by level, for a server that exports it: rows and sequences per step and ms per step
+/// by phase.
 fn profile_table(out: &mut String, run: &ServerRun) {
     let Some(first) = run.levels.iter().find_map(|l| l.profile.as_ref()) else { return };
     let phases: Vec<&str> = first.ms_per_step.iter().map(|(p, _)| p.as_str()).collect();
-    let _ =
-        write!(out, "\n{}: engine steps, ms per step by phase\n\n| concurrent requests | rows per step |", run.name);
+    let _ = write!(
+        out,
+        "\n{}: engine steps, ms per step by phase\n\n| concurrent requests | rows per step | sequences per step |",
+        run.name
+    );
     for p in &phases {
         let _ = write!(out, " {p} |");
     }
-    let _ = write!(out, " step |\n| --- | --- |{}", " --- |".repeat(phases.len() + 1));
+    let _ = write!(out, " step |\n| --- | --- | --- |{}", " --- |".repeat(phases.len() + 1));
     for l in &run.levels {
         let Some(p) = &l.profile else { continue };
-        let _ = write!(out, "\n| {} | {:.1} |", l.concurrency, p.rows_per_step);
+        let _ = write!(out, "\n| {} | {:.1} | {:.1} |", l.concurrency, p.rows_per_step, p.sequences_per_step);
         for (_, ms) in &p.ms_per_step {
             let _ = write!(out, " {ms:.3} |");
         }
