@@ -38,7 +38,7 @@ run() { # run WHAT NAME CMD...: one measurement into OUT/WHAT-NAME-ROUND
         "$@" bench serve --start "plain=$S --no-drafter --no-pld" "${extra[@]}" --start "served=$S" \
             --concurrency 1,8,64 --max-tokens 128 --rounds "$ROUNDS" --length-spread "$SPREAD" --out-dir "$dir" \
             >"$dir/log" 2>&1
-        echo "== $what $name $round"; sed -n '/^| concurrent/,/^$/p' "$dir/serve-load.md" | head -6
+        echo "== $what $name $round"; sed -n '/^| concurrent/,/^$/p' "$dir/serve-load.md" | head -12
         grep -E "^\* .*repeated request" "$dir/serve-load.md" || true ;;
     lanes)
         "$@" bench --device cuda lanes --lanes plain,pld,dflash,dflash-fixed --per-group 2 --max-tokens 128 \
