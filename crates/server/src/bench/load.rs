@@ -114,7 +114,7 @@ pub fn run(args: &LoadArgs) -> Result<()> {
         let mut server_runs: Vec<ServerRun> = Vec::new();
         for variant in &variants {
             let warm_up = Load { api: &server.api, engine: &server.engine, model: &model, extra: &variant.extra };
-            complete(&warm_up, &prompts[0], args.max_tokens.min(16)).context("the warm-up request")?;
+            complete(&warm_up, &prompts[0], args.max_tokens.min(16), Instant::now()).context("the warm-up request")?;
             server_runs.push(ServerRun { name: variant.run_name(&server.name), levels: Vec::new() });
         }
         for &c in &levels {
@@ -283,10 +283,9 @@ fn run_level(
                         let prompt = &prompts[i % prompts.len()];
                         let max_tokens = completion_length(args.max_tokens, args.length_spread, i);
                         let request = (i % prompts.len(), max_tokens);
-                        let sent = started.elapsed();
-                        let sample = complete(load, prompt, max_tokens)
+                        let sample = complete(load, prompt, max_tokens, started)
                             .unwrap_or_else(|e| Sample { error: Some(format!("{e:#}")), ..Sample::default() });
-                        mine.push(Sample { request, sent, ..sample });
+                        mine.push(Sample { request, ..sample });
                     }
                 })
             })
@@ -335,8 +334,9 @@ fn step_counters(api: &str) -> Option<Vec<(String, f64)>> {
     (!counters.is_empty()).then_some(counters)
 }
 
-/// One streamed, greedy chat completion of `max_tokens` tokens (fewer when a variant's grammar ends it).
-fn complete(load: &Load<'_>, prompt: &str, max_tokens: usize) -> Result<Sample> {
+/// One streamed, greedy chat completion of `max_tokens` tokens (fewer when a variant's grammar ends it); its times
+/// from `level_start`.
+fn complete(load: &Load<'_>, prompt: &str, max_tokens: usize, level_start: Instant) -> Result<Sample> {
     let mut body = json!({
         "model": load.model,
         "messages": [{"role": "user", "content": prompt}],
@@ -356,7 +356,7 @@ fn complete(load: &Load<'_>, prompt: &str, max_tokens: usize) -> Result<Sample> 
         Err(ureq::Error::Status(code, r)) => bail!("HTTP {code}: {}", r.into_string().unwrap_or_default()),
         Err(e) => return Err(e.into()),
     };
-    let mut sample = Sample::default();
+    let mut sample = Sample { sent: sent - level_start, ..Sample::default() };
     let mut last = None;
     for line in BufReader::new(response.into_reader()).lines() {
         let line = line.context("reading the stream")?;

@@ -48,7 +48,8 @@ pub struct Level {
 pub struct StepProfile {
     pub steps: f64,
     pub rows_per_step: f64,
-    pub sequences_per_step: f64,
+    /// `None` for a server that does not count them.
+    pub sequences_per_step: Option<f64>,
     /// Share of the steps with prompt rows.
     pub prompt_step_share: f64,
     /// (phase, ms per step), in step order.
@@ -72,20 +73,28 @@ impl StepProfile {
         StepProfile {
             steps,
             rows_per_step: per_step(delta("dflash_step_rows_total")),
-            sequences_per_step: per_step(delta("dflash_step_sequences_total")),
+            sequences_per_step: after
+                .iter()
+                .any(|(k, _)| k == "dflash_step_sequences_total")
+                .then(|| per_step(delta("dflash_step_sequences_total"))),
             prompt_step_share: per_step(delta("dflash_prompt_steps_total")),
             ms_per_step,
         }
+    }
+
+    /// Sequences per step, or "-" where the server does not count them.
+    fn sequences(&self) -> String {
+        self.sequences_per_step.map_or_else(|| "-".to_string(), |n| format!("{n:.1}"))
     }
 
     /// `phase ms` pairs and the rows per step, for logs and tables.
     pub fn summary(&self) -> String {
         let phases: Vec<String> = self.ms_per_step.iter().map(|(p, ms)| format!("{p} {ms:.3}")).collect();
         format!(
-            "{:.0} steps of {:.1} rows over {:.1} sequences ({:.0}% with prompt rows), ms per step: {}",
+            "{:.0} steps of {:.1} rows over {} sequences ({:.0}% with prompt rows), ms per step: {}",
             self.steps,
             self.rows_per_step,
-            self.sequences_per_step,
+            self.sequences(),
             self.prompt_step_share * 1e2,
             phases.join(", ")
         )
@@ -283,7 +292,7 @@ fn profile_table(out: &mut String, run: &ServerRun) {
     let _ = write!(out, " step |\n| --- | --- | --- |{}", " --- |".repeat(phases.len() + 1));
     for l in &run.levels {
         let Some(p) = &l.profile else { continue };
-        let _ = write!(out, "\n| {} | {:.1} | {:.1} |", l.concurrency, p.rows_per_step, p.sequences_per_step);
+        let _ = write!(out, "\n| {} | {:.1} | {} |", l.concurrency, p.rows_per_step, p.sequences());
         for (_, ms) in &p.ms_per_step {
             let _ = write!(out, " {ms:.3} |");
         }
@@ -374,6 +383,8 @@ mod tests {
         let early = sample(10, &[10, 10, 10], 8);
         let late = Sample { sent: Duration::from_millis(100), ..sample(50, &[100], 6) };
         assert_eq!(early.tokens_by(Duration::from_millis(25)), 4.0);
+        assert_eq!(early.tokens_by(Duration::from_millis(20)), 4.0, "a chunk at the window's end is in it");
+        assert_eq!(early.tokens_by(Duration::from_millis(9)), 0.0);
         assert_eq!(late.tokens_by(Duration::from_millis(200)), 3.0);
         assert_eq!(late.tokens_by(Duration::from_millis(100)), 0.0);
         let l = Level::of(2, &[early, late], Duration::from_millis(250), Duration::from_millis(200));

@@ -5,8 +5,8 @@
 //!
 //! Per model: one sequence with a 128-token prompt (`--prompt`; prefill timed), then `--steps` greedy decode steps
 //! (each one forward: inputs in, graph replay, ids out, one synchronisation), then steps of 1..16 sequences
-//! (`--seqs`; each both ways: ids out, and logits out with the argmax taken on the host) and verify steps of 1..16
-//! rows. Every step is timed on the host clock (it ends with a synchronisation); medians are
+//! (`--seqs`; each both ways: ids out, and logits out with the argmax taken on the host; with `--mixed-rows R` also
+//! with the first sequence verifying R rows, the mixed step of a drafting server) and verify steps of 1..16 rows. Every step is timed on the host clock (it ends with a synchronisation); medians are
 //! printed with the bytes a step must read (weights + KV) and the ratio of the floor (those bytes at 4.3 TB/s) to
 //! the time.
 
@@ -135,12 +135,15 @@ mod gpu {
     fn run_model(model: &CudaLlamaModel, a: &ShapesArgs) -> Result<()> {
         let (steps, n) = (a.steps, a.prompt.max(1));
         let c = model.config();
-        let max_len = n.max(PROMPT) + steps + 64;
+        // A mixed batch step's first sequence verifies up to `mixed` rows past the 24 batch steps' contexts.
+        let mixed = a.mixed_rows.unwrap_or(1) as usize;
+        let max_len = n.max(PROMPT) + steps + 64 + mixed;
         let pages_per_seq = max_len.div_ceil(PAGE);
         let max_seqs = a.seqs.iter().copied().max().unwrap_or(1).max(16);
-        let mut cfg =
-            CudaCacheConfig::new(max_seqs * pages_per_seq + 1, PAGE, n.max(256).max(max_seqs), max_seqs, max_len);
-        cfg.max_logit_rows = max_seqs.max(256);
+        let max_rows = n.max(256).max(max_seqs + mixed - 1);
+        let mut cfg = CudaCacheConfig::new(max_seqs * pages_per_seq + 1, PAGE, max_rows, max_seqs, max_len);
+        cfg.max_logit_rows = max_rows;
+        cfg.max_decode_rows = cfg.max_decode_rows.max(max_seqs + mixed - 1);
         let mut cache = model.new_cache(cfg)?;
         let floor_ms = model.weight_bytes() as f64 / FLOOR_BYTES_PER_S * 1e3;
         println!(
@@ -220,8 +223,16 @@ mod gpu {
         readout: Readout,
     ) -> Result<Vec<u32>> {
         let mut all = Vec::new();
-        let (mut positions, mut slots, mut seqs) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut positions, mut slots, mut seqs, mut logit_rows) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for ((t, &c), table) in tokens.iter().zip(ctx).zip(tables) {
+            // A decode or verify sequence reads every row's logits (a verify needs each row's); a prompt its last.
+            let first = all.len() as u32;
+            let rows = first..first + t.len() as u32;
+            if c < prompt_len {
+                logit_rows.extend(rows.last());
+            } else {
+                logit_rows.extend(rows);
+            }
             all.extend_from_slice(t);
             for p in c..c + t.len() {
                 positions.push(p as u32);
@@ -229,12 +240,6 @@ mod gpu {
             }
             seqs.push(SeqRows { num_rows: t.len(), context_len: c, block_table: table, prompt_len });
         }
-        // Decode and verify steps read every row's logits (a verify needs each row's); a prompt only its last.
-        let logit_rows: Vec<u32> = if tokens.len() > 1 || all.len() <= 16 {
-            (0..all.len() as u32).collect()
-        } else {
-            vec![all.len() as u32 - 1]
-        };
         let batch =
             ForwardBatch { tokens: &all, positions: &positions, seqs: &seqs, slots: &slots, logit_rows: &logit_rows };
         let mut out = model.forward_as(&batch, cache, readout)?;
@@ -261,7 +266,7 @@ mod gpu {
             let prompt: Vec<u32> = (0..PROMPT as u32).map(|i| (i * 31 + s as u32 * 101) % vocab).collect();
             step(model, cache, &[&prompt], &[0], &[table], PROMPT)?;
         }
-        let mixed_head = mixed_rows.map(|r| format!(" {:>16}", format!("ms, 1 seq {r} rows"))).unwrap_or_default();
+        let mixed_head = mixed_rows.map(|r| format!(" {:>18}", format!("ms, 1 seq {r} rows"))).unwrap_or_default();
         println!(
             "{:>6} {:>12} {:>12} {:>16} {:>12} {:>10}{mixed_head}",
             "seqs", "ms/step", "tok/s", "ms with logits", "floor ms", "floor/t"
@@ -273,7 +278,7 @@ mod gpu {
                 *m = batch_median(model, cache, &tabs, 1, readout)?;
             }
             let mixed = match mixed_rows {
-                Some(r) => format!(" {:>16.4}", batch_median(model, cache, &tabs, r, Readout::Argmax)?),
+                Some(r) => format!(" {:>18.4}", batch_median(model, cache, &tabs, r, Readout::Argmax)?),
                 None => String::new(),
             };
             let floor = step_bytes(model, b, PROMPT + 12) / FLOOR_BYTES_PER_S * 1e3;
