@@ -372,7 +372,7 @@ extern "C" __global__ void __launch_bounds__(32)
     }
 }
 
-// dflash2_walk with each slot's operands staged in shared memory first (DFLASH_DRAFT_WALK=staged): the k candidates'
+// dflash2_walk with each slot's operands staged in shared memory first (the default where it fits; DFLASH_DRAFT_WALK=plain keeps the other): the k candidates'
 // successor rows, the slot's projected row and the predecessor row of the token before it, every element copied by
 // cp.async with none waited on until all are issued (one memory round trip a slot), so that a lane's sum over the
 // rank reads shared memory instead of waiting on its own row's loads (0.14-0.17 ms for a walk of 15 slots at rank

@@ -65,12 +65,12 @@ pub struct Switches {
     /// `DFLASH_DRAFT_SUMMARY=0`: a drafter pass on a device copies every draft logit back, as before passes
     /// summarised each slot there.
     pub no_draft_summary: bool,
-    /// `DFLASH_DRAFT_TOPK=select`: the drafter's logit summary finds each block's best k by warp-wide selection
-    /// instead of sorting the block's values (entry 118; the same outputs).
-    pub draft_top_k_select: bool,
-    /// `DFLASH_DRAFT_WALK=staged`: DFlash2's walk stages each slot's codebook rows in shared memory before scoring
-    /// (entry 118; the same path).
-    pub draft_walk_staged: bool,
+    /// `DFLASH_DRAFT_TOPK=sort`: the drafter's logit summary sorts each block's values to find its best k, as before
+    /// warp-wide selection (entries 118, 120; the same outputs).
+    pub draft_top_k_sort: bool,
+    /// `DFLASH_DRAFT_WALK=plain`: DFlash2's walk reads each slot's codebook rows from global memory as it scores,
+    /// as before they were staged in shared memory (entries 118, 120; the same path).
+    pub draft_walk_plain: bool,
     /// `DFLASH_DRAFT_GRAPH=0`: a drafter pass on a device launches its kernels one by one every time instead of
     /// replaying a CUDA graph of them.
     pub no_draft_graph: bool,
@@ -114,8 +114,8 @@ impl Switches {
             no_step_gate: is("DFLASH_STEP_GATE", "0"),
             no_capture_pages: is("DFLASH_CAPTURE_PAGES", "0"),
             no_draft_summary: is("DFLASH_DRAFT_SUMMARY", "0"),
-            draft_top_k_select: is("DFLASH_DRAFT_TOPK", "select"),
-            draft_walk_staged: is("DFLASH_DRAFT_WALK", "staged"),
+            draft_top_k_sort: is("DFLASH_DRAFT_TOPK", "sort"),
+            draft_walk_plain: is("DFLASH_DRAFT_WALK", "plain"),
             no_draft_graph: is("DFLASH_DRAFT_GRAPH", "0"),
             draft_tf32: is("DFLASH_DRAFT_TF32", "1"),
             no_draft_bf16: is("DFLASH_DRAFT_BF16", "0"),
@@ -163,8 +163,8 @@ mod tests {
             ("DFLASH_STEP_GATE", "0"),
             ("DFLASH_CAPTURE_PAGES", "0"),
             ("DFLASH_DRAFT_SUMMARY", "0"),
-            ("DFLASH_DRAFT_TOPK", "select"),
-            ("DFLASH_DRAFT_WALK", "staged"),
+            ("DFLASH_DRAFT_TOPK", "sort"),
+            ("DFLASH_DRAFT_WALK", "plain"),
             ("DFLASH_DRAFT_GRAPH", "0"),
             ("DFLASH_DRAFT_TF32", "1"),
             ("DFLASH_DRAFT_BF16", "0"),
@@ -193,8 +193,8 @@ mod tests {
             no_step_gate: true,
             no_capture_pages: true,
             no_draft_summary: true,
-            draft_top_k_select: true,
-            draft_walk_staged: true,
+            draft_top_k_sort: true,
+            draft_walk_plain: true,
             no_draft_graph: true,
             draft_tf32: true,
             no_draft_bf16: true,

@@ -226,11 +226,11 @@ pub(crate) struct Kernels {
     pub dflash_conv: CudaFunction,
     pub draft_top_k_part: CudaFunction,
     pub draft_top_k_merge: CudaFunction,
-    /// The summary's two launches by selection (`DFLASH_DRAFT_TOPK=select`; entry 118).
+    /// The summary's two launches by selection (the default; `DFLASH_DRAFT_TOPK=sort` keeps the sorting ones; entries 118, 120).
     pub draft_top_k_part_select: CudaFunction,
     pub draft_top_k_merge_select: CudaFunction,
     pub dflash2_walk: CudaFunction,
-    /// The walk with each slot's operands staged in shared memory (`DFLASH_DRAFT_WALK=staged`; entry 118).
+    /// The walk with each slot's operands staged in shared memory (the default where it fits; `DFLASH_DRAFT_WALK=plain` keeps the other; entries 118, 120).
     pub dflash2_walk_staged: CudaFunction,
     pub sample_rows: CudaFunction,
 }

@@ -125,7 +125,7 @@ pub fn draft_top_k_scratch(rows: usize, row_len: usize, k: usize) -> usize {
 /// How [`draft_top_k_on`] finds each block's best `k`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TopKKernel {
-    /// `DFLASH_DRAFT_TOPK=select` picks [`TopKKernel::Select`], else [`TopKKernel::Sort`].
+    /// [`TopKKernel::Select`], or [`TopKKernel::Sort`] under `DFLASH_DRAFT_TOPK=sort`.
     Auto,
     /// `draft_top_k_part` / `_merge`: each block sorts all of its values (bitonic, in shared memory).
     Sort,
@@ -194,7 +194,7 @@ pub fn draft_top_k_on<'a>(
         (dim(row_len, "row_len")?, dim(k, "k")?, dim(chunk, "chunk")?, dim(parts, "parts")?);
     let softcap = scale.softcap.unwrap_or(0.0);
     let select = match kernel {
-        TopKKernel::Auto => crate::switches::switches().draft_top_k_select,
+        TopKKernel::Auto => !crate::switches::switches().draft_top_k_sort,
         TopKKernel::Sort => false,
         TopKKernel::Select => true,
     };
@@ -264,7 +264,7 @@ pub fn dflash2_walk<'a>(
     blocks: WalkBlocks<'a>,
     path: impl DevArg<'a, u32>,
 ) -> Result<()> {
-    let staged = crate::switches::switches().draft_walk_staged;
+    let staged = !crate::switches::switches().draft_walk_plain;
     dflash2_walk_on(dev, summary, k, token_ids, projected, selector, blocks, path, staged)
 }
 
