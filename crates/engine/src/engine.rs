@@ -190,6 +190,7 @@ impl Engine {
             prefix_cache_checkpoints: budget.checkpoints,
             prompt_cut_alignment: target.prompt_cut_alignment(),
         };
+        let padding = target.step_padding();
         let engine = Engine {
             page_size: cfg.page_size,
             target,
@@ -198,7 +199,9 @@ impl Engine {
             metrics,
             context_window: cfg.context_window,
             eos_ids: cfg.eos_ids,
-            round_costs: SharedCosts::new(CostTable::new(widest_round(&cfg.spec, drafter.as_ref()))),
+            round_costs: SharedCosts::new(
+                CostTable::new(widest_round(&cfg.spec, drafter.as_ref())).with_padding(padding),
+            ),
             costs_probed: false,
             step_gate: StepGate::default(),
             draft_gate: StepGate::for_drafts(),
@@ -248,7 +251,7 @@ impl Engine {
             });
         }
         let widest = self.round_costs.lock().widest_round().max(mtp.depth.max() + 1);
-        self.round_costs = SharedCosts::new(CostTable::new(widest));
+        self.round_costs = SharedCosts::new(CostTable::new(widest).with_padding(self.target.step_padding()));
         self.mtp = Some(mtp);
         // The head reads its rows on the host, cached prompts' included; the block drafter then takes its rows as
         // steps run too, rather than from the target's pages.
@@ -265,7 +268,7 @@ impl Engine {
     /// show, such as a benchmark's oracle lanes); call it before the cost probe.
     pub fn widen_rounds(&mut self, rows: usize) {
         let widest = self.round_costs.lock().widest_round().max(rows);
-        self.round_costs = SharedCosts::new(CostTable::new(widest));
+        self.round_costs = SharedCosts::new(CostTable::new(widest).with_padding(self.target.step_padding()));
     }
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {

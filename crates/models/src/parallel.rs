@@ -203,6 +203,11 @@ impl Target for TensorParallelTarget {
         self.ranks.iter().map(|rank| rank.graphs_captured()).sum()
     }
 
+    fn step_padding(&self) -> Option<crate::StepPadding> {
+        // Every rank runs the same step shapes.
+        self.ranks.first().and_then(|rank| rank.step_padding())
+    }
+
     /// Every rank's snapshot, in rank order.
     fn snapshot_state(&self, key: u64) -> Option<Vec<f32>> {
         let mut all = Vec::new();

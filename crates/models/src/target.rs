@@ -15,6 +15,7 @@ use dflash_runtime::Tensor;
 use crate::batch::{ForwardBatch, ForwardOut, Readout, StepDraws};
 use crate::config::ModelConfig;
 use crate::error::Result;
+use crate::step_padding::StepPadding;
 
 /// One sequence of a step's batch, as targets with per-sequence state see it (`batch.seqs[i]` is `seqs[i]`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,6 +105,12 @@ pub trait Target: Send {
     /// its shape costs.
     fn graphs_captured(&self) -> usize {
         0
+    }
+
+    /// The graph buckets the target pads its decode and verify steps to ([`StepPadding`]): a step costs what its
+    /// padded rows cost, so the round policy prices rows by them. `None` (the default): steps run their own rows.
+    fn step_padding(&self) -> Option<StepPadding> {
+        None
     }
 
     /// Whether a step's captured rows also stay on the target's device ([`crate::ForwardOut::device_captured`]), and

@@ -56,6 +56,9 @@ pub struct Switches {
     /// `DFLASH_OVERLAP_STREAMS=0`: a device target's engine streams a step's tokens right after its commits
     /// instead of while the next step runs on the device (entry 96).
     pub no_overlap_streams: bool,
+    /// `DFLASH_PADDED_PRICES=0`: the round policy prices a step by its rows, not by the rows of the graph the
+    /// target pads it to (entry 121).
+    pub no_padded_prices: bool,
     /// `DFLASH_STEP_GATE=0`: every step runs the drafter pass its lanes planned, whatever the step gate measured.
     pub no_step_gate: bool,
     /// `DFLASH_CAPTURE_PAGES=0`: a drafter on the target's device takes every step's captured rows as they come,
@@ -111,6 +114,7 @@ impl Switches {
             graph_pow2_buckets: is("DFLASH_GRAPH_BUCKETS", "pow2"),
             no_mixed_graphs: is("DFLASH_MIXED_GRAPHS", "0"),
             no_overlap_streams: is("DFLASH_OVERLAP_STREAMS", "0"),
+            no_padded_prices: is("DFLASH_PADDED_PRICES", "0"),
             no_step_gate: is("DFLASH_STEP_GATE", "0"),
             no_capture_pages: is("DFLASH_CAPTURE_PAGES", "0"),
             no_draft_summary: is("DFLASH_DRAFT_SUMMARY", "0"),
@@ -160,6 +164,7 @@ mod tests {
             ("DFLASH_GRAPH_BUCKETS", "pow2"),
             ("DFLASH_MIXED_GRAPHS", "0"),
             ("DFLASH_OVERLAP_STREAMS", "0"),
+            ("DFLASH_PADDED_PRICES", "0"),
             ("DFLASH_STEP_GATE", "0"),
             ("DFLASH_CAPTURE_PAGES", "0"),
             ("DFLASH_DRAFT_SUMMARY", "0"),
@@ -190,6 +195,7 @@ mod tests {
             graph_pow2_buckets: true,
             no_mixed_graphs: true,
             no_overlap_streams: true,
+            no_padded_prices: true,
             no_step_gate: true,
             no_capture_pages: true,
             no_draft_summary: true,

@@ -306,6 +306,12 @@ impl<X> CudaCache<X> {
         &self.cfg
     }
 
+    /// The graph buckets its decode and verify steps pad to (`mixed`: steps of different row counts replay graphs
+    /// too); `None` with graphs off.
+    pub fn step_padding(&self, mixed: bool) -> Option<crate::StepPadding> {
+        self.cfg.graphs.then(|| super::plan::step_padding(&self.cfg, mixed))
+    }
+
     /// Graphs captured so far (one per batch bucket, rows per sequence and key bucket seen).
     pub fn graph_count(&self) -> usize {
         self.graphs.len()

@@ -13,6 +13,7 @@ use super::cache::{CudaCacheConfig, GraphKey};
 use super::error::{CudaModelError, Result};
 use crate::batch::ForwardBatch;
 use crate::config::ModelConfig;
+use crate::step_padding::StepPadding;
 
 /// Rows per attention tile (prompt tiles, decode / verify tiles) and the prompt kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -263,27 +264,18 @@ pub(crate) fn graph_key(batch: &ForwardBatch, cfg: &CudaCacheConfig, kv_heads: u
     Some(GraphKey { seqs, rows, tokens, long_keys: long_keys(batch), class_cut, keys })
 }
 
-/// Sequences, rows per sequence and rows in all of the graph step `batch` replays. Sequences with the same rows
-/// pad the sequences to a bucket ([`graph_seqs`]), each padded one with those rows. A step whose sequences verify
-/// different counts of drafts (with `mixed`) pads its rows in all to a bucket too, and its most rows per sequence
-/// to a power of two; the padded rows go to padded sequences, at most that many each (so a graph's attention keeps
-/// its tiles' shape), and some padded sequences may have none.
+/// Sequences, rows per sequence and rows in all of the graph step `batch` replays ([`StepPadding::shape`] within
+/// the cache's capacities); with `mixed`, also for batches whose sequences have different row counts.
 fn graph_shape(batch: &ForwardBatch, cfg: &CudaCacheConfig, mixed: bool) -> Option<(usize, usize, usize)> {
-    let limit = cfg.max_tokens.min(cfg.max_decode_rows).min(cfg.max_logit_rows);
-    let fits = |&(seqs, _, tokens): &(usize, usize, usize)| seqs <= graph_seq_limit(cfg) && tokens <= limit;
-    let n = batch.seqs.len();
-    let first = batch.seqs.first()?.num_rows;
-    if batch.seqs.iter().all(|s| s.num_rows == first) {
-        return [graph_seqs(n), n].into_iter().map(|s| (s, first, s * first)).find(fits);
-    }
-    if !mixed {
-        return None;
-    }
-    let rows = batch.seqs.iter().map(|s| s.num_rows).max()?.next_power_of_two();
-    let total: usize = batch.seqs.iter().map(|s| s.num_rows).sum();
-    let tokens = graph_seqs(total);
-    let padded = (graph_seqs(n + (tokens - total).div_ceil(rows)), rows, tokens);
-    [padded, (n, rows, total)].into_iter().find(fits)
+    let widest = batch.seqs.iter().map(|s| s.num_rows).max()?;
+    let total = batch.seqs.iter().map(|s| s.num_rows).sum();
+    step_padding(cfg, mixed).shape(batch.seqs.len(), widest, total)
+}
+
+/// The graph buckets of steps within `cfg` (`mixed`: steps of different row counts replay graphs too).
+pub(crate) fn step_padding(cfg: &CudaCacheConfig, mixed: bool) -> StepPadding {
+    let max_rows = cfg.max_tokens.min(cfg.max_decode_rows).min(cfg.max_logit_rows);
+    StepPadding { max_rows, max_seqs: graph_seq_limit(cfg), mixed }
 }
 
 /// The most sequences a graph step may be padded to: past the cache's, room for the padded sequences that hold a
@@ -291,18 +283,6 @@ fn graph_shape(batch: &ForwardBatch, cfg: &CudaCacheConfig, mixed: bool) -> Opti
 /// the cache's sequences rounded up to a power of two.)
 fn graph_seq_limit(cfg: &CudaCacheConfig) -> usize {
     2 * cfg.max_seqs
-}
-
-/// Sequences a graph step of `n` sequences is padded to: a power of two up to 16, past it the next multiple of an
-/// eighth of `n`'s power of two (20, 24, 28, 32, 40, 48, ...), so a step pads less than a quarter of its sequences
-/// where powers of two padded up to half (20 sequences ran as 32: entry 98). `DFLASH_GRAPH_BUCKETS=pow2` pads to
-/// powers of two.
-pub(crate) fn graph_seqs(n: usize) -> usize {
-    if n <= 16 || dflash_runtime::switches::switches().graph_pow2_buckets {
-        return n.next_power_of_two();
-    }
-    let step = n.next_power_of_two() / 8;
-    n.div_ceil(step) * step
 }
 
 /// Fewest keys a graph step's attention is launched for.
@@ -661,19 +641,6 @@ mod tests {
             }
         }
         assert!(layouts.keys().any(|k| k.tokens < k.seqs * k.rows), "some keys are mixed");
-    }
-
-    #[test]
-    fn graph_steps_pad_to_fine_buckets() {
-        let buckets: Vec<usize> = [1, 3, 5, 9, 16, 17, 20, 24, 33, 63, 64, 65, 100, 128, 129, 200, 256]
-            .iter()
-            .map(|&n| graph_seqs(n))
-            .collect();
-        assert_eq!(buckets, [1, 4, 8, 16, 16, 20, 20, 24, 40, 64, 64, 80, 112, 128, 160, 224, 256]);
-        for n in 17..=1024 {
-            let b = graph_seqs(n);
-            assert!(b >= n && 4 * (b - n) < n, "{n} sequences pad to {b}");
-        }
     }
 
     #[test]

@@ -18,6 +18,8 @@
 
 use std::fmt::Write;
 
+use dflash_models::StepPadding;
+
 use super::acceptance::PositionAcceptance;
 use super::extra_rows::ExtraRowFactors;
 use crate::spec::LaneKind;
@@ -109,6 +111,8 @@ pub struct CostTable {
     steps_begun: u64,
     /// What rows past one a sequence cost steps of many sequences against the cells' price ([`Self::step_cost`]).
     extra_rows: ExtraRowFactors,
+    /// The graph buckets the target pads steps to: cells are kept and read by padded rows (`None`: a step's own).
+    padding: Option<StepPadding>,
 }
 
 /// What the engine knows of one lane kind across its sequences.
@@ -249,7 +253,23 @@ impl CostTable {
             step,
             steps_begun: 0,
             extra_rows: ExtraRowFactors::default(),
+            padding: None,
         }
+    }
+
+    /// This table for a target that pads its steps to `padding`'s graph buckets (`Target::step_padding`): a plain
+    /// step of `n` sequences costs the cell of the rows its graph runs, and verify rows up to them cost the step
+    /// nearly nothing (60 sequences and 3 verify rows run as 64: +0.07 ms on an H100, PERFORMANCE.md entry 120);
+    /// past them, rows cost the cells' slope scaled by the batch size's factor, as without padding, which
+    /// spreads a bucket's jump over the rows that fill it. `DFLASH_PADDED_PRICES=0` leaves it out.
+    pub fn with_padding(mut self, padding: Option<StepPadding>) -> Self {
+        self.padding = padding.filter(|_| !dflash_runtime::switches::switches().no_padded_prices);
+        self
+    }
+
+    /// Rows the target runs for a plain step of `sequences` sequences (its graph's padded rows).
+    fn plain_rows(&self, sequences: usize) -> usize {
+        self.padding.map_or(sequences, |p| p.rows(sequences, sequences, 1))
     }
 
     /// Starts the step of `sequences` decoding sequences the lanes are about to draft for (the engine).
@@ -320,19 +340,21 @@ impl CostTable {
     }
 
     /// Feeds a measured step of `sequences` decoding sequences and `rows` rows in all at `context` tokens that took
-    /// `ms`. A plain step, or a lone sequence's, feeds the cell of its rows ([`Self::observe`]); a step of many
-    /// sequences with verify rows feeds its batch size's factor on the cells' price of those rows
-    /// ([`Self::step_cost`]).
+    /// `ms`. A plain step feeds the cell of the rows its graph runs, a lone sequence's the cell of its rows
+    /// ([`Self::observe`]); a step of many sequences with verify rows feeds its batch size's factor on the cells'
+    /// price of those rows ([`Self::step_cost`]).
     pub fn observe_step(&mut self, context: usize, sequences: usize, rows: usize, ms: f64) {
         let sequences = sequences.max(1);
         if sequences == 1 || rows <= sequences {
+            let rows = if rows == sequences { self.plain_rows(sequences) } else { rows };
             return self.observe(context, rows, ms);
         }
         if rows > MAX_STEP_ROWS || !(ms.is_finite() && ms > 0.0) {
             return;
         }
-        let plain = self.cost(context, sequences);
-        self.extra_rows.observe(sequences, ms - plain, self.cost(context, rows) - plain);
+        let free = self.plain_rows(sequences);
+        let plain = self.cost(context, free);
+        self.extra_rows.observe(sequences, ms - plain, self.cost(context, rows.max(free)) - plain);
     }
 
     /// Expected ms of a step of `rows` rows in all (at least 1) at `context` tokens, by the cells alone: a plain
@@ -342,21 +364,34 @@ impl CostTable {
         self.buckets[b].as_ref().unwrap_or_else(|| self.fallback(b)).cost(rows.max(1) - 1)
     }
 
+    /// Expected ms of a plain step of `sequences` decoding sequences at `context` tokens (the cell of the rows its
+    /// graph runs).
+    pub fn plain_cost(&self, context: usize, sequences: usize) -> f64 {
+        self.cost(context, self.plain_rows(sequences.max(1)))
+    }
+
     /// Expected ms of a step of `sequences` decoding sequences and `rows` rows in all at `context` tokens: a plain
-    /// step of the sequences, and the cells' price of the rows past it scaled by what such steps of as many
-    /// sequences measured.
+    /// step of the sequences, and the cells' price of the rows past the ones its graph runs anyway, scaled by what
+    /// such steps of as many sequences measured.
     pub fn step_cost(&self, context: usize, sequences: usize, rows: usize) -> f64 {
         let sequences = sequences.max(1);
         if sequences == 1 || rows <= sequences {
-            return self.cost(context, rows);
+            return if rows == sequences { self.plain_cost(context, sequences) } else { self.cost(context, rows) };
         }
-        let plain = self.cost(context, sequences);
-        plain + self.extra_rows.factor(sequences) * (self.cost(context, rows) - plain).max(0.0)
+        let free = self.plain_rows(sequences);
+        let plain = self.cost(context, free);
+        plain + self.extra_rows.factor(sequences) * (self.cost(context, rows.max(free)) - plain).max(0.0)
+    }
+
+    /// Expected ms of the step being drafted for ([`Self::step`]) with a round of `rows` verify rows of one more
+    /// lane (1: a plain row).
+    pub fn step_cost_with(&self, context: usize, rows: usize) -> f64 {
+        self.step_cost(context, self.step.sequences, self.step.rows - 1 + rows)
     }
 
     /// What `extra` verify rows add to a plain step of `sequences` sequences at `context` tokens (ms).
     pub fn added_cost(&self, context: usize, sequences: usize, extra: usize) -> f64 {
-        self.step_cost(context, sequences, sequences + extra) - self.cost(context, sequences)
+        self.step_cost(context, sequences, sequences + extra) - self.plain_cost(context, sequences)
     }
 
     /// Feeds a drafting call of lane kind `lane` that took `ms`.
@@ -571,6 +606,29 @@ mod tests {
         assert!(close(t.cost(2000, 2), 30.0));
         assert!(close(t.cost(2000, 4), 40.0));
         assert!(t.is_calibrated(2000));
+    }
+
+    #[test]
+    fn a_padding_target_prices_plain_steps_by_their_graph_and_its_spare_rows_at_nothing() {
+        let padding = StepPadding { max_rows: 256, max_seqs: 512, mixed: true };
+        let mut t = CostTable::new(4).with_padding(Some(padding));
+        t.seed(&[1.0, 1.1, 1.2, 1.3]);
+        // Plain steps of 61 sequences run as 64 and feed the 64-row cell.
+        for _ in 0..50 {
+            t.observe_step(0, 61, 61, 2.0);
+        }
+        assert_eq!(t.buckets()[0].rows, vec![1, 2, 3, 4, 64]);
+        assert!(close(t.plain_cost(0, 60), t.cost(0, 64)) && (t.cost(0, 64) - 2.0).abs() < 0.05);
+        // 60 sequences and 4 verify rows still run 64 rows; a fifth goes past them.
+        assert!(close(t.step_cost(0, 60, 64), t.plain_cost(0, 60)));
+        assert_eq!(t.added_cost(0, 60, 4), 0.0);
+        assert!(t.added_cost(0, 60, 5) > 0.0);
+        // Without the padding the same rows are priced along the cells.
+        let mut smooth = CostTable::new(4);
+        smooth.seed(&[1.0, 1.1, 1.2, 1.3]);
+        assert!(smooth.added_cost(0, 60, 4) > 0.0);
+        // A lone sequence's rounds are its own rows either way.
+        assert!(close(t.step_cost(0, 1, 3), t.cost(0, 3)));
     }
 
     #[test]

@@ -240,8 +240,7 @@ impl RoundPolicy {
         // The drafting time is spent whatever is verified: it is part of every width's step.
         let sunk = if draft_ms.is_finite() { draft_ms.max(0.0) } else { 0.0 };
         let step = costs.step();
-        let step_cost =
-            |rows: usize| step.draft_ms + sunk + costs.step_cost(context, step.sequences, step.rows - 1 + rows);
+        let step_cost = |rows: usize| step.draft_ms + sunk + costs.step_cost_with(context, rows);
         let keep = choose_rows_in_step(&accept, drafted + 1, step.tokens - 1.0, step_cost) - 1;
         if self.trial {
             return chosen(keep.max(1));
@@ -340,7 +339,7 @@ impl RoundPolicy {
     fn step_cost(costs: &CostTable, context: usize, draft_ms: f64) -> impl Fn(usize) -> f64 + '_ {
         let step = costs.step();
         move |rows: usize| {
-            let verify = costs.step_cost(context, step.sequences, step.rows - 1 + rows);
+            let verify = costs.step_cost_with(context, rows);
             step.draft_ms + verify + if rows > 1 { draft_ms } else { 0.0 }
         }
     }
@@ -359,7 +358,7 @@ impl RoundPolicy {
     /// once per sequence.
     fn probe_rounds(&self, costs: &CostTable, context: usize, share: f64) -> u32 {
         let step = costs.step();
-        let plain = costs.cost(context, step.sequences);
+        let plain = costs.plain_cost(context, step.sequences);
         let extra = (costs.added_cost(context, step.sequences, 1) + costs.draft_cost(self.lane)).max(0.0);
         let held_up = extra * step.sequences as f64;
         let r = (held_up / (share * plain)).ceil();

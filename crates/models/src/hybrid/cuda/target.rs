@@ -19,6 +19,7 @@ use crate::batch::{ForwardBatch, ForwardOut, Readout, StepDraws};
 use crate::config::ModelConfig;
 use crate::cuda::{CudaCacheConfig, GRAPH_CONTEXTS};
 use crate::error::{ModelError, Result};
+use crate::step_padding::StepPadding;
 use crate::target::{device_err, HostHeads, ResumeState, StepSeq, Target, TargetHeads};
 
 /// A verify of the last forward awaiting its kept count.
@@ -203,6 +204,11 @@ impl Target for CudaHybridTarget {
 
     fn graphs_captured(&self) -> usize {
         self.cache.graph_count()
+    }
+
+    fn step_padding(&self) -> Option<StepPadding> {
+        // Steps whose sequences verify different counts run eagerly here (no mixed graphs).
+        self.cache.step_padding(false)
     }
 
     fn host_heads(&self) -> Option<Arc<dyn TargetHeads>> {

@@ -7,6 +7,7 @@ use crate::config::ModelConfig;
 use crate::cuda::{CudaCache, CudaCacheConfig, GRAPH_CONTEXTS};
 use crate::error::Result;
 use crate::llama::cuda::CudaLlamaModel;
+use crate::step_padding::StepPadding;
 use crate::target::{device_err, HostHeads, StepSeq, Target, TargetHeads};
 
 /// A Llama-family model on one CUDA GPU with its device cache (KV pages, workspaces, graphs).
@@ -120,6 +121,10 @@ impl Target for CudaLlamaTarget {
 
     fn graphs_captured(&self) -> usize {
         self.cache.graph_count()
+    }
+
+    fn step_padding(&self) -> Option<StepPadding> {
+        self.cache.step_padding(!dflash_runtime::switches::switches().no_mixed_graphs)
     }
 }
 
