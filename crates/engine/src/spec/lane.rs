@@ -401,7 +401,7 @@ impl SpecLane {
         // The round's part of the step: a plain row's share, the step's time past a plain step of as many
         // sequences in proportion to its extra rows, and its drafting, which held up every sequence (other lanes'
         // drafting is theirs: this round would have waited for it as a plain one too).
-        let plain_step = costs.cost(context, step.sequences);
+        let plain_step = costs.plain_cost(context, step.sequences);
         let plain_ms = plain_step / step.sequences.max(1) as f64;
         let extra_share = if step.extra_rows > 0 { (rows - 1) as f64 / step.extra_rows as f64 } else { 0.0 };
         let took_ms = plain_ms + (step.step_ms - plain_step) * extra_share + self.round.draft_ms;

@@ -272,6 +272,16 @@ impl CostTable {
         self.padding.map_or(sequences, |p| p.rows(sequences, sequences, 1))
     }
 
+    /// Rows a step of `sequences` sequences with verify rows runs without paying for them: the plain step's padded
+    /// rows where such steps replay graphs too ([`StepPadding::mixed`]), else none past the sequences (such a step
+    /// runs eagerly, unpadded).
+    fn free_rows(&self, sequences: usize) -> usize {
+        match self.padding {
+            Some(p) if p.mixed => self.plain_rows(sequences),
+            _ => sequences,
+        }
+    }
+
     /// Starts the step of `sequences` decoding sequences the lanes are about to draft for (the engine).
     pub fn begin_step(&mut self, sequences: usize) {
         self.step = StepOutlook::of(sequences);
@@ -352,9 +362,11 @@ impl CostTable {
         if rows > MAX_STEP_ROWS || !(ms.is_finite() && ms > 0.0) {
             return;
         }
-        let free = self.plain_rows(sequences);
-        let plain = self.cost(context, free);
-        self.extra_rows.observe(sequences, ms - plain, self.cost(context, rows.max(free)) - plain);
+        self.extra_rows.observe(
+            sequences,
+            ms - self.plain_cost(context, sequences),
+            self.extra_price(context, sequences, rows),
+        );
     }
 
     /// Expected ms of a step of `rows` rows in all (at least 1) at `context` tokens, by the cells alone: a plain
@@ -378,9 +390,14 @@ impl CostTable {
         if sequences == 1 || rows <= sequences {
             return if rows == sequences { self.plain_cost(context, sequences) } else { self.cost(context, rows) };
         }
-        let free = self.plain_rows(sequences);
-        let plain = self.cost(context, free);
-        plain + self.extra_rows.factor(sequences) * (self.cost(context, rows.max(free)) - plain).max(0.0)
+        self.plain_cost(context, sequences)
+            + self.extra_rows.factor(sequences) * self.extra_price(context, sequences, rows)
+    }
+
+    /// The cells' price of a step's rows past its free ones ([`Self::free_rows`]), before the batch's factor.
+    fn extra_price(&self, context: usize, sequences: usize, rows: usize) -> f64 {
+        let free = self.free_rows(sequences);
+        (self.cost(context, rows.max(free)) - self.cost(context, free)).max(0.0)
     }
 
     /// Expected ms of the step being drafted for ([`Self::step`]) with a round of `rows` verify rows of one more
@@ -627,6 +644,9 @@ mod tests {
         let mut smooth = CostTable::new(4);
         smooth.seed(&[1.0, 1.1, 1.2, 1.3]);
         assert!(smooth.added_cost(0, 60, 4) > 0.0);
+        // Where steps of different row counts run eagerly (no mixed graphs), no verify row is free.
+        let eager = CostTable::new(4).with_padding(Some(StepPadding { mixed: false, ..padding }));
+        assert!(eager.added_cost(0, 60, 1) > 0.0);
         // A lone sequence's rounds are its own rows either way.
         assert!(close(t.step_cost(0, 1, 3), t.cost(0, 3)));
     }
