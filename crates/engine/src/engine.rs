@@ -250,8 +250,8 @@ impl Engine {
                 wanted: vec![last],
             });
         }
-        let widest = self.round_costs.lock().widest_round().max(mtp.depth.max() + 1);
-        self.round_costs = SharedCosts::new(CostTable::new(widest).with_padding(self.target.step_padding()));
+        let widened = self.round_costs.lock().widened(mtp.depth.max() + 1);
+        self.round_costs = SharedCosts::new(widened);
         self.mtp = Some(mtp);
         // The head reads its rows on the host, cached prompts' included; the block drafter then takes its rows as
         // steps run too, rather than from the target's pages.
@@ -267,8 +267,8 @@ impl Engine {
     /// Makes the round-cost table cover rounds of up to `rows` verify rows (for lanes the configuration does not
     /// show, such as a benchmark's oracle lanes); call it before the cost probe.
     pub fn widen_rounds(&mut self, rows: usize) {
-        let widest = self.round_costs.lock().widest_round().max(rows);
-        self.round_costs = SharedCosts::new(CostTable::new(widest).with_padding(self.target.step_padding()));
+        let widened = self.round_costs.lock().widened(rows);
+        self.round_costs = SharedCosts::new(widened);
     }
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {

@@ -22,6 +22,7 @@ use dflash_models::StepPadding;
 
 use super::acceptance::PositionAcceptance;
 use super::extra_rows::ExtraRowFactors;
+use super::outlook::{RoundShare, StepOutlook};
 use crate::spec::LaneKind;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -44,54 +45,6 @@ const MIN_MS: f64 = 1e-3;
 /// The widest step a bucket keeps a cell for; wider ones are priced along the last segment and not learned.
 const MAX_STEP_ROWS: usize = 8192;
 
-/// The step the lanes are drafting for, as they decide one after another: what it holds before the next lane adds
-/// its round. A lane prices its widths as the whole step's tokens per millisecond, so a round that pays alone but
-/// not beside many plain rows (its rows and drafting hold every sequence up) is not run.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct StepOutlook {
-    /// Decoding sequences in the step (at least 1).
-    pub sequences: usize,
-    /// Rows so far: one per decoding sequence plus the verify rows earlier lanes added.
-    pub rows: usize,
-    /// Expected tokens so far: one per decoding sequence plus what earlier lanes' drafts are expected to add.
-    pub tokens: f64,
-    /// Drafting calls already made for the step (ms): every sequence waits for them.
-    pub draft_ms: f64,
-    /// Whether the step's drafts gate would hold back drafts verified without a drafter pass (prompt lookup's):
-    /// a drafter's lane then leaves its rounds to the drafter rather than to lookup.
-    pub drafts_held_back: bool,
-}
-
-impl Default for StepOutlook {
-    /// A step of one decoding sequence.
-    fn default() -> Self {
-        StepOutlook::of(1)
-    }
-}
-
-impl StepOutlook {
-    /// A step of `sequences` decoding sequences before any lane drafted.
-    pub fn of(sequences: usize) -> Self {
-        let sequences = sequences.max(1);
-        StepOutlook { sequences, rows: sequences, tokens: sequences as f64, draft_ms: 0.0, drafts_held_back: false }
-    }
-
-    /// Adds a lane's round: `extra_rows` verify rows expected to commit `extra_tokens` more, drafted in `draft_ms`.
-    pub fn add(&mut self, round: RoundShare) {
-        self.rows += round.extra_rows;
-        self.tokens += round.extra_tokens.max(0.0);
-        self.draft_ms += round.draft_ms.max(0.0);
-    }
-}
-
-/// What one lane's round adds to its step beyond a plain row.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct RoundShare {
-    pub extra_rows: usize,
-    pub extra_tokens: f64,
-    pub draft_ms: f64,
-}
-
 /// Milliseconds per step by rows and context bucket.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CostTable {
@@ -111,7 +64,8 @@ pub struct CostTable {
     steps_begun: u64,
     /// What rows past one a sequence cost steps of many sequences against the cells' price ([`Self::step_cost`]).
     extra_rows: ExtraRowFactors,
-    /// The graph buckets the target pads steps to: cells are kept and read by padded rows (`None`: a step's own).
+    /// The graph buckets the target pads steps to: plain steps are kept and priced at their padded rows, and
+    /// verify rows up to them are free (`None`: a step runs its own rows).
     padding: Option<StepPadding>,
 }
 
@@ -280,6 +234,12 @@ impl CostTable {
             Some(p) if p.mixed => self.plain_rows(sequences),
             _ => sequences,
         }
+    }
+
+    /// A new table for rounds of up to `rows` verify rows, or this one's widest if wider, for the same target (its
+    /// padding kept); nothing measured carries over.
+    pub fn widened(&self, rows: usize) -> Self {
+        CostTable { padding: self.padding, ..CostTable::new(self.widest_round.max(rows)) }
     }
 
     /// Starts the step of `sequences` decoding sequences the lanes are about to draft for (the engine).
@@ -649,6 +609,11 @@ mod tests {
         assert!(eager.added_cost(0, 60, 1) > 0.0);
         // A lone sequence's rounds are its own rows either way.
         assert!(close(t.step_cost(0, 1, 3), t.cost(0, 3)));
+        // A table widened for wider rounds keeps its target's padding, not what it measured.
+        let wide = t.widened(8);
+        assert_eq!((wide.widest_round(), wide.buckets().len()), (8, 0), "nothing measured carries over");
+        assert_eq!(wide.added_cost(0, 60, 4), 0.0);
+        assert_eq!(t.widened(2).widest_round(), 4);
     }
 
     #[test]

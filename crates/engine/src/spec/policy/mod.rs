@@ -23,6 +23,7 @@ mod bench_sim_projection;
 pub mod choice;
 pub mod costs;
 pub mod extra_rows;
+pub mod outlook;
 pub mod step_gate;
 #[cfg(test)]
 mod tests;
@@ -34,7 +35,8 @@ use super::LaneKind;
 pub use acceptance::{ConfidenceCalibration, PositionAcceptance};
 pub use backoff::{Backoff, Spacing};
 pub use choice::{choose_rows, choose_rows_in_step, expected_tokens};
-pub use costs::{BucketView, CostTable, RoundShare, SharedCosts, StepOutlook, CONTEXT_BUCKETS};
+pub use costs::{BucketView, CostTable, SharedCosts, CONTEXT_BUCKETS};
+pub use outlook::{RoundShare, StepOutlook};
 pub use step_gate::{GateView, StepGate};
 
 /// Failed probes may cost at most this share of plain decoding speed: a probe's extra cost (a second row plus
