@@ -1,6 +1,20 @@
 // Kernels only block drafters use: DFlash2's grouped dynamic convolution, and the summary of a pass's draft logits
 // that replaces reading every logit back (src/cuda/ops/drafter.rs).
 
+// One row's convolution at column c, in dflash_conv's order.
+__device__ __forceinline__ float dflash_conv_at(const float* __restrict__ x, const float* __restrict__ coef,
+                                                const float* __restrict__ base, u32 row, u32 reach, u32 c,
+                                                u32 hidden, u32 taps, u32 groups) {
+    const u32 group = c / (hidden / groups);
+    float acc = 0.0f;
+    for (u32 t = 0; t < taps && t < reach; ++t) {
+        const float xv = x[(u64)(row - t) * hidden + c];
+        acc = __fadd_rn(acc, __fmul_rn(base[(u64)t * hidden + c], xv));
+        acc = __fadd_rn(acc, __fmul_rn(coef[t * groups + group], xv));
+    }
+    return acc;
+}
+
 // DFlash2's grouped dynamic depthwise convolution of one side (prepare or finish) over the rows of drafter blocks;
 // CPU twin: DynamicConv::convolve in the models crate.
 //   out[i, c] = sum_t base[t, c] * x[i - t, c] + dyn[i, t * groups + c / group_size] * x[i - t, c]
@@ -16,16 +30,37 @@ extern "C" __global__ void dflash_conv(const float* __restrict__ x, const float*
     const u32 row = blockIdx.y;
     const u32 c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= hidden) return;
-    const u32 group = c / (hidden / groups);
     const u32 reach = row - min(block_start[row], row) + 1;  // a start past the row reads the row alone
     const float* coef = dyn + (u64)row * dyn_ld + dyn_col;
-    float acc = 0.0f;
-    for (u32 t = 0; t < taps && t < reach; ++t) {
-        const float xv = x[(u64)(row - t) * hidden + c];
-        acc = __fadd_rn(acc, __fmul_rn(base[(u64)t * hidden + c], xv));
-        acc = __fadd_rn(acc, __fmul_rn(coef[t * groups + group], xv));
+    out[(u64)row * hidden + c] = dflash_conv_at(x, coef, base, row, reach, c, hidden, taps, groups);
+}
+
+// The finish side of a sublayer in one launch: residual += dflash_conv(x), then out = rms_norm(residual) * w, each
+// value rounded as dflash_conv then add_rms_norm round it (the same threads take the same columns, so the norm's
+// sum is added in the same order: bit for bit the two launches' results). x is the sublayer's output, read at this
+// row and the block's rows before it; nothing here writes it. Grid: one block of 256 threads a row.
+extern "C" __global__ void dflash_conv_add_rms_norm(float* __restrict__ residual, const float* __restrict__ x,
+                                                    const float* __restrict__ dyn, u32 dyn_ld, u32 dyn_col,
+                                                    const float* __restrict__ base,
+                                                    const u32* __restrict__ block_start,
+                                                    const float* __restrict__ w, float* __restrict__ out,
+                                                    u32 hidden, u32 taps, u32 groups, float eps) {
+    DF_GRID_DEPENDENCY();
+    __shared__ float scratch[32];
+    const u32 row = blockIdx.x;
+    const u32 reach = row - min(block_start[row], row) + 1;
+    const float* coef = dyn + (u64)row * dyn_ld + dyn_col;
+    float* rr = residual + (u64)row * hidden;
+    float sum_sq = 0.0f;
+    for (u32 c = threadIdx.x; c < hidden; c += blockDim.x) {
+        const float v = __fadd_rn(rr[c], dflash_conv_at(x, coef, base, row, reach, c, hidden, taps, groups));
+        rr[c] = v;
+        sum_sq = fmaf(v, v, sum_sq);
     }
-    out[(u64)row * hidden + c] = acc;
+    const float mean = block_sum(sum_sq, scratch) / (float)hidden;
+    const float inv = 1.0f / sqrtf(mean + eps);
+    float* orow = out + (u64)row * hidden;
+    for (u32 c = threadIdx.x; c < hidden; c += blockDim.x) orow[c] = __fmul_rn(__fmul_rn(rr[c], inv), w[c]);
 }
 
 // The most candidates per row draft_top_k keeps; the logits one partial block sorts (at most; a power of two);

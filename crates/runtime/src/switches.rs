@@ -74,6 +74,10 @@ pub struct Switches {
     /// `DFLASH_DRAFT_WALK=plain`: DFlash2's walk reads each slot's codebook rows from global memory as it scores,
     /// as before they were staged in shared memory (entries 118, 120; the same path).
     pub draft_walk_plain: bool,
+    /// `DFLASH_DRAFT_CONV_NORM=1` (not on by default until it has run on a GPU): a DFlash2 drafter layer's finish
+    /// convolutions and the norms after them run as one launch each on a device instead of two (entry 122; the same
+    /// outputs).
+    pub draft_conv_norm: bool,
     /// `DFLASH_DRAFT_GRAPH=0`: a drafter pass on a device launches its kernels one by one every time instead of
     /// replaying a CUDA graph of them.
     pub no_draft_graph: bool,
@@ -120,6 +124,7 @@ impl Switches {
             no_draft_summary: is("DFLASH_DRAFT_SUMMARY", "0"),
             draft_top_k_sort: is("DFLASH_DRAFT_TOPK", "sort"),
             draft_walk_plain: is("DFLASH_DRAFT_WALK", "plain"),
+            draft_conv_norm: is("DFLASH_DRAFT_CONV_NORM", "1"),
             no_draft_graph: is("DFLASH_DRAFT_GRAPH", "0"),
             draft_tf32: is("DFLASH_DRAFT_TF32", "1"),
             no_draft_bf16: is("DFLASH_DRAFT_BF16", "0"),
@@ -170,6 +175,7 @@ mod tests {
             ("DFLASH_DRAFT_SUMMARY", "0"),
             ("DFLASH_DRAFT_TOPK", "sort"),
             ("DFLASH_DRAFT_WALK", "plain"),
+            ("DFLASH_DRAFT_CONV_NORM", "1"),
             ("DFLASH_DRAFT_GRAPH", "0"),
             ("DFLASH_DRAFT_TF32", "1"),
             ("DFLASH_DRAFT_BF16", "0"),
@@ -201,6 +207,7 @@ mod tests {
             no_draft_summary: true,
             draft_top_k_sort: true,
             draft_walk_plain: true,
+            draft_conv_norm: true,
             no_draft_graph: true,
             draft_tf32: true,
             no_draft_bf16: true,

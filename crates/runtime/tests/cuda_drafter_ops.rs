@@ -1,8 +1,9 @@
 //! The kernels only block drafters use (kernels/drafter.cu) against their CPU twins on random inputs: DFlash2's
-//! convolution bit for bit, and `draft_top_k`, the summary a drafter pass reads back in place of its logits, over
-//! the default model's vocabulary and small ones, rows with ties, NaN and -inf, wholly masked rows and rows shorter
-//! than k, with and without the head's multiplier and softcap; its two kernels (sorting, selecting) against each
-//! other bit for bit; and DFlash2's walk, either kernel, against its CPU twin's path.
+//! convolution bit for bit (and, as one launch with the residual's norm, against its two launches), and
+//! `draft_top_k`, the summary a drafter pass reads back in place of its logits, over the default model's vocabulary
+//! and small ones, rows with ties, NaN and -inf, wholly masked rows and rows shorter than k, with and without the
+//! head's multiplier and softcap; its two kernels (sorting, selecting) against each other bit for bit; and DFlash2's
+//! walk, either kernel, against its CPU twin's path.
 //!
 //! Without a CUDA device every test prints a SKIP notice and passes. Tolerances: columns exact; values bit for bit
 //! without a softcap, within 4 ulps with one (CUDA's tanhf against the host's libm); top probabilities 1e-5
@@ -48,7 +49,7 @@ fn dflash_conv_reference(
 }
 
 #[test]
-fn dflash_conv_matches_its_cpu_twin_bit_for_bit() {
+fn dflash_conv_matches_its_cpu_twin_and_runs_with_the_norm_bit_for_bit() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(31);
     // (hidden, taps, groups, blocks' widths): the default drafter's shape and an odd one.
@@ -80,7 +81,24 @@ fn dflash_conv_matches_its_cpu_twin_bit_for_bit() {
         gpu::dflash_conv(dev, &dx, side, &dstarts, &out).expect("dflash_conv");
         let got = dev.download(&out).expect("download");
         let want = dflash_conv_reference(&x, &dynamic, &base[taps * h..], &starts, (h, taps, groups));
-        check("dflash_conv", &format!("{rows}x{h}, {taps} taps, {groups} groups"), bit_mismatches(&got, &want), 0.0);
+        let shape = format!("{rows}x{h}, {taps} taps, {groups} groups");
+        check("dflash_conv", &shape, bit_mismatches(&got, &want), 0.0);
+        // The finish side with the residual's norm in one launch: the two launches' bits, residual and norm both.
+        let (residual, norm) = (rng.vec(rows * h, 2.0), rng.vec(h, 1.0));
+        let (two_res, one_res, dnorm) = (
+            dev.upload(&residual).expect("res"),
+            dev.upload(&residual).expect("res"),
+            dev.upload(&norm).expect("norm"),
+        );
+        let (two_out, one_out) = (poisoned(dev, rows * h), poisoned(dev, rows * h));
+        gpu::add_rms_norm(dev, &two_res, &out, &dnorm, 1e-5, &two_out).expect("add_rms_norm");
+        gpu::dflash_conv_add_rms_norm(dev, &one_res, &dx, side, &dstarts, &dnorm, 1e-5, &one_out).expect("fused");
+        for (what, two, one) in [("residual", &two_res, &one_res), ("normed", &two_out, &one_out)] {
+            let (two, one) = (dev.download(two).expect("two"), dev.download(one).expect("one"));
+            check("dflash_conv_add_rms_norm", &format!("{shape}, {what}"), bit_mismatches(&one, &two), 0.0);
+        }
+        let short = poisoned(dev, (rows - 1) * h);
+        assert!(gpu::dflash_conv_add_rms_norm(dev, &short, &dx, side, &dstarts, &dnorm, 1e-5, &one_out).is_err());
     }
 }
 

@@ -224,6 +224,7 @@ pub(crate) struct Kernels {
     pub gdn_gated_norm: CudaFunction,
     pub sigmoid_gate_mul: CudaFunction,
     pub dflash_conv: CudaFunction,
+    pub dflash_conv_add_rms_norm: CudaFunction,
     pub draft_top_k_part: CudaFunction,
     pub draft_top_k_merge: CudaFunction,
     /// The summary's two launches by selection (the default; `DFLASH_DRAFT_TOPK=sort` keeps the sorting ones; entries 118, 120).
@@ -380,6 +381,7 @@ impl Kernels {
             gdn_gated_norm: get("gdn_gated_norm")?,
             sigmoid_gate_mul: get("sigmoid_gate_mul")?,
             dflash_conv: get("dflash_conv")?,
+            dflash_conv_add_rms_norm: get("dflash_conv_add_rms_norm")?,
             draft_top_k_part: get("draft_top_k_part")?,
             draft_top_k_merge: get("draft_top_k_merge")?,
             draft_top_k_part_select: get("draft_top_k_part_select")?,

@@ -1,20 +1,20 @@
 //! The CUDA block pass and context append; the CPU's (`../cpu/forward.rs`) step for step.
 
 use dflash_runtime::cuda::ops::{
-    add_rms_norm, attn_split_keys, dflash2_walk, dflash_conv, draft_top_k, draft_top_k_scratch, embedding_f32,
-    paged_attention, rms_norm, rope_kv_write, AttentionArgs, AttentionScratch, ConvSide, KeySplit, LogitScale,
-    RopeKvArgs, SelectorWeights, WalkBlocks, ATTN_MAX_QUERIES, DRAFT_TOP_K_MAX,
+    add_rms_norm, attn_split_keys, dflash2_walk, dflash_conv, dflash_conv_add_rms_norm, draft_top_k, embedding_f32,
+    paged_attention, rms_norm, rope_kv_write, AttentionArgs, ConvSide, KeySplit, LogitScale, RopeKvArgs,
+    SelectorWeights, WalkBlocks, ATTN_MAX_QUERIES, DRAFT_TOP_K_MAX,
 };
-use dflash_runtime::cuda::{CudaDevice, DevSlice, DeviceBuf};
+use dflash_runtime::cuda::{DevSlice, DeviceBuf};
 use dflash_runtime::Tensor;
-use half::bf16;
 use std::time::Instant;
 
 use super::buffers::{buf, buf_mut, ints_part, part};
 use super::context::Pages;
-use super::graphs::{PassGraphs, PassKey};
+use super::graphs::PassKey;
 use super::matmul::{matmul, mlp_gate_up};
 use super::weights::{DeviceConv, DeviceLayer};
+use super::workspace::Workspace;
 use super::{CudaDrafter, DeviceKv, DeviceSelector};
 use crate::dflash::context::{ContextKv, DrafterContext, PAGE_SIZE};
 use crate::dflash::cpu::forward::{BlockLayout, BlockOutput, BlockRequest};
@@ -35,140 +35,6 @@ enum ChunkRows<'a> {
 /// Rows a context append projects at once (the engine's flushes are at most about this many; a long cached prompt is
 /// cut into such pieces).
 const APPEND_CHUNK: usize = 256;
-
-/// Device buffers of one pass, grown to the largest pass so far (a pass allocates nothing once warm).
-#[derive(Debug, Default)]
-pub(super) struct Workspace {
-    /// Rows every `[rows, ·]` buffer holds.
-    rows: usize,
-    x: Option<DeviceBuf<f32>>, // [rows, H]: the residual stream (an append's projected rows)
-    normed: Option<DeviceBuf<f32>>, // [rows, H]
-    conv: Option<DeviceBuf<f32>>, // [rows, H]: a convolution's output
-    delta: Option<DeviceBuf<f32>>, // [rows, H]: a sublayer's output
-    dynamic: Option<DeviceBuf<f32>>, // [rows, 2 · kc · G]
-    qkv: Option<DeviceBuf<f32>>, // [rows, qd + 2 · kd]
-    q: Option<DeviceBuf<f32>>, // [rows, qd]
-    attended: Option<DeviceBuf<f32>>, // [rows, qd]
-    gate_up: Option<DeviceBuf<f32>>, // [rows, 2 · I]
-    act: Option<DeviceBuf<f32>>, // [rows, I]
-    logits: Option<DeviceBuf<f32>>, // [rows, head rows]
-    summary: Option<DeviceBuf<u32>>, // [rows, 2k + 1]: `draft_top_k`'s output
-    summary_scratch: Option<DeviceBuf<u32>>, // `draft_top_k`'s partial summaries
-    walked: Option<DeviceBuf<u32>>, // [rows]: DFlash2's greedy walk, target ids
-    projected: Option<DeviceBuf<f32>>, // [rows, selector rank]
-    captured: Option<DeviceBuf<f32>>, // [rows, fc_in]
-    /// `[rows, widest matrix row]`: bf16 matrices' activations for cuBLAS (past 32 rows).
-    x_bf16: Option<DeviceBuf<bf16>>,
-    /// Whether the drafter holds bf16 matrices (then `x_bf16` is sized with the rest).
-    bf16_matrices: bool,
-    ints: Option<DeviceBuf<u32>>,
-    scratch: Option<(AttentionScratch, usize)>, // and the partial states it holds
-    /// Allocations so far: a change tells the graphs their addresses are gone.
-    allocations: u64,
-    graphs: PassGraphs,
-}
-
-impl Workspace {
-    /// An empty workspace for a drafter with (`bf16_matrices`) or without bf16 matrices.
-    pub(super) fn new(bf16_matrices: bool) -> Self {
-        Workspace { bf16_matrices, ..Workspace::default() }
-    }
-
-    /// `[rows, widest matrix row]` bf16, with bf16 matrices: their activations for cuBLAS.
-    fn bf16_rows(&self) -> Option<&DeviceBuf<bf16>> {
-        self.x_bf16.as_ref()
-    }
-
-    /// Makes every row buffer hold `rows` rows of `model`'s pass (and `ints` u32s), reallocating what is too small.
-    /// The logits are sized by [`Workspace::ensure_logits`]: an append has none.
-    fn ensure(&mut self, dev: &CudaDevice, model: &DraftModel, rows: usize, ints: usize) -> Result<()> {
-        let alloc = |n: usize| dev.alloc_zeros::<f32>(n.max(1)).map_err(device_err);
-        if rows > self.rows {
-            // Counted before the first buffer moves: a failure half-way must still retire the graphs.
-            self.allocations += 1;
-            let rows = rows.next_power_of_two().max(16);
-            let b = &model.cfg.backbone;
-            let (h, qd, kd, f) =
-                (b.hidden_size, b.num_heads * b.head_dim, b.num_kv_heads * b.head_dim, b.intermediate_size);
-            let coefs = model.cfg.dflash2.map_or(0, |d| 2 * d.conv_kernel_size * model.cfg.conv_groups().unwrap_or(0));
-            let fc_in = model.weights.fc.row_len();
-            self.x = Some(alloc(rows * h)?);
-            self.normed = Some(alloc(rows * h)?);
-            self.conv = Some(alloc(rows * h)?);
-            self.delta = Some(alloc(rows * h)?);
-            self.dynamic = Some(alloc(rows * coefs)?);
-            self.qkv = Some(alloc(rows * (qd + 2 * kd))?);
-            self.q = Some(alloc(rows * qd)?);
-            self.attended = Some(alloc(rows * qd)?);
-            self.gate_up = Some(alloc(rows * 2 * f)?);
-            self.act = Some(alloc(rows * f)?);
-            self.captured = Some(alloc(rows * fc_in)?);
-            if self.bf16_matrices {
-                let widest = fc_in.max(h).max(qd).max(f);
-                self.x_bf16 = Some(dev.alloc_zeros::<bf16>(rows * widest).map_err(device_err)?);
-            }
-            self.rows = rows;
-        }
-        if self.ints.as_ref().is_none_or(|b| b.len() < ints) {
-            self.ints = Some(dev.alloc_zeros::<u32>(ints.next_power_of_two().max(256)).map_err(device_err)?);
-            self.allocations += 1;
-        }
-        Ok(())
-    }
-
-    /// Makes the logits buffer hold `len` floats.
-    fn ensure_logits(&mut self, dev: &CudaDevice, len: usize) -> Result<()> {
-        if self.logits.as_ref().is_none_or(|b| b.len() < len) {
-            self.logits = Some(dev.alloc_zeros::<f32>(len.next_power_of_two()).map_err(device_err)?);
-            self.allocations += 1;
-        }
-        Ok(())
-    }
-
-    /// Makes the summary buffers hold `rows` rows of the best `k` of `row_len` logits, and the selector's walk
-    /// `rows` rows of projections `rank` wide.
-    fn ensure_summary(&mut self, dev: &CudaDevice, rows: usize, row_len: usize, k: usize, rank: usize) -> Result<()> {
-        let alloc = |len: usize| dev.alloc_zeros::<u32>(len.next_power_of_two()).map_err(device_err);
-        let len = rows * (2 * k + 1);
-        if self.summary.as_ref().is_none_or(|b| b.len() < len) {
-            self.summary = Some(alloc(len)?);
-            self.allocations += 1;
-        }
-        let scratch = draft_top_k_scratch(rows, row_len, k);
-        if self.summary_scratch.as_ref().is_none_or(|b| b.len() < scratch) {
-            self.summary_scratch = Some(alloc(scratch)?);
-            self.allocations += 1;
-        }
-        if self.walked.as_ref().is_none_or(|b| b.len() < rows) {
-            self.walked = Some(alloc(rows)?);
-            self.allocations += 1;
-        }
-        if self.projected.as_ref().is_none_or(|b| b.len() < rows * rank) {
-            self.projected = Some(dev.alloc_zeros::<f32>((rows * rank).next_power_of_two()).map_err(device_err)?);
-            self.allocations += 1;
-        }
-        Ok(())
-    }
-
-    /// An attention scratch for `rows` rows of `splits` key splits.
-    fn scratch(
-        &mut self,
-        dev: &CudaDevice,
-        model: &DraftModel,
-        rows: usize,
-        splits: usize,
-    ) -> Result<&AttentionScratch> {
-        let need = rows * splits;
-        if self.scratch.as_ref().is_none_or(|(_, held)| *held < need) {
-            let b = &model.cfg.backbone;
-            let held = need.next_power_of_two();
-            let scratch = AttentionScratch::new(dev, held, b.num_heads, b.head_dim, 1).map_err(device_err)?;
-            self.scratch = Some((scratch, held));
-            self.allocations += 1;
-        }
-        self.scratch.as_ref().map(|(s, _)| s).ok_or_else(|| ModelError::Device("no attention scratch".into()))
-    }
-}
 
 /// A context's device K/V, which must be in this drafter's pool.
 fn device_kv<'c>(ctx: &'c DrafterContext, drafter: &CudaDrafter) -> Result<&'c DeviceKv> {
@@ -682,11 +548,7 @@ impl Pass<'_> {
         self.attention(l, layer)?;
         let attended = self.rows_of(&w.attended, qd)?;
         matmul(dev, self.work.bf16_rows(), layer.o.view(), h, attended, self.rows, delta)?;
-        let attn_out = match convs {
-            Some([conv, _]) => self.conv_finish(conv, delta)?,
-            None => delta,
-        };
-        add_rms_norm(dev, x, attn_out, &layer.post_norm, eps, normed).map_err(device_err)?;
+        self.finish_sublayer(convs.map(|[conv, _]| conv), delta, &layer.post_norm)?;
         let mlp_in = match convs {
             Some([_, conv]) => self.conv_prepare(conv, normed)?,
             None => normed,
@@ -694,11 +556,31 @@ impl Pass<'_> {
         let (gate_up, act) = (self.rows_of(&w.gate_up, 2 * f)?, self.rows_of(&w.act, f)?);
         mlp_gate_up(dev, self.work.bf16_rows(), layer.gate_up.view(), f, mlp_in, self.rows, (gate_up, act))?;
         matmul(dev, self.work.bf16_rows(), layer.down.view(), h, act, self.rows, delta)?;
-        let mlp_out = match convs {
-            Some([_, conv]) => self.conv_finish(conv, delta)?,
+        self.finish_sublayer(convs.map(|[_, conv]| conv), delta, next_norm)
+    }
+
+    /// A sublayer's output `delta` into the residual (through its finish convolution, if any), and `normed` = the
+    /// residual normed by `norm`: one launch for both with `DFLASH_DRAFT_CONV_NORM=1` (entry 122).
+    fn finish_sublayer(
+        &self,
+        conv: Option<&DeviceConv>,
+        delta: DevSlice<'_, f32>,
+        norm: &DeviceBuf<f32>,
+    ) -> Result<()> {
+        let (dev, w, eps) = (&*self.drafter.dev, self.work, self.model.cfg.backbone.rms_norm_eps);
+        let h = self.model.cfg.hidden_size();
+        let (x, normed) = (self.rows_of(&w.x, h)?, self.rows_of(&w.normed, h)?);
+        let out = match conv {
+            Some(conv) if dflash_runtime::switches::switches().draft_conv_norm => {
+                let side = self.conv_side(conv, 1)?;
+                let block_start = ints_part(buf(&w.ints)?, self.plan.block_start, self.rows)?;
+                return dflash_conv_add_rms_norm(dev, x, delta, side, block_start, norm, eps, normed)
+                    .map_err(device_err);
+            }
+            Some(conv) => self.conv_finish(conv, delta)?,
             None => delta,
         };
-        add_rms_norm(dev, x, mlp_out, next_norm, eps, normed).map_err(device_err)
+        add_rms_norm(dev, x, out, norm, eps, normed).map_err(device_err)
     }
 
     /// The prepare side: the dynamic coefficients of both sides into `dynamic`, the convolved input into `conv`.
@@ -715,20 +597,24 @@ impl Pass<'_> {
     }
 
     fn convolve(&self, conv: &DeviceConv, side: usize, x: DevSlice<'_, f32>) -> Result<DevSlice<'_, f32>> {
-        let h = self.model.cfg.hidden_size();
-        let coefs = conv.taps * conv.groups;
-        let out = self.rows_of(&self.work.conv, h)?;
-        let conv_side = ConvSide {
+        let out = self.rows_of(&self.work.conv, self.model.cfg.hidden_size())?;
+        let conv_side = self.conv_side(conv, side)?;
+        let block_start = ints_part(buf(&self.work.ints)?, self.plan.block_start, self.rows)?;
+        dflash_conv(&self.drafter.dev, x, conv_side, block_start, out).map_err(device_err)?;
+        Ok(out)
+    }
+
+    /// Side `side` (0 prepare, 1 finish) of `conv`, with the coefficients `conv_prepare` left.
+    fn conv_side<'c>(&'c self, conv: &'c DeviceConv, side: usize) -> Result<ConvSide<'c>> {
+        let (h, coefs) = (self.model.cfg.hidden_size(), conv.taps * conv.groups);
+        Ok(ConvSide {
             base: part(&conv.base, side * conv.taps * h, conv.taps * h)?,
             dynamic: self.rows_of(&self.work.dynamic, 2 * coefs)?,
             dyn_ld: 2 * coefs,
             dyn_col: side * coefs,
             taps: conv.taps,
             groups: conv.groups,
-        };
-        let block_start = ints_part(buf(&self.work.ints)?, self.plan.block_start, self.rows)?;
-        dflash_conv(&self.drafter.dev, x, conv_side, block_start, out).map_err(device_err)?;
-        Ok(out)
+        })
     }
 
     /// Every sequence's block rows: q, k and v through the head norms and RoPE (k and v into each context at its

@@ -17,6 +17,7 @@ mod forward;
 mod graphs;
 mod matmul;
 mod weights;
+mod workspace;
 
 use std::sync::{Arc, Mutex};
 
@@ -51,7 +52,7 @@ pub(crate) struct CudaDrafter {
     rope: CudaRopeTable,
     /// The pages of every context made for this drafter.
     pool: Arc<PagePool>,
-    work: Mutex<forward::Workspace>,
+    work: Mutex<workspace::Workspace>,
     /// Host rows of several contexts gathered for one upload, kept so their memory stays mapped.
     staging: Mutex<Vec<f32>>,
     /// DFlash2's candidate selector, which walks greedy blocks on the device.
@@ -120,7 +121,7 @@ impl CudaDrafter {
             head.rows,
             pool.bytes() >> 20
         );
-        let work = Mutex::new(forward::Workspace::new(matrices == DraftMatrices::Bf16));
+        let work = Mutex::new(workspace::Workspace::new(matrices == DraftMatrices::Bf16));
         Ok(CudaDrafter { dev, weights, head, rope, pool, work, staging: Mutex::default(), selector })
     }
 

@@ -36,30 +36,7 @@ pub fn dflash_conv<'a>(
 ) -> Result<()> {
     let (x, block_start, out) = (x.dev(), block_start.dev(), out.dev());
     let rows = block_start.len();
-    let hidden = side.base.len().checked_div(side.taps).unwrap_or(0);
-    let coefs = side.taps * side.groups;
-    if side.taps == 0
-        || side.groups == 0
-        || hidden == 0
-        || !hidden.is_multiple_of(side.groups)
-        || side.base.len() != side.taps * hidden
-        || x.len() != rows * hidden
-        || out.len() != x.len()
-        || side.dyn_col + coefs > side.dyn_ld
-        || side.dynamic.len() < rows * side.dyn_ld
-    {
-        return Err(shape_err(format!(
-            "dflash_conv: x {} / out {} for {rows} rows, base {} of {} taps, {} groups, dynamic {} (ld {}, column {})",
-            x.len(),
-            out.len(),
-            side.base.len(),
-            side.taps,
-            side.groups,
-            side.dynamic.len(),
-            side.dyn_ld,
-            side.dyn_col
-        )));
-    }
+    let hidden = check_side("dflash_conv", &side, x.len(), out.len(), rows)?;
     if rows == 0 {
         return Ok(());
     }
@@ -81,6 +58,92 @@ pub fn dflash_conv<'a>(
     // SAFETY: the arguments match the kernel's signature; the shapes were checked above (the kernel reads rows
     // `min(block_start[i], i) ..= i` of x).
     unsafe { launch.launch(launch_cfg(grid, ROW_BLOCK)) }.map_err(launch_err("dflash_conv"))?;
+    Ok(())
+}
+
+/// The hidden size a convolution side and its `[rows, hidden]` input and output describe.
+fn check_side(kernel: &str, side: &ConvSide<'_>, x_len: usize, out_len: usize, rows: usize) -> Result<usize> {
+    let hidden = side.base.len().checked_div(side.taps).unwrap_or(0);
+    let coefs = side.taps * side.groups;
+    if side.taps == 0
+        || side.groups == 0
+        || hidden == 0
+        || !hidden.is_multiple_of(side.groups)
+        || side.base.len() != side.taps * hidden
+        || x_len != rows * hidden
+        || out_len != x_len
+        || side.dyn_col + coefs > side.dyn_ld
+        || side.dynamic.len() < rows * side.dyn_ld
+    {
+        return Err(shape_err(format!(
+            "{kernel}: x {x_len} / out {out_len} for {rows} rows, base {} of {} taps, {} groups, dynamic {} (ld {}, \
+             column {})",
+            side.base.len(),
+            side.taps,
+            side.groups,
+            side.dynamic.len(),
+            side.dyn_ld,
+            side.dyn_col
+        )));
+    }
+    Ok(hidden)
+}
+
+/// A sublayer's finish side and the residual's next norm in one launch: `residual += dflash_conv(x)`, then
+/// `out = rms_norm(residual) · w`, bit for bit what [`dflash_conv`] then [`super::add_rms_norm`] give (a drafter
+/// layer's two per sublayer, one launch fewer each).
+///
+/// `residual`, `x`, `out`: `[rows, hidden]`; `w`: `[hidden]`; `block_start`: `[rows]`. `x` must not overlap
+/// `residual` or `out` (other rows' blocks read it).
+///
+/// # Errors
+/// Lengths that do not form these shapes (as [`dflash_conv`] checks them); a launch failure.
+#[allow(clippy::too_many_arguments)]
+pub fn dflash_conv_add_rms_norm<'a>(
+    dev: &CudaDevice,
+    residual: impl DevArg<'a, f32>,
+    x: impl DevArg<'a, f32>,
+    side: ConvSide<'a>,
+    block_start: impl DevArg<'a, u32>,
+    w: impl DevArg<'a, f32>,
+    eps: f32,
+    out: impl DevArg<'a, f32>,
+) -> Result<()> {
+    let (residual, x, block_start, w, out) = (residual.dev(), x.dev(), block_start.dev(), w.dev(), out.dev());
+    let rows = block_start.len();
+    let hidden = check_side("dflash_conv_add_rms_norm", &side, x.len(), out.len(), rows)?;
+    if residual.len() != x.len() || w.len() != hidden {
+        return Err(shape_err(format!(
+            "dflash_conv_add_rms_norm: residual {} and norm {} beside x {} of {rows} rows",
+            residual.len(),
+            w.len(),
+            x.len()
+        )));
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    let grid = (dim(rows, "rows")?, 1, 1);
+    let (dyn_ld, dyn_col) = (dim(side.dyn_ld, "dyn_ld")?, dim(side.dyn_col, "dyn_col")?);
+    let (hidden, taps, groups) = (dim(hidden, "hidden")?, dim(side.taps, "taps")?, dim(side.groups, "groups")?);
+    let mut launch = dev.launch_builder(&dev.kernels.dflash_conv_add_rms_norm);
+    launch
+        .arg(residual.arg())
+        .arg(x.arg())
+        .arg(side.dynamic.arg())
+        .arg(&dyn_ld)
+        .arg(&dyn_col)
+        .arg(side.base.arg())
+        .arg(block_start.arg())
+        .arg(w.arg())
+        .arg(out.arg())
+        .arg(&hidden)
+        .arg(&taps)
+        .arg(&groups)
+        .arg(&eps);
+    // SAFETY: the arguments match the kernel's signature; the shapes were checked above. The block size is
+    // add_rms_norm's, so the norm's sums are added in its order.
+    unsafe { launch.launch(launch_cfg(grid, ROW_BLOCK)) }.map_err(launch_err("dflash_conv_add_rms_norm"))?;
     Ok(())
 }
 

@@ -26,8 +26,9 @@ pub use attention::{
     ATTN_MAX_QUERIES, ATTN_ROPE_MAX_SEQ_ROWS, ATTN_SPLIT_MAX_KEYS, TC_ATTN_TILE_ROWS,
 };
 pub use drafter::{
-    dflash2_walk, dflash2_walk_on, dflash_conv, draft_top_k, draft_top_k_on, draft_top_k_scratch, walk_staged_fits,
-    ConvSide, LogitScale, SelectorWeights, TopKKernel, WalkBlocks, DRAFT_TOP_K_MAX,
+    dflash2_walk, dflash2_walk_on, dflash_conv, dflash_conv_add_rms_norm, draft_top_k, draft_top_k_on,
+    draft_top_k_scratch, walk_staged_fits, ConvSide, LogitScale, SelectorWeights, TopKKernel, WalkBlocks,
+    DRAFT_TOP_K_MAX,
 };
 pub use fused::{
     copy_columns, f32_rows_fit, fill_random_bf16, fill_random_f16, fill_random_f32, fill_random_u32, gather_rms_norm,
