@@ -8,6 +8,8 @@
 #   lanes       the default model's lanes at one request (plain, lookup, the drafter as served and in full blocks)
 #   projection  the Qwen3-8B shape with a real-shape DFlash2 drafter paid every round, at 1, 8 and 32 copies
 #   plain       plain serving at 1 to 256 requests, 256-token completions
+#   oracle      the round policy under load with no checkpoint: the SmolLM2 shape with random weights, the adaptive
+#               oracle lane (mid profile, free drafts) beside plain at 1, 8 and 64 copies
 # B may be left out: then A runs alone (twice). ROUNDS (default 2) is each serving stream's completions a level: 8
 # weighs the servers' warm-up (the step gates' first explorations) less. SPREAD (default 0) spreads the serving
 # completions' lengths over 128 · (1 ± SPREAD), so prompts arrive one at a time rather than in waves. Each run's tables land in
@@ -25,6 +27,8 @@ whats=("$@")
 S="--device cuda --max-concurrent 64"
 P="--random-target qwen3-8b --random-drafter dflash2 --tokenizer crates/models/tests/fixtures/tiny-qwen3-next \
 --per-group 1 --max-tokens 128 --repeat 1 --oracle-profile paper --oracle-pays-drafter --lanes plain,oracle16-fixed"
+O="--random-target smollm2 --tokenizer crates/models/tests/fixtures/tiny-qwen3-next --per-group 1 --max-tokens 128 \
+--repeat 1 --oracle-profile mid --lanes plain,oracle"
 
 run() { # run WHAT NAME CMD...: one measurement into OUT/WHAT-NAME-ROUND
     local what=$1 name=$2 dir
@@ -48,6 +52,12 @@ run() { # run WHAT NAME CMD...: one measurement into OUT/WHAT-NAME-ROUND
         for c in 1 8 32; do
             # shellcheck disable=SC2086 # P is a list of flags
             "$@" bench --device cuda lanes $P --concurrency $c --out-dir "$dir/c$c" >"$dir/c$c.log" 2>&1
+            echo "== $what $name $round, $c copies"; grep -E "^\| all |round-costs" "$dir/c$c.log"
+        done ;;
+    oracle)
+        for c in 1 8 64; do
+            # shellcheck disable=SC2086 # O is a list of flags
+            "$@" bench --device cuda lanes $O --concurrency $c --out-dir "$dir/c$c" >"$dir/c$c.log" 2>&1
             echo "== $what $name $round, $c copies"; grep -E "^\| all |round-costs" "$dir/c$c.log"
         done ;;
     plain)
