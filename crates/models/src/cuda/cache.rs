@@ -306,9 +306,10 @@ impl<X> CudaCache<X> {
         &self.cfg
     }
 
-    /// The graph buckets its decode and verify steps pad to (`mixed`: steps of different row counts replay graphs
-    /// too); `None` with graphs off.
-    pub fn step_padding(&self, mixed: bool) -> Option<crate::StepPadding> {
+    /// The graph buckets its decode and verify steps pad to, for a family whose steps of different row counts can
+    /// replay graphs (`family_mixed`, as its steps say) or not; `None` with graphs off.
+    pub fn step_padding(&self, family_mixed: bool) -> Option<crate::StepPadding> {
+        let mixed = super::plan::mixed_graphs(family_mixed);
         self.cfg.graphs.then(|| super::plan::step_padding(&self.cfg, mixed))
     }
 

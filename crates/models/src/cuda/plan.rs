@@ -272,6 +272,12 @@ fn graph_shape(batch: &ForwardBatch, cfg: &CudaCacheConfig, mixed: bool) -> Opti
     step_padding(cfg, mixed).shape(batch.seqs.len(), widest, total)
 }
 
+/// Whether a family whose steps of different row counts can replay graphs (`family_mixed`) has them replay now:
+/// `DFLASH_MIXED_GRAPHS=0` runs such steps eagerly.
+pub(crate) fn mixed_graphs(family_mixed: bool) -> bool {
+    family_mixed && !dflash_runtime::switches::switches().no_mixed_graphs
+}
+
 /// The graph buckets of steps within `cfg` (`mixed`: steps of different row counts replay graphs too).
 pub(crate) fn step_padding(cfg: &CudaCacheConfig, mixed: bool) -> StepPadding {
     let max_rows = cfg.max_tokens.min(cfg.max_decode_rows).min(cfg.max_logit_rows);

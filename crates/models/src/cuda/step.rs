@@ -53,7 +53,7 @@ impl<X> CudaCache<X> {
         }
         plan::validate(batch, &self.cfg, step.model)?;
         // The launch timeline needs the launches themselves, not a graph's replay.
-        let mixed = step.mixed_graphs && !dflash_runtime::switches::switches().no_mixed_graphs;
+        let mixed = plan::mixed_graphs(step.mixed_graphs);
         let key = plan::graph_key(batch, &self.cfg, step.model.num_kv_heads, mixed).filter(|_| !dev.timeline_on());
         super::timeline_section(dev, || {
             let rows = batch.tokens.len();

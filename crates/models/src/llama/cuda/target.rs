@@ -124,7 +124,8 @@ impl Target for CudaLlamaTarget {
     }
 
     fn step_padding(&self) -> Option<StepPadding> {
-        self.cache.step_padding(!dflash_runtime::switches::switches().no_mixed_graphs)
+        // Its steps replay graphs of different row counts too (`mixed_graphs` in its forward).
+        self.cache.step_padding(true)
     }
 }
 
