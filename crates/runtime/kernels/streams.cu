@@ -96,26 +96,17 @@ extern "C" __global__ void streams_project(const float* __restrict__ streams, co
     if (threadIdx.x == 0) mixes[r * n_mix + m] = total * inv;
 }
 
-// A block's entry through its hyper-connection, one block per row, from streams_project's mixes [T, (2 + n) * n]:
-// writes the block's input collapsed [T, hidden] = sum_k pre_k * s_k, and post [T, n], comb [T, n * n] for
-// streams_expand. With base [(2 + n) * n] and scale [3] (pre, post, comb): pre = sigmoid(.) + eps,
-// post = 2 sigmoid(.), comb = Sinkhorn(softmax(.) + eps), worked in shared memory.
-extern "C" __global__ void streams_collapse(const float* __restrict__ streams, const float* __restrict__ mixes,
-                                           const float* __restrict__ base, const float* __restrict__ scale,
-                                           float* __restrict__ collapsed, float* __restrict__ post_out,
-                                           float* __restrict__ comb_out, u32 n, u32 hidden, u32 iters, float eps) {
-    DF_GRID_DEPENDENCY();
-    __shared__ float mix[STREAMS_MAX_MIX];
-    const u32 n_mix = (2 + n) * n;
-    const u64 r = blockIdx.x;
-    const float* s = streams + r * n * hidden;
-    for (u32 m = threadIdx.x; m < n_mix; m += blockDim.x) mix[m] = mixes[r * n_mix + m];
-    __syncthreads();
+// A row's gates from its projection `mix` [(2 + n) * n] in shared memory: post (written to post_out [n]) =
+// 2 sigmoid(.), pre (left in mix[0 .. n]) = sigmoid(.) + eps, comb (left in mix[2n ..] and written to comb_out
+// [n * n]) = Sinkhorn(softmax(.) + eps); base [(2 + n) * n] and scale [3] (pre, post, comb). The whole block calls it.
+__device__ void streams_gates(float* mix, const float* __restrict__ base, const float* __restrict__ scale,
+                              float* __restrict__ post_out, float* __restrict__ comb_out, u32 n, u32 iters,
+                              float eps) {
     float* comb = mix + 2 * n;
     const u32 t = threadIdx.x;
     float pre = 0.0f, logit = 0.0f;
     if (t < n) {
-        post_out[r * n + t] = 2.0f * streams_sigmoid(mix[n + t] * scale[1] + base[n + t]);
+        post_out[t] = 2.0f * streams_sigmoid(mix[n + t] * scale[1] + base[n + t]);
         pre = streams_sigmoid(mix[t] * scale[0] + base[t]) + eps;
     }
     if (t < n * n) logit = comb[t] * scale[2] + base[2 * n + t];
@@ -124,8 +115,24 @@ extern "C" __global__ void streams_collapse(const float* __restrict__ streams, c
     if (t < n * n) comb[t] = logit;
     __syncthreads();
     streams_sinkhorn(comb, n, iters, eps);
-    if (t < n * n) comb_out[r * n * n + t] = comb[t];
-    streams_weighted_sum(s, mix, n, hidden, collapsed + r * hidden);
+    if (t < n * n) comb_out[t] = comb[t];
+}
+
+// A block's entry through its hyper-connection, one block per row, from streams_project's mixes [T, (2 + n) * n]:
+// writes the block's input collapsed [T, hidden] = sum_k pre_k * s_k, and post [T, n], comb [T, n * n] for
+// streams_expand (streams_gates).
+extern "C" __global__ void streams_collapse(const float* __restrict__ streams, const float* __restrict__ mixes,
+                                           const float* __restrict__ base, const float* __restrict__ scale,
+                                           float* __restrict__ collapsed, float* __restrict__ post_out,
+                                           float* __restrict__ comb_out, u32 n, u32 hidden, u32 iters, float eps) {
+    DF_GRID_DEPENDENCY();
+    __shared__ float mix[STREAMS_MAX_MIX];
+    const u32 n_mix = (2 + n) * n;
+    const u64 r = blockIdx.x;
+    for (u32 m = threadIdx.x; m < n_mix; m += blockDim.x) mix[m] = mixes[r * n_mix + m];
+    __syncthreads();
+    streams_gates(mix, base, scale, post_out + r * n, comb_out + r * n * n, n, iters, eps);
+    streams_weighted_sum(streams + r * n * hidden, mix, n, hidden, collapsed + r * hidden);
 }
 
 // The head's collapse (model.hc_head), one block per row, from streams_project's mixes [T, n]:
@@ -142,9 +149,10 @@ extern "C" __global__ void streams_head(const float* __restrict__ streams, const
     streams_weighted_sum(streams + r * n * hidden, pre, n, hidden, out + r * hidden);
 }
 
-// A block's exit: s'_k = post_k * out + sum_j comb[j, k] * s_j, in place. Grid (T, column blocks); a thread owns
-// one column of a row across all n streams.
-extern "C" __global__ void streams_expand(float* __restrict__ streams, const float* __restrict__ out,
+// A block's exit: s'_k = post_k * out + sum_j comb[j, k] * s_j, in place, and out zeroed (a next block that
+// accumulates, the MoE, starts from zero). Grid (T, column blocks); a thread owns one column of a row across all
+// n streams.
+extern "C" __global__ void streams_expand(float* __restrict__ streams, float* __restrict__ out,
                                          const float* __restrict__ post, const float* __restrict__ comb, u32 n,
                                          u32 hidden) {
     DF_GRID_DEPENDENCY();
@@ -157,10 +165,103 @@ extern "C" __global__ void streams_expand(float* __restrict__ streams, const flo
     float old[STREAMS_MAX];
     for (u32 j = 0; j < n; ++j) old[j] = s[(u64)j * hidden + d];
     const float o = out[r * hidden + d];
+    out[r * hidden + d] = 0.0f;
     for (u32 k = 0; k < n; ++k) {
         float v = p[k] * o;
         for (u32 j = 0; j < n; ++j) v = fmaf(c[j * n + k], old[j], v);
         s[(u64)k * hidden + d] = v;
+    }
+}
+
+// Columns of a row one block of streams_leave_enter expands and projects.
+#define STREAMS_CHUNK 64
+
+// A block's exit and the next connection's entry in one launch: what streams_expand, streams_project and
+// streams_collapse (or, with head, streams_head) do in three. Grid (T, chunks of STREAMS_CHUNK columns). Block
+// (r, c) expands its columns of row r in place as streams_expand does (zeroing them in out), and leaves its columns' share of the next projection in
+// partials [T, chunks, n_mix + 1]: n_mix dot products, then the sum of squares. The row's last block to finish
+// (a ticket in tickets[r], which it resets for the next launch) sums the shares in chunk order and enters as
+// streams_project + streams_collapse do (mixes [T, n_mix]; post and comb, which the expand read, rewritten); with
+// head (n_mix = n) it collapses with the head's pre gates instead. A row's sums never depend on the other rows.
+extern "C" __global__ void streams_leave_enter(float* __restrict__ streams, float* __restrict__ out, float* post,
+                                              float* comb, const float* __restrict__ proj,
+                                              const float* __restrict__ base, const float* __restrict__ scale,
+                                              float* __restrict__ partials, u32* __restrict__ tickets,
+                                              float* __restrict__ mixes, float* __restrict__ collapsed, u32 n,
+                                              u32 hidden, u32 n_mix, u32 head, u32 iters, float eps,
+                                              float norm_eps) {
+    DF_GRID_DEPENDENCY();
+    __shared__ float fresh[STREAMS_MAX * STREAMS_CHUNK];  // this block's columns of the expanded streams
+    __shared__ float mix[STREAMS_MAX_MIX + 1];
+    __shared__ u32 ticket;
+    const u64 r = blockIdx.x;
+    const u32 chunks = gridDim.y, d0 = blockIdx.y * STREAMS_CHUNK;
+    const u32 cols = min((u32)STREAMS_CHUNK, hidden - d0);
+    float* s = streams + r * n * hidden;
+    {
+        const float* p = post + r * n;
+        const float* c = comb + r * n * n;
+        for (u32 i = threadIdx.x; i < cols; i += blockDim.x) {
+            const u32 d = d0 + i;
+            float old[STREAMS_MAX];
+            for (u32 j = 0; j < n; ++j) old[j] = s[(u64)j * hidden + d];
+            const float o = out[r * hidden + d];
+            out[r * hidden + d] = 0.0f;
+            for (u32 k = 0; k < n; ++k) {
+                float v = p[k] * o;
+                for (u32 j = 0; j < n; ++j) v = fmaf(c[j * n + k], old[j], v);
+                s[(u64)k * hidden + d] = v;
+                fresh[k * STREAMS_CHUNK + i] = v;
+            }
+        }
+    }
+    __syncthreads();
+    // This chunk's share: warp w takes outputs w, w + warps, ...; its lanes stride the chunk's n * cols values.
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    float* share = partials + (r * chunks + blockIdx.y) * (n_mix + 1);
+    for (u32 m = warp; m <= n_mix; m += warps) {
+        const float* w = proj + (u64)min(m, n_mix - 1) * n * hidden + d0;
+        float acc = 0.0f;
+        for (u32 i = lane; i < n * cols; i += 32) {
+            const u32 k = i / cols, j = i - k * cols;
+            const float x = fresh[k * STREAMS_CHUNK + j];
+            acc = fmaf(x, m == n_mix ? x : w[(u64)k * hidden + j], acc);
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) share[m] = acc;
+    }
+    // The threadfence-reduction pattern: this block's columns and share are visible before it counts itself.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) ticket = atomicAdd(tickets + r, 1u);
+    __syncthreads();
+    if (ticket != chunks - 1) return;
+    __threadfence();
+    for (u32 m = threadIdx.x; m <= n_mix; m += blockDim.x) {
+        float acc = 0.0f;
+        for (u32 q = 0; q < chunks; ++q) acc += __ldcg(partials + (r * chunks + q) * (n_mix + 1) + m);
+        mix[m] = acc;
+    }
+    __syncthreads();
+    const float inv = 1.0f / sqrtf(mix[n_mix] / (float)(n * hidden) + norm_eps);
+    __syncthreads();
+    for (u32 m = threadIdx.x; m < n_mix; m += blockDim.x) {
+        mix[m] *= inv;
+        mixes[r * n_mix + m] = mix[m];
+    }
+    if (threadIdx.x == 0) tickets[r] = 0;
+    __syncthreads();
+    if (head) {
+        if (threadIdx.x < n) mix[threadIdx.x] = streams_sigmoid(mix[threadIdx.x] * scale[0] + base[threadIdx.x]) + eps;
+        __syncthreads();
+    } else {
+        streams_gates(mix, base, scale, post + r * n, comb + r * n * n, n, iters, eps);
+    }
+    // The other blocks' columns were written in this launch: read through L2, not a possibly stale L1 line.
+    for (u32 d = threadIdx.x; d < hidden; d += blockDim.x) {
+        float acc = 0.0f;
+        for (u32 k = 0; k < n; ++k) acc = fmaf(mix[k], __ldcg(s + (u64)k * hidden + d), acc);
+        collapsed[r * hidden + d] = acc;
     }
 }
 

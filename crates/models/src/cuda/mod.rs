@@ -30,7 +30,7 @@ pub(crate) use linear::{Linear, MatIn, MatOut};
 pub use plan::GRAPH_CONTEXTS;
 pub(crate) use plan::{StepPlan, TileRows};
 pub(crate) use step::{apply_masks, attend, collect_drawn, collect_out, Step};
-pub(crate) use streams::{Block, DevStreams};
+pub(crate) use streams::{Block, DevStreams, Next, Tap};
 pub(crate) use weights::{upload_norm, DevMatrix, DevProjection, DevWeight, MatrixKind};
 
 use crate::error::ModelError;

@@ -3,8 +3,8 @@
 //! live in the workspace; a block reads its collapsed input from `residual` and writes its output to `delta`.
 
 use dflash_runtime::cuda::ops::{
-    copy_columns, fill_random_f32, streams_broadcast, streams_collapse, streams_expand, streams_head, streams_mean,
-    StreamConnection, StreamDims, StreamMix,
+    copy_columns, fill_random_f32, stream_share_len, streams_broadcast, streams_collapse, streams_expand, streams_head,
+    streams_leave_enter, streams_mean, StreamConnection, StreamDims, StreamMix, StreamNext,
 };
 use dflash_runtime::cuda::{CudaDevice, DeviceBuf};
 
@@ -31,6 +31,31 @@ impl DevConnection {
 pub(crate) enum Block {
     Mixer,
     Ffn,
+}
+
+/// A tap the drafter reads after a layer: its index among the taps and the captured rows' width.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Tap {
+    pub index: usize,
+    pub width: usize,
+}
+
+/// Where a block's exit goes on to: layer `.0`'s `.1` block, or the head's collapse (after the last layer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Next {
+    Block(usize, Block),
+    Head,
+}
+
+impl Next {
+    /// What follows layer `layer`'s feed-forward block in a model of `layers` layers.
+    pub(crate) fn after_layer(layer: usize, layers: usize) -> Self {
+        if layer + 1 < layers {
+            Next::Block(layer + 1, Block::Mixer)
+        } else {
+            Next::Head
+        }
+    }
 }
 
 /// A stream target's connections on the device.
@@ -108,28 +133,56 @@ impl DevStreams {
         self.layers.iter().flatten().map(conn).sum::<usize>() + conn(&self.head)
     }
 
-    /// The embedded rows (`residual`, `[t, hidden]`) enter as `N` copies.
-    pub(crate) fn enter_model(&self, dev: &CudaDevice, ws: &Workspace, t: usize) -> Result<()> {
+    /// The embedded rows (`residual`, `[t, hidden]`) enter as `N` copies, and the first block of a model of
+    /// `layers` layers enters (its input in `residual`; the head's collapse without layers).
+    pub(crate) fn enter_model(&self, dev: &CudaDevice, ws: &Workspace, t: usize, layers: usize) -> Result<()> {
         let h = self.dims.hidden;
-        Ok(streams_broadcast(dev, &self.dims, ws.residual.view().prefix(t * h)?, self.streams(ws, t)?)?)
+        streams_broadcast(dev, &self.dims, ws.residual.view().prefix(t * h)?, self.streams(ws, t)?)?;
+        match layers {
+            0 => self.finish(dev, ws, t),
+            _ => self.enter(dev, ws, t, 0, Block::Mixer),
+        }
     }
 
     /// Layer `layer`'s `block` enters: its collapsed input goes to `residual` (`[t, hidden]`).
-    pub(crate) fn enter(&self, dev: &CudaDevice, ws: &Workspace, t: usize, layer: usize, block: Block) -> Result<()> {
+    fn enter(&self, dev: &CudaDevice, ws: &Workspace, t: usize, layer: usize, block: Block) -> Result<()> {
         let conn = self.layers[layer][block as usize].view();
         let collapsed = ws.residual.view().prefix(t * self.dims.hidden)?;
         Ok(streams_collapse(dev, &self.dims, self.streams(ws, t)?, &conn, collapsed, &self.mix(ws, t)?)?)
     }
 
-    /// The block leaves: its output in `delta` (`[t, hidden]`) mixed back into the streams.
-    pub(crate) fn leave(&self, dev: &CudaDevice, ws: &Workspace, t: usize) -> Result<()> {
-        let out = ws.delta.view().prefix(t * self.dims.hidden)?;
-        Ok(streams_expand(dev, &self.dims, self.streams(ws, t)?, out, &self.mix(ws, t)?)?)
+    /// The block leaves (its output in `delta`, `[t, hidden]`, mixed back into the streams; `delta` left zeroed
+    /// for a block that accumulates), `tap` is written if a drafter reads the layer, and `next` enters: its input
+    /// goes to `residual` (the head's collapse, the final norm's input, after the last layer). The exit and the
+    /// entry are one launch with `DFLASH_FUSED_STREAMS=1`, else three; a tap adds its own. Taps follow a layer's
+    /// last block only: the head's tap uses `delta` as scratch, which a mixer block next overwrites.
+    pub(crate) fn leave(&self, dev: &CudaDevice, ws: &Workspace, t: usize, tap: Option<Tap>, next: Next) -> Result<()> {
+        debug_assert!(tap.is_none() || !matches!(next, Next::Block(_, Block::Ffn)), "a tap before a feed-forward");
+        let (h, streams, mix) = (self.dims.hidden, self.streams(ws, t)?, self.mix(ws, t)?);
+        let out = ws.delta.view().prefix(t * h)?;
+        if dflash_runtime::switches::switches().fused_streams {
+            let conn = match next {
+                Next::Block(layer, block) => StreamNext::Block(self.layers[layer][block as usize].view()),
+                Next::Head => StreamNext::Head(self.head.view()),
+            };
+            let collapsed = ws.residual.view().prefix(t * h)?;
+            streams_leave_enter(dev, &self.dims, streams, out, conn, &mix, collapsed)?;
+            // The streams stay the block's exit until the next exit: the tap reads them now.
+            return tap.map_or(Ok(()), |tap| self.write_tap(dev, ws, t, tap));
+        }
+        streams_expand(dev, &self.dims, streams, out, &mix)?;
+        if let Some(tap) = tap {
+            self.write_tap(dev, ws, t, tap)?;
+        }
+        match next {
+            Next::Block(layer, block) => self.enter(dev, ws, t, layer, block),
+            Next::Head => self.finish(dev, ws, t),
+        }
     }
 
-    /// Writes tap `tap` of the step's rows into `captured` (`[t, width]`) as the taps read the streams.
-    pub(crate) fn write_tap(&self, dev: &CudaDevice, ws: &Workspace, t: usize, tap: usize, width: usize) -> Result<()> {
-        let (n, h) = (self.dims.streams, self.dims.hidden);
+    /// Writes `tap` of the step's rows into `captured` (`[t, tap.width]`) as the taps read the streams.
+    fn write_tap(&self, dev: &CudaDevice, ws: &Workspace, t: usize, tap: Tap) -> Result<()> {
+        let (n, h, Tap { index: tap, width }) = (self.dims.streams, self.dims.hidden, tap);
         let captured = ws.captured.view().prefix(t * width)?;
         let streams = self.streams(ws, t)?;
         match self.tap {
@@ -145,7 +198,7 @@ impl DevStreams {
     }
 
     /// The head's collapse of the last layer's streams into `residual`, the final norm's input.
-    pub(crate) fn finish(&self, dev: &CudaDevice, ws: &Workspace, t: usize) -> Result<()> {
+    fn finish(&self, dev: &CudaDevice, ws: &Workspace, t: usize) -> Result<()> {
         let out = ws.residual.view().prefix(t * self.dims.hidden)?;
         let mixes = self.mix(ws, t)?.mixes;
         Ok(streams_head(dev, &self.dims, self.streams(ws, t)?, &self.head.view(), mixes, out)?)
@@ -161,6 +214,8 @@ impl DevStreams {
             mixes: ws.stream_mixes.view().prefix(t * (2 + n) * n)?,
             post: ws.stream_post.view().prefix(t * n)?,
             comb: ws.stream_comb.view().prefix(t * n * n)?,
+            partials: ws.stream_partials.view().prefix(t * stream_share_len(n, self.dims.hidden))?,
+            tickets: ws.stream_tickets.view().prefix(t)?,
         })
     }
 }

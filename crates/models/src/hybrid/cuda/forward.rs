@@ -2,8 +2,8 @@
 //! replayed), the per-sequence GDN runs riding in the step's one input copy, and the rollback replay.
 
 use dflash_runtime::cuda::ops::{
-    self as gpu, copy_columns, embedding_quant, fill_random_f32, gather_rms_norm, gdn_conv, gdn_gated_norm, gdn_prep,
-    gdn_rule, moe_forward, sigmoid_gate_mul, GdnConvArgs, GdnPrepArgs, GdnRuleArgs, GdnRuns, GdnStateView, MoeArgs,
+    self as gpu, copy_columns, embedding_quant, gather_rms_norm, gdn_conv, gdn_gated_norm, gdn_prep, gdn_rule,
+    moe_forward, sigmoid_gate_mul, GdnConvArgs, GdnPrepArgs, GdnRuleArgs, GdnRuns, GdnStateView, MoeArgs,
 };
 use dflash_runtime::cuda::DevSlice;
 
@@ -12,7 +12,7 @@ use super::{CudaHybridModel, DevAttention, DevFfn, DevGdn, DevHybridLayer, DevMi
 use crate::batch::{ForwardBatch, ForwardOut, Readout, StepDraws};
 use crate::cuda::{
     apply_masks, attend, collect_drawn, collect_out, Block, CudaModelError, DevStreams, DevWeight, Linear, MatIn,
-    MatOut, Result, Step, StepPlan,
+    MatOut, Next, Result, Step, StepPlan, Tap,
 };
 
 impl CudaHybridModel {
@@ -340,19 +340,15 @@ impl CudaHybridModel {
         let (ws, t, h) = (&cache.ws, plan.layout.t, self.cfg.base.hidden_size);
         let out = BlockOut { y: ws.delta.view().prefix(t * h)?, add: false };
         let width = self.capture_width();
-        streams.enter_model(&self.dev, ws, t)?;
+        streams.enter_model(&self.dev, ws, t, self.layers.len())?;
         for (i, layer) in self.layers.iter().enumerate() {
-            streams.enter(&self.dev, ws, t, i, Block::Mixer)?;
             self.mixer_block(cache, plan, runs, layer, out)?;
-            streams.leave(&self.dev, ws, t)?;
-            streams.enter(&self.dev, ws, t, i, Block::Ffn)?;
+            streams.leave(&self.dev, ws, t, None, Next::Block(i, Block::Ffn))?;
             self.ffn_block(cache, t, layer, out)?;
-            streams.leave(&self.dev, ws, t)?;
-            if let Some(tap) = self.capture_layers.iter().position(|&l| l == i) {
-                streams.write_tap(&self.dev, ws, t, tap, width)?;
-            }
+            let tap = self.capture_layers.iter().position(|&l| l == i).map(|index| Tap { index, width });
+            streams.leave(&self.dev, ws, t, tap, Next::after_layer(i, self.layers.len()))?;
         }
-        streams.finish(&self.dev, ws, t)
+        Ok(())
     }
 
     /// A layer's token mixer on `residual` (normed by the layer's input norm) into `out`.
@@ -384,13 +380,9 @@ impl CudaHybridModel {
                 self.linear().matmul(ws, t, normed, gate_up, MatOut::Swiglu(act))?;
                 self.linear().matmul(ws, t, MatIn::Plain(act), down, out.mat(h))
             }
-            DevFfn::Sparse(m) => {
-                if !out.add {
-                    // The experts' weighted sum accumulates into its output.
-                    fill_random_f32(&self.dev, out.y, 0, 0.0, 0.0)?;
-                }
-                self.moe(cache, t, m, layer.ffn_norm.view(), out.y)
-            }
+            // The experts' weighted sum accumulates into its output: the residual, or `delta`, which the streams'
+            // exit before this block left zeroed.
+            DevFfn::Sparse(m) => self.moe(cache, t, m, layer.ffn_norm.view(), out.y),
         }
     }
 

@@ -10,7 +10,7 @@ use super::model::{CudaLayer, CudaLlamaModel};
 use crate::batch::{ForwardBatch, ForwardOut, Readout, StepDraws};
 use crate::cuda::{
     apply_masks, attend, collect_drawn, collect_out, Block, CudaCache, DevMatrix, DevProjection, DevStreams, DevWeight,
-    Linear, MatIn, MatOut, Result, Step, StepPlan,
+    Linear, MatIn, MatOut, Next, Result, Step, StepPlan, Tap,
 };
 use crate::RowMasks;
 
@@ -145,18 +145,15 @@ impl CudaLlamaModel {
     fn stream_layers(&self, cache: &CudaCache, p: &StepPlan, streams: &DevStreams) -> Result<()> {
         let (ws, t, h) = (&cache.ws, p.layout.t, self.cfg.hidden_size);
         let store = MatOut::Store { y: ws.delta.view().prefix(t * h)?, ld: h, col: 0 };
-        let width = self.capture_width();
-        streams.enter_model(&self.dev, ws, t)?;
+        streams.enter_model(&self.dev, ws, t, self.layers.len())?;
         for (i, layer) in self.layers.iter().enumerate() {
             self.stream_layer(cache, p, streams, i, layer, store)?;
-            if let Some(tap) = self.capture_layers.iter().position(|&l| l == i) {
-                streams.write_tap(&self.dev, ws, t, tap, width)?;
-            }
         }
-        streams.finish(&self.dev, ws, t)
+        Ok(())
     }
 
-    /// One decoder layer between its two connections.
+    /// One decoder layer, entered through its mixer's connection: the attention, the exit into the feed-forward's
+    /// connection, the MLP, and the exit (with the layer's tap, if read) into the next layer or the head.
     fn stream_layer<'a>(
         &'a self,
         cache: &'a CudaCache,
@@ -168,14 +165,14 @@ impl CudaLlamaModel {
     ) -> Result<()> {
         let (ws, t, h) = (&cache.ws, p.layout.t, self.cfg.hidden_size);
         let residual = ws.residual.view().prefix(t * h)?;
-        streams.enter(&self.dev, ws, t, i, Block::Mixer)?;
         self.attention_block(cache, p, i, layer, MatIn::Normed { x: residual, w: layer.attn_norm.view() }, out)?;
-        streams.leave(&self.dev, ws, t)?;
-        streams.enter(&self.dev, ws, t, i, Block::Ffn)?;
+        streams.leave(&self.dev, ws, t, None, Next::Block(i, Block::Ffn))?;
         let act = ws.act.view().prefix(t * self.cfg.intermediate_size)?;
         let input = MatIn::Normed { x: residual, w: layer.ffn_norm.view() };
         self.linear().mlp(ws, t, input, (&layer.gate_up, &layer.down), act, out)?;
-        streams.leave(&self.dev, ws, t)
+        let tap =
+            self.capture_layers.iter().position(|&l| l == i).map(|index| Tap { index, width: self.capture_width() });
+        streams.leave(&self.dev, ws, t, tap, Next::after_layer(i, self.layers.len()))
     }
 
     /// One decoder layer on the step's rows. With `fold`, the pre-norms run inside the matmuls after them, from
