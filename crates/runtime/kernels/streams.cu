@@ -180,7 +180,7 @@ extern "C" __global__ void streams_expand(float* __restrict__ streams, float* __
 // streams_collapse (or, with head, streams_head) do in three. Grid (T, chunks of STREAMS_CHUNK columns). Block
 // (r, c) expands its columns of row r in place as streams_expand does (zeroing them in out), and leaves its columns' share of the next projection in
 // partials [T, chunks, n_mix + 1]: n_mix dot products, then the sum of squares. The row's last block to finish
-// (a ticket in tickets[r], which it resets for the next launch) sums the shares in chunk order and enters as
+// (a ticket in tickets[r], which it resets for the next launch) sums the shares in a fixed order and enters as
 // streams_project + streams_collapse do (mixes [T, n_mix]; post and comb, which the expand read, rewritten); with
 // head (n_mix = n) it collapses with the head's pre gates instead. A row's sums never depend on the other rows.
 extern "C" __global__ void streams_leave_enter(float* __restrict__ streams, float* __restrict__ out, float* post,
@@ -237,10 +237,12 @@ extern "C" __global__ void streams_leave_enter(float* __restrict__ streams, floa
     __syncthreads();
     if (ticket != chunks - 1) return;
     __threadfence();
-    for (u32 m = threadIdx.x; m <= n_mix; m += blockDim.x) {
+    // One warp an output: lanes over the chunks' shares, then the butterfly (the same order whoever is last).
+    for (u32 m = warp; m <= n_mix; m += warps) {
         float acc = 0.0f;
-        for (u32 q = 0; q < chunks; ++q) acc += __ldcg(partials + (r * chunks + q) * (n_mix + 1) + m);
-        mix[m] = acc;
+        for (u32 q = lane; q < chunks; q += 32) acc += __ldcg(partials + (r * chunks + q) * (n_mix + 1) + m);
+        acc = warp_sum(acc);
+        if (lane == 0) mix[m] = acc;
     }
     __syncthreads();
     const float inv = 1.0f / sqrtf(mix[n_mix] / (float)(n * hidden) + norm_eps);
