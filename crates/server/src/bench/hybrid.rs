@@ -148,10 +148,12 @@ mod gpu {
             a.context as f64 / ms * 1e3
         );
         let mut times = Vec::with_capacity(a.steps);
+        let mut decoded = Vec::with_capacity(a.steps);
         for i in 0..a.steps {
             let t = Instant::now();
             token = step(&model, &mut cache, &[token], a.context + i, &table, a.context, false)?[0];
             times.push(t.elapsed().as_secs_f64() * 1e3);
+            decoded.push(token);
         }
         let med = median(&mut times[1..].to_vec());
         let floor = model.active_weight_bytes() as f64 / FLOOR_BYTES_PER_S * 1e3;
@@ -160,6 +162,8 @@ mod gpu {
             1e3 / med,
             floor / med
         );
+        // Two builds or switches that must decode alike (a fused kernel and the launches it replaces) compare these.
+        println!("decoded tokens: digest {:016x}, first {:?}", digest(&decoded), &decoded[..decoded.len().min(8)]);
         ladder(&model, &mut cache, &table, a.context)
     }
 
@@ -206,6 +210,14 @@ mod gpu {
             );
         }
         Ok(())
+    }
+
+    /// FNV-1a over the tokens' bytes.
+    fn digest(tokens: &[u32]) -> u64 {
+        tokens
+            .iter()
+            .flat_map(|t| t.to_le_bytes())
+            .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
     }
 
     /// Bytes of one routed expert (gate, up, down in bf16).
