@@ -66,6 +66,8 @@ pub(crate) struct DevStreams {
     layers: Vec<[DevConnection; 2]>,
     head: DevConnection,
     pub tap: StreamTap,
+    /// A block's exit and the next entry as one launch (`DFLASH_FUSED_STREAMS=1`, read when the model is built).
+    pub(crate) fused: bool,
 }
 
 impl DevStreams {
@@ -85,7 +87,7 @@ impl DevStreams {
             DevConnection { proj: dev.upload(proj.as_f32()?)?, base: dev.upload(base)?, scale: dev.upload(&[scale])? };
         let c = host.cfg;
         let dims = StreamDims { streams: c.count, hidden, sinkhorn_iters: c.sinkhorn_iters, eps: c.eps, norm_eps };
-        Ok(DevStreams { dims, layers, head, tap: host.tap })
+        Ok(DevStreams { dims, layers, head, tap: host.tap, fused: fused_by_default() })
     }
 
     /// Random connections made on the device for a model of `layers` layers (benchmarks of shapes no checkpoint
@@ -119,7 +121,7 @@ impl DevStreams {
         let layers = (0..layers).map(|_| Ok([conn(mix, 3)?, conn(mix, 3)?])).collect::<Result<Vec<_>>>()?;
         let head = conn(n, 1)?;
         let dims = StreamDims { streams: n, hidden, sinkhorn_iters: cfg.sinkhorn_iters, eps: cfg.eps, norm_eps };
-        Ok(DevStreams { dims, layers, head, tap: StreamTap::Mean })
+        Ok(DevStreams { dims, layers, head, tap: StreamTap::Mean, fused: fused_by_default() })
     }
 
     /// Values of one captured row for `taps` taps.
@@ -160,7 +162,7 @@ impl DevStreams {
         debug_assert!(tap.is_none() || !matches!(next, Next::Block(_, Block::Ffn)), "a tap before a feed-forward");
         let (h, streams, mix) = (self.dims.hidden, self.streams(ws, t)?, self.mix(ws, t)?);
         let out = ws.delta.view().prefix(t * h)?;
-        if dflash_runtime::switches::switches().fused_streams {
+        if self.fused {
             let conn = match next {
                 Next::Block(layer, block) => StreamNext::Block(self.layers[layer][block as usize].view()),
                 Next::Head => StreamNext::Head(self.head.view()),
@@ -218,4 +220,8 @@ impl DevStreams {
             tickets: ws.stream_tickets.view().prefix(t)?,
         })
     }
+}
+
+fn fused_by_default() -> bool {
+    dflash_runtime::switches::switches().fused_streams
 }
