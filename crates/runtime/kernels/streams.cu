@@ -149,6 +149,22 @@ extern "C" __global__ void streams_head(const float* __restrict__ streams, const
     streams_weighted_sum(streams + r * n * hidden, pre, n, hidden, out + r * hidden);
 }
 
+// Column d of one row's exit, in place: s'_k[d] = post_k * out[d] + sum_j comb[j, k] * s_j[d], out[d] zeroed; with
+// kept, each s'_k[d] also goes to kept[k * kept_stride].
+__device__ __forceinline__ void streams_expand_column(float* s, float* out, const float* post, const float* comb, u32 n,
+                                                      u32 hidden, u32 d, float* kept, u32 kept_stride) {
+    float old[STREAMS_MAX];
+    for (u32 j = 0; j < n; ++j) old[j] = s[(u64)j * hidden + d];
+    const float o = out[d];
+    out[d] = 0.0f;
+    for (u32 k = 0; k < n; ++k) {
+        float v = post[k] * o;
+        for (u32 j = 0; j < n; ++j) v = fmaf(comb[j * n + k], old[j], v);
+        s[(u64)k * hidden + d] = v;
+        if (kept) kept[k * kept_stride] = v;
+    }
+}
+
 // A block's exit: s'_k = post_k * out + sum_j comb[j, k] * s_j, in place, and out zeroed (a next block that
 // accumulates, the MoE, starts from zero). Grid (T, column blocks); a thread owns one column of a row across all
 // n streams.
@@ -159,18 +175,8 @@ extern "C" __global__ void streams_expand(float* __restrict__ streams, float* __
     const u32 d = blockIdx.y * blockDim.x + threadIdx.x;
     if (d >= hidden) return;
     const u64 r = blockIdx.x;
-    float* s = streams + r * n * hidden;
-    const float* p = post + r * n;
-    const float* c = comb + r * n * n;
-    float old[STREAMS_MAX];
-    for (u32 j = 0; j < n; ++j) old[j] = s[(u64)j * hidden + d];
-    const float o = out[r * hidden + d];
-    out[r * hidden + d] = 0.0f;
-    for (u32 k = 0; k < n; ++k) {
-        float v = p[k] * o;
-        for (u32 j = 0; j < n; ++j) v = fmaf(c[j * n + k], old[j], v);
-        s[(u64)k * hidden + d] = v;
-    }
+    streams_expand_column(streams + r * n * hidden, out + r * hidden, post + r * n, comb + r * n * n, n, hidden, d,
+                          nullptr, 0);
 }
 
 // Columns of a row one block of streams_leave_enter expands and projects.
@@ -198,22 +204,9 @@ extern "C" __global__ void streams_leave_enter(float* __restrict__ streams, floa
     const u32 chunks = gridDim.y, d0 = blockIdx.y * STREAMS_CHUNK;
     const u32 cols = min((u32)STREAMS_CHUNK, hidden - d0);
     float* s = streams + r * n * hidden;
-    {
-        const float* p = post + r * n;
-        const float* c = comb + r * n * n;
-        for (u32 i = threadIdx.x; i < cols; i += blockDim.x) {
-            const u32 d = d0 + i;
-            float old[STREAMS_MAX];
-            for (u32 j = 0; j < n; ++j) old[j] = s[(u64)j * hidden + d];
-            const float o = out[r * hidden + d];
-            out[r * hidden + d] = 0.0f;
-            for (u32 k = 0; k < n; ++k) {
-                float v = p[k] * o;
-                for (u32 j = 0; j < n; ++j) v = fmaf(c[j * n + k], old[j], v);
-                s[(u64)k * hidden + d] = v;
-                fresh[k * STREAMS_CHUNK + i] = v;
-            }
-        }
+    for (u32 i = threadIdx.x; i < cols; i += blockDim.x) {
+        streams_expand_column(s, out + r * hidden, post + r * n, comb + r * n * n, n, hidden, d0 + i, fresh + i,
+                              STREAMS_CHUNK);
     }
     __syncthreads();
     // This chunk's share: warp w takes outputs w, w + warps, ...; its lanes stride the chunk's n * cols values.
