@@ -8,12 +8,18 @@
 
 __device__ __forceinline__ float streams_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// out[d] = sum_k pre[k] * s[k * hidden + d] for this row.
-__device__ __forceinline__ void streams_weighted_sum(const float* __restrict__ s, const float* pre, u32 n, u32 hidden,
+// A pre gate (the weight of a stream in a collapse) from its projection: sigmoid(mix * scale + base) + eps.
+__device__ __forceinline__ float streams_pre(float mix, float scale, float base, float eps) {
+    return streams_sigmoid(mix * scale + base) + eps;
+}
+
+// out[d] = sum_k pre[k] * s[k * hidden + d] for this row. Each value is read once, through L2 (streams_leave_enter
+// reads columns other blocks of its launch wrote, which a stale L1 line must not serve).
+__device__ __forceinline__ void streams_weighted_sum(const float* s, const float* pre, u32 n, u32 hidden,
                                                     float* __restrict__ out) {
     for (u32 d = threadIdx.x; d < hidden; d += blockDim.x) {
         float acc = 0.0f;
-        for (u32 k = 0; k < n; ++k) acc = fmaf(pre[k], s[(u64)k * hidden + d], acc);
+        for (u32 k = 0; k < n; ++k) acc = fmaf(pre[k], __ldcg(s + (u64)k * hidden + d), acc);
         out[d] = acc;
     }
 }
@@ -107,7 +113,7 @@ __device__ void streams_gates(float* mix, const float* __restrict__ base, const 
     float pre = 0.0f, logit = 0.0f;
     if (t < n) {
         post_out[t] = 2.0f * streams_sigmoid(mix[n + t] * scale[1] + base[n + t]);
-        pre = streams_sigmoid(mix[t] * scale[0] + base[t]) + eps;
+        pre = streams_pre(mix[t], scale[0], base[t], eps);
     }
     if (t < n * n) logit = comb[t] * scale[2] + base[2 * n + t];
     __syncthreads();
@@ -144,7 +150,7 @@ extern "C" __global__ void streams_head(const float* __restrict__ streams, const
     __shared__ float pre[STREAMS_MAX];
     const u64 r = blockIdx.x;
     const u32 k = threadIdx.x;
-    if (k < n) pre[k] = streams_sigmoid(mixes[r * n + k] * scale[0] + base[k]) + eps;
+    if (k < n) pre[k] = streams_pre(mixes[r * n + k], scale[0], base[k], eps);
     __syncthreads();
     streams_weighted_sum(streams + r * n * hidden, pre, n, hidden, out + r * hidden);
 }
@@ -239,7 +245,6 @@ extern "C" __global__ void streams_leave_enter(float* __restrict__ streams, floa
     }
     __syncthreads();
     const float inv = 1.0f / sqrtf(mix[n_mix] / (float)(n * hidden) + norm_eps);
-    __syncthreads();
     for (u32 m = threadIdx.x; m < n_mix; m += blockDim.x) {
         mix[m] *= inv;
         mixes[r * n_mix + m] = mix[m];
@@ -247,17 +252,12 @@ extern "C" __global__ void streams_leave_enter(float* __restrict__ streams, floa
     if (threadIdx.x == 0) tickets[r] = 0;
     __syncthreads();
     if (head) {
-        if (threadIdx.x < n) mix[threadIdx.x] = streams_sigmoid(mix[threadIdx.x] * scale[0] + base[threadIdx.x]) + eps;
+        if (threadIdx.x < n) mix[threadIdx.x] = streams_pre(mix[threadIdx.x], scale[0], base[threadIdx.x], eps);
         __syncthreads();
     } else {
         streams_gates(mix, base, scale, post + r * n, comb + r * n * n, n, iters, eps);
     }
-    // The other blocks' columns were written in this launch: read through L2, not a possibly stale L1 line.
-    for (u32 d = threadIdx.x; d < hidden; d += blockDim.x) {
-        float acc = 0.0f;
-        for (u32 k = 0; k < n; ++k) acc = fmaf(mix[k], __ldcg(s + (u64)k * hidden + d), acc);
-        collapsed[r * hidden + d] = acc;
-    }
+    streams_weighted_sum(s, mix, n, hidden, collapsed + r * hidden);
 }
 
 // The embedding entering as n copies: streams[r, k * hidden + d] = x[r, d]. Grid-stride over T * hidden.
