@@ -13,22 +13,51 @@ __device__ __forceinline__ float streams_pre(float mix, float scale, float base,
     return streams_sigmoid(mix * scale + base) + eps;
 }
 
-// out[d] = sum_k pre[k] * s[k * hidden + d] for this row. Each value is read once, through L2 (streams_leave_enter
-// reads columns other blocks of its launch wrote, which a stale L1 line must not serve).
+// out[d] = sum_k pre[k] * s[k * hidden + d] for this row.
 __device__ __forceinline__ void streams_weighted_sum(const float* s, const float* pre, u32 n, u32 hidden,
                                                     float* __restrict__ out) {
     for (u32 d = threadIdx.x; d < hidden; d += blockDim.x) {
         float acc = 0.0f;
-        for (u32 k = 0; k < n; ++k) acc = fmaf(pre[k], __ldcg(s + (u64)k * hidden + d), acc);
+        for (u32 k = 0; k < n; ++k) acc = fmaf(pre[k], s[(u64)k * hidden + d], acc);
         out[d] = acc;
     }
 }
 
 // Softmax of each row of comb [n, n], + eps, then Sinkhorn: columns, then iters - 1 times rows and columns, each
-// divided by its sum + eps. Thread t < n * n owns comb[t] (row t / n, column t % n); each thread sums its row or
-// column itself, in ascending order as the CPU twin does, so every owner of a row or column gets the same sum. The
-// whole block must call it (it synchronises).
-__device__ void streams_sinkhorn(float* comb, u32 n, u32 iters, float eps) {
+// divided by its sum + eps. Lane t < n * n of warp 0 owns comb[t] (row t / n, column t % n) in a register and
+// gathers its row or column with shuffles, summing in ascending order as the CPU twin does, so every owner of a
+// row or column gets the same sum; the iterations need no block barrier (40 of them were the collapse's longest
+// chain, PERFORMANCE.md entry 124). n * n <= 32 (n <= 5) takes this path; wider mixes go through shared memory
+// (streams_sinkhorn_block, the same arithmetic). The whole block must call it; comb is final when it returns.
+__device__ void streams_sinkhorn_warp(float* comb, u32 n, u32 iters, float eps) {
+    const u32 t = threadIdx.x;
+    if (t < 32) {
+        const bool owns = t < n * n;
+        const u32 j = owns ? t / n : 0, k = owns ? t % n : 0;
+        const float x = owns ? comb[t] : 0.0f;
+        float mx = __shfl_sync(DF_FULL_MASK, x, j * n);
+        for (u32 i = 1; i < n; ++i) mx = fmaxf(mx, __shfl_sync(DF_FULL_MASK, x, j * n + i));
+        float sum = 0.0f;
+        for (u32 i = 0; i < n; ++i) sum += expf(__shfl_sync(DF_FULL_MASK, x, j * n + i) - mx);
+        float v = expf(x - mx) / sum + eps;
+        for (u32 it = 0; it < iters; ++it) {
+            if (it > 0) {
+                float row = 0.0f;
+                for (u32 i = 0; i < n; ++i) row += __shfl_sync(DF_FULL_MASK, v, j * n + i);
+                v = v / (row + eps);
+            }
+            float col = 0.0f;
+            for (u32 i = 0; i < n; ++i) col += __shfl_sync(DF_FULL_MASK, v, i * n + k);
+            v = v / (col + eps);
+        }
+        if (owns) comb[t] = v;
+    }
+    __syncthreads();
+}
+
+// streams_sinkhorn_warp's arithmetic for n * n > 32: thread t < n * n owns comb[t] and reads its row or column
+// from shared memory between block barriers.
+__device__ void streams_sinkhorn_block(float* comb, u32 n, u32 iters, float eps) {
     const u32 t = threadIdx.x;
     const bool owns = t < n * n;
     const u32 j = owns ? t / n : 0, k = owns ? t % n : 0;
@@ -63,6 +92,14 @@ __device__ void streams_sinkhorn(float* comb, u32 n, u32 iters, float eps) {
         __syncthreads();
         if (owns) comb[t] = v;
         __syncthreads();
+    }
+}
+
+__device__ __forceinline__ void streams_sinkhorn(float* comb, u32 n, u32 iters, float eps) {
+    if (n * n <= 32) {
+        streams_sinkhorn_warp(comb, n, iters, eps);
+    } else {
+        streams_sinkhorn_block(comb, n, iters, eps);
     }
 }
 
@@ -155,22 +192,6 @@ extern "C" __global__ void streams_head(const float* __restrict__ streams, const
     streams_weighted_sum(streams + r * n * hidden, pre, n, hidden, out + r * hidden);
 }
 
-// Column d of one row's exit, in place: s'_k[d] = post_k * out[d] + sum_j comb[j, k] * s_j[d], out[d] zeroed; with
-// kept, each s'_k[d] also goes to kept[k * kept_stride].
-__device__ __forceinline__ void streams_expand_column(float* s, float* out, const float* post, const float* comb, u32 n,
-                                                      u32 hidden, u32 d, float* kept, u32 kept_stride) {
-    float old[STREAMS_MAX];
-    for (u32 j = 0; j < n; ++j) old[j] = s[(u64)j * hidden + d];
-    const float o = out[d];
-    out[d] = 0.0f;
-    for (u32 k = 0; k < n; ++k) {
-        float v = post[k] * o;
-        for (u32 j = 0; j < n; ++j) v = fmaf(comb[j * n + k], old[j], v);
-        s[(u64)k * hidden + d] = v;
-        if (kept) kept[k * kept_stride] = v;
-    }
-}
-
 // A block's exit: s'_k = post_k * out + sum_j comb[j, k] * s_j, in place, and out zeroed (a next block that
 // accumulates, the MoE, starts from zero). Grid (T, column blocks); a thread owns one column of a row across all
 // n streams.
@@ -181,83 +202,18 @@ extern "C" __global__ void streams_expand(float* __restrict__ streams, float* __
     const u32 d = blockIdx.y * blockDim.x + threadIdx.x;
     if (d >= hidden) return;
     const u64 r = blockIdx.x;
-    streams_expand_column(streams + r * n * hidden, out + r * hidden, post + r * n, comb + r * n * n, n, hidden, d,
-                          nullptr, 0);
-}
-
-// Columns of a row one block of streams_leave_enter expands and projects.
-#define STREAMS_CHUNK 64
-
-// A block's exit and the next connection's entry in one launch: what streams_expand, streams_project and
-// streams_collapse (or, with head, streams_head) do in three. Grid (T, chunks of STREAMS_CHUNK columns). Block
-// (r, c) expands its columns of row r in place as streams_expand does (zeroing them in out), and leaves its columns' share of the next projection in
-// partials [T, chunks, n_mix + 1]: n_mix dot products, then the sum of squares. The row's last block to finish
-// (a ticket in tickets[r], which it resets for the next launch) sums the shares in a fixed order and enters as
-// streams_project + streams_collapse do (mixes [T, n_mix]; post and comb, which the expand read, rewritten); with
-// head (n_mix = n) it collapses with the head's pre gates instead. A row's sums never depend on the other rows.
-extern "C" __global__ void streams_leave_enter(float* __restrict__ streams, float* __restrict__ out, float* post,
-                                              float* comb, const float* __restrict__ proj,
-                                              const float* __restrict__ base, const float* __restrict__ scale,
-                                              float* __restrict__ partials, u32* __restrict__ tickets,
-                                              float* __restrict__ mixes, float* __restrict__ collapsed, u32 n,
-                                              u32 hidden, u32 n_mix, u32 head, u32 iters, float eps,
-                                              float norm_eps) {
-    DF_GRID_DEPENDENCY();
-    __shared__ float fresh[STREAMS_MAX * STREAMS_CHUNK];  // this block's columns of the expanded streams
-    __shared__ float mix[STREAMS_MAX_MIX + 1];
-    __shared__ u32 ticket;
-    const u64 r = blockIdx.x;
-    const u32 chunks = gridDim.y, d0 = blockIdx.y * STREAMS_CHUNK;
-    const u32 cols = min((u32)STREAMS_CHUNK, hidden - d0);
     float* s = streams + r * n * hidden;
-    for (u32 i = threadIdx.x; i < cols; i += blockDim.x) {
-        streams_expand_column(s, out + r * hidden, post + r * n, comb + r * n * n, n, hidden, d0 + i, fresh + i,
-                              STREAMS_CHUNK);
+    const float* p = post + r * n;
+    const float* c = comb + r * n * n;
+    float old[STREAMS_MAX];
+    for (u32 j = 0; j < n; ++j) old[j] = s[(u64)j * hidden + d];
+    const float o = out[r * hidden + d];
+    out[r * hidden + d] = 0.0f;
+    for (u32 k = 0; k < n; ++k) {
+        float v = p[k] * o;
+        for (u32 j = 0; j < n; ++j) v = fmaf(c[j * n + k], old[j], v);
+        s[(u64)k * hidden + d] = v;
     }
-    __syncthreads();
-    // This chunk's share: warp w takes outputs w, w + warps, ...; its lanes stride the chunk's n * cols values.
-    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    float* share = partials + (r * chunks + blockIdx.y) * (n_mix + 1);
-    for (u32 m = warp; m <= n_mix; m += warps) {
-        const float* w = proj + (u64)min(m, n_mix - 1) * n * hidden + d0;
-        float acc = 0.0f;
-        for (u32 i = lane; i < n * cols; i += 32) {
-            const u32 k = i / cols, j = i - k * cols;
-            const float x = fresh[k * STREAMS_CHUNK + j];
-            acc = fmaf(x, m == n_mix ? x : w[(u64)k * hidden + j], acc);
-        }
-        acc = warp_sum(acc);
-        if (lane == 0) share[m] = acc;
-    }
-    // The threadfence-reduction pattern: this block's columns and share are visible before it counts itself.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) ticket = atomicAdd(tickets + r, 1u);
-    __syncthreads();
-    if (ticket != chunks - 1) return;
-    __threadfence();
-    // One warp an output: lanes over the chunks' shares, then the butterfly (the same order whoever is last).
-    for (u32 m = warp; m <= n_mix; m += warps) {
-        float acc = 0.0f;
-        for (u32 q = lane; q < chunks; q += 32) acc += __ldcg(partials + (r * chunks + q) * (n_mix + 1) + m);
-        acc = warp_sum(acc);
-        if (lane == 0) mix[m] = acc;
-    }
-    __syncthreads();
-    const float inv = 1.0f / sqrtf(mix[n_mix] / (float)(n * hidden) + norm_eps);
-    for (u32 m = threadIdx.x; m < n_mix; m += blockDim.x) {
-        mix[m] *= inv;
-        mixes[r * n_mix + m] = mix[m];
-    }
-    if (threadIdx.x == 0) tickets[r] = 0;
-    __syncthreads();
-    if (head) {
-        if (threadIdx.x < n) mix[threadIdx.x] = streams_pre(mix[threadIdx.x], scale[0], base[threadIdx.x], eps);
-        __syncthreads();
-    } else {
-        streams_gates(mix, base, scale, post + r * n, comb + r * n * n, n, iters, eps);
-    }
-    streams_weighted_sum(s, mix, n, hidden, collapsed + r * hidden);
 }
 
 // The embedding entering as n copies: streams[r, k * hidden + d] = x[r, d]. Grid-stride over T * hidden.

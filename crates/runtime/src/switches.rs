@@ -78,10 +78,6 @@ pub struct Switches {
     /// convolutions and the norms after them run as one launch each on a device instead of two (entry 122; the same
     /// outputs).
     pub draft_conv_norm: bool,
-    /// `DFLASH_FUSED_STREAMS=1` (not on by default until it has run on a GPU): a hyper-connection block's exit and
-    /// the next block's entry run as one launch instead of three (entry 123; the same results up to the order of
-    /// the projection's sums).
-    pub fused_streams: bool,
     /// `DFLASH_DRAFT_GRAPH=0`: a drafter pass on a device launches its kernels one by one every time instead of
     /// replaying a CUDA graph of them.
     pub no_draft_graph: bool,
@@ -129,7 +125,6 @@ impl Switches {
             draft_top_k_sort: is("DFLASH_DRAFT_TOPK", "sort"),
             draft_walk_plain: is("DFLASH_DRAFT_WALK", "plain"),
             draft_conv_norm: is("DFLASH_DRAFT_CONV_NORM", "1"),
-            fused_streams: is("DFLASH_FUSED_STREAMS", "1"),
             no_draft_graph: is("DFLASH_DRAFT_GRAPH", "0"),
             draft_tf32: is("DFLASH_DRAFT_TF32", "1"),
             no_draft_bf16: is("DFLASH_DRAFT_BF16", "0"),
@@ -181,7 +176,6 @@ mod tests {
             ("DFLASH_DRAFT_TOPK", "sort"),
             ("DFLASH_DRAFT_WALK", "plain"),
             ("DFLASH_DRAFT_CONV_NORM", "1"),
-            ("DFLASH_FUSED_STREAMS", "1"),
             ("DFLASH_DRAFT_GRAPH", "0"),
             ("DFLASH_DRAFT_TF32", "1"),
             ("DFLASH_DRAFT_BF16", "0"),
@@ -214,7 +208,6 @@ mod tests {
             draft_top_k_sort: true,
             draft_walk_plain: true,
             draft_conv_norm: true,
-            fused_streams: true,
             no_draft_graph: true,
             draft_tf32: true,
             no_draft_bf16: true,

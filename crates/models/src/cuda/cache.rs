@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use dflash_runtime::cuda::ops::{
-    attn_max_splits, quantized_rows_bytes, stream_share_len, sum_sq_slots, ArgmaxScratch, AttentionScratch,
-    SampleScratch, DRAWN_WORDS, DRAW_WORDS,
+    attn_max_splits, quantized_rows_bytes, sum_sq_slots, ArgmaxScratch, AttentionScratch, SampleScratch, DRAWN_WORDS,
+    DRAW_WORDS,
 };
 use dflash_runtime::cuda::{CudaDevice, DeviceBuf, StepGraph};
 use half::bf16;
@@ -137,9 +137,6 @@ pub(crate) struct Workspace {
     pub stream_mixes: DeviceBuf<f32>, // [T, (2 + streams) * streams]: a connection's projection
     pub stream_post: DeviceBuf<f32>,  // [T, streams]
     pub stream_comb: DeviceBuf<f32>,  // [T, streams * streams]
-    /// The fused exit and entry's shares of a projection and its tickets (`StreamMix::partials`, `tickets`).
-    pub stream_partials: DeviceBuf<f32>, // [T, stream_share_len]
-    pub stream_tickets: DeviceBuf<u32>, // [T], zero between launches
 }
 
 /// Which graph a decode / verify step replays: sequences (a bucket, padded), the most rows a sequence has, rows in
@@ -276,8 +273,6 @@ impl<X> CudaCache<X> {
             stream_mixes: dev.alloc_zeros((t * (2 + shape.residual_streams) * shape.residual_streams).max(1))?,
             stream_post: dev.alloc_zeros((t * shape.residual_streams).max(1))?,
             stream_comb: dev.alloc_zeros((t * shape.residual_streams * shape.residual_streams).max(1))?,
-            stream_partials: dev.alloc_zeros((t * stream_shares(shape)).max(1))?,
-            stream_tickets: dev.alloc_zeros(if shape.residual_streams > 0 { t } else { 1 })?,
         };
         if shape.bf16_width > 0 {
             // Made now: the handle allocates, which a graph capture must not do.
@@ -331,14 +326,6 @@ impl<X> CudaCache<X> {
     /// Whether the next steps copy their captured rows back to the host (they stay on the device either way).
     pub fn set_captured_to_host(&mut self, to_host: bool) {
         self.ws.captured_to_host = to_host;
-    }
-}
-
-/// Values of one row's shares of a stream connection's projection (0 without streams).
-fn stream_shares(shape: &WorkspaceShape) -> usize {
-    match shape.residual_streams {
-        0 => 0,
-        streams => stream_share_len(streams, shape.hidden),
     }
 }
 

@@ -3,8 +3,8 @@
 //! live in the workspace; a block reads its collapsed input from `residual` and writes its output to `delta`.
 
 use dflash_runtime::cuda::ops::{
-    copy_columns, fill_random_f32, stream_share_len, streams_broadcast, streams_collapse, streams_expand, streams_head,
-    streams_leave_enter, streams_mean, StreamConnection, StreamDims, StreamMix, StreamNext,
+    copy_columns, fill_random_f32, streams_broadcast, streams_collapse, streams_expand, streams_head, streams_mean,
+    StreamConnection, StreamDims, StreamMix,
 };
 use dflash_runtime::cuda::{CudaDevice, DeviceBuf};
 
@@ -66,8 +66,6 @@ pub(crate) struct DevStreams {
     layers: Vec<[DevConnection; 2]>,
     head: DevConnection,
     pub tap: StreamTap,
-    /// A block's exit and the next entry as one launch (`DFLASH_FUSED_STREAMS=1`, read when the model is built).
-    pub(crate) fused: bool,
 }
 
 impl DevStreams {
@@ -87,7 +85,7 @@ impl DevStreams {
             DevConnection { proj: dev.upload(proj.as_f32()?)?, base: dev.upload(base)?, scale: dev.upload(&[scale])? };
         let c = host.cfg;
         let dims = StreamDims { streams: c.count, hidden, sinkhorn_iters: c.sinkhorn_iters, eps: c.eps, norm_eps };
-        Ok(DevStreams { dims, layers, head, tap: host.tap, fused: fused_by_default() })
+        Ok(DevStreams { dims, layers, head, tap: host.tap })
     }
 
     /// Random connections made on the device for a model of `layers` layers (benchmarks of shapes no checkpoint
@@ -121,7 +119,7 @@ impl DevStreams {
         let layers = (0..layers).map(|_| Ok([conn(mix, 3)?, conn(mix, 3)?])).collect::<Result<Vec<_>>>()?;
         let head = conn(n, 1)?;
         let dims = StreamDims { streams: n, hidden, sinkhorn_iters: cfg.sinkhorn_iters, eps: cfg.eps, norm_eps };
-        Ok(DevStreams { dims, layers, head, tap: StreamTap::Mean, fused: fused_by_default() })
+        Ok(DevStreams { dims, layers, head, tap: StreamTap::Mean })
     }
 
     /// Values of one captured row for `taps` taps.
@@ -155,24 +153,12 @@ impl DevStreams {
 
     /// The block leaves (its output in `delta`, `[t, hidden]`, mixed back into the streams; `delta` left zeroed
     /// for a block that accumulates), `tap` is written if a drafter reads the layer, and `next` enters: its input
-    /// goes to `residual` (the head's collapse, the final norm's input, after the last layer). The exit and the
-    /// entry are one launch with `DFLASH_FUSED_STREAMS=1`, else three; a tap adds its own. Taps follow a layer's
-    /// last block only: the head's tap uses `delta` as scratch, which a mixer block next overwrites.
+    /// goes to `residual` (the head's collapse, the final norm's input, after the last layer). Taps follow a
+    /// layer's last block only: the head's tap uses `delta` as scratch, which a mixer block next overwrites.
     pub(crate) fn leave(&self, dev: &CudaDevice, ws: &Workspace, t: usize, tap: Option<Tap>, next: Next) -> Result<()> {
         debug_assert!(tap.is_none() || !matches!(next, Next::Block(_, Block::Ffn)), "a tap before a feed-forward");
-        let (h, streams, mix) = (self.dims.hidden, self.streams(ws, t)?, self.mix(ws, t)?);
-        let out = ws.delta.view().prefix(t * h)?;
-        if self.fused {
-            let conn = match next {
-                Next::Block(layer, block) => StreamNext::Block(self.layers[layer][block as usize].view()),
-                Next::Head => StreamNext::Head(self.head.view()),
-            };
-            let collapsed = ws.residual.view().prefix(t * h)?;
-            streams_leave_enter(dev, &self.dims, streams, out, conn, &mix, collapsed)?;
-            // The streams stay the block's exit until the next exit: the tap reads them now.
-            return tap.map_or(Ok(()), |tap| self.write_tap(dev, ws, t, tap));
-        }
-        streams_expand(dev, &self.dims, streams, out, &mix)?;
+        let out = ws.delta.view().prefix(t * self.dims.hidden)?;
+        streams_expand(dev, &self.dims, self.streams(ws, t)?, out, &self.mix(ws, t)?)?;
         if let Some(tap) = tap {
             self.write_tap(dev, ws, t, tap)?;
         }
@@ -216,12 +202,6 @@ impl DevStreams {
             mixes: ws.stream_mixes.view().prefix(t * (2 + n) * n)?,
             post: ws.stream_post.view().prefix(t * n)?,
             comb: ws.stream_comb.view().prefix(t * n * n)?,
-            partials: ws.stream_partials.view().prefix(t * stream_share_len(n, self.dims.hidden))?,
-            tickets: ws.stream_tickets.view().prefix(t)?,
         })
     }
-}
-
-fn fused_by_default() -> bool {
-    dflash_runtime::switches::switches().fused_streams
 }

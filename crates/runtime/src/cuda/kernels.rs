@@ -127,9 +127,6 @@ pub(crate) const MMVQ_X2_MAX_ROWS: usize = 4;
 /// live in shared memory).
 pub const STREAMS_MAX: usize = 8;
 
-/// Columns of a row one block of the fused exit and entry takes (`STREAMS_CHUNK` in streams.cu).
-pub const STREAMS_CHUNK: usize = 64;
-
 /// The whole program: every source, each preceded by a `#line` so compiler errors name the file.
 pub fn program_source() -> String {
     let mut source = String::new();
@@ -208,7 +205,6 @@ pub(crate) struct Kernels {
     pub streams_collapse: CudaFunction,
     pub streams_head: CudaFunction,
     pub streams_expand: CudaFunction,
-    pub streams_leave_enter: CudaFunction,
     pub streams_broadcast: CudaFunction,
     pub streams_mean: CudaFunction,
     pub fill_random_bf16: CudaFunction,
@@ -363,7 +359,6 @@ impl Kernels {
             streams_collapse: get("streams_collapse")?,
             streams_head: get("streams_head")?,
             streams_expand: get("streams_expand")?,
-            streams_leave_enter: get("streams_leave_enter")?,
             streams_broadcast: get("streams_broadcast")?,
             streams_mean: get("streams_mean")?,
             fill_random_bf16: get("fill_random_bf16")?,

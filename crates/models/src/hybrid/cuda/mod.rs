@@ -15,8 +15,6 @@
 mod cache;
 mod forward;
 mod load;
-#[cfg(test)]
-mod stream_tests;
 mod target;
 
 use std::sync::Arc;

@@ -47,8 +47,8 @@ pub use quant::{
 };
 pub use sample::{pack_draws, sample_rows, unpack_drawn, SampleScratch, DRAWN_WORDS, DRAW_WORDS};
 pub use streams::{
-    stream_share_len, streams_broadcast, streams_collapse, streams_expand, streams_head, streams_leave_enter,
-    streams_mean, StreamConnection, StreamDims, StreamMix, StreamNext,
+    streams_broadcast, streams_collapse, streams_expand, streams_head, streams_mean, StreamConnection, StreamDims,
+    StreamMix,
 };
 
 use cudarc::driver::{DeviceRepr, LaunchConfig};

@@ -1,7 +1,7 @@
 //! Hyper-connection residual streams on the device (`kernels/streams.cu`); CPU twin: the models crate's
 //! `streams` module. Streams are `[T, N · H]` f32, stream-major per row.
 
-use super::super::kernels::{STREAMS_CHUNK, STREAMS_MAX};
+use super::super::kernels::STREAMS_MAX;
 use super::super::view::{DevArg, DevSlice};
 use super::{dim, launch_cfg, launch_err, rows_of, shape_err, CudaDevice, Result, ROW_BLOCK};
 
@@ -59,17 +59,12 @@ impl StreamConnection<'_> {
 }
 
 /// A connection's per-row scratch and what a collapse leaves for its expand: `mixes` `[T, (2 + N) · N]` (the
-/// projection), `post` `[T, N]` and `comb` `[T, N · N]`. The fused exit and entry ([`streams_leave_enter`]) also
-/// takes each column chunk's share of the projection (`partials`, at least `[T, stream_share_len(N, H)]`) and a
-/// ticket per row (`tickets` `[T]`, zero before its first launch; every launch leaves them zero); the other
-/// kernels leave both alone.
+/// projection), `post` `[T, N]` and `comb` `[T, N · N]`.
 #[derive(Clone, Copy, Debug)]
 pub struct StreamMix<'a> {
     pub mixes: DevSlice<'a, f32>,
     pub post: DevSlice<'a, f32>,
     pub comb: DevSlice<'a, f32>,
-    pub partials: DevSlice<'a, f32>,
-    pub tickets: DevSlice<'a, u32>,
 }
 
 impl StreamMix<'_> {
@@ -208,69 +203,6 @@ pub fn streams_expand<'a>(
     Ok(())
 }
 
-/// Where a block's exit goes on to: the next block through its connection, or the head's collapse.
-#[derive(Clone, Copy, Debug)]
-pub enum StreamNext<'a> {
-    Block(StreamConnection<'a>),
-    Head(StreamConnection<'a>),
-}
-
-/// Values of one row's shares in [`StreamMix::partials`] for `streams` streams of `hidden`: `(2 + N) · N + 1`
-/// per chunk of [`STREAMS_CHUNK`] columns.
-pub fn stream_share_len(streams: usize, hidden: usize) -> usize {
-    hidden.div_ceil(STREAMS_CHUNK) * ((2 + streams) * streams + 1)
-}
-
-/// A block's exit and the next entry in one launch: [`streams_expand`] with `out`, then [`streams_collapse`]
-/// (or [`streams_head`]) into `collapsed` `[T, H]`, with the same results up to the projection's order of
-/// summation. `out` is left zeroed as the expand leaves it; `mix.post` and `mix.comb`
-/// are read, then rewritten for the next exit (not by the head).
-///
-/// # Errors
-/// As [`streams_collapse`]; scratch too short.
-pub fn streams_leave_enter<'a>(
-    dev: &CudaDevice,
-    d: &StreamDims,
-    streams: impl DevArg<'a, f32>,
-    out: impl DevArg<'a, f32>,
-    next: StreamNext<'_>,
-    mix: &StreamMix<'_>,
-    collapsed: impl DevArg<'a, f32>,
-) -> Result<()> {
-    let (streams, out, collapsed) = (streams.dev(), out.dev(), collapsed.dev());
-    let (n, hidden) = d.check("streams_leave_enter")?;
-    let rows = rows_of(streams.len(), d.row(), "streams_leave_enter streams")?;
-    let (hc, n_mix, head) = match next {
-        StreamNext::Block(hc) => (hc, (2 + d.streams) * d.streams, 0u32),
-        StreamNext::Head(hc) => (hc, d.streams, 1u32),
-    };
-    hc.check(n_mix, if head == 1 { 1 } else { 3 }, d.row(), "streams_leave_enter")?;
-    mix.check(rows, d.streams, "streams_leave_enter")?;
-    let short = out.len() < rows * d.hidden || collapsed.len() < rows * d.hidden;
-    if short || mix.partials.len() < rows * stream_share_len(d.streams, d.hidden) || mix.tickets.len() < rows {
-        return Err(shape_err(format!(
-            "streams_leave_enter: out {}, collapsed {}, partials {}, tickets {} for {rows} rows",
-            out.len(),
-            collapsed.len(),
-            mix.partials.len(),
-            mix.tickets.len()
-        )));
-    }
-    if rows == 0 {
-        return Ok(());
-    }
-    let grid = (dim(rows, "rows")?, dim(d.hidden.div_ceil(STREAMS_CHUNK), "column chunks")?, 1);
-    let (n_mix, iters) = (dim(n_mix, "mix outputs")?, dim(d.sinkhorn_iters, "sinkhorn iterations")?);
-    let mut launch = dev.launch_builder(&dev.kernels.streams_leave_enter);
-    launch.arg(streams.arg()).arg(out.arg()).arg(mix.post.arg()).arg(mix.comb.arg());
-    launch.arg(hc.proj.arg()).arg(hc.base.arg()).arg(hc.scale.arg());
-    launch.arg(mix.partials.arg()).arg(mix.tickets.arg()).arg(mix.mixes.arg()).arg(collapsed.arg());
-    launch.arg(&n).arg(&hidden).arg(&n_mix).arg(&head).arg(&iters).arg(&d.eps).arg(&d.norm_eps);
-    // SAFETY: the arguments match the kernel's signature; the shapes were checked above.
-    unsafe { launch.launch(launch_cfg(grid, ROW_BLOCK)) }.map_err(launch_err("streams_leave_enter"))?;
-    Ok(())
-}
-
 /// The embedding entering as `N` copies: `streams[r, k · H + d] = x[r, d]` (`x`: `[T, H]`).
 ///
 /// # Errors
@@ -331,16 +263,13 @@ pub fn streams_mean<'a>(
 
 #[cfg(test)]
 mod tests {
-    use super::{STREAMS_CHUNK, STREAMS_MAX};
+    use super::STREAMS_MAX;
 
     /// The launchers size the kernels' scratch and refuse shapes by these numbers; the kernels are built with them.
     #[test]
     fn the_kernels_are_compiled_for_these_sizes() {
         let source = crate::cuda::program_source();
-        for define in
-            [format!("#define STREAMS_MAX {STREAMS_MAX} "), format!("#define STREAMS_CHUNK {STREAMS_CHUNK}\n")]
-        {
-            assert!(source.contains(&define), "streams.cu lacks {define:?}");
-        }
+        let define = format!("#define STREAMS_MAX {STREAMS_MAX} ");
+        assert!(source.contains(&define), "streams.cu lacks {define:?}");
     }
 }
